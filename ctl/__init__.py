@@ -1,0 +1,1 @@
+"""ntxctl, the supervisor and the client library."""

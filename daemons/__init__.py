@@ -1,0 +1,1 @@
+"""The three daemons of the pipeline: reader (storage), dma (host→device staging), compute (GPU worker)."""

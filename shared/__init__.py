@@ -1,0 +1,1 @@
+"""What two or more processes need: messages, ring, planner, GGUF index, config."""
