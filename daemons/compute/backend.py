@@ -1,0 +1,73 @@
+"""The backend seam: the operations a forward pass needs, filled by numpy (cpu) or cupy (cuda).
+
+The model code above this seam (``model.py``) only orders the work: embed, run each layer from
+wherever its bytes are, produce logits. Everything that touches numbers lives behind it, so the
+CUDA backend can fuse kernels and capture graphs without the model code knowing.
+
+Layers reach a backend as a byte buffer in the slot layout of ``ntx.shared.gguf_index`` (the
+layer's file span(s), page-aligned), whoever filled it: the file, the dma daemon's pinned RAM,
+or a streamed ring slot. ``prepare_layer`` turns that buffer into whatever the backend runs from.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ntx.daemons.compute.batch import StepBatch
+from ntx.shared.gguf_index import LayerInfo, ModelIndex
+
+
+class Backend(ABC):
+    name: str = "?"
+
+    def __init__(self, index: ModelIndex) -> None:
+        self.index = index
+        self.hp = index.hparams
+
+    @abstractmethod
+    def load_globals(self, raw: dict[str, np.ndarray]) -> None:
+        """Take the non-layer tensors (``token_embd``, ``output_norm``, optional ``output`` and
+        ``rope_freqs``) from their raw GGUF bytes (uint8 arrays)."""
+
+    @abstractmethod
+    def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> Any:
+        """Make runnable weights from a slot-layout buffer. ``keep``: the weights stay for the
+        life of the model (resident), so a backend may convert them once; otherwise the buffer is
+        handed back right after the layer ran, and nothing may keep a reference to it."""
+
+    @abstractmethod
+    def alloc_sequence(self, seq_id: int, capacity_tokens: int) -> None:
+        """Reserve a KV cache for a sequence of up to ``capacity_tokens`` positions."""
+
+    @abstractmethod
+    def free_sequence(self, seq_id: int) -> None: ...
+
+    @abstractmethod
+    def embed(self, batch: StepBatch) -> Any:
+        """x: [T, D] hidden states for the batch's tokens."""
+
+    @abstractmethod
+    def layer_forward(self, layer_idx: int, weights: Any, x: Any, batch: StepBatch) -> Any:
+        """One transformer block: x [T, D] -> x [T, D], appending K/V to each sequence's cache."""
+
+    @abstractmethod
+    def logits(self, x: Any, batch: StepBatch) -> np.ndarray:
+        """Final norm and head for the rows in ``batch.logit_rows``: [N_out, V] float32 on host."""
+
+
+def make_backend(name: str, index: ModelIndex) -> Backend:
+    """The backend called ``name`` ("cpu" or "cuda")."""
+    if name == "cpu":
+        from ntx.daemons.compute.cpu_backend import CpuBackend
+
+        return CpuBackend(index)
+    if name == "cuda":
+        from ntx.daemons.compute.cuda.backend import CudaBackend  # noqa: PLC0415 (optional dep)
+
+        return CudaBackend(index)
+    from ntx.shared.errors import ConfigError
+
+    raise ConfigError(f"unknown backend {name!r} (choose cuda or cpu)")

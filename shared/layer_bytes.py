@@ -1,0 +1,51 @@
+"""Plain reads of tensor and layer bytes, for processes that load once at start (not streaming).
+
+The reader daemon streams with O_DIRECT through ``ntx.daemons.reader.io``; these helpers serve the
+one-time loads — compute's resident layers and global tensors, dma's pinned-RAM tier — where a
+buffered read at start-up is all that is needed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ntx.shared.errors import ModelError
+from ntx.shared.gguf_index import LayerInfo, TensorInfo
+
+
+def _pread_exact(path: str, offset: int, dest: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(dest):
+            n = os.preadv(fd, [dest[done:]], offset + done)
+            if n == 0:
+                raise ModelError(path, f"short read at byte {offset + done}: file ended early")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def read_tensor(t: TensorInfo) -> np.ndarray:
+    """The tensor's raw GGUF bytes: [nbytes] uint8."""
+    out = np.empty(t.nbytes, dtype=np.uint8)
+    _pread_exact(t.path, t.offset, memoryview(out))
+    return out
+
+
+def read_layer_into(layer: LayerInfo, dest: np.ndarray) -> np.ndarray:
+    """Fill ``dest`` ([>= slot_bytes] uint8) with the layer in slot layout; returns ``dest``."""
+    if dest.nbytes < layer.slot_bytes:
+        raise ValueError(f"buffer of {dest.nbytes} bytes is smaller than layer {layer.index}'s slot ({layer.slot_bytes})")
+    mv = memoryview(dest)
+    for s in layer.spans:
+        start = s.slot_base + s.head
+        _pread_exact(s.path, s.offset, mv[start : start + s.nbytes])
+    return dest
+
+
+def read_layer(layer: LayerInfo) -> np.ndarray:
+    """A fresh slot-layout buffer holding the layer: [slot_bytes] uint8."""
+    return read_layer_into(layer, np.empty(layer.slot_bytes, dtype=np.uint8))
