@@ -1,0 +1,319 @@
+"""The engine core: requests in, one pass per ``step()``, protocol events out. No sockets here.
+
+Following vLLM's split of ``EngineCore`` from its process wrapper, this is the plain loop that
+``ntxctl generate --local`` runs in-process and that the compute daemon wraps with ZeroMQ. Each
+``step()`` is one pass over the layers that advances every admitted sequence: decoding sequences
+by one token, prefilling ones by a chunk of their prompt (continuous batching: a request joins at
+the next pass and leaves when it is done, freeing its KV cache).
+
+Events are plain dicts in the wire protocol's shape (docs/PROTOCOL.md): ``token``, ``done`` and
+``error`` replies, each with the request ``id``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.chat import ChatTemplate
+from ntx.daemons.compute.model import LlamaModel
+from ntx.daemons.compute.sampler import Sampler, SamplingParams, StopMatcher, logprobs_topk
+from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
+from ntx.shared.errors import NtxError
+
+MAX_LOGPROBS = 20
+
+
+class RequestError(NtxError):
+    """A request that cannot be served; ``code`` goes into the error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    logprobs: int = 0
+    prompt_logprobs: int = 0
+    stream: bool = True
+
+
+@dataclass
+class _Seq:
+    """A request in flight: its KV cache (``seq_id``), progress and output state."""
+
+    req: Request
+    seq_id: int
+    sampler: Sampler
+    decoder: IncrementalDecoder
+    stopper: StopMatcher
+    t_submit_s: float
+    n_prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    prompt_lp: list[Any] = field(default_factory=list)
+    next_token: int | None = None  # sampled, not yet fed through the model
+    t_first_token_s: float = 0.0
+    t_admit_s: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_prefilled < len(self.req.prompt_tokens)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        *,
+        max_batch: int = 16,
+        prefill_chunk_tokens: int = 512,
+        max_context: int | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_context = min(max_context or model.hp.n_ctx_train, model.hp.n_ctx_train)
+        md = model.index.metadata
+        template = md.get("tokenizer.chat_template")
+        self.chat = ChatTemplate(
+            template, tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+            tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else "",
+        ) if template else None
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self._ids: set[str] = set()
+        self._seq_ids = itertools.count()
+        self.pass_id = 0
+        self.tokens_generated = 0
+
+    # -- building prompts ----------------------------------------------------------------------
+    def prompt_tokens(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        tokens: list[int] | None = None,
+        raw: bool = False,
+    ) -> list[int]:
+        """The token ids a request's prompt stands for (chat template unless ``raw``)."""
+        if tokens is not None:
+            bad = [t for t in tokens if not (0 <= t < self.model.hp.n_vocab)]
+            if bad:
+                raise RequestError("bad_request", f"token id {bad[0]} is outside the vocabulary (0..{self.model.hp.n_vocab - 1})")
+            ids = list(tokens)
+        else:
+            if messages is None:
+                if raw:
+                    text = prompt or ""
+                    if not text:
+                        raise RequestError("bad_request", "empty prompt")
+                    return self.tokenizer.encode(text)
+                messages = [{"role": "user", "content": prompt or ""}]
+                if not prompt:
+                    raise RequestError("bad_request", "empty prompt")
+            if not messages:
+                raise RequestError("bad_request", "empty messages list")
+            if self.chat is None:
+                raise RequestError("bad_request", "this model has no chat template: send raw=true")
+            text = self.chat.render(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_bos=None)
+            # A template that writes the BOS text itself must not get a second BOS.
+            bos = self.tokenizer.bos_id
+            if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+                ids = ids[1:]
+        if not ids:
+            raise RequestError("bad_request", "empty prompt")
+        return ids
+
+    # -- admission -----------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue a request; raises RequestError (nothing queued) if it cannot be served."""
+        if req.id in self._ids:
+            raise RequestError("duplicate_id", f"request id {req.id!r} is already in flight")
+        req.params.validate()
+        if not (0 <= req.logprobs <= MAX_LOGPROBS) or not (0 <= req.prompt_logprobs <= MAX_LOGPROBS):
+            raise RequestError("bad_request", f"logprobs and prompt_logprobs must be between 0 and {MAX_LOGPROBS}")
+        n = len(req.prompt_tokens)
+        if n == 0:
+            raise RequestError("bad_request", "empty prompt")
+        if n >= self.max_context:
+            raise RequestError(
+                "context_overflow", f"prompt has {n} tokens but the context holds {self.max_context}"
+            )
+        self._ids.add(req.id)
+        sampler = Sampler(req.params)
+        self.waiting.append(
+            _Seq(req, -1, sampler, IncrementalDecoder(self.tokenizer), StopMatcher(list(req.params.stop or [])), time.monotonic())
+        )
+
+    def cancel(self, req_id: str) -> list[dict]:
+        """Stop a request; returns its final ``done`` event (finish_reason ``cancelled``), or []."""
+        for seqs in (self.waiting, self.running):
+            for s in list(seqs):
+                if s.req.id == req_id:
+                    seqs.remove(s)
+                    return [self._finish(s, "cancelled")]
+        return []
+
+    def cancel_all(self, reason: str = "cancelled") -> list[dict]:
+        out = [self._finish(s, reason) for s in list(self.running) + list(self.waiting)]
+        self.running.clear()
+        self.waiting.clear()
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def active_ids(self) -> list[str]:
+        return [s.req.id for s in self.running]
+
+    @property
+    def queued_ids(self) -> list[str]:
+        return [s.req.id for s in self.waiting]
+
+    # -- one pass ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            s = self.waiting.popleft()
+            s.seq_id = next(self._seq_ids)
+            cap = min(self.max_context, len(s.req.prompt_tokens) + s.req.params.max_tokens)
+            self.model.backend.alloc_sequence(s.seq_id, cap)
+            s.t_admit_s = time.monotonic()
+            self.running.append(s)
+
+    def _plan(self) -> tuple[StepBatch, list[_Seq]]:
+        chunks, seqs = [], []
+        budget = self.prefill_chunk_tokens
+        for s in self.running:
+            if s.prefilling:
+                if budget <= 0:
+                    continue
+                toks = s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + budget]
+                budget -= len(toks)
+                chunks.append(SeqChunk(s.seq_id, s.n_prefilled, tuple(toks), all_logits=s.req.prompt_logprobs > 0))
+            else:
+                pos = len(s.req.prompt_tokens) + len(s.generated) - 1
+                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token,)))
+            seqs.append(s)
+        return StepBatch(chunks), seqs
+
+    def step(self) -> list[dict]:
+        """Run one pass; return the events it produced."""
+        self._admit()
+        if not self.running:
+            return []
+        batch, seqs = self._plan()
+        logits = self.model.forward(batch, self.pass_id)  # [N_out, V]
+        self.pass_id += 1
+        events: list[dict] = []
+        for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):
+            lg = logits[rows]  # [n, V]
+            if s.prefilling:
+                if s.req.prompt_logprobs:
+                    self._record_prompt_logprobs(s, chunk, lg)
+                s.n_prefilled += chunk.n_tokens
+                if s.prefilling:
+                    continue
+            events.extend(self._advance(s, lg[-1]))
+        return events
+
+    def _record_prompt_logprobs(self, s: _Seq, chunk: SeqChunk, lg: np.ndarray) -> None:
+        prompt = s.req.prompt_tokens
+        if chunk.start_pos == 0:
+            s.prompt_lp.append(None)
+        for j in range(chunk.n_tokens):
+            target = chunk.start_pos + j + 1  # row j predicts prompt token j+1
+            if target < len(prompt):
+                s.prompt_lp.append(self._logprob_entry(lg[j], s.req.prompt_logprobs))
+
+    @staticmethod
+    def _logprob_entry(logits: np.ndarray, k: int) -> list[list]:
+        """The top-k ``[token id, log-probability]`` pairs of a distribution, best first."""
+        return [[int(i), float(p)] for i, p in logprobs_topk(logits, k)]
+
+    def _advance(self, s: _Seq, logits: np.ndarray) -> list[dict]:
+        """Sample the next token of ``s`` from its last row of logits; emit and maybe finish."""
+        now = time.monotonic()
+        history = s.req.prompt_tokens + s.generated
+        tok = s.sampler.sample(logits, history)
+        if not s.generated:
+            s.t_first_token_s = now
+        self.tokens_generated += 1
+        if tok in self.tokenizer.stop_ids:
+            return [self._retire(s, "stop")]
+        s.generated.append(tok)
+        s.next_token = tok
+        emit, stopped = s.stopper.push(s.decoder.push(tok))
+        s.text_parts.append(emit)
+        events = []
+        if s.req.stream:
+            ev = {"id": s.req.id, "type": "token", "token": int(tok), "text": emit}
+            if s.req.logprobs:
+                ev["logprobs"] = self._logprob_entry(logits, s.req.logprobs)
+                ev["logprob"] = float(logits[tok] - _logsumexp(logits))
+            events.append(ev)
+        if stopped:
+            events.append(self._retire(s, "stop", flush=False))
+        elif len(s.generated) >= s.req.params.max_tokens:
+            events.append(self._retire(s, "length"))
+        elif len(s.req.prompt_tokens) + len(s.generated) >= self.max_context:
+            events.append(self._retire(s, "length"))
+        return events
+
+    def _retire(self, s: _Seq, reason: str, flush: bool = True) -> dict:
+        self.running.remove(s)
+        return self._finish(s, reason, flush=flush)
+
+    def _finish(self, s: _Seq, reason: str, flush: bool = True) -> dict:
+        if s.seq_id >= 0:
+            self.model.backend.free_sequence(s.seq_id)
+        self._ids.discard(s.req.id)
+        tail = ""
+        if flush:
+            tail = s.stopper.push(s.decoder.flush())[0] + s.stopper.flush()
+        s.text_parts.append(tail)
+        now = time.monotonic()
+        decode_s = now - s.t_first_token_s if s.t_first_token_s else 0.0
+        prefill_s = (s.t_first_token_s or now) - (s.t_admit_s or now)
+        n_gen = len(s.generated)
+        done = {
+            "id": s.req.id,
+            "type": "done",
+            "finish_reason": reason,
+            "text": "".join(s.text_parts),
+            "tokens": list(s.generated),
+            "prompt_tokens": list(s.req.prompt_tokens),
+            "usage": {"prompt_tokens": len(s.req.prompt_tokens), "completion_tokens": n_gen},
+            "timings": {
+                "queued_s": round((s.t_admit_s or now) - s.t_submit_s, 6),
+                "prefill_s": round(max(prefill_s, 0.0), 6),
+                "decode_s": round(decode_s, 6),
+                "decode_tokens_per_s": round((n_gen - 1) / decode_s, 3) if n_gen > 1 and decode_s > 0 else None,
+            },
+            "seed": s.sampler.seed,
+        }
+        if s.req.stream and tail:
+            done["tail"] = tail
+        if s.req.prompt_logprobs:
+            done["prompt_logprobs"] = s.prompt_lp
+        return done
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    m = float(np.max(x))
+    return m + math.log(float(np.sum(np.exp(x.astype(np.float64) - m))))
