@@ -126,22 +126,197 @@ def generate(
     """Generate text: through a running pipeline if one listens, else in this process (CPU)."""
     params = _sampling_params(max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop)
     if not local:
-        try:
-            from ntx.ctl.client import pipeline_available
-        except ImportError:
-            pipeline_available = None
-        if pipeline_available is not None and pipeline_available(listen):
-            from ntx.ctl.client_cli import generate_remote
+        from ntx.ctl.client import pipeline_available
 
-            generate_remote(listen, prompt, raw, params, as_json, model)
+        if pipeline_available(listen):
+            _generate_remote(listen, prompt, raw, params, as_json)
             return
-        if pipeline_available is not None:
-            typer.echo(
-                f"ntxctl: no pipeline listens on {listen}; running in this process on the CPU "
-                "(start one with `ntxctl start`)",
-                err=True,
-            )
+        typer.echo(
+            f"ntxctl: no pipeline listens on {listen}; running in this process on the CPU "
+            "(start a pipeline with `ntxctl start`)",
+            err=True,
+        )
     _generate_local(_model_path(model), prompt, raw, params, as_json)
+
+
+def _wire_params(params) -> dict:
+    return {
+        "max_tokens": params.max_tokens, "temperature": params.temperature, "top_k": params.top_k,
+        "top_p": params.top_p, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+        "seed": params.seed, "stop": list(params.stop),
+    }
+
+
+def _stream_remote(client, as_json: bool, **request) -> dict:
+    done: dict = {}
+    for ev in client.generate(stream=not as_json, **request):
+        if ev["type"] == "token" and not as_json:
+            sys.stdout.write(ev["text"])
+            sys.stdout.flush()
+        elif ev["type"] == "done":
+            done = ev
+            if not as_json:
+                sys.stdout.write(ev.get("tail", "") + "\n")
+                sys.stdout.flush()
+    return done
+
+
+def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool) -> None:
+    from ntx.ctl.client import Client
+
+    with Client(listen) as c:
+        done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **_wire_params(params))
+    if as_json:
+        keys = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
+        typer.echo(json.dumps({k: done[k] for k in keys if k in done}))
+
+
+@app.command()
+def chat(
+    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
+    system: Optional[str] = typer.Option(None, "--system", help="system message"),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
+    temperature: float = typer.Option(0.7, "--temperature", "-t"),
+    top_k: int = typer.Option(40, "--top-k"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    min_p: float = typer.Option(0.05, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+) -> None:
+    """Talk to a running pipeline turn by turn; the conversation is kept. Ctrl-D or /exit ends it."""
+    from ntx.ctl.client import Client, pipeline_available
+
+    if not pipeline_available(listen):
+        _fail(f"no pipeline listens on {listen}: start one with `ntxctl start`")
+    params = _sampling_params(max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, None)
+    messages = [{"role": "system", "content": system}] if system else []
+    with Client(listen) as c:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                typer.echo("")
+                return
+            if line.strip() in ("/exit", "/quit"):
+                return
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            done = _stream_remote(c, False, messages=messages, **_wire_params(params))
+            messages.append({"role": "assistant", "content": done.get("text", "")})
+
+
+@app.command()
+def start(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    name: str = typer.Option("default", "--name", help="instance name (several can run side by side)"),
+    backend: str = typer.Option("auto", "--backend", help="cuda, cpu or auto (cuda when a GPU and cupy are present)"),
+    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="client address (ZeroMQ ROUTER)"),
+    slots: int = typer.Option(2, "--slots", help="ring slots per side (2 = double buffering)"),
+    vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="e.g. 24GiB (default: free device memory)"),
+    ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="pinned RAM for layers, e.g. 64GiB"),
+    gpu_layers: Optional[int] = typer.Option(None, "--gpu-layers", help="at most this many resident layers"),
+    io: str = typer.Option("auto", "--io", help="storage reads: auto, direct, buffered or mmap"),
+    max_batch: int = typer.Option(16, "--max-batch", help="sequences advanced per pass"),
+    ctx: int = typer.Option(4096, "--ctx", help="context length per sequence"),
+    plan_only: bool = typer.Option(False, "--plan-only", help="print the tier plan and start nothing"),
+    timeout: float = typer.Option(120.0, "--timeout", help="seconds each daemon may take to get ready"),
+) -> None:
+    """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
+    from ntx.ctl import instance
+    from ntx.shared.config import InstanceConfig, parse_size
+    from ntx.shared.gguf_index import open_model
+    from ntx.shared.plan import make_plan
+
+    model_path = os.path.abspath(_model_path(model))
+    cfg = InstanceConfig(
+        model=model_path, name=name, backend=_choose_backend(backend), listen=listen, slots=slots,
+        vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget is not None else None,
+        ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget is not None else None,
+        max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
+        handshake_timeout_s=timeout,
+    ).validate()
+    index = open_model(model_path)
+    cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
+    plan = make_plan(index, cfg)
+    typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
+    for line in plan.describe():
+        typer.echo(f"  {line}")
+    if plan_only:
+        return
+
+    def progress(st):
+        ready = [n for n, d in st.get("daemons", {}).items() if d["state"] == "ready"]
+        typer.echo(f"  starting… ready: {', '.join(ready) or 'none yet'}", err=True)
+
+    st = instance.start(cfg, plan, on_progress=progress)
+    pids = ", ".join(f"{n} {d['pid']}" for n, d in st["daemons"].items())
+    typer.echo(f"instance {name!r} ready on {listen} (supervisor {st['supervisor_pid']}; {pids})")
+
+
+def _choose_backend(backend: str) -> str:
+    if backend in ("cpu", "cuda"):
+        if backend == "cuda":
+            from ntx.daemons.compute.cuda_check import require_cuda
+
+            require_cuda()
+        return backend
+    if backend != "auto":
+        _fail(f"--backend {backend!r}: choose cuda, cpu or auto")
+    from ntx.daemons.compute.cuda_check import cuda_problem
+
+    return "cuda" if cuda_problem() is None else "cpu"
+
+
+@app.command()
+def stop(
+    name: str = typer.Option("default", "--name"),
+    force: bool = typer.Option(False, "--force", help="cancel in-flight requests instead of finishing them"),
+) -> None:
+    """Stop an instance: finish (or with --force cancel) in-flight requests, free every resource."""
+    from ntx.ctl import instance
+
+    typer.echo(instance.stop(name, force=force))
+
+
+@app.command()
+def status(
+    name: str = typer.Option("default", "--name"),
+    as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
+    watch: bool = typer.Option(False, "--watch", help="refresh every second until Ctrl-C"),
+) -> None:
+    """Show the tier plan, slots, each stage's busy/starved/blocked shares and GB/s, the bottleneck,
+    requests and tokens/s, and each daemon's pid, uptime and restarts."""
+    from ntx.ctl import instance
+    from ntx.ctl.status_view import render_status
+
+    def fetch():
+        st = instance.get_status(name)
+        if st is None:
+            others = instance.list_instances()
+            hint = f" (running: {', '.join(others)})" if others else " (start one with `ntxctl start`)"
+            _fail(f"instance {name!r} is not running{hint}")
+        return st
+
+    if as_json and not watch:
+        typer.echo(json.dumps(fetch(), indent=2))
+        return
+    if not watch:
+        render_status(fetch())
+        return
+    from rich.live import Live
+
+    with Live(render_status(fetch(), renderable=True), refresh_per_second=2) as live:
+        try:
+            while True:
+                time.sleep(1.0)
+                st = fetch()
+                if as_json:
+                    live.update(json.dumps(st, indent=2))
+                else:
+                    live.update(render_status(st, renderable=True))
+        except KeyboardInterrupt:
+            return
 
 
 def main() -> None:

@@ -218,8 +218,17 @@ class EngineCore:
         if not self.running:
             return []
         batch, seqs = self._plan()
-        logits = self.model.forward(batch, self.pass_id)  # [N_out, V]
+        pass_id = self.pass_id
         self.pass_id += 1
+        try:
+            logits = self.model.forward(batch, pass_id)  # [N_out, V]
+        except NtxError as e:
+            # A layer of this pass never arrived: the sequences in it have half-written KV
+            # caches, so they end with an error; everyone else goes on with the next pass.
+            abort = getattr(self.model.stream, "abort_pass", None)
+            if abort:
+                abort(pass_id)
+            return [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
         events: list[dict] = []
         for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):
             lg = logits[rows]  # [n, V]
@@ -274,6 +283,13 @@ class EngineCore:
         elif len(s.req.prompt_tokens) + len(s.generated) >= self.max_context:
             events.append(self._retire(s, "length"))
         return events
+
+    def _fail(self, s: _Seq, code: str, message: str) -> dict:
+        self.running.remove(s)
+        if s.seq_id >= 0:
+            self.model.backend.free_sequence(s.seq_id)
+        self._ids.discard(s.req.id)
+        return {"id": s.req.id, "type": "error", "code": code, "message": message}
 
     def _retire(self, s: _Seq, reason: str, flush: bool = True) -> dict:
         self.running.remove(s)

@@ -1,0 +1,140 @@
+"""The Python client of an ntx pipeline (docs/PROTOCOL.md has the wire format for other languages).
+
+    from ntx.ctl.client import Client
+    with Client() as c:
+        for ev in c.generate("Why is the sky blue?", max_tokens=64):
+            print(ev["text"], end="", flush=True)
+
+One ZeroMQ DEALER socket carries any number of concurrent requests; replies are sorted by
+request id, so several ``generate`` iterators can be consumed in any order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import defaultdict, deque
+from typing import Any, Iterator
+
+import zmq
+
+from ntx.shared import messages as m
+from ntx.shared.errors import NtxError
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+DEFAULT_EVENT_TIMEOUT_S = 600.0
+
+
+class ClientError(NtxError):
+    """An error reply (``code``, message) or a pipeline that stopped answering."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(f"{code}: {message}")
+
+
+class Client:
+    def __init__(self, address: str = DEFAULT_ADDRESS, event_timeout_s: float = DEFAULT_EVENT_TIMEOUT_S) -> None:
+        self.address = address
+        self.event_timeout_s = event_timeout_s
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._inbox: dict[Any, deque[dict]] = defaultdict(deque)
+        self._ids = itertools.count()
+        self._prefix = f"c{os.getpid()}-{id(self) & 0xFFFF:x}-"
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- wire ------------------------------------------------------------------------------------
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.send(m.pack(msg))
+
+    def send_raw(self, frame: bytes) -> None:
+        """Send a frame as is (for tests of the server's handling of bad input)."""
+        self.sock.send(frame)
+
+    def _pump(self, timeout_s: float) -> bool:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return False
+        while self.sock.poll(0):
+            ev = m.unpack(self.sock.recv())
+            self._inbox[ev.get("id") if isinstance(ev, dict) else None].append(ev)
+        return True
+
+    def next_event(self, rid: Any, timeout_s: float | None = None) -> dict:
+        """The next reply for request ``rid`` (None: replies with no id, e.g. to a bad frame)."""
+        timeout_s = self.event_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not self._inbox[rid]:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._pump(left):
+                raise ClientError("timeout", f"no reply from {self.address} for request {rid!r} within {timeout_s:.0f} s")
+        ev = self._inbox[rid].popleft()
+        if not self._inbox[rid]:
+            del self._inbox[rid]
+        return ev
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, prompt: str | None = None, *, messages=None, tokens=None, id: str | None = None, **params) -> str:
+        """Send a generate request; returns its id. Read replies with ``events(id)``."""
+        rid = id or f"{self._prefix}{next(self._ids)}"
+        msg: dict[str, Any] = {"op": "generate", "id": rid}
+        if prompt is not None:
+            msg["prompt"] = prompt
+        if messages is not None:
+            msg["messages"] = messages
+        if tokens is not None:
+            msg["tokens"] = list(tokens)
+        msg.update({k: v for k, v in params.items() if v is not None})
+        self.send(msg)
+        return rid
+
+    def events(self, rid: str) -> Iterator[dict]:
+        """Replies of ``rid`` until ``done``; an ``error`` reply raises ClientError."""
+        while True:
+            ev = self.next_event(rid)
+            if ev.get("type") == "error":
+                raise ClientError(ev.get("code", "error"), ev.get("message", ""))
+            yield ev
+            if ev.get("type") == "done":
+                return
+
+    def generate(self, prompt: str | None = None, **kw) -> Iterator[dict]:
+        """Stream a generation: ``token`` events, then the ``done`` event."""
+        return self.events(self.submit(prompt, **kw))
+
+    def complete(self, prompt: str | None = None, **kw) -> dict:
+        """Run a generation to the end; returns the ``done`` event."""
+        kw.setdefault("stream", False)
+        done = None
+        for ev in self.generate(prompt, **kw):
+            done = ev
+        return done
+
+    def cancel(self, rid: str) -> None:
+        self.send({"op": "cancel", "id": rid})
+
+    def status(self, timeout_s: float = 5.0) -> dict:
+        rid = f"{self._prefix}status-{next(self._ids)}"
+        self.send({"op": "status", "id": rid})
+        return self.next_event(rid, timeout_s)["status"]
+
+
+def pipeline_available(address: str = DEFAULT_ADDRESS, timeout_s: float = 0.5) -> bool:
+    """Whether a pipeline answers a status request at ``address``."""
+    try:
+        with Client(address) as c:
+            c.status(timeout_s=timeout_s)
+            return True
+    except (ClientError, zmq.ZMQError):
+        return False

@@ -1,0 +1,180 @@
+"""ntxctl's side of an instance: start a supervisor that outlives the shell, ask it for status,
+stop it — and clean up after one that died without doing so itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+import zmq
+
+from ntx.shared import messages as m
+from ntx.shared.config import InstanceConfig, InstancePaths, run_root
+from ntx.shared.errors import NtxError
+from ntx.shared.plan import Plan
+from ntx.shared.shm import list_segments, unlink_all
+
+
+def supervisor_pid(paths: InstancePaths) -> int | None:
+    """The live supervisor's pid, or None (a stale pid file does not count)."""
+    try:
+        pid = int(paths.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE or "supervisor" not in " ".join(p.cmdline()):
+            return None
+    except psutil.Error:
+        return None
+    return pid
+
+
+def list_instances() -> list[str]:
+    root = run_root()
+    if not root.exists():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "logs" and (p / "supervisor.pid").exists())
+
+
+def control_request(paths: InstancePaths, msg: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """One request/reply with the supervisor over its control socket; None if it does not answer."""
+    if not (paths.root / "ctl.sock").exists():
+        return None
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"ctl-{os.getpid()}-{time.monotonic_ns()}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(paths.control)
+        sock.send(m.pack(msg))
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return m.unpack(sock.recv())
+    finally:
+        sock.close(linger=0)
+
+
+def get_status(name: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    return control_request(InstancePaths(name), {"t": "ctl", "op": "status"}, timeout_s)
+
+
+def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None) -> dict[str, Any]:
+    """Launch the supervisor detached, wait until the pipeline is ready; return its status.
+
+    Raises NtxError with the failing daemon's own reason if the pipeline cannot start."""
+    paths = InstancePaths(cfg.name)
+    pid = supervisor_pid(paths)
+    if pid:
+        raise NtxError(f"instance {cfg.name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
+    cleanup_leftovers(paths)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    (paths.log_dir / "last_failure").unlink(missing_ok=True)
+    cfg_file = paths.root / "config.json"
+    cfg_file.write_text(json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
+    log = open(paths.log_dir / "supervisor.out", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    log.close()
+    paths.pid_file.write_text(f"{proc.pid}\n")
+    wait_s = wait_s if wait_s is not None else cfg.handshake_timeout_s * 3 + 10
+    deadline = time.monotonic() + wait_s
+    last_state = None
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise NtxError(_failure_reason(paths, code))
+        st = get_status(cfg.name, timeout_s=0.5)
+        if st:
+            if st["state"] == "ready":
+                return st
+            if on_progress and st["state"] != last_state:
+                on_progress(st)
+            last_state = st["state"]
+        time.sleep(0.1)
+    stop(cfg.name, force=True)
+    raise NtxError(f"instance {cfg.name!r} was not ready within {wait_s:.0f} s (logs: {paths.log_dir})")
+
+
+def _failure_reason(paths: InstancePaths, code: int) -> str:
+    try:
+        reason = (paths.log_dir / "last_failure").read_text().strip()
+    except OSError:
+        reason = ""
+    if not reason:
+        try:
+            tail = (paths.log_dir / "supervisor.out").read_text().strip().splitlines()[-1:]
+        except OSError:
+            tail = []
+        reason = f"the supervisor exited with status {code}" + (f": {tail[0]}" if tail else "")
+    return reason
+
+
+def stop(name: str, force: bool = False, timeout_s: float = 60.0) -> str:
+    """Stop an instance; returns a line saying what happened."""
+    paths = InstancePaths(name)
+    pid = supervisor_pid(paths)
+    if pid is None:
+        n = cleanup_leftovers(paths)
+        if n:
+            return f"instance {name!r} was not running; removed {n} leftover(s)"
+        raise NtxError(f"instance {name!r} is not running")
+    reply = control_request(paths, {"t": "ctl", "op": "stop", "force": force}, timeout_s=timeout_s)
+    deadline = time.monotonic() + (5.0 if reply else 2.0)
+    while time.monotonic() < deadline and psutil.pid_exists(pid) and supervisor_pid(paths):
+        time.sleep(0.05)
+    if supervisor_pid(paths):
+        # It does not answer: take the whole process group down.
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        time.sleep(0.1)
+    cleanup_leftovers(paths)
+    reason = (reply or {}).get("reason")
+    return f"instance {name!r} stopped" + (f" ({reason})" if reason else "")
+
+
+def cleanup_leftovers(paths: InstancePaths) -> int:
+    """Free what a dead instance left: its daemons, shared memory and run folder."""
+    n = 0
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if paths.control in cmd and "ntx.daemons." in cmd:
+            try:
+                p.kill()
+                n += 1
+            except psutil.Error:
+                pass
+    n += unlink_all(paths.shm_prefix)
+    if paths.root.exists():
+        n += len(paths.socket_files())
+        paths.remove_runtime()
+    return n
+
+
+def leftovers(name: str) -> list[str]:
+    """Everything of an instance still on the machine (for tests and `ntxctl status`)."""
+    paths = InstancePaths(name)
+    out = [f"shm:{s}" for s in list_segments(paths.shm_prefix)]
+    out += [f"socket:{s}" for s in paths.socket_files()]
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if (paths.control in cmd and "ntx.daemons." in cmd) or (str(paths.root / "config.json") in cmd):
+            out.append(f"process:{p.pid}")
+    return out

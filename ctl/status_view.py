@@ -1,0 +1,73 @@
+"""``ntxctl status`` as a person reads it: plan, stages (busy / starved / blocked, GB/s), the
+bottleneck, slots, requests and daemons."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from ntx.shared.config import format_bytes
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * (x or 0):5.1f}%"
+
+
+def render_status(st: dict[str, Any], renderable: bool = False):
+    head = Text()
+    head.append(f"instance {st['instance']}  ", style="bold")
+    state_style = {"ready": "green", "starting": "yellow", "stopping": "yellow"}.get(st["state"], "red")
+    head.append(st["state"], style=state_style)
+    head.append(f"  gen {st['gen']}  restarts {st['restarts']}  up {st['uptime_s']:.0f}s  {st['backend']}  {st['listen']}\n")
+    head.append(f"model {st['model']}\n")
+    if st.get("reason"):
+        head.append(f"reason: {st['reason']}\n", style="red")
+    plan = Text("tier plan\n", style="bold")
+    for line in st["plan"]["lines"]:
+        plan.append(f"  {line}\n")
+
+    stages = Table(title="stages (share of active time)", title_justify="left")
+    for col in ("stage", "state", "busy", "starved", "blocked", "moved", "GB/s busy", "GB/s active"):
+        stages.add_column(col, justify="right" if col not in ("stage", "state") else "left", no_wrap=True)
+    passes = Text()
+    for name in ("reader", "dma", "compute"):
+        s = st["stages"].get(name)
+        if not s:
+            continue
+        t = s["total"]
+        last = ""
+        if s.get("passes"):
+            k = max(s["passes"], key=int)
+            p = s["passes"][k]
+            passes.append(f"  {name} last pass #{k}: {p['busy']:.3f}s busy, {p['starved']:.3f}s starved, "
+                          f"{p['blocked']:.3f}s blocked, {format_bytes(p['bytes'])}\n")
+        mark = " ◀" if st.get("bottleneck") == name else ""
+        stages.add_row(name + mark, s.get("state", ""), _pct(t["busy_share"]), _pct(t["starved_share"]),
+                       _pct(t["blocked_share"]), format_bytes(t["bytes"]), f"{t['busy_gbps']:.2f}",
+                       f"{t['active_gbps']:.2f}")
+
+    tail = Text()
+    if st.get("bottleneck"):
+        tail.append(f"bottleneck: {st['bottleneck']} (◀: the stage busy for the largest share of its active time)\n", style="bold")
+    r = st["requests"]
+    tail.append(f"requests: {r['active']} active, {r['queued']} queued, {r['in_flight']} in flight;  "
+                f"{st['tokens_per_s']:.2f} tok/s, {st['tokens_generated']} tokens so far\n")
+    sl = st["slots"]
+    tail.append(f"slots: {sl['n_slots']} × {format_bytes(sl['slot_bytes'])}; host {sl.get('host')}; "
+                f"device slots free at dma: {sl.get('device_free_at_dma')}\n")
+    io = st.get("io") or {}
+    if io.get("io_mode"):
+        tail.append(f"storage reads: {io['io_mode']}" + (f" (fallback: {io['io_fallback']})" if io.get("io_fallback") else "") + "\n")
+    daemons = Table(title="daemons", title_justify="left")
+    for col in ("daemon", "pid", "state", "uptime", "restarts"):
+        daemons.add_column(col)
+    for n, d in st["daemons"].items():
+        daemons.add_row(n, str(d["pid"]), d["state"], f"{d['uptime_s']:.0f}s", str(d["restarts"]))
+    group = Group(head, plan, stages, passes, tail, daemons)
+    if renderable:
+        return group
+    Console().print(group)
+    return None

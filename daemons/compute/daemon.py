@@ -1,0 +1,167 @@
+"""The compute daemon: the engine core wrapped in a process, fed by the device ring.
+
+It owns the resident layers, the device slots (shared memory on the cpu backend, device buffers
+shared through CUDA IPC on cuda), the KV caches and the scheduler. Requests arrive from the
+supervisor on the control channel and replies go back the same way; the supervisor keeps the
+client connections, so a crash of this process still ends in an error reply for every client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from ntx.daemons.compute.backend import make_backend
+from ntx.daemons.compute.engine import EngineCore, Request, RequestError
+from ntx.daemons.compute.model import LlamaModel
+from ntx.daemons.compute.ring_stream import RingStream
+from ntx.daemons.compute.sampler import SamplingParams
+from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.shared import messages as m
+from ntx.shared.daemon import Daemon, daemon_main
+from ntx.shared.errors import NtxError
+from ntx.shared.gguf_index import open_model
+from ntx.shared.plan import VRAM, Plan
+from ntx.shared.shm import ShmSegment
+from ntx.shared.stats import StageClock
+
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_tokens")
+
+
+def request_from_wire(engine: EngineCore, rid: str, msg: dict[str, Any]) -> Request:
+    """A checked generate map (see ``messages.check_generate``) -> an engine Request."""
+    params = SamplingParams(**{k: msg[k] for k in _SAMPLING_FIELDS if k in msg}, stop=list(msg.get("stop") or []))
+    params.validate()
+    ids = engine.prompt_tokens(
+        prompt=msg.get("prompt"), messages=msg.get("messages"), tokens=msg.get("tokens"), raw=bool(msg.get("raw", False))
+    )
+    return Request(
+        id=rid, prompt_tokens=ids, params=params, logprobs=int(msg.get("logprobs", 0)),
+        prompt_logprobs=int(msg.get("prompt_logprobs", 0)), stream=bool(msg.get("stream", True)),
+    )
+
+
+class ComputeDaemon(Daemon):
+    name = "compute"
+
+    def setup(self, config: dict[str, Any]) -> dict[str, Any]:
+        cfg = config["instance"]
+        self.cfg = cfg
+        self.index = open_model(cfg["model"])
+        self.plan = Plan.from_dict(config["plan"])
+        self.tokenizer = Tokenizer.from_metadata(self.index.metadata)
+        self.backend = make_backend(cfg["backend"], self.index)
+        self.clock = StageClock("compute")
+        self.owned: list[ShmSegment] = []
+        streamed = self.plan.streamed_layers
+        descriptors: list[Any] = []
+        stream = None
+        if streamed:
+            slot_bufs, descriptors = self._alloc_slots(config["shm_names"]["dev_slot"])
+            self.ring = self.ctx.socket(zmq.PAIR)
+            self.ring.setsockopt(zmq.LINGER, 0)
+            self.ring.bind(config["device_ring"])
+            stream = RingStream(
+                self.ring, slot_bufs, streamed, {i: self.index.layers[i].nbytes for i in streamed},
+                self.clock, self.gen, on_wait=self._on_wait,
+            )
+        model = LlamaModel(self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream)
+        self.engine = EngineCore(
+            model, self.tokenizer, max_batch=cfg["max_batch"],
+            prefill_chunk_tokens=cfg["prefill_chunk_tokens"], max_context=cfg["max_context"],
+        )
+        self.active = False
+        self.draining_until_s: float | None = None
+        self.recent_tokens: deque[tuple[float, int]] = deque()
+        return {"device_slots": descriptors, "backend": self.backend.name}
+
+    def _alloc_slots(self, name_prefix: str) -> tuple[list[Any], list[Any]]:
+        n, nbytes = self.plan.n_slots, self.plan.slot_bytes
+        if self.backend.name == "cuda":
+            return self.backend.alloc_ipc_slots(n, nbytes)
+        segs = [ShmSegment.create(f"{name_prefix}{i}", nbytes) for i in range(n)]
+        self.owned.extend(segs)
+        return [s.array() for s in segs], [s.name for s in segs]
+
+    # -- control ------------------------------------------------------------------------------
+    def handle_control(self, msg: dict[str, Any]) -> None:
+        t = msg.get("t")
+        if t == m.REQUEST:
+            self.submit(msg["rid"], msg["msg"])
+        elif t == m.CANCEL:
+            self.send_events(self.engine.cancel(msg["rid"]))
+        elif t == m.DRAIN:
+            self.draining_until_s = time.monotonic() + float(msg.get("timeout_s", 30.0))
+
+    def submit(self, rid: str, msg: dict[str, Any]) -> None:
+        try:
+            self.engine.submit(request_from_wire(self.engine, rid, msg))
+        except RequestError as e:
+            self.send_events([m.error_reply(rid, e.code, str(e))])
+        except NtxError as e:
+            self.send_events([m.error_reply(rid, "bad_request", str(e))])
+
+    def send_events(self, events: list[dict]) -> None:
+        if events:
+            self.send_control({"t": m.EVENTS, "events": events})
+
+    def _on_wait(self) -> None:
+        self.maybe_send_stats()
+
+    def _set_active(self, active: bool) -> None:
+        if active != self.active:
+            self.active = active
+            if self.plan.streamed_layers:
+                self.ring.send(m.pack({"t": m.ACTIVITY, "active": active, "gen": self.gen}))
+            self.clock.enter("busy" if active else "idle")
+
+    # -- the loop -----------------------------------------------------------------------------
+    def serve(self) -> None:
+        while not self.stopping:
+            timeout_ms = 0 if self.engine.has_work else int(m.STATS_INTERVAL_S * 1000)
+            if self.control.poll(timeout_ms):
+                self.poll_control()
+            if self.draining_until_s is not None:
+                if not self.engine.has_work or time.monotonic() > self.draining_until_s:
+                    self.send_events(self.engine.cancel_all("cancelled"))
+                    self.send_control({"t": "drained"})
+                    self.draining_until_s = None
+            if self.engine.has_work:
+                self._set_active(True)
+                n_before = self.engine.tokens_generated
+                self.send_events(self.engine.step())
+                self.recent_tokens.append((time.monotonic(), self.engine.tokens_generated - n_before))
+            else:
+                self._set_active(False)
+            self.maybe_send_stats()
+
+    def stats(self) -> dict[str, Any]:
+        snap = self.clock.snapshot()
+        now = time.monotonic()
+        while self.recent_tokens and now - self.recent_tokens[0][0] > 5.0:
+            self.recent_tokens.popleft()
+        window = sum(n for _, n in self.recent_tokens)
+        span = (now - self.recent_tokens[0][0]) if len(self.recent_tokens) > 1 else 0.0
+        snap.update(
+            active=self.engine.active_ids, queued=self.engine.queued_ids,
+            tokens_generated=self.engine.tokens_generated, n_passes=self.engine.pass_id,
+            tokens_per_s=round(window / span, 3) if span > 0 else 0.0,
+        )
+        return snap
+
+    def close(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.cancel_all()
+        self.engine = None
+        if hasattr(self, "ring"):
+            self.ring.close(linger=0)
+        for seg in getattr(self, "owned", []):
+            seg.close()
+            seg.unlink()
+
+
+if __name__ == "__main__":
+    daemon_main(ComputeDaemon)

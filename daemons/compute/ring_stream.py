@@ -1,0 +1,107 @@
+"""Compute's end of the device ring: streamed layers arrive as READY tokens, go back as FREE.
+
+Compute asks for the streamed layers of a pass ahead of time (``want``): at the start of pass p
+the layers of p and p+1 are wanted, so while the last layers of p run, dma is already copying the
+first layers of p+1 and the ring does not run dry between passes. Because every pass wants the
+same layers in the same order, a pass that is wanted but not yet run (the engine went idle)
+simply waits in its slots until the next request comes.
+
+A layer that cannot be delivered (a read error) arrives as ``layer_error``: ``acquire`` raises
+``LayerUnavailable``, the engine fails the requests of that pass, and the rest of the pass's
+tokens are handed straight back as they arrive, so the ring keeps turning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import zmq
+
+from ntx.shared import messages as m
+from ntx.shared.errors import NtxError
+from ntx.shared.stats import StageClock
+
+
+class LayerUnavailable(NtxError):
+    """A streamed layer could not be brought in for this pass."""
+
+
+class RingStream:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        slot_bufs: list[Any],
+        streamed_layers: list[int],
+        layer_bytes: dict[int, int],
+        clock: StageClock,
+        gen: int,
+        on_wait: Callable[[], None] | None = None,
+    ) -> None:
+        self.sock = sock
+        self.slot_bufs = slot_bufs
+        self.layers = list(streamed_layers)
+        self.layer_bytes = layer_bytes
+        self.clock = clock
+        self.gen = gen
+        self.on_wait = on_wait
+        self.wanted_upto = -1
+        self.ready: dict[tuple[int, int], int] = {}
+        self.errors: dict[tuple[int, int], str] = {}
+        self.aborted: set[int] = set()
+        self.held: dict[tuple[int, int], int] = {}  # acquired, not yet released
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        msg["gen"] = self.gen
+        self.sock.send(m.pack(msg))
+
+    def begin_pass(self, pass_id: int) -> None:
+        while self.wanted_upto < pass_id + 1:
+            self.wanted_upto += 1
+            self._send({"t": m.WANT, "pass": self.wanted_upto, "layers": self.layers})
+
+    def _receive(self, msg: dict[str, Any]) -> None:
+        key = (msg.get("pass"), msg.get("layer"))
+        if msg.get("t") == m.SLOT_READY:
+            if key[0] in self.aborted:
+                self._send({"t": m.SLOT_FREE, "slot": msg["slot"], "layer": key[1], "pass": key[0]})
+            else:
+                self.ready[key] = msg["slot"]
+        elif msg.get("t") == m.LAYER_ERROR:
+            if key[0] not in self.aborted:
+                self.errors[key] = msg.get("message", "layer could not be loaded")
+
+    def acquire(self, layer_idx: int, pass_id: int) -> Any:
+        key = (pass_id, layer_idx)
+        if key not in self.ready:
+            self.clock.enter("starved", pass_id)
+            while key not in self.ready:
+                if key in self.errors:
+                    raise LayerUnavailable(f"layer {layer_idx} could not be loaded: {self.errors.pop(key)}")
+                if self.sock.poll(int(m.STATS_INTERVAL_S * 1000)):
+                    while self.sock.poll(0):
+                        self._receive(m.unpack(self.sock.recv()))
+                elif self.on_wait:
+                    self.on_wait()
+            self.clock.enter("busy", pass_id)
+        slot = self.ready.pop(key)
+        self.held[key] = slot
+        self.clock.add_bytes(self.layer_bytes[layer_idx], pass_id)
+        return self.slot_bufs[slot]
+
+    def release(self, layer_idx: int, pass_id: int) -> None:
+        slot = self.held.pop((pass_id, layer_idx))
+        self._send({"t": m.SLOT_FREE, "slot": slot, "layer": layer_idx, "pass": pass_id})
+
+    def end_pass(self, pass_id: int) -> None:
+        pass
+
+    def abort_pass(self, pass_id: int) -> None:
+        """Hand back every slot of a failed pass, now and as the rest arrive."""
+        self.aborted.add(pass_id)
+        for key in [k for k in self.held if k[0] == pass_id]:
+            self.release(key[1], pass_id)
+        for key in [k for k in self.ready if k[0] == pass_id]:
+            slot = self.ready.pop(key)
+            self._send({"t": m.SLOT_FREE, "slot": slot, "layer": key[1], "pass": pass_id})
+        for key in [k for k in self.errors if k[0] == pass_id]:
+            self.errors.pop(key)

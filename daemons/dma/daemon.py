@@ -1,0 +1,198 @@
+"""The dma daemon: owns the host staging ring and the pinned-RAM tier; feeds compute's device slots.
+
+Slot state machine (one ring per side; a token is ``(slot, layer, pass, generation)``)::
+
+    host slot:   FREE --read(job)--> [reader fills] --filled--> FILLED --copy--> FREE
+    device slot: FREE --copy of a FILLED host slot or a RAM-tier layer--> READY --(compute runs it)--> FREE
+
+Compute sends ``want(pass, layers)`` ahead of time; the daemon keeps the wanted (pass, layer)
+pairs in order. Reads for storage-tier layers are issued as soon as a host slot is free — ahead of
+device slots, so the reader runs up to N layers ahead — while device slots are filled strictly in
+wanted order, so compute receives the layers of a pass in the order it runs them. A host slot
+returns to FREE the moment its copy is done, so the reader can refill it while compute works.
+
+Time accounting: *busy* copying; *blocked* when the next layer is available but every device slot
+is taken (compute is behind); *starved* when the next layer is a storage layer still being read;
+*idle* when nothing is wanted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import zmq
+
+from ntx.daemons.dma.copier import make_copier
+from ntx.shared import messages as m
+from ntx.shared.daemon import Daemon, daemon_main
+from ntx.shared.gguf_index import open_model
+from ntx.shared.layer_bytes import read_layer_into
+from ntx.shared.plan import RAM, STORAGE, Plan
+from ntx.shared.shm import ShmSegment, round_up
+from ntx.shared.stats import StageClock
+
+
+class DmaDaemon(Daemon):
+    name = "dma"
+
+    def setup(self, config: dict[str, Any]) -> dict[str, Any]:
+        cfg = config["instance"]
+        self.index = open_model(cfg["model"])
+        self.plan = Plan.from_dict(config["plan"])
+        names = config["shm_names"]
+        self.owned: list[ShmSegment] = []
+        self.copier = make_copier(cfg["backend"], config["device_slots"])
+        self.n_dev_slots = len(config["device_slots"])
+
+        # pinned-RAM tier: every RAM layer in slot layout, page-aligned, loaded once
+        ram_layers = self.plan.layers_on(RAM)
+        self.ram_offsets: dict[int, int] = {}
+        total = 0
+        for i in ram_layers:
+            self.ram_offsets[i] = total
+            total += round_up(self.index.layers[i].slot_bytes, 4096)
+        self.ram_seg = None
+        if ram_layers:
+            self.ram_seg = self._create(names["ram"], total)
+            arr = self.ram_seg.array()
+            for i in ram_layers:
+                read_layer_into(self.index.layers[i], arr[self.ram_offsets[i] : self.ram_offsets[i] + self.index.layers[i].slot_bytes])
+            self.copier.register_host(self.ram_seg)
+            self.ram_array = arr
+
+        # host staging ring for storage-tier layers
+        self.host_slots: list[ShmSegment] = []
+        if self.plan.layers_on(STORAGE):
+            for s in range(self.plan.n_slots):
+                seg = self._create(f"{names['host_slot']}{s}", self.plan.slot_bytes)
+                self.copier.register_host(seg)
+                self.host_slots.append(seg)
+        self.host_arrays = [s.array() for s in self.host_slots]
+
+        self.clock = StageClock("dma")
+        self.host_ring = self.ctx.socket(zmq.PAIR)
+        self.host_ring.setsockopt(zmq.LINGER, 0)
+        self.host_ring.bind(config["host_ring"])
+        self.dev_ring = self.ctx.socket(zmq.PAIR)
+        self.dev_ring.setsockopt(zmq.LINGER, 0)
+        self.dev_ring.connect(config["device_ring"])
+
+        self.free_dev: deque[int] = deque(range(self.n_dev_slots))
+        self.free_host: deque[int] = deque(range(len(self.host_slots)))
+        self.wanted: deque[tuple[int, int]] = deque()  # (pass, layer), in compute's order
+        self.reading: dict[tuple[int, int], int] = {}  # (pass, layer) -> host slot being filled
+        self.filled: dict[tuple[int, int], int] = {}  # (pass, layer) -> FILLED host slot
+        self.failed: dict[tuple[int, int], str] = {}
+        self.to_read: deque[tuple[int, int]] = deque()  # storage layers wanted, not yet given to the reader
+        self.active = False  # compute has requests in flight
+        return {"host_slots": [s.name for s in self.host_slots], "ram_bytes": total}
+
+    def _create(self, name: str, nbytes: int) -> ShmSegment:
+        seg = ShmSegment.create(name, nbytes)
+        self.owned.append(seg)
+        return seg
+
+    # -- the loop ------------------------------------------------------------------------------
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        for s in (self.control, self.host_ring, self.dev_ring):
+            poller.register(s, zmq.POLLIN)
+        while not self.stopping:
+            events = dict(poller.poll(int(m.STATS_INTERVAL_S * 1000)))
+            if self.control in events:
+                self.poll_control()
+            while self.dev_ring.poll(0):
+                self.on_device_msg(m.unpack(self.dev_ring.recv()))
+            while self.host_ring.poll(0):
+                self.on_host_msg(m.unpack(self.host_ring.recv()))
+            self.issue_reads()
+            self.deliver()
+            self.maybe_send_stats()
+
+    def on_device_msg(self, msg: dict[str, Any]) -> None:
+        t = msg.get("t")
+        if t == m.WANT:
+            for layer in msg["layers"]:
+                key = (msg["pass"], layer)
+                self.wanted.append(key)
+                if self.plan.tiers[layer] == STORAGE:
+                    self.to_read.append(key)
+        elif t == m.SLOT_FREE:
+            self.free_dev.append(msg["slot"])
+        elif t == m.ACTIVITY:
+            self.active = bool(msg["active"])
+            self.host_ring.send(m.pack({"t": m.ACTIVITY, "active": self.active}))
+
+    def on_host_msg(self, msg: dict[str, Any]) -> None:
+        key = (msg["pass"], msg["layer"])
+        slot = self.reading.pop(key)
+        if msg.get("t") == m.FILLED:
+            self.filled[key] = slot
+        else:
+            self.failed[key] = msg.get("message", "read failed")
+            self.free_host.append(slot)
+
+    def issue_reads(self) -> None:
+        while self.to_read and self.free_host:
+            key = self.to_read.popleft()
+            slot = self.free_host.popleft()
+            self.reading[key] = slot
+            self.host_ring.send(m.pack({"t": m.READ, "slot": slot, "layer": key[1], "pass": key[0], "gen": self.gen,
+                                        "backlog": len(self.to_read), "active": self.active}))
+
+    def deliver(self) -> None:
+        """Fill device slots with wanted layers, strictly in order."""
+        while self.wanted:
+            key = self.wanted[0]
+            pass_id, layer = key
+            if key in self.failed:
+                self.wanted.popleft()
+                self.dev_ring.send(m.pack({"t": m.LAYER_ERROR, "layer": layer, "pass": pass_id, "gen": self.gen,
+                                           "message": self.failed.pop(key)}))
+                continue
+            tier = self.plan.tiers[layer]
+            if tier == STORAGE and key not in self.filled:
+                self.clock.enter("starved" if self.active else "idle", pass_id)
+                return
+            if not self.free_dev:
+                self.clock.enter("blocked" if self.active else "idle", pass_id)
+                return
+            dslot = self.free_dev.popleft()
+            self.clock.enter("busy", pass_id)
+            nbytes = self.index.layers[layer].slot_bytes
+            if tier == STORAGE:
+                hslot = self.filled.pop(key)
+                self.copier.copy(self.host_arrays[hslot][:nbytes], dslot)
+                self.free_host.append(hslot)
+                self.issue_reads()
+            else:
+                off = self.ram_offsets[layer]
+                self.copier.copy(self.ram_array[off : off + nbytes], dslot)
+            self.clock.add_bytes(self.index.layers[layer].nbytes, pass_id)
+            self.wanted.popleft()
+            self.dev_ring.send(m.pack({"t": m.SLOT_READY, "slot": dslot, "layer": layer, "pass": pass_id, "gen": self.gen}))
+        self.clock.enter("idle")
+
+    def stats(self) -> dict[str, Any]:
+        snap = self.clock.snapshot()
+        snap["host_slots"] = {"free": len(self.free_host), "reading": len(self.reading), "filled": len(self.filled)}
+        snap["device_slots_free_seen"] = len(self.free_dev)
+        snap["wanted"] = len(self.wanted)
+        return snap
+
+    def close(self) -> None:
+        self.host_arrays = []
+        self.ram_array = None
+        if hasattr(self, "copier"):
+            self.copier.close()
+        for seg in getattr(self, "owned", []):
+            seg.close()
+            seg.unlink()
+        for name in ("host_ring", "dev_ring"):
+            if hasattr(self, name):
+                getattr(self, name).close(linger=0)
+
+
+if __name__ == "__main__":
+    daemon_main(DmaDaemon)

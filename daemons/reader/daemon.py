@@ -1,0 +1,112 @@
+"""The reader daemon: turns "layer L into host slot s" into aligned reads of the layer's span.
+
+It owns no model logic and no slots: the dma daemon hands it a FREE host slot with a job
+(``read``), it fills the slot straight from storage (O_DIRECT where the file system allows) and
+answers ``filled`` — or ``read_error``, after which it goes on serving the next job.
+
+Time accounting: waiting for a job counts as *blocked* when the dma daemon said more storage
+layers were waiting for a host slot (``backlog`` > 0: the ring is full downstream), otherwise as
+*starved*; nothing requested at all is *idle*.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from ntx.daemons.reader.io import SpanReader
+from ntx.shared import messages as m
+from ntx.shared.daemon import Daemon, daemon_main
+from ntx.shared.errors import NtxError
+from ntx.shared.gguf_index import open_model
+from ntx.shared.shm import ShmSegment
+from ntx.shared.stats import StageClock
+
+
+class ReaderDaemon(Daemon):
+    name = "reader"
+
+    def setup(self, config: dict[str, Any]) -> dict[str, Any]:
+        cfg = config["instance"]
+        self.index = open_model(cfg["model"])
+        self.slots = [ShmSegment.open(name) for name in config["host_slots"]]
+        self.slot_arrays = [s.array() for s in self.slots]
+        self.readers = {
+            p: SpanReader(p, mode=cfg["io_mode"], chunk_bytes=cfg["read_chunk_bytes"], queue_depth=cfg["read_queue_depth"])
+            for p in self.index.paths
+        }
+        first = next(iter(self.readers.values()))
+        self.clock = StageClock("reader")
+        self.clock.extra = {"io_mode": first.mode_in_use, "io_fallback": first.fallback_reason}
+        self.ring = self.ctx.socket(zmq.PAIR)
+        self.ring.setsockopt(zmq.LINGER, 0)
+        self.ring.connect(config["host_ring"])
+        self.waiting_state = "idle"
+        return {"io_mode": first.mode_in_use, "io_fallback": first.fallback_reason}
+
+    def read_layer(self, layer_idx: int, dest) -> int:
+        """Read every span of the layer into ``dest`` (slot layout); returns bytes read."""
+        layer = self.index.layers[layer_idx]
+        for span in layer.spans:
+            reader = self.readers[span.path]
+            if reader.mode_in_use == "direct":
+                head = reader.read_into(span.offset, span.nbytes, dest[span.slot_base :])
+                assert head == span.head, (head, span.head)
+            else:
+                start = span.slot_base + span.head
+                reader.read_into(span.offset, span.nbytes, dest[start : start + span.nbytes])
+        return layer.nbytes
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.ring, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
+        while not self.stopping:
+            events = dict(poller.poll(int(m.STATS_INTERVAL_S * 1000)))
+            if self.control in events:
+                self.poll_control()
+            while self.ring.poll(0):
+                self.handle_job(m.unpack(self.ring.recv()))
+            self.maybe_send_stats()
+
+    def handle_job(self, job: dict[str, Any]) -> None:
+        if job.get("t") == m.ACTIVITY:
+            if not job["active"]:
+                self.clock.enter("idle")
+            elif self.clock.state == "idle":
+                self.clock.enter("starved")
+            return
+        if job.get("t") != m.READ:
+            return
+        slot, layer, pass_id = job["slot"], job["layer"], job["pass"]
+        self.clock.enter("busy", pass_id)
+        t0 = time.monotonic()
+        try:
+            nbytes = self.read_layer(layer, self.slot_arrays[slot])
+        except NtxError as e:
+            self.ring.send(m.pack({"t": m.READ_ERROR, "slot": slot, "layer": layer, "pass": pass_id,
+                                   "gen": self.gen, "message": str(e)}))
+        else:
+            self.clock.add_bytes(nbytes, pass_id)
+            self.ring.send(m.pack({"t": m.FILLED, "slot": slot, "layer": layer, "pass": pass_id, "gen": self.gen,
+                                   "bytes": nbytes, "read_s": time.monotonic() - t0}))
+        # What the wait for the next job means depends on whether work is queued behind the ring.
+        self.clock.enter("blocked" if job.get("backlog", 0) > 0 else ("starved" if job.get("active") else "idle"), pass_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.clock.snapshot()
+
+    def close(self) -> None:
+        for r in getattr(self, "readers", {}).values():
+            r.close()
+        self.slot_arrays = []
+        for s in getattr(self, "slots", []):
+            s.close()
+        if hasattr(self, "ring"):
+            self.ring.close(linger=0)
+
+
+if __name__ == "__main__":
+    daemon_main(ReaderDaemon)

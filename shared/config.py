@@ -1,0 +1,145 @@
+"""An instance's configuration and where its run-time files live.
+
+One named instance = one supervisor and its three daemons. Its run folder holds the pid file,
+the ipc sockets and the state file; its logs live beside it under ``logs/``. Shared memory
+segments carry the instance's prefix, so a stop (or a restart after a crash) can find and free
+every one of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ntx.shared.errors import ConfigError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """``"24GiB"`` -> bytes. Plain numbers are bytes; K/M/G/T are powers of 1000, KiB… of 1024."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{what} {text!r} is not a size (examples: 0, 512MiB, 24GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"instance name {name!r} must be 1-32 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def run_root() -> Path:
+    """Where instances keep their run folders: ``$NTX_RUN_DIR`` or ``/tmp/ntx-<uid>`` (short, for
+    ipc socket paths, which Linux limits to 107 bytes)."""
+    env = os.environ.get("NTX_RUN_DIR")
+    return Path(env) if env else Path(f"/tmp/ntx-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class InstancePaths:
+    name: str
+
+    @property
+    def root(self) -> Path:
+        return run_root() / self.name
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "supervisor.pid"
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def log_dir(self) -> Path:
+        return run_root() / "logs" / self.name
+
+    @property
+    def control(self) -> str:
+        return f"ipc://{self.root}/ctl.sock"
+
+    def host_ring(self, gen: int) -> str:
+        return f"ipc://{self.root}/ring-host-g{gen}.sock"
+
+    def device_ring(self, gen: int) -> str:
+        return f"ipc://{self.root}/ring-dev-g{gen}.sock"
+
+    @property
+    def shm_prefix(self) -> str:
+        return f"ntx-{os.getuid()}-{self.name}-"
+
+    def shm_name(self, gen: int, what: str) -> str:
+        return f"{self.shm_prefix}g{gen}-{what}"
+
+    def socket_files(self) -> list[Path]:
+        return sorted(self.root.glob("*.sock")) if self.root.exists() else []
+
+    def remove_runtime(self) -> None:
+        """Remove the run folder (sockets, pid, state); logs stay for post-mortems."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass
+class InstanceConfig:
+    """What ``ntxctl start`` asked for; travels to every daemon inside its ``config`` message."""
+
+    model: str
+    name: str = "default"
+    backend: str = "cpu"
+    listen: str = "tcp://127.0.0.1:5555"
+    slots: int = 2
+    vram_budget: int | None = None  # bytes; None = from free device memory
+    ram_budget: int | None = None  # bytes; None = from available RAM
+    max_vram_layers: int | None = None  # cap on resident layers (like llama.cpp's -ngl)
+    io_mode: str = "auto"
+    max_batch: int = 16
+    max_context: int = 4096
+    prefill_chunk_tokens: int = 512
+    handshake_timeout_s: float = 120.0
+    max_restarts: int = 3
+    read_queue_depth: int = 4
+    read_chunk_bytes: int = 8 << 20
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> InstanceConfig:
+        return cls(**d)
+
+    def validate(self) -> InstanceConfig:
+        check_name(self.name)
+        if self.backend not in ("cpu", "cuda"):
+            raise ConfigError(f"--backend {self.backend!r}: choose cuda or cpu")
+        if not 2 <= self.slots <= 64:
+            raise ConfigError(f"--slots {self.slots}: need between 2 and 64 slots")
+        if self.io_mode not in ("auto", "direct", "buffered", "mmap"):
+            raise ConfigError(f"--io {self.io_mode!r}: choose auto, direct, buffered or mmap")
+        if self.max_batch < 1:
+            raise ConfigError(f"--max-batch {self.max_batch}: must be at least 1")
+        if self.max_context < 16:
+            raise ConfigError(f"--ctx {self.max_context}: must be at least 16")
+        if not self.listen.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"--listen {self.listen!r}: expected tcp://HOST:PORT or ipc://PATH")
+        return self

@@ -1,0 +1,210 @@
+"""The tier plan: which layers live in compute's memory, which in pinned RAM, which stream from storage.
+
+Reservations come first (as in ntransformer): the global tensors, the KV cache, the workspace
+and — only when something streams — the device slots; then layers fill the VRAM budget in order,
+the rest fills the RAM budget (less the host staging slots, when something is left for storage),
+and whatever remains streams from storage on every pass.
+
+On the cpu backend "VRAM" is the compute daemon's own memory, where a resident layer is kept
+dequantized to float32, so the same plan logic runs in CI with costs that match that backend.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+import psutil
+
+from ntx.shared.config import InstanceConfig, format_bytes
+from ntx.shared.errors import ConfigError
+from ntx.shared.gguf_index import LayerInfo, ModelIndex
+
+VRAM, RAM, STORAGE = "vram", "ram", "storage"
+DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
+RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
+
+
+@dataclass(frozen=True)
+class Plan:
+    tiers: tuple[str, ...]  # per layer: vram | ram | storage
+    backend: str
+    n_slots: int
+    slot_bytes: int  # one slot (device or host) holds the largest layer
+    vram_budget: int
+    ram_budget: int
+    globals_bytes: int
+    kv_bytes: int
+    kv_tokens: int
+    workspace_bytes: int
+    device_slot_bytes_total: int
+    host_slot_bytes_total: int
+    vram_layer_bytes: int
+    ram_layer_bytes: int
+    storage_layer_bytes: int
+
+    def layers_on(self, tier: str) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t == tier]
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t != VRAM]
+
+    @property
+    def streamed_bytes_per_pass(self) -> int:
+        return self.ram_layer_bytes + self.storage_layer_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tiers"] = list(self.tiers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        d = dict(d)
+        d["tiers"] = tuple(d["tiers"])
+        return cls(**d)
+
+    def describe(self) -> list[str]:
+        """Human lines for ``--plan-only`` and ``status``."""
+        lines = []
+        for tier, layer_bytes in ((VRAM, self.vram_layer_bytes), (RAM, self.ram_layer_bytes), (STORAGE, self.storage_layer_bytes)):
+            layers = self.layers_on(tier)
+            lines.append(f"{tier:8s} {len(layers):4d} layers {_ranges(layers):>14s}  {format_bytes(layer_bytes):>11s}")
+        lines.append(
+            f"reserved in {'VRAM' if self.backend == 'cuda' else 'compute memory'}: globals {format_bytes(self.globals_bytes)}, "
+            f"KV cache {format_bytes(self.kv_bytes)} ({self.kv_tokens} tokens), workspace {format_bytes(self.workspace_bytes)}, "
+            f"device slots {format_bytes(self.device_slot_bytes_total)}; budget {format_bytes(self.vram_budget)}"
+        )
+        lines.append(
+            f"pinned RAM: host slots {format_bytes(self.host_slot_bytes_total)}; budget {format_bytes(self.ram_budget)}; "
+            f"{self.n_slots} slots of {format_bytes(self.slot_bytes)}"
+        )
+        lines.append(f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}")
+        return lines
+
+
+def _ranges(idx: list[int]) -> str:
+    if not idx:
+        return "-"
+    out, start, prev = [], idx[0], idx[0]
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)
+
+
+def resident_cost(layer: LayerInfo, backend: str) -> int:
+    """Memory a layer takes when resident: its bytes on cuda, float32 weights on cpu."""
+    if backend == "cuda":
+        return layer.nbytes
+    return sum(t.n_elements * 4 for t in layer.tensors.values())
+
+
+def kv_bytes_per_token(index: ModelIndex, backend: str) -> int:
+    hp = index.hparams
+    return 2 * hp.n_layers * hp.kv_dim * (2 if backend == "cuda" else 4)
+
+
+def default_budgets(backend: str) -> tuple[int, int]:
+    """(vram, ram) budgets when the user gives none."""
+    avail = psutil.virtual_memory().available
+    if backend == "cuda":
+        free = _free_device_bytes()
+        return max(free - DEVICE_RESERVE_BYTES, 0), max(avail - RAM_RESERVE_BYTES, 0)
+    # cpu: compute keeps resident layers (as float32) in its own memory; the dma daemon pins RAM.
+    return int(avail * 0.5), int(avail * 0.25)
+
+
+def _free_device_bytes() -> int:
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+            return int(out.split()[0]) << 20
+        except (subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    raise ConfigError("cannot tell the GPU's free memory (no nvidia-smi): give --vram-budget")
+
+
+def make_plan(index: ModelIndex, cfg: InstanceConfig, kv_tokens: int | None = None) -> Plan:
+    """Place every layer of ``index`` on a tier under ``cfg``'s budgets."""
+    backend = cfg.backend
+    vram_default, ram_default = (None, None)
+    if cfg.vram_budget is None or cfg.ram_budget is None:
+        vram_default, ram_default = default_budgets(backend)
+    vram_budget = cfg.vram_budget if cfg.vram_budget is not None else vram_default
+    ram_budget = cfg.ram_budget if cfg.ram_budget is not None else ram_default
+
+    hp = index.hparams
+    kv_tokens = kv_tokens or cfg.max_context * min(cfg.max_batch, 4)
+    kv_bytes = kv_tokens * kv_bytes_per_token(index, backend)
+    if backend == "cuda":
+        globals_bytes = index.global_bytes_total
+        largest = max(t.n_elements for layer in index.layers for t in layer.tensors.values())
+        workspace = (256 << 20) + largest * 2 + cfg.prefill_chunk_tokens * (hp.n_embd * 4 + hp.n_ff * 8 + hp.n_vocab * 4)
+    else:
+        globals_bytes = sum(t.n_elements * 4 for t in index.globals.values())  # tied head shares token_embd
+        workspace = max(resident_cost(layer, backend) for layer in index.layers)
+    slot_bytes = index.max_layer_slot_bytes
+    costs = [resident_cost(layer, backend) for layer in index.layers]
+    n = hp.n_layers
+
+    avail = vram_budget - globals_bytes - kv_bytes - workspace
+    if avail < 0:
+        raise ConfigError(
+            f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, KV cache and workspace "
+            f"alone need {format_bytes(globals_bytes + kv_bytes + workspace)}"
+        )
+    max_vram_layers = n if cfg.max_vram_layers is None else min(cfg.max_vram_layers, n)
+    tiers = [STORAGE] * n
+    device_slots_total = 0
+    if max_vram_layers == n and sum(costs) <= avail:
+        tiers = [VRAM] * n
+    else:
+        device_slots_total = cfg.slots * slot_bytes
+        avail -= device_slots_total
+        if avail < 0:
+            raise ConfigError(
+                f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.slots} device slots of "
+                f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}"
+            )
+        used = 0
+        for i in range(max_vram_layers):
+            if used + costs[i] > avail:
+                break
+            tiers[i] = VRAM
+            used += costs[i]
+
+    rest = [i for i in range(n) if tiers[i] != VRAM]
+    host_slots_total = 0
+    rest_bytes = sum(index.layers[i].slot_bytes for i in rest)
+    if rest_bytes <= ram_budget:
+        for i in rest:
+            tiers[i] = RAM
+    else:
+        host_slots_total = cfg.slots * slot_bytes
+        ram_avail = ram_budget - host_slots_total
+        used = 0
+        for i in rest:
+            if used + index.layers[i].slot_bytes > ram_avail:
+                break
+            tiers[i] = RAM
+            used += index.layers[i].slot_bytes
+
+    def total(tier: str) -> int:
+        return sum(index.layers[i].nbytes for i in range(n) if tiers[i] == tier)
+
+    return Plan(
+        tiers=tuple(tiers), backend=backend, n_slots=cfg.slots, slot_bytes=slot_bytes,
+        vram_budget=vram_budget, ram_budget=ram_budget, globals_bytes=globals_bytes,
+        kv_bytes=kv_bytes, kv_tokens=kv_tokens, workspace_bytes=workspace,
+        device_slot_bytes_total=device_slots_total, host_slot_bytes_total=host_slots_total,
+        vram_layer_bytes=total(VRAM), ram_layer_bytes=total(RAM), storage_layer_bytes=total(STORAGE),
+    )

@@ -1,0 +1,94 @@
+"""Where each stage's time goes: busy, starved (waiting for an input token), blocked (waiting for
+a free slot) or idle (nobody asked for anything), per pass and in total, plus bytes moved.
+
+A stage is always in exactly one state; ``enter`` switches state and charges the time since the
+last switch to the old state (and to the pass it was for). ``ntxctl status`` names as bottleneck
+the stage with the largest busy share of its non-idle time: in a pipeline the slowest stage is
+the one that never waits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+STATES = ("busy", "starved", "blocked", "idle")
+KEEP_PASSES = 8
+
+
+def _zero() -> dict[str, float]:
+    return {"busy": 0.0, "starved": 0.0, "blocked": 0.0, "idle": 0.0, "bytes": 0.0}
+
+
+class StageClock:
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.state = "idle"
+        self.pass_id: int | None = None
+        self.since_s = time.monotonic()
+        self.started_s = self.since_s
+        self.total = _zero()
+        self.passes: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self.extra: dict[str, object] = {}
+
+    def _charge(self, now_s: float) -> None:
+        dt = now_s - self.since_s
+        self.total[self.state] += dt
+        if self.pass_id is not None and self.state != "idle":
+            self._pass(self.pass_id)[self.state] += dt
+        self.since_s = now_s
+
+    def _pass(self, pass_id: int) -> dict[str, float]:
+        p = self.passes.get(pass_id)
+        if p is None:
+            p = self.passes[pass_id] = _zero()
+            while len(self.passes) > KEEP_PASSES:
+                self.passes.popitem(last=False)
+        return p
+
+    def enter(self, state: str, pass_id: int | None = None) -> None:
+        """Switch to ``state`` (working on / waiting for ``pass_id``)."""
+        self._charge(time.monotonic())
+        self.state = state
+        self.pass_id = pass_id
+
+    def add_bytes(self, n: int, pass_id: int | None = None) -> None:
+        self.total["bytes"] += n
+        if pass_id is not None:
+            self._pass(pass_id)["bytes"] += n
+
+    def snapshot(self) -> dict:
+        """A msgpack-able summary: totals, shares of non-idle time, GB/s, recent passes."""
+        self._charge(time.monotonic())
+        return {
+            "stage": self.stage,
+            "state": self.state,
+            "total": summarize(self.total),
+            "passes": {str(k): summarize(v) for k, v in self.passes.items()},
+            "uptime_s": time.monotonic() - self.started_s,
+            **self.extra,
+        }
+
+
+def summarize(t: dict[str, float]) -> dict[str, float]:
+    active = t["busy"] + t["starved"] + t["blocked"]
+    out = {k: round(t[k], 6) for k in STATES}
+    out["bytes"] = int(t["bytes"])
+    for k in ("busy", "starved", "blocked"):
+        out[f"{k}_share"] = round(t[k] / active, 4) if active > 0 else 0.0
+    # GB/s while busy (the stage's own speed) and over its active time (what it delivered)
+    out["busy_gbps"] = round(t["bytes"] / t["busy"] / 1e9, 3) if t["busy"] > 0 else 0.0
+    out["active_gbps"] = round(t["bytes"] / active / 1e9, 3) if active > 0 else 0.0
+    return out
+
+
+def bottleneck(stages: dict[str, dict]) -> str | None:
+    """The stage with the largest busy share of its active time, or None before any work."""
+    best, best_share = None, -1.0
+    for name, snap in stages.items():
+        tot = snap.get("total", {})
+        if tot.get("busy", 0.0) <= 0:
+            continue
+        if tot["busy_share"] > best_share:
+            best, best_share = name, tot["busy_share"]
+    return best
