@@ -1,0 +1,529 @@
+"""CUDA kernel library of the cuda backend (cupy RawModule, compiled by NVRTC at first use).
+
+Every function takes cupy device arrays and an optional ``stream`` (a ``cupy.cuda.Stream``; the
+current stream when None), launches asynchronously and returns device arrays. Functions that take
+``out=`` write there and allocate nothing, so a sequence of them can be captured in a CUDA graph;
+every position, length and slot index is read from device memory, so one captured graph replays
+every decode step once those small arrays are updated.
+
+Weights are the tensor's exact GGUF bytes as a uint8 device array (no repacking): a row-major
+matrix [n_rows, n_cols] (GGUF ne = [n_cols, n_rows]) of n_cols / block_size blocks per row.
+
+KV cache layout (one pair per layer): ``cache_k``, ``cache_v``: f16 [n_slots, n_kv, max_ctx, hd];
+a sequence owns one slot; position p of kv-head g of slot s is ``cache[s, g, p, :]``.
+
+Shapes: T tokens, B sequences (or tokens of a decode batch), H query heads, n_kv kv heads
+(H = n_kv * group), hd head dim, D model dim, F feed-forward dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from enum import IntEnum
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+__all__ = [
+    "QType", "QUANT_INFO", "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm",
+    "rmsnorm", "rope_inplace", "alloc_kv_cache", "kv_append", "attention", "attention_splits",
+    "attention_workspace", "swiglu", "argmax", "apply_repetition_penalty", "topk", "compile_all",
+    "MAX_MATVEC_B",
+]
+
+_DIR = Path(__file__).resolve().parent
+MAX_MATVEC_B = 8
+
+
+class QType(IntEnum):
+    """GGML type ids (gguf.GGMLQuantizationType values) that the kernels read."""
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+# qtype -> (GGUF block size in elements, bytes per block, n_cols multiple the kernel needs,
+#           byte alignment the kernel's loads need for the base address and the row length)
+QUANT_INFO: dict[QType, tuple[int, int, int, int]] = {
+    QType.F32: (1, 4, 8, 16),
+    QType.F16: (1, 2, 8, 16),
+    QType.BF16: (1, 2, 8, 16),
+    QType.Q4_0: (32, 18, 32, 2),
+    QType.Q4_1: (32, 20, 32, 4),
+    QType.Q5_0: (32, 22, 32, 2),
+    QType.Q5_1: (32, 24, 32, 4),
+    QType.Q8_0: (32, 34, 32, 2),
+    QType.Q4_K: (256, 144, 256, 16),
+    QType.Q5_K: (256, 176, 256, 16),
+    QType.Q6_K: (256, 210, 256, 2),
+}
+
+# matvec launch configuration per batch size: (rows per CTA, warps per CTA, pieces per lane per trip)
+_MV_DEFAULT = {1: (1, 4, 2), 2: (2, 4, 2), 3: (2, 4, 2), 4: (2, 4, 2),
+               5: (4, 4, 1), 6: (4, 4, 1), 7: (4, 4, 1), 8: (4, 4, 1)}
+_MV_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {}  # (qtype, B) -> config, overrides
+
+
+def row_bytes(qtype, n_cols: int) -> int:
+    """Bytes of one row of n_cols elements in the GGUF layout of qtype."""
+    bs, ts, _, _ = QUANT_INFO[QType(int(qtype))]
+    if n_cols % bs:
+        raise ValueError(f"n_cols={n_cols} is not a multiple of the {QType(int(qtype)).name} block size {bs}")
+    return n_cols // bs * ts
+
+
+# ------------------------------------------------------------------------------ compilation
+_lock = threading.Lock()
+_modules: dict[tuple, cp.RawModule] = {}
+_OPTIONS = ("-std=c++17",)
+
+
+def _source(name: str) -> str:
+    return (_DIR / name).read_text()
+
+
+def _module(fname: str, names: tuple[str, ...]) -> cp.RawModule:
+    key = (cp.cuda.Device().id, fname, names)
+    mod = _modules.get(key)
+    if mod is None:
+        with _lock:
+            mod = _modules.get(key)
+            if mod is None:
+                if names:
+                    mod = cp.RawModule(code=_source(fname), options=_OPTIONS, name_expressions=list(names))
+                else:
+                    mod = cp.RawModule(code=_source(fname), options=_OPTIONS)
+                mod.compile()
+                _modules[key] = mod
+    return mod
+
+
+def _mv_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
+    return tuple(f"mv_kernel<{qt},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+
+
+def _mv_kernel(qt: int, b: int, nr: int, u: int):
+    names = _mv_names(qt, nr, u)
+    return _module("quant.cu", names).get_function(names[b - 1])
+
+
+def _deq_kernel(qt: int, out_f32: bool):
+    names = (f"deq_kernel<{qt},0>", f"deq_kernel<{qt},1>")
+    return _module("quant.cu", names).get_function(names[int(out_f32)])
+
+
+def _ops_kernel(name: str):
+    return _module("ops.cu", ()).get_function(name)
+
+
+def _attn_kernel(g: int, hd: int):
+    names = (f"attn_split_kernel<{g},{hd}>",)
+    return _module("ops.cu", names).get_function(names[0])
+
+
+def compile_all(qtypes=None) -> None:
+    """Compile (or load from cupy's disk cache) the modules that the default paths use."""
+    for qt in qtypes if qtypes is not None else list(QType):
+        qt = int(qt)
+        for b in (1,):
+            nr, _, u = _MV_DEFAULT[b]
+            _mv_kernel(qt, b, nr, u)
+        for b in (5,):
+            nr, _, u = _MV_DEFAULT[b]
+            _mv_kernel(qt, b, nr, u)
+        _deq_kernel(qt, False)
+    _ops_kernel("rmsnorm_kernel")
+
+
+# ------------------------------------------------------------------------------ helpers
+def _stream_ctx(stream):
+    return stream if stream is not None else contextlib.nullcontext()
+
+
+def _ptr_or_null(a):
+    return a if a is not None else np.uint64(0)
+
+
+def _check_f32(name: str, a, shape=None):
+    if not isinstance(a, cp.ndarray) or a.dtype != cp.float32:
+        raise TypeError(f"{name} must be a cupy float32 array")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {a.shape}, expected {tuple(shape)}")
+
+
+def _check_i32(name: str, a, n=None):
+    if not isinstance(a, cp.ndarray) or a.dtype != cp.int32 or not a.flags.c_contiguous:
+        raise TypeError(f"{name} must be a C-contiguous cupy int32 array")
+    if n is not None and a.size != n:
+        raise ValueError(f"{name} has {a.size} entries, expected {n}")
+
+
+def _out(out, shape, dtype):
+    if out is None:
+        return cp.empty(shape, dtype=dtype)
+    if out.dtype != dtype or tuple(out.shape) != tuple(shape) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous {np.dtype(dtype).name} {tuple(shape)}, got {out.dtype} {out.shape}")
+    return out
+
+
+def _check_weights(w_raw, qt: QType, n_rows: int, n_cols: int) -> int:
+    bs, ts, col_mult, align = QUANT_INFO[qt]
+    if not isinstance(w_raw, cp.ndarray) or w_raw.dtype != cp.uint8 or not w_raw.flags.c_contiguous:
+        raise TypeError("w_raw must be a C-contiguous cupy uint8 array of the tensor's GGUF bytes")
+    if n_cols % col_mult:
+        raise ValueError(f"{qt.name}: n_cols={n_cols} must be a multiple of {col_mult}")
+    rb = row_bytes(qt, n_cols)
+    if w_raw.size < n_rows * rb:
+        raise ValueError(f"w_raw holds {w_raw.size} bytes, {qt.name} [{n_rows}, {n_cols}] needs {n_rows * rb}")
+    if w_raw.data.ptr % align or rb % align:
+        raise ValueError(f"{qt.name} weights must start on a {align}-byte boundary (address {w_raw.data.ptr:#x}, row {rb} B)")
+    return rb
+
+
+def _aligned_x(x, n_cols: int):
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    _check_f32("x", x)
+    if x.shape[1] != n_cols:
+        raise ValueError(f"x has {x.shape[1]} columns, expected {n_cols}")
+    if x.data.ptr % 16:
+        x = x.copy()
+    return x
+
+
+# ------------------------------------------------------------------------------ GEMV / GEMM
+def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None):
+    """out[b, r] = sum_c W[r, c] * x[b, c].
+
+    w_raw: uint8 GGUF bytes of W [n_rows, n_cols]; x: f32 [B, n_cols] (or [n_cols]), B <= 8;
+    out: f32 [B, n_rows] (or [n_rows] for a 1-D x). Weights are read once for all B rows of x.
+    f32 arithmetic throughout (weights dequantized in registers, f32 accumulation).
+    config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4}).
+    """
+    qt = QType(int(qtype))
+    rb = _check_weights(w_raw, qt, n_rows, n_cols)
+    one_d = x.ndim == 1
+    x = _aligned_x(x, n_cols)
+    B = x.shape[0]
+    if not 1 <= B <= MAX_MATVEC_B:
+        raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
+    out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
+    nr, nw, u = config or _MV_CONFIG.get((int(qt), B)) or _MV_DEFAULT[B]
+    kern = _mv_kernel(int(qt), B, nr, u)
+    grid = ((n_rows + nr - 1) // nr,)
+    with _stream_ctx(stream):
+        kern(grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
+    return out
+
+
+def _deq_launch(w_raw, qt: QType, n_src_rows: int, n_cols: int, ids, out, n_out_rows: int, out_f32: bool, stream):
+    rb = _check_weights(w_raw, qt, n_src_rows, n_cols)
+    bs, ts, _, _ = QUANT_INFO[qt]
+    # pieces per row, as the kernel cuts them (see quant.cu's QTraits)
+    lpb = {QType.Q4_K: 8, QType.Q5_K: 8, QType.Q6_K: 16}.get(qt, 1 if bs == 1 else 4)
+    epb = 8 if bs == 1 else bs
+    total = n_out_rows * (n_cols // epb) * lpb
+    if total == 0:
+        return out
+    blocks = min((total + 255) // 256, 1 << 20)
+    with _stream_ctx(stream):
+        _deq_kernel(int(qt), out_f32)((blocks,), (256,), (
+            w_raw, _ptr_or_null(ids), out, np.int32(n_out_rows), np.int32(n_cols), np.int64(rb), np.int32(n_src_rows)))
+    return out
+
+
+def dequantize_f16(w_raw, qtype, n_rows: int, n_cols: int, out=None, *, stream=None):
+    """W [n_rows, n_cols] as f16 (dequantized in f32, rounded once to f16)."""
+    qt = QType(int(qtype))
+    out = _out(out, (n_rows, n_cols), cp.float16)
+    return _deq_launch(w_raw, qt, n_rows, n_cols, None, out, n_rows, False, stream)
+
+
+def get_rows(table_raw, qtype, n_rows: int, n_cols: int, ids, out=None, *, stream=None):
+    """Embedding lookup: out[t, :] = table[ids[t], :] in f32. table_raw: GGUF bytes of
+    [n_rows, n_cols]; ids: int32 [T] on the device; out: f32 [T, n_cols]. An id outside
+    [0, n_rows) gives a row of NaN."""
+    qt = QType(int(qtype))
+    _check_i32("ids", ids)
+    T = ids.size
+    out = _out(out, (T, n_cols), cp.float32)
+    return _deq_launch(table_raw, qt, n_rows, n_cols, ids, out, T, True, stream)
+
+
+class _Scratch:
+    """Grow-only device buffers reused across calls (one set per device)."""
+
+    def __init__(self):
+        self.bufs: dict[tuple[int, str], cp.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype) -> cp.ndarray:
+        key = (cp.cuda.Device().id, name)
+        b = self.bufs.get(key)
+        if b is None or b.size < n or b.dtype != dtype:
+            b = cp.empty(max(n, 1), dtype=dtype)
+            self.bufs[key] = b
+        return b[:n]
+
+
+_scratch = _Scratch()
+
+
+def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
+    """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
+
+    T <= 8: matvec (f32 arithmetic). T > 8: W dequantized to an f16 scratch buffer that is
+    reused across calls, x rounded to f16, cuBLAS GEMM with f32 accumulation and f32 output
+    (relative error ~1e-3 from the two f16 roundings). The scratch is shared per device: calls on
+    different streams must not overlap.
+    """
+    qt = QType(int(qtype))
+    x = _aligned_x(x, n_cols)
+    T = x.shape[0]
+    if T <= MAX_MATVEC_B:
+        return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+    out = _out(out, (T, n_rows), cp.float32)
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    with _stream_ctx(stream):
+        w16 = _scratch.get("gemm_w16", n_rows * n_cols, cp.float16).reshape(n_rows, n_cols)
+        dequantize_f16(w_raw, qt, n_rows, n_cols, out=w16)
+        x16 = _scratch.get("gemm_x16", T * n_cols, cp.float16).reshape(T, n_cols)
+        cp.copyto(x16, x, casting="same_kind")
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        one = np.array(1.0, dtype=np.float32)
+        zero = np.array(0.0, dtype=np.float32)
+        try:
+            # column-major view: out^T [n_rows, T] = W16^T(op T of [n_cols, n_rows]) @ x16^T [n_cols, T]
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_rows, T, n_cols,
+                          one.ctypes.data, w16.data.ptr, runtime.CUDA_R_16F, n_cols,
+                          x16.data.ptr, runtime.CUDA_R_16F, n_cols,
+                          zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, n_rows,
+                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
+    return out
+
+
+# ------------------------------------------------------------------------------ layer ops
+def rmsnorm(x, w, eps: float, *, residual=None, out=None, stream=None):
+    """out = x / sqrt(mean(x^2) + eps) * w, per row. x: f32 [T, D] (or [D]); w: f32 [D].
+
+    With residual (f32, x's shape): residual += x in place first and the norm is taken of the
+    updated residual (a decoder layer's fused "h = h + delta; y = norm(h) * w")."""
+    _check_f32("x", x)
+    _check_f32("w", w)
+    D = x.shape[-1]
+    if w.size != D:
+        raise ValueError(f"w has {w.size} entries, x rows have {D}")
+    if residual is not None:
+        _check_f32("residual", residual, x.shape)
+    out = _out(out, x.shape, cp.float32)
+    T = x.size // D
+    if T == 0:
+        return out
+    block = 1024 if D >= 8192 else (512 if D >= 2048 else 256)
+    with _stream_ctx(stream):
+        _ops_kernel("rmsnorm_kernel")((T,), (block,), (x, w, out, _ptr_or_null(residual), np.int32(D), np.float32(eps)))
+    return out
+
+
+def rope_inplace(x, positions, rope_dim: int, base: float, freq_factors=None, *, stream=None):
+    """Rotary embedding in place, llama.cpp NORMAL mode (the GGUF llama layout): rotate adjacent
+    pairs (x[2i], x[2i+1]), i < rope_dim/2, by theta = pos * base^(-2i/rope_dim) / freq_factors[i].
+    x: f32 [T, H, hd]; positions: int32 [T] on the device; freq_factors: f32 [rope_dim/2] or None.
+    Dimensions from rope_dim on are left untouched."""
+    _check_f32("x", x)
+    if x.ndim != 3:
+        raise ValueError("x must be [T, H, hd]")
+    T, H, hd = x.shape
+    _check_i32("positions", positions, T)
+    if rope_dim % 2 or not 0 < rope_dim <= hd:
+        raise ValueError(f"rope_dim={rope_dim} must be even and in (0, hd={hd}]")
+    if freq_factors is not None:
+        _check_f32("freq_factors", freq_factors, (rope_dim // 2,))
+    total = T * H * (rope_dim // 2)
+    if total == 0:
+        return x
+    with _stream_ctx(stream):
+        _ops_kernel("rope_kernel")((min((total + 255) // 256, 1 << 16),), (256,), (
+            x, positions, _ptr_or_null(freq_factors), np.int32(T), np.int32(H), np.int32(hd),
+            np.int32(rope_dim), np.float64(base)))
+    return x
+
+
+def alloc_kv_cache(n_slots: int, n_kv: int, max_ctx: int, hd: int):
+    """(cache_k, cache_v): zeroed f16 [n_slots, n_kv, max_ctx, hd] for one layer."""
+    shape = (n_slots, n_kv, max_ctx, hd)
+    return cp.zeros(shape, dtype=cp.float16), cp.zeros(shape, dtype=cp.float16)
+
+
+def _check_cache(cache_k, cache_v):
+    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+        if not isinstance(c, cp.ndarray) or c.dtype != cp.float16 or c.ndim != 4 or not c.flags.c_contiguous:
+            raise TypeError(f"{name} must be a C-contiguous f16 [n_slots, n_kv, max_ctx, hd] cupy array")
+    if cache_k.shape != cache_v.shape:
+        raise ValueError("cache_k and cache_v differ in shape")
+    return cache_k.shape
+
+
+def kv_append(k, v, cache_k, cache_v, slots, positions, *, stream=None):
+    """cache_k[slots[t], :, positions[t], :] = k[t] (f16), likewise v. k, v: f32 [T, n_kv, hd];
+    slots, positions: int32 [T] on the device (decode: one entry per sequence; prefill: one slot
+    repeated, consecutive positions). Tokens with an out-of-range slot or position are skipped."""
+    n_slots, n_kv, max_ctx, hd = _check_cache(cache_k, cache_v)
+    _check_f32("k", k)
+    T = k.shape[0]
+    _check_f32("k", k, (T, n_kv, hd))
+    _check_f32("v", v, (T, n_kv, hd))
+    _check_i32("slots", slots, T)
+    _check_i32("positions", positions, T)
+    total = T * n_kv * hd
+    if total == 0:
+        return
+    with _stream_ctx(stream):
+        _ops_kernel("kv_append_kernel")((min((total + 255) // 256, 1 << 16),), (256,), (
+            k, v, cache_k, cache_v, slots, positions, np.int32(T), np.int32(n_kv), np.int32(hd),
+            np.int32(max_ctx), np.int32(n_slots)))
+
+
+_ATTN_WARPS = 4
+
+
+def attention_splits(T: int, n_kv: int, max_ctx: int) -> int:
+    """Default number of key splits (a multiple of 4) for attention over T queries."""
+    tiles = -(-max_ctx // 32)
+    s = -(-2048 // max(1, T * n_kv))
+    s = min(s, 64, tiles)
+    return max(_ATTN_WARPS, -(-s // _ATTN_WARPS) * _ATTN_WARPS)
+
+
+def attention_workspace(T: int, H: int, hd: int, n_splits: int):
+    """(part_ml, part_acc) scratch for attention: f32 [T*H*n_splits*2] and [T*H*n_splits*hd]."""
+    return cp.empty(T * H * n_splits * 2, dtype=cp.float32), cp.empty(T * H * n_splits * hd, dtype=cp.float32)
+
+
+def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, workspace=None, scale=None, stream=None):
+    """Grouped-query attention over the f16 KV cache, softmax in f32.
+
+    q: f32 [T, H, hd] (RoPE applied), H = n_kv * group; query t (head h) attends to positions
+    [0, kv_lens[t]) of slot slots[t] through kv-head h // group, scaled by 1/sqrt(hd).
+    slots, kv_lens: int32 [T] on the device.
+      decode:  T sequences, kv_lens[t] = pos[t] + 1 (after kv_append of this step's k, v);
+      prefill: one sequence's chunk of T positions, slots all equal, kv_lens[t] = positions[t] + 1
+               (causal within the chunk, the chunk's own keys appended first).
+    out: f32 [T, H, hd]. n_splits: key splits (multiple of 4; default attention_splits); pass the
+    same n_splits and a workspace (attention_workspace) to make the call allocation-free.
+    """
+    n_slots, n_kv, max_ctx, hd = _check_cache(cache_k, cache_v)
+    _check_f32("q", q)
+    if q.ndim != 3 or q.shape[2] != hd or q.shape[1] % n_kv:
+        raise ValueError(f"q must be [T, n_kv*group, {hd}], got {q.shape}")
+    T, H, _ = q.shape
+    G = H // n_kv
+    if hd % 32 or hd > 256 or G * hd > 2048:
+        raise ValueError(f"unsupported head dim {hd} / group {G} (hd multiple of 32 <= 256, group*hd <= 2048)")
+    _check_i32("slots", slots, T)
+    _check_i32("kv_lens", kv_lens, T)
+    out = _out(out, (T, H, hd), cp.float32)
+    if T == 0:
+        return out
+    S = n_splits or attention_splits(T, n_kv, max_ctx)
+    if S % _ATTN_WARPS:
+        raise ValueError(f"n_splits={S} must be a multiple of {_ATTN_WARPS}")
+    if workspace is None:
+        workspace = attention_workspace(T, H, hd, S)
+    part_ml, part_acc = workspace
+    if part_ml.size < T * H * S * 2 or part_acc.size < T * H * S * hd:
+        raise ValueError("workspace too small for this T, H, hd, n_splits")
+    sc = float(scale) if scale is not None else 1.0 / math.sqrt(hd)
+    smem = _ATTN_WARPS * G * hd * 4
+    with _stream_ctx(stream):
+        _attn_kernel(G, hd)((S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), (
+            q, cache_k, cache_v, slots, kv_lens, part_ml, part_acc, np.int32(T), np.int32(n_kv),
+            np.int32(max_ctx), np.float32(sc)), shared_mem=smem)
+        _ops_kernel("attn_combine_kernel")((H, T), (min(hd, 256),), (
+            part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd)))
+    return out
+
+
+def swiglu(gate, up, out=None, *, stream=None):
+    """silu(gate) * up, elementwise; gate, up: f32 [T, F]."""
+    _check_f32("gate", gate)
+    _check_f32("up", up, gate.shape)
+    out = _out(out, gate.shape, cp.float32)
+    n = gate.size
+    if n:
+        with _stream_ctx(stream):
+            _ops_kernel("swiglu_kernel")((min((n + 255) // 256, 1 << 16),), (256,), (gate, up, out, np.int64(n)))
+    return out
+
+
+# ------------------------------------------------------------------------------ sampling
+def _logits2d(logits):
+    _check_f32("logits", logits)
+    return logits.reshape(1, -1) if logits.ndim == 1 else logits
+
+
+def argmax(logits, out=None, *, stream=None):
+    """int32 [B]: index of the largest logit per row of f32 [B, V]; ties go to the lowest id."""
+    lg = _logits2d(logits)
+    B, V = lg.shape
+    out = _out(out, (B,), cp.int32)
+    if B:
+        with _stream_ctx(stream):
+            _ops_kernel("argmax_kernel")((B,), (1024,), (lg, out, np.int32(V)))
+    return out
+
+
+def apply_repetition_penalty(logits, history, penalty, *, stream=None):
+    """In place on f32 [B, V]: for each distinct id in history[b] (int32 [B, n], entries < 0 are
+    padding) logit / p if logit > 0 else logit * p (llama.cpp's rule), p = penalty (a float, or
+    f32 [B] on the device)."""
+    lg = _logits2d(logits)
+    B, V = lg.shape
+    if history.ndim == 1:
+        history = history.reshape(1, -1)
+    _check_i32("history", history)
+    if history.shape[0] != B:
+        raise ValueError(f"history has {history.shape[0]} rows, logits {B}")
+    pen_arr = None
+    if isinstance(penalty, cp.ndarray):
+        _check_f32("penalty", penalty, (B,))
+        pen_arr, penalty = penalty, 1.0
+    if B and history.shape[1]:
+        with _stream_ctx(stream):
+            _ops_kernel("rep_penalty_kernel")((B,), (256,), (
+                lg, history, np.int32(V), np.int32(history.shape[1]), np.float32(penalty), _ptr_or_null(pen_arr)))
+    return logits
+
+
+def topk(logits, k: int, values=None, ids=None, *, stream=None):
+    """(values f32 [B, k], ids int32 [B, k]) of the k largest logits per row, best first, ties
+    broken by the lower id; k <= 256 and k <= V."""
+    lg = _logits2d(logits)
+    B, V = lg.shape
+    if not 1 <= k <= min(256, V):
+        raise ValueError(f"k={k} must be in [1, min(256, V={V})]")
+    values = _out(values, (B, k), cp.float32)
+    ids = _out(ids, (B, k), cp.int32)
+    if B:
+        with _stream_ctx(stream):
+            _ops_kernel("topk_kernel")((B,), (1024,), (lg, values, ids, np.int32(V), np.int32(k)))
+    return values, ids

@@ -1,0 +1,402 @@
+// ntx CUDA kernels for the non-GEMM parts of a Llama forward pass and for sampling.
+// Compiled by NVRTC at run time (cupy RawModule); no headers needed.
+//
+// KV cache layout (per layer): cache_k, cache_v: f16 [n_slots, n_kv, max_ctx, hd]; a sequence
+// owns one slot; position p of kv-head g of slot s is row ((s * n_kv + g) * max_ctx + p).
+// Every position, length and slot index is read from device memory, so a captured CUDA graph
+// replays unchanged for the next step once those small arrays have been updated.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float h2f(u32 h) {
+    float f;
+    u16 hs = (u16)(h & 0xFFFFu);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// block-wide sum; every thread gets the result. blockDim.x multiple of 32, <= 1024.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? sh[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// ------------------------------------------------------------------------------- rmsnorm
+// x: [T, D], w: [D], out: [T, D]. If residual != 0: residual += x (in place), and the norm is
+// taken of the updated residual (the fused "h = h + delta; y = norm(h) * w" of a decoder layer).
+extern "C" __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                                          float* __restrict__ out, float* __restrict__ residual,
+                                          int D, float eps) {
+    __shared__ float sh[32];
+    const long long base = (long long)blockIdx.x * D;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float v = x[base + i];
+        if (residual) { v += residual[base + i]; residual[base + i] = v; }
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, sh);
+    const float r = rsqrtf(ss / (float)D + eps);
+    const float* src = residual ? residual : x;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) out[base + i] = src[base + i] * r * w[i];
+}
+
+// ------------------------------------------------------------------------------- rope
+// x: [T, H, hd] f32 in place; positions: [T] int32; llama.cpp NORMAL mode: rotate adjacent pairs
+// (x[2i], x[2i+1]) for i < rope_dim/2 by theta = pos * base^(-2i/rope_dim) / freq_factors[i].
+// The angle is formed in double precision so large positions keep full f32 accuracy.
+extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restrict__ positions,
+                                       const float* __restrict__ freq_factors, int T, int H, int hd,
+                                       int rope_dim, double base) {
+    const int half = rope_dim / 2;
+    const long long total = (long long)T * H * half;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(idx % half);
+        const long long th = idx / half;  // t * H + h
+        const int t = (int)(th / H);
+        double inv = pow(base, -2.0 * (double)i / (double)rope_dim);
+        if (freq_factors) inv /= (double)freq_factors[i];
+        const double theta = (double)positions[t] * inv;
+        double s, c;
+        sincos(theta, &s, &c);
+        float* p = x + th * hd + 2 * i;
+        const float x0 = p[0], x1 = p[1];
+        const float cf = (float)c, sf = (float)s;
+        p[0] = x0 * cf - x1 * sf;
+        p[1] = x0 * sf + x1 * cf;
+    }
+}
+
+// ------------------------------------------------------------------------------- kv append
+// k, v: [T, n_kv, hd] f32 -> cache[slots[t], :, positions[t], :] (f16). Out-of-range slot or
+// position: the token is skipped.
+extern "C" __global__ void kv_append_kernel(const float* __restrict__ k, const float* __restrict__ v,
+                                            u16* __restrict__ ck, u16* __restrict__ cv,
+                                            const int* __restrict__ slots, const int* __restrict__ positions,
+                                            int T, int n_kv, int hd, int max_ctx, int n_slots) {
+    const long long total = (long long)T * n_kv * hd;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int e = (int)(idx % hd);
+        const long long th = idx / hd;
+        const int g = (int)(th % n_kv), t = (int)(th / n_kv);
+        const int s = slots[t], p = positions[t];
+        if (s < 0 || s >= n_slots || p < 0 || p >= max_ctx) continue;
+        const long long dst = (((long long)s * n_kv + g) * max_ctx + p) * hd + e;
+        ck[dst] = f2h(k[idx]);
+        cv[dst] = f2h(v[idx]);
+    }
+}
+
+// ------------------------------------------------------------------------------- attention
+// q: [T, H, hd] f32, H = n_kv * G. Query t attends to cache positions [0, kv_lens[t]) of slot
+// slots[t] (decode: kv_lens = pos + 1; causal prefill chunk: kv_lens[t] = positions[t] + 1).
+// Split-K ("flash decoding"): warp s of the S = gridDim.x * warps_per_cta splits of (t, kv-head g)
+// handles key tiles s, s+S, ... of 32 keys with an online softmax in f32 and writes its partial
+// (m, l, acc) to part_ml [T, H, S, 2] / part_acc [T, H, S, HD]; attn_combine merges them.
+// Within a tile each lane scores one key (q of the G heads in shared memory), then the lanes
+// split the head dimension to accumulate p * v over the tile's keys.
+template <int G, int HD>
+__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ ck,
+                                                const u16* __restrict__ cv, const int* __restrict__ slots,
+                                                const int* __restrict__ kv_lens, float* __restrict__ part_ml,
+                                                float* __restrict__ part_acc, int T, int n_kv, int max_ctx,
+                                                float scale, float* qs_all) {
+    constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpc = blockDim.x >> 5;
+    const int S = gridDim.x * wpc, s = blockIdx.x * wpc + warp;
+    const int g = blockIdx.y, t = blockIdx.z;
+    const int H = n_kv * G;
+    float* qs = qs_all + warp * G * HD;
+    for (int i = lane; i < G * HD; i += 32) qs[i] = q[((long long)t * H + g * G) * HD + i] * scale;
+    __syncwarp();
+    const int slot = slots[t];
+    int L = kv_lens[t];
+    if (L > max_ctx) L = max_ctx;
+    const long long kvbase = ((long long)slot * n_kv + g) * max_ctx * HD;
+    float m[G], l[G], acc[G][EPL];
+#pragma unroll
+    for (int h = 0; h < G; h++) {
+        m[h] = NEG_INF; l[h] = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPL; e++) acc[h][e] = 0.f;
+    }
+    for (int tile = s; tile * 32 < L; tile += S) {
+        const int key = tile * 32 + lane;
+        const bool valid = key < L;
+        float sc[G];
+#pragma unroll
+        for (int h = 0; h < G; h++) sc[h] = 0.f;
+        if (valid) {
+            const uint4* kp = (const uint4*)(ck + kvbase + (long long)key * HD);
+#pragma unroll 4
+            for (int c = 0; c < HD / 8; c++) {
+                const uint4 kv = __ldg(kp + c);
+                float kf[8];
+                kf[0] = h2f(kv.x); kf[1] = h2f(kv.x >> 16); kf[2] = h2f(kv.y); kf[3] = h2f(kv.y >> 16);
+                kf[4] = h2f(kv.z); kf[5] = h2f(kv.z >> 16); kf[6] = h2f(kv.w); kf[7] = h2f(kv.w >> 16);
+#pragma unroll
+                for (int h = 0; h < G; h++) {
+                    const float4 qa = *(const float4*)(qs + h * HD + 8 * c);
+                    const float4 qb = *(const float4*)(qs + h * HD + 8 * c + 4);
+                    float a = sc[h];
+                    a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a); a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
+                    a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a); a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
+                    sc[h] = a;
+                }
+            }
+        }
+        float p[G];
+#pragma unroll
+        for (int h = 0; h < G; h++) {
+            const float tmax = warp_max(valid ? sc[h] : NEG_INF);
+            const float mn = fmaxf(m[h], tmax);
+            p[h] = valid ? __expf(sc[h] - mn) : 0.f;
+            const float corr = __expf(m[h] - mn);  // m = -inf at the start -> 0
+            l[h] = l[h] * corr + warp_sum(p[h]);
+#pragma unroll
+            for (int e = 0; e < EPL; e++) acc[h][e] *= corr;
+            m[h] = mn;
+        }
+        const int nk = min(32, L - tile * 32);
+        const u16* vp = cv + kvbase + (long long)tile * 32 * HD + lane * EPL;
+        for (int jj = 0; jj < nk; jj++) {
+            float vf[EPL];
+            if (EPL == 4) {
+                const uint2 vv = __ldg((const uint2*)(vp + (long long)jj * HD));
+                vf[0] = h2f(vv.x); vf[1] = h2f(vv.x >> 16); vf[2] = h2f(vv.y); vf[3] = h2f(vv.y >> 16);
+            } else {
+#pragma unroll
+                for (int e = 0; e < EPL; e++) vf[e] = h2f(__ldg(vp + (long long)jj * HD + e));
+            }
+#pragma unroll
+            for (int h = 0; h < G; h++) {
+                const float pj = __shfl_sync(0xffffffffu, p[h], jj);
+#pragma unroll
+                for (int e = 0; e < EPL; e++) acc[h][e] = fmaf(pj, vf[e], acc[h][e]);
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < G; h++) {
+        const long long o = ((long long)t * H + g * G + h) * S + s;
+        if (lane == 0) { part_ml[2 * o] = m[h]; part_ml[2 * o + 1] = l[h]; }
+#pragma unroll
+        for (int e = 0; e < EPL; e++) part_acc[o * HD + lane * EPL + e] = acc[h][e];
+    }
+}
+
+template <int G, int HD>
+__global__ void __launch_bounds__(128) attn_split_kernel(const float* __restrict__ q, const u16* __restrict__ ck,
+                                                         const u16* __restrict__ cv, const int* __restrict__ slots,
+                                                         const int* __restrict__ kv_lens, float* __restrict__ part_ml,
+                                                         float* __restrict__ part_acc, int T, int n_kv, int max_ctx,
+                                                         float scale) {
+    extern __shared__ float qs_all[];
+    attn_split_body<G, HD>(q, ck, cv, slots, kv_lens, part_ml, part_acc, T, n_kv, max_ctx, scale, qs_all);
+}
+
+// out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (H, T), block HD.
+extern "C" __global__ void attn_combine_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                               float* __restrict__ out, int H, int S, int hd) {
+    const int h = blockIdx.x, t = blockIdx.y;
+    const long long o = ((long long)t * H + h) * S;
+    float M = NEG_INF;
+    for (int s = 0; s < S; s++) M = fmaxf(M, part_ml[2 * (o + s)]);
+    float den = 0.f;
+    for (int s = 0; s < S; s++) {
+        const float ms = part_ml[2 * (o + s)];
+        if (ms != NEG_INF) den += __expf(ms - M) * part_ml[2 * (o + s) + 1];
+    }
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+        float num = 0.f;
+        for (int s = 0; s < S; s++) {
+            const float ms = part_ml[2 * (o + s)];
+            if (ms != NEG_INF) num += __expf(ms - M) * part_acc[(o + s) * hd + e];
+        }
+        out[((long long)t * H + h) * hd + e] = den > 0.f ? num / den : 0.f;
+    }
+}
+
+// ------------------------------------------------------------------------------- swiglu
+extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+                                         float* __restrict__ out, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        out[i] = g / (1.f + __expf(-g)) * up[i];
+    }
+}
+
+// ------------------------------------------------------------------------------- argmax
+// logits [B, V] -> out [B] int32; ties go to the lowest id; NaN never wins.
+extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int* __restrict__ out, int V) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* row = logits + (long long)blockIdx.x * V;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const float v = row[i];
+        if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < nw ? sv[lane] : NEG_INF;
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out[blockIdx.x] = bi < V ? bi : 0;
+    }
+}
+
+// ------------------------------------------------------------------------------- repetition penalty
+// logits [B, V] in place; history [B, n_hist] int32 (entries < 0 or >= V are padding). Each
+// distinct id of row b is penalized once (llama.cpp rule): logit > 0 -> logit / p, else logit * p,
+// with p = penalties ? penalties[b] : penalty.
+extern "C" __global__ void rep_penalty_kernel(float* __restrict__ logits, const int* __restrict__ history,
+                                              int V, int n_hist, float penalty, const float* __restrict__ penalties) {
+    const int b = blockIdx.x;
+    const int* hist = history + (long long)b * n_hist;
+    const float p = penalties ? penalties[b] : penalty;
+    for (int i = threadIdx.x; i < n_hist; i += blockDim.x) {
+        const int id = hist[i];
+        if (id < 0 || id >= V) continue;
+        bool first = true;
+        for (int j = 0; j < i; j++) if (hist[j] == id) { first = false; break; }
+        if (!first) continue;
+        float* lp = logits + (long long)b * V + id;
+        const float l = *lp;
+        *lp = l > 0.f ? l / p : l * p;
+    }
+}
+
+// ------------------------------------------------------------------------------- top-k
+// logits [B, V] -> values [B, k] f32, ids [B, k] int32, sorted best first (ties: lower id first).
+// One CTA per row: 4 radix-select passes (8 bits each) over order-preserving keys find the k-th
+// largest key; keys above it are collected, then equal keys in index order; a bitonic sort of
+// the <= 256 candidates orders them. NaN ranks below every number.
+__device__ __forceinline__ u32 fkey(float v) {
+    if (v != v) return 0u;
+    const u32 b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+extern "C" __global__ void __launch_bounds__(1024) topk_kernel(const float* __restrict__ logits, float* __restrict__ values,
+                                                               int* __restrict__ ids, int V, int k) {
+    __shared__ int hist[256];
+    __shared__ u64 cand[256];
+    __shared__ u32 s_prefix, s_mask;
+    __shared__ int s_kk, s_cnt, s_taken;
+    __shared__ int s_wcnt[32];
+    const float* row = logits + (long long)blockIdx.x * V;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    if (tid == 0) { s_prefix = 0u; s_mask = 0u; s_kk = k; s_cnt = 0; s_taken = 0; }
+    for (int pass = 0; pass < 4; pass++) {
+        const int shift = 24 - 8 * pass;
+        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const u32 prefix = s_prefix, mask = s_mask;
+        for (int base = 0; base < V; base += blockDim.x) {  // warp-aggregated shared atomics
+            const int i = base + tid;
+            const u32 key = i < V ? fkey(row[i]) : 0u;
+            const bool in = i < V && (key & mask) == prefix;
+            const u32 digit = in ? ((key >> shift) & 255u) : 256u;
+            const u32 peers = __match_any_sync(0xffffffffu, digit);
+            if (in && (__ffs(peers) - 1) == lane) atomicAdd(&hist[digit], __popc(peers));
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int kk = s_kk, cum = 0, sel = 0;
+            for (int d = 255; d >= 0; d--) {
+                if (cum + hist[d] >= kk) { sel = d; break; }
+                cum += hist[d];
+            }
+            s_kk = kk - cum;
+            s_prefix = prefix | ((u32)sel << shift);
+            s_mask = mask | (255u << shift);
+        }
+        __syncthreads();
+    }
+    const u32 thr = s_prefix;
+    const int need_eq = s_kk;      // how many keys equal to thr belong to the top k
+    const int n_gt = k - need_eq;  // keys strictly greater than thr (all in the top k)
+    for (int i = tid; i < V; i += blockDim.x) {
+        const u32 key = fkey(row[i]);
+        if (key > thr) {
+            const int pos = atomicAdd(&s_cnt, 1);
+            cand[pos] = ((u64)key << 32) | (u64)(0xFFFFFFFFu - (u32)i);
+        }
+    }
+    __syncthreads();
+    // equal keys, lowest ids first: scan the row in index order, one blockDim-chunk at a time
+    for (int base = 0; base < V; base += blockDim.x) {
+        if (s_taken >= need_eq) break;  // uniform: read after a barrier
+        const int i = base + tid;
+        const bool eq = i < V && fkey(row[i]) == thr;
+        const u32 bal = __ballot_sync(0xffffffffu, eq);
+        if (lane == 0) s_wcnt[warp] = __popc(bal);
+        __syncthreads();
+        int before = 0, total = 0;
+        for (int w2 = 0; w2 < nw; w2++) { if (w2 < warp) before += s_wcnt[w2]; total += s_wcnt[w2]; }
+        const int rank = s_taken + before + __popc(bal & ((1u << lane) - 1u));
+        if (eq && rank < need_eq) cand[n_gt + rank] = ((u64)thr << 32) | (u64)(0xFFFFFFFFu - (u32)i);
+        __syncthreads();
+        if (tid == 0) s_taken += total;
+        __syncthreads();
+    }
+    for (int i = k + tid; i < 256; i += blockDim.x) cand[i] = 0ull;
+    __syncthreads();
+    // bitonic sort, descending
+    for (int size = 2; size <= 256; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            if (tid < 128) {
+                const int i = 2 * stride * (tid / stride) + (tid % stride), jx = i + stride;
+                const bool desc = ((i & size) == 0);
+                const u64 a = cand[i], b = cand[jx];
+                if (desc ? (a < b) : (a > b)) { cand[i] = b; cand[jx] = a; }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = tid; i < k; i += blockDim.x) {
+        const int id = (int)(0xFFFFFFFFu - (u32)(cand[i] & 0xFFFFFFFFull));
+        ids[(long long)blockIdx.x * k + i] = id;
+        values[(long long)blockIdx.x * k + i] = row[id];
+    }
+}

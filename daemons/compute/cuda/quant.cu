@@ -1,0 +1,382 @@
+// ntx CUDA kernels for GGUF-quantized weights: matrix-vector products (decode) and
+// dequantization (prefill GEMM operand, embedding lookup).
+//
+// Weights are the tensor's exact GGUF bytes: a row-major matrix [n_rows, n_cols] (GGUF ne =
+// [n_cols, n_rows]); each row is n_cols / EPB blocks of BYTES bytes, rows back to back, so
+// row_bytes = n_cols / EPB * BYTES. Nothing is repacked.
+//
+// Work decomposition (the same for every type): a block is cut into LPB "pieces"; consecutive
+// lanes of a warp take consecutive pieces, so a warp's loads cover contiguous bytes. A piece
+// decodes into NG groups of 8 weights, each group two runs of 4 consecutive columns (o0..o0+3,
+// o1..o1+3) so the activations are read as float4. Loads use the widest width that the
+// layout's alignment allows (16 B for Q4_K/Q5_K/F16/BF16/F32, 4 B for Q4_1/Q5_1, 2 B for the
+// 2-byte-aligned Q4_0/Q5_0/Q8_0/Q6_K blocks).
+//
+// Small integers become floats without the (quarter-rate) I2F conversion: byte_perm builds the
+// float 2^23 + q and one FADD removes 2^23 (exact for q < 2^23).
+//
+// Compiled by NVRTC at run time (cupy RawModule); no headers needed.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define MAGIC 8388608.0f  // 2^23
+
+__device__ __forceinline__ float h2f(u32 h) {
+    float f;
+    u16 hs = (u16)(h & 0xFFFFu);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ u32 ld16(const u8* p) { return (u32)__ldg((const u16*)p); }
+__device__ __forceinline__ u32 ld32a2(const u8* p) {
+    const u16* q = (const u16*)p;
+    return (u32)__ldg(q) | ((u32)__ldg(q + 1) << 16);
+}
+__device__ __forceinline__ u32 ld32(const u8* p) { return __ldg((const u32*)p); }
+__device__ __forceinline__ uint4 ld128(const u8* p) { return __ldg((const uint4*)p); }
+// byte k of v (unsigned) as float, minus `off` (exact for small integers)
+__device__ __forceinline__ float bytef(u32 v, int k, float off) {
+    return __int_as_float((int)__byte_perm(v, 0x4B000000u, 0x7440u + (u32)k)) - (MAGIC + off);
+}
+__device__ __forceinline__ u32 byte_of(u32 v, int k) { return (v >> (8 * k)) & 0xFFu; }
+
+template <int QT> struct QTraits;
+
+// ---------------------------------------------------------------- F32 (virtual block of 8)
+template <> struct QTraits<0> {
+    static constexpr int EPB = 8, BYTES = 32, LPB = 1, NG = 1;
+    struct Raw { float4 a, b; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.a = __ldg((const float4*)blk);
+        r.b = __ldg((const float4*)(blk + 16));
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        w[0] = r.a.x; w[1] = r.a.y; w[2] = r.a.z; w[3] = r.a.w;
+        w[4] = r.b.x; w[5] = r.b.y; w[6] = r.b.z; w[7] = r.b.w;
+        o0 = 0; o1 = 4;
+    }
+};
+// ---------------------------------------------------------------- F16 (virtual block of 8)
+template <> struct QTraits<1> {
+    static constexpr int EPB = 8, BYTES = 16, LPB = 1, NG = 1;
+    struct Raw { uint4 v; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) { r.v = ld128(blk); }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        w[0] = h2f(r.v.x); w[1] = h2f(r.v.x >> 16); w[2] = h2f(r.v.y); w[3] = h2f(r.v.y >> 16);
+        w[4] = h2f(r.v.z); w[5] = h2f(r.v.z >> 16); w[6] = h2f(r.v.w); w[7] = h2f(r.v.w >> 16);
+        o0 = 0; o1 = 4;
+    }
+};
+// ---------------------------------------------------------------- BF16 (virtual block of 8)
+template <> struct QTraits<30> {
+    static constexpr int EPB = 8, BYTES = 16, LPB = 1, NG = 1;
+    struct Raw { uint4 v; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) { r.v = ld128(blk); }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        w[0] = __uint_as_float(r.v.x << 16); w[1] = __uint_as_float(r.v.x & 0xFFFF0000u);
+        w[2] = __uint_as_float(r.v.y << 16); w[3] = __uint_as_float(r.v.y & 0xFFFF0000u);
+        w[4] = __uint_as_float(r.v.z << 16); w[5] = __uint_as_float(r.v.z & 0xFFFF0000u);
+        w[6] = __uint_as_float(r.v.w << 16); w[7] = __uint_as_float(r.v.w & 0xFFFF0000u);
+        o0 = 0; o1 = 4;
+    }
+};
+// ---------------------------------------------------------------- Q4_0: d f16, qs[16]
+template <> struct QTraits<2> {
+    static constexpr int EPB = 32, BYTES = 18, LPB = 4, NG = 1;
+    struct Raw { u32 d, q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.d = ld16(blk); r.q = ld32a2(blk + 2 + 4 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const float d = h2f(r.d);
+        const u32 lo = r.q & 0x0F0F0F0Fu, hi = (r.q >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = d * bytef(lo, k, 8.f); w[4 + k] = d * bytef(hi, k, 8.f); }
+        o0 = 4 * j; o1 = 16 + 4 * j;
+    }
+};
+// ---------------------------------------------------------------- Q4_1: d, m f16, qs[16]
+template <> struct QTraits<3> {
+    static constexpr int EPB = 32, BYTES = 20, LPB = 4, NG = 1;
+    struct Raw { u32 dm, q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.dm = ld32(blk); r.q = ld32(blk + 4 + 4 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const float d = h2f(r.dm), m = h2f(r.dm >> 16);
+        const u32 lo = r.q & 0x0F0F0F0Fu, hi = (r.q >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = fmaf(d, bytef(lo, k, 0.f), m); w[4 + k] = fmaf(d, bytef(hi, k, 0.f), m); }
+        o0 = 4 * j; o1 = 16 + 4 * j;
+    }
+};
+// spread bits 0..3 of t to bit 4 of bytes 0..3
+__device__ __forceinline__ u32 q5_hbits(u32 t) {
+    return ((t << 4) & 0x10u) | ((t << 11) & 0x1000u) | ((t << 18) & 0x100000u) | ((t << 25) & 0x10000000u);
+}
+// ---------------------------------------------------------------- Q5_0: d f16, qh u32, qs[16]
+template <> struct QTraits<6> {
+    static constexpr int EPB = 32, BYTES = 22, LPB = 4, NG = 1;
+    struct Raw { u32 d, qh, q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.d = ld16(blk); r.qh = ld32a2(blk + 2); r.q = ld32a2(blk + 6 + 4 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const float d = h2f(r.d);
+        const u32 lo = (r.q & 0x0F0F0F0Fu) | q5_hbits(r.qh >> (4 * j));
+        const u32 hi = ((r.q >> 4) & 0x0F0F0F0Fu) | q5_hbits(r.qh >> (16 + 4 * j));
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = d * bytef(lo, k, 16.f); w[4 + k] = d * bytef(hi, k, 16.f); }
+        o0 = 4 * j; o1 = 16 + 4 * j;
+    }
+};
+// ---------------------------------------------------------------- Q5_1: d, m f16, qh u32, qs[16]
+template <> struct QTraits<7> {
+    static constexpr int EPB = 32, BYTES = 24, LPB = 4, NG = 1;
+    struct Raw { u32 dm, qh, q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.dm = ld32(blk); r.qh = ld32(blk + 4); r.q = ld32(blk + 8 + 4 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const float d = h2f(r.dm), m = h2f(r.dm >> 16);
+        const u32 lo = (r.q & 0x0F0F0F0Fu) | q5_hbits(r.qh >> (4 * j));
+        const u32 hi = ((r.q >> 4) & 0x0F0F0F0Fu) | q5_hbits(r.qh >> (16 + 4 * j));
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = fmaf(d, bytef(lo, k, 0.f), m); w[4 + k] = fmaf(d, bytef(hi, k, 0.f), m); }
+        o0 = 4 * j; o1 = 16 + 4 * j;
+    }
+};
+// ---------------------------------------------------------------- Q8_0: d f16, qs[32] int8
+template <> struct QTraits<8> {
+    static constexpr int EPB = 32, BYTES = 34, LPB = 4, NG = 1;
+    struct Raw { u32 d, q0, q1; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.d = ld16(blk); r.q0 = ld32a2(blk + 2 + 8 * j); r.q1 = ld32a2(blk + 6 + 8 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const float d = h2f(r.d);
+        const u32 a = r.q0 ^ 0x80808080u, b = r.q1 ^ 0x80808080u;  // int8 -> uint8 + 128
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = d * bytef(a, k, 128.f); w[4 + k] = d * bytef(b, k, 128.f); }
+        o0 = 8 * j; o1 = 8 * j + 4;
+    }
+};
+// K-quant 6-bit scale/min of sub-block `is` (0..7) from the 12 packed bytes s0|s1|s2 (words)
+__device__ __forceinline__ void k4_scale_min(int is, u32 s0, u32 s1, u32 s2, float& sc, float& m) {
+    const int t = is & 3;
+    if (is < 4) {
+        sc = (float)(byte_of(s0, t) & 63u);
+        m = (float)(byte_of(s1, t) & 63u);
+    } else {
+        sc = (float)((byte_of(s2, t) & 0xFu) | ((byte_of(s0, t) >> 6) << 4));
+        m = (float)((byte_of(s2, t) >> 4) | ((byte_of(s1, t) >> 6) << 4));
+    }
+}
+// ---------------------------------------------------------------- Q4_K: d, dmin f16, scales[12], qs[128]
+template <> struct QTraits<12> {
+    static constexpr int EPB = 256, BYTES = 144, LPB = 8, NG = 4;
+    struct Raw { uint4 h, q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.h = ld128(blk); r.q = ld128(blk + 16 + 16 * j);
+    }
+    // piece j: qs bytes [16j, 16j+16) = chunk c = j/2, positions l0..l0+15 (l0 = 16*(j&1));
+    // low nibbles -> sub-block 2c, high nibbles -> sub-block 2c+1.
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const int c = j >> 1, l0 = (j & 1) * 16, hiq = g >> 1, half = g & 1;
+        const int is = 2 * c + hiq;
+        float sc, m;
+        k4_scale_min(is, r.h.y, r.h.z, r.h.w, sc, m);
+        const float d = h2f(r.h.x) * sc, dm = h2f(r.h.x >> 16) * m;
+        const u32 wa = half ? r.q.z : r.q.x, wb = half ? r.q.w : r.q.y;
+        const u32 a = (wa >> (4 * hiq)) & 0x0F0F0F0Fu, b = (wb >> (4 * hiq)) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = fmaf(d, bytef(a, k, 0.f), -dm); w[4 + k] = fmaf(d, bytef(b, k, 0.f), -dm); }
+        o0 = 64 * c + 32 * hiq + l0 + 8 * half; o1 = o0 + 4;
+    }
+};
+// ---------------------------------------------------------------- Q5_K: d, dmin, scales[12], qh[32], qs[128]
+template <> struct QTraits<13> {
+    static constexpr int EPB = 256, BYTES = 176, LPB = 8, NG = 4;
+    struct Raw { uint4 h, qh, q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.h = ld128(blk); r.qh = ld128(blk + 16 + (j & 1) * 16); r.q = ld128(blk + 48 + 16 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const int c = j >> 1, l0 = (j & 1) * 16, hiq = g >> 1, half = g & 1;
+        const int is = 2 * c + hiq;
+        float sc, m;
+        k4_scale_min(is, r.h.y, r.h.z, r.h.w, sc, m);
+        const float d = h2f(r.h.x) * sc, dm = h2f(r.h.x >> 16) * m;
+        const u32 wa = half ? r.q.z : r.q.x, wb = half ? r.q.w : r.q.y;
+        const u32 ha = half ? r.qh.z : r.qh.x, hb = half ? r.qh.w : r.qh.y;
+        const u32 a = ((wa >> (4 * hiq)) & 0x0F0F0F0Fu) | (((ha >> is) & 0x01010101u) << 4);
+        const u32 b = ((wb >> (4 * hiq)) & 0x0F0F0F0Fu) | (((hb >> is) & 0x01010101u) << 4);
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = fmaf(d, bytef(a, k, 0.f), -dm); w[4 + k] = fmaf(d, bytef(b, k, 0.f), -dm); }
+        o0 = 64 * c + 32 * hiq + l0 + 8 * half; o1 = o0 + 4;
+    }
+};
+// ---------------------------------------------------------------- Q6_K: ql[128], qh[64], scales[16] int8, d f16
+// element e: h = e/128, r = e%128, k = r/32, l = r%32;
+//   low 4 bits = (ql[64h + l + 32*(k&1)] >> 4*(k>>1)) & 15, high 2 bits = (qh[32h + l] >> 2k) & 3,
+//   value = d * scales[e/16] * (q - 32).
+// piece j (16 per block): h = j/8, l = 4*(j%8); the 16 elements l..l+3 of each k = 0..3.
+template <> struct QTraits<14> {
+    static constexpr int EPB = 256, BYTES = 210, LPB = 16, NG = 2;
+    struct Raw { u32 qa, qb, qh, sc, d; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        const int h = j >> 3, l = 4 * (j & 7);
+        r.qa = ld32a2(blk + 64 * h + l);
+        r.qb = ld32a2(blk + 64 * h + 32 + l);
+        r.qh = ld32a2(blk + 128 + 32 * h + l);
+        const u8* s = blk + 192 + 8 * h + (l >> 4);
+        r.sc = (u32)__ldg(s) | ((u32)__ldg(s + 2) << 8) | ((u32)__ldg(s + 4) << 16) | ((u32)__ldg(s + 6) << 24);
+        r.d = ld16(blk + 208);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const int h = j >> 3, l = 4 * (j & 7);
+        const float d = h2f(r.d);
+        const int k0 = 2 * g, k1 = 2 * g + 1;  // g=0: k 0,1 (low nibbles); g=1: k 2,3 (high nibbles)
+        const float s0 = d * (float)(signed char)byte_of(r.sc, k0), s1 = d * (float)(signed char)byte_of(r.sc, k1);
+        const u32 a = ((r.qa >> (4 * g)) & 0x0F0F0F0Fu) | (((r.qh >> (2 * k0)) & 0x03030303u) << 4);
+        const u32 b = ((r.qb >> (4 * g)) & 0x0F0F0F0Fu) | (((r.qh >> (2 * k1)) & 0x03030303u) << 4);
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = s0 * bytef(a, k, 32.f); w[4 + k] = s1 * bytef(b, k, 32.f); }
+        o0 = 128 * h + 32 * k0 + l; o1 = 128 * h + 32 * k1 + l;
+    }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// out[b, row] = sum_c W[row, c] * x[b, c]       x: [B, n_cols] f32, out: [B, n_rows] f32
+// One CTA per NR rows; its warps split each row's pieces; every lane handles U pieces per trip
+// with all loads issued before the first use; x is read once per piece for all NR rows.
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) mv_kernel(const u8* __restrict__ w, const float* __restrict__ x,
+                                                 float* __restrict__ out, int n_rows, int n_cols,
+                                                 long long row_bytes) {
+    typedef QTraits<QT> T;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int row0 = blockIdx.x * NR;
+    const int npieces = (n_cols / T::EPB) * T::LPB;
+    float acc[NR][B];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) acc[r][b] = 0.f;
+    const u8* rp[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
+    const int stride = nw * 32;
+    for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
+        typename T::Raw raw[U][NR];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / T::LPB, j = p % T::LPB;
+#pragma unroll
+                for (int r = 0; r < NR; r++) T::load(rp[r] + (long long)blk * T::BYTES, j, raw[u][r]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / T::LPB, j = p % T::LPB;
+                const float* xb = x + (long long)blk * T::EPB;
+#pragma unroll
+                for (int g = 0; g < T::NG; g++) {
+                    float wv[NR][8];
+                    int o0 = 0, o1 = 0;
+#pragma unroll
+                    for (int r = 0; r < NR; r++) T::decode(raw[u][r], j, g, wv[r], o0, o1);
+#pragma unroll
+                    for (int b = 0; b < B; b++) {
+                        const float4 xa = __ldg((const float4*)(xb + (long long)b * n_cols + o0));
+                        const float4 xc = __ldg((const float4*)(xb + (long long)b * n_cols + o1));
+#pragma unroll
+                        for (int r = 0; r < NR; r++) {
+                            float s = acc[r][b];
+                            s = fmaf(wv[r][0], xa.x, s); s = fmaf(wv[r][1], xa.y, s);
+                            s = fmaf(wv[r][2], xa.z, s); s = fmaf(wv[r][3], xa.w, s);
+                            s = fmaf(wv[r][4], xc.x, s); s = fmaf(wv[r][5], xc.y, s);
+                            s = fmaf(wv[r][6], xc.z, s); s = fmaf(wv[r][7], xc.w, s);
+                            acc[r][b] = s;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    __shared__ float red[8][NR * B];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const float v = warp_sum(acc[r][b]);
+            if (lane == 0) red[warp][r * B + b] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < NR * B) {
+        const int r = threadIdx.x / B, b = threadIdx.x % B;
+        float s = 0.f;
+        for (int i = 0; i < nw; i++) s += red[i][threadIdx.x];
+        const int row = row0 + r;
+        if (row < n_rows) out[(long long)b * n_rows + row] = s;
+    }
+}
+
+// Dequantize rows: out[i, :] = W[ids ? ids[i] : i, :] as f16 (OUT_F32 = 0) or f32 (OUT_F32 = 1).
+// out: [n_out_rows, n_cols]. A row id outside [0, n_src_rows) gives a row of NaN.
+template <int QT, int OUT_F32>
+__global__ void __launch_bounds__(256) deq_kernel(const u8* __restrict__ w, const int* __restrict__ ids,
+                                                  void* __restrict__ out, int n_out_rows, int n_cols,
+                                                  long long row_bytes, int n_src_rows) {
+    typedef QTraits<QT> T;
+    const int npieces = (n_cols / T::EPB) * T::LPB;
+    const long long total = (long long)n_out_rows * npieces;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int row = (int)(idx / npieces), p = (int)(idx % npieces);
+        const int src = ids ? ids[row] : row;
+        const int blk = p / T::LPB, j = p % T::LPB;
+        const long long obase = (long long)row * n_cols + (long long)blk * T::EPB;
+        const bool ok = src >= 0 && src < n_src_rows;
+        typename T::Raw raw;
+        if (ok) T::load(w + (long long)src * row_bytes + (long long)blk * T::BYTES, j, raw);
+#pragma unroll
+        for (int g = 0; g < T::NG; g++) {
+            float wv[8];
+            int o0 = 0, o1 = 0;
+            T::decode(raw, j, g, wv, o0, o1);
+            if (!ok) {
+#pragma unroll
+                for (int k = 0; k < 8; k++) wv[k] = __int_as_float(0x7fc00000);
+            }
+            if (OUT_F32) {
+                float* o = (float*)out + obase;
+                *(float4*)(o + o0) = make_float4(wv[0], wv[1], wv[2], wv[3]);
+                *(float4*)(o + o1) = make_float4(wv[4], wv[5], wv[6], wv[7]);
+            } else {
+                u16* o = (u16*)out + obase;
+                uint2 a, b;
+                a.x = (u32)f2h(wv[0]) | ((u32)f2h(wv[1]) << 16); a.y = (u32)f2h(wv[2]) | ((u32)f2h(wv[3]) << 16);
+                b.x = (u32)f2h(wv[4]) | ((u32)f2h(wv[5]) << 16); b.y = (u32)f2h(wv[6]) | ((u32)f2h(wv[7]) << 16);
+                *(uint2*)(o + o0) = a;
+                *(uint2*)(o + o1) = b;
+            }
+        }
+    }
+}

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Benchmark the CUDA kernels against the device's measured copy bandwidth.
+
+Measures in one run: device-to-device copy bandwidth (1 GiB cupy copy, bytes read + written per
+second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B shapes per type at
+B = 1 and B = 8, sweeping launch configurations, plus a few other kernels. Each timing replays a
+CUDA graph of back-to-back launches that cycle over enough copies of the weights (>= 512 MiB) that
+the 50 MB L2 cannot serve them, timed with CUDA events. Prints a table with % of copy bandwidth
+and writes JSON.
+
+    python scripts/bench_kernels.py [--out bench.json] [--quick]
+    python scripts/bench_kernels.py --precompile --jobs 16   # fill cupy's kernel cache in parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "F16"]
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
+# (rows per CTA, warps per CTA, pieces per lane per trip)
+SWEEP = [(nr, nw, u) for nr in (1, 2, 4) for u in (1, 2, 4) for nw in (2, 4, 8) if not (nr == 4 and u == 4)]
+
+
+def _k():
+    from ntx.daemons.compute.cuda import kernels as K
+    return K
+
+
+def precompile_specs():
+    K = _k()
+    specs = []
+    for qt in K.QType:
+        for nr, u in sorted({(c[0], c[2]) for c in K._MV_DEFAULT.values()}):
+            specs.append(("quant.cu", K._mv_names(int(qt), nr, u)))
+        specs.append(("quant.cu", (f"deq_kernel<{int(qt)},0>", f"deq_kernel<{int(qt)},1>")))
+    for t in TYPES:
+        qt = int(K.QType[t])
+        for nr, u in sorted({(c[0], c[2]) for c in SWEEP}):
+            specs.append(("quant.cu", K._mv_names(qt, nr, u)))
+    specs.append(("ops.cu", ()))
+    for g in (1, 3, 4, 8):
+        for hd in (64, 128):
+            specs.append(("ops.cu", (f"attn_split_kernel<{g},{hd}>",)))
+    return list(dict.fromkeys(specs))
+
+
+def _compile_spec(spec):
+    K = _k()
+    t0 = time.perf_counter()
+    K._module(spec[0], spec[1])
+    return time.perf_counter() - t0
+
+
+def precompile(jobs: int) -> None:
+    import multiprocessing as mp
+    specs = precompile_specs()
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        times = pool.map(_compile_spec, specs, chunksize=1)
+    print(f"precompiled {len(specs)} modules in {time.perf_counter() - t0:.1f} s "
+          f"(sum of compile times {sum(times):.1f} s, max {max(times):.1f} s)")
+
+
+def random_raw(cp, K, qt, n_rows, n_cols, rng):
+    """Random valid GGUF bytes built on the device (random bytes, finite f16 scale fields)."""
+    rb = K.row_bytes(qt, n_cols)
+    if qt == K.QType.F16:
+        return (cp.random.standard_normal((n_rows, n_cols), dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint8).reshape(-1)
+    bs, ts, _, _ = K.QUANT_INFO[qt]
+    nb = n_rows * rb // ts
+    blocks = cp.random.randint(0, 256, size=(nb, ts), dtype=cp.int32).astype(cp.uint8)
+    fields = {K.QType.Q4_K: (0, 2), K.QType.Q6_K: (208,), K.QType.Q8_0: (0,)}[qt]
+    for off in fields:
+        sc = (cp.random.uniform(0.002, 0.05, size=nb, dtype=cp.float32)).astype(cp.float16)
+        blocks[:, off:off + 2] = sc.view(cp.uint8).reshape(nb, 2)
+    return blocks.reshape(-1)
+
+
+def time_graph(cp, launch_fns, reps: int) -> float:
+    """Seconds per launch of a CUDA graph made of launch_fns (each enqueues one kernel)."""
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for f in launch_fns[:2]:
+            f(s)
+        s.synchronize()
+        s.begin_capture()
+        for f in launch_fns:
+            f(s)
+        g = s.end_capture()
+        g.launch(stream=s)
+        s.synchronize()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(s)
+        for _ in range(reps):
+            g.launch(stream=s)
+        e1.record(s)
+        e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / (reps * len(launch_fns))
+
+
+def copy_bandwidth(cp) -> float:
+    n = 1 << 30
+    a = cp.ones(n, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    for _ in range(3):
+        b[...] = a
+    cp.cuda.Device().synchronize()
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    reps = 20
+    e0.record()
+    for _ in range(reps):
+        cp.copyto(b, a)
+    e1.record()
+    e1.synchronize()
+    dt = cp.cuda.get_elapsed_time(e0, e1) / 1e3
+    del a, b
+    return 2 * n * reps / dt
+
+
+def bench_matvec(cp, K, quick: bool):
+    rng = np.random.default_rng(0)
+    results = []
+    sweep = SWEEP if not quick else [(1, 4, 2), (2, 4, 2), (4, 4, 1)]
+    for tname in TYPES:
+        qt = K.QType[tname]
+        for (n_rows, n_cols) in SHAPES:
+            raw0 = random_raw(cp, K, qt, n_rows, n_cols, rng)
+            nbytes = raw0.size
+            copies = max(2, min(256, -(-(512 << 20) // nbytes)))
+            big = cp.empty(copies * nbytes, dtype=cp.uint8)
+            for c in range(copies):
+                big[c * nbytes:(c + 1) * nbytes] = raw0
+            views = [big[c * nbytes:(c + 1) * nbytes] for c in range(copies)]
+            for B in (1, 8):
+                x = cp.random.standard_normal((B, n_cols), dtype=cp.float32)
+                out = cp.empty((B, n_rows), dtype=cp.float32)
+                ref = K.matvec(views[0], qt, n_rows, n_cols, x).copy()
+                default_cfg = K._MV_CONFIG.get((int(qt), B)) or K._MV_DEFAULT[B]
+                cfgs = list(dict.fromkeys([default_cfg] + sweep))
+                rows = []
+                for cfg in cfgs:
+                    out.fill(cp.nan)
+                    K.matvec(views[0], qt, n_rows, n_cols, x, out=out, config=cfg)
+                    err = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
+                    fns = [(lambda s, v=v, cfg=cfg: K.matvec(v, qt, n_rows, n_cols, x, out=out, stream=s, config=cfg))
+                           for v in views]
+                    reps = max(3, int(0.02 / max(1e-6, nbytes / 3e12) / copies))
+                    t = time_graph(cp, fns, min(reps, 200))
+                    rows.append({"config": list(cfg), "us": t * 1e6, "gbps": nbytes / t / 1e9, "relerr_vs_default": err})
+                best = max((r for r in rows if r["relerr_vs_default"] < 1e-5), key=lambda r: r["gbps"])
+                dflt = rows[0]
+                results.append({"type": tname, "n_rows": n_rows, "n_cols": n_cols, "B": B, "bytes": nbytes,
+                                "copies": copies, "default": dflt, "best": best, "all": rows})
+                print(f"  {tname:5s} {n_rows:6d}x{n_cols:<6d} B={B}  default {dflt['gbps']:7.0f} GB/s "
+                      f"({dflt['us']:7.1f} us)  best {best['gbps']:7.0f} GB/s cfg={best['config']}", flush=True)
+            del big, views
+    return results
+
+
+def bench_other(cp, K):
+    res = {}
+    # attention decode: 1 and 8 sequences, 8B-shaped (n_kv 8, G 4, hd 128), 4096 keys each
+    n_kv, G, hd, L = 8, 4, 128, 4096
+    for T in (1, 8):
+        ck, cv = K.alloc_kv_cache(T, n_kv, L, hd)
+        ck[...] = cp.random.standard_normal(ck.shape, dtype=cp.float32).astype(cp.float16)
+        cv[...] = cp.random.standard_normal(cv.shape, dtype=cp.float32).astype(cp.float16)
+        q = cp.random.standard_normal((T, n_kv * G, hd), dtype=cp.float32)
+        slots = cp.arange(T, dtype=cp.int32)
+        lens = cp.full(T, L, dtype=cp.int32)
+        S = K.attention_splits(T, n_kv, L)
+        ws = K.attention_workspace(T, n_kv * G, hd, S)
+        out = cp.empty_like(q)
+        t = time_graph(cp, [lambda s: K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)] * 20, 20)
+        kvb = 2 * T * n_kv * L * hd * 2
+        res[f"attention_decode_T{T}_L{L}"] = {"us": t * 1e6, "kv_gbps": kvb / t / 1e9, "n_splits": S}
+        print(f"  attention decode T={T} L={L}: {t * 1e6:.1f} us, KV read {kvb / t / 1e9:.0f} GB/s (splits {S})")
+        del ck, cv
+    # prefill attention: 512 queries, causal, after 0 cached
+    T = 512
+    ck, cv = K.alloc_kv_cache(1, n_kv, 4096, hd)
+    q = cp.random.standard_normal((T, n_kv * G, hd), dtype=cp.float32)
+    slots = cp.zeros(T, dtype=cp.int32)
+    lens = cp.arange(1, T + 1, dtype=cp.int32)
+    out = cp.empty_like(q)
+    S = K.attention_splits(T, n_kv, 4096)
+    ws = K.attention_workspace(T, n_kv * G, hd, S)
+    t = time_graph(cp, [lambda s: K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)] * 5, 5)
+    flops = 4 * n_kv * G * hd * (T * (T + 1) / 2)
+    res["attention_prefill_T512"] = {"us": t * 1e6, "tflops": flops / t / 1e12}
+    print(f"  attention prefill T=512 causal: {t * 1e6:.1f} us ({flops / t / 1e12:.2f} TFLOP/s)")
+    # dequantize Q4_K 14336x4096 to f16, and gemm T=512
+    qt = K.QType.Q4_K
+    raw = random_raw(cp, K, qt, 14336, 4096, np.random.default_rng(1))
+    w16 = cp.empty((14336, 4096), dtype=cp.float16)
+    t = time_graph(cp, [lambda s: K.dequantize_f16(raw, qt, 14336, 4096, out=w16, stream=s)] * 10, 10)
+    res["dequantize_f16_Q4_K_14336x4096"] = {"us": t * 1e6, "gbps_rw": (raw.size + w16.nbytes) / t / 1e9}
+    print(f"  dequantize_f16 Q4_K 14336x4096: {t * 1e6:.1f} us ({(raw.size + w16.nbytes) / t / 1e9:.0f} GB/s read+write)")
+    x = cp.random.standard_normal((512, 4096), dtype=cp.float32)
+    outg = cp.empty((512, 14336), dtype=cp.float32)
+    K.gemm(raw, qt, 14336, 4096, x, out=outg)
+    cp.cuda.Device().synchronize()
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record()
+    for _ in range(10):
+        K.gemm(raw, qt, 14336, 4096, x, out=outg)
+    e1.record()
+    e1.synchronize()
+    t = cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 10
+    res["gemm_Q4_K_T512_14336x4096"] = {"us": t * 1e6, "tflops": 2 * 512 * 14336 * 4096 / t / 1e12}
+    print(f"  gemm Q4_K T=512 14336x4096 (dequant + cuBLAS f16): {t * 1e6:.1f} us ({2 * 512 * 14336 * 4096 / t / 1e12:.1f} TFLOP/s)")
+    # sampling on a 128256 vocabulary
+    for B in (1, 8):
+        lg = cp.random.standard_normal((B, 128256), dtype=cp.float32)
+        ids = cp.empty(B, dtype=cp.int32)
+        t = time_graph(cp, [lambda s: K.argmax(lg, out=ids, stream=s)] * 20, 20)
+        res[f"argmax_B{B}"] = {"us": t * 1e6}
+        v = cp.empty((B, 64), dtype=cp.float32)
+        i = cp.empty((B, 64), dtype=cp.int32)
+        t2 = time_graph(cp, [lambda s: K.topk(lg, 64, values=v, ids=i, stream=s)] * 20, 20)
+        res[f"topk64_B{B}"] = {"us": t2 * 1e6}
+        print(f"  sampling V=128256 B={B}: argmax {t * 1e6:.1f} us, top-64 {t2 * 1e6:.1f} us")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.json"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--jobs", type=int, default=8)
+    a = ap.parse_args()
+    if a.precompile:
+        precompile(a.jobs)
+        return 0
+    import cupy as cp
+    K = _k()
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    dev = {"name": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+           "sms": props["multiProcessorCount"], "l2_bytes": props["l2CacheSize"],
+           "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion()}
+    print("device:", dev)
+    copy_bw = copy_bandwidth(cp)
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    t0 = time.perf_counter()
+    mv = bench_matvec(cp, K, a.quick)
+    other = bench_other(cp, K)
+    copy_bw2 = copy_bandwidth(cp)
+    print(f"device-to-device copy again: {copy_bw2 / 1e9:.0f} GB/s")
+    print()
+    print(f"matvec, weight bytes / time, vs copy bandwidth {copy_bw / 1e9:.0f} GB/s (graph replay, L2-cold)")
+    print(f"{'type':5s} {'shape':>12s} {'B':>2s} {'MB':>7s} {'default GB/s':>13s} {'%':>5s} {'best GB/s':>10s} {'%':>5s}  best cfg (rows, warps, unroll)")
+    for r in mv:
+        d, b = r["default"], r["best"]
+        print(f"{r['type']:5s} {r['n_rows']:>5d}x{r['n_cols']:<6d} {r['B']:>2d} {r['bytes'] / 1e6:7.1f} {d['gbps']:13.0f} "
+              f"{100 * d['gbps'] * 1e9 / copy_bw:5.1f} {b['gbps']:10.0f} {100 * b['gbps'] * 1e9 / copy_bw:5.1f}  {b['config']}")
+    res = {"device": dev, "copy_gbps": copy_bw / 1e9, "copy_gbps_end": copy_bw2 / 1e9, "matvec": mv, "other": other,
+           "seconds": time.perf_counter() - t0}
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,476 @@
+"""The CUDA kernel library against float64 numpy references (run on the GPU machine).
+
+Every test draws fresh random inputs, pre-fills outputs with NaN so an unwritten element fails,
+and compares with the relative error ||out - ref|| / ||ref||; a NaN or inf never passes.
+Tolerances: 1e-5 for f32 arithmetic (matvec, rmsnorm, rope, attention against the f16 values the
+cache holds, swiglu, get_rows); 1e-3 for results rounded to f16 once (dequantize_f16: f16 has an
+11-bit significand, so each element is off by <= 2^-11 relative); 2e-3 for the f16 cuBLAS GEMM path
+(both operands rounded to f16).
+Quantized weights are random valid GGUF blocks (random bytes, finite f16 scales), referenced by
+gguf-py's own dequantize.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+gguf = pytest.importorskip("gguf")
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+from ntx.daemons.compute.cuda import kernels as K  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+QT = K.QType
+ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+# byte offsets of the f16 scale fields in one block
+F16_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
+              QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+@pytest.fixture
+def rng(request):
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
+
+
+def random_weights(qt: QT, n_rows: int, n_cols: int, rng) -> np.ndarray:
+    """Random valid GGUF bytes of a [n_rows, n_cols] tensor of type qt (uint8, flat)."""
+    if qt == QT.F32:
+        return rng.standard_normal((n_rows, n_cols)).astype(np.float32).reshape(-1).view(np.uint8)
+    if qt == QT.F16:
+        return (rng.standard_normal((n_rows, n_cols)) * 0.5).astype(np.float16).reshape(-1).view(np.uint8)
+    if qt == QT.BF16:
+        f = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).reshape(-1).view(np.uint8)
+    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(int(qt))]
+    nb = n_rows * (n_cols // bs)
+    blocks = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
+    for off in F16_FIELDS[qt]:
+        sign = rng.choice([-1.0, 1.0], size=nb)
+        scale = (rng.uniform(0.002, 0.05, size=nb) * sign).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(-1)
+
+
+def reference_matrix(qt: QT, raw: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
+    rb = K.row_bytes(qt, n_cols)
+    w = gguf_dequantize(raw.reshape(n_rows, rb), GGMLQuantizationType(int(qt)))
+    w = np.asarray(w, dtype=np.float64).reshape(n_rows, n_cols)
+    assert np.all(np.isfinite(w))
+    return w
+
+
+def relerr(out, ref) -> float:
+    out = cp.asnumpy(out) if isinstance(out, cp.ndarray) else np.asarray(out)
+    out = out.astype(np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.all(np.isfinite(out)), f"{np.count_nonzero(~np.isfinite(out))} non-finite outputs"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def nan_f32(shape):
+    return cp.full(shape, cp.nan, dtype=cp.float32)
+
+
+def test_device_is_there():
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    print("device:", props["name"], "cc", props["major"], props["minor"])
+    assert props["major"] >= 7
+
+
+# ------------------------------------------------------------------------------ matvec
+def _cols(qt: QT, big: bool) -> int:
+    bs = GGML_QUANT_SIZES[GGMLQuantizationType(int(qt))][0]
+    if bs == 256:
+        return 10240 if big else 768        # 40 / 3 super-blocks per row
+    if bs == 32:
+        return 4096 if big else 160         # 128 / 5 blocks per row
+    return 4104 if big else 40              # float types: multiples of 8
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("B", [1, 2, 4, 8])
+@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
+def test_matvec(qt, B, big, rng):
+    n_rows = 261 if big else 37  # not a multiple of any rows-per-CTA
+    n_cols = _cols(qt, big)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    x = rng.standard_normal((B, n_cols)).astype(np.float32)
+    out = nan_f32((B, n_rows))
+    res = K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
+    assert res is out
+    ref = x.astype(np.float64) @ ref_w.T
+    assert relerr(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((2, 1), (4, 2), (8, 4))])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
+def test_matvec_configs(qt, config, rng):
+    """Every launch configuration the benchmark may pick gives the same product."""
+    n_rows, n_cols = 203, _cols(qt, True)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    for B in (1, 3, 8):
+        x = rng.standard_normal((B, n_cols)).astype(np.float32)
+        out = nan_f32((B, n_rows))
+        K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=config)
+        assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5, (B, config)
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
+def test_matvec_unaligned_base(qt, rng):
+    """2-byte-aligned types read correctly from a tensor that starts at an odd offset of 2."""
+    n_rows, n_cols = 19, _cols(qt, False)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    buf = cp.zeros(raw.size + 64, dtype=cp.uint8)
+    off = 34
+    buf[off:off + raw.size] = cp.asarray(raw)
+    x = rng.standard_normal((2, n_cols)).astype(np.float32)
+    out = nan_f32((2, n_rows))
+    K.matvec(buf[off:off + raw.size], qt, n_rows, n_cols, cp.asarray(x), out=out)
+    assert relerr(out, x.astype(np.float64) @ reference_matrix(qt, raw, n_rows, n_cols).T) < 1e-5
+
+
+def test_matvec_1d_and_stream(rng):
+    qt, n_rows, n_cols = QT.Q4_K, 100, 512
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    out = nan_f32((n_rows,))
+    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, stream=s)
+    s.synchronize()
+    assert relerr(out, reference_matrix(qt, raw, n_rows, n_cols) @ x.astype(np.float64)) < 1e-5
+
+
+# ------------------------------------------------------------------------------ dequantize / gemm / get_rows
+@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
+def test_dequantize_f16(qt, rng):
+    n_rows, n_cols = 37, _cols(qt, False) * 2
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    out = cp.full((n_rows, n_cols), cp.nan, dtype=cp.float16)
+    K.dequantize_f16(cp.asarray(raw), qt, n_rows, n_cols, out=out)
+    ref = reference_matrix(qt, raw, n_rows, n_cols)
+    tol = 0.0 if qt == QT.F16 else 1e-3
+    assert relerr(out, ref) <= tol
+    # element-wise: each value is the f16 rounding of the reference
+    np.testing.assert_array_equal(cp.asnumpy(out), ref.astype(np.float32).astype(np.float16))
+
+
+@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
+def test_get_rows(qt, rng):
+    n_rows, n_cols = 50, _cols(qt, False)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    ids = np.array([3, 0, 49, 3, 17, 17, 8], dtype=np.int32)
+    out = nan_f32((ids.size, n_cols))
+    K.get_rows(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(ids), out=out)
+    ref = reference_matrix(qt, raw, n_rows, n_cols)[ids]
+    assert relerr(out, ref) < 1e-6
+
+
+@pytest.mark.parametrize("T", [3, 37, 128])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
+def test_gemm(qt, T, rng):
+    n_rows, n_cols = 300, _cols(qt, False) * 4
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    x = rng.standard_normal((T, n_cols)).astype(np.float32)
+    out = nan_f32((T, n_rows))
+    K.gemm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
+    ref = x.astype(np.float64) @ reference_matrix(qt, raw, n_rows, n_cols).T
+    assert relerr(out, ref) < (1e-5 if T <= K.MAX_MATVEC_B else 2e-3)
+
+
+# ------------------------------------------------------------------------------ layer ops
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("D", [1000, 4096, 8192])
+def test_rmsnorm(D, fused, rng):
+    T, eps = 5, 1e-5
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    w = rng.standard_normal(D).astype(np.float32)
+    out = nan_f32((T, D))
+    if fused:
+        res = rng.standard_normal((T, D)).astype(np.float32)
+        res_d = cp.asarray(res)
+        K.rmsnorm(cp.asarray(x), cp.asarray(w), eps, residual=res_d, out=out)
+        h = x.astype(np.float64) + res
+        assert relerr(res_d, h) < 1e-7
+    else:
+        K.rmsnorm(cp.asarray(x), cp.asarray(w), eps, out=out)
+        h = x.astype(np.float64)
+    ref = h / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps) * w
+    assert relerr(out, ref) < 1e-5
+
+
+def rope_ref(x, pos, rope_dim, base, ff):
+    x = x.astype(np.float64).copy()
+    i = np.arange(rope_dim // 2)
+    inv = base ** (-2.0 * i / rope_dim)
+    if ff is not None:
+        inv = inv / ff.astype(np.float64)
+    theta = pos.astype(np.float64)[:, None] * inv[None, :]  # [T, rope_dim/2]
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    x0, x1 = x[..., 0:rope_dim:2].copy(), x[..., 1:rope_dim:2].copy()
+    x[..., 0:rope_dim:2] = x0 * c - x1 * s
+    x[..., 1:rope_dim:2] = x0 * s + x1 * c
+    return x
+
+
+@pytest.mark.parametrize("with_ff", [False, True])
+@pytest.mark.parametrize("hd,rope_dim", [(128, 128), (128, 64), (64, 64)])
+def test_rope(hd, rope_dim, with_ff, rng):
+    T, H, base = 9, 6, 500000.0
+    x = rng.standard_normal((T, H, hd)).astype(np.float32)
+    pos = np.concatenate([[0, 1, 2], rng.integers(0, 131072, size=T - 3)]).astype(np.int32)
+    ff = rng.uniform(1.0, 8.0, size=rope_dim // 2).astype(np.float32) if with_ff else None
+    xd = cp.asarray(x)
+    K.rope_inplace(xd, cp.asarray(pos), rope_dim, base, None if ff is None else cp.asarray(ff))
+    ref = rope_ref(x, pos, rope_dim, base, ff)
+    assert relerr(xd, ref) < 1e-5
+    if rope_dim < hd:
+        np.testing.assert_array_equal(cp.asnumpy(xd)[..., rope_dim:], x[..., rope_dim:])
+
+
+def test_swiglu(rng):
+    g = (rng.standard_normal((7, 14336)) * 3).astype(np.float32)
+    u = rng.standard_normal((7, 14336)).astype(np.float32)
+    out = nan_f32(g.shape)
+    K.swiglu(cp.asarray(g), cp.asarray(u), out=out)
+    gd = g.astype(np.float64)
+    assert relerr(out, gd / (1 + np.exp(-gd)) * u) < 1e-5
+
+
+# ------------------------------------------------------------------------------ KV cache + attention
+def attn_ref(q, ck, cv, slots, kv_lens, n_kv):
+    """float64 reference over the cache's own (f16) values."""
+    T, H, hd = q.shape
+    G = H // n_kv
+    out = np.zeros((T, H, hd))
+    for t in range(T):
+        L = int(kv_lens[t])
+        for h in range(H):
+            k = ck[slots[t], h // G, :L].astype(np.float64)
+            v = cv[slots[t], h // G, :L].astype(np.float64)
+            s = k @ q[t, h].astype(np.float64) / math.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ v / p.sum()
+    return out
+
+
+def test_kv_append(rng):
+    n_slots, n_kv, max_ctx, hd = 4, 2, 64, 128
+    ck, cv = K.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    T = 5
+    k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    slots = np.array([2, 0, 3, 1, 2], dtype=np.int32)
+    pos = np.array([7, 0, 63, 5, 8], dtype=np.int32)
+    K.kv_append(cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
+    ck_h, cv_h = cp.asnumpy(ck), cp.asnumpy(cv)
+    exp_k = np.zeros_like(ck_h)
+    exp_v = np.zeros_like(cv_h)
+    for t in range(T):
+        exp_k[slots[t], :, pos[t]] = k[t].astype(np.float16)
+        exp_v[slots[t], :, pos[t]] = v[t].astype(np.float16)
+    np.testing.assert_array_equal(ck_h, exp_k)
+    np.testing.assert_array_equal(cv_h, exp_v)
+
+
+def _random_cache(rng, n_slots, n_kv, max_ctx, hd):
+    ck = rng.standard_normal((n_slots, n_kv, max_ctx, hd)).astype(np.float16)
+    cv = rng.standard_normal((n_slots, n_kv, max_ctx, hd)).astype(np.float16)
+    return ck, cv
+
+
+@pytest.mark.parametrize("G,hd", [(4, 128), (1, 128), (3, 64), (8, 128)])
+def test_attention_decode(G, hd, rng):
+    n_slots, n_kv, max_ctx = 6, 2, 1024
+    ck, cv = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
+    ck[0, :, 0] = 60.0  # a dominant score somewhere: softmax must stay finite
+    lens = np.array([1, 33, 100, 257, 1024], dtype=np.int32)
+    slots = np.array([5, 0, 2, 3, 1], dtype=np.int32)
+    T, H = lens.size, n_kv * G
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    out = nan_f32((T, H, hd))
+    K.attention(cp.asarray(q), cp.asarray(ck), cp.asarray(cv), cp.asarray(slots), cp.asarray(lens), out=out)
+    assert relerr(out, attn_ref(q, ck, cv, slots, lens, n_kv)) < 1e-5
+
+
+@pytest.mark.parametrize("n_splits", [None, 4, 64])
+def test_attention_prefill_causal(n_splits, rng):
+    """One sequence's chunk of T positions after 50 cached ones: append, then causal attention."""
+    n_slots, n_kv, max_ctx, hd, G = 3, 2, 512, 128, 4
+    ck_h, cv_h = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
+    ck, cv = cp.asarray(ck_h), cp.asarray(cv_h)
+    T, p0, slot = 37, 50, 1
+    H = n_kv * G
+    pos = np.arange(p0, p0 + T, dtype=np.int32)
+    slots = np.full(T, slot, dtype=np.int32)
+    k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    K.kv_append(cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
+    out = nan_f32((T, H, hd))
+    K.attention(cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(pos + 1), out=out, n_splits=n_splits)
+    ck_h[slot, :, p0:p0 + T] = k.transpose(1, 0, 2).astype(np.float16)
+    cv_h[slot, :, p0:p0 + T] = v.transpose(1, 0, 2).astype(np.float16)
+    assert relerr(out, attn_ref(q, ck_h, cv_h, slots, pos + 1, n_kv)) < 1e-5
+
+
+def test_attention_empty_length_is_zero(rng):
+    ck, cv = K.alloc_kv_cache(1, 1, 64, 64)
+    q = cp.asarray(rng.standard_normal((1, 2, 64)).astype(np.float32))
+    out = nan_f32((1, 2, 64))
+    K.attention(q, ck, cv, cp.zeros(1, cp.int32), cp.zeros(1, cp.int32), out=out)
+    assert float(cp.abs(out).max()) == 0.0
+
+
+# ------------------------------------------------------------------------------ sampling
+def test_argmax_ties(rng):
+    B, V = 4, 128256
+    lg = rng.standard_normal((B, V)).astype(np.float32)
+    lg[0, [7, 9000, 128000]] = 50.0        # tie: lowest id wins
+    lg[1, :] = 1.25                        # all equal -> 0
+    lg[2, V - 1] = 99.0                    # last element
+    lg[3, [5, 6]] = np.nan                 # NaN never wins
+    out = cp.full(B, -1, dtype=cp.int32)
+    K.argmax(cp.asarray(lg), out=out)
+    got = cp.asnumpy(out)
+    assert got.tolist() == [7, 0, V - 1, int(np.nanargmax(lg[3]))]
+
+
+def topk_ref(lg, k):
+    ids = np.arange(lg.shape[0])
+    order = np.lexsort((ids, -lg.astype(np.float64)))[:k]
+    return lg[order], order.astype(np.int32)
+
+
+@pytest.mark.parametrize("k", [1, 40, 256])
+def test_topk(k, rng):
+    V = 128256
+    rows = [
+        rng.standard_normal(V).astype(np.float32),
+        np.round(rng.standard_normal(V) * 2).astype(np.float32),  # massive ties
+        np.full(V, -np.inf, dtype=np.float32),                    # almost all -inf
+        (rng.standard_normal(V) * 1e-3 - 5).astype(np.float32),   # all negative, close together
+    ]
+    rows[2][rng.choice(V, 10, replace=False)] = rng.standard_normal(10).astype(np.float32)
+    lg = np.stack(rows)
+    vals = nan_f32((lg.shape[0], k))
+    ids = cp.full((lg.shape[0], k), -1, dtype=cp.int32)
+    K.topk(cp.asarray(lg), k, values=vals, ids=ids)
+    vals_h, ids_h = cp.asnumpy(vals), cp.asnumpy(ids)
+    for b in range(lg.shape[0]):
+        rv, ri = topk_ref(lg[b], k)
+        np.testing.assert_array_equal(ids_h[b], ri, err_msg=f"row {b}")
+        np.testing.assert_array_equal(vals_h[b], rv, err_msg=f"row {b}")
+
+
+def test_topk_small_vocab(rng):
+    lg = rng.standard_normal((3, 300)).astype(np.float32)
+    v, i = K.topk(cp.asarray(lg), 256)
+    for b in range(3):
+        rv, ri = topk_ref(lg[b], 256)
+        np.testing.assert_array_equal(cp.asnumpy(i)[b], ri)
+        np.testing.assert_array_equal(cp.asnumpy(v)[b], rv)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_repetition_penalty(per_row, rng):
+    B, V, n = 3, 1000, 24
+    lg = rng.standard_normal((B, V)).astype(np.float32) * 4
+    hist = rng.integers(0, V, size=(B, n)).astype(np.int32)
+    hist[0, 5] = hist[0, 2]  # duplicates are penalized once
+    hist[0, 9] = hist[0, 2]
+    hist[1, 10:] = -1        # padding
+    pen = np.array([1.3, 1.1, 2.0], dtype=np.float32) if per_row else np.float32(1.3)
+    lgd = cp.asarray(lg)
+    K.apply_repetition_penalty(lgd, cp.asarray(hist), cp.asarray(pen) if per_row else 1.3)
+    ref = lg.astype(np.float64).copy()
+    for b in range(B):
+        p = float(pen[b]) if per_row else 1.3
+        for tok in set(int(t) for t in hist[b] if t >= 0):
+            ref[b, tok] = ref[b, tok] / p if ref[b, tok] > 0 else ref[b, tok] * p
+    assert relerr(lgd, ref) < 1e-7
+
+
+# ------------------------------------------------------------------------------ CUDA graph replay
+def test_graph_replay_matches_eager(rng):
+    """A decode step (norm, Q4_K/Q6_K projections, rope, kv append, attention, SwiGLU, argmax)
+    captured once replays for new positions/lengths read from device memory, bit-identical to eager."""
+    D, n_kv, G, hd, F, V = 256, 2, 4, 64, 512, 1000
+    H = n_kv * G
+    n_slots, max_ctx, B = 3, 256, 2
+    dev = lambda a: cp.asarray(a)  # noqa: E731
+    wq = dev(random_weights(QT.Q4_K, H * hd, D, rng))
+    wk = dev(random_weights(QT.Q4_K, n_kv * hd, D, rng))
+    wv = dev(random_weights(QT.Q6_K, n_kv * hd, D, rng))
+    wo = dev(random_weights(QT.Q4_K, D, H * hd, rng))
+    wg = dev(random_weights(QT.Q4_K, F, D, rng))
+    wu = dev(random_weights(QT.Q4_K, F, D, rng))
+    wout = dev(random_weights(QT.Q6_K, V, D, rng))
+    norm_w = dev(rng.standard_normal(D).astype(np.float32))
+    x_in = dev(rng.standard_normal((B, D)).astype(np.float32))
+    ck0, cv0 = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
+    slots = dev(np.array([2, 0], dtype=np.int32))
+    positions = cp.zeros(B, dtype=cp.int32)
+    kv_lens = cp.zeros(B, dtype=cp.int32)
+    S = K.attention_splits(B, n_kv, max_ctx)
+
+    def make_bufs():
+        return dict(
+            ck=cp.asarray(ck0), cv=cp.asarray(cv0), h=cp.empty((B, D), cp.float32),
+            q=cp.empty((B, H * hd), cp.float32), k=cp.empty((B, n_kv * hd), cp.float32),
+            v=cp.empty((B, n_kv * hd), cp.float32), att=cp.empty((B, H, hd), cp.float32),
+            o=cp.empty((B, D), cp.float32), g=cp.empty((B, F), cp.float32), u=cp.empty((B, F), cp.float32),
+            a=cp.empty((B, F), cp.float32), logits=cp.empty((B, V), cp.float32), tok=cp.empty(B, cp.int32),
+            ws=K.attention_workspace(B, H, hd, S))
+
+    def step(b, s):
+        K.rmsnorm(x_in, norm_w, 1e-5, out=b["h"], stream=s)
+        K.matvec(wq, QT.Q4_K, H * hd, D, b["h"], out=b["q"], stream=s)
+        K.matvec(wk, QT.Q4_K, n_kv * hd, D, b["h"], out=b["k"], stream=s)
+        K.matvec(wv, QT.Q6_K, n_kv * hd, D, b["h"], out=b["v"], stream=s)
+        q3, k3, v3 = b["q"].reshape(B, H, hd), b["k"].reshape(B, n_kv, hd), b["v"].reshape(B, n_kv, hd)
+        K.rope_inplace(q3, positions, hd, 10000.0, stream=s)
+        K.rope_inplace(k3, positions, hd, 10000.0, stream=s)
+        K.kv_append(k3, v3, b["ck"], b["cv"], slots, positions, stream=s)
+        K.attention(q3, b["ck"], b["cv"], slots, kv_lens, out=b["att"], n_splits=S, workspace=b["ws"], stream=s)
+        K.matvec(wo, QT.Q4_K, D, H * hd, b["att"].reshape(B, H * hd), out=b["o"], stream=s)
+        K.matvec(wg, QT.Q4_K, F, D, b["o"], out=b["g"], stream=s)
+        K.matvec(wu, QT.Q4_K, F, D, b["o"], out=b["u"], stream=s)
+        K.swiglu(b["g"], b["u"], out=b["a"], stream=s)
+        K.matvec(wout, QT.Q6_K, V, D, b["o"], out=b["logits"], stream=s)
+        K.argmax(b["logits"], out=b["tok"], stream=s)
+
+    s = cp.cuda.Stream(non_blocking=True)
+    gb, eb = make_bufs(), make_bufs()
+    # compile/load every kernel eagerly first (on scratch buffers), then capture
+    warm = make_bufs()
+    positions.set(np.array([3, 4], dtype=np.int32))
+    kv_lens.set(np.array([4, 5], dtype=np.int32))
+    step(warm, s)
+    s.synchronize()
+    with s:
+        s.begin_capture()
+        step(gb, s)
+        graph = s.end_capture()
+    for pos in ([10, 20], [11, 21], [200, 5]):
+        p = np.array(pos, dtype=np.int32)
+        positions.set(p, stream=s)
+        kv_lens.set(p + 1, stream=s)
+        graph.launch(stream=s)
+        s.synchronize()
+        step(eb, s)
+        s.synchronize()
+        for name in ("h", "q", "att", "o", "a", "logits", "tok", "ck", "cv"):
+            np.testing.assert_array_equal(cp.asnumpy(gb[name]), cp.asnumpy(eb[name]), err_msg=f"{name} at {pos}")
+        assert np.all(np.isfinite(cp.asnumpy(gb["logits"])))
+    # the graph really used the new positions: attention at 200 differs from at 11
+    assert not np.array_equal(cp.asnumpy(gb["ck"][2, :, 200]), ck0[2, :, 200])
