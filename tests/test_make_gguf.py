@@ -302,3 +302,40 @@ def test_cli(tmp_path):
                           str(tmp_path / "x.gguf"), "--kv-heads", "3", "-q"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "n_kv_heads" in bad.stderr
+
+
+def test_activations_stay_finite_and_scaled_through_all_layers(tmp_path):
+    """A plain numpy Llama forward (RMSNorm, GQA attention, SwiGLU; RoPE left out: it does
+    not change scales) over a 16-layer Q4_K_M model: the residual stream grows slowly and
+    the logits are finite and of moderate size."""
+    cfg = sg.preset_config("tiny", type="Q4_K_M", n_layers=16)
+    t = {k: gguf.quants.dequantize(v.data, v.tensor_type).astype(np.float64)
+         for k, v in _tensors(sg.write_llama_gguf(tmp_path / "m.gguf", cfg)).items()}
+    hd, nh, nkv = cfg.hd, cfg.n_heads, cfg.n_kv_heads
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_eps) * w
+
+    ids = np.array([1, 50, 300, 7, 99, 260])
+    x = t["token_embd.weight"][ids]                      # x: [S, D]
+    S = len(ids)
+    mask = np.triu(np.full((S, S), -np.inf), 1)
+    rms = []
+    for i in range(cfg.n_layers):
+        p = lambda k: t[f"blk.{i}.{k}.weight"]  # noqa: E731  (rows = outputs: y = x @ W.T)
+        h = norm(x, p("attn_norm"))
+        q = (h @ p("attn_q").T).reshape(S, nh, hd)
+        k = np.repeat((h @ p("attn_k").T).reshape(S, nkv, hd), nh // nkv, axis=1)
+        v = np.repeat((h @ p("attn_v").T).reshape(S, nkv, hd), nh // nkv, axis=1)
+        a = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
+        a = np.exp(a - a.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        x = x + np.einsum("hqk,khd->qhd", a, v).reshape(S, nh * hd) @ p("attn_output").T
+        h = norm(x, p("ffn_norm"))
+        g, u = h @ p("ffn_gate").T, h @ p("ffn_up").T
+        x = x + (g / (1 + np.exp(-g)) * u) @ p("ffn_down").T
+        rms.append(float(np.sqrt((x * x).mean())))
+    logits = norm(x, t["output_norm.weight"]) @ t["output.weight"].T   # [S, V]
+    assert np.isfinite(logits).all()
+    assert 0.3 < rms[0] < 3 and rms[-1] < 10 * rms[0], rms
+    assert 0.2 < logits.std() < 5, logits.std()
