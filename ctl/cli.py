@@ -294,7 +294,8 @@ def status(
         st = instance.get_status(name)
         if st is None:
             others = instance.list_instances()
-            hint = f" (running: {', '.join(others)})" if others else " (start one with `ntxctl start`)"
+            hint = f" (running: {', '.join(others)})" if others else ""
+            hint += f"; start it with `ntxctl start --name {name}`"
             _fail(f"instance {name!r} is not running{hint}")
         return st
 
@@ -322,7 +323,8 @@ def status(
 def main() -> None:
     """Console entry point: user errors become one line and exit status 1."""
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
     except NtxError as e:
         typer.echo(f"ntxctl: error: {e}", err=True)
         sys.exit(1)

@@ -1,0 +1,237 @@
+"""The daemon pipeline on the CPU backend, with real processes, shared memory and sockets.
+
+Every acceptance point of the pipeline issue: streamed passes equal the in-process reference
+(storage-only, mixed tiers, 2 and 3 slots), status names every stage and a bottleneck, eight
+concurrent clients, kill -9 of each daemon, nothing left after stop, bad input on the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import msgpack
+import pytest
+
+from ntx.ctl import instance
+from ntx.ctl.client import Client, ClientError
+from ntx.ctl.local import build_local_engine
+from ntx.daemons.compute.engine import Request
+from ntx.daemons.compute.sampler import SamplingParams
+
+from .pipeline_util import free_port, ntxctl, running_pipeline
+
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "def fibonacci(n):",
+    "Once upon a time, there was a",
+    "The three primary colors are",
+    "import numpy as np\n",
+    "My favourite fruit is",
+    "The largest planet in the solar system is",
+]
+N_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path) -> dict[str, list[int]]:
+    """Greedy tokens of each prompt, run alone in this process with every layer resident."""
+    engine = build_local_engine(str(smollm2_path))
+    out = {}
+    for p in PROMPTS:
+        ids = engine.prompt_tokens(prompt=p, raw=True)
+        engine.submit(Request(id=p, prompt_tokens=ids, params=SamplingParams(temperature=0.0, max_tokens=N_TOKENS)))
+        while engine.has_work:
+            for ev in engine.step():
+                if ev["type"] == "done":
+                    out[p] = ev["tokens"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    old = os.environ.get("NTX_RUN_DIR")
+    os.environ["NTX_RUN_DIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("NTX_RUN_DIR", None)
+    else:
+        os.environ["NTX_RUN_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def storage_pipeline(smollm2_path, run_dir):
+    """Every layer on the storage tier: each pass streams all 30 layers through both rings."""
+    with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "0", "--ram-budget", "0", name="storage") as p:
+        yield p
+
+
+def test_storage_tier_equals_reference_and_status_names_bottleneck(storage_pipeline, reference):
+    st = storage_pipeline.status()
+    assert st["plan"]["tiers"] == ["storage"] * 30
+    for prompt in PROMPTS[:2]:
+        done = storage_pipeline.generate_greedy(prompt, N_TOKENS)
+        assert done["tokens"] == reference[prompt], prompt
+    time.sleep(0.7)  # one stats interval, so every stage has reported
+    st = storage_pipeline.status()
+    for stage in ("reader", "dma", "compute"):
+        assert st["stages"][stage]["total"]["bytes"] > 0, stage
+    assert st["bottleneck"] in ("reader", "dma", "compute")
+    assert st["io"]["io_mode"] in ("direct", "buffered")
+    assert st["tokens_generated"] >= 2 * N_TOKENS
+    # the human view renders without error and names the bottleneck
+    r = ntxctl("status", "--name", "storage")
+    assert r.returncode == 0, r.stderr
+    assert "bottleneck" in r.stdout and "reader" in r.stdout and "compute" in r.stdout
+
+
+def test_eight_concurrent_clients(storage_pipeline, reference):
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(prompt: str) -> None:
+        try:
+            with Client(storage_pipeline.listen, event_timeout_s=300) as c:
+                toks = []
+                for ev in c.generate(prompt, raw=True, temperature=0.0, max_tokens=N_TOKENS):
+                    if ev["type"] == "token":
+                        toks.append(ev["token"])
+                    else:
+                        assert ev["tokens"] == toks
+                results[prompt] = toks
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert results == {p: reference[p] for p in PROMPTS}
+
+
+def test_bad_input_on_the_wire_keeps_serving(storage_pipeline, smollm2_path):
+    with storage_pipeline.client() as c:
+        # a well-behaved request in flight while the bad ones arrive
+        good = c.submit("The capital of France is", raw=True, temperature=0.0, max_tokens=4)
+        c.send_raw(b"\xc1\xff not msgpack")
+        assert "msgpack" in c.next_event(None, 30)["message"]
+        c.send_raw(msgpack.packb([1, 2, 3]))
+        assert "map" in c.next_event(None, 30)["message"]
+        cases = [
+            ({"op": "fly", "id": "a"}, "unknown op"),
+            ({"op": "generate", "id": "b", "prompt": 5}, "'prompt'"),
+            ({"op": "generate", "id": "c", "prompt": ""}, "empty prompt"),
+            ({"op": "generate", "id": "d", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+            ({"op": "generate", "id": "e", "prompt": "hi", "temperature": -3.0}, "temperature"),
+            ({"op": "generate", "id": "f", "prompt": "hi", "top_p": 9.0}, "top_p"),
+            ({"op": "generate", "id": "g", "prompt": "x " * 5000, "raw": True}, "context"),
+            ({"op": "generate", "id": "h", "tokens": [1, 2, 10**9]}, "vocabulary"),
+            ({"op": "generate", "id": "i", "prompt": "hi", "stop": "x"}, "'stop'"),
+            ({"op": "generate", "id": good, "prompt": "again"}, "already in flight"),
+        ]
+        for msg, needle in cases:
+            c.send(msg)
+            ev = c.next_event(msg.get("id") if msg["id"] != good else good, 60)
+            if msg["id"] == good and ev["type"] != "error":
+                # replies of the good request may come first; find the duplicate-id error
+                while ev["type"] != "error":
+                    ev = c.next_event(good, 60)
+            assert ev["type"] == "error", (msg, ev)
+            assert needle in ev["message"], (needle, ev)
+        done = None
+        for ev in c.events(good):
+            done = ev
+        assert done["type"] == "done" and done["finish_reason"] == "length"
+        assert "Paris" in done["text"]
+
+
+def test_cancel_tells_the_client(storage_pipeline):
+    with storage_pipeline.client() as c:
+        rid = c.submit("Once upon a time", raw=True, temperature=0.0, max_tokens=500)
+        first = c.next_event(rid, 120)
+        assert first["type"] == "token"
+        c.cancel(rid)
+        done = None
+        for ev in c.events(rid):
+            done = ev
+        assert done["finish_reason"] == "cancelled"
+
+
+@pytest.mark.parametrize("daemon", ["compute", "dma", "reader"])
+def test_kill_9_each_daemon_restarts_pipeline(storage_pipeline, daemon):
+    st = storage_pipeline.wait_state("ready")
+    gen = st["gen"]
+    pid = st["daemons"][daemon]["pid"]
+    with storage_pipeline.client() as c:
+        rid = c.submit("Once upon a time", raw=True, temperature=0.0, max_tokens=500)
+        assert c.next_event(rid, 120)["type"] == "token"  # it is generating
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ClientError) as err:
+            for _ in c.events(rid):
+                pass
+        assert err.value.code == "pipeline_failure"
+        assert daemon in str(err.value) and "SIGKILL" in str(err.value)
+    st = storage_pipeline.wait_state("ready", min_gen=gen + 1)
+    assert st["restarts"] >= 1
+    assert st["daemons"][daemon]["pid"] != pid
+    done = storage_pipeline.generate_greedy("The capital of France is", 4)
+    assert "Paris" in done["text"]
+    # the old generation's shared memory is gone; only the new generation's remains
+    left = [x for x in instance.leftovers("storage") if x.startswith("shm:")]
+    assert left and all(f"-g{st['gen']}-" in x for x in left), left
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_mixed_plan_equals_reference(smollm2_path, run_dir, reference, slots):
+    # 10 resident layers, about 12 in pinned RAM, the rest from storage
+    with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "10", "--ram-budget", "30MiB",
+                          "--slots", str(slots), name=f"mixed{slots}") as p:
+        st = p.status()
+        tiers = st["plan"]["tiers"]
+        assert {"vram", "ram", "storage"} <= set(tiers), tiers
+        assert st["plan"]["n_slots"] == slots
+        for prompt in PROMPTS[2:4]:
+            assert p.generate_greedy(prompt, N_TOKENS)["tokens"] == reference[prompt]
+
+
+def test_stop_leaves_nothing_and_start_errors_are_one_line(smollm2_path, run_dir, tmp_path):
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "leak", "--backend", "cpu", "--listen", listen,
+               "--gpu-layers", "5", "--ram-budget", "20MiB")
+    assert r.returncode == 0, r.stderr
+    assert instance.leftovers("leak"), "a running instance has segments and sockets"
+    # a second start of the same name is refused in one line
+    r2 = ntxctl("start", "--model", str(smollm2_path), "--name", "leak", "--backend", "cpu", "--listen", listen)
+    assert r2.returncode != 0 and "already running" in r2.stderr and "Traceback" not in r2.stderr
+    r = ntxctl("stop", "--name", "leak")
+    assert r.returncode == 0, r.stderr
+    assert instance.leftovers("leak") == []
+    assert not (run_dir / "leak").exists()
+    # stop of a stopped instance says so
+    r = ntxctl("stop", "--name", "leak")
+    assert r.returncode != 0 and "not running" in r.stderr
+    # a bad model file fails start with the file's own problem, nothing started
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all" * 10)
+    r = ntxctl("start", "--model", str(bad), "--name", "bad", "--backend", "cpu", "--listen", listen)
+    assert r.returncode != 0
+    assert "not a GGUF file" in r.stderr and "Traceback" not in r.stderr
+    assert instance.leftovers("bad") == []
+    # --plan-only prints the plan and starts nothing
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "plan", "--backend", "cpu", "--plan-only",
+               "--gpu-layers", "3", "--ram-budget", "0")
+    assert r.returncode == 0 and "storage" in r.stdout and "vram" in r.stdout
+    assert instance.leftovers("plan") == [] and not (run_dir / "plan").exists()
+
+
+def test_status_and_generate_without_pipeline_say_how_to_start(run_dir):
+    r = ntxctl("status", "--name", "nothing-here")
+    assert r.returncode != 0 and "ntxctl start" in r.stderr
+    r = ntxctl("chat", "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert r.returncode != 0 and "ntxctl start" in r.stderr
