@@ -25,7 +25,7 @@ import numpy as np
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "F16"]
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 # (rows per CTA, warps per CTA, pieces per lane per trip)
-SWEEP = [(nr, nw, u) for nr in (1, 2, 4) for u in (1, 2, 4) for nw in (2, 4, 8) if not (nr == 4 and u == 4)]
+SWEEP = [(nr, nw, u) for nr in (1, 2, 4) for u in (1, 2) for nw in (4, 8)]
 
 
 def _k():
@@ -37,13 +37,15 @@ def precompile_specs():
     K = _k()
     specs = []
     for qt in K.QType:
-        for nr, u in sorted({(c[0], c[2]) for c in K._MV_DEFAULT.values()}):
-            specs.append(("quant.cu", K._mv_names(int(qt), nr, u)))
+        for tid in (int(qt), K._V2.get(int(qt), int(qt))):
+            for nr, u in sorted({(c[0], c[2]) for c in K._MV_DEFAULT.values()}):
+                specs.append(("quant.cu", K._mv_names(tid, nr, u)))
         specs.append(("quant.cu", (f"deq_kernel<{int(qt)},0>", f"deq_kernel<{int(qt)},1>")))
     for t in TYPES:
         qt = int(K.QType[t])
-        for nr, u in sorted({(c[0], c[2]) for c in SWEEP}):
-            specs.append(("quant.cu", K._mv_names(qt, nr, u)))
+        for tid in (qt, K._V2.get(qt, qt)):
+            for nr, u in sorted({(c[0], c[2]) for c in SWEEP}):
+                specs.append(("quant.cu", K._mv_names(tid, nr, u)))
     specs.append(("ops.cu", ()))
     for g in (1, 3, 4, 8):
         for hd in (64, 128):
@@ -85,6 +87,7 @@ def random_raw(cp, K, qt, n_rows, n_cols, rng):
 
 def time_graph(cp, launch_fns, reps: int) -> float:
     """Seconds per launch of a CUDA graph made of launch_fns (each enqueues one kernel)."""
+    cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         for f in launch_fns[:2]:
@@ -141,25 +144,34 @@ def bench_matvec(cp, K, quick: bool):
             for B in (1, 8):
                 x = cp.random.standard_normal((B, n_cols), dtype=cp.float32)
                 out = cp.empty((B, n_rows), dtype=cp.float32)
-                ref = K.matvec(views[0], qt, n_rows, n_cols, x).copy()
+                ref = K.matvec(views[0], qt, n_rows, n_cols, x, variant="v1").copy()
                 default_cfg = K._MV_CONFIG.get((int(qt), B)) or K._MV_DEFAULT[B]
-                cfgs = list(dict.fromkeys([default_cfg] + sweep))
+                has_v2 = int(qt) in K._V2
+                runs = [("v1", default_cfg)] + [(("v2" if has_v2 else "v1"), c) for c in sweep]
+                if has_v2:
+                    runs.insert(1, ("v2", default_cfg))
+                runs = list(dict.fromkeys(runs))
                 rows = []
-                for cfg in cfgs:
+                cp.cuda.Device().synchronize()
+                for var, cfg in runs:
                     out.fill(cp.nan)
-                    K.matvec(views[0], qt, n_rows, n_cols, x, out=out, config=cfg)
+                    K.matvec(views[0], qt, n_rows, n_cols, x, out=out, config=cfg, variant=var)
                     err = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
-                    fns = [(lambda s, v=v, cfg=cfg: K.matvec(v, qt, n_rows, n_cols, x, out=out, stream=s, config=cfg))
-                           for v in views]
+                    fns = [(lambda s, v=v, cfg=cfg, var=var: K.matvec(v, qt, n_rows, n_cols, x, out=out, stream=s,
+                                                                      config=cfg, variant=var)) for v in views]
                     reps = max(3, int(0.02 / max(1e-6, nbytes / 3e12) / copies))
                     t = time_graph(cp, fns, min(reps, 200))
-                    rows.append({"config": list(cfg), "us": t * 1e6, "gbps": nbytes / t / 1e9, "relerr_vs_default": err})
-                best = max((r for r in rows if r["relerr_vs_default"] < 1e-5), key=lambda r: r["gbps"])
+                    rows.append({"variant": var, "config": list(cfg), "us": t * 1e6, "gbps": nbytes / t / 1e9,
+                                 "relerr_vs_v1": err})
+                ok = [r for r in rows if r["relerr_vs_v1"] < 1e-5]
+                best = max(ok, key=lambda r: r["gbps"]) if ok else {"variant": "-", "config": [], "us": 0, "gbps": 0}
+                if len(ok) < len(rows):
+                    print("  MISMATCH:", [(r["variant"], r["config"], r["relerr_vs_v1"]) for r in rows if r not in ok])
                 dflt = rows[0]
                 results.append({"type": tname, "n_rows": n_rows, "n_cols": n_cols, "B": B, "bytes": nbytes,
                                 "copies": copies, "default": dflt, "best": best, "all": rows})
-                print(f"  {tname:5s} {n_rows:6d}x{n_cols:<6d} B={B}  default {dflt['gbps']:7.0f} GB/s "
-                      f"({dflt['us']:7.1f} us)  best {best['gbps']:7.0f} GB/s cfg={best['config']}", flush=True)
+                print(f"  {tname:5s} {n_rows:6d}x{n_cols:<6d} B={B}  v1-default {dflt['gbps']:7.0f} GB/s "
+                      f"({dflt['us']:7.1f} us)  best {best['gbps']:7.0f} GB/s {best['variant']} cfg={best['config']}", flush=True)
             del big, views
     return results
 
@@ -256,11 +268,11 @@ def main() -> int:
     print(f"device-to-device copy again: {copy_bw2 / 1e9:.0f} GB/s")
     print()
     print(f"matvec, weight bytes / time, vs copy bandwidth {copy_bw / 1e9:.0f} GB/s (graph replay, L2-cold)")
-    print(f"{'type':5s} {'shape':>12s} {'B':>2s} {'MB':>7s} {'default GB/s':>13s} {'%':>5s} {'best GB/s':>10s} {'%':>5s}  best cfg (rows, warps, unroll)")
+    print(f"{'type':5s} {'shape':>12s} {'B':>2s} {'MB':>7s} {'v1 dflt GB/s':>13s} {'%':>5s} {'best GB/s':>10s} {'%':>5s}  best variant, cfg (rows, warps, unroll)")
     for r in mv:
         d, b = r["default"], r["best"]
         print(f"{r['type']:5s} {r['n_rows']:>5d}x{r['n_cols']:<6d} {r['B']:>2d} {r['bytes'] / 1e6:7.1f} {d['gbps']:13.0f} "
-              f"{100 * d['gbps'] * 1e9 / copy_bw:5.1f} {b['gbps']:10.0f} {100 * b['gbps'] * 1e9 / copy_bw:5.1f}  {b['config']}")
+              f"{100 * d['gbps'] * 1e9 / copy_bw:5.1f} {b['gbps']:10.0f} {100 * b['gbps'] * 1e9 / copy_bw:5.1f}  {b['variant']} {b['config']}")
     res = {"device": dev, "copy_gbps": copy_bw / 1e9, "copy_gbps_end": copy_bw2 / 1e9, "matvec": mv, "other": other,
            "seconds": time.perf_counter() - t0}
     with open(a.out, "w") as f:

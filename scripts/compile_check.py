@@ -39,12 +39,13 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
     if fname == "quant.cu":
         cfgs = {(nr, u) for nr, _, u in _defaults().values()}
         if all_configs:
-            cfgs = {(nr, u) for nr in (1, 2, 4) for u in (1, 2, 4)}
+            cfgs = {(nr, u) for nr in (1, 2, 4) for u in (1, 2)}
         out = []
-        for qt in QTYPES:
+        for qt in QTYPES + [108, 112, 113, 114]:  # + the v2 (lane-contiguous) matvec variants
             for nr, u in sorted(cfgs):
                 out += [f"mv_kernel<{qt},{b},{nr},{u}>" for b in range(1, 9)]
-            out += [f"deq_kernel<{qt},0>", f"deq_kernel<{qt},1>"]
+            if qt < 100:
+                out += [f"deq_kernel<{qt},0>", f"deq_kernel<{qt},1>"]
         return out
     if fname == "ops.cu":
         return [f"attn_split_kernel<{g},{hd}>" for g in (1, 2, 3, 4, 8) for hd in (64, 128, 256) if g * hd <= 2048]

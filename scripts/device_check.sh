@@ -3,18 +3,21 @@
 # make `import ntx.*` work without installing the package, precompile the kernels in parallel
 # (cupy's on-disk cache), run the GPU tests, then the kernel benchmark. Logs and JSON go to $OUT.
 #
-# From the repo root on the device machine:  bash scripts/device_check.sh [--quick] [--no-bench] [--no-tests]
+# From the repo root on the device machine:
+#   bash scripts/device_check.sh [--quick] [--no-bench] [--no-tests] [--sanitize] [pytest args]
+# --sanitize: first run the attention/KV/graph tests under compute-sanitizer memcheck.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$REPO/.device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-QUICK=""; BENCH=1; TESTS=1; PYTEST_ARGS=()
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
     --no-bench) BENCH=0 ;;
     --no-tests) TESTS=0 ;;
+    --sanitize) SANITIZE=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
 done
@@ -40,9 +43,16 @@ cd /tmp  # not the repo root: its ntx/ would shadow the namespace farm
 
 t0=$(date +%s)
 python3 "$REPO/scripts/bench_kernels.py" --precompile --jobs "$(nproc)" 2>&1 | tee "$OUT/precompile.log"
+# pytest puts the repo root (parent of the tests package) first on sys.path, where ntx/ lacks the
+# mapped subpackages: import ntx from the farm before pytest starts.
+PYTEST=(python3 -c "import sys, ntx.daemons.compute.cuda.kernels, pytest; sys.exit(pytest.main(sys.argv[1:]))")
 rc=0
+if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  timeout 240 compute-sanitizer --tool memcheck --print-limit 5 "${PYTEST[@]}" "$REPO/tests/gpu" -q -x -p no:cacheprovider \
+    -k "attention or kv_append or graph" 2>&1 | tail -40 | tee "$OUT/sanitizer.log"
+fi
 if [ "$TESTS" = 1 ]; then
-  python3 -m pytest "$REPO/tests/gpu" -q -p no:cacheprovider --timeout 600 --junitxml="$OUT/tests.xml" \
+  "${PYTEST[@]}" "$REPO/tests/gpu" -q -p no:cacheprovider --timeout 600 --junitxml="$OUT/tests.xml" \
     "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/tests.log"
   rc=${PIPESTATUS[0]}
 fi

@@ -111,17 +111,19 @@ def test_matvec(qt, B, big, rng):
     assert relerr(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((2, 1), (4, 2), (8, 4))])
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
-def test_matvec_configs(qt, config, rng):
-    """Every launch configuration the benchmark may pick gives the same product."""
+@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2))])
+@pytest.mark.parametrize("qt,variant", [(QT.Q4_K, "v1"), (QT.Q4_K, "v2"), (QT.Q5_K, "v2"), (QT.Q6_K, "v1"), (QT.Q6_K, "v2"),
+                                        (QT.Q8_0, "v1"), (QT.Q8_0, "v2"), (QT.F16, "v1")],
+                         ids=lambda v: v.name if isinstance(v, QT) else v)
+def test_matvec_configs(qt, variant, config, rng):
+    """Every kernel variant and launch configuration the benchmark may pick gives the same product."""
     n_rows, n_cols = 203, _cols(qt, True)
     raw = random_weights(qt, n_rows, n_cols, rng)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
     for B in (1, 3, 8):
         x = rng.standard_normal((B, n_cols)).astype(np.float32)
         out = nan_f32((B, n_rows))
-        K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=config)
+        K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=config, variant=variant)
         assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5, (B, config)
 
 
@@ -145,6 +147,7 @@ def test_matvec_1d_and_stream(rng):
     x = rng.standard_normal(n_cols).astype(np.float32)
     s = cp.cuda.Stream(non_blocking=True)
     out = nan_f32((n_rows,))
+    cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
     K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, stream=s)
     s.synchronize()
     assert relerr(out, reference_matrix(qt, raw, n_rows, n_cols) @ x.astype(np.float64)) < 1e-5
@@ -453,6 +456,7 @@ def test_graph_replay_matches_eager(rng):
     gb, eb = make_bufs(), make_bufs()
     # compile/load every kernel eagerly first (on scratch buffers), then capture
     warm = make_bufs()
+    cp.cuda.Device().synchronize()  # buffers were filled on the legacy stream; s does not wait for it
     positions.set(np.array([3, 4], dtype=np.int32))
     kv_lens.set(np.array([4, 5], dtype=np.int32))
     step(warm, s)

@@ -70,8 +70,12 @@ QUANT_INFO: dict[QType, tuple[int, int, int, int]] = {
 }
 
 # matvec launch configuration per batch size: (rows per CTA, warps per CTA, pieces per lane per trip)
-_MV_DEFAULT = {1: (1, 4, 2), 2: (2, 4, 2), 3: (2, 4, 2), 4: (2, 4, 2),
+_MV_DEFAULT = {1: (2, 4, 1), 2: (2, 4, 1), 3: (2, 4, 1), 4: (2, 4, 1),
                5: (4, 4, 1), 6: (4, 4, 1), 7: (4, 4, 1), 8: (4, 4, 1)}
+# matvec kernel variants (quant.cu): "v2" = the lane-contiguous cut of a block (traits id + 100),
+# whose activation loads cover whole cache lines; "v1" = the first cut (every type has one).
+_V2 = {12: 112, 13: 113, 14: 114, 8: 108}
+MATVEC_VARIANT = "v2"
 _MV_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {}  # (qtype, B) -> config, overrides
 
 
@@ -136,12 +140,9 @@ def compile_all(qtypes=None) -> None:
     """Compile (or load from cupy's disk cache) the modules that the default paths use."""
     for qt in qtypes if qtypes is not None else list(QType):
         qt = int(qt)
-        for b in (1,):
-            nr, _, u = _MV_DEFAULT[b]
-            _mv_kernel(qt, b, nr, u)
-        for b in (5,):
-            nr, _, u = _MV_DEFAULT[b]
-            _mv_kernel(qt, b, nr, u)
+        for tid in {qt, _V2.get(qt, qt)}:
+            for nr, u in {(c[0], c[2]) for c in _MV_DEFAULT.values()}:
+                _mv_kernel(tid, 1, nr, u)
         _deq_kernel(qt, False)
     _ops_kernel("rmsnorm_kernel")
 
@@ -205,13 +206,22 @@ def _aligned_x(x, n_cols: int):
 
 
 # ------------------------------------------------------------------------------ GEMV / GEMM
-def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None):
+def _mv_traits(qt: QType, n_cols: int, variant) -> int:
+    v = variant or MATVEC_VARIANT
+    if v == "v2" and int(qt) in _V2 and not (qt == QType.Q8_0 and n_cols % 64):
+        return _V2[int(qt)]
+    return int(qt)
+
+
+def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None):
     """out[b, r] = sum_c W[r, c] * x[b, c].
 
     w_raw: uint8 GGUF bytes of W [n_rows, n_cols]; x: f32 [B, n_cols] (or [n_cols]), B <= 8;
     out: f32 [B, n_rows] (or [n_rows] for a 1-D x). Weights are read once for all B rows of x.
     f32 arithmetic throughout (weights dequantized in registers, f32 accumulation).
     config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4}).
+    variant: "v1" or "v2" kernel cut (default MATVEC_VARIANT; v2 exists for Q4_K, Q5_K, Q6_K, and
+    Q8_0 rows of an even number of blocks).
     """
     qt = QType(int(qtype))
     rb = _check_weights(w_raw, qt, n_rows, n_cols)
@@ -222,7 +232,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     nr, nw, u = config or _MV_CONFIG.get((int(qt), B)) or _MV_DEFAULT[B]
-    kern = _mv_kernel(int(qt), B, nr, u)
+    kern = _mv_kernel(_mv_traits(qt, n_cols, variant), B, nr, u)
     grid = ((n_rows + nr - 1) // nr,)
     with _stream_ctx(stream):
         kern(grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
@@ -456,7 +466,7 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
     smem = _ATTN_WARPS * G * hd * 4
     with _stream_ctx(stream):
         _attn_kernel(G, hd)((S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), (
-            q, cache_k, cache_v, slots, kv_lens, part_ml, part_acc, np.int32(T), np.int32(n_kv),
+            q, cache_k, cache_v, slots, kv_lens, part_ml, part_acc, np.int32(n_slots), np.int32(n_kv),
             np.int32(max_ctx), np.float32(sc)), shared_mem=smem)
         _ops_kernel("attn_combine_kernel")((H, T), (min(hd, 256),), (
             part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd)))

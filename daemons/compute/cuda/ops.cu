@@ -125,7 +125,7 @@ template <int G, int HD>
 __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ ck,
                                                 const u16* __restrict__ cv, const int* __restrict__ slots,
                                                 const int* __restrict__ kv_lens, float* __restrict__ part_ml,
-                                                float* __restrict__ part_acc, int T, int n_kv, int max_ctx,
+                                                float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
                                                 float scale, float* qs_all) {
     constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpc = blockDim.x >> 5;
@@ -135,9 +135,10 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     float* qs = qs_all + warp * G * HD;
     for (int i = lane; i < G * HD; i += 32) qs[i] = q[((long long)t * H + g * G) * HD + i] * scale;
     __syncwarp();
-    const int slot = slots[t];
+    int slot = slots[t];
     int L = kv_lens[t];
     if (L > max_ctx) L = max_ctx;
+    if (slot < 0 || slot >= n_slots) { slot = 0; L = 0; }  // bad slot: attend to nothing (output 0)
     const long long kvbase = ((long long)slot * n_kv + g) * max_ctx * HD;
     float m[G], l[G], acc[G][EPL];
 #pragma unroll
@@ -215,10 +216,10 @@ template <int G, int HD>
 __global__ void __launch_bounds__(128) attn_split_kernel(const float* __restrict__ q, const u16* __restrict__ ck,
                                                          const u16* __restrict__ cv, const int* __restrict__ slots,
                                                          const int* __restrict__ kv_lens, float* __restrict__ part_ml,
-                                                         float* __restrict__ part_acc, int T, int n_kv, int max_ctx,
+                                                         float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
                                                          float scale) {
     extern __shared__ float qs_all[];
-    attn_split_body<G, HD>(q, ck, cv, slots, kv_lens, part_ml, part_acc, T, n_kv, max_ctx, scale, qs_all);
+    attn_split_body<G, HD>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all);
 }
 
 // out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (H, T), block HD.

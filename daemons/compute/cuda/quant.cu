@@ -253,6 +253,105 @@ template <> struct QTraits<14> {
     }
 };
 
+// ---------------------------------------------------------------- lane-contiguous variants
+// The variants below (type id + 100) cut a block so that the 8 lanes of a group read 32
+// consecutive activations: a warp's float4 loads of x then touch 4 whole 128-byte lines
+// (the mapping above scatters them over up to 32 lines, and the L1 wavefronts of those
+// loads, not DRAM, bound the kernel).
+//
+// K-quant scales and mins of all 8 sub-blocks as packed bytes (llama.cpp's trick): words for
+// sub-blocks 0..3 (lo) and 4..7 (hi).
+__device__ __forceinline__ void k4_scales_packed(u32 s0, u32 s1, u32 s2, bool hi, u32& scw, u32& mw) {
+    const u32 sc_lo = s0 & 0x3F3F3F3Fu, m_lo = s1 & 0x3F3F3F3Fu;
+    const u32 sc_hi = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+    const u32 m_hi = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+    scw = hi ? sc_hi : sc_lo;
+    mw = hi ? m_hi : m_lo;
+}
+// Q4_K, 32 pieces of 4 qs bytes: piece j -> chunk c = j/8, positions p..p+3 (p = 4*(j%8));
+// low nibbles -> sub-block 2c, high nibbles -> sub-block 2c+1.
+template <> struct QTraits<112> {
+    static constexpr int EPB = 256, BYTES = 144, LPB = 32, NG = 1;
+    struct Raw { uint4 h; u32 q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.h = ld128(blk); r.q = ld32(blk + 16 + 4 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const int c = j >> 3, p = 4 * (j & 7), idx = (2 * c) & 3;
+        u32 scw, mw;
+        k4_scales_packed(r.h.y, r.h.z, r.h.w, c >= 2, scw, mw);
+        const float d = h2f(r.h.x), dmin = h2f(r.h.x >> 16);
+        const float ds0 = d * bytef(scw, idx, 0.f), ds1 = d * bytef(scw, idx + 1, 0.f);
+        const float dm0 = dmin * bytef(mw, idx, 0.f), dm1 = dmin * bytef(mw, idx + 1, 0.f);
+        const u32 lo = r.q & 0x0F0F0F0Fu, hi = (r.q >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = fmaf(ds0, bytef(lo, k, 0.f), -dm0); w[4 + k] = fmaf(ds1, bytef(hi, k, 0.f), -dm1); }
+        o0 = 64 * c + p; o1 = o0 + 32;
+    }
+};
+// Q5_K, as Q4_K v2 plus the high bits: qh byte p+t holds bit `is` for sub-block is.
+template <> struct QTraits<113> {
+    static constexpr int EPB = 256, BYTES = 176, LPB = 32, NG = 1;
+    struct Raw { uint4 h; u32 qh, q; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.h = ld128(blk); r.qh = ld32(blk + 16 + 4 * (j & 7)); r.q = ld32(blk + 48 + 4 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const int c = j >> 3, p = 4 * (j & 7), idx = (2 * c) & 3;
+        u32 scw, mw;
+        k4_scales_packed(r.h.y, r.h.z, r.h.w, c >= 2, scw, mw);
+        const float d = h2f(r.h.x), dmin = h2f(r.h.x >> 16);
+        const float ds0 = d * bytef(scw, idx, 0.f), ds1 = d * bytef(scw, idx + 1, 0.f);
+        const float dm0 = dmin * bytef(mw, idx, 0.f), dm1 = dmin * bytef(mw, idx + 1, 0.f);
+        const u32 lo = (r.q & 0x0F0F0F0Fu) | (((r.qh >> (2 * c)) & 0x01010101u) << 4);
+        const u32 hi = ((r.q >> 4) & 0x0F0F0F0Fu) | (((r.qh >> (2 * c + 1)) & 0x01010101u) << 4);
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = fmaf(ds0, bytef(lo, k, 0.f), -dm0); w[4 + k] = fmaf(ds1, bytef(hi, k, 0.f), -dm1); }
+        o0 = 64 * c + p; o1 = o0 + 32;
+    }
+};
+// Q6_K, 32 pieces: piece j -> half h = j/16, kk = (j/8)%2, l = 4*(j%8); the 4 bytes
+// ql[64h + 32kk + l ..] give k = kk (low nibbles) and k = kk+2 (high nibbles).
+template <> struct QTraits<114> {
+    static constexpr int EPB = 256, BYTES = 210, LPB = 32, NG = 1;
+    struct Raw { u32 ql, qh, sc, d; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        const int h = j >> 4, kk = (j >> 3) & 1, l = 4 * (j & 7);
+        r.ql = ld32a2(blk + 64 * h + 32 * kk + l);
+        r.qh = ld32a2(blk + 128 + 32 * h + l);
+        const u8* s = blk + 192 + 8 * h + 2 * kk + (l >> 4);
+        r.sc = (u32)__ldg(s) | ((u32)__ldg(s + 4) << 8);
+        r.d = ld16(blk + 208);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const int h = j >> 4, kk = (j >> 3) & 1, l = 4 * (j & 7);
+        const float d = h2f(r.d);
+        const float s0 = d * (float)(signed char)(r.sc & 0xFFu), s1 = d * (float)(signed char)((r.sc >> 8) & 0xFFu);
+        const u32 a = (r.ql & 0x0F0F0F0Fu) | (((r.qh >> (2 * kk)) & 0x03030303u) << 4);
+        const u32 b = ((r.ql >> 4) & 0x0F0F0F0Fu) | (((r.qh >> (2 * kk + 4)) & 0x03030303u) << 4);
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = s0 * bytef(a, k, 32.f); w[4 + k] = s1 * bytef(b, k, 32.f); }
+        o0 = 128 * h + 32 * kk + l; o1 = o0 + 64;
+    }
+};
+// Q8_0 in pairs of blocks (rows of an even number of blocks): piece j (8 per pair) takes
+// qs bytes 4j..4j+3 of both blocks.
+template <> struct QTraits<108> {
+    static constexpr int EPB = 64, BYTES = 68, LPB = 8, NG = 1;
+    struct Raw { u32 d0, q0, d1, q1; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.d0 = ld16(blk); r.q0 = ld32a2(blk + 2 + 4 * j);
+        r.d1 = ld16(blk + 34); r.q1 = ld32a2(blk + 36 + 4 * j);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, int g, float* w, int& o0, int& o1) {
+        const float d0 = h2f(r.d0), d1 = h2f(r.d1);
+        const u32 a = r.q0 ^ 0x80808080u, b = r.q1 ^ 0x80808080u;
+#pragma unroll
+        for (int k = 0; k < 4; k++) { w[k] = d0 * bytef(a, k, 128.f); w[4 + k] = d1 * bytef(b, k, 128.f); }
+        o0 = 4 * j; o1 = 32 + 4 * j;
+    }
+};
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
