@@ -26,7 +26,7 @@ def build_local_engine(
     the others are re-read from the file every pass."""
     index = open_model(model_path)
     tok = Tokenizer.from_metadata(index.metadata)
-    be = make_backend(backend, index)
+    be = make_backend(backend, index, max_seqs=engine_kw.get("max_batch", 16), max_ctx=engine_kw.get("max_context") or 4096)
     stream = None
     if resident_layers is not None and len(set(resident_layers)) < index.hparams.n_layers:
         stream = FileLayerStream(index)

@@ -143,7 +143,10 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, kv_tokens: int | None = No
     ram_budget = cfg.ram_budget if cfg.ram_budget is not None else ram_default
 
     hp = index.hparams
-    kv_tokens = kv_tokens or cfg.max_context * min(cfg.max_batch, 4)
+    if kv_tokens is None:
+        # cuda reserves a cache slot of max_context positions per sequence up front; the cpu
+        # backend grows each sequence's cache as it goes, so plan for a typical fill
+        kv_tokens = cfg.max_context * (cfg.max_batch if backend == "cuda" else min(cfg.max_batch, 4))
     kv_bytes = kv_tokens * kv_bytes_per_token(index, backend)
     if backend == "cuda":
         globals_bytes = index.global_bytes_total

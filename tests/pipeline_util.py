@@ -57,11 +57,11 @@ class Pipeline:
 
 
 @contextmanager
-def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t"):
+def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t", backend: str = "cpu"):
     """Start an instance with ``ntxctl start`` (a real detached supervisor); always stop it."""
     os.environ["NTX_RUN_DIR"] = str(run_dir)
     listen = f"tcp://127.0.0.1:{free_port()}"
-    r = ntxctl("start", "--model", model, "--name", name, "--backend", "cpu", "--listen", listen, *args)
+    r = ntxctl("start", "--model", model, "--name", name, "--backend", backend, "--listen", listen, *args)
     assert r.returncode == 0, f"start failed: {r.stdout}\n{r.stderr}"
     p = Pipeline(name, listen, run_dir)
     try:

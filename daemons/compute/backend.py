@@ -57,17 +57,24 @@ class Backend(ABC):
     def logits(self, x: Any, batch: StepBatch) -> np.ndarray:
         """Final norm and head for the rows in ``batch.logit_rows``: [N_out, V] float32 on host."""
 
+    def sync(self) -> None:
+        """Wait until the work queued so far is done (before a streamed slot is handed back)."""
 
-def make_backend(name: str, index: ModelIndex) -> Backend:
-    """The backend called ``name`` ("cpu" or "cuda")."""
+
+def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096) -> Backend:
+    """The backend called ``name`` ("cpu" or "cuda"), sized for ``max_seqs`` sequences of up to
+    ``max_ctx`` positions (the cuda backend reserves its KV cache up front)."""
     if name == "cpu":
         from ntx.daemons.compute.cpu_backend import CpuBackend
 
         return CpuBackend(index)
     if name == "cuda":
+        from ntx.daemons.compute.cuda_check import require_cuda
+
+        require_cuda()
         from ntx.daemons.compute.cuda.backend import CudaBackend  # noqa: PLC0415 (optional dep)
 
-        return CudaBackend(index)
+        return CudaBackend(index, max_seqs=max_seqs, max_ctx=max_ctx)
     from ntx.shared.errors import ConfigError
 
     raise ConfigError(f"unknown backend {name!r} (choose cuda or cpu)")

@@ -53,7 +53,7 @@ class ComputeDaemon(Daemon):
         self.index = open_model(cfg["model"])
         self.plan = Plan.from_dict(config["plan"])
         self.tokenizer = Tokenizer.from_metadata(self.index.metadata)
-        self.backend = make_backend(cfg["backend"], self.index)
+        self.backend = make_backend(cfg["backend"], self.index, max_seqs=cfg["max_batch"], max_ctx=cfg["max_context"])
         self.clock = StageClock("compute")
         self.owned: list[ShmSegment] = []
         streamed = self.plan.streamed_layers
@@ -66,7 +66,7 @@ class ComputeDaemon(Daemon):
             self.ring.bind(config["device_ring"])
             stream = RingStream(
                 self.ring, slot_bufs, streamed, {i: self.index.layers[i].nbytes for i in streamed},
-                self.clock, self.gen, on_wait=self._on_wait,
+                self.clock, self.gen, on_wait=self._on_wait, before_release=self.backend.sync,
             )
         model = LlamaModel(self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream)
         self.engine = EngineCore(

@@ -36,6 +36,7 @@ class RingStream:
         clock: StageClock,
         gen: int,
         on_wait: Callable[[], None] | None = None,
+        before_release: Callable[[], None] | None = None,
     ) -> None:
         self.sock = sock
         self.slot_bufs = slot_bufs
@@ -44,6 +45,7 @@ class RingStream:
         self.clock = clock
         self.gen = gen
         self.on_wait = on_wait
+        self.before_release = before_release  # e.g. wait for the GPU to finish reading the slot
         self.wanted_upto = -1
         self.ready: dict[tuple[int, int], int] = {}
         self.errors: dict[tuple[int, int], str] = {}
@@ -89,6 +91,8 @@ class RingStream:
         return self.slot_bufs[slot]
 
     def release(self, layer_idx: int, pass_id: int) -> None:
+        if self.before_release:
+            self.before_release()
         slot = self.held.pop((pass_id, layer_idx))
         self._send({"t": m.SLOT_FREE, "slot": slot, "layer": layer_idx, "pass": pass_id})
 

@@ -1,0 +1,281 @@
+"""The cuda backend: the Llama forward pass on the GPU with ntx's own kernels (``kernels.py``).
+
+Weights are used exactly as GGUF stores them: a resident layer is uploaded once (its slot-layout
+buffer, no repacking), a streamed layer is read straight from the device slot the dma daemon
+filled. Every matrix product dequantizes on the fly (``kernels.gemm``: matvec for up to 8 rows,
+dequantize-to-f16 + cuBLAS beyond).
+
+Launch overhead: one Python-launched kernel costs about 10 µs, as much as a small layer's whole
+work, so decode steps are captured in CUDA graphs — one graph per number of rows T — covering
+the embedding, every resident layer (the resident layers are the first ones, so they form one
+run) and, when nothing streams, the head. All buffers of a step live in a per-T workspace and
+every position, length and cache slot is read from device memory, so one graph replays every
+step. Streamed layers run eagerly between graph segments: their slot changes from pass to pass.
+
+KV cache: per layer f16 [max_seqs, n_kv, max_ctx, hd]; a sequence owns one cache slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cupy as cp
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ntx.daemons.compute.backend import Backend
+from ntx.daemons.compute.batch import StepBatch
+from ntx.daemons.compute.cuda import kernels as K
+from ntx.daemons.compute.quants import dequantize
+from ntx.shared.errors import NtxError
+from ntx.shared.gguf_index import LayerInfo, ModelIndex
+
+_MAX_GRAPH_T = K.MAX_MATVEC_B
+
+
+@dataclass
+class _Mat:
+    raw: Any  # uint8 device view of the tensor's GGUF bytes
+    qtype: int
+    n_rows: int
+    n_cols: int
+
+
+class _Work:
+    """Every buffer one pass of T rows needs, so that a pass allocates nothing (capturable)."""
+
+    def __init__(self, T: int, hp, n_splits: int) -> None:
+        D, F = hp.n_embd, hp.n_ff
+        self.T = T
+        self.tokens = cp.zeros(T, dtype=cp.int32)
+        self.positions = cp.zeros(T, dtype=cp.int32)
+        self.slots = cp.zeros(T, dtype=cp.int32)
+        self.kv_lens = cp.ones(T, dtype=cp.int32)
+        self.x = cp.zeros((T, D), dtype=cp.float32)
+        self.h = cp.zeros((T, D), dtype=cp.float32)
+        self.q = cp.zeros((T, hp.q_dim), dtype=cp.float32)
+        self.k = cp.zeros((T, hp.kv_dim), dtype=cp.float32)
+        self.v = cp.zeros((T, hp.kv_dim), dtype=cp.float32)
+        self.attn = cp.zeros((T, hp.n_head, hp.head_dim), dtype=cp.float32)
+        self.o = cp.zeros((T, D), dtype=cp.float32)
+        self.gate = cp.zeros((T, F), dtype=cp.float32)
+        self.up = cp.zeros((T, F), dtype=cp.float32)
+        self.act = cp.zeros((T, F), dtype=cp.float32)
+        self.n_splits = n_splits
+        self.attn_ws = K.attention_workspace(T, hp.n_head, hp.head_dim, n_splits)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, use_graphs: bool = True) -> None:
+        super().__init__(index)
+        hp = self.hp
+        self.max_seqs = max_seqs
+        self.max_ctx = min(max_ctx, hp.n_ctx_train)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.use_graphs = use_graphs
+        with self.stream:
+            self.kv = [K.alloc_kv_cache(max_seqs, hp.n_head_kv, self.max_ctx, hp.head_dim) for _ in range(hp.n_layers)]
+        self.free_cache_slots = list(range(max_seqs - 1, -1, -1))
+        self.seq_slot: dict[int, int] = {}
+        self.works: dict[int, _Work] = {}
+        self.graphs: dict[tuple, Any] = {}
+        self.resident_prefix: list[tuple[int, Any]] = []  # (layer, weights) of layers 0..k-1 when resident
+        self.ipc_slots: list[Any] = []
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_globals(self, raw: dict[str, np.ndarray]) -> None:
+        g = self.index.globals
+        hp = self.hp
+        with self.stream:
+            emb = g["token_embd"]
+            self.embd = _Mat(cp.asarray(raw["token_embd"]), int(emb.ggml_type), emb.shape[0], emb.shape[1])
+            self.out_norm = cp.asarray(dequantize(raw["output_norm"], g["output_norm"].ggml_type, g["output_norm"].shape))
+            if "output" in raw:
+                o = g["output"]
+                self.head = _Mat(cp.asarray(raw["output"]), int(o.ggml_type), o.shape[0], o.shape[1])
+            else:
+                self.head = self.embd
+            ff = None
+            if "rope_freqs" in raw:
+                ff = dequantize(raw["rope_freqs"], g["rope_freqs"].ggml_type, g["rope_freqs"].shape)
+            if hp.rope_scaling.kind == "linear" and hp.rope_scaling.factor not in (0.0, 1.0):
+                base_ff = ff if ff is not None else np.ones(hp.rope_dim // 2, dtype=np.float32)
+                ff = base_ff * np.float32(hp.rope_scaling.factor)
+            self.freq_factors = cp.asarray(ff.astype(np.float32)) if ff is not None else None
+        self.stream.synchronize()
+
+    def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, Any]:
+        with self.stream:
+            # a device slot is used in place; host bytes (resident layers, in-process streaming) go up once
+            dev = buf if isinstance(buf, cp.ndarray) else cp.asarray(buf)
+            w: dict[str, Any] = {"_buf": dev}
+            for name, t in layer.tensors.items():
+                off = layer.slot_offset(name)
+                view = dev[off : off + t.nbytes]
+                if len(t.shape) == 1:
+                    if t.ggml_type == QT.F32:
+                        w[name] = view.view(cp.float32)
+                    else:  # a norm stored in another type: decode once on the host
+                        host = dequantize(cp.asnumpy(view), t.ggml_type, t.shape)
+                        w[name] = cp.asarray(host)
+                else:
+                    w[name] = _Mat(view, int(t.ggml_type), t.shape[0], t.shape[1])
+        if keep:
+            self.stream.synchronize()
+            if layer.index == len(self.resident_prefix):
+                self.resident_prefix.append((layer.index, w))
+        return w
+
+    # -- device slots shared with the dma daemon through CUDA IPC ------------------------------------
+    def alloc_ipc_slots(self, n: int, nbytes: int) -> tuple[list[Any], list[bytes]]:
+        """n device buffers of nbytes each (plain cudaMalloc, so IPC handles cover them whole)."""
+        bufs, handles = [], []
+        for _ in range(n):
+            mem = cp.cuda.Memory(nbytes)  # its own cudaMalloc, not a pool sub-allocation
+            self.ipc_slots.append(mem)
+            ptr = cp.cuda.MemoryPointer(mem, 0)
+            bufs.append(cp.ndarray((nbytes,), dtype=cp.uint8, memptr=ptr))
+            handles.append(bytes(cp.cuda.runtime.ipcGetMemHandle(mem.ptr)))
+        return bufs, handles
+
+    def sync(self) -> None:
+        """Wait for the work queued so far (before a slot goes back to the dma daemon)."""
+        self.stream.synchronize()
+
+    # -- KV cache ------------------------------------------------------------------------------
+    def alloc_sequence(self, seq_id: int, capacity_tokens: int) -> None:
+        if capacity_tokens > self.max_ctx:
+            raise NtxError(f"sequence needs {capacity_tokens} positions but the KV cache holds {self.max_ctx}")
+        if not self.free_cache_slots:
+            raise NtxError(f"all {self.max_seqs} KV cache slots are in use")
+        self.seq_slot[seq_id] = self.free_cache_slots.pop()
+
+    def free_sequence(self, seq_id: int) -> None:
+        slot = self.seq_slot.pop(seq_id, None)
+        if slot is not None:
+            self.free_cache_slots.append(slot)
+
+    # -- forward -------------------------------------------------------------------------------
+    def _work(self, T: int) -> _Work:
+        """Decode-sized workspaces are kept (graphs point into them); prefill-sized ones are made
+        per pass and go back to cupy's pool, so a stream of prompt lengths does not pile up."""
+        w = self.works.get(T)
+        if w is None:
+            with self.stream:
+                w = _Work(T, self.hp, K.attention_splits(T, self.hp.n_head_kv, self.max_ctx))
+            if T <= _MAX_GRAPH_T:
+                self.works[T] = w
+        return w
+
+    def embed(self, batch: StepBatch) -> _Work:
+        T = batch.n_tokens
+        work = self._work(T)
+        slots = np.empty(T, dtype=np.int32)
+        for c, r0 in zip(batch.chunks, batch.row_starts):
+            slots[r0 : r0 + c.n_tokens] = self.seq_slot[c.seq_id]
+        with self.stream:
+            work.tokens.set(batch.tokens, stream=self.stream)
+            work.positions.set(batch.positions, stream=self.stream)
+            work.kv_lens.set(batch.positions + 1, stream=self.stream)
+            work.slots.set(slots, stream=self.stream)
+        work.decode_only = all(c.n_tokens == 1 for c in batch.chunks)
+        work.layer_done = -1
+        return work
+
+    def _embed_kernels(self, work: _Work) -> None:
+        e = self.embd
+        K.get_rows(e.raw, e.qtype, e.n_rows, e.n_cols, work.tokens, out=work.x)
+
+    def _layer_kernels(self, i: int, w: dict[str, Any], work: _Work) -> None:
+        hp = self.hp
+        T = work.T
+
+        def mm(m: _Mat, x, out):
+            K.gemm(m.raw, m.qtype, m.n_rows, m.n_cols, x, out=out)
+
+        K.rmsnorm(work.x, w["attn_norm"], hp.rms_eps, out=work.h)
+        mm(w["attn_q"], work.h, work.q)
+        mm(w["attn_k"], work.h, work.k)
+        mm(w["attn_v"], work.h, work.v)
+        q3 = work.q.reshape(T, hp.n_head, hp.head_dim)
+        k3 = work.k.reshape(T, hp.n_head_kv, hp.head_dim)
+        v3 = work.v.reshape(T, hp.n_head_kv, hp.head_dim)
+        K.rope_inplace(q3, work.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
+        K.rope_inplace(k3, work.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
+        ck, cv = self.kv[i]
+        K.kv_append(k3, v3, ck, cv, work.slots, work.positions)
+        K.attention(q3, ck, cv, work.slots, work.kv_lens, out=work.attn, n_splits=work.n_splits, workspace=work.attn_ws)
+        mm(w["attn_output"], work.attn.reshape(T, hp.q_dim), work.o)
+        K.rmsnorm(work.o, w["ffn_norm"], hp.rms_eps, residual=work.x, out=work.h)  # x += o; h = norm(x)
+        mm(w["ffn_gate"], work.h, work.gate)
+        mm(w["ffn_up"], work.h, work.up)
+        K.swiglu(work.gate, work.up, out=work.act)
+        mm(w["ffn_down"], work.act, work.o)
+        work.x += work.o
+
+    def _graph(self, key: tuple, fn, work: _Work):
+        """Run ``fn`` through a CUDA graph captured on first use for this key (after one eager run,
+        which compiles every kernel it needs)."""
+        g = self.graphs.get(key)
+        if g is None:
+            with self.stream:
+                fn()
+            self.stream.synchronize()
+            with self.stream:
+                self.stream.begin_capture()
+                try:
+                    fn()
+                finally:
+                    g = self.stream.end_capture()
+            self.graphs[key] = g
+            return  # the eager run already did this step's work
+        g.launch(self.stream)
+
+    def layer_forward(self, layer_idx: int, weights: Any, x: _Work, batch: StepBatch) -> _Work:
+        work = x
+        prefix = self.resident_prefix
+        graphable = self.use_graphs and work.decode_only and work.T <= _MAX_GRAPH_T
+        if layer_idx == 0:
+            if graphable and prefix and prefix[0][0] == 0:
+                n = len(prefix)
+
+                def run_prefix():
+                    self._embed_kernels(work)
+                    for i, w in prefix:
+                        self._layer_kernels(i, w, work)
+
+                self._graph(("prefix", work.T, n), run_prefix, work)
+                work.layer_done = n - 1
+                return work
+            with self.stream:
+                self._embed_kernels(work)
+        if layer_idx <= work.layer_done:
+            return work  # ran inside the prefix graph
+        with self.stream:
+            self._layer_kernels(layer_idx, weights, work)
+        work.layer_done = layer_idx
+        return work
+
+    def logits(self, x: _Work, batch: StepBatch) -> np.ndarray:
+        work = x
+        hp = self.hp
+        rows = batch.logit_rows
+        with self.stream:
+            if len(rows) == work.T:
+                h_in = work.x
+            else:
+                h_in = work.x[cp.asarray(rows)]
+            h = K.rmsnorm(cp.ascontiguousarray(h_in), self.out_norm, hp.rms_eps)  # h: [N, D]
+            n = h.shape[0]
+            out = cp.empty((n, self.head.n_rows), dtype=cp.float32)  # [N, V]
+            # The head is the largest matrix: read it once per 8 rows rather than dequantizing all
+            # of it to an f16 copy (1 GB for a 128k vocabulary at d=4096).
+            for i in range(0, n, K.MAX_MATVEC_B):
+                j = min(i + K.MAX_MATVEC_B, n)
+                K.matvec(self.head.raw, self.head.qtype, self.head.n_rows, self.head.n_cols, h[i:j], out=out[i:j])
+            host = cp.asnumpy(out, stream=self.stream)
+        self.stream.synchronize()
+        return host

@@ -1,0 +1,128 @@
+"""Decode speed of fully resident models on the cuda backend, against the device's copy bandwidth.
+
+For each model: load every layer into VRAM, prefill a short prompt, then decode greedily and
+time (a) the model's passes alone (``LlamaModel.forward`` on one token, what the kernels and
+graphs cost) and (b) whole engine steps (sampling and bookkeeping included). The weight-read
+bandwidth is (bytes of every layer + the output head) per token × tokens/s, compared with the
+device-to-device copy bandwidth measured in the same run (bytes read + written / time).
+
+    python scripts/bench_decode.py MODEL.gguf [MODEL2.gguf ...] [--tokens 128] [--batch 1 8] [--out bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import cupy as cp
+import numpy as np
+
+from ntx.ctl.local import build_local_engine
+from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.engine import Request
+from ntx.daemons.compute.sampler import SamplingParams
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
+    a = cp.empty(nbytes, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    cp.copyto(b, a)
+    cp.cuda.Device().synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        cp.copyto(b, a)
+    stop.record()
+    stop.synchronize()
+    s = cp.cuda.get_elapsed_time(start, stop) / 1e3
+    del a, b
+    cp.get_default_memory_pool().free_all_blocks()
+    return 2 * nbytes * iters / s / 1e9
+
+
+def bench_model(path: str, tokens: int, batches: list[int]) -> dict:
+    t0 = time.monotonic()
+    eng = build_local_engine(path, backend="cuda", max_batch=max(batches), max_context=tokens + 64)
+    load_s = time.monotonic() - t0
+    m = eng.model
+    idx = m.index
+    head = idx.globals.get("output", idx.globals["token_embd"])
+    bytes_per_pass = idx.layer_bytes_total + head.nbytes
+    res = {"model": os.path.basename(path), "type": idx.file_type, "layers": idx.hparams.n_layers,
+           "weight_bytes_per_pass": bytes_per_pass, "load_s": round(load_s, 2), "batches": {}}
+    prompt = list(range(100, 108))
+    for B in batches:
+        # model passes alone: B sequences decoding one token each, graph-captured after the first
+        for s in range(B):
+            m.backend.alloc_sequence(1000 + s, tokens + 64)
+            m.forward(StepBatch([SeqChunk(1000 + s, 0, tuple(prompt))]))
+        pos = len(prompt)
+        chunks = lambda p: StepBatch([SeqChunk(1000 + s, p, (5 + s,)) for s in range(B)])  # noqa: E731
+        for _ in range(3):
+            m.forward(chunks(pos))
+            pos += 1
+        m.backend.sync()
+        t = time.perf_counter()
+        n = tokens
+        for _ in range(n):
+            m.forward(chunks(pos))
+            pos += 1
+        m.backend.sync()
+        pass_s = (time.perf_counter() - t) / n
+        for s in range(B):
+            m.backend.free_sequence(1000 + s)
+        # whole engine: B requests decoding together
+        for s in range(B):
+            eng.submit(Request(f"b{B}-{s}", prompt, SamplingParams(temperature=0.0, max_tokens=tokens)))
+        n_tok = 0
+        t = None
+        while eng.has_work:
+            evs = eng.step()
+            if t is None:  # the first step is the prefill
+                t = time.perf_counter()
+                continue
+            n_tok += sum(1 for e in evs if e["type"] == "token")
+        engine_s = time.perf_counter() - t
+        res["batches"][B] = {
+            "pass_ms": round(pass_s * 1e3, 3),
+            "model_tokens_per_s": round(B / pass_s, 1),
+            "model_weight_gbps": round(bytes_per_pass / pass_s / 1e9, 1),
+            "engine_tokens_per_s": round(n_tok / engine_s, 1),
+            "engine_weight_gbps": round(bytes_per_pass * (n_tok / B) / engine_s / 1e9, 1),
+        }
+    del eng, m
+    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    copy_gbps = copy_bandwidth_gbps()
+    report = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+              "copy_gbps": round(copy_gbps, 1), "models": []}
+    print(f"device {report['device']}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    for path in args.models:
+        r = bench_model(path, args.tokens, args.batch)
+        report["models"].append(r)
+        for B, b in r["batches"].items():
+            print(f"{r['model']:40s} {r['type']:7s} batch {B:2d}: pass {b['pass_ms']:7.3f} ms  "
+                  f"model {b['model_tokens_per_s']:8.1f} tok/s  {b['model_weight_gbps']:7.1f} GB/s "
+                  f"({100 * b['model_weight_gbps'] / copy_gbps:4.1f}% of copy)  "
+                  f"engine {b['engine_tokens_per_s']:8.1f} tok/s ({100 * b['engine_weight_gbps'] / copy_gbps:4.1f}%)",
+                  flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The daemon pipeline on the GPU: compute on cuda, dma copying pinned shared memory into device
+slots opened through CUDA IPC, with layers on all three tiers — same greedy tokens as the fully
+resident GPU run in one process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from ntx.ctl.local import build_local_engine
+from ntx.daemons.compute.engine import Request
+from ntx.daemons.compute.sampler import SamplingParams
+
+from ..pipeline_util import ntxctl, running_pipeline
+
+pytestmark = pytest.mark.gpu
+
+
+def test_three_tier_pipeline_on_gpu_equals_resident(tmp_path):
+    model = os.environ.get("NTX_TEST_MODEL")
+    if not model or not os.path.exists(model):
+        pytest.skip("NTX_TEST_MODEL (SmolLM2 GGUF) not set on this machine")
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=512)
+    ref = {}
+    for p in prompts:
+        eng.submit(Request(p, eng.prompt_tokens(prompt=p, raw=True), SamplingParams(temperature=0.0, max_tokens=24)))
+    while eng.has_work:
+        for ev in eng.step():
+            if ev["type"] == "done":
+                ref[ev["id"]] = ev["tokens"]
+    del eng
+    with running_pipeline(model, tmp_path, "--gpu-layers", "10", "--ram-budget", "30MiB", "--ctx", "512",
+                          "--max-batch", "4", name="gpu", backend="cuda") as pipe:
+        st = pipe.status()
+        assert {"vram", "ram", "storage"} <= set(st["plan"]["tiers"])
+        for p in prompts:
+            assert pipe.generate_greedy(p, 24)["tokens"] == ref[p], p
+        time.sleep(0.7)
+        st = pipe.status()
+        for stage in ("reader", "dma", "compute"):
+            assert st["stages"][stage]["total"]["bytes"] > 0, stage
+        r = ntxctl("status", "--name", "gpu")
+        assert r.returncode == 0
+        print(r.stdout)
