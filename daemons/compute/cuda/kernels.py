@@ -12,6 +12,12 @@ matrix [n_rows, n_cols] (GGUF ne = [n_cols, n_rows]) of n_cols / block_size bloc
 KV cache layout (one pair per layer): ``cache_k``, ``cache_v``: f16 [n_slots, n_kv, max_ctx, hd];
 a sequence owns one slot; position p of kv-head g of slot s is ``cache[s, g, p, :]``.
 
+Measured on the H200 (copy bandwidth 4.2 TB/s; scripts/bench_kernels.py, CUDA-graph replay over
+>= 512 MiB of weight copies): matvec at B=1 reads F16 at 4.1 TB/s (98%), Q8_0 at 2.2-2.3 TB/s
+(52-54%), Q6_K at 1.3-1.4 TB/s (31-33%), Q4_K at 1.2-1.3 TB/s (29-31%) for the 8B shapes. The
+quantized kernels are bound by the per-weight f32 decode work, not by DRAM; the next step is
+llama.cpp's int8 path (activations quantized per 32, dp4a).
+
 Shapes: T tokens, B sequences (or tokens of a decode batch), H query heads, n_kv kv heads
 (H = n_kv * group), hd head dim, D model dim, F feed-forward dim, V vocabulary.
 """
@@ -74,9 +80,14 @@ _MV_DEFAULT = {1: (2, 4, 1), 2: (2, 4, 1), 3: (2, 4, 1), 4: (2, 4, 1),
                5: (4, 4, 1), 6: (4, 4, 1), 7: (4, 4, 1), 8: (4, 4, 1)}
 # matvec kernel variants (quant.cu): "v2" = the lane-contiguous cut of a block (traits id + 100),
 # whose activation loads cover whole cache lines; "v1" = the first cut (every type has one).
+# Measured on the H200 (scripts/bench_kernels.py): v1 is faster at B=1 (fewer scale decodes per
+# weight), v2 at B=8 for Q4_K (+40-48%) and Q8_0 (+7-45%); Q6_K is even. "auto" picks by that.
 _V2 = {12: 112, 13: 113, 14: 114, 8: 108}
-MATVEC_VARIANT = "v2"
-_MV_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {}  # (qtype, B) -> config, overrides
+_V2_AUTO = {12, 13, 8}
+MATVEC_VARIANT = "auto"
+_MV_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {  # (qtype, B) -> config, overrides
+    (1, 1): (2, 8, 1),  # F16 at B=1: 4.1 TB/s on the H200 (vs 4.0 with (2, 4, 1))
+}
 
 
 def row_bytes(qtype, n_cols: int) -> int:
@@ -206,8 +217,10 @@ def _aligned_x(x, n_cols: int):
 
 
 # ------------------------------------------------------------------------------ GEMV / GEMM
-def _mv_traits(qt: QType, n_cols: int, variant) -> int:
+def _mv_traits(qt: QType, n_cols: int, variant, B: int) -> int:
     v = variant or MATVEC_VARIANT
+    if v == "auto":
+        v = "v2" if B >= 5 and int(qt) in _V2_AUTO else "v1"
     if v == "v2" and int(qt) in _V2 and not (qt == QType.Q8_0 and n_cols % 64):
         return _V2[int(qt)]
     return int(qt)
@@ -220,8 +233,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     out: f32 [B, n_rows] (or [n_rows] for a 1-D x). Weights are read once for all B rows of x.
     f32 arithmetic throughout (weights dequantized in registers, f32 accumulation).
     config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4}).
-    variant: "v1" or "v2" kernel cut (default MATVEC_VARIANT; v2 exists for Q4_K, Q5_K, Q6_K, and
-    Q8_0 rows of an even number of blocks).
+    variant: "v1", "v2" or "auto" kernel cut (default MATVEC_VARIANT = "auto"; v2 exists for Q4_K,
+    Q5_K, Q6_K, and Q8_0 rows of an even number of blocks).
     """
     qt = QType(int(qtype))
     rb = _check_weights(w_raw, qt, n_rows, n_cols)
@@ -232,7 +245,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     nr, nw, u = config or _MV_CONFIG.get((int(qt), B)) or _MV_DEFAULT[B]
-    kern = _mv_kernel(_mv_traits(qt, n_cols, variant), B, nr, u)
+    kern = _mv_kernel(_mv_traits(qt, n_cols, variant, B), B, nr, u)
     grid = ((n_rows + nr - 1) // nr,)
     with _stream_ctx(stream):
         kern(grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
