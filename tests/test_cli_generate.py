@@ -1,0 +1,89 @@
+"""``ntxctl generate`` as a user runs it: the console entry point in a subprocess, with no
+pipeline to talk to (an empty ``NTX_RUN_DIR`` and an unused ``--listen`` port), so it runs the
+model in process on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+FRANCE = "The capital of France is"
+FRANCE_IDS = [504, 3575, 282, 4649, 314]
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ntxctl(tmp_path_factory, smollm2_path):
+    run_dir = tmp_path_factory.mktemp("run")
+    listen = f"tcp://127.0.0.1:{unused_port()}"
+    env = dict(os.environ, NTX_RUN_DIR=str(run_dir))
+
+    def run(*args: str, model: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "ntx.ctl.cli", *args]
+        if args and args[0] == "generate":
+            argv += ["--listen", listen] + (["--model", str(smollm2_path)] if model else [])
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+
+    return run
+
+
+def test_generate_prints_paris(ntxctl):
+    r = ntxctl("generate", "--raw", "--temperature", "0", "--max-tokens", "8", FRANCE)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "Traceback" not in r.stderr
+    assert "no pipeline listens" in r.stderr  # it says it fell back to running in process
+
+
+def test_generate_json(ntxctl):
+    r = ntxctl("generate", "--raw", "--temperature", "0", "--max-tokens", "8", "--json", FRANCE)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1, r.stdout  # one JSON object, no streamed text
+    out = json.loads(lines[0])
+    assert out["text"].startswith(" Paris")
+    assert out["prompt_tokens"] == FRANCE_IDS
+    assert len(out["tokens"]) == 8 and out["tokens"][0] == 7042
+    assert out["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 8}
+    assert out["timings"]["load_s"] > 0
+    assert {"prefill_s", "decode_s"} <= set(out["timings"])
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--top-p", "7"], "top_p"),
+        (["--temperature", "-1"], "temperature"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--top-p", "abc"], "--top-p"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_bad_flags_are_one_error_line(ntxctl, flags, needle):
+    r = ntxctl("generate", *flags, FRANCE)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("ntxctl: error: ") and needle in lines[0]
+    assert r.stdout == ""
+
+
+def test_bad_model_path_is_one_error_line(ntxctl, tmp_path):
+    r = ntxctl("generate", "--model", str(tmp_path / "missing.gguf"), "--raw", FRANCE, model=False)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("ntxctl: error: ")]
+    assert len(errors) == 1 and "missing.gguf: no such file" in errors[0]
+    assert r.stdout == ""

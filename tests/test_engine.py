@@ -1,0 +1,237 @@
+"""The engine core (daemons/compute/engine.py) on the real SmolLM2, in process: greedy text,
+max_tokens, stop strings, EOS, seeds, prompt and token logprobs, request errors, cancellation
+and continuous batching. One engine serves the whole module; every test leaves it idle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ntx.ctl.local import build_local_engine
+from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.engine import EngineCore, Request, RequestError
+from ntx.daemons.compute.sampler import SamplingParams
+
+try:
+    from .synth_models import log_softmax64
+except ImportError:  # tests/ is not a package
+    from synth_models import log_softmax64
+
+FRANCE = "The capital of France is"
+FRANCE_IDS = [504, 3575, 282, 4649, 314]
+PARIS = 7042
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path) -> EngineCore:
+    return build_local_engine(str(smollm2_path))
+
+
+@pytest.fixture(autouse=True)
+def engine_left_idle(request):
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        assert not eng.has_work
+        assert eng.model.backend.caches == {}  # every KV cache was freed
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def run(engine: EngineCore, *reqs: Request) -> tuple[dict, dict]:
+    """Submit ``reqs`` and step until the engine is idle: (done event by id, all events by id)."""
+    for r in reqs:
+        engine.submit(r)
+    events: dict[str, list] = {r.id: [] for r in reqs}
+    done: dict[str, dict] = {}
+    while engine.has_work:
+        for ev in engine.step():
+            events[ev["id"]].append(ev)
+            if ev["type"] in ("done", "error"):
+                done[ev["id"]] = ev
+    return done, events
+
+
+def reference_logits(engine: EngineCore, tokens: list[int]) -> np.ndarray:
+    """Logits [T, V] of ``tokens`` from a fresh pass of the engine's model (the float32 CPU
+    backend, itself held to the float64 reference in test_model_reference.py)."""
+    be = engine.model.backend
+    sid = 10**9
+    be.alloc_sequence(sid, len(tokens))
+    try:
+        return engine.model.forward(StepBatch([SeqChunk(sid, 0, tuple(tokens), all_logits=True)]))
+    finally:
+        be.free_sequence(sid)
+
+
+def test_greedy_continues_with_paris_and_respects_max_tokens(engine):
+    ids = engine.prompt_tokens(prompt=FRANCE, raw=True)
+    assert ids == FRANCE_IDS
+    done, events = run(engine, Request(id="paris", prompt_tokens=ids, params=greedy(3)))
+    d = done["paris"]
+    assert d["type"] == "done"
+    assert d["text"].startswith(" Paris"), d["text"]
+    assert d["tokens"][0] == PARIS
+    assert d["finish_reason"] == "length"
+    assert len(d["tokens"]) == 3
+    assert d["prompt_tokens"] == FRANCE_IDS
+    assert d["usage"] == {"prompt_tokens": 5, "completion_tokens": 3}
+    toks = [e for e in events["paris"] if e["type"] == "token"]
+    assert [e["token"] for e in toks] == d["tokens"]
+    assert "".join(e["text"] for e in toks) + d.get("tail", "") == d["text"]
+    assert set(d["timings"]) >= {"queued_s", "prefill_s", "decode_s"}
+
+
+def test_stop_strings_cut_the_text_before_the_stop(engine):
+    # greedy continuation: " Paris.\n\nThe answer is:"
+    done, _ = run(
+        engine,
+        Request(id="dot", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["."])),
+        Request(id="span", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["s.", "never"])),
+        Request(id="late", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["\n\nThe"])),
+    )
+    assert done["dot"]["finish_reason"] == "stop" and done["dot"]["text"] == " Paris"
+    # a stop string that starts inside one token and ends in the next
+    assert done["span"]["finish_reason"] == "stop" and done["span"]["text"] == " Pari"
+    assert done["late"]["finish_reason"] == "stop" and done["late"]["text"] == " Paris."
+    for d in done.values():
+        assert len(d["tokens"]) < 8
+
+
+def test_eos_ends_with_stop(engine):
+    ids = engine.prompt_tokens(prompt="Reply with one word: yes or no. Is water wet?")
+    assert ids[0] != ids[1]  # the chat template's start, no doubled BOS
+    done, events = run(engine, Request(id="eos", prompt_tokens=ids, params=greedy(16)))
+    d = done["eos"]
+    assert d["finish_reason"] == "stop"
+    assert 0 < len(d["tokens"]) < 16
+    assert not set(d["tokens"]) & engine.tokenizer.stop_ids  # the EOS token is not output
+    assert "<|im_end|>" not in d["text"] and d["text"].strip()
+
+
+def test_seed_determinism(engine):
+    ids = engine.prompt_tokens(prompt="Once upon a time", raw=True)
+
+    def sampled(rid: str, seed: int) -> Request:
+        return Request(id=rid, prompt_tokens=ids, params=SamplingParams(temperature=0.8, seed=seed, max_tokens=4))
+
+    a, _ = run(engine, sampled("a", 1234))
+    b, _ = run(engine, sampled("b", 1234))
+    assert a["a"]["tokens"] == b["b"]["tokens"]
+    assert a["a"]["text"] == b["b"]["text"]
+    assert a["a"]["seed"] == 1234
+    others, _ = run(engine, sampled("s1", 1), sampled("s2", 2), sampled("s3", 3))
+    # three other seeds all giving the same 4 tokens as seed 1234 would be a broken sampler
+    assert any(d["tokens"] != a["a"]["tokens"] for d in others.values())
+
+
+def test_prompt_logprobs_and_token_logprobs(engine):
+    k = 5
+    req = Request(id="lp", prompt_tokens=FRANCE_IDS, params=greedy(2), logprobs=3, prompt_logprobs=k)
+    done, events = run(engine, req)
+    d = done["lp"]
+    assert d["tokens"][0] == PARIS
+    ref = log_softmax64(reference_logits(engine, FRANCE_IDS + d["tokens"][:1]))  # [6, V]
+
+    plp = d["prompt_logprobs"]
+    assert len(plp) == len(FRANCE_IDS)  # one entry per prompt position
+    assert plp[0] is None  # nothing predicts the first token
+    for pos in range(1, len(FRANCE_IDS)):
+        entry = plp[pos]
+        assert len(entry) == k
+        assert all(isinstance(p, list) and len(p) == 2 for p in entry)
+        lps = [lp for _, lp in entry]
+        assert lps == sorted(lps, reverse=True)  # best first
+        row = ref[pos - 1]  # the row after token pos-1 predicts token pos
+        want_ids = np.argsort(-row, kind="stable")[:k]
+        assert [i for i, _ in entry] == [int(i) for i in want_ids]
+        np.testing.assert_allclose(lps, row[want_ids], atol=1e-4)
+
+    toks = [e for e in events["lp"] if e["type"] == "token"]
+    assert len(toks) == 2
+    for j, e in enumerate(toks):
+        row = ref[len(FRANCE_IDS) - 1 + j]
+        assert len(e["logprobs"]) == 3
+        assert e["logprobs"][0][0] == e["token"] == int(row.argmax())  # greedy takes the best
+        assert e["logprob"] == pytest.approx(row[e["token"]], abs=1e-4)
+        np.testing.assert_allclose([lp for _, lp in e["logprobs"]], np.sort(row)[::-1][:3], atol=1e-4)
+
+
+def test_duplicate_request_id(engine):
+    engine.submit(Request(id="dup", prompt_tokens=FRANCE_IDS, params=greedy(2)))
+    with pytest.raises(RequestError) as ei:
+        engine.submit(Request(id="dup", prompt_tokens=[1, 2, 3], params=greedy(2)))
+    assert ei.value.code == "duplicate_id"
+    assert engine.queued_ids == ["dup"]  # the second one was not queued
+    (ev,) = engine.cancel("dup")
+    assert ev["finish_reason"] == "cancelled"
+    # once finished, the id is free again
+    done, _ = run(engine, Request(id="dup", prompt_tokens=FRANCE_IDS, params=greedy(1)))
+    assert done["dup"]["tokens"] == [PARIS]
+
+
+def test_prompt_longer_than_the_context(engine):
+    small = EngineCore(engine.model, engine.tokenizer, max_context=16)
+    assert small.max_context == 16
+    with pytest.raises(RequestError) as ei:
+        small.submit(Request(id="long", prompt_tokens=list(range(100, 120)), params=greedy(4)))
+    assert ei.value.code == "context_overflow"
+    assert not small.has_work
+    with pytest.raises(RequestError) as ei:
+        engine.submit(Request(id="huge", prompt_tokens=[504] * 9000, params=greedy(4)))
+    assert ei.value.code == "context_overflow"
+    assert not engine.has_work
+
+
+def test_cancel_frees_the_sequence(engine):
+    be = engine.model.backend
+    engine.submit(Request(id="run", prompt_tokens=FRANCE_IDS, params=greedy(50)))
+    engine.step()  # prefill: the sequence holds a KV cache now
+    engine.step()
+    assert engine.active_ids == ["run"] and len(be.caches) == 1
+    engine.submit(Request(id="queued", prompt_tokens=FRANCE_IDS, params=greedy(50)))
+    (ev,) = engine.cancel("run")
+    assert ev["type"] == "done" and ev["id"] == "run"
+    assert ev["finish_reason"] == "cancelled"
+    assert ev["tokens"][:2] == [PARIS, 30]
+    assert be.caches == {}
+    assert engine.active_ids == []
+    (ev,) = engine.cancel("queued")  # never admitted
+    assert ev["finish_reason"] == "cancelled" and ev["tokens"] == []
+    assert engine.cancel("no-such-request") == []
+    assert not engine.has_work
+
+
+def test_continuous_batching_matches_each_alone(engine):
+    prompts = {
+        "r1": FRANCE_IDS,
+        "r2": engine.prompt_tokens(prompt="Once upon a time", raw=True),
+        "r3": engine.prompt_tokens(prompt="def fibonacci(n):", raw=True),
+    }
+    n = 4
+    alone = {}
+    for rid, ids in prompts.items():
+        d, _ = run(engine, Request(id=rid, prompt_tokens=ids, params=greedy(n)))
+        alone[rid] = d[rid]["tokens"]
+
+    done: dict[str, dict] = {}
+    most_running = 0
+    submit_at = {0: "r1", 2: "r2", 3: "r3"}  # joining at different passes
+    step = 0
+    while step in submit_at or engine.has_work:
+        if step in submit_at:
+            rid = submit_at[step]
+            engine.submit(Request(id=rid, prompt_tokens=prompts[rid], params=greedy(n)))
+        finished = 0
+        for ev in engine.step():
+            if ev["type"] in ("done", "error"):
+                done[ev["id"]] = ev
+                finished += 1
+        most_running = max(most_running, len(engine.active_ids) + finished)  # sequences in this pass
+        step += 1
+    assert most_running == 3  # all three were in one pass at some point
+    for rid in prompts:
+        assert done[rid]["finish_reason"] == "length"
+        assert done[rid]["tokens"] == alone[rid], rid

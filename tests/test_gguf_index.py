@@ -1,0 +1,377 @@
+"""The GGUF index (shared/gguf_index.py): hyper-parameters, tensor offsets, layer spans and the
+slot layout, checked against gguf-py's independent parser; split sets; and every way a file can
+be unusable, each ending as one ``ModelError`` line (and one ``ntxctl: error:`` line)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ntx.ctl import cli
+from ntx.shared import synth_gguf as sg
+from ntx.shared.errors import ModelError
+from ntx.shared.gguf_index import PAGE_BYTES, ModelIndex, open_model
+
+try:
+    from . import synth_models as sm
+except ImportError:  # tests/ is not a package
+    import synth_models as sm
+
+data_region_start, gguf_reader, reader_meta = sm.data_region_start, sm.gguf_reader, sm.reader_meta
+tiny_config, write_header_only_gguf, write_tiny = sm.tiny_config, sm.write_header_only_gguf, sm.write_tiny
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def all_tensors(idx: ModelIndex) -> dict:
+    out = {f"{name}.weight": t for name, t in idx.globals.items()}
+    for layer in idx.layers:
+        for short, t in layer.tensors.items():
+            out[f"blk.{layer.index}.{short}.weight"] = t
+    return out
+
+
+def check_against_gguf_py(idx: ModelIndex) -> None:
+    """Every tensor of the index has the name, type, shape, absolute offset and byte count that
+    gguf-py's GGUFReader gives for the file it is in, and the index has no tensor gguf-py lacks."""
+    ours = all_tensors(idx)
+    theirs = {}
+    for p in idx.paths:
+        for t in gguf_reader(p).tensors:
+            assert t.name not in theirs
+            theirs[t.name] = (p, t)
+    assert set(ours) == set(theirs)
+    for name, t in ours.items():
+        p, r = theirs[name]
+        assert t.path == p, name
+        assert t.ggml_type == r.tensor_type, name
+        assert t.shape == tuple(int(d) for d in reversed(r.shape.tolist())), name
+        assert t.offset == r.data_offset, name
+        assert t.nbytes == r.n_bytes, name
+
+
+def check_spans_and_slots(idx: ModelIndex, alignment: int = 32) -> None:
+    """Each layer's spans cover exactly its tensors, one span per file, and ``slot_offset`` maps
+    every tensor to where its bytes land when the spans are laid out in the slot layout."""
+    tensors = all_tensors(idx)
+    file_bytes = {p: np.memmap(p, dtype=np.uint8, mode="r") for p in idx.paths}
+    for layer in idx.layers:
+        ts = list(layer.tensors.values())
+        assert sorted(layer.tensors) == sorted(
+            ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"])
+        assert sorted(s.path for s in layer.spans) == sorted({t.path for t in ts})  # one span per file
+        for s in layer.spans:
+            mine = [t for t in ts if t.path == s.path]
+            assert s.offset == min(t.offset for t in mine)
+            assert s.offset + s.nbytes == max(t.offset + t.nbytes for t in mine)
+            # only alignment padding between this layer's tensors
+            assert s.nbytes - sum(t.nbytes for t in mine) < alignment * len(mine)
+            for name, other in tensors.items():  # no other tensor inside the span
+                if other.path == s.path and not name.startswith(f"blk.{layer.index}."):
+                    assert other.offset + other.nbytes <= s.offset or other.offset >= s.offset + s.nbytes, name
+            assert s.slot_base % PAGE_BYTES == 0
+            assert s.head == s.offset % PAGE_BYTES
+            assert s.region_bytes % PAGE_BYTES == 0 and s.region_bytes >= s.head + s.nbytes
+        # regions tile the slot buffer without overlap
+        bases = sorted((s.slot_base, s.region_bytes) for s in layer.spans)
+        pos = 0
+        for base, size in bases:
+            assert base == pos
+            pos += size
+        assert pos == layer.slot_bytes
+        # fill a slot buffer from the spans (what a reader does) and find every tensor in it
+        slot = np.zeros(layer.slot_bytes, dtype=np.uint8)
+        for s in layer.spans:
+            slot[s.slot_base + s.head : s.slot_base + s.head + s.nbytes] = file_bytes[s.path][s.offset : s.offset + s.nbytes]
+        for short, t in layer.tensors.items():
+            off = layer.slot_offset(short)
+            assert 0 <= off and off + t.nbytes <= layer.slot_bytes
+            want = file_bytes[t.path][t.offset : t.offset + t.nbytes]
+            assert np.array_equal(slot[off : off + t.nbytes], want), f"layer {layer.index} {short}"
+    assert idx.max_layer_slot_bytes == max(layer.slot_bytes for layer in idx.layers)
+
+
+def run_cli_inprocess(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """``ntxctl ARGS`` through the console entry point, in this process."""
+    monkeypatch.setattr(sys, "argv", ["ntxctl", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ntx.ctl.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_error_line(code: int, out: str, err: str, *needles: str) -> None:
+    assert code != 0
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ntxctl: error: ")
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The real model
+
+
+@pytest.fixture(scope="module")
+def smol_index(smollm2_path) -> ModelIndex:
+    return open_model(smollm2_path)
+
+
+def test_smollm2_hparams(smol_index, smollm2_path):
+    hp = smol_index.hparams
+    assert smol_index.architecture == "llama"
+    assert smol_index.paths == (str(smollm2_path),)
+    assert (hp.n_layers, hp.n_embd, hp.n_ff, hp.n_head, hp.n_head_kv) == (30, 576, 1536, 9, 3)
+    assert (hp.head_dim, hp.rope_dim, hp.q_dim, hp.kv_dim) == (64, 64, 576, 192)
+    assert hp.n_vocab == 49152
+    assert hp.rope_base == 100000.0
+    assert hp.rope_scaling.kind == "none"
+    assert hp.rms_eps == pytest.approx(1e-5)
+    assert hp.n_ctx_train == 8192
+    assert hp.tied_embeddings and "output" not in smol_index.globals
+    assert smol_index.file_type == "Q4_1"
+    assert {t.type_name for layer in smol_index.layers for t in layer.tensors.values() if len(t.shape) == 2} == {"Q4_1"}
+    assert set(smol_index.globals) == {"token_embd", "output_norm"}
+    # the same facts as gguf-py reads them
+    r = gguf_reader(smollm2_path)
+    assert reader_meta(r, "llama.block_count") == hp.n_layers
+    assert reader_meta(r, "llama.embedding_length") == hp.n_embd
+    assert reader_meta(r, "llama.attention.head_count_kv") == hp.n_head_kv
+    assert reader_meta(r, "llama.rope.freq_base") == hp.rope_base
+    assert smol_index.metadata["general.architecture"] == "llama"
+    assert len(smol_index.metadata["tokenizer.ggml.tokens"]) == 49152
+
+
+def test_smollm2_offsets_agree_with_gguf_py(smol_index):
+    check_against_gguf_py(smol_index)
+
+
+def test_smollm2_spans_and_slot_layout(smol_index):
+    check_spans_and_slots(smol_index)
+    # SmolLM2 is laid out in HF order (layers 0, 1, 10, 11, ...), yet each layer is one span
+    assert all(len(layer.spans) == 1 for layer in smol_index.layers)
+    starts = [layer.spans[0].offset for layer in smol_index.layers]
+    assert starts != sorted(starts)
+
+
+def test_inspect_prints_hparams(smollm2_path):
+    r = run_cli("inspect", str(smollm2_path))
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    fields = {}
+    for line in r.stdout.splitlines()[1:]:
+        k, _, v = line.strip().partition(" ")
+        fields[k] = v.strip()
+    assert "llama" in r.stdout.splitlines()[0] and "Q4_1" in r.stdout.splitlines()[0]
+    assert fields["n_layers"] == "30"
+    assert fields["n_embd"] == "576"
+    assert fields["n_ff"] == "1536"
+    assert fields["n_head"] == "9"
+    assert fields["n_head_kv"] == "3"
+    assert fields["n_vocab"] == "49152"
+    assert float(fields["rope_base"]) == 100000.0
+    assert fields["tied_embeddings"] == "True"
+
+
+# ---------------------------------------------------------------------------------------------
+# Header only: no tensor data is read
+
+
+@pytest.mark.parametrize("order", ["convert", "hf", "quantize"])
+def test_synthetic_orders_agree_with_gguf_py(tmp_path, order):
+    p = write_tiny(tmp_path, n_layers=3, order=order, rope_freqs=True, type="Q4_K_M")
+    idx = open_model(p)
+    assert idx.hparams.n_layers == 3 and not idx.hparams.tied_embeddings
+    assert set(idx.globals) == {"token_embd", "output_norm", "output", "rope_freqs"}
+    assert idx.hparams.rope_scaling.kind == "llama3"
+    check_against_gguf_py(idx)
+    check_spans_and_slots(idx)
+
+
+def test_index_ignores_garbage_tensor_data(tmp_path):
+    """Overwriting every tensor byte with garbage changes nothing in the index: it never looks
+    at tensor data."""
+    p = write_tiny(tmp_path)
+    before = open_model(p)
+    start = data_region_start(p)
+    size = p.stat().st_size
+    assert start < size
+    with open(p, "r+b") as f:
+        f.seek(start)
+        f.write(np.random.default_rng(1).integers(0, 256, size - start, dtype=np.uint8).tobytes())
+    after = open_model(p)
+    assert after == before
+
+
+def test_index_of_a_huge_sparse_file_reads_no_data(tmp_path):
+    """A Llama-3-70B-shaped Q4_K_M file (~40 GB) whose data region is a hole: indexing it takes a
+    fraction of a second and faults in almost no pages, so no tensor data was touched."""
+    cfg = sg.preset_config("llama3-70b", type="Q4_K_M")
+    p = write_header_only_gguf(tmp_path / "huge.gguf", cfg)
+    st = p.stat()
+    assert st.st_size > 35e9
+    if st.st_blocks * 512 > 16 << 20:
+        pytest.skip("this filesystem does not keep sparse files sparse")
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    idx = open_model(p)
+    dt = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    faults = (ru1.ru_minflt - ru0.ru_minflt) + (ru1.ru_majflt - ru0.ru_majflt)
+    assert idx.hparams.n_layers == 80 and idx.hparams.n_head_kv == 8
+    assert idx.layer_bytes_total + idx.global_bytes_total > 35e9
+    # Touching the data would fault ~10 million pages; the header is a few hundred KB.
+    assert faults < 20_000, faults
+    assert dt < 2.0, dt
+    p.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# Split sets
+
+
+@pytest.fixture(scope="module")
+def single_and_split(tmp_path_factory):
+    d = tmp_path_factory.mktemp("split")
+    single = write_tiny(d, "model.gguf", n_layers=4, type="Q4_K_M")
+    shards = sg.split_gguf(single, 3, out=d / "split.gguf")
+    return single, shards
+
+
+def test_split_set_indexes_like_the_single_file(single_and_split):
+    single, shards = single_and_split
+    assert [s.name for s in shards] == [f"split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    one = open_model(single)
+    for entry in (shards[0], shards[2]):  # any shard names the whole set
+        many = open_model(entry)
+        assert many.paths == tuple(str(s) for s in shards)
+        assert many.hparams == one.hparams
+        a, b = all_tensors(one), all_tensors(many)
+        assert set(a) == set(b)
+        for name in a:
+            assert (a[name].ggml_type, a[name].shape, a[name].nbytes) == (b[name].ggml_type, b[name].shape, b[name].nbytes)
+        assert {t.path for t in b.values()} == set(many.paths)  # tensors really are spread out
+    check_against_gguf_py(many)  # per-file paths and offsets
+    check_spans_and_slots(many)
+    # the cut between shards falls inside some layer: that layer has one span per file
+    assert any(len(layer.spans) == 2 for layer in many.layers)
+    # and the tensor bytes are the single file's
+    for name, t in all_tensors(many).items():
+        s = all_tensors(one)[name]
+        with open(t.path, "rb") as f1, open(s.path, "rb") as f2:
+            f1.seek(t.offset)
+            f2.seek(s.offset)
+            assert f1.read(t.nbytes) == f2.read(s.nbytes), name
+
+
+def test_split_set_with_a_missing_shard(tmp_path, monkeypatch, capsys):
+    d = tmp_path
+    single = write_tiny(d, "model.gguf", n_layers=4)
+    shards = sg.split_gguf(single, 3, out=d / "split.gguf")
+    shards[1].unlink()
+    for entry in (shards[0], shards[2]):
+        with pytest.raises(ModelError) as ei:
+            open_model(entry)
+        msg = str(ei.value)
+        assert "\n" not in msg and msg.startswith(str(entry))
+        assert "missing shard" in msg and "split-00002-of-00003.gguf" in msg
+    code, out, err = run_cli_inprocess(monkeypatch, capsys, "inspect", str(shards[0]))
+    assert_one_error_line(code, out, err, "missing shard", "split-00002-of-00003.gguf")
+    assert out == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Unusable inputs: one line naming the path and the problem, nothing loaded
+
+
+def _text_file(d: pathlib.Path) -> pathlib.Path:
+    p = d / "notes.gguf"
+    p.write_text("these are not the weights you are looking for\n" * 10)
+    return p
+
+
+def _broken(breakage, **overrides):
+    return lambda d: write_tiny(d, "broken.gguf", breakage=breakage, **overrides)
+
+
+def _missing_shard(d: pathlib.Path) -> pathlib.Path:
+    first = write_tiny(d, "set.gguf", split=3)
+    (d / "set-00003-of-00003.gguf").unlink()
+    return first
+
+
+BAD_INPUTS = {
+    "text_file": (_text_file, ["not a GGUF file"]),
+    "bad_magic": (_broken("bad_magic"), ["not a GGUF file", "GGUX"]),
+    "version1": (_broken("version1"), ["unsupported GGUF version 1"]),
+    "truncated": (_broken("truncate"), ["truncated file", "output.weight"]),
+    "truncated_header": (lambda d: _truncate_to(_broken(None)(d), 200), ["truncated file"]),
+    "arch_mamba": (_broken("bad_arch"), ["unsupported architecture", "'mamba'"]),
+    "q2_k": (_broken("q2_k"), ["unsupported quant type", "Q2_K", "blk.0.attn_q.weight"]),
+    "iq2_xxs": (_broken("iq2_xxs"), ["unsupported quant type", "IQ2_XXS", "blk.0.ffn_gate.weight"]),
+    "missing_tensor": (_broken("drop_tensor"), ["missing tensor", "blk.0.attn_q.weight"]),
+    "missing_output_norm": (_broken(sg.Breakage(drop_tensor="output_norm.weight")), ["missing tensor", "output_norm.weight"]),
+    "missing_layer_key": (_broken("missing_key"), ["missing metadata key", "llama.block_count"]),
+    "wrong_shape": (_broken("wrong_shape"), ["blk.0.ffn_up.weight", "has shape [256, 256]", "expected [512, 256]"]),
+    "duplicate": (_broken("duplicate_name"), ["duplicate tensor name", "blk.0.attn_k.weight"]),
+    "missing_shard": (_missing_shard, ["missing shard", "set-00003-of-00003.gguf"]),
+    "no_such_path": (lambda d: d / "nowhere" / "model.gguf", ["no such file"]),
+    "directory": (lambda d: d, ["is a directory"]),
+}
+
+
+def _truncate_to(p: pathlib.Path, n: int) -> pathlib.Path:
+    os.truncate(p, n)
+    return p
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_unusable_input_is_one_error_line(tmp_path, monkeypatch, capsys, case):
+    make, needles = BAD_INPUTS[case]
+    p = make(tmp_path)
+    result = None
+    with pytest.raises(ModelError) as ei:
+        result = open_model(p)
+    assert result is None  # nothing was loaded
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{p}: "), msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    # the command line says the same in one line, with no traceback and no output
+    code, out, err = run_cli_inprocess(monkeypatch, capsys, "inspect", str(p))
+    assert_one_error_line(code, out, err, str(p), *needles)
+    assert out == ""
+
+
+@pytest.mark.parametrize("case", ["text_file", "q2_k"])
+def test_unusable_input_through_the_installed_cli(tmp_path, case):
+    make, needles = BAD_INPUTS[case]
+    p = make(tmp_path)
+    r = run_cli("inspect", str(p))
+    assert_one_error_line(r.returncode, r.stdout, r.stderr, str(p), *needles)
+    assert r.stdout == ""
+
+
+def test_tiny_config_is_what_the_bad_inputs_assume():
+    # wrong_shape halves ffn_up's ne[1] (512 -> 256) of a d_model 256 / d_ff 512 model
+    cfg = tiny_config()
+    assert (cfg.d_model, cfg.d_ff) == (256, 512)
