@@ -320,6 +320,36 @@ def status(
             return
 
 
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="the streamed model (e.g. a 70B-shape GGUF)"),
+    backend: str = typer.Option("auto", "--backend"),
+    vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="for (a), (b), (c): e.g. 24GiB"),
+    gpu_layers: Optional[int] = typer.Option(None, "--gpu-layers"),
+    ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="for (a); (b) uses 0"),
+    tokens: int = typer.Option(8, "--tokens", help="tokens generated per request"),
+    batch: int = typer.Option(1, "--batch", help="concurrent requests"),
+    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check"),
+    resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
+    out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
+    listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
+) -> None:
+    """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident;
+    every figure printed next to the limit measured in the same run."""
+    from pathlib import Path
+
+    from ntx.ctl.bench import run_bench
+    from ntx.shared.config import parse_size
+
+    run_bench(
+        os.path.abspath(_model_path(model)), backend=_choose_backend(backend),
+        vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget else None, gpu_layers=gpu_layers,
+        ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget else None, tokens=tokens, batch=batch,
+        scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,
+        out_dir=Path(out), listen=listen, log=lambda s: typer.echo(s),
+    )
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit status 1."""
     try:
@@ -339,8 +369,18 @@ def main() -> None:
     except Exception as e:  # click usage errors and the like
         import click
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
+        click_errors: tuple[type, ...] = (click.exceptions.ClickException,)
+        try:  # recent typer raises its vendored copy of click's exceptions (typer._click)
+            from typer._click.exceptions import ClickException as _VendoredClickException
+
+            click_errors += (_VendoredClickException,)
+        except ImportError:
+            pass
+        if isinstance(e, click_errors):
+            if type(e).__name__ == "NoArgsIsHelpError":
+                e.show()  # bare `ntxctl`: the help text
+            else:
+                typer.echo(f"ntxctl: error: {e.format_message()}", err=True)
             sys.exit(e.exit_code)
         raise
 

@@ -4,23 +4,44 @@
 # (cupy's on-disk cache), run the GPU tests, then the kernel benchmark. Logs and JSON go to $OUT.
 #
 # From the repo root on the device machine:
-#   bash scripts/device_check.sh [--quick] [--no-bench] [--no-tests] [--sanitize] [pytest args]
+#   bash scripts/device_check.sh [--quick] [--no-bench] [--no-tests] [--sanitize] [--decode-bench]
+#                                [--stream-bench] [--only-copy] [pytest args]
 # --sanitize: first run the attention/KV/graph tests under compute-sanitizer memcheck.
+# --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
+#   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
+# --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d).
+# --only-copy: only copy the carried model part(s) to ~/models and stop.
+# The real SmolLM2 (98 MB) is over one call's 64 MiB: carry .models/p1 in one call and .models/p2
+# in the next (the machine keeps ~/models while warm); once both parts are there they are joined
+# and NTX_TEST_MODEL points the GPU tests at it.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$REPO/.device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; PYTEST_ARGS=()
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; ONLY_COPY=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
     --no-bench) BENCH=0 ;;
     --no-tests) TESTS=0 ;;
     --sanitize) SANITIZE=1 ;;
+    --decode-bench) DECODE=1 ;;
+    --stream-bench) STREAM=1 ;;
+    --only-copy) ONLY_COPY=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
 done
+
+MODELS=$HOME/models
+mkdir -p "$MODELS"
+for part in "$REPO"/.models/p*/smol.part*; do [ -f "$part" ] && cp "$part" "$MODELS/"; done
+if [ -f "$MODELS/smol.part00" ] && [ -f "$MODELS/smol.part01" ] && [ ! -f "$MODELS/SmolLM2.gguf" ]; then
+  cat "$MODELS/smol.part00" "$MODELS/smol.part01" > "$MODELS/SmolLM2.gguf" && sha256sum "$MODELS/SmolLM2.gguf"
+fi
+[ -f "$MODELS/SmolLM2.gguf" ] && export NTX_TEST_MODEL="$MODELS/SmolLM2.gguf"
+ls -la "$MODELS"
+[ "$ONLY_COPY" = 1 ] && exit 0
 
 if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$REPO"/.whl/*.whl \
@@ -58,6 +79,22 @@ if [ "$TESTS" = 1 ]; then
 fi
 if [ "$BENCH" = 1 ]; then
   python3 "$REPO/scripts/bench_kernels.py" $QUICK --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+synth() {  # synth NAME PRESET TYPE: write ~/models/NAME.gguf once
+  [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" -q 2>&1 | tail -2
+}
+if [ "$DECODE" = 1 ]; then
+  synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-8b-Q8_0 llama3-8b Q8_0; synth llama3-8b-F16 llama3-8b F16
+  python3 "$REPO/scripts/bench_decode.py" ${NTX_TEST_MODEL:+"$NTX_TEST_MODEL"} "$MODELS"/llama3-8b-{Q4_K_M,Q8_0,F16}.gguf \
+    --tokens 128 --batch 1 8 --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+fi
+if [ "$STREAM" = 1 ]; then
+  rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B
+  synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  df -h "$MODELS" | tail -1
+  python3 -m ntx.ctl.cli bench --model "$MODELS/llama3-70b-Q4_K_M.gguf" --backend cuda --vram-budget 24GiB \
+    --tokens "${STREAM_TOKENS:-4}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \
+    --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "$OUT" 2>&1 | tee "$OUT/stream.log"
 fi
 echo "device_check: tests rc=$rc, $(( $(date +%s) - t0 )) s"
 exit $rc
