@@ -3,7 +3,8 @@
 
 Measures in one run: device-to-device copy bandwidth (1 GiB cupy copy, bytes read + written per
 second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B shapes per type at
-B = 1 and B = 8, sweeping launch configurations, plus a few other kernels. Each timing replays a
+B = 1 and B = 8 for both variants, f32 ("v1"/"v2") and int8-activation "dp4a" (its time includes
+the quantize-x launch), sweeping launch configurations (--quick: a few), plus a few other kernels. Each timing replays a
 CUDA graph of back-to-back launches that cycle over enough copies of the weights (>= 512 MiB) that
 the 50 MB L2 cannot serve them, timed with CUDA events. Prints a table with % of copy bandwidth
 and writes JSON.
@@ -26,6 +27,8 @@ TYPES = ["Q4_K", "Q6_K", "Q8_0", "F16"]
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 # (rows per CTA, warps per CTA, pieces per lane per trip)
 SWEEP = [(nr, nw, u) for nr in (1, 2, 4) for u in (1, 2) for nw in (4, 8)]
+QUICK_SWEEP = [(1, 4, 2), (2, 4, 2), (4, 4, 1)]
+QUICK_SWEEP_DP4A = [(1, 4, 1), (4, 4, 1), (2, 8, 1), (2, 4, 2)]
 
 
 def _k():
@@ -46,6 +49,14 @@ def precompile_specs():
         for tid in (qt, K._V2.get(qt, qt)):
             for nr, u in sorted({(c[0], c[2]) for c in SWEEP}):
                 specs.append(("quant.cu", K._mv_names(tid, nr, u)))
+    # dp4a variant: defaults for every type it exists for, the sweep for the benchmarked ones
+    for qt in sorted(K._DP4A_TYPES):
+        cfgs = {(c[0], c[2]) for c in K._MVQ_DEFAULT.values()}
+        if qt in {int(K.QType[t]) for t in TYPES}:
+            cfgs |= {(c[0], c[2]) for c in SWEEP + QUICK_SWEEP_DP4A}
+        for nr, u in sorted(cfgs):
+            specs.append(("quant.cu", K._mvq_names(qt, nr, u)))
+    specs.append(("quant.cu", ()))  # quantize_x_kernel
     specs.append(("ops.cu", ()))
     for g in (1, 3, 4, 8):
         for hd in (64, 128):
@@ -128,11 +139,15 @@ def copy_bandwidth(cp) -> float:
 
 
 def bench_matvec(cp, K, quick: bool):
+    """Both variants per shape and B: f32 ("v1"/"v2", the default config and a sweep) and "dp4a"
+    (int8 activations; its time includes the quantize-x kernel that each call launches)."""
     rng = np.random.default_rng(0)
     results = []
-    sweep = SWEEP if not quick else [(1, 4, 2), (2, 4, 2), (4, 4, 1)]
+    sweep = SWEEP if not quick else QUICK_SWEEP
+    sweep_q = SWEEP if not quick else QUICK_SWEEP_DP4A
     for tname in TYPES:
         qt = K.QType[tname]
+        has_dp4a = int(qt) in K._DP4A_TYPES
         for (n_rows, n_cols) in SHAPES:
             raw0 = random_raw(cp, K, qt, n_rows, n_cols, rng)
             nbytes = raw0.size
@@ -150,6 +165,10 @@ def bench_matvec(cp, K, quick: bool):
                 runs = [("v1", default_cfg)] + [(("v2" if has_v2 else "v1"), c) for c in sweep]
                 if has_v2:
                     runs.insert(1, ("v2", default_cfg))
+                if has_dp4a:
+                    ref_q = K.matvec(views[0], qt, n_rows, n_cols, x, variant="dp4a").copy()
+                    qcfg = K._MVQ_CONFIG.get((int(qt), B)) or K._MVQ_DEFAULT[B]
+                    runs += [("dp4a", qcfg)] + [("dp4a", c) for c in sweep_q]
                 runs = list(dict.fromkeys(runs))
                 rows = []
                 cp.cuda.Device().synchronize()
@@ -157,21 +176,30 @@ def bench_matvec(cp, K, quick: bool):
                     out.fill(cp.nan)
                     K.matvec(views[0], qt, n_rows, n_cols, x, out=out, config=cfg, variant=var)
                     err = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
+                    # a config must give its variant's own result (dp4a: ~5e-3 from x's int8 rounding vs f32)
+                    err_own = err if var != "dp4a" else float(cp.linalg.norm(out - ref_q) / cp.linalg.norm(ref_q))
                     fns = [(lambda s, v=v, cfg=cfg, var=var: K.matvec(v, qt, n_rows, n_cols, x, out=out, stream=s,
                                                                       config=cfg, variant=var)) for v in views]
                     reps = max(3, int(0.02 / max(1e-6, nbytes / 3e12) / copies))
                     t = time_graph(cp, fns, min(reps, 200))
                     rows.append({"variant": var, "config": list(cfg), "us": t * 1e6, "gbps": nbytes / t / 1e9,
-                                 "relerr_vs_v1": err})
-                ok = [r for r in rows if r["relerr_vs_v1"] < 1e-5]
-                best = max(ok, key=lambda r: r["gbps"]) if ok else {"variant": "-", "config": [], "us": 0, "gbps": 0}
-                if len(ok) < len(rows):
-                    print("  MISMATCH:", [(r["variant"], r["config"], r["relerr_vs_v1"]) for r in rows if r not in ok])
+                                 "relerr_vs_v1": err, "relerr_vs_own_default": err_own})
+                bad = [r for r in rows if not r["relerr_vs_own_default"] < 1e-5]
+                if bad:
+                    print("  MISMATCH:", [(r["variant"], r["config"], r["relerr_vs_own_default"]) for r in bad])
+                none = {"variant": "-", "config": [], "us": 0, "gbps": 0}
+                f32_ok = [r for r in rows if r["variant"] != "dp4a" and r not in bad]
+                q_ok = [r for r in rows if r["variant"] == "dp4a" and r not in bad]
+                best_f32 = max(f32_ok, key=lambda r: r["gbps"]) if f32_ok else none
+                best_q = max(q_ok, key=lambda r: r["gbps"]) if q_ok else none
                 dflt = rows[0]
+                dflt_q = next((r for r in rows if r["variant"] == "dp4a"), none)
                 results.append({"type": tname, "n_rows": n_rows, "n_cols": n_cols, "B": B, "bytes": nbytes,
-                                "copies": copies, "default": dflt, "best": best, "all": rows})
-                print(f"  {tname:5s} {n_rows:6d}x{n_cols:<6d} B={B}  v1-default {dflt['gbps']:7.0f} GB/s "
-                      f"({dflt['us']:7.1f} us)  best {best['gbps']:7.0f} GB/s {best['variant']} cfg={best['config']}", flush=True)
+                                "copies": copies, "default": dflt, "best": best_f32, "dp4a_default": dflt_q,
+                                "dp4a_best": best_q, "all": rows})
+                print(f"  {tname:5s} {n_rows:6d}x{n_cols:<6d} B={B}  f32: v1-default {dflt['gbps']:6.0f} best {best_f32['gbps']:6.0f} GB/s "
+                      f"{best_f32['variant']} {best_f32['config']}  dp4a: default {dflt_q['gbps']:6.0f} best {best_q['gbps']:6.0f} GB/s "
+                      f"{best_q['config']} (vs f32 {dflt_q.get('relerr_vs_v1', 0):.1e})", flush=True)
             del big, views
     return results
 
@@ -267,12 +295,17 @@ def main() -> int:
     copy_bw2 = copy_bandwidth(cp)
     print(f"device-to-device copy again: {copy_bw2 / 1e9:.0f} GB/s")
     print()
-    print(f"matvec, weight bytes / time, vs copy bandwidth {copy_bw / 1e9:.0f} GB/s (graph replay, L2-cold)")
-    print(f"{'type':5s} {'shape':>12s} {'B':>2s} {'MB':>7s} {'v1 dflt GB/s':>13s} {'%':>5s} {'best GB/s':>10s} {'%':>5s}  best variant, cfg (rows, warps, unroll)")
+    print(f"matvec, weight bytes / time, vs copy bandwidth {copy_bw / 1e9:.0f} GB/s (graph replay, L2-cold); "
+          "dp4a times include its quantize-x launch")
+    print(f"{'type':5s} {'shape':>12s} {'B':>2s} {'MB':>6s} | {'f32 dflt':>8s} {'%':>5s} {'f32 best':>8s} {'%':>5s} "
+          f"{'cfg':>10s} | {'dp4a dflt':>9s} {'%':>5s} {'dp4a best':>9s} {'%':>5s} {'cfg':>10s}")
+    pc = lambda g: 100 * g * 1e9 / copy_bw  # noqa: E731
     for r in mv:
-        d, b = r["default"], r["best"]
-        print(f"{r['type']:5s} {r['n_rows']:>5d}x{r['n_cols']:<6d} {r['B']:>2d} {r['bytes'] / 1e6:7.1f} {d['gbps']:13.0f} "
-              f"{100 * d['gbps'] * 1e9 / copy_bw:5.1f} {b['gbps']:10.0f} {100 * b['gbps'] * 1e9 / copy_bw:5.1f}  {b['variant']} {b['config']}")
+        d, b, qd, qb = r["default"], r["best"], r["dp4a_default"], r["dp4a_best"]
+        qtxt = (f"{qd['gbps']:9.0f} {pc(qd['gbps']):5.1f} {qb['gbps']:9.0f} {pc(qb['gbps']):5.1f} {str(qb['config']):>10s}"
+                if qb["gbps"] else f"{'n/a':>9s} {'':5s} {'n/a':>9s} {'':5s} {'':>10s}")
+        print(f"{r['type']:5s} {r['n_rows']:>5d}x{r['n_cols']:<6d} {r['B']:>2d} {r['bytes'] / 1e6:6.1f} | {d['gbps']:8.0f} "
+              f"{pc(d['gbps']):5.1f} {b['gbps']:8.0f} {pc(b['gbps']):5.1f} {b['variant'] + str(b['config']):>10s} | {qtxt}")
     res = {"device": dev, "copy_gbps": copy_bw / 1e9, "copy_gbps_end": copy_bw2 / 1e9, "matvec": mv, "other": other,
            "seconds": time.perf_counter() - t0}
     with open(a.out, "w") as f:

@@ -8,6 +8,15 @@ cache holds, swiglu, get_rows); 1e-3 for results rounded to f16 once (dequantize
 (both operands rounded to f16).
 Quantized weights are random valid GGUF blocks (random bytes, finite f16 scales), referenced by
 gguf-py's own dequantize.
+
+The dp4a matvec variant quantizes each row of x to int8 per group of 32 columns (d = max|x| / 127,
+q = round(x / d)) and multiplies exactly in integers, so it is checked twice: (1) against the
+float64 product of the dequantized weights and the *dequantized int8 x* (q * d, read back from the
+kernel's own workspace): 1e-5, the f32 rounding of the per-sub-block scale products and of the f32
+accumulation; (2) against the exact x, element-wise by the bound the rounding allows,
+|out - W x| <= sum_c |W[r, c]| * d_group(c) / 2 (each x element moves by at most d / 2), and in norm
+by 3e-2 (Gaussian rows land at ~0.3-0.9%: the rounding error is ~d / sqrt(12) ~ 0.5% of a group's
+rms, and a few-term product can cancel).
 """
 
 from __future__ import annotations
@@ -105,7 +114,7 @@ def test_matvec(qt, B, big, rng):
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
     x = rng.standard_normal((B, n_cols)).astype(np.float32)
     out = nan_f32((B, n_rows))
-    res = K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
+    res = K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, variant="f32")
     assert res is out
     ref = x.astype(np.float64) @ ref_w.T
     assert relerr(out, ref) < 1e-5
@@ -137,8 +146,12 @@ def test_matvec_unaligned_base(qt, rng):
     buf[off:off + raw.size] = cp.asarray(raw)
     x = rng.standard_normal((2, n_cols)).astype(np.float32)
     out = nan_f32((2, n_rows))
-    K.matvec(buf[off:off + raw.size], qt, n_rows, n_cols, cp.asarray(x), out=out)
-    assert relerr(out, x.astype(np.float64) @ reference_matrix(qt, raw, n_rows, n_cols).T) < 1e-5
+    K.matvec(buf[off:off + raw.size], qt, n_rows, n_cols, cp.asarray(x), out=out, variant="f32")
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5
+    out2 = nan_f32((2, n_rows))
+    K.matvec(buf[off:off + raw.size], qt, n_rows, n_cols, cp.asarray(x), out=out2, variant="dp4a")
+    check_dp4a(out2, x, ref_w)
 
 
 def test_matvec_1d_and_stream(rng):
@@ -148,9 +161,187 @@ def test_matvec_1d_and_stream(rng):
     s = cp.cuda.Stream(non_blocking=True)
     out = nan_f32((n_rows,))
     cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
-    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, stream=s)
+    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, stream=s, variant="f32")
     s.synchronize()
-    assert relerr(out, reference_matrix(qt, raw, n_rows, n_cols) @ x.astype(np.float64)) < 1e-5
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    assert relerr(out, ref_w @ x.astype(np.float64)) < 1e-5
+    out2 = nan_f32((n_rows,))
+    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out2, stream=s, variant="dp4a")
+    s.synchronize()
+    check_dp4a(out2.reshape(1, -1), x.reshape(1, -1), ref_w)
+
+
+DP4A_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+def quantize_ref(x: np.ndarray):
+    """numpy mirror of quantize_x_kernel (f32 arithmetic): (q int [B, n], d f32 [B, n/32])."""
+    B, n = x.shape
+    g = x.reshape(B, n // 32, 32).astype(np.float32)
+    amax = np.abs(g).max(-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint(g * inv[..., None]).astype(np.int64)
+    return q.reshape(B, n), d
+
+
+def check_dp4a(out, x, ref_w, q=None, d=None):
+    """out (dp4a matvec of x) against (1) the float64 product with the dequantized int8 x (1e-5) and
+    (2) the exact x: element-wise by the rounding bound, in norm by 3e-2 (see the module doc)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1, ref_w.shape[1])
+    if q is None:
+        q, d = quantize_ref(x)
+    B, n = x.shape
+    dcol = np.repeat(np.asarray(d, dtype=np.float64).reshape(B, n // 32), 32, axis=1)
+    xd = np.asarray(q, dtype=np.float64).reshape(B, n) * dcol
+    out_h = cp.asnumpy(out).astype(np.float64).reshape(B, -1) if isinstance(out, cp.ndarray) else np.asarray(out).reshape(B, -1)
+    assert relerr(out_h, xd @ ref_w.T) < 1e-5
+    exact = x.astype(np.float64) @ ref_w.T
+    # (0.5 + 1e-4) d: the f32 products x * (127 / max|x|) carry ~127 * 2^-22 of q's rounding unit
+    bound = (0.5 + 1e-4) * dcol @ np.abs(ref_w).T  # [B, n_rows]
+    slack = 1e-5 * np.linalg.norm(exact) / np.sqrt(exact.size)
+    over = np.abs(out_h - exact) - bound - slack
+    assert np.all(over <= 0), f"{np.count_nonzero(over > 0)} outputs beyond the int8 rounding bound"
+    assert relerr(out_h, exact) < 3e-2
+
+
+@pytest.mark.parametrize("B", list(range(1, 9)))
+def test_dp4a_quantize_x(B, rng):
+    """quantize_x: |q| <= 127, |x - q d| <= d / 2, d = max|x| / 127 per group, ds = (d, d * sum q),
+    equal to the numpy mirror; an all-zero group gives d = 0, q = 0."""
+    n = 32 * 37
+    x = (rng.standard_normal((B, n)) * rng.uniform(0.01, 100, size=(B, 1))).astype(np.float32)
+    x[0, 64:96] = 0.0
+    x[B - 1, 5] = 1e4  # one outlier: its group's other values round to few levels
+    ws = cp.full(K.matvec_workspace_bytes(B, n), 0xFF, dtype=cp.uint8)  # poisoned (ds = NaN)
+    q_d, ds_d = K.quantize_x(cp.asarray(x), ws)
+    q, ds = cp.asnumpy(q_d).astype(np.int64), cp.asnumpy(ds_d).astype(np.float64)
+    assert q.shape == (B, n) and ds.shape == (B, n // 32, 2)
+    assert np.all(np.isfinite(ds))
+    q_ref, d_ref = quantize_ref(x)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(ds[..., 0], d_ref)
+    assert np.abs(q).max() <= 127
+    dcol = np.repeat(ds[..., 0], 32, axis=1)
+    assert np.all(np.abs(x - q * dcol) <= (0.5 + 1e-4) * dcol)
+    sums = q.reshape(B, n // 32, 32).sum(-1)
+    np.testing.assert_allclose(ds[..., 1], ds[..., 0] * sums, rtol=1e-6, atol=0)
+    assert np.all(q[0, 64:96] == 0) and ds[0, 2, 0] == 0.0
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("B", list(range(1, 9)))
+@pytest.mark.parametrize("qt", DP4A_TYPES, ids=lambda q: q.name)
+def test_matvec_dp4a(qt, B, big, rng):
+    """dp4a variant, every type and B, odd row counts, NaN-poisoned output and workspace; the
+    reference x is the int8 x read back from the kernel's own workspace."""
+    n_rows = 261 if big else 37
+    n_cols = _cols(qt, big)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    x = rng.standard_normal((B, n_cols)).astype(np.float32)
+    ws = cp.full(K.matvec_workspace_bytes(B, n_cols), 0xFF, dtype=cp.uint8)
+    out = nan_f32((B, n_rows))
+    res = K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, variant="dp4a", xq=ws)
+    assert res is out
+    q_d, ds_d = K.quantize_x(cp.asarray(x))  # the same quantization, read back
+    q, d = cp.asnumpy(q_d), cp.asnumpy(ds_d)[..., 0]
+    check_dp4a(out, x, ref_w, q, d)
+    # the workspace holds exactly that quantization, and the shared scratch gives the same bits
+    np.testing.assert_array_equal(cp.asnumpy(ws[:B * n_cols]).view(np.int8).reshape(B, n_cols), q)
+    out2 = nan_f32((B, n_rows))
+    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out2, variant="dp4a")
+    np.testing.assert_array_equal(cp.asnumpy(out2), cp.asnumpy(out))
+
+
+@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2), (4, 2))])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda q: q.name)
+def test_matvec_dp4a_configs(qt, config, rng):
+    """Every dp4a launch configuration the benchmark may pick gives the same product."""
+    n_rows, n_cols = 203, _cols(qt, True)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    for B in (1, 3, 8):
+        x = rng.standard_normal((B, n_cols)).astype(np.float32)
+        out = nan_f32((B, n_rows))
+        K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=config, variant="dp4a")
+        check_dp4a(out, x, ref_w)
+
+
+def test_matvec_dp4a_auto_and_errors(rng):
+    qt, n_rows, n_cols = QT.Q4_K, 33, 512
+    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    x = cp.asarray(rng.standard_normal((2, n_cols)).astype(np.float32))
+    a = K.matvec(raw, qt, n_rows, n_cols, x, variant="auto")
+    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if int(qt) in K._DP4A_AUTO else "v1")
+    np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+    with pytest.raises(ValueError):
+        K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a", xq=cp.empty(K.matvec_workspace_bytes(2, n_cols) - 1, cp.uint8))
+    with pytest.raises(ValueError):
+        K.matvec(cp.asarray(random_weights(QT.F16, 4, 64, rng)), QT.F16, 4, 64, x[:, :64].copy(), variant="dp4a")
+    with pytest.raises(ValueError):
+        K.matvec(raw, qt, n_rows, n_cols, x, variant="nope")
+
+
+@pytest.mark.parametrize("explicit_ws", [False, True], ids=["scratch", "xq"])
+def test_matvec_dp4a_graph_capture(explicit_ws, rng):
+    """dp4a matvecs (quantize + product) captured in a CUDA graph replay for new x, bit-identical
+    to eager calls; with the shared scratch the eager call before capture makes the workspace."""
+    B = 3
+    mats = [(QT.Q4_K, 300, 1024), (QT.Q6_K, 129, 1024), (QT.Q8_0, 77, 4096), (QT.Q4_K, 64, 4096)]
+    raws = [cp.asarray(random_weights(qt, r, c, rng)) for qt, r, c in mats]
+    xs = {c: cp.empty((B, c), cp.float32) for _, _, c in mats}
+    outs = [cp.empty((B, r), cp.float32) for _, r, _ in mats]
+    wss = {c: K.matvec_workspace(B, c) for _, _, c in mats} if explicit_ws else {}
+    s = cp.cuda.Stream(non_blocking=True)
+
+    def step(dst):
+        for (qt, r, c), raw, o in zip(mats, raws, dst):
+            K.matvec(raw, qt, r, c, xs[c], out=o, stream=s, variant="dp4a", xq=wss.get(c))
+
+    for c, xa in xs.items():
+        xa[...] = cp.asarray(rng.standard_normal((B, c)).astype(np.float32))
+    cp.cuda.Device().synchronize()
+    step([cp.empty_like(o) for o in outs])  # eager first: compiles, makes the scratch
+    s.synchronize()
+    with s:
+        s.begin_capture()
+        try:
+            step(outs)
+        finally:
+            graph = s.end_capture()
+    for _ in range(3):
+        for c, xa in xs.items():
+            xa.set(rng.standard_normal((B, c)).astype(np.float32), stream=s)
+        for o in outs:
+            o.fill(cp.nan)
+        graph.launch(stream=s)
+        s.synchronize()
+        eager = [nan_f32(o.shape) for o in outs]
+        step(eager)
+        s.synchronize()
+        for (qt, r, c), raw, o, e in zip(mats, raws, outs, eager):
+            np.testing.assert_array_equal(cp.asnumpy(o), cp.asnumpy(e), err_msg=qt.name)
+            check_dp4a(o, cp.asnumpy(xs[c]), reference_matrix(qt, cp.asnumpy(raw), r, c))
+
+
+def test_matvec_dp4a_capture_without_workspace_is_an_error(rng):
+    """A dp4a matvec whose shared workspace does not exist yet refuses to allocate inside a capture."""
+    B, n_cols = 7, 32 * 41  # a size no other test uses
+    raw = cp.asarray(random_weights(QT.Q8_0, 5, n_cols, rng))
+    x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
+    out = cp.empty((B, 5), cp.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    K.quantize_x(x)  # compile outside the capture
+    K.matvec(raw, QT.Q8_0, 5, n_cols, x, out=out, variant="dp4a", xq=K.matvec_workspace(B, n_cols))
+    cp.cuda.Device().synchronize()
+    with s:
+        s.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="workspace"):
+                K.matvec(raw, QT.Q8_0, 5, n_cols, x, out=out, stream=s, variant="dp4a")
+        finally:
+            s.end_capture()
 
 
 # ------------------------------------------------------------------------------ dequantize / gemm / get_rows
@@ -186,7 +377,11 @@ def test_gemm(qt, T, rng):
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
     out = nan_f32((T, n_rows))
     K.gemm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
-    ref = x.astype(np.float64) @ reference_matrix(qt, raw, n_rows, n_cols).T
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    if T <= K.MAX_MATVEC_B and int(qt) in K._DP4A_AUTO:  # matvec's default variant: int8 x
+        check_dp4a(out, x, ref_w)
+        return
+    ref = x.astype(np.float64) @ ref_w.T
     assert relerr(out, ref) < (1e-5 if T <= K.MAX_MATVEC_B else 2e-3)
 
 

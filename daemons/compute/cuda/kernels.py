@@ -15,8 +15,9 @@ a sequence owns one slot; position p of kv-head g of slot s is ``cache[s, g, p, 
 Measured on the H200 (copy bandwidth 4.2 TB/s; scripts/bench_kernels.py, CUDA-graph replay over
 >= 512 MiB of weight copies): matvec at B=1 reads F16 at 4.1 TB/s (98%), Q8_0 at 2.2-2.3 TB/s
 (52-54%), Q6_K at 1.3-1.4 TB/s (31-33%), Q4_K at 1.2-1.3 TB/s (29-31%) for the 8B shapes. The
-quantized kernels are bound by the per-weight f32 decode work, not by DRAM; the next step is
-llama.cpp's int8 path (activations quantized per 32, dp4a).
+quantized kernels are bound by the per-weight f32 decode work, not by DRAM. The "dp4a" matvec
+variant (llama.cpp's int8 path: activations quantized per 32 to int8, integer dot products with
+__dp4a) removes most of that work for the quantized types; see matvec.
 
 Shapes: T tokens, B sequences (or tokens of a decode batch), H query heads, n_kv kv heads
 (H = n_kv * group), hd head dim, D model dim, F feed-forward dim, V vocabulary.
@@ -37,7 +38,7 @@ __all__ = [
     "QType", "QUANT_INFO", "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm",
     "rmsnorm", "rope_inplace", "alloc_kv_cache", "kv_append", "attention", "attention_splits",
     "attention_workspace", "swiglu", "argmax", "apply_repetition_penalty", "topk", "compile_all",
-    "MAX_MATVEC_B",
+    "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x",
 ]
 
 _DIR = Path(__file__).resolve().parent
@@ -88,6 +89,16 @@ MATVEC_VARIANT = "auto"
 _MV_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {  # (qtype, B) -> config, overrides
     (1, 1): (2, 8, 1),  # F16 at B=1: 4.1 TB/s on the H200 (vs 4.0 with (2, 4, 1))
 }
+# "dp4a" variant (quant.cu mvq_kernel): x quantized to int8 per 32 (quantize_x_kernel), integer
+# dot products. Exists for the block-quantized types; "auto" takes it for _DP4A_AUTO.
+# Not yet measured on the H200 when written: the defaults are a first guess that
+# scripts/bench_kernels.py sweeps.
+_DP4A_TYPES = {2, 3, 6, 7, 8, 12, 13, 14}
+_DP4A_AUTO = set(_DP4A_TYPES)
+_MVQ_DEFAULT = {1: (2, 4, 1), 2: (2, 4, 1), 3: (2, 4, 1), 4: (2, 4, 1),
+                5: (2, 4, 1), 6: (2, 4, 1), 7: (2, 4, 1), 8: (2, 4, 1)}
+_MVQ_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {}  # (qtype, B) -> config, overrides
+VARIANTS = ("auto", "v1", "v2", "dp4a", "f32")
 
 
 def row_bytes(qtype, n_cols: int) -> int:
@@ -133,6 +144,19 @@ def _mv_kernel(qt: int, b: int, nr: int, u: int):
     return _module("quant.cu", names).get_function(names[b - 1])
 
 
+def _mvq_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
+    return tuple(f"mvq_kernel<{qt},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+
+
+def _mvq_kernel(qt: int, b: int, nr: int, u: int):
+    names = _mvq_names(qt, nr, u)
+    return _module("quant.cu", names).get_function(names[b - 1])
+
+
+def _quantize_x_kernel():
+    return _module("quant.cu", ()).get_function("quantize_x_kernel")
+
+
 def _deq_kernel(qt: int, out_f32: bool):
     names = (f"deq_kernel<{qt},0>", f"deq_kernel<{qt},1>")
     return _module("quant.cu", names).get_function(names[int(out_f32)])
@@ -154,7 +178,11 @@ def compile_all(qtypes=None) -> None:
         for tid in {qt, _V2.get(qt, qt)}:
             for nr, u in {(c[0], c[2]) for c in _MV_DEFAULT.values()}:
                 _mv_kernel(tid, 1, nr, u)
+        if qt in _DP4A_TYPES:
+            for nr, u in {(c[0], c[2]) for c in _MVQ_DEFAULT.values()}:
+                _mvq_kernel(qt, 1, nr, u)
         _deq_kernel(qt, False)
+    _quantize_x_kernel()
     _ops_kernel("rmsnorm_kernel")
 
 
@@ -226,15 +254,116 @@ def _mv_traits(qt: QType, n_cols: int, variant, B: int) -> int:
     return int(qt)
 
 
-def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None):
+def _use_dp4a(qt: QType, variant) -> bool:
+    v = variant or MATVEC_VARIANT
+    if v not in VARIANTS:
+        raise ValueError(f"unknown matvec variant {v!r} (one of {', '.join(VARIANTS)})")
+    if v == "dp4a":
+        if int(qt) not in _DP4A_TYPES:
+            raise ValueError(f"the dp4a matvec variant does not exist for {qt.name}")
+        return True
+    return v == "auto" and int(qt) in _DP4A_AUTO
+
+
+def matvec_workspace_bytes(B: int, n_cols: int) -> int:
+    """Bytes of the dp4a variant's activation workspace for x [B, n_cols]: int8 x [B, n_cols]
+    (rounded up to 256 bytes), then f32 (d, d * sum) pairs [B, n_cols / 32]."""
+    return -(-B * n_cols // 256) * 256 + B * (n_cols // 32) * 8
+
+
+def matvec_workspace(B: int = MAX_MATVEC_B, n_cols: int = 0):
+    """A device workspace for matvec(..., xq=) / quantize_x with up to B rows of n_cols columns."""
+    return cp.empty(matvec_workspace_bytes(B, n_cols), dtype=cp.uint8)
+
+
+class _XqScratch:
+    """Per-(device, size) dp4a workspaces kept for reuse: allocated on the first eager call of a
+    size, never reallocated (a captured CUDA graph keeps pointing at it)."""
+
+    def __init__(self):
+        self.bufs: dict[tuple[int, int], cp.ndarray] = {}
+        self.lock = threading.Lock()
+
+    def get(self, nbytes: int) -> cp.ndarray:
+        key = (cp.cuda.Device().id, nbytes)
+        b = self.bufs.get(key)
+        if b is None:
+            if cp.cuda.get_current_stream().is_capturing():
+                raise RuntimeError(
+                    f"matvec (dp4a) needs a {nbytes}-byte activation workspace that does not exist yet, and the "
+                    "stream is capturing a CUDA graph: run the same call once eagerly before capture, or pass xq=")
+            with self.lock:
+                b = self.bufs.get(key)
+                if b is None:
+                    b = cp.empty(nbytes, dtype=cp.uint8)
+                    self.bufs[key] = b
+        return b
+
+
+_xq_scratch = _XqScratch()
+
+
+def _xq_views(ws, B: int, n_cols: int):
+    need = matvec_workspace_bytes(B, n_cols)
+    if not isinstance(ws, cp.ndarray) or ws.dtype != cp.uint8 or not ws.flags.c_contiguous:
+        raise TypeError("xq must be a C-contiguous cupy uint8 array (matvec_workspace)")
+    if ws.size < need:
+        raise ValueError(f"xq holds {ws.size} bytes, x [{B}, {n_cols}] needs {need} (matvec_workspace_bytes)")
+    if ws.data.ptr % 256:
+        raise ValueError("xq must start on a 256-byte boundary")
+    off = -(-B * n_cols // 256) * 256
+    return ws[:B * n_cols], ws[off:off + B * (n_cols // 32) * 8]
+
+
+def _quantize_launch(x, ws, B: int, n_cols: int):
+    xq, ds = _xq_views(ws, B, n_cols)
+    n4 = B * n_cols // 4
+    _quantize_x_kernel()(((n4 + 255) // 256,), (256,), (x, xq, ds, np.int32(n4)))
+    return xq, ds
+
+
+def quantize_x(x, xq=None, *, stream=None):
+    """The dp4a variant's activation quantization, exposed for tests and reuse: x f32 [B, n_cols]
+    (n_cols a multiple of 32) -> (q int8 [B, n_cols], ds f32 [B, n_cols / 32, 2]) views into the
+    workspace xq (a new one when None): per group g of 32 columns, d = max|x| / 127,
+    q = round(x / d) in [-127, 127], ds[b, g] = (d, d * sum of the group's q)."""
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    _check_f32("x", x)
+    B, n_cols = x.shape
+    if n_cols % 32:
+        raise ValueError(f"n_cols={n_cols} must be a multiple of 32")
+    if x.data.ptr % 16:
+        x = x.copy()
+    ws = xq if xq is not None else matvec_workspace(B, n_cols)
+    with _stream_ctx(stream):
+        q, ds = _quantize_launch(x, ws, B, n_cols)
+    return q.view(cp.int8).reshape(B, n_cols), ds.view(cp.float32).reshape(B, n_cols // 32, 2)
+
+
+def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None, xq=None):
     """out[b, r] = sum_c W[r, c] * x[b, c].
 
     w_raw: uint8 GGUF bytes of W [n_rows, n_cols]; x: f32 [B, n_cols] (or [n_cols]), B <= 8;
     out: f32 [B, n_rows] (or [n_rows] for a 1-D x). Weights are read once for all B rows of x.
-    f32 arithmetic throughout (weights dequantized in registers, f32 accumulation).
+
+    variant (default MATVEC_VARIANT = "auto"):
+      "v1", "v2" (= "f32" is "v1"): f32 arithmetic throughout (weights dequantized in registers,
+        f32 accumulation; relative error ~1e-6). v2 is the lane-contiguous cut, for Q4_K, Q5_K,
+        Q6_K, and Q8_0 rows of an even number of blocks.
+      "dp4a": x quantized per row to int8 in groups of 32 columns (scale max|x| / 127), integer dot
+        products with the weights' integer values, f32 scales per sub-block (llama.cpp's mmvq).
+        For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Exact up to f32 rounding for the
+        dequantized int8 x; against the exact x the error is that of x's rounding, ~0.3-0.5%
+        relative for Gaussian-like rows (each element is off by at most d/2 = max|x_group| / 254).
+      "auto": dp4a for the types in _DP4A_AUTO, else v1 (v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
     config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4}).
-    variant: "v1", "v2" or "auto" kernel cut (default MATVEC_VARIANT = "auto"; v2 exists for Q4_K,
-    Q5_K, Q6_K, and Q8_0 rows of an even number of blocks).
+    xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
+      aligned; matvec_workspace makes one). Without it a per-(device, size) workspace is made on
+      first use and reused, so the call stays allocation-free after the first one of its size; a
+      CUDA graph capture needs that workspace to exist before capture (run the call once eagerly,
+      or pass xq=). The shared workspace is per device, not per stream: calls on different streams
+      that may overlap must pass their own xq.
     """
     qt = QType(int(qtype))
     rb = _check_weights(w_raw, qt, n_rows, n_cols)
@@ -244,8 +373,19 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     if not 1 <= B <= MAX_MATVEC_B:
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
+    grid_rows = n_rows
+    if _use_dp4a(qt, variant):
+        nr, nw, u = config or _MVQ_CONFIG.get((int(qt), B)) or _MVQ_DEFAULT[B]
+        kern = _mvq_kernel(int(qt), B, nr, u)
+        with _stream_ctx(stream):
+            ws = xq if xq is not None else _xq_scratch.get(matvec_workspace_bytes(B, n_cols))
+            xqv, ds = _quantize_launch(x, ws, B, n_cols)
+            kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
+                 (w_raw, xqv, ds, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
+        return out
     nr, nw, u = config or _MV_CONFIG.get((int(qt), B)) or _MV_DEFAULT[B]
-    kern = _mv_kernel(_mv_traits(qt, n_cols, variant, B), B, nr, u)
+    v = variant or MATVEC_VARIANT
+    kern = _mv_kernel(_mv_traits(qt, n_cols, "v1" if v == "f32" else v, B), B, nr, u)
     grid = ((n_rows + nr - 1) // nr,)
     with _stream_ctx(stream):
         kern(grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
@@ -307,7 +447,8 @@ _scratch = _Scratch()
 def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
 
-    T <= 8: matvec (f32 arithmetic). T > 8: W dequantized to an f16 scratch buffer that is
+    T <= 8: matvec with its default variant (int8-quantized activations for the block-quantized
+    types in _DP4A_AUTO, f32 arithmetic otherwise). T > 8: W dequantized to an f16 scratch buffer that is
     reused across calls, x rounded to f16, cuBLAS GEMM with f32 accumulation and f32 output
     (relative error ~1e-3 from the two f16 roundings). The scratch is shared per device: calls on
     different streams must not overlap.

@@ -479,3 +479,325 @@ __global__ void __launch_bounds__(256) deq_kernel(const u8* __restrict__ w, cons
         }
     }
 }
+
+// ================================================================ int8 activations + dp4a ("dp4a")
+// llama.cpp's "mmvq" scheme: the activation rows x [B, n_cols] are quantized once per matvec to
+// int8 in groups of 32 (quantize_x_kernel: xq[b, c] = round(x[b, c] / d), d = max|x| / 127 over
+// the group; ds[b, g] = (d, d * sum of the group's 32 int8 values)), then each weight block is
+// multiplied with integer dot products (__dp4a: 4 int8 MACs per instruction) and its scales are
+// applied once per sub-block: sum_i w_i x_i ~= sum_g d_w,g * d_x,g * sum_i q_i xq_i (+ min terms
+// through the group sums). Every sub-block of every supported type covers whole groups of 32 (or
+// 16 for Q6_K's scales), so the groups never straddle a weight scale.
+//
+// Loads: 16-byte vectors where the block layout is 16-byte aligned (Q4_K, Q5_K), aligned words
+// for 4-byte-aligned layouts (Q4_1, Q5_1), and for the 2-byte-aligned layouts (Q4_0, Q5_0, Q8_0,
+// Q6_K) aligned words stitched with a funnel shift (+ one halfword for the tail): every word read
+// holds at least one byte of the block, so no read leaves the tensor's (4-byte-aligned) allocation.
+
+// quantize_x_kernel: 8 threads per group of 32 (a float4 each); n4 = B * n_cols / 4.
+extern "C" __global__ void __launch_bounds__(256) quantize_x_kernel(const float* __restrict__ x,
+                                                                    u32* __restrict__ xq,
+                                                                    float2* __restrict__ ds, int n4) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool ok = t < n4;  // n4 is a multiple of 8: a group is all in or all out
+    float4 v = ok ? __ldg((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f;
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    const int q0 = __float2int_rn(v.x * id), q1 = __float2int_rn(v.y * id);
+    const int q2 = __float2int_rn(v.z * id), q3 = __float2int_rn(v.w * id);
+    int s = q0 + q1 + q2 + q3;
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (ok) {
+        xq[t] = (u32)(q0 & 0xFF) | ((u32)(q1 & 0xFF) << 8) | ((u32)(q2 & 0xFF) << 16) | ((u32)(q3 & 0xFF) << 24);
+        if ((t & 7) == 0) ds[t >> 3] = make_float2(d, d * (float)s);
+    }
+}
+
+__device__ __forceinline__ int dp4(u32 a, u32 b, int c) { return __dp4a((int)a, (int)b, c); }
+// N words of bytes p .. p + 4N - 1 for a 2-byte-aligned p: aligned words stitched by a funnel
+// shift; the last two bytes come from a halfword load, made only when p is not 4-byte aligned.
+template <int N>
+__device__ __forceinline__ void ld_words_a2(const u8* p, u32 (&r)[N]) {
+    const unsigned long long a = (unsigned long long)p;
+    const u32 sh = (u32)(a & 2ull) * 8u;
+    const u32* q = (const u32*)(a & ~3ull);
+    u32 w[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; i++) w[i] = __ldg(q + i);
+    w[N] = 0u;
+    if (sh) w[N] = (u32)__ldg((const u16*)(q + N));
+#pragma unroll
+    for (int i = 0; i < N; i++) r[i] = __funnelshift_r(w[i], w[i + 1], sh);
+}
+// per-byte q - 32 for bytes q in [0, 64), as int8 (no borrow between bytes)
+__device__ __forceinline__ u32 sub32_bytes(u32 q) { return ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u; }
+
+template <int QT> struct QDTraits;
+
+// ---------------------------------------------------------------- Q4_K / Q5_K (dp4a)
+// piece j (8 per block): chunk c = j/2, qs bytes [16j, 16j+16) = positions p..p+15 (p = 16*(j&1))
+// of sub-blocks 2c (low nibbles) and 2c+1 (high nibbles). The min terms use the whole group
+// sums and are added by the even piece of each chunk only.
+template <int QT> struct QDK45 {
+    static constexpr int EPB = 256, BYTES = (QT == 12 ? 144 : 176), LPB = 8;
+    struct Raw { uint4 h, q, qh; };
+    struct Dec { u32 lo[4], hi[4]; float ds0, ds1, dm0, dm1; };
+    struct XV { uint4 a, b; float2 g0, g1; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        r.h = ld128(blk);
+        if (QT == 12) {
+            r.q = ld128(blk + 16 + 16 * j);
+        } else {
+            r.qh = ld128(blk + 16 + 16 * (j & 1));
+            r.q = ld128(blk + 48 + 16 * j);
+        }
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, Dec& e) {
+        const int c = j >> 1, idx = (2 * c) & 3;
+        u32 scw, mw;
+        k4_scales_packed(r.h.y, r.h.z, r.h.w, c >= 2, scw, mw);
+        const float d = h2f(r.h.x), dmin = (j & 1) ? 0.f : h2f(r.h.x >> 16);
+        e.ds0 = d * bytef(scw, idx, 0.f); e.ds1 = d * bytef(scw, idx + 1, 0.f);
+        e.dm0 = dmin * bytef(mw, idx, 0.f); e.dm1 = dmin * bytef(mw, idx + 1, 0.f);
+        const u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        const u32 h[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            e.lo[i] = q[i] & 0x0F0F0F0Fu;
+            e.hi[i] = (q[i] >> 4) & 0x0F0F0F0Fu;
+            if (QT == 13) {
+                e.lo[i] |= ((h[i] >> (2 * c)) & 0x01010101u) << 4;
+                e.hi[i] |= ((h[i] >> (2 * c + 1)) & 0x01010101u) << 4;
+            }
+        }
+    }
+    // xq, ds: this block's activations of one batch row
+    static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
+        const int c = j >> 1, p = 16 * (j & 1);
+        v.a = ld128(xq + 64 * c + p);
+        v.b = ld128(xq + 64 * c + 32 + p);
+        v.g0 = __ldg(ds + 2 * c);
+        v.g1 = __ldg(ds + 2 * c + 1);
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
+        int s0 = dp4(e.lo[0], v.a.x, 0), s1 = dp4(e.hi[0], v.b.x, 0);
+        s0 = dp4(e.lo[1], v.a.y, s0); s1 = dp4(e.hi[1], v.b.y, s1);
+        s0 = dp4(e.lo[2], v.a.z, s0); s1 = dp4(e.hi[2], v.b.z, s1);
+        s0 = dp4(e.lo[3], v.a.w, s0); s1 = dp4(e.hi[3], v.b.w, s1);
+        float r = e.ds0 * v.g0.x * (float)s0;
+        r = fmaf(e.ds1 * v.g1.x, (float)s1, r);
+        r = fmaf(-e.dm0, v.g0.y, r);
+        return fmaf(-e.dm1, v.g1.y, r);
+    }
+};
+template <> struct QDTraits<12> : QDK45<12> {};
+template <> struct QDTraits<13> : QDK45<13> {};
+
+// ---------------------------------------------------------------- Q6_K (dp4a)
+// piece j (8 per block): half h = j/4, positions l0..l0+7 (l0 = 8*(j&3)) of the four 32-groups
+// k = 0..3 of the half: ql[64h + l0 ..] (k = 0 low, k = 2 high nibbles), ql[64h + 32 + l0 ..]
+// (k = 1, 3), qh[32h + l0 ..] (2 bits per k); scale of (h, k, l0) = scales[8h + 2k + l0/16].
+template <> struct QDTraits<14> {
+    static constexpr int EPB = 256, BYTES = 210, LPB = 8;
+    struct Raw { u32 a[2], b[2], h[2], s[2], d; };
+    struct Dec { u32 q[4][2]; float sc[4]; };
+    struct XV { uint2 x[4]; float g[4]; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        const int h = j >> 2, l0 = 8 * (j & 3);
+        ld_words_a2<2>(blk + 64 * h + l0, r.a);
+        ld_words_a2<2>(blk + 64 * h + 32 + l0, r.b);
+        ld_words_a2<2>(blk + 128 + 32 * h + l0, r.h);
+        ld_words_a2<2>(blk + 192 + 8 * h, r.s);
+        r.d = ld16(blk + 208);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, Dec& e) {
+        const int hs = (j & 3) >> 1;  // l0 / 16
+        const float d = h2f(r.d);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 sw = r.s[k >> 1];
+            e.sc[k] = d * (float)(signed char)byte_of(sw, 2 * (k & 1) + hs);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const u32 l = (k & 1) ? r.b[i] : r.a[i];
+                const u32 lo = (k >> 1) ? ((l >> 4) & 0x0F0F0F0Fu) : (l & 0x0F0F0F0Fu);
+                e.q[k][i] = sub32_bytes(lo | (((r.h[i] >> (2 * k)) & 0x03030303u) << 4));
+            }
+        }
+    }
+    static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
+        const int h = j >> 2, l0 = 8 * (j & 3);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            v.x[k] = __ldg((const uint2*)(xq + 128 * h + 32 * k + l0));
+            v.g[k] = __ldg((const float*)(ds + 4 * h + k));
+        }
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
+        float r = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int s = dp4(e.q[k][1], v.x[k].y, dp4(e.q[k][0], v.x[k].x, 0));
+            r = fmaf(e.sc[k] * v.g[k], (float)s, r);
+        }
+        return r;
+    }
+};
+
+// ---------------------------------------------------------------- Q8_0 (dp4a)
+// piece j (2 per block): qs bytes [16j, 16j+16) -> activations 16j..16j+15 of the block's group.
+template <> struct QDTraits<8> {
+    static constexpr int EPB = 32, BYTES = 34, LPB = 2;
+    struct Raw { u32 q[4], d; };
+    struct Dec { u32 q[4]; float d; };
+    struct XV { uint4 a; float dx; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        ld_words_a2<4>(blk + 2 + 16 * j, r.q);
+        r.d = ld16(blk);
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, Dec& e) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) e.q[i] = r.q[i];
+        e.d = h2f(r.d);
+    }
+    static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
+        v.a = ld128(xq + 16 * j);
+        v.dx = __ldg((const float*)ds);
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
+        const int s = dp4(e.q[3], v.a.w, dp4(e.q[2], v.a.z, dp4(e.q[1], v.a.y, dp4(e.q[0], v.a.x, 0))));
+        return e.d * v.dx * (float)s;
+    }
+};
+
+// ---------------------------------------------------------------- Q4_0 / Q4_1 / Q5_0 / Q5_1 (dp4a)
+// one piece per block: qs[l] low nibble -> element l, high nibble -> element 16 + l (l < 16);
+// Q5: bit l / 16 + l of qh is bit 4. Offsets (Q4_0, Q5_0: value (q - off) * d) go through the
+// group sum: d * (dx * sum q xq - off * dx * sum xq); mins (Q4_1, Q5_1): + m * dx * sum xq.
+template <int QT> struct QD32 {
+    static constexpr bool HAS_M = (QT == 3 || QT == 7), Q5 = (QT == 6 || QT == 7);
+    static constexpr int EPB = 32, LPB = 1;
+    static constexpr int BYTES = QT == 2 ? 18 : QT == 3 ? 20 : QT == 6 ? 22 : 24;
+    static constexpr int QS = QT == 2 ? 2 : QT == 3 ? 4 : QT == 6 ? 6 : 8;  // offset of qs
+    static constexpr float OFF = QT == 2 ? 8.f : 16.f;
+    struct Raw { u32 q[4], dm, qh; };
+    struct Dec { u32 lo[4], hi[4]; float d, m; };
+    struct XV { uint4 a, b; float2 g; };
+    static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
+        if (HAS_M) {  // 4-byte-aligned blocks
+            r.dm = ld32(blk);
+#pragma unroll
+            for (int i = 0; i < 4; i++) r.q[i] = ld32(blk + QS + 4 * i);
+            r.qh = Q5 ? ld32(blk + 4) : 0u;
+        } else {
+            r.dm = ld16(blk);
+            ld_words_a2<4>(blk + QS, r.q);
+            r.qh = Q5 ? ld32a2(blk + 2) : 0u;
+        }
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int j, Dec& e) {
+        e.d = h2f(r.dm);
+        e.m = HAS_M ? h2f(r.dm >> 16) : 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            e.lo[i] = r.q[i] & 0x0F0F0F0Fu;
+            e.hi[i] = (r.q[i] >> 4) & 0x0F0F0F0Fu;
+            if (Q5) {
+                e.lo[i] |= q5_hbits(r.qh >> (4 * i));
+                e.hi[i] |= q5_hbits(r.qh >> (16 + 4 * i));
+            }
+        }
+    }
+    static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
+        v.a = ld128(xq);
+        v.b = ld128(xq + 16);
+        v.g = __ldg(ds);
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) s = dp4(e.lo[i], (&v.a.x)[i], s);
+#pragma unroll
+        for (int i = 0; i < 4; i++) s = dp4(e.hi[i], (&v.b.x)[i], s);
+        if (HAS_M) return fmaf(e.d * v.g.x, (float)s, e.m * v.g.y);
+        return e.d * fmaf(v.g.x, (float)s, -OFF * v.g.y);
+    }
+};
+template <> struct QDTraits<2> : QD32<2> {};
+template <> struct QDTraits<3> : QD32<3> {};
+template <> struct QDTraits<6> : QD32<6> {};
+template <> struct QDTraits<7> : QD32<7> {};
+
+// out[b, row] = sum_c W[row, c] * dequant(xq)[b, c]   (xq, ds from quantize_x_kernel)
+// Same decomposition as mv_kernel: one CTA per NR rows, its warps split each row's pieces, U pieces
+// per lane per trip with every weight load issued before the first use; the weights of a piece
+// are decoded once for all B activation rows, and each activation piece is loaded once for all
+// NR rows.
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
+                                                  const float2* __restrict__ ds, float* __restrict__ out,
+                                                  int n_rows, int n_cols, long long row_bytes) {
+    typedef QDTraits<QT> T;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int row0 = blockIdx.x * NR;
+    const int nblk = n_cols / T::EPB, npieces = nblk * T::LPB, ngroups = n_cols / 32;
+    float acc[NR][B];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) acc[r][b] = 0.f;
+    const u8* rp[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
+    const int stride = nw * 32;
+    for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
+        typename T::Raw raw[U][NR];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / T::LPB, j = p % T::LPB;
+#pragma unroll
+                for (int r = 0; r < NR; r++) T::load(rp[r] + (long long)blk * T::BYTES, j, raw[u][r]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / T::LPB, j = p % T::LPB;
+                typename T::Dec dec[NR];
+#pragma unroll
+                for (int r = 0; r < NR; r++) T::decode(raw[u][r], j, dec[r]);
+#pragma unroll
+                for (int b = 0; b < B; b++) {
+                    typename T::XV xv;
+                    T::loadx(j, xq + (long long)b * n_cols + (long long)blk * T::EPB,
+                             ds + (long long)b * ngroups + (long long)blk * (T::EPB / 32), xv);
+#pragma unroll
+                    for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], xv);
+                }
+            }
+        }
+    }
+    __shared__ float red[8][NR * B];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const float v = warp_sum(acc[r][b]);
+            if (lane == 0) red[warp][r * B + b] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < NR * B) {
+        const int r = threadIdx.x / B, b = threadIdx.x % B;
+        float s = 0.f;
+        for (int i = 0; i < nw; i++) s += red[i][threadIdx.x];
+        const int row = row0 + r;
+        if (row < n_rows) out[(long long)b * n_rows + row] = s;
+    }
+}
