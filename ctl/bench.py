@@ -141,7 +141,7 @@ def _generate_concurrently(listen: str, batch: int, tokens: int) -> tuple[float,
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        with Client(listen, event_timeout_s=1800) as c:
+        with Client(listen, event_timeout_s=600) as c:
             toks = []
             for ev in c.generate(PROMPT, raw=True, temperature=0.0, max_tokens=tokens):
                 if ev["type"] == "token":

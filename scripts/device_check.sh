@@ -19,6 +19,8 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$REPO/.device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# whatever happens (a hang killed at the time limit included), bring the daemons' logs back
+trap 'mkdir -p "$OUT/logs"; for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$OUT/logs/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; true' EXIT
 QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; ONLY_COPY=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
@@ -91,6 +93,7 @@ fi
 if [ "$STREAM" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B
   synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  sync  # written data still being flushed would slow (and skew) the O_DIRECT reads measured next
   df -h "$MODELS" | tail -1
   python3 -m ntx.ctl.cli bench --model "$MODELS/llama3-70b-Q4_K_M.gguf" --backend cuda --vram-budget 24GiB \
     --tokens "${STREAM_TOKENS:-4}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \

@@ -235,3 +235,12 @@ def test_status_and_generate_without_pipeline_say_how_to_start(run_dir):
     assert r.returncode != 0 and "ntxctl start" in r.stderr
     r = ntxctl("chat", "--listen", f"tcp://127.0.0.1:{free_port()}")
     assert r.returncode != 0 and "ntxctl start" in r.stderr
+
+
+def test_ram_tier_without_storage_layers(smollm2_path, run_dir, reference):
+    """No storage layer, so no reader daemon: the dma daemon must not wait on a reader."""
+    with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "20", "--ram-budget", "1GiB", name="ramonly") as p:
+        st = p.status()
+        assert "storage" not in st["plan"]["tiers"] and "ram" in st["plan"]["tiers"]
+        assert "reader" not in st["daemons"]
+        assert p.generate_greedy(PROMPTS[4], N_TOKENS)["tokens"] == reference[PROMPTS[4]]

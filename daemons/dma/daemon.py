@@ -122,7 +122,8 @@ class DmaDaemon(Daemon):
             self.free_dev.append(msg["slot"])
         elif t == m.ACTIVITY:
             self.active = bool(msg["active"])
-            self.host_ring.send(m.pack({"t": m.ACTIVITY, "active": self.active}))
+            if self.host_slots:  # a reader exists only when some layer lives on storage
+                self.host_ring.send(m.pack({"t": m.ACTIVITY, "active": self.active}))
 
     def on_host_msg(self, msg: dict[str, Any]) -> None:
         key = (msg["pass"], msg["layer"])
