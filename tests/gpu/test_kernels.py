@@ -275,6 +275,9 @@ def test_matvec_dp4a_auto_and_errors(rng):
     a = K.matvec(raw, qt, n_rows, n_cols, x, variant="auto")
     b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if int(qt) in K._DP4A_AUTO else "v1")
     np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
+    # B = 1 on a small matrix: auto keeps the f32 path (the quantize launch would cost more)
+    a1 = K.matvec(raw, qt, n_rows, n_cols, x[:1], variant="auto")
+    np.testing.assert_array_equal(cp.asnumpy(a1), cp.asnumpy(K.matvec(raw, qt, n_rows, n_cols, x[:1], variant="v1")))
     with pytest.raises(ValueError):
         K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a", xq=cp.empty(K.matvec_workspace_bytes(2, n_cols) - 1, cp.uint8))
     with pytest.raises(ValueError):
@@ -378,7 +381,7 @@ def test_gemm(qt, T, rng):
     out = nan_f32((T, n_rows))
     K.gemm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    if T <= K.MAX_MATVEC_B and int(qt) in K._DP4A_AUTO:  # matvec's default variant: int8 x
+    if T <= K.MAX_MATVEC_B and K._use_dp4a(qt, "auto", T, raw.size):  # matvec's default variant: int8 x
         check_dp4a(out, x, ref_w)
         return
     ref = x.astype(np.float64) @ ref_w.T

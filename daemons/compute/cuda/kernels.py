@@ -13,11 +13,12 @@ KV cache layout (one pair per layer): ``cache_k``, ``cache_v``: f16 [n_slots, n_
 a sequence owns one slot; position p of kv-head g of slot s is ``cache[s, g, p, :]``.
 
 Measured on the H200 (copy bandwidth 4.2 TB/s; scripts/bench_kernels.py, CUDA-graph replay over
->= 512 MiB of weight copies): matvec at B=1 reads F16 at 4.1 TB/s (98%), Q8_0 at 2.2-2.3 TB/s
-(52-54%), Q6_K at 1.3-1.4 TB/s (31-33%), Q4_K at 1.2-1.3 TB/s (29-31%) for the 8B shapes. The
-quantized kernels are bound by the per-weight f32 decode work, not by DRAM. The "dp4a" matvec
-variant (llama.cpp's int8 path: activations quantized per 32 to int8, integer dot products with
-__dp4a) removes most of that work for the quantized types; see matvec.
+>= 512 MiB of weight copies): the f32 matvec at B=1 reads F16 at 4.1 TB/s (98%), Q8_0 at 2.2-2.3
+TB/s (52-54%), Q6_K at 1.3-1.4 TB/s (31-33%), Q4_K at 1.2-1.3 TB/s (29-31%) for the 8B shapes,
+bound by the per-weight f32 decode work, not by DRAM. The "dp4a" matvec variant (llama.cpp's int8
+path: activations quantized per 32 to int8, integer dot products with __dp4a; the default for the
+quantized types) reads Q8_0 at 3.0-3.3 TB/s (72-78%), Q6_K at 2.1-2.2 (49-52%), Q4_K at 2.2-2.3
+(52-55%) at B=1 for the 4096x14336 / 14336x4096 shapes, and about doubles B=8; see matvec.
 
 Shapes: T tokens, B sequences (or tokens of a decode batch), H query heads, n_kv kv heads
 (H = n_kv * group), hd head dim, D model dim, F feed-forward dim, V vocabulary.
@@ -90,13 +91,20 @@ _MV_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {  # (qtype, B) -> con
     (1, 1): (2, 8, 1),  # F16 at B=1: 4.1 TB/s on the H200 (vs 4.0 with (2, 4, 1))
 }
 # "dp4a" variant (quant.cu mvq_kernel): x quantized to int8 per 32 (quantize_x_kernel), integer
-# dot products. Exists for the block-quantized types; "auto" takes it for _DP4A_AUTO.
-# Not yet measured on the H200 when written: the defaults are a first guess that
-# scripts/bench_kernels.py sweeps.
+# dot products. Exists for the block-quantized types; "auto" takes it for _DP4A_AUTO except at
+# B = 1 for matrices under _DP4A_MIN_BYTES, where the extra quantize launch outweighs the gain.
+# Measured on the H200 (scripts/bench_kernels.py --quick, copy 4207 GB/s), 8B shapes, GB/s f32 -> dp4a:
+#   B=1: Q4_K 14336x4096 1293 -> 2330, 4096x14336 1232 -> 2199 (2447 with (4, 4, 1)), 4096x4096 1028 -> 1303;
+#        Q6_K 1396 -> 2195, 1281 -> 2071, 1129 -> 1397; Q8_0 2279 -> 3271, 2175 -> 3013, 1807 -> 2090;
+#        1024x4096 (2.4-4.5 MB): 2-7% slower (Q4_K 579 -> 536, Q6_K 671 -> 656, Q8_0 946 -> 888).
+#   B=8 (config (4, 4, 1)): Q4_K 544 -> 1079, Q6_K 725 -> 1035, Q8_0 1057 -> 1931 (14336x4096).
+# Only Q4_K/Q6_K/Q8_0 were timed; the other types share the kernel and are taken on that basis.
+# B = 2..7 were not timed: the defaults interpolate between the B=1 and B=8 bests.
 _DP4A_TYPES = {2, 3, 6, 7, 8, 12, 13, 14}
 _DP4A_AUTO = set(_DP4A_TYPES)
+_DP4A_MIN_BYTES = 8 << 20
 _MVQ_DEFAULT = {1: (2, 4, 1), 2: (2, 4, 1), 3: (2, 4, 1), 4: (2, 4, 1),
-                5: (2, 4, 1), 6: (2, 4, 1), 7: (2, 4, 1), 8: (2, 4, 1)}
+                5: (4, 4, 1), 6: (4, 4, 1), 7: (4, 4, 1), 8: (4, 4, 1)}
 _MVQ_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {}  # (qtype, B) -> config, overrides
 VARIANTS = ("auto", "v1", "v2", "dp4a", "f32")
 
@@ -254,7 +262,7 @@ def _mv_traits(qt: QType, n_cols: int, variant, B: int) -> int:
     return int(qt)
 
 
-def _use_dp4a(qt: QType, variant) -> bool:
+def _use_dp4a(qt: QType, variant, B: int = 1, w_bytes: int = 1 << 62) -> bool:
     v = variant or MATVEC_VARIANT
     if v not in VARIANTS:
         raise ValueError(f"unknown matvec variant {v!r} (one of {', '.join(VARIANTS)})")
@@ -262,7 +270,7 @@ def _use_dp4a(qt: QType, variant) -> bool:
         if int(qt) not in _DP4A_TYPES:
             raise ValueError(f"the dp4a matvec variant does not exist for {qt.name}")
         return True
-    return v == "auto" and int(qt) in _DP4A_AUTO
+    return v == "auto" and int(qt) in _DP4A_AUTO and (B > 1 or w_bytes >= _DP4A_MIN_BYTES)
 
 
 def matvec_workspace_bytes(B: int, n_cols: int) -> int:
@@ -356,7 +364,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Exact up to f32 rounding for the
         dequantized int8 x; against the exact x the error is that of x's rounding, ~0.3-0.5%
         relative for Gaussian-like rows (each element is off by at most d/2 = max|x_group| / 254).
-      "auto": dp4a for the types in _DP4A_AUTO, else v1 (v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
+      "auto": dp4a for the types in _DP4A_AUTO (but not at B = 1 for weights under
+        _DP4A_MIN_BYTES = 8 MiB), else v1 (v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
     config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4}).
     xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
       aligned; matvec_workspace makes one). Without it a per-(device, size) workspace is made on
@@ -374,7 +383,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     grid_rows = n_rows
-    if _use_dp4a(qt, variant):
+    if _use_dp4a(qt, variant, B, n_rows * rb):
         nr, nw, u = config or _MVQ_CONFIG.get((int(qt), B)) or _MVQ_DEFAULT[B]
         kern = _mvq_kernel(int(qt), B, nr, u)
         with _stream_ctx(stream):
@@ -448,7 +457,7 @@ def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
 
     T <= 8: matvec with its default variant (int8-quantized activations for the block-quantized
-    types in _DP4A_AUTO, f32 arithmetic otherwise). T > 8: W dequantized to an f16 scratch buffer that is
+    types in _DP4A_AUTO, f32 arithmetic otherwise; see matvec). T > 8: W dequantized to an f16 scratch buffer that is
     reused across calls, x rounded to f16, cuBLAS GEMM with f32 accumulation and f32 output
     (relative error ~1e-3 from the two f16 roundings). The scratch is shared per device: calls on
     different streams must not overlap.
