@@ -67,8 +67,12 @@ class ReaderDaemon(Daemon):
             events = dict(poller.poll(int(m.STATS_INTERVAL_S * 1000)))
             if self.control in events:
                 self.poll_control()
-            while self.ring.poll(0):
+            # Jobs can arrive back to back for a whole generation (the disk is the slow stage):
+            # report and heed shutdown between jobs, not only when the ring falls quiet.
+            while self.ring.poll(0) and not self.stopping:
                 self.handle_job(m.unpack(self.ring.recv()))
+                self.maybe_send_stats()
+                self.poll_control()
             self.maybe_send_stats()
 
     def handle_job(self, job: dict[str, Any]) -> None:
