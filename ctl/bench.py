@@ -233,6 +233,10 @@ def run_in_process(label: str, model: str, backend: str, resident: list[int] | N
     load_s = time.perf_counter() - t0
     eng = EngineCore(m, Tokenizer.from_metadata(index.metadata), max_batch=max(batch, 1), max_context=512)
     ids = eng.prompt_tokens(prompt=PROMPT, raw=True)
+    if not naive:  # compile kernels and capture the decode graphs before timing
+        eng.submit(Request(f"{label}-warmup", ids, SamplingParams(temperature=0.0, max_tokens=3)))
+        while eng.has_work:
+            eng.step()
     for i in range(batch):
         eng.submit(Request(f"{label}{i}", ids, SamplingParams(temperature=0.0, max_tokens=tokens)))
     first = None
