@@ -117,8 +117,8 @@ def test_eight_concurrent_clients(storage_pipeline, reference):
 
 def test_bad_input_on_the_wire_keeps_serving(storage_pipeline, smollm2_path):
     with storage_pipeline.client() as c:
-        # a well-behaved request in flight while the bad ones arrive
-        good = c.submit("The capital of France is", raw=True, temperature=0.0, max_tokens=4)
+        # a well-behaved request, long enough to stay in flight while the bad ones arrive
+        good = c.submit("The capital of France is", raw=True, temperature=0.0, max_tokens=400)
         c.send_raw(b"\xc1\xff not msgpack")
         assert "msgpack" in c.next_event(None, 30)["message"]
         c.send_raw(msgpack.packb([1, 2, 3]))
@@ -133,22 +133,30 @@ def test_bad_input_on_the_wire_keeps_serving(storage_pipeline, smollm2_path):
             ({"op": "generate", "id": "g", "prompt": "x " * 5000, "raw": True}, "context"),
             ({"op": "generate", "id": "h", "tokens": [1, 2, 10**9]}, "vocabulary"),
             ({"op": "generate", "id": "i", "prompt": "hi", "stop": "x"}, "'stop'"),
-            ({"op": "generate", "id": good, "prompt": "again"}, "already in flight"),
         ]
         for msg, needle in cases:
             c.send(msg)
-            ev = c.next_event(msg.get("id") if msg["id"] != good else good, 60)
-            if msg["id"] == good and ev["type"] != "error":
-                # replies of the good request may come first; find the duplicate-id error
-                while ev["type"] != "error":
-                    ev = c.next_event(good, 60)
+            ev = c.next_event(msg["id"], 60)
             assert ev["type"] == "error", (msg, ev)
             assert needle in ev["message"], (needle, ev)
-        done = None
-        for ev in c.events(good):
-            done = ev
-        assert done["type"] == "done" and done["finish_reason"] == "length"
-        assert "Paris" in done["text"]
+        first = c.next_event(good, 120)  # the good request is served meanwhile
+        assert first["type"] == "token" and first["text"] == " Paris"
+        # the same id again while it is in flight: an error reply under that id, between its tokens
+        c.send({"op": "generate", "id": good, "prompt": "again"})
+        text = first["text"]
+        while True:
+            ev = c.next_event(good, 120)
+            assert ev["type"] != "done", "the long request ended before the duplicate was refused"
+            if ev["type"] == "error":
+                assert "already in flight" in ev["message"], ev
+                break
+            text += ev["text"]
+        c.cancel(good)
+        while ev["type"] != "done":
+            ev = c.next_event(good, 120)
+            text += ev.get("text", "") if ev["type"] == "token" else ""
+        assert ev["finish_reason"] == "cancelled"
+        assert "Paris" in ev["text"]
 
 
 def test_cancel_tells_the_client(storage_pipeline):
