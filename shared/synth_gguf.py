@@ -62,6 +62,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFileType
 from gguf import quants as gq
 
+from ntx.shared.bytelevel import bytes_to_unicode
 from ntx.shared.errors import ConfigError, ModelError, NtxError
 
 QT = GGMLQuantizationType
@@ -724,18 +725,6 @@ def read_gguf_layout(path: str | os.PathLike) -> GGUFLayout:
 # Tokenizer keys
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode char map (byte-level BPE)."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
@@ -755,7 +744,7 @@ def minimal_tokenizer_kvs(vocab_size: int) -> list[bytes]:
     if vocab_size < n_min:
         raise ConfigError(f"vocab_size {vocab_size} is too small for the built-in byte-level "
                           f"tokenizer (needs >= {n_min}); use a larger vocab or --tokenizer-from")
-    bu = _bytes_to_unicode()
+    bu = bytes_to_unicode()
     tokens = [bu[b] for b in range(256)]
     types = [1] * 256  # NORMAL (llama.cpp's gpt2 vocab marks byte tokens normal)
     letters = "etaoinshrdlcumwfgypbvkjxqz"

@@ -41,6 +41,7 @@ from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.models import BPE
 
+from ntx.shared.bytelevel import bytes_to_unicode
 from ntx.shared.errors import NtxError
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "TokenType", "PRE_TOKENIZER_REGEXES"]
@@ -99,20 +100,9 @@ _EOG_TEXTS = (
 _SPM_SPACE = "\u2581"  # ▁
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode char map (used by byte-level BPE vocabs)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in bytes_to_unicode().items()}
 
 
 _BYTE_LEVEL_TABLE = {ord(c): b for c, b in _UNICODE_TO_BYTE.items()}
