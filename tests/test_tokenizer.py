@@ -7,7 +7,8 @@ import time
 import pytest
 
 from ntx.daemons.compute.chat import ChatTemplate
-from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer, TokenType, _bytes_to_unicode
+from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer, TokenType
+from ntx.shared.bytelevel import bytes_to_unicode
 from ntx.shared.errors import NtxError
 
 
@@ -122,7 +123,7 @@ def test_incremental_decode_flush_reports_dangling_bytes(smol):
 
 def _byte_level_md(pre: str, extra_tokens=(), merges=()) -> dict:
     """A tiny byte-level BPE vocab: the 256 byte chars, merged tokens, and two control tokens."""
-    byte_chars = list(_bytes_to_unicode().values())
+    byte_chars = list(bytes_to_unicode().values())
     tokens = ["<|begin_of_text|>", "<|eot_id|>", *byte_chars, *extra_tokens]
     types = [TokenType.CONTROL, TokenType.CONTROL] + [TokenType.NORMAL] * (len(tokens) - 2)
     return {
