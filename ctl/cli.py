@@ -221,6 +221,7 @@ def start(
     ctx: int = typer.Option(4096, "--ctx", help="context length per sequence"),
     plan_only: bool = typer.Option(False, "--plan-only", help="print the tier plan and start nothing"),
     timeout: float = typer.Option(120.0, "--timeout", help="seconds each daemon may take to get ready"),
+    max_restarts: int = typer.Option(3, "--max-restarts", help="restarts within 5 minutes before giving up"),
 ) -> None:
     """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
     from ntx.ctl import instance
@@ -234,7 +235,7 @@ def start(
         vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget is not None else None,
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget is not None else None,
         max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
-        handshake_timeout_s=timeout,
+        handshake_timeout_s=timeout, max_restarts=max_restarts,
     ).validate()
     index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
@@ -295,6 +296,9 @@ def status(
         if st is None:
             others = instance.list_instances()
             hint = f" (running: {', '.join(others)})" if others else ""
+            failure = instance.last_failure(name)
+            if failure:
+                hint += f"; it stopped because: {failure}"
             hint += f"; start it with `ntxctl start --name {name}`"
             _fail(f"instance {name!r} is not running{hint}")
         return st

@@ -105,11 +105,16 @@ def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progr
     raise NtxError(f"instance {cfg.name!r} was not ready within {wait_s:.0f} s (logs: {paths.log_dir})")
 
 
-def _failure_reason(paths: InstancePaths, code: int) -> str:
+def last_failure(name: str) -> str | None:
+    """Why the instance's last run ended, if it ended on a failure (kept until the next start)."""
     try:
-        reason = (paths.log_dir / "last_failure").read_text().strip()
+        return (InstancePaths(name).log_dir / "last_failure").read_text().strip() or None
     except OSError:
-        reason = ""
+        return None
+
+
+def _failure_reason(paths: InstancePaths, code: int) -> str:
+    reason = last_failure(paths.name)
     if not reason:
         try:
             tail = (paths.log_dir / "supervisor.out").read_text().strip().splitlines()[-1:]

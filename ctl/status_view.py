@@ -51,7 +51,8 @@ def render_status(st: dict[str, Any], renderable: bool = False):
 
     tail = Text()
     if st.get("bottleneck"):
-        tail.append(f"bottleneck: {st['bottleneck']} (◀: the stage busy for the largest share of its active time)\n", style="bold")
+        what = {"reader": "storage reads", "dma": "host-to-device copies (H2D)", "compute": "compute"}.get(st["bottleneck"], "")
+        tail.append(f"bottleneck: {st['bottleneck']} — {what} (◀: the stage pressing hardest against its limit)\n", style="bold")
     r = st["requests"]
     tail.append(f"requests: {r['active']} active, {r['queued']} queued, {r['in_flight']} in flight;  "
                 f"{st['tokens_per_s']:.2f} tok/s, {st['tokens_generated']} tokens so far\n")

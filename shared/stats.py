@@ -82,13 +82,31 @@ def summarize(t: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def pressure(snap: dict) -> float:
+    """How hard a stage presses against its ceiling: its busy share of active time, scaled by how
+    close its busy throughput is to the physical limit it reported (``limit_gbps``, measured by the
+    stage at start-up), when it reported one.
+
+    Why not the busy share alone: on one GPU the compute daemon's kernels and the dma daemon's
+    copies can be time-sliced against each other, so compute's wall-clock "busy" time can mirror
+    the copies while it moves bytes at a few percent of HBM speed; the copy engine meanwhile runs
+    at the link's limit. The stage moving bytes at its ceiling is the one that holds the pass back.
+    """
+    tot = snap.get("total", {})
+    share = tot.get("busy_share", 0.0)
+    limit = snap.get("limit_gbps")
+    if limit and tot.get("busy_gbps"):
+        return share * min(1.0, tot["busy_gbps"] / limit)
+    return share
+
+
 def bottleneck(stages: dict[str, dict]) -> str | None:
-    """The stage with the largest busy share of its active time, or None before any work."""
-    best, best_share = None, -1.0
+    """The stage with the highest pressure (see ``pressure``), or None before any work."""
+    best, best_p = None, -1.0
     for name, snap in stages.items():
-        tot = snap.get("total", {})
-        if tot.get("busy", 0.0) <= 0:
+        if snap.get("total", {}).get("busy", 0.0) <= 0:
             continue
-        if tot["busy_share"] > best_share:
-            best, best_share = name, tot["busy_share"]
+        p = pressure(snap)
+        if p > best_p:
+            best, best_p = name, p
     return best

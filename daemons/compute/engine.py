@@ -227,7 +227,7 @@ class EngineCore:
             # caches, so they end with an error; everyone else goes on with the next pass.
             abort = getattr(self.model.stream, "abort_pass", None)
             if abort:
-                abort(pass_id)
+                self.pass_id = max(self.pass_id, abort(pass_id))
             return [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
         events: list[dict] = []
         for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):

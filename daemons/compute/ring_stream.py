@@ -99,13 +99,18 @@ class RingStream:
     def end_pass(self, pass_id: int) -> None:
         pass
 
-    def abort_pass(self, pass_id: int) -> None:
-        """Hand back every slot of a failed pass, now and as the rest arrive."""
-        self.aborted.add(pass_id)
-        for key in [k for k in self.held if k[0] == pass_id]:
-            self.release(key[1], pass_id)
-        for key in [k for k in self.ready if k[0] == pass_id]:
-            slot = self.ready.pop(key)
-            self._send({"t": m.SLOT_FREE, "slot": slot, "layer": key[1], "pass": pass_id})
-        for key in [k for k in self.errors if k[0] == pass_id]:
-            self.errors.pop(key)
+    def abort_pass(self, pass_id: int) -> int:
+        """Hand back every slot of a failed pass and of the passes already wanted after it, now
+        and as the rest arrive; returns the first pass id that is still fresh. The prefetched
+        passes are dropped too: their reads happened under the same failure and would fail the
+        next requests with a stale error after the storage has recovered."""
+        for p in range(pass_id, self.wanted_upto + 1):
+            self.aborted.add(p)
+            for key in [k for k in self.held if k[0] == p]:
+                self.release(key[1], p)
+            for key in [k for k in self.ready if k[0] == p]:
+                slot = self.ready.pop(key)
+                self._send({"t": m.SLOT_FREE, "slot": slot, "layer": key[1], "pass": p})
+            for key in [k for k in self.errors if k[0] == p]:
+                self.errors.pop(key)
+        return self.wanted_upto + 1
