@@ -31,7 +31,7 @@ import numpy as np
 
 from ntx.ctl import instance
 from ntx.ctl.client import Client
-from ntx.shared.config import InstanceConfig, InstancePaths, format_bytes
+from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.plan import RAM, STORAGE, VRAM, make_plan
 

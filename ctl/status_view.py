@@ -38,7 +38,6 @@ def render_status(st: dict[str, Any], renderable: bool = False):
         if not s:
             continue
         t = s["total"]
-        last = ""
         if s.get("passes"):
             k = max(s["passes"], key=int)
             p = s["passes"][k]

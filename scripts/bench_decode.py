@@ -18,7 +18,6 @@ import sys
 import time
 
 import cupy as cp
-import numpy as np
 
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
