@@ -296,3 +296,24 @@ def test_gives_up_after_bounded_restarts_and_status_says_why(smollm2_path, run_d
     r = ntxctl("status", "--name", "flaky")
     assert r.returncode != 0
     assert "gave up after 1 restarts" in r.stderr and "compute daemon" in r.stderr and "SIGKILL" in r.stderr
+
+
+def test_chat_keeps_the_conversation_and_status_watch_renders(storage_pipeline):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "ntx.ctl.cli", "chat", "--listen", storage_pipeline.listen, "--temperature", "0",
+         "--max-tokens", "6"],
+        input="What is the capital of France?\nAnd of Italy?\n/exit\n", capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    turns = [t for t in r.stdout.split("> ") if t.strip()]
+    assert len(turns) == 2 and all(t.strip() for t in turns), r.stdout
+    # --watch refreshes until interrupted; a short run must draw the table at least once
+    p = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "status", "--name", "storage", "--watch"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert "stages" in out and "Traceback" not in err
