@@ -1,0 +1,63 @@
+"""The tier planner: reservations first, then VRAM, pinned RAM and storage in layer order."""
+
+from __future__ import annotations
+
+import pytest
+
+from ntx.shared.config import InstanceConfig, parse_size
+from ntx.shared.errors import ConfigError
+from ntx.shared.gguf_index import open_model
+from ntx.shared.plan import RAM, STORAGE, VRAM, make_plan, resident_cost
+
+
+@pytest.fixture(scope="module")
+def index(smollm2_path):
+    return open_model(smollm2_path)
+
+
+def _cfg(**kw) -> InstanceConfig:
+    return InstanceConfig(model="m", **kw)
+
+
+def test_everything_fits_no_slots_reserved(index):
+    p = make_plan(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0))
+    assert p.tiers == (VRAM,) * 30
+    assert p.device_slot_bytes_total == 0 and p.host_slot_bytes_total == 0 and p.streamed_bytes_per_pass == 0
+
+
+def test_all_storage_reserves_both_rings(index):
+    p = make_plan(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, max_vram_layers=0, slots=3))
+    assert p.tiers == (STORAGE,) * 30
+    assert p.device_slot_bytes_total == 3 * p.slot_bytes == p.host_slot_bytes_total
+    assert p.streamed_bytes_per_pass == index.layer_bytes_total
+
+
+def test_layers_fill_vram_then_ram_then_storage_in_order(index):
+    cost = resident_cost(index.layers[0], "cuda")
+    reserved = make_plan(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0))
+    fixed = reserved.globals_bytes + reserved.kv_bytes + reserved.workspace_bytes + 2 * reserved.slot_bytes
+    p = make_plan(index, _cfg(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2,
+                              ram_budget=2 * index.max_layer_slot_bytes + 10 * index.layers[0].slot_bytes + 100))
+    assert p.tiers == (VRAM,) * 7 + (RAM,) * 10 + (STORAGE,) * 13
+    assert p.vram_layer_bytes == sum(index.layers[i].nbytes for i in range(7))
+
+
+def test_cpu_residents_cost_float32_cuda_residents_their_bytes(index):
+    layer = index.layers[0]
+    assert resident_cost(layer, "cuda") == layer.nbytes
+    assert resident_cost(layer, "cpu") == sum(t.n_elements * 4 for t in layer.tensors.values()) > 5 * layer.nbytes
+
+
+def test_budget_too_small_is_one_clear_line(index):
+    with pytest.raises(ConfigError, match="--vram-budget .* is too small"):
+        make_plan(index, _cfg(vram_budget=parse_size("10MiB"), ram_budget=0))
+    with pytest.raises(ConfigError, match="is not a size"):
+        parse_size("lots", "--vram-budget")
+    assert parse_size("24GiB") == 24 << 30 and parse_size("1.5GB") == 1_500_000_000 and parse_size("0") == 0
+
+
+def test_describe_names_every_tier(index):
+    lines = make_plan(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=parse_size("20MiB"),
+                                  max_vram_layers=5)).describe()
+    text = "\n".join(lines)
+    assert "vram" in text and "ram" in text and "storage" in text and "0-4" in text
