@@ -317,3 +317,29 @@ def test_chat_keeps_the_conversation_and_status_watch_renders(storage_pipeline):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
     assert "stages" in out and "Traceback" not in err
+
+
+def test_start_fails_with_the_pipelines_own_reason(smollm2_path, run_dir):
+    """A daemon that is not ready in time: start says which one and why, in one line, and nothing
+    of the instance is left behind."""
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "slow", "--backend", "cpu",
+               "--listen", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.2")
+    assert r.returncode != 0
+    assert "compute daemon was not ready within" in r.stderr and "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("ntxctl: error:")]) == 1
+    time.sleep(0.5)
+    assert instance.leftovers("slow") == []
+
+
+def test_backend_cuda_without_gpu_names_the_fix(smollm2_path, run_dir):
+    from ntx.daemons.compute.cuda_check import cuda_problem
+
+    if cuda_problem() is None:
+        pytest.skip("this machine has a usable GPU")
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "nogpu", "--backend", "cuda",
+               "--listen", f"tcp://127.0.0.1:{free_port()}")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--backend cuda cannot run" in r.stderr and "--backend cpu" in r.stderr
+    # without cupy the line names the install; with cupy but no usable driver, the driver
+    assert "pip install 'ntransformer[cuda12]'" in r.stderr or "driver" in r.stderr
+    assert instance.leftovers("nogpu") == []
