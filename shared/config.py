@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,6 @@ class InstanceConfig:
     max_restarts: int = 3
     read_queue_depth: int = 4
     read_chunk_bytes: int = 8 << 20
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +139,8 @@ class InstanceConfig:
             raise ConfigError(f"--max-batch {self.max_batch}: must be at least 1")
         if self.max_context < 16:
             raise ConfigError(f"--ctx {self.max_context}: must be at least 16")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if not self.listen.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--listen {self.listen!r}: expected tcp://HOST:PORT or ipc://PATH")
         return self

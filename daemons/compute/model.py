@@ -15,7 +15,7 @@ import numpy as np
 from ntx.daemons.compute.backend import Backend
 from ntx.daemons.compute.batch import StepBatch
 from ntx.shared.gguf_index import ModelIndex
-from ntx.shared.layer_bytes import read_layer, read_tensor
+from ntx.shared.layer_bytes import read_layer, read_layer_into, read_tensor
 
 
 class LayerStream(Protocol):
@@ -44,8 +44,6 @@ class FileLayerStream:
         pass
 
     def acquire(self, layer_idx: int, pass_id: int) -> np.ndarray:
-        from ntx.shared.layer_bytes import read_layer_into
-
         return read_layer_into(self.index.layers[layer_idx], self.buf)
 
     def release(self, layer_idx: int, pass_id: int) -> None:
