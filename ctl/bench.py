@@ -34,6 +34,7 @@ from ntx.ctl.client import Client
 from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.plan import RAM, STORAGE, VRAM, make_plan
+from ntx.shared.stats import summarize
 
 GB = 1e9
 PROMPT = "The history of the transistor begins"
@@ -121,16 +122,11 @@ def measure_disk(index: ModelIndex, layers: list[int], max_bytes: int = 4 << 30)
 
 # ------------------------------------------------------------------------------ scenarios
 def _stage_delta(before: dict, after: dict) -> dict[str, Any]:
+    """Each stage's clock over the timed window only (after minus before), summarized as status does."""
     out = {}
     for name, s in after.get("stages", {}).items():
         b = before.get("stages", {}).get(name, {}).get("total", {})
-        a = s["total"]
-        d = {k: a[k] - b.get(k, 0.0) for k in ("busy", "starved", "blocked", "idle", "bytes")}
-        active = d["busy"] + d["starved"] + d["blocked"]
-        for k in ("busy", "starved", "blocked"):
-            d[f"{k}_share"] = d[k] / active if active > 0 else 0.0
-        d["busy_gbps"] = d["bytes"] / d["busy"] / GB if d["busy"] > 0 else 0.0
-        out[name] = d
+        out[name] = summarize({k: s["total"][k] - b.get(k, 0.0) for k in ("busy", "starved", "blocked", "idle", "bytes")})
     return out
 
 

@@ -73,18 +73,34 @@ def _sampling_params(max_tokens, temperature, top_k, top_p, min_p, repetition_pe
     return p
 
 
-def _print_events(events, as_json: bool, out: dict) -> None:
+_JSON_KEYS = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
+
+
+def _print_stream(events, as_json: bool) -> dict:
+    """Write token texts as they come (unless --json); return the ``done`` event. Local and
+    remote generations both end here, so they print exactly alike."""
+    done: dict = {}
     for ev in events:
         if ev["type"] == "token" and not as_json:
             sys.stdout.write(ev["text"])
             sys.stdout.flush()
         elif ev["type"] == "done":
+            done = ev
             if not as_json:
                 sys.stdout.write(ev.get("tail", "") + "\n")
                 sys.stdout.flush()
-            out["done"] = ev
         elif ev["type"] == "error":
             _fail(f"{ev.get('code')}: {ev.get('message')}")
+    return done
+
+
+def _print_json(done: dict) -> None:
+    typer.echo(json.dumps({k: done[k] for k in _JSON_KEYS if k in done}))
+
+
+def _local_events(engine):
+    while engine.has_work:
+        yield from engine.step()
 
 
 def _generate_local(model_path, prompt, raw, params, as_json) -> None:
@@ -96,14 +112,10 @@ def _generate_local(model_path, prompt, raw, params, as_json) -> None:
     load_s = time.monotonic() - t0
     ids = engine.prompt_tokens(prompt=prompt, raw=raw)
     engine.submit(Request(id="cli", prompt_tokens=ids, params=params, stream=not as_json))
-    out: dict = {}
-    while engine.has_work:
-        _print_events(engine.step(), as_json, out)
-    done = out["done"]
+    done = _print_stream(_local_events(engine), as_json)
     if as_json:
         done["timings"]["load_s"] = round(load_s, 3)
-        keys = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
-        typer.echo(json.dumps({k: done[k] for k in keys if k in done}))
+        _print_json(done)
 
 
 @app.command()
@@ -148,17 +160,7 @@ def _wire_params(params) -> dict:
 
 
 def _stream_remote(client, as_json: bool, **request) -> dict:
-    done: dict = {}
-    for ev in client.generate(stream=not as_json, **request):
-        if ev["type"] == "token" and not as_json:
-            sys.stdout.write(ev["text"])
-            sys.stdout.flush()
-        elif ev["type"] == "done":
-            done = ev
-            if not as_json:
-                sys.stdout.write(ev.get("tail", "") + "\n")
-                sys.stdout.flush()
-    return done
+    return _print_stream(client.generate(stream=not as_json, **request), as_json)
 
 
 def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool) -> None:
@@ -167,8 +169,7 @@ def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool)
     with Client(listen) as c:
         done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **_wire_params(params))
     if as_json:
-        keys = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
-        typer.echo(json.dumps({k: done[k] for k in keys if k in done}))
+        _print_json(done)
 
 
 @app.command()

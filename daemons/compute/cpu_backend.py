@@ -145,4 +145,4 @@ class CpuBackend(Backend):
 
     def logits(self, x: np.ndarray, batch: StepBatch) -> np.ndarray:
         h = rms_norm(x[batch.logit_rows], self.out_norm, self.hp.rms_eps)  # h: [N_out, D]
-        return (h @ self.out_head.T).astype(np.float32)  # [N_out, V]
+        return h @ self.out_head.T  # [N_out, V] float32 (both operands are)

@@ -258,7 +258,8 @@ class EngineCore:
     def _advance(self, s: _Seq, logits: np.ndarray) -> list[dict]:
         """Sample the next token of ``s`` from its last row of logits; emit and maybe finish."""
         now = time.monotonic()
-        history = s.req.prompt_tokens + s.generated
+        # the history only matters to the repetition penalty: build it only then
+        history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else ()
         tok = s.sampler.sample(logits, history)
         if not s.generated:
             s.t_first_token_s = now
@@ -284,11 +285,15 @@ class EngineCore:
             events.append(self._retire(s, "length"))
         return events
 
-    def _fail(self, s: _Seq, code: str, message: str) -> dict:
-        self.running.remove(s)
+    def _release(self, s: _Seq) -> None:
+        """Free the sequence's KV cache and its id."""
         if s.seq_id >= 0:
             self.model.backend.free_sequence(s.seq_id)
         self._ids.discard(s.req.id)
+
+    def _fail(self, s: _Seq, code: str, message: str) -> dict:
+        self.running.remove(s)
+        self._release(s)
         return {"id": s.req.id, "type": "error", "code": code, "message": message}
 
     def _retire(self, s: _Seq, reason: str, flush: bool = True) -> dict:
@@ -296,9 +301,7 @@ class EngineCore:
         return self._finish(s, reason, flush=flush)
 
     def _finish(self, s: _Seq, reason: str, flush: bool = True) -> dict:
-        if s.seq_id >= 0:
-            self.model.backend.free_sequence(s.seq_id)
-        self._ids.discard(s.req.id)
+        self._release(s)
         tail = ""
         if flush:
             tail = s.stopper.push(s.decoder.flush())[0] + s.stopper.flush()
