@@ -34,7 +34,7 @@ from ntx.ctl.client import Client
 from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.plan import RAM, STORAGE, VRAM, make_plan
-from ntx.shared.stats import summarize
+from ntx.shared.stats import bottleneck, combine, summarize
 
 GB = 1e9
 PROMPT = "The history of the transistor begins"
@@ -130,6 +130,18 @@ def _stage_delta(before: dict, after: dict) -> dict[str, Any]:
     return out
 
 
+def _decode_passes(after: dict, first: int, last: int) -> dict[str, Any]:
+    """Each stage's clock over the passes ``first .. last-1`` (their per-pass records in the status):
+    the steady decode, without the prompt's prefill pass(es) that open the window."""
+    out = {}
+    for name, s in after.get("stages", {}).items():
+        parts = [v for k, v in (s.get("passes") or {}).items() if first <= int(k) < last]
+        if parts:
+            out[name] = summarize(combine(parts))
+            out[name]["n_passes"] = len(parts)
+    return out
+
+
 def _generate_concurrently(listen: str, batch: int, tokens: int) -> tuple[float, int, list[list[int]]]:
     """``batch`` greedy requests at once; returns (decode seconds, tokens generated, tokens of each)."""
     results: list[list[int]] = [None] * batch  # type: ignore[list-item]
@@ -164,7 +176,7 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     instance.start(cfg, plan)
     start_s = time.perf_counter() - t0
     try:
-        _generate_concurrently(cfg.listen, 1, 1)  # warm-up pass: kernels compiled
+        _generate_concurrently(cfg.listen, batch, 2)  # warm-up: kernels compiled, decode graph captured
         time.sleep(0.6)
         before = instance.get_status(cfg.name, 10) or {}
         decode_s, n, toks = _generate_concurrently(cfg.listen, batch, tokens)
@@ -173,13 +185,18 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     finally:
         instance.stop(cfg.name, force=True)
     passes = n / batch
+    # the window's first passes prefill the prompts (up to one per request); decode follows
+    first = int(before.get("stages", {}).get("compute", {}).get("n_passes", 0)) + batch
+    last = int(after.get("stages", {}).get("compute", {}).get("n_passes", 0))
+    stages = _decode_passes(after, first, last)
     return {
         "label": label, "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE)},
         "streamed_bytes_per_pass": plan.streamed_bytes_per_pass, "ram_bytes_per_pass": plan.ram_layer_bytes,
         "storage_bytes_per_pass": plan.storage_layer_bytes, "start_s": round(start_s, 2),
         "tokens_per_s": n / decode_s if decode_s > 0 else 0.0, "pass_s": decode_s / passes if passes else 0.0,
-        "stages": _stage_delta(before, after), "bottleneck": after.get("bottleneck"),
-        "status_bottleneck": after.get("bottleneck"), "tokens": toks[0],
+        "stages": stages, "stages_whole_window": _stage_delta(before, after),
+        "bottleneck": bottleneck({k: {"recent": v} for k, v in stages.items()}),
+        "status_bottleneck": after.get("bottleneck"), "status": after, "tokens": toks[0],
     }
 
 
@@ -382,6 +399,8 @@ def _line(r: dict) -> str:
     for name, st in r.get("stages", {}).items():
         s += (f"\n    {name:8s} busy {100 * st['busy_share']:5.1f}%  starved {100 * st['starved_share']:5.1f}%  "
               f"blocked {100 * st['blocked_share']:5.1f}%  {st['busy_gbps']:.2f} GB/s busy")
-    if r.get("bottleneck"):
-        s += f"\n    status names the bottleneck: {r['bottleneck']}"
+    if r.get("stages"):
+        s += f"\n    (over {next(iter(r['stages'].values())).get('n_passes', '?')} decode passes) bottleneck: {r['bottleneck']}"
+    if r.get("status_bottleneck"):
+        s += f"; ntxctl status names: {r['status_bottleneck']}"
     return s

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ntx.shared.config import format_bytes
+from ntx.shared.stats import window
 
 
 def _pct(x: float | None) -> str:
@@ -29,29 +30,31 @@ def render_status(st: dict[str, Any], renderable: bool = False):
     for line in st["plan"]["lines"]:
         plan.append(f"  {line}\n")
 
-    stages = Table(title="stages (share of active time)", title_justify="left")
-    for col in ("stage", "state", "busy", "starved", "blocked", "moved", "GB/s busy", "GB/s active"):
+    stages = Table(title="stages (share of active time over the recent passes; totals since start when none)",
+                   title_justify="left")
+    for col in ("stage", "state", "passes", "busy", "starved", "blocked", "moved", "GB/s busy", "GB/s active", "limit GB/s"):
         stages.add_column(col, justify="right" if col not in ("stage", "state") else "left", no_wrap=True)
     passes = Text()
     for name in ("reader", "dma", "compute"):
         s = st["stages"].get(name)
         if not s:
             continue
-        t = s["total"]
+        t = window(s)
         if s.get("passes"):
             k = max(s["passes"], key=int)
             p = s["passes"][k]
             passes.append(f"  {name} last pass #{k}: {p['busy']:.3f}s busy, {p['starved']:.3f}s starved, "
                           f"{p['blocked']:.3f}s blocked, {format_bytes(p['bytes'])}\n")
         mark = " ◀" if st.get("bottleneck") == name else ""
-        stages.add_row(name + mark, s.get("state", ""), _pct(t["busy_share"]), _pct(t["starved_share"]),
-                       _pct(t["blocked_share"]), format_bytes(t["bytes"]), f"{t['busy_gbps']:.2f}",
-                       f"{t['active_gbps']:.2f}")
+        limit = s.get("limit_gbps")
+        stages.add_row(name + mark, s.get("state", ""), str(t.get("n_passes", "all")), _pct(t["busy_share"]),
+                       _pct(t["starved_share"]), _pct(t["blocked_share"]), format_bytes(t["bytes"]),
+                       f"{t['busy_gbps']:.2f}", f"{t['active_gbps']:.2f}", f"{limit:.2f}" if limit else "")
 
     tail = Text()
     if st.get("bottleneck"):
         what = {"reader": "storage reads", "dma": "host-to-device copies (H2D)", "compute": "compute"}.get(st["bottleneck"], "")
-        tail.append(f"bottleneck: {st['bottleneck']} — {what} (◀: the stage pressing hardest against its limit)\n", style="bold")
+        tail.append(f"bottleneck: {st['bottleneck']} — {what} (◀: the stage that waits least)\n", style="bold")
     r = st["requests"]
     tail.append(f"requests: {r['active']} active, {r['queued']} queued, {r['in_flight']} in flight;  "
                 f"{st['tokens_per_s']:.2f} tok/s, {st['tokens_generated']} tokens so far\n")

@@ -10,6 +10,7 @@
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
 # --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d).
+# STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_SCENARIOS steer --stream-bench.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # The real SmolLM2 (98 MB) is over one call's 64 MiB: carry .models/p1 in one call and .models/p2
 # in the next (the machine keeps ~/models while warm); once both parts are there they are joined
@@ -20,7 +21,8 @@ OUT=${OUT:-$REPO/.device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # whatever happens (a hang killed at the time limit included), bring the daemons' logs back
-trap 'mkdir -p "$OUT/logs"; for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$OUT/logs/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; true' EXIT
+# (one tarball: a call brings back at most 8 files)
+trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
 QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; ONLY_COPY=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
@@ -95,10 +97,10 @@ if [ "$STREAM" = 1 ]; then
   synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
   # written data still being flushed would slow (and skew) the O_DIRECT reads that (b) measures
   case "${STREAM_SCENARIOS:-a,c,b,check,d}" in *b*) sync ;; esac
-  df -h "$MODELS" | tail -1
+  df -h "$MODELS" | tail -1; mkdir -p "${STREAM_OUT:-$OUT}"
   python3 -m ntx.ctl.cli bench --model "$MODELS/llama3-70b-Q4_K_M.gguf" --backend cuda --vram-budget 24GiB \
     --tokens "${STREAM_TOKENS:-4}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \
-    --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "$OUT" 2>&1 | tee "$OUT/stream.log"
+    --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "${STREAM_OUT:-$OUT}" 2>&1 | tee "${STREAM_OUT:-$OUT}/stream.log"
 fi
 echo "device_check: tests rc=$rc, $(( $(date +%s) - t0 )) s"
 exit $rc

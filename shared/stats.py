@@ -4,7 +4,9 @@ a free slot) or idle (nobody asked for anything), per pass and in total, plus by
 A stage is always in exactly one state; ``enter`` switches state and charges the time since the
 last switch to the old state (and to the pass it was for). ``ntxctl status`` names as bottleneck
 the stage with the largest busy share of its non-idle time: in a pipeline the slowest stage is
-the one that never waits.
+the one that never waits. It judges by the *recent* passes (the completed ones of the last
+``KEEP_PASSES``), not the totals since start: a pass that compiled kernels or captured graphs, or
+a long prompt's prefill, would otherwise colour the picture of the decode that follows.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from collections import OrderedDict
 
 STATES = ("busy", "starved", "blocked", "idle")
-KEEP_PASSES = 8
+KEEP_PASSES = 32
 
 
 def _zero() -> dict[str, float]:
@@ -65,9 +67,26 @@ class StageClock:
             "state": self.state,
             "total": summarize(self.total),
             "passes": {str(k): summarize(v) for k, v in self.passes.items()},
+            "recent": self.recent(),
             "uptime_s": time.monotonic() - self.started_s,
             **self.extra,
         }
+
+    def recent(self) -> dict:
+        """Summary over the kept passes except the newest (which may still be running)."""
+        done = list(self.passes.values())[:-1]
+        out = summarize(combine(done))
+        out["n_passes"] = len(done)
+        return out
+
+
+def combine(parts) -> dict[str, float]:
+    """Sum per-pass (or summarized) clock dicts into one raw dict for ``summarize``."""
+    t = _zero()
+    for p in parts:
+        for k in t:
+            t[k] += p.get(k, 0.0)
+    return t
 
 
 def summarize(t: dict[str, float]) -> dict[str, float]:
@@ -82,31 +101,23 @@ def summarize(t: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def pressure(snap: dict) -> float:
-    """How hard a stage presses against its ceiling: its busy share of active time, scaled by how
-    close its busy throughput is to the physical limit it reported (``limit_gbps``, measured by the
-    stage at start-up), when it reported one.
-
-    Why not the busy share alone: on one GPU the compute daemon's kernels and the dma daemon's
-    copies can be time-sliced against each other, so compute's wall-clock "busy" time can mirror
-    the copies while it moves bytes at a few percent of HBM speed; the copy engine meanwhile runs
-    at the link's limit. The stage moving bytes at its ceiling is the one that holds the pass back.
-    """
-    tot = snap.get("total", {})
-    share = tot.get("busy_share", 0.0)
-    limit = snap.get("limit_gbps")
-    if limit and tot.get("busy_gbps"):
-        return share * min(1.0, tot["busy_gbps"] / limit)
-    return share
+def window(snap: dict) -> dict:
+    """The summary a stage is judged by: its recent passes when they hold any work, else its
+    totals since start (a stage that never worked on a pass, or a snapshot without passes)."""
+    rec = snap.get("recent") or {}
+    if rec.get("busy", 0.0) > 0:
+        return rec
+    return snap.get("total", {})
 
 
 def bottleneck(stages: dict[str, dict]) -> str | None:
-    """The stage with the highest pressure (see ``pressure``), or None before any work."""
+    """The stage with the largest busy share of its recent active time (see ``window``), or
+    None before any work."""
     best, best_p = None, -1.0
     for name, snap in stages.items():
-        if snap.get("total", {}).get("busy", 0.0) <= 0:
+        w = window(snap)
+        if w.get("busy", 0.0) <= 0:
             continue
-        p = pressure(snap)
-        if p > best_p:
-            best, best_p = name, p
+        if w["busy_share"] > best_p:
+            best, best_p = name, w["busy_share"]
     return best

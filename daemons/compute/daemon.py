@@ -44,22 +44,6 @@ def request_from_wire(engine: EngineCore, rid: str, msg: dict[str, Any]) -> Requ
     )
 
 
-def _device_copy_gbps(slot_bufs: list[Any]) -> float:
-    """Device memory bandwidth now (bytes read + written by a slot-to-slot copy): the ceiling of
-    compute's reads of a streamed layer, for the status's bottleneck rule."""
-    import cupy as cp
-
-    a, b = slot_bufs[0], slot_bufs[1]
-    best_s = float("inf")
-    for _ in range(3):
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        b[...] = a
-        cp.cuda.Device().synchronize()
-        best_s = min(best_s, time.perf_counter() - t0)
-    return round(2 * a.nbytes / best_s / 1e9, 1)
-
-
 class ComputeDaemon(Daemon):
     name = "compute"
 
@@ -84,8 +68,6 @@ class ComputeDaemon(Daemon):
                 self.ring, slot_bufs, streamed, {i: self.index.layers[i].nbytes for i in streamed},
                 self.clock, self.gen, on_wait=self._on_wait, before_release=self.backend.sync,
             )
-        if streamed and self.backend.name == "cuda":
-            self.clock.extra["limit_gbps"] = _device_copy_gbps(slot_bufs)
         model = LlamaModel(self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream)
         self.engine = EngineCore(
             model, self.tokenizer, max_batch=cfg["max_batch"],
