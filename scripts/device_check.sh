@@ -10,7 +10,9 @@
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
 # --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d).
-# STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_SCENARIOS steer --stream-bench.
+# STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_BATCH, STREAM_SCENARIOS steer --stream-bench.
+# --status-demo: start the 70B as in (a), generate 40 tokens, and save `ntxctl status` (text and
+#   JSON) taken in the middle of the decode to $OUT/status-a.txt / status-a.json.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # The real SmolLM2 (98 MB) is over one call's 64 MiB: carry .models/p1 in one call and .models/p2
 # in the next (the machine keeps ~/models while warm); once both parts are there they are joined
@@ -23,7 +25,7 @@ export PYTHONUNBUFFERED=1
 # whatever happens (a hang killed at the time limit included), bring the daemons' logs back
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
-QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; ONLY_COPY=0; PYTEST_ARGS=()
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -32,6 +34,7 @@ for a in "$@"; do
     --sanitize) SANITIZE=1 ;;
     --decode-bench) DECODE=1 ;;
     --stream-bench) STREAM=1 ;;
+    --status-demo) STATUS_DEMO=1 ;;
     --only-copy) ONLY_COPY=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
@@ -99,8 +102,24 @@ if [ "$STREAM" = 1 ]; then
   case "${STREAM_SCENARIOS:-a,c,b,check,d}" in *b*) sync ;; esac
   df -h "$MODELS" | tail -1; mkdir -p "${STREAM_OUT:-$OUT}"
   python3 -m ntx.ctl.cli bench --model "$MODELS/llama3-70b-Q4_K_M.gguf" --backend cuda --vram-budget 24GiB \
-    --tokens "${STREAM_TOKENS:-4}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \
+    --tokens "${STREAM_TOKENS:-4}" --batch "${STREAM_BATCH:-1}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \
     --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "${STREAM_OUT:-$OUT}" 2>&1 | tee "${STREAM_OUT:-$OUT}/stream.log"
+fi
+if [ "$STATUS_DEMO" = 1 ]; then
+  synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  CTL=(python3 -m ntx.ctl.cli)
+  L=tcp://127.0.0.1:5597
+  # (a)'s setting: one sequence of up to 512 positions, so the KV cache takes little of the 24 GiB
+  "${CTL[@]}" start --model "$MODELS/llama3-70b-Q4_K_M.gguf" --name demo --backend cuda --vram-budget 24GiB --listen $L \
+    --max-batch 1 --ctx 512 2>&1 | tail -8
+  "${CTL[@]}" generate --listen $L --raw --temperature 0 -n 40 "The history of the transistor begins" > "$OUT/status-a-gen.txt" 2>&1 &
+  gen=$!
+  sleep 10
+  COLUMNS=160 "${CTL[@]}" status --name demo > "$OUT/status-a.txt" 2>&1
+  "${CTL[@]}" status --name demo --json > "$OUT/status-a.json" 2>&1
+  cat "$OUT/status-a.txt"
+  wait $gen
+  "${CTL[@]}" stop --name demo 2>&1 | tail -2
 fi
 echo "device_check: tests rc=$rc, $(( $(date +%s) - t0 )) s"
 exit $rc

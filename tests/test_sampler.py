@@ -292,3 +292,35 @@ def test_truncation_matches_reference(top_k, top_p, min_p):
         x = np.random.default_rng(seed).normal(0.0, 1.5 + seed, 5000)  # flat enough to need >1024 ids
         got = set(_truncate(x, top_k, top_p, min_p).tolist())
         assert got == _reference_truncate(x, top_k, top_p, min_p)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.0),
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    dict(temperature=1.3, top_k=5, top_p=1.0, min_p=0.0),
+    dict(temperature=0.5, top_k=256, top_p=0.5, min_p=0.2),
+    dict(temperature=0.8, top_k=0, top_p=0.9),  # no top-k bound: the whole row travels
+    dict(temperature=0.8, top_k=40, repetition_penalty=1.3),  # penalty first: the whole row
+])
+@pytest.mark.parametrize("logprobs", [0, 7])
+def test_sampling_from_picked_candidates_equals_sampling_from_the_whole_row(params, logprobs):
+    """What a GPU backend sends back (``Sampler.pick``: the top-k ids and values, or the whole row
+    when needed) must give the same tokens as the full logits, draw for draw, seed for seed."""
+    from ntx.daemons.compute.backend import pick_on_host
+
+    n_vocab = 5000
+    full = Sampler(SamplingParams(seed=11, **params))
+    picked = Sampler(SamplingParams(seed=11, **params))
+    pick = picked.pick(n_vocab, logprobs)
+    assert (pick.k == 0) == (params.get("top_k") == 0 or params.get("repetition_penalty", 1.0) != 1.0)
+    history = [3, 17, 17, 400]
+    for i in range(60):
+        lg = _logits(100 + i, n_vocab)
+        lg[[5, 9]] = lg.max()  # a tie at the top: the lower id wins everywhere
+        (pk,) = pick_on_host(lg[None, :], [pick])
+        assert full.sample(lg, history) == picked.sample_picked(pk, history)
+        if pick.k and logprobs:
+            ref = logprobs_topk(lg, logprobs)
+            got = [(int(i), float(v - pk.lse)) for i, v in zip(pk.ids[:logprobs], pk.vals[:logprobs])]
+            assert [i for i, _ in got] == [i for i, _ in ref]
+            np.testing.assert_allclose([v for _, v in got], [v for _, v in ref], rtol=0, atol=1e-9)

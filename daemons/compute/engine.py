@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ntx.daemons.compute.backend import Pick, Picked
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
@@ -221,7 +222,7 @@ class EngineCore:
         pass_id = self.pass_id
         self.pass_id += 1
         try:
-            logits = self.model.forward(batch, pass_id)  # [N_out, V]
+            picked = self.model.forward(batch, pass_id, picks=self._picks(batch, seqs))  # one per logit row
         except NtxError as e:
             # A layer of this pass never arrived: the sequences in it have half-written KV
             # caches, so they end with an error; everyone else goes on with the next pass.
@@ -231,36 +232,60 @@ class EngineCore:
             return [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
         events: list[dict] = []
         for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):
-            lg = logits[rows]  # [n, V]
+            pk = picked[rows]  # [n] Picked
             if s.prefilling:
                 if s.req.prompt_logprobs:
-                    self._record_prompt_logprobs(s, chunk, lg)
+                    self._record_prompt_logprobs(s, chunk, pk)
                 s.n_prefilled += chunk.n_tokens
                 if s.prefilling:
                     continue
-            events.extend(self._advance(s, lg[-1]))
+            events.extend(self._advance(s, pk[-1]))
         return events
 
-    def _record_prompt_logprobs(self, s: _Seq, chunk: SeqChunk, lg: np.ndarray) -> None:
+    def _picks(self, batch: StepBatch, seqs: list[_Seq]) -> list[Pick]:
+        """What each logit row must come back as: the sampler's candidates on the row a token is
+        drawn from, the prompt log-probabilities' top-k on scored prompt rows, the top-1 on a
+        prefill chunk's unused last row. Only these cross from the device, not [N, V] logits."""
+        n_vocab = self.model.hp.n_vocab
+        out: list[Pick] = []
+        for s, chunk in zip(seqs, batch.chunks):
+            finishes_prompt = not s.prefilling or s.n_prefilled + chunk.n_tokens >= len(s.req.prompt_tokens)
+            last = s.sampler.pick(n_vocab, s.req.logprobs) if finishes_prompt else Pick(1)
+            if chunk.all_logits:
+                scored = Pick(s.req.prompt_logprobs, lse=True)
+                out.extend([scored] * (chunk.n_tokens - 1))
+                last = Pick(0) if last.k == 0 else Pick(max(last.k, scored.k), lse=True)
+            out.append(last)
+        return out
+
+    def _record_prompt_logprobs(self, s: _Seq, chunk: SeqChunk, pk: list[Picked]) -> None:
         prompt = s.req.prompt_tokens
         if chunk.start_pos == 0:
             s.prompt_lp.append(None)
         for j in range(chunk.n_tokens):
             target = chunk.start_pos + j + 1  # row j predicts prompt token j+1
             if target < len(prompt):
-                s.prompt_lp.append(self._logprob_entry(lg[j], s.req.prompt_logprobs))
+                s.prompt_lp.append(self._logprob_entry(pk[j], s.req.prompt_logprobs))
 
     @staticmethod
-    def _logprob_entry(logits: np.ndarray, k: int) -> list[list]:
+    def _logprob_entry(pk: Picked, k: int) -> list[list]:
         """The top-k ``[token id, log-probability]`` pairs of a distribution, best first."""
-        return [[int(i), float(p)] for i, p in logprobs_topk(logits, k)]
+        if pk.row is not None:
+            return [[int(i), float(p)] for i, p in logprobs_topk(pk.row, k)]
+        return [[int(i), float(v - pk.lse)] for i, v in zip(pk.ids[:k], pk.vals[:k])]
 
-    def _advance(self, s: _Seq, logits: np.ndarray) -> list[dict]:
-        """Sample the next token of ``s`` from its last row of logits; emit and maybe finish."""
+    @staticmethod
+    def _token_logprob(pk: Picked, tok: int) -> float:
+        if pk.row is not None:
+            return float(pk.row[tok] - _logsumexp(pk.row))
+        return float(pk.vals[int(np.flatnonzero(pk.ids == tok)[0])] - pk.lse)
+
+    def _advance(self, s: _Seq, pk: Picked) -> list[dict]:
+        """Sample the next token of ``s`` from its last row's pick; emit and maybe finish."""
         now = time.monotonic()
         # the history only matters to the repetition penalty: build it only then
         history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else ()
-        tok = s.sampler.sample(logits, history)
+        tok = s.sampler.sample_picked(pk, history)
         if not s.generated:
             s.t_first_token_s = now
         self.tokens_generated += 1
@@ -274,8 +299,8 @@ class EngineCore:
         if s.req.stream:
             ev = {"id": s.req.id, "type": "token", "token": int(tok), "text": emit}
             if s.req.logprobs:
-                ev["logprobs"] = self._logprob_entry(logits, s.req.logprobs)
-                ev["logprob"] = float(logits[tok] - _logsumexp(logits))
+                ev["logprobs"] = self._logprob_entry(pk, s.req.logprobs)
+                ev["logprob"] = self._token_logprob(pk, tok)
             events.append(ev)
         if stopped:
             events.append(self._retire(s, "stop", flush=False))

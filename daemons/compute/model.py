@@ -12,7 +12,7 @@ from typing import Any, Iterable, Protocol
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Backend
+from ntx.daemons.compute.backend import Backend, Pick
 from ntx.daemons.compute.batch import StepBatch
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.layer_bytes import read_layer, read_layer_into, read_tensor
@@ -78,8 +78,9 @@ class LlamaModel:
                 progress(i)
         self.passes_run = 0
 
-    def forward(self, batch: StepBatch, pass_id: int | None = None) -> np.ndarray:
-        """Run one pass; returns logits [N_out, V] for ``batch.logit_rows``."""
+    def forward(self, batch: StepBatch, pass_id: int | None = None, picks: list[Pick] | None = None):
+        """Run one pass; returns logits [N_out, V] for ``batch.logit_rows``, or with ``picks``
+        (one per logit row) what each row was asked for (``Backend.pick``)."""
         pass_id = self.passes_run if pass_id is None else pass_id
         stream = self.stream if self.streamed_layers else None
         if stream:
@@ -98,4 +99,6 @@ class LlamaModel:
         if stream:
             stream.end_pass(pass_id)
         self.passes_run += 1
+        if picks is not None:
+            return self.backend.pick(x, batch, picks)
         return self.backend.logits(x, batch)

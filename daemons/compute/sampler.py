@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ntx.daemons.compute.backend import MAX_PICK_K, Pick, Picked, top_entries
 from ntx.shared.errors import NtxError
 
 __all__ = ["SamplingParams", "Sampler", "StopMatcher", "logprobs_topk", "REPETITION_WINDOW"]
@@ -79,16 +80,7 @@ class SamplingParams:
         return self
 
 
-def _ranked(logits: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the k largest logits, best first, ties by lower id. O(V) plus O(k log k)."""
-    # logits: [V]
-    n = logits.shape[0]
-    if k >= n:
-        return np.lexsort((np.arange(n), -logits))
-    kth = np.partition(logits, n - k)[n - k]  # the k-th largest value
-    cand = np.flatnonzero(logits >= kth)  # ascending ids, >= k of them (ties at kth)
-    order = np.lexsort((cand, -logits[cand]))[:k]
-    return cand[order]
+_ranked = top_entries  # ids of the k largest logits, best first, ties by lower id
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -110,6 +102,17 @@ def logprobs_topk(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(x[i] - log_z)) for i in ids]
 
 
+def _cut_ranked(ids: np.ndarray, vals: np.ndarray, top_p: float, min_p: float) -> np.ndarray:
+    """Top-p, then min-p, on the top-k candidates ``ids`` [k] with logits ``vals`` [k], best first."""
+    if top_p < 1.0:
+        cum = np.cumsum(_softmax(vals))
+        keep = int(np.searchsorted(cum, top_p, side="left")) + 1  # smallest prefix with mass >= top_p
+        ids, vals = ids[:keep], vals[:keep]
+    if min_p > 0.0:
+        ids = ids[vals >= vals[0] + math.log(min_p)]  # p_i >= min_p * p_max
+    return ids
+
+
 def _truncate(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """Ids that survive top-k, then top-p, then min-p (llama.cpp semantics).
 
@@ -121,14 +124,7 @@ def _truncate(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarr
     n_vocab = x.shape[0]
     if 0 < top_k < n_vocab:
         ids = _ranked(x, top_k)  # best first
-        vals = x[ids]
-        if top_p < 1.0:
-            cum = np.cumsum(_softmax(vals))
-            keep = int(np.searchsorted(cum, top_p, side="left")) + 1  # smallest prefix with mass >= top_p
-            ids, vals = ids[:keep], vals[:keep]
-        if min_p > 0.0:
-            ids = ids[vals >= vals[0] + math.log(min_p)]  # p_i >= min_p * p_max
-        return ids
+        return _cut_ranked(ids, x[ids], top_p, min_p)
 
     x_max = float(x.max())
     pool = np.flatnonzero(x >= x_max + math.log(min_p)) if min_p > 0.0 else None  # ascending ids
@@ -174,12 +170,45 @@ class Sampler:
             return int(np.argmax(x))  # first max = lowest id on ties
 
         ids = _truncate(x, p.top_k, p.top_p, p.min_p)  # ids: [C]
-        vals = x[ids]  # vals: [C]
-        probs = _softmax(vals / p.temperature)
+        return self._draw(ids, x[ids])
+
+    def _draw(self, ids: np.ndarray, vals: np.ndarray) -> int:
+        # ids, vals: [C] the surviving candidates and their logits
+        probs = _softmax(vals / self.params.temperature)
         cum = np.cumsum(probs)
         r = self._rng.random() * cum[-1]
         j = min(int(np.searchsorted(cum, r, side="right")), len(ids) - 1)
         return int(ids[j])
+
+    def pick(self, n_vocab: int, logprobs: int = 0) -> Pick:
+        """What ``sample_picked`` needs from a row of logits, plus ``logprobs`` alternatives:
+        the top-1 for greedy, the top-k for top-k sampling, the whole row when the repetition
+        penalty changes values before ranking or when no top-k cut bounds the candidates."""
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            return Pick(0)
+        if p.temperature == 0:
+            k = 1
+        elif 0 < p.top_k < n_vocab:
+            k = p.top_k
+        else:
+            return Pick(0)
+        k = max(k, logprobs)
+        if k > MAX_PICK_K or k >= n_vocab:
+            return Pick(0)
+        return Pick(k, lse=logprobs > 0)
+
+    def sample_picked(self, picked: Picked, history: Sequence[int] = ()) -> int:
+        """``sample`` from what ``pick`` asked for: the same token for the same seed and logits
+        (the candidates are the same ids and values in the same order)."""
+        if picked.row is not None:
+            return self.sample(picked.row, history)
+        p = self.params
+        if p.temperature == 0:
+            return int(picked.ids[0])
+        ids, vals = picked.ids[: p.top_k], picked.vals[: p.top_k]
+        keep = _cut_ranked(ids, vals, p.top_p, p.min_p)
+        return self._draw(keep, vals[: len(keep)])
 
 
 class StopMatcher:

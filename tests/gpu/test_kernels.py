@@ -372,20 +372,25 @@ def test_get_rows(qt, rng):
     assert relerr(out, ref) < 1e-6
 
 
-@pytest.mark.parametrize("T", [3, 37, 128])
+@pytest.mark.parametrize("chunked_max_t", [8, 32])
+@pytest.mark.parametrize("T", [3, 20, 37, 128])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
-def test_gemm(qt, T, rng):
+def test_gemm(qt, T, chunked_max_t, rng, monkeypatch):
+    """Both paths beyond 8 rows: matvec over 8-row chunks (T <= MATVEC_CHUNKED_MAX_T) and
+    dequantize-to-f16 + cuBLAS."""
+    monkeypatch.setattr(K, "MATVEC_CHUNKED_MAX_T", chunked_max_t)
     n_rows, n_cols = 300, _cols(qt, False) * 4
     raw = random_weights(qt, n_rows, n_cols, rng)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
     out = nan_f32((T, n_rows))
     K.gemm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    if T <= K.MAX_MATVEC_B and K._use_dp4a(qt, "auto", T, raw.size):  # matvec's default variant: int8 x
+    via_matvec = T <= max(K.MAX_MATVEC_B, chunked_max_t)
+    if via_matvec and K._use_dp4a(qt, "auto", min(T, K.MAX_MATVEC_B), raw.size):  # matvec's default variant: int8 x
         check_dp4a(out, x, ref_w)
         return
     ref = x.astype(np.float64) @ ref_w.T
-    assert relerr(out, ref) < (1e-5 if T <= K.MAX_MATVEC_B else 2e-3)
+    assert relerr(out, ref) < (1e-5 if via_matvec else 2e-3)
 
 
 # ------------------------------------------------------------------------------ layer ops

@@ -24,7 +24,7 @@ import cupy as cp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ntx.daemons.compute.backend import Backend
+from ntx.daemons.compute.backend import Backend, Pick, Picked
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.cuda import kernels as K
 from ntx.daemons.compute.quants import dequantize
@@ -259,7 +259,8 @@ class CudaBackend(Backend):
         work.layer_done = layer_idx
         return work
 
-    def logits(self, x: _Work, batch: StepBatch) -> np.ndarray:
+    def _logits_dev(self, x: _Work, batch: StepBatch):
+        """Final norm and head on the device: f32 [N, V] for ``batch.logit_rows``."""
         work = x
         hp = self.hp
         rows = batch.logit_rows
@@ -276,6 +277,42 @@ class CudaBackend(Backend):
             for i in range(0, n, K.MAX_MATVEC_B):
                 j = min(i + K.MAX_MATVEC_B, n)
                 K.matvec(self.head.raw, self.head.qtype, self.head.n_rows, self.head.n_cols, h[i:j], out=out[i:j])
-            host = cp.asnumpy(out, stream=self.stream)
+        return out
+
+    def logits(self, x: _Work, batch: StepBatch) -> np.ndarray:
+        out = self._logits_dev(x, batch)
+        host = cp.asnumpy(out, stream=self.stream)
         self.stream.synchronize()
         return host
+
+    def pick(self, x: _Work, batch: StepBatch, picks: list[Pick]) -> list[Picked]:
+        """Selection on the device: one top-k kernel over the rows that want candidates (k the
+        largest asked), a log-normaliser where asked, and only those k entries (and whole rows
+        where k == 0) cross to the host: a decode step copies a few bytes, not [N, V] floats."""
+        lg = self._logits_dev(x, batch)  # [N, V]
+        n, V = lg.shape
+        result: list[Picked] = [Picked() for _ in range(n)]
+        cand = [i for i, p in enumerate(picks) if p.k > 0]
+        full = [i for i, p in enumerate(picks) if p.k == 0]
+        with self.stream:
+            if cand:
+                k = min(max(picks[i].k for i in cand), V)
+                sub = lg if len(cand) == n else lg[cp.asarray(cand)]
+                vals_d, ids_d = K.topk(cp.ascontiguousarray(sub), k)  # [C, k] each
+                lse_rows = [j for j, i in enumerate(cand) if picks[i].lse]
+                lse_d = None
+                if lse_rows:
+                    m = vals_d[:, :1]  # the row maxima: the top-1 values, [C, 1]
+                    lse_d = cp.log(cp.exp(sub - m).sum(axis=1)) + m[:, 0]  # [C]
+                vals = cp.asnumpy(vals_d, stream=self.stream)
+                ids = cp.asnumpy(ids_d, stream=self.stream)
+                lse = cp.asnumpy(lse_d, stream=self.stream) if lse_d is not None else None
+            rows_full = cp.asnumpy(lg[cp.asarray(full)], stream=self.stream) if full else None
+        self.stream.synchronize()
+        for j, i in enumerate(cand):
+            kk = picks[i].k
+            result[i] = Picked(ids=ids[j, :kk].astype(np.int64), vals=vals[j, :kk].astype(np.float64),
+                               lse=float(lse[j]) if picks[i].lse else None)
+        for j, i in enumerate(full):
+            result[i] = Picked(row=rows_full[j])
+        return result

@@ -45,6 +45,8 @@ __all__ = [
 
 _DIR = Path(__file__).resolve().parent
 MAX_MATVEC_B = 8
+# gemm loops matvec over 8-row chunks up to this many rows (scripts/bench_gemm_paths.py)
+MATVEC_CHUNKED_MAX_T = int(os.environ.get("NTX_MATVEC_CHUNKED_MAX_T", "8"))
 
 
 class QType(IntEnum):
@@ -460,17 +462,33 @@ _scratch = _Scratch()
 def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
 
-    T <= 8: matvec with its default variant (int8-quantized activations for the block-quantized
-    types in _DP4A_AUTO, f32 arithmetic otherwise; see matvec). T > 8: W dequantized to an f16 scratch buffer that is
-    reused across calls, x rounded to f16, cuBLAS GEMM with f32 accumulation and f32 output
-    (relative error ~1e-3 from the two f16 roundings). The scratch is shared per device: calls on
-    different streams must not overlap.
+    T <= MATVEC_CHUNKED_MAX_T: matvec (its default variant; see matvec) over chunks of up to 8
+    rows, each chunk reading the weights once: for the small T of batched decode this costs
+    ceil(T/8) reads of the quantized bytes, less than writing and reading an f16 copy
+    (scripts/bench_gemm_paths.py measures the crossing). Larger T: ``gemm_dequant``.
     """
     qt = QType(int(qtype))
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
     if T <= MAX_MATVEC_B:
         return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+    if T <= MATVEC_CHUNKED_MAX_T:
+        out = _out(out, (T, n_rows), cp.float32)
+        for i in range(0, T, MAX_MATVEC_B):
+            j = min(i + MAX_MATVEC_B, T)
+            matvec(w_raw, qt, n_rows, n_cols, x[i:j], out[i:j], stream=stream)
+        return out
+    return gemm_dequant(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+
+
+def gemm_dequant(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
+    """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T through an f16 copy of W: W dequantized to
+    an f16 scratch buffer that is reused across calls, x rounded to f16, cuBLAS GEMM with f32
+    accumulation and f32 output (relative error ~1e-3 from the two f16 roundings). The scratch
+    is shared per device: calls on different streams must not overlap."""
+    qt = QType(int(qtype))
+    x = _aligned_x(x, n_cols)
+    T = x.shape[0]
     out = _out(out, (T, n_rows), cp.float32)
     from cupy_backends.cuda.api import runtime
     from cupy_backends.cuda.libs import cublas
