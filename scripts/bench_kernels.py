@@ -43,7 +43,8 @@ def precompile_specs():
         for tid in (int(qt), K._V2.get(int(qt), int(qt))):
             for nr, u in sorted({(c[0], c[2]) for c in K._MV_DEFAULT.values()}):
                 specs.append(("quant.cu", K._mv_names(tid, nr, u)))
-        specs.append(("quant.cu", (f"deq_kernel<{int(qt)},0>", f"deq_kernel<{int(qt)},1>")))
+        dq = K._DEQ_TRAITS.get(qt, int(qt))
+        specs.append(("quant.cu", (f"deq_kernel<{dq},0>", f"deq_kernel<{dq},1>")))
     for t in TYPES:
         qt = int(K.QType[t])
         for tid in (qt, K._V2.get(qt, qt)):

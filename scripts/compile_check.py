@@ -44,7 +44,7 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
         for qt in QTYPES + [108, 112, 113, 114]:  # + the v2 (lane-contiguous) matvec variants
             for nr, u in sorted(cfgs):
                 out += [f"mv_kernel<{qt},{b},{nr},{u}>" for b in range(1, 9)]
-            if qt < 100:
+            if qt < 100 or qt in (112, 113):  # the v2 cut dequantizes Q4_K / Q5_K
                 out += [f"deq_kernel<{qt},0>", f"deq_kernel<{qt},1>"]
         return out
     if fname == "ops.cu":

@@ -378,7 +378,7 @@ def test_get_rows(qt, rng):
 def test_gemm(qt, T, chunked_max_t, rng, monkeypatch):
     """Both paths beyond 8 rows: matvec over 8-row chunks (T <= MATVEC_CHUNKED_MAX_T) and
     dequantize-to-f16 + cuBLAS."""
-    monkeypatch.setattr(K, "MATVEC_CHUNKED_MAX_T", chunked_max_t)
+    monkeypatch.setattr(K, "MATVEC_CHUNKED_MAX_T", {qt: chunked_max_t})
     n_rows, n_cols = 300, _cols(qt, False) * 4
     raw = random_weights(qt, n_rows, n_cols, rng)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)

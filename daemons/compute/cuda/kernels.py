@@ -45,8 +45,6 @@ __all__ = [
 
 _DIR = Path(__file__).resolve().parent
 MAX_MATVEC_B = 8
-# gemm loops matvec over 8-row chunks up to this many rows (scripts/bench_gemm_paths.py)
-MATVEC_CHUNKED_MAX_T = int(os.environ.get("NTX_MATVEC_CHUNKED_MAX_T", "8"))
 
 
 class QType(IntEnum):
@@ -195,7 +193,7 @@ def compile_all(qtypes=None) -> None:
         if qt in _DP4A_TYPES:
             for nr, u in {(c[0], c[2]) for c in _MVQ_DEFAULT.values()}:
                 _mvq_kernel(qt, 1, nr, u)
-        _deq_kernel(qt, False)
+        _deq_kernel(_DEQ_TRAITS.get(qt, qt), False)
     _quantize_x_kernel()
     _ops_kernel("rmsnorm_kernel")
 
@@ -407,18 +405,25 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     return out
 
 
+# Dequantizers that decode with the lane-contiguous (v2) cut: consecutive lanes write consecutive
+# 4-element runs, where the first cut scatters 8-byte stores over four blocks. H200, 28672x8192
+# Q4_K to f16 + GEMM: 1.40 ms with the first cut, against 0.32 ms for Q6_K and Q8_0.
+_DEQ_TRAITS = {QType.Q4_K: 112, QType.Q5_K: 113}
+
+
 def _deq_launch(w_raw, qt: QType, n_src_rows: int, n_cols: int, ids, out, n_out_rows: int, out_f32: bool, stream):
     rb = _check_weights(w_raw, qt, n_src_rows, n_cols)
     bs, ts, _, _ = QUANT_INFO[qt]
+    tid = _DEQ_TRAITS.get(qt, int(qt))
     # pieces per row, as the kernel cuts them (see quant.cu's QTraits)
-    lpb = {QType.Q4_K: 8, QType.Q5_K: 8, QType.Q6_K: 16}.get(qt, 1 if bs == 1 else 4)
+    lpb = 32 if tid in (112, 113) else {QType.Q4_K: 8, QType.Q5_K: 8, QType.Q6_K: 16}.get(qt, 1 if bs == 1 else 4)
     epb = 8 if bs == 1 else bs
     total = n_out_rows * (n_cols // epb) * lpb
     if total == 0:
         return out
     blocks = min((total + 255) // 256, 1 << 20)
     with _stream_ctx(stream):
-        _deq_kernel(int(qt), out_f32)((blocks,), (256,), (
+        _deq_kernel(tid, out_f32)((blocks,), (256,), (
             w_raw, _ptr_or_null(ids), out, np.int32(n_out_rows), np.int32(n_cols), np.int64(rb), np.int32(n_src_rows)))
     return out
 
@@ -459,20 +464,27 @@ class _Scratch:
 _scratch = _Scratch()
 
 
+# The largest T for which gemm loops matvec over 8-row chunks, per type. Measured on the H200
+# (scripts/bench_gemm_paths.py, 70B shapes): Q4_K's dequantize-to-f16 takes 1.40 ms for a
+# 28672x8192 matrix against 0.32 ms for Q6_K and Q8_0, so for Q4_K the chunked matvec wins up
+# to T = 32 (1.04 ms) while for Q6_K and Q8_0 the f16 GEMM wins from T = 9 or 16 on.
+MATVEC_CHUNKED_MAX_T: dict[QType, int] = {QType.Q4_K: 32}
+
+
 def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
 
-    T <= MATVEC_CHUNKED_MAX_T: matvec (its default variant; see matvec) over chunks of up to 8
-    rows, each chunk reading the weights once: for the small T of batched decode this costs
-    ceil(T/8) reads of the quantized bytes, less than writing and reading an f16 copy
-    (scripts/bench_gemm_paths.py measures the crossing). Larger T: ``gemm_dequant``.
+    T <= MATVEC_CHUNKED_MAX_T[type] (else 8): matvec (its default variant; see matvec) over
+    chunks of up to 8 rows, each chunk reading the weights once: ceil(T/8) reads of the
+    quantized bytes. Larger T: ``gemm_dequant``, whichever scripts/bench_gemm_paths.py measured
+    faster on the H200 for 70B shapes.
     """
     qt = QType(int(qtype))
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
     if T <= MAX_MATVEC_B:
         return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
-    if T <= MATVEC_CHUNKED_MAX_T:
+    if T <= MATVEC_CHUNKED_MAX_T.get(qt, MAX_MATVEC_B):
         out = _out(out, (T, n_rows), cp.float32)
         for i in range(0, T, MAX_MATVEC_B):
             j = min(i + MAX_MATVEC_B, T)
