@@ -376,9 +376,9 @@ def test_get_rows(qt, rng):
 @pytest.mark.parametrize("T", [3, 20, 37, 128])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
 def test_gemm(qt, T, chunked_max_t, rng, monkeypatch):
-    """Both paths beyond 8 rows: matvec over 8-row chunks (T <= MATVEC_CHUNKED_MAX_T) and
+    """Both paths beyond 8 rows: matvec over 8-row chunks (T <= GEMM_CHUNKED_MAX_T) and
     dequantize-to-f16 + cuBLAS."""
-    monkeypatch.setattr(K, "MATVEC_CHUNKED_MAX_T", {qt: chunked_max_t})
+    monkeypatch.setattr(K, "GEMM_CHUNKED_MAX_T", chunked_max_t)
     n_rows, n_cols = 300, _cols(qt, False) * 4
     raw = random_weights(qt, n_rows, n_cols, rng)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)

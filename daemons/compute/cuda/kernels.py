@@ -464,27 +464,28 @@ class _Scratch:
 _scratch = _Scratch()
 
 
-# The largest T for which gemm loops matvec over 8-row chunks, per type. Measured on the H200
-# (scripts/bench_gemm_paths.py, 70B shapes): Q4_K's dequantize-to-f16 takes 1.40 ms for a
-# 28672x8192 matrix against 0.32 ms for Q6_K and Q8_0, so for Q4_K the chunked matvec wins up
-# to T = 32 (1.04 ms) while for Q6_K and Q8_0 the f16 GEMM wins from T = 9 or 16 on.
-MATVEC_CHUNKED_MAX_T: dict[QType, int] = {QType.Q4_K: 32}
+# gemm loops matvec over 8-row chunks for T <= GEMM_CHUNKED_MAX_T on matrices of at most
+# GEMM_CHUNKED_MAX_BYTES; beyond, dequantize-to-f16 + cuBLAS wins. Measured on the H200
+# (scripts/bench_gemm_paths.py, 70B shapes, T = 16): 1024x8192 Q4_K 0.11 ms chunked vs 0.20,
+# 8192x8192 Q4_K (38 MB) 0.14 vs 0.18, Q8_0 (71 MB) 0.15 vs 0.11, 28672x8192 Q4_K 0.53 vs 0.34.
+GEMM_CHUNKED_MAX_T = 16
+GEMM_CHUNKED_MAX_BYTES = 40 << 20
 
 
 def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
 
-    T <= MATVEC_CHUNKED_MAX_T[type] (else 8): matvec (its default variant; see matvec) over
-    chunks of up to 8 rows, each chunk reading the weights once: ceil(T/8) reads of the
-    quantized bytes. Larger T: ``gemm_dequant``, whichever scripts/bench_gemm_paths.py measured
-    faster on the H200 for 70B shapes.
+    T <= GEMM_CHUNKED_MAX_T on a matrix of at most GEMM_CHUNKED_MAX_BYTES: matvec (its default
+    variant; see matvec) over chunks of up to 8 rows, each chunk reading the weights once
+    (ceil(T/8) reads of the quantized bytes). Otherwise ``gemm_dequant``: whichever
+    scripts/bench_gemm_paths.py measured faster on the H200.
     """
     qt = QType(int(qtype))
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
     if T <= MAX_MATVEC_B:
         return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
-    if T <= MATVEC_CHUNKED_MAX_T.get(qt, MAX_MATVEC_B):
+    if T <= GEMM_CHUNKED_MAX_T and w_raw.nbytes <= GEMM_CHUNKED_MAX_BYTES:
         out = _out(out, (T, n_rows), cp.float32)
         for i in range(0, T, MAX_MATVEC_B):
             j = min(i + MAX_MATVEC_B, T)
