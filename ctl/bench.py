@@ -131,11 +131,14 @@ def _stage_delta(before: dict, after: dict) -> dict[str, Any]:
 
 
 def _decode_passes(after: dict, first: int, last: int) -> dict[str, Any]:
-    """Each stage's clock over the passes ``first .. last-1`` (their per-pass records in the status):
-    the steady decode, without the prompt's prefill pass(es) that open the window."""
+    """Each stage's clock over the decode passes among ``first .. last-1``: the passes whose
+    compute record shows rows and no prompt rows (the prompts' prefill passes that open the
+    window are left out), from the per-pass records in the status."""
+    comp = (after.get("stages", {}).get("compute", {}).get("passes") or {})
+    ids = {k for k, v in comp.items() if first <= int(k) < last and v.get("rows", 0) > 0 and v.get("prefill_rows", 0) == 0}
     out = {}
     for name, s in after.get("stages", {}).items():
-        parts = [v for k, v in (s.get("passes") or {}).items() if first <= int(k) < last]
+        parts = [v for k, v in (s.get("passes") or {}).items() if k in ids]
         if parts:
             out[name] = summarize(combine(parts))
             out[name]["n_passes"] = len(parts)
@@ -185,8 +188,7 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     finally:
         instance.stop(cfg.name, force=True)
     passes = n / batch
-    # the window's first passes prefill the prompts (up to one per request); decode follows
-    first = int(before.get("stages", {}).get("compute", {}).get("n_passes", 0)) + batch
+    first = int(before.get("stages", {}).get("compute", {}).get("n_passes", 0))
     last = int(after.get("stages", {}).get("compute", {}).get("n_passes", 0))
     stages = _decode_passes(after, first, last)
     return {

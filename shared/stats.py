@@ -19,7 +19,8 @@ KEEP_PASSES = 32
 
 
 def _zero() -> dict[str, float]:
-    return {"busy": 0.0, "starved": 0.0, "blocked": 0.0, "idle": 0.0, "bytes": 0.0}
+    # rows: token rows a pass computed (compute only); prefill_rows: those that were prompt
+    return {"busy": 0.0, "starved": 0.0, "blocked": 0.0, "idle": 0.0, "bytes": 0.0, "rows": 0.0, "prefill_rows": 0.0}
 
 
 class StageClock:
@@ -59,6 +60,13 @@ class StageClock:
         if pass_id is not None:
             self._pass(pass_id)["bytes"] += n
 
+    def add_rows(self, pass_id: int, rows: int, prefill_rows: int) -> None:
+        """What the pass computed: ``rows`` token rows, ``prefill_rows`` of them prompt tokens
+        (so readers can tell decode passes from prefill ones)."""
+        for t in (self.total, self._pass(pass_id)):
+            t["rows"] += rows
+            t["prefill_rows"] += prefill_rows
+
     def snapshot(self) -> dict:
         """A msgpack-able summary: totals, shares of non-idle time, GB/s, recent passes."""
         self._charge(time.monotonic())
@@ -93,6 +101,8 @@ def summarize(t: dict[str, float]) -> dict[str, float]:
     active = t["busy"] + t["starved"] + t["blocked"]
     out = {k: round(t[k], 6) for k in STATES}
     out["bytes"] = int(t["bytes"])
+    out["rows"] = int(t.get("rows", 0))
+    out["prefill_rows"] = int(t.get("prefill_rows", 0))
     for k in ("busy", "starved", "blocked"):
         out[f"{k}_share"] = round(t[k] / active, 4) if active > 0 else 0.0
     # GB/s while busy (the stage's own speed) and over its active time (what it delivered)

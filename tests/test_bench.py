@@ -43,3 +43,23 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     assert rep["greedy_equal"] is True
     assert rep["a_over_c"] > 0
     assert "(a)/(c)" in r.stdout and "limit" in r.stdout
+
+
+def test_bench_batch_stage_figures_cover_decode_passes_only(tmp_path):
+    """Several concurrent requests prefill in one or more passes; the stage figures must leave
+    every one of those out (the compute clock marks each pass's prompt rows)."""
+    model = write_tiny(tmp_path, n_layers=3, type="Q8_0")
+    out = tmp_path / "out"
+    env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
+    r = subprocess.run(
+        [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
+         "--gpu-layers", "1", "--tokens", "5", "--batch", "3", "--scenarios", "a", "--out", str(out),
+         "--listen", f"tcp://127.0.0.1:{unused_port()}"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (a,) = json.loads((out / "bench.json").read_text())["scenarios"]
+    comp = a["stages"]["compute"]
+    assert comp["n_passes"] >= 2 and comp["prefill_rows"] == 0
+    assert comp["n_passes"] <= comp["rows"] <= 3 * comp["n_passes"]
+    assert a["stages"]["dma"]["n_passes"] == comp["n_passes"]

@@ -133,6 +133,9 @@ class ComputeDaemon(Daemon):
                 self._set_active(True)
                 n_before = self.engine.tokens_generated
                 self.send_events(self.engine.step())
+                if self.engine.last_pass is not None:
+                    self.clock.add_rows(*self.engine.last_pass)
+                    self.engine.last_pass = None
                 self.recent_tokens.append((time.monotonic(), self.engine.tokens_generated - n_before))
             else:
                 self._set_active(False)

@@ -99,6 +99,7 @@ class EngineCore:
         self._ids: set[str] = set()
         self._seq_ids = itertools.count()
         self.pass_id = 0
+        self.last_pass: tuple[int, int, int] | None = None
         self.tokens_generated = 0
 
     # -- building prompts ----------------------------------------------------------------------
@@ -221,6 +222,8 @@ class EngineCore:
         batch, seqs = self._plan()
         pass_id = self.pass_id
         self.pass_id += 1
+        # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill
+        self.last_pass = (pass_id, batch.n_tokens, sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
         try:
             picked = self.model.forward(batch, pass_id, picks=self._picks(batch, seqs))  # one per logit row
         except NtxError as e:
