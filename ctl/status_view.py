@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -30,10 +31,11 @@ def render_status(st: dict[str, Any], renderable: bool = False):
     for line in st["plan"]["lines"]:
         plan.append(f"  {line}\n")
 
-    stages = Table(title="stages (share of active time over the recent passes; totals since start when none)",
-                   title_justify="left")
-    for col in ("stage", "state", "passes", "busy", "starved", "blocked", "moved", "GB/s busy", "GB/s active", "limit GB/s"):
-        stages.add_column(col, justify="right" if col not in ("stage", "state") else "left", no_wrap=True)
+    # compact (no vertical rules) so that every figure stays readable in an 80-column terminal
+    stages_title = Text("stages: share of active time over the recent passes (all time before any)", style="bold")
+    stages = Table(box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, show_edge=False)
+    for col in ("stage", "now", "passes", "busy", "starved", "blocked", "GB/s", "avg", "limit"):
+        stages.add_column(col, justify="right" if col not in ("stage", "now") else "left", no_wrap=True)
     passes = Text()
     for name in ("reader", "dma", "compute"):
         s = st["stages"].get(name)
@@ -48,8 +50,9 @@ def render_status(st: dict[str, Any], renderable: bool = False):
         mark = " ◀" if st.get("bottleneck") == name else ""
         limit = s.get("limit_gbps")
         stages.add_row(name + mark, s.get("state", ""), str(t.get("n_passes", "all")), _pct(t["busy_share"]),
-                       _pct(t["starved_share"]), _pct(t["blocked_share"]), format_bytes(t["bytes"]),
+                       _pct(t["starved_share"]), _pct(t["blocked_share"]),
                        f"{t['busy_gbps']:.2f}", f"{t['active_gbps']:.2f}", f"{limit:.2f}" if limit else "")
+    legend = Text("  GB/s: while busy · avg: over active time · limit: link speed dma measured\n", style="dim")
 
     tail = Text()
     if st.get("bottleneck"):
@@ -69,7 +72,7 @@ def render_status(st: dict[str, Any], renderable: bool = False):
         daemons.add_column(col)
     for n, d in st["daemons"].items():
         daemons.add_row(n, str(d["pid"]), d["state"], f"{d['uptime_s']:.0f}s", str(d["restarts"]))
-    group = Group(head, plan, stages, passes, tail, daemons)
+    group = Group(head, plan, stages_title, stages, legend, passes, tail, daemons)
     if renderable:
         return group
     Console().print(group)
