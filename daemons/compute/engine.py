@@ -13,7 +13,6 @@ Events are plain dicts in the wire protocol's shape (docs/PROTOCOL.md): ``token`
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Pick, Picked
+from ntx.daemons.compute.backend import Pick, Picked, log_normaliser
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
@@ -280,7 +279,7 @@ class EngineCore:
     @staticmethod
     def _token_logprob(pk: Picked, tok: int) -> float:
         if pk.row is not None:
-            return float(pk.row[tok] - _logsumexp(pk.row))
+            return float(pk.row[tok] - log_normaliser(pk.row))
         return float(pk.vals[int(np.flatnonzero(pk.ids == tok)[0])] - pk.lse)
 
     def _advance(self, s: _Seq, pk: Picked) -> list[dict]:
@@ -359,8 +358,3 @@ class EngineCore:
         if s.req.prompt_logprobs:
             done["prompt_logprobs"] = s.prompt_lp
         return done
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    m = float(np.max(x))
-    return m + math.log(float(np.sum(np.exp(x.astype(np.float64) - m))))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ntx.daemons.compute.backend import MAX_PICK_K, Pick, Picked, top_entries
+from ntx.daemons.compute.backend import MAX_PICK_K, Pick, Picked, log_normaliser, top_entries
 from ntx.shared.errors import NtxError
 
 __all__ = ["SamplingParams", "Sampler", "StopMatcher", "logprobs_topk", "REPETITION_WINDOW"]
@@ -80,9 +80,6 @@ class SamplingParams:
         return self
 
 
-_ranked = top_entries  # ids of the k largest logits, best first, ties by lower id
-
-
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
@@ -96,13 +93,12 @@ def logprobs_topk(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
     if k <= 0:
         return []
     k = min(k, x.shape[0])
-    m = x.max()
-    log_z = m + math.log(np.exp(x - m).sum())
-    ids = _ranked(x, k)
+    log_z = log_normaliser(x)
+    ids = top_entries(x, k)
     return [(int(i), float(x[i] - log_z)) for i in ids]
 
 
-def _cut_ranked(ids: np.ndarray, vals: np.ndarray, top_p: float, min_p: float) -> np.ndarray:
+def _cuttop_entries(ids: np.ndarray, vals: np.ndarray, top_p: float, min_p: float) -> np.ndarray:
     """Top-p, then min-p, on the top-k candidates ``ids`` [k] with logits ``vals`` [k], best first."""
     if top_p < 1.0:
         cum = np.cumsum(_softmax(vals))
@@ -123,19 +119,19 @@ def _truncate(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarr
     # x: [V]
     n_vocab = x.shape[0]
     if 0 < top_k < n_vocab:
-        ids = _ranked(x, top_k)  # best first
-        return _cut_ranked(ids, x[ids], top_p, min_p)
+        ids = top_entries(x, top_k)  # best first
+        return _cuttop_entries(ids, x[ids], top_p, min_p)
 
     x_max = float(x.max())
     pool = np.flatnonzero(x >= x_max + math.log(min_p)) if min_p > 0.0 else None  # ascending ids
     if top_p >= 1.0:
         return pool if pool is not None else np.arange(n_vocab)
-    log_z = x_max + math.log(float(np.exp(x - x_max).sum()))  # normaliser over the whole vocab
+    log_z = log_normaliser(x)  # normaliser over the whole vocab
     sub = x[pool] if pool is not None else x
     size = sub.shape[0]
     k = min(size, 1024)
     while True:
-        order = _ranked(sub, k)
+        order = top_entries(sub, k)
         ids = pool[order] if pool is not None else order
         cum = np.cumsum(np.exp(x[ids] - log_z))
         if cum[-1] >= top_p or k == size:
@@ -207,7 +203,7 @@ class Sampler:
         if p.temperature == 0:
             return int(picked.ids[0])
         ids, vals = picked.ids[: p.top_k], picked.vals[: p.top_k]
-        keep = _cut_ranked(ids, vals, p.top_p, p.min_p)
+        keep = _cuttop_entries(ids, vals, p.top_p, p.min_p)
         return self._draw(keep, vals[: len(keep)])
 
 

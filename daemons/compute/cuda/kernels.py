@@ -416,7 +416,7 @@ def _deq_launch(w_raw, qt: QType, n_src_rows: int, n_cols: int, ids, out, n_out_
     bs, ts, _, _ = QUANT_INFO[qt]
     tid = _DEQ_TRAITS.get(qt, int(qt))
     # pieces per row, as the kernel cuts them (see quant.cu's QTraits)
-    lpb = 32 if tid in (112, 113) else {QType.Q4_K: 8, QType.Q5_K: 8, QType.Q6_K: 16}.get(qt, 1 if bs == 1 else 4)
+    lpb = {112: 32, 113: 32, int(QType.Q6_K): 16}.get(tid, 1 if bs == 1 else 4)
     epb = 8 if bs == 1 else bs
     total = n_out_rows * (n_cols // epb) * lpb
     if total == 0:
