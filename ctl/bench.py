@@ -31,9 +31,10 @@ import numpy as np
 
 from ntx.ctl import instance
 from ntx.ctl.client import Client
+from ntx.daemons.compute.backend import plan_for
 from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.gguf_index import ModelIndex, open_model
-from ntx.shared.plan import RAM, STORAGE, VRAM, make_plan
+from ntx.shared.plan import RAM, STORAGE, VRAM
 from ntx.shared.stats import bottleneck, combine, summarize
 
 GB = 1e9
@@ -173,7 +174,7 @@ def _generate_concurrently(listen: str, batch: int, tokens: int) -> tuple[float,
 
 
 def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int, batch: int, log) -> dict[str, Any]:
-    plan = make_plan(index, cfg)
+    plan = plan_for(index, cfg)
     log(f"({label}) plan: " + "; ".join(plan.describe()[:3]))
     t0 = time.perf_counter()
     instance.start(cfg, plan)
@@ -231,22 +232,21 @@ class _MmapPageableStream:
     def end_pass(self, pass_id: int) -> None:
         pass
 
+    def abort_pass(self, pass_id: int) -> int:
+        return pass_id + 1
+
 
 def run_in_process(label: str, model: str, backend: str, resident: list[int] | None, tokens: int, batch: int,
                    naive: bool) -> dict[str, Any]:
-    from ntx.daemons.compute.backend import make_backend
-    from ntx.daemons.compute.engine import EngineCore, Request
-    from ntx.daemons.compute.model import LlamaModel
+    from ntx.daemons.compute.engine import Request
+    from ntx.daemons.compute.factory import build_engine
     from ntx.daemons.compute.sampler import SamplingParams
-    from ntx.daemons.compute.tokenizer import Tokenizer
 
     index = open_model(model)
-    be = make_backend(backend, index, max_seqs=max(batch, 1), max_ctx=512)
     stream = _MmapPageableStream(index) if naive else None
     t0 = time.perf_counter()
-    m = LlamaModel(index, be, resident_layers=resident, stream=stream)
+    eng = build_engine(index, backend, resident_layers=resident, stream=stream, max_batch=max(batch, 1), max_context=512)
     load_s = time.perf_counter() - t0
-    eng = EngineCore(m, Tokenizer.from_metadata(index.metadata), max_batch=max(batch, 1), max_context=512)
     ids = eng.prompt_tokens(prompt=PROMPT, raw=True)
     if not naive:  # compile kernels and capture the decode graphs before timing
         eng.submit(Request(f"{label}-warmup", ids, SamplingParams(temperature=0.0, max_tokens=3)))
@@ -338,7 +338,7 @@ def run_bench(
     base = InstanceConfig(model=os.path.abspath(model), name="bench", backend=backend, listen=listen,
                           vram_budget=vram_budget, ram_budget=ram_budget, max_vram_layers=gpu_layers,
                           max_batch=max(batch, 1), max_context=512).validate()
-    plan_a = make_plan(index, base)
+    plan_a = plan_for(index, base)
     log(f"model {index.name}: {index.file_type}, {index.hparams.n_layers} layers, "
         f"{format_bytes(index.layer_bytes_total)} of layers; backend {backend}")
     limits = measure_copy_limits(backend)

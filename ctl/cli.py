@@ -228,7 +228,7 @@ def start(
     from ntx.ctl import instance
     from ntx.shared.config import InstanceConfig, parse_size
     from ntx.shared.gguf_index import open_model
-    from ntx.shared.plan import make_plan
+    from ntx.daemons.compute.backend import plan_for
 
     model_path = os.path.abspath(_model_path(model))
     cfg = InstanceConfig(
@@ -240,7 +240,7 @@ def start(
     ).validate()
     index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
-    plan = make_plan(index, cfg)
+    plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
     for line in plan.describe():
         typer.echo(f"  {line}")

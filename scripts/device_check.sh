@@ -9,11 +9,15 @@
 # --sanitize: first run the attention/KV/graph tests under compute-sanitizer memcheck.
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
+#   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it.
 # --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d).
 # STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_BATCH, STREAM_SCENARIOS steer --stream-bench.
 # --status-demo: start the 70B as in (a), generate 40 tokens, and save `ntxctl status` (text and
 #   JSON) taken in the middle of the decode to $OUT/status-a.txt / status-a.json.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
+# BASELINE=DIR (a copy of another revision's tree, e.g. `git archive REV | tar x -C .baseline`,
+#   carried): the decode and stream benchmarks run for that tree too, right after this one's, on
+#   the same models in the same call, into $OUT/baseline-*: a before/after on one machine.
 # The real SmolLM2 (98 MB) is over one call's 64 MiB: carry .models/p1 in one call and .models/p2
 # in the next (the machine keeps ~/models while warm); once both parts are there they are joined
 # and NTX_TEST_MODEL points the GPU tests at it.
@@ -54,12 +58,15 @@ if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$REPO"/.whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
 fi
-# ntx namespace without installing: /tmp/nsroot/ntx/{daemons,shared,ctl} -> the repo's folders
-NS=/tmp/nsroot
-rm -rf "$NS" && mkdir -p "$NS/ntx"
-for f in "$REPO"/ntx/*; do ln -s "$f" "$NS/ntx/"; done
-for d in daemons shared ctl; do [ -d "$REPO/$d" ] && ln -s "$REPO/$d" "$NS/ntx/$d"; done
-export PYTHONPATH="$NS:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+# ntx namespace without installing: NSROOT/ntx/{daemons,shared,ctl} -> the tree's folders
+farm() {  # farm TREE NSROOT
+  rm -rf "$2" && mkdir -p "$2/ntx"
+  for f in "$1"/ntx/*; do ln -s "$f" "$2/ntx/"; done
+  for d in daemons shared ctl; do [ -d "$1/$d" ] && ln -s "$1/$d" "$2/ntx/$d"; done
+}
+farm "$REPO" /tmp/nsroot
+SITE_PATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/nsroot:$SITE_PATH"
 cd /tmp  # not the repo root: its ntx/ would shadow the namespace farm
 
 {
@@ -90,20 +97,36 @@ fi
 synth() {  # synth NAME PRESET TYPE: write ~/models/NAME.gguf once
   [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" -q 2>&1 | tail -2
 }
+decode_bench() {  # decode_bench TREE OUTPREFIX
+  python3 "$1/scripts/bench_decode.py" ${NTX_TEST_MODEL:+"$NTX_TEST_MODEL"} ${DECODE_MODELS[@]} \
+    --tokens 128 --batch ${DECODE_BATCH:-1 8} --out "$2decode.json" 2>&1 | tee "$2decode.log"
+}
+stream_bench() {  # stream_bench OUTDIR
+  mkdir -p "$1"
+  python3 -m ntx.ctl.cli bench --model "$MODELS/llama3-70b-Q4_K_M.gguf" --backend cuda --vram-budget 24GiB \
+    --tokens "${STREAM_TOKENS:-4}" --batch "${STREAM_BATCH:-1}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \
+    --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "$1" 2>&1 | tee "$1/stream.log"
+}
 if [ "$DECODE" = 1 ]; then
-  synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-8b-Q8_0 llama3-8b Q8_0; synth llama3-8b-F16 llama3-8b F16
-  python3 "$REPO/scripts/bench_decode.py" ${NTX_TEST_MODEL:+"$NTX_TEST_MODEL"} "$MODELS"/llama3-8b-{Q4_K_M,Q8_0,F16}.gguf \
-    --tokens 128 --batch 1 8 --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+  DECODE_MODELS=()
+  for t in ${DECODE_TYPES:-Q4_K_M Q8_0 F16}; do synth "llama3-8b-$t" llama3-8b "$t"; DECODE_MODELS+=("$MODELS/llama3-8b-$t.gguf"); done
+  decode_bench "$REPO" "$OUT/"
 fi
 if [ "$STREAM" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B
   synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
   # written data still being flushed would slow (and skew) the O_DIRECT reads that (b) measures
   case "${STREAM_SCENARIOS:-a,c,b,check,d}" in *b*) sync ;; esac
-  df -h "$MODELS" | tail -1; mkdir -p "${STREAM_OUT:-$OUT}"
-  python3 -m ntx.ctl.cli bench --model "$MODELS/llama3-70b-Q4_K_M.gguf" --backend cuda --vram-budget 24GiB \
-    --tokens "${STREAM_TOKENS:-4}" --batch "${STREAM_BATCH:-1}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \
-    --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "${STREAM_OUT:-$OUT}" 2>&1 | tee "${STREAM_OUT:-$OUT}/stream.log"
+  df -h "$MODELS" | tail -1
+  stream_bench "${STREAM_OUT:-$OUT}"
+fi
+if [ -n "${BASELINE:-}" ] && [ "$((DECODE + STREAM))" -gt 0 ]; then
+  BASE=$(cd "$REPO" && cd "$BASELINE" && pwd)
+  farm "$BASE" /tmp/nsbase
+  echo "== baseline tree $BASE"
+  ( export PYTHONPATH="/tmp/nsbase:$SITE_PATH"
+    [ "$DECODE" = 1 ] && decode_bench "$BASE" "$OUT/baseline-"
+    [ "$STREAM" = 1 ] && stream_bench "${STREAM_OUT:-$OUT}/baseline" )
 fi
 if [ "$STATUS_DEMO" = 1 ]; then
   synth llama3-70b-Q4_K_M llama3-70b Q4_K_M

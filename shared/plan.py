@@ -5,8 +5,10 @@ and — only when something streams — the device slots; then layers fill the V
 the rest fills the RAM budget (less the host staging slots, when something is left for storage),
 and whatever remains streams from storage on every pass.
 
-On the cpu backend "VRAM" is the compute daemon's own memory, where a resident layer is kept
-dequantized to float32, so the same plan logic runs in CI with costs that match that backend.
+What a layer, the KV cache and the workspace cost is the backend's to say, not the planner's:
+each backend reports a ``MemoryCosts`` (``Backend.memory_costs``) and the planner places layers
+with it. On the cpu backend "VRAM" is the compute daemon's own memory, where a resident layer is
+kept dequantized to float32, so the same plan logic runs in CI with costs that match that backend.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import psutil
 
 from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError
-from ntx.shared.gguf_index import LayerInfo, ModelIndex
+from ntx.shared.gguf_index import ModelIndex
 
 VRAM, RAM, STORAGE = "vram", "ram", "storage"
 DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
@@ -27,9 +29,27 @@ RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
 
 
 @dataclass(frozen=True)
+class MemoryCosts:
+    """What a backend holds in its memory ("VRAM") for a model: reported by the backend
+    (``Backend.memory_costs``), consumed by ``make_plan``."""
+
+    memory_name: str  # what "VRAM" is on this backend, for the plan's lines
+    layer_bytes: tuple[int, ...]  # per layer, its cost when resident
+    globals_bytes: int  # token embedding, output norm and head
+    kv_bytes_per_token: int  # all layers' keys and values of one position
+    kv_tokens: int  # positions the backend reserves up front
+    workspace_bytes: int  # buffers of the largest pass
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.kv_tokens
+
+
+@dataclass(frozen=True)
 class Plan:
     tiers: tuple[str, ...]  # per layer: vram | ram | storage
     backend: str
+    memory_name: str  # where "vram" layers live: VRAM on cuda, compute's own memory on cpu
     n_slots: int
     slot_bytes: int  # one slot (device or host) holds the largest layer
     vram_budget: int
@@ -73,7 +93,7 @@ class Plan:
             layers = self.layers_on(tier)
             lines.append(f"{tier:8s} {len(layers):4d} layers {_ranges(layers):>14s}  {format_bytes(layer_bytes):>11s}")
         lines.append(
-            f"reserved in {'VRAM' if self.backend == 'cuda' else 'compute memory'}: globals {format_bytes(self.globals_bytes)}, "
+            f"reserved in {self.memory_name}: globals {format_bytes(self.globals_bytes)}, "
             f"KV cache {format_bytes(self.kv_bytes)} ({self.kv_tokens} tokens), workspace {format_bytes(self.workspace_bytes)}, "
             f"device slots {format_bytes(self.device_slot_bytes_total)}; budget {format_bytes(self.vram_budget)}"
         )
@@ -99,18 +119,6 @@ def _ranges(idx: list[int]) -> str:
     return ",".join(out)
 
 
-def resident_cost(layer: LayerInfo, backend: str) -> int:
-    """Memory a layer takes when resident: its bytes on cuda, float32 weights on cpu."""
-    if backend == "cuda":
-        return layer.nbytes
-    return sum(t.n_elements * 4 for t in layer.tensors.values())
-
-
-def kv_bytes_per_token(index: ModelIndex, backend: str) -> int:
-    hp = index.hparams
-    return 2 * hp.n_layers * hp.kv_dim * (2 if backend == "cuda" else 4)
-
-
 def default_budgets(backend: str) -> tuple[int, int]:
     """(vram, ram) budgets when the user gives none."""
     avail = psutil.virtual_memory().available
@@ -133,8 +141,9 @@ def _free_device_bytes() -> int:
     raise ConfigError("cannot tell the GPU's free memory (no nvidia-smi): give --vram-budget")
 
 
-def make_plan(index: ModelIndex, cfg: InstanceConfig, kv_tokens: int | None = None) -> Plan:
-    """Place every layer of ``index`` on a tier under ``cfg``'s budgets."""
+def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts) -> Plan:
+    """Place every layer of ``index`` on a tier under ``cfg``'s budgets, with the memory the
+    backend says it needs (``costs``)."""
     backend = cfg.backend
     vram_default, ram_default = (None, None)
     if cfg.vram_budget is None or cfg.ram_budget is None:
@@ -143,20 +152,9 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, kv_tokens: int | None = No
     ram_budget = cfg.ram_budget if cfg.ram_budget is not None else ram_default
 
     hp = index.hparams
-    if kv_tokens is None:
-        # cuda reserves a cache slot of max_context positions per sequence up front; the cpu
-        # backend grows each sequence's cache as it goes, so plan for a typical fill
-        kv_tokens = cfg.max_context * (cfg.max_batch if backend == "cuda" else min(cfg.max_batch, 4))
-    kv_bytes = kv_tokens * kv_bytes_per_token(index, backend)
-    if backend == "cuda":
-        globals_bytes = index.global_bytes_total
-        largest = max(t.n_elements for layer in index.layers for t in layer.tensors.values())
-        workspace = (256 << 20) + largest * 2 + cfg.prefill_chunk_tokens * (hp.n_embd * 4 + hp.n_ff * 8 + hp.n_vocab * 4)
-    else:
-        globals_bytes = sum(t.n_elements * 4 for t in index.globals.values())  # tied head shares token_embd
-        workspace = max(resident_cost(layer, backend) for layer in index.layers)
+    globals_bytes, kv_bytes, workspace = costs.globals_bytes, costs.kv_bytes, costs.workspace_bytes
     slot_bytes = index.max_layer_slot_bytes
-    costs = [resident_cost(layer, backend) for layer in index.layers]
+    layer_costs = costs.layer_bytes
     n = hp.n_layers
 
     avail = vram_budget - globals_bytes - kv_bytes - workspace
@@ -168,7 +166,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, kv_tokens: int | None = No
     max_vram_layers = n if cfg.max_vram_layers is None else min(cfg.max_vram_layers, n)
     tiers = [STORAGE] * n
     device_slots_total = 0
-    if max_vram_layers == n and sum(costs) <= avail:
+    if max_vram_layers == n and sum(layer_costs) <= avail:
         tiers = [VRAM] * n
     else:
         device_slots_total = cfg.slots * slot_bytes
@@ -180,10 +178,10 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, kv_tokens: int | None = No
             )
         used = 0
         for i in range(max_vram_layers):
-            if used + costs[i] > avail:
+            if used + layer_costs[i] > avail:
                 break
             tiers[i] = VRAM
-            used += costs[i]
+            used += layer_costs[i]
 
     rest = [i for i in range(n) if tiers[i] != VRAM]
     host_slots_total = 0
@@ -205,9 +203,9 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, kv_tokens: int | None = No
         return sum(index.layers[i].nbytes for i in range(n) if tiers[i] == tier)
 
     return Plan(
-        tiers=tuple(tiers), backend=backend, n_slots=cfg.slots, slot_bytes=slot_bytes,
+        tiers=tuple(tiers), backend=backend, memory_name=costs.memory_name, n_slots=cfg.slots, slot_bytes=slot_bytes,
         vram_budget=vram_budget, ram_budget=ram_budget, globals_bytes=globals_bytes,
-        kv_bytes=kv_bytes, kv_tokens=kv_tokens, workspace_bytes=workspace,
+        kv_bytes=kv_bytes, kv_tokens=costs.kv_tokens, workspace_bytes=workspace,
         device_slot_bytes_total=device_slots_total, host_slot_bytes_total=host_slots_total,
         vram_layer_bytes=total(VRAM), ram_layer_bytes=total(RAM), storage_layer_bytes=total(STORAGE),
     )

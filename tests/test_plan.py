@@ -7,7 +7,8 @@ import pytest
 from ntx.shared.config import InstanceConfig, parse_size
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
-from ntx.shared.plan import RAM, STORAGE, VRAM, make_plan, resident_cost
+from ntx.daemons.compute.backend import memory_costs, plan_for
+from ntx.shared.plan import RAM, STORAGE, VRAM
 
 
 @pytest.fixture(scope="module")
@@ -20,44 +21,54 @@ def _cfg(**kw) -> InstanceConfig:
 
 
 def test_everything_fits_no_slots_reserved(index):
-    p = make_plan(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0))
+    p = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0))
     assert p.tiers == (VRAM,) * 30
     assert p.device_slot_bytes_total == 0 and p.host_slot_bytes_total == 0 and p.streamed_bytes_per_pass == 0
 
 
 def test_all_storage_reserves_both_rings(index):
-    p = make_plan(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, max_vram_layers=0, slots=3))
+    p = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, max_vram_layers=0, slots=3))
     assert p.tiers == (STORAGE,) * 30
     assert p.device_slot_bytes_total == 3 * p.slot_bytes == p.host_slot_bytes_total
     assert p.streamed_bytes_per_pass == index.layer_bytes_total
 
 
 def test_layers_fill_vram_then_ram_then_storage_in_order(index):
-    cost = resident_cost(index.layers[0], "cuda")
-    reserved = make_plan(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0))
+    cost = index.layers[0].nbytes
+    reserved = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0))
     fixed = reserved.globals_bytes + reserved.kv_bytes + reserved.workspace_bytes + 2 * reserved.slot_bytes
-    p = make_plan(index, _cfg(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2,
+    p = plan_for(index, _cfg(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2,
                               ram_budget=2 * index.max_layer_slot_bytes + 10 * index.layers[0].slot_bytes + 100))
     assert p.tiers == (VRAM,) * 7 + (RAM,) * 10 + (STORAGE,) * 13
     assert p.vram_layer_bytes == sum(index.layers[i].nbytes for i in range(7))
 
 
-def test_cpu_residents_cost_float32_cuda_residents_their_bytes(index):
-    layer = index.layers[0]
-    assert resident_cost(layer, "cuda") == layer.nbytes
-    assert resident_cost(layer, "cpu") == sum(t.n_elements * 4 for t in layer.tensors.values()) > 5 * layer.nbytes
+def test_each_backend_reports_its_costs(index):
+    """cpu keeps layers and globals as float32 and a float32 KV cache for a typical fill; cuda its
+    GGUF bytes and an f16 cache for every sequence at full context. The plan reserves just that."""
+    hp, layer = index.hparams, index.layers[0]
+    sizes = dict(max_seqs=8, max_ctx=1024, prefill_chunk_tokens=512)
+    cpu, cuda = memory_costs("cpu", index, **sizes), memory_costs("cuda", index, **sizes)
+    assert cuda.layer_bytes[0] == layer.nbytes
+    assert cpu.layer_bytes[0] == sum(t.n_elements * 4 for t in layer.tensors.values()) > 5 * layer.nbytes
+    assert cuda.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 2 and cuda.kv_tokens == 8 * 1024
+    assert cpu.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 4 and cpu.kv_tokens == 4 * 1024
+    assert cuda.globals_bytes == index.global_bytes_total and cpu.globals_bytes > cuda.globals_bytes
+    plan = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, max_batch=8, max_context=1024))
+    assert (plan.kv_bytes, plan.workspace_bytes, plan.globals_bytes) == (cuda.kv_bytes, cuda.workspace_bytes, cuda.globals_bytes)
+    assert plan.memory_name == "VRAM" and "reserved in VRAM" in "\n".join(plan.describe())
 
 
 def test_budget_too_small_is_one_clear_line(index):
     with pytest.raises(ConfigError, match="--vram-budget .* is too small"):
-        make_plan(index, _cfg(vram_budget=parse_size("10MiB"), ram_budget=0))
+        plan_for(index, _cfg(vram_budget=parse_size("10MiB"), ram_budget=0))
     with pytest.raises(ConfigError, match="is not a size"):
         parse_size("lots", "--vram-budget")
     assert parse_size("24GiB") == 24 << 30 and parse_size("1.5GB") == 1_500_000_000 and parse_size("0") == 0
 
 
 def test_describe_names_every_tier(index):
-    lines = make_plan(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=parse_size("20MiB"),
+    lines = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=parse_size("20MiB"),
                                   max_vram_layers=5)).describe()
     text = "\n".join(lines)
     assert "vram" in text and "ram" in text and "storage" in text and "0-4" in text

@@ -1,26 +1,35 @@
-"""The backend seam: the operations a forward pass needs, filled by numpy (cpu) or cupy (cuda).
+"""The backend seam: the operations a Llama block is written in, filled by numpy (cpu) or cupy (cuda).
 
-The model code above this seam (``model.py``) only orders the work: embed, run each layer from
-wherever its bytes are, produce logits. Everything that touches numbers lives behind it, so the
-CUDA backend can fuse kernels and capture graphs without the model code knowing.
+The model (``model.py``) writes the Llama block once, as math over these operations (norm,
+matmul, rope, KV write, masked attention, swiglu, add), and orders the work: embed, each layer
+from wherever its bytes are, the head. Backends implement operations, never the model. Anything
+that needs the whole sequence of operations — a CUDA graph of the resident layers — is an
+explicit request of the model (``run_captured``), not a side effect of call order.
 
 Layers reach a backend as a byte buffer in the slot layout of ``ntx.shared.gguf_index`` (the
 layer's file span(s), page-aligned), whoever filled it: the file, the dma daemon's pinned RAM,
-or a streamed ring slot. ``prepare_layer`` turns that buffer into whatever the backend runs from.
+or a streamed ring slot. ``prepare_layer`` turns that buffer into the weights the operations take.
+
+Every operation of a pass reads and writes the buffers of one ``Workspace`` (``begin_pass``):
+the hidden state ``x`` and the block's intermediates, each named for what it holds, plus the
+pass's token rows (positions and sequences). Operations write into the ``out`` they are given
+and allocate nothing, so a GPU backend can capture them; their results are those buffers.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from ntx.daemons.compute.batch import StepBatch
-from ntx.shared.gguf_index import LayerInfo, ModelIndex
-
+from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex
+from ntx.shared.config import InstanceConfig
+from ntx.shared.plan import MemoryCosts, Plan, make_plan
 
 MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the whole row is copied
 
@@ -76,17 +85,69 @@ def pick_on_host(logits: np.ndarray, picks: list[Pick]) -> list[Picked]:
     return out
 
 
+def rope_divisors(hp: HParams, rope_freqs: np.ndarray | None) -> np.ndarray | None:
+    """The one RoPE scaling formula: pair i turns by theta = pos * base^(-2i/rope_dim) / d[i].
+
+    d = the Llama 3.1 frequency factors (the ``rope_freqs`` tensor) times the linear scaling
+    factor, whichever the model has; None when it has neither (d = 1). d: float32 [rope_dim/2].
+    """
+    d = None if rope_freqs is None else np.asarray(rope_freqs, dtype=np.float32).reshape(-1)
+    factor = hp.rope_scaling.factor
+    if hp.rope_scaling.kind == "linear" and factor not in (0.0, 1.0):
+        d = (d if d is not None else np.ones(hp.rope_dim // 2, dtype=np.float32)) * np.float32(factor)
+    return d
+
+
+class Workspace:
+    """The buffers of one pass (backend arrays), named for what they hold, and its token rows.
+
+    ``x`` [T, D] is the hidden state; ``h`` [T, D] a normed copy; ``q`` [T, H*hd], ``k`` and
+    ``v`` [T, Hkv*hd]; ``attn`` [T, H*hd] the attention output; ``o`` [T, D] a projection back
+    to the model width; ``gate``, ``up``, ``act`` [T, F] the feed-forward. ``batch`` says which
+    sequence and position each row is. ``capturable``: the backend can record this pass's
+    operations once and replay them (same T, nothing allocated, positions read on the device).
+    """
+
+    x: Any
+    h: Any
+    q: Any
+    k: Any
+    v: Any
+    attn: Any
+    o: Any
+    gate: Any
+    up: Any
+    act: Any
+    batch: StepBatch
+    capturable: bool = False
+
+    @property
+    def T(self) -> int:
+        return self.batch.n_tokens
+
+
 class Backend(ABC):
+    """The operations of a Llama forward pass on one kind of device, and the memory it holds:
+    global tensors, resident layers, KV caches, device slots for streamed layers, workspaces."""
+
     name: str = "?"
 
     def __init__(self, index: ModelIndex) -> None:
         self.index = index
         self.hp = index.hparams
 
+    # -- what the planner reserves ---------------------------------------------------------------
+    @classmethod
     @abstractmethod
-    def load_globals(self, raw: dict[str, np.ndarray]) -> None:
-        """Take the non-layer tensors (``token_embd``, ``output_norm``, optional ``output`` and
-        ``rope_freqs``) from their raw GGUF bytes (uint8 arrays)."""
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
+        """What this backend would hold for ``index``: each layer resident, the globals, the KV
+        cache per token and how many tokens to reserve, the workspace. Needs no device."""
+
+    # -- weights, caches, slots ------------------------------------------------------------------
+    @abstractmethod
+    def load_globals(self, raw: dict[str, np.ndarray], rope_divisors: np.ndarray | None) -> None:
+        """Take the non-layer tensors (``token_embd``, ``output_norm``, optional ``output``) from
+        their raw GGUF bytes (uint8 arrays) and the RoPE divisors (``rope_divisors``)."""
 
     @abstractmethod
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> Any:
@@ -102,41 +163,122 @@ class Backend(ABC):
     def free_sequence(self, seq_id: int) -> None: ...
 
     @abstractmethod
-    def embed(self, batch: StepBatch) -> Any:
-        """x: [T, D] hidden states for the batch's tokens."""
+    def alloc_slots(self, n: int, nbytes: int, name_prefix: str) -> tuple[list[Any], list[Any]]:
+        """``n`` slot buffers of ``nbytes`` that another process (dma) fills with streamed layers,
+        and for each a descriptor that process opens it by (a shared-memory name on cpu, a CUDA
+        IPC handle on cuda). The backend owns them until ``close``."""
 
+    def close(self) -> None:
+        """Free what the backend holds outside its own process's memory (shared segments)."""
+
+    # -- one pass --------------------------------------------------------------------------------
     @abstractmethod
-    def layer_forward(self, layer_idx: int, weights: Any, x: Any, batch: StepBatch) -> Any:
-        """One transformer block: x [T, D] -> x [T, D], appending K/V to each sequence's cache."""
+    def begin_pass(self, batch: StepBatch) -> Workspace:
+        """The workspace of a pass over ``batch``'s T rows, its token rows in place."""
 
-    @abstractmethod
-    def logits(self, x: Any, batch: StepBatch) -> np.ndarray:
-        """Final norm and head for the rows in ``batch.logit_rows``: [N_out, V] float32 on host."""
+    def scope(self) -> AbstractContextManager:
+        """Entered around a whole pass (the cuda backend's stream)."""
+        return nullcontext()
 
-    def pick(self, x: Any, batch: StepBatch, picks: list[Pick]) -> list[Picked]:
-        """Final norm and head for ``batch.logit_rows``, reduced per row as ``picks`` asks
-        (one Pick per logit row). A GPU backend selects on the device and copies k entries
-        instead of the vocabulary; this default takes the host logits."""
-        return pick_on_host(self.logits(x, batch), picks)
+    def run_captured(self, key: Hashable, ws: Workspace, run: Callable[[], None]) -> None:
+        """Run ``run`` (operations on ``ws``); a backend that can record it replays the recording
+        on later calls with the same ``key`` and T when ``ws.capturable``. Default: just run."""
+        run()
 
     def sync(self) -> None:
         """Wait until the work queued so far is done (before a streamed slot is handed back)."""
 
+    # -- operations (each writes ``out`` and returns it; shapes as in ``Workspace``) -------------
+    @abstractmethod
+    def embed(self, ws: Workspace) -> Any:
+        """ws.x = the token embeddings of the pass's tokens. x: [T, D]"""
 
-def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096) -> Backend:
-    """The backend called ``name`` ("cpu" or "cuda"), sized for ``max_seqs`` sequences of up to
-    ``max_ctx`` positions (the cuda backend reserves its KV cache up front)."""
+    @abstractmethod
+    def rms_norm(self, x: Any, w: Any, out: Any) -> Any:
+        """out = x / sqrt(mean(x^2) + eps) * w, per row. x: [T, D], w: [D]"""
+
+    def add_rms_norm(self, x: Any, delta: Any, w: Any, out: Any) -> Any:
+        """x += delta; out = rms_norm(x, w): the residual add and the next norm (one kernel on a GPU)."""
+        self.add(x, delta, out=x)
+        return self.rms_norm(x, w, out=out)
+
+    @abstractmethod
+    def matmul(self, w: Any, x: Any, out: Any) -> Any:
+        """out = x @ w.T with w the layer's matrix [N, K] as stored. x: [T, K] -> out: [T, N]"""
+
+    @abstractmethod
+    def rope(self, q: Any, k: Any, ws: Workspace) -> None:
+        """Rotate q [T, H*hd] and k [T, Hkv*hd] in place at the rows' positions."""
+
+    @abstractmethod
+    def kv_write(self, layer_idx: int, k: Any, v: Any, ws: Workspace) -> None:
+        """Store k, v [T, Hkv*hd] in each row's sequence cache at the row's position."""
+
+    @abstractmethod
+    def attention(self, layer_idx: int, q: Any, ws: Workspace, out: Any) -> Any:
+        """Grouped-query attention of q [T, H*hd] over each row's sequence cache, causal (a row
+        sees its sequence's positions up to its own), scaled by 1/sqrt(hd). -> out [T, H*hd]"""
+
+    @abstractmethod
+    def swiglu(self, gate: Any, up: Any, out: Any) -> Any:
+        """out = silu(gate) * up, elementwise. [T, F]"""
+
+    @abstractmethod
+    def add(self, x: Any, y: Any, out: Any) -> Any:
+        """out = x + y, elementwise."""
+
+    # -- the head --------------------------------------------------------------------------------
+    @abstractmethod
+    def logits(self, ws: Workspace) -> np.ndarray:
+        """Final norm and head for the rows in ``batch.logit_rows``: [N_out, V] float32 on host."""
+
+    def pick(self, ws: Workspace, picks: list[Pick]) -> list[Picked]:
+        """Final norm and head for ``batch.logit_rows``, reduced per row as ``picks`` asks
+        (one Pick per logit row). A GPU backend selects on the device and copies k entries
+        instead of the vocabulary; this default takes the host logits."""
+        return pick_on_host(self.logits(ws), picks)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The backend class called ``name`` ("cpu" or "cuda"); cuda only where a GPU and cupy are."""
     if name == "cpu":
         from ntx.daemons.compute.cpu_backend import CpuBackend
 
-        return CpuBackend(index)
+        return CpuBackend
     if name == "cuda":
         from ntx.daemons.compute.cuda_check import require_cuda
 
         require_cuda()
         from ntx.daemons.compute.cuda.backend import CudaBackend  # noqa: PLC0415 (optional dep)
 
-        return CudaBackend(index, max_seqs=max_seqs, max_ctx=max_ctx)
+        return CudaBackend
     from ntx.shared.errors import ConfigError
 
     raise ConfigError(f"unknown backend {name!r} (choose cuda or cpu)")
+
+
+def memory_costs(name: str, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
+    """``Backend.memory_costs`` of the backend called ``name``, without a device (planning on a
+    machine that only starts the pipeline, or in CI)."""
+    if name == "cuda":
+        from ntx.daemons.compute.cuda.memory import cuda_memory_costs
+
+        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, prefill_chunk_tokens=prefill_chunk_tokens)
+    return backend_class(name).memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx,
+                                            prefill_chunk_tokens=prefill_chunk_tokens)
+
+
+def plan_for(index: ModelIndex, cfg: InstanceConfig) -> Plan:
+    """The tier plan of an instance: ``cfg``'s budgets against what its backend reports it holds."""
+    costs = memory_costs(cfg.backend, index, max_seqs=cfg.max_batch, max_ctx=cfg.max_context,
+                         prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    return make_plan(index, cfg, costs)
+
+
+def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096) -> Backend:
+    """The backend called ``name``, sized for ``max_seqs`` sequences of up to ``max_ctx``
+    positions (the cuda backend reserves its KV cache up front)."""
+    cls = backend_class(name)
+    if name == "cuda":
+        return cls(index, max_seqs=max_seqs, max_ctx=max_ctx)
+    return cls(index)

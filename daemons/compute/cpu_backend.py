@@ -12,10 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Backend
+from ntx.daemons.compute.backend import Backend, Workspace
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
+from ntx.shared.plan import MemoryCosts
+from ntx.shared.shm import ShmSegment
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -24,14 +26,13 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + eps)) * w
 
 
-def rope_angles(hp, freq_factors: np.ndarray | None) -> np.ndarray:
-    """Inverse frequencies [rope_dim/2] for llama's RoPE, with Llama 3.1 factors or linear scaling."""
+def rope_inv_freq(hp, divisors: np.ndarray | None) -> np.ndarray:
+    """Angular speeds [rope_dim/2] float64 of llama's RoPE: base^(-2i/rope_dim) / divisors[i]
+    (``backend.rope_divisors``: Llama 3.1 factors, linear scaling)."""
     half = hp.rope_dim // 2
     inv_freq = hp.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / hp.rope_dim)
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors.astype(np.float64)
-    if hp.rope_scaling.kind == "linear" and hp.rope_scaling.factor:
-        inv_freq = inv_freq / hp.rope_scaling.factor
+    if divisors is not None:
+        inv_freq = inv_freq / divisors.astype(np.float64)
     return inv_freq
 
 
@@ -62,7 +63,27 @@ class _KvCache:
         self.v = np.zeros_like(self.k)
 
 
+class _CpuWorkspace(Workspace):
+    """A pass's buffers as fresh float32 arrays (numpy needs no capture, so none are kept)."""
+
+    def __init__(self, batch: StepBatch, hp) -> None:
+        T, D, F = batch.n_tokens, hp.n_embd, hp.n_ff
+        self.batch = batch
+        self.x = np.empty((T, D), dtype=np.float32)
+        self.h = np.empty((T, D), dtype=np.float32)
+        self.q = np.empty((T, hp.q_dim), dtype=np.float32)
+        self.k = np.empty((T, hp.kv_dim), dtype=np.float32)
+        self.v = np.empty((T, hp.kv_dim), dtype=np.float32)
+        self.attn = np.empty((T, hp.q_dim), dtype=np.float32)
+        self.o = np.empty((T, D), dtype=np.float32)
+        self.gate = np.empty((T, F), dtype=np.float32)
+        self.up = np.empty((T, F), dtype=np.float32)
+        self.act = np.empty((T, F), dtype=np.float32)
+
+
 class CpuBackend(Backend):
+    """The numerically plain reference: float32 numpy, every operation as its formula."""
+
     name = "cpu"
 
     def __init__(self, index: ModelIndex) -> None:
@@ -72,9 +93,25 @@ class CpuBackend(Backend):
         self.tok_embd: np.ndarray | None = None
         self.out_norm: np.ndarray | None = None
         self.out_head: np.ndarray | None = None
+        self.slot_segments: list[ShmSegment] = []
+
+    @classmethod
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
+        """Resident layers and globals are kept dequantized to float32; each sequence's cache
+        grows as it goes, so plan for a typical fill (4 sequences at full context)."""
+        hp = index.hparams
+        layer_bytes = tuple(sum(t.n_elements * 4 for t in layer.tensors.values()) for layer in index.layers)
+        return MemoryCosts(
+            memory_name="compute memory",
+            layer_bytes=layer_bytes,
+            globals_bytes=sum(t.n_elements * 4 for t in index.globals.values()),  # a tied head shares token_embd
+            kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * 4,
+            kv_tokens=min(max_ctx, hp.n_ctx_train) * min(max_seqs, 4),
+            workspace_bytes=max(layer_bytes),  # a streamed layer dequantized
+        )
 
     # -- weights -------------------------------------------------------------------------------
-    def load_globals(self, raw: dict[str, np.ndarray]) -> None:
+    def load_globals(self, raw: dict[str, np.ndarray], rope_divisors: np.ndarray | None) -> None:
         g = self.index.globals
         self.tok_embd = dequantize(raw["token_embd"], g["token_embd"].ggml_type, g["token_embd"].shape)  # [V, D]
         self.out_norm = dequantize(raw["output_norm"], g["output_norm"].ggml_type, g["output_norm"].shape)  # [D]
@@ -82,10 +119,7 @@ class CpuBackend(Backend):
             self.out_head = dequantize(raw["output"], g["output"].ggml_type, g["output"].shape)  # [V, D]
         else:
             self.out_head = self.tok_embd
-        ff = None
-        if "rope_freqs" in raw:
-            ff = dequantize(raw["rope_freqs"], g["rope_freqs"].ggml_type, g["rope_freqs"].shape)
-        self.inv_freq = rope_angles(self.hp, ff)
+        self.inv_freq = rope_inv_freq(self.hp, rope_divisors)
 
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, np.ndarray]:
         # buf: [slot_bytes] uint8 in slot layout; the result owns fresh arrays either way.
@@ -95,7 +129,7 @@ class CpuBackend(Backend):
             w[name] = dequantize(buf[off : off + t.nbytes], t.ggml_type, t.shape)
         return w
 
-    # -- KV cache ------------------------------------------------------------------------------
+    # -- KV cache and slots --------------------------------------------------------------------
     def alloc_sequence(self, seq_id: int, capacity_tokens: int) -> None:
         hp = self.hp
         self.caches[seq_id] = _KvCache(hp.n_layers, hp.n_head_kv, hp.head_dim, capacity_tokens)
@@ -103,28 +137,58 @@ class CpuBackend(Backend):
     def free_sequence(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
 
-    # -- forward -------------------------------------------------------------------------------
-    def embed(self, batch: StepBatch) -> np.ndarray:
-        return self.tok_embd[batch.tokens].astype(np.float32)  # x: [T, D]
+    def alloc_slots(self, n: int, nbytes: int, name_prefix: str) -> tuple[list[np.ndarray], list[str]]:
+        """Slots in POSIX shared memory, opened by the dma daemon by name."""
+        segs = [ShmSegment.create(f"{name_prefix}{i}", nbytes) for i in range(n)]
+        self.slot_segments.extend(segs)
+        return [s.array() for s in segs], [s.name for s in segs]
 
-    def layer_forward(self, layer_idx: int, w: dict[str, np.ndarray], x: np.ndarray, batch: StepBatch) -> np.ndarray:
+    def close(self) -> None:
+        for seg in self.slot_segments:
+            seg.close()
+            seg.unlink()
+        self.slot_segments = []
+
+    # -- operations ----------------------------------------------------------------------------
+    def begin_pass(self, batch: StepBatch) -> _CpuWorkspace:
+        return _CpuWorkspace(batch, self.hp)
+
+    def embed(self, ws: Workspace) -> np.ndarray:
+        ws.x[...] = self.tok_embd[ws.batch.tokens]  # x: [T, D]
+        return ws.x
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
+        out[...] = rms_norm(x, w, self.hp.rms_eps)
+        return out
+
+    def matmul(self, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        out[...] = x @ w.T  # [T, K] @ [K, N]
+        return out
+
+    def rope(self, q: np.ndarray, k: np.ndarray, ws: Workspace) -> None:
+        hp, T = self.hp, ws.T
+        pos = ws.batch.positions
+        q[...] = apply_rope(q.reshape(T, hp.n_head, hp.head_dim), pos, self.inv_freq).reshape(T, -1)
+        k[...] = apply_rope(k.reshape(T, hp.n_head_kv, hp.head_dim), pos, self.inv_freq).reshape(T, -1)
+
+    def kv_write(self, layer_idx: int, k: np.ndarray, v: np.ndarray, ws: Workspace) -> None:
         hp = self.hp
-        T = x.shape[0]
-        h = rms_norm(x, w["attn_norm"], hp.rms_eps)  # h: [T, D]
-        q = (h @ w["attn_q"].T).reshape(T, hp.n_head, hp.head_dim)  # q: [T, H, hd]
-        k = (h @ w["attn_k"].T).reshape(T, hp.n_head_kv, hp.head_dim)  # k: [T, Hkv, hd]
-        v = (h @ w["attn_v"].T).reshape(T, hp.n_head_kv, hp.head_dim)  # v: [T, Hkv, hd]
-        q = apply_rope(q, batch.positions, self.inv_freq)
-        k = apply_rope(k, batch.positions, self.inv_freq)
+        batch = ws.batch
+        for chunk, r0 in zip(batch.chunks, batch.row_starts):
+            n = chunk.n_tokens
+            cache = self.caches[chunk.seq_id]
+            rows = slice(r0, r0 + n)
+            cache.k[layer_idx, :, chunk.start_pos : chunk.end_pos] = k[rows].reshape(n, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
+            cache.v[layer_idx, :, chunk.start_pos : chunk.end_pos] = v[rows].reshape(n, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
 
-        attn = np.empty((T, hp.n_head, hp.head_dim), dtype=np.float32)  # attn: [T, H, hd]
+    def attention(self, layer_idx: int, q: np.ndarray, ws: Workspace, out: np.ndarray) -> np.ndarray:
+        hp = self.hp
+        batch = ws.batch
         group = hp.n_head // hp.n_head_kv
         scale = np.float32(1.0 / np.sqrt(hp.head_dim))
         for chunk, r0 in zip(batch.chunks, batch.row_starts):
             n = chunk.n_tokens
             cache = self.caches[chunk.seq_id]
-            cache.k[layer_idx, :, chunk.start_pos : chunk.end_pos] = k[r0 : r0 + n].transpose(1, 0, 2)
-            cache.v[layer_idx, :, chunk.start_pos : chunk.end_pos] = v[r0 : r0 + n].transpose(1, 0, 2)
             keys = cache.k[layer_idx, :, : chunk.end_pos]  # [Hkv, S, hd]
             vals = cache.v[layer_idx, :, : chunk.end_pos]  # [Hkv, S, hd]
             qc = q[r0 : r0 + n].reshape(n, hp.n_head_kv, group, hp.head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, hd]
@@ -135,14 +199,18 @@ class CpuBackend(Backend):
             scores = scores - scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
-            out = np.matmul(p, vals[:, None])  # [Hkv, G, n, hd]
-            attn[r0 : r0 + n] = out.transpose(2, 0, 1, 3).reshape(n, hp.n_head, hp.head_dim)
+            att = np.matmul(p, vals[:, None])  # [Hkv, G, n, hd]
+            out[r0 : r0 + n] = att.transpose(2, 0, 1, 3).reshape(n, hp.q_dim)
+        return out
 
-        x = x + attn.reshape(T, -1) @ w["attn_output"].T
-        h = rms_norm(x, w["ffn_norm"], hp.rms_eps)
-        ff = silu(h @ w["ffn_gate"].T) * (h @ w["ffn_up"].T)  # ff: [T, F]
-        return x + ff @ w["ffn_down"].T
+    def swiglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
+        out[...] = silu(gate) * up
+        return out
 
-    def logits(self, x: np.ndarray, batch: StepBatch) -> np.ndarray:
-        h = rms_norm(x[batch.logit_rows], self.out_norm, self.hp.rms_eps)  # h: [N_out, D]
+    def add(self, x: np.ndarray, y: np.ndarray, out: np.ndarray) -> np.ndarray:
+        np.add(x, y, out=out)
+        return out
+
+    def logits(self, ws: Workspace) -> np.ndarray:
+        h = rms_norm(ws.x[ws.batch.logit_rows], self.out_norm, self.hp.rms_eps)  # h: [N_out, D]
         return h @ self.out_head.T  # [N_out, V] float32 (both operands are)

@@ -16,16 +16,14 @@ import zmq
 
 from ntx.daemons.compute.backend import make_backend
 from ntx.daemons.compute.engine import EngineCore, Request, RequestError
-from ntx.daemons.compute.model import LlamaModel
+from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.ring_stream import RingStream
 from ntx.daemons.compute.sampler import SamplingParams
-from ntx.daemons.compute.tokenizer import Tokenizer
 from ntx.shared import messages as m
 from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.plan import VRAM, Plan
-from ntx.shared.shm import ShmSegment
 from ntx.shared.stats import StageClock
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_tokens")
@@ -52,15 +50,15 @@ class ComputeDaemon(Daemon):
         self.cfg = cfg
         self.index = open_model(cfg["model"])
         self.plan = Plan.from_dict(config["plan"])
-        self.tokenizer = Tokenizer.from_metadata(self.index.metadata)
         self.backend = make_backend(cfg["backend"], self.index, max_seqs=cfg["max_batch"], max_ctx=cfg["max_context"])
         self.clock = StageClock("compute")
-        self.owned: list[ShmSegment] = []
         streamed = self.plan.streamed_layers
         descriptors: list[Any] = []
         stream = None
         if streamed:
-            slot_bufs, descriptors = self._alloc_slots(config["shm_names"]["dev_slot"])
+            # the device slots the dma daemon fills: shared memory on cpu, CUDA IPC on cuda
+            slot_bufs, descriptors = self.backend.alloc_slots(self.plan.n_slots, self.plan.slot_bytes,
+                                                              config["shm_names"]["dev_slot"])
             self.ring = self.ctx.socket(zmq.PAIR)
             self.ring.setsockopt(zmq.LINGER, 0)
             self.ring.bind(config["device_ring"])
@@ -68,23 +66,14 @@ class ComputeDaemon(Daemon):
                 self.ring, slot_bufs, streamed, {i: self.index.layers[i].nbytes for i in streamed},
                 self.clock, self.gen, on_wait=self._on_wait, before_release=self.backend.sync,
             )
-        model = LlamaModel(self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream)
-        self.engine = EngineCore(
-            model, self.tokenizer, max_batch=cfg["max_batch"],
-            prefill_chunk_tokens=cfg["prefill_chunk_tokens"], max_context=cfg["max_context"],
+        self.engine: EngineCore = build_engine(
+            self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream,
+            max_batch=cfg["max_batch"], max_context=cfg["max_context"], prefill_chunk_tokens=cfg["prefill_chunk_tokens"],
         )
         self.active = False
         self.draining_until_s: float | None = None
         self.recent_tokens: deque[tuple[float, int]] = deque()
         return {"device_slots": descriptors, "backend": self.backend.name}
-
-    def _alloc_slots(self, name_prefix: str) -> tuple[list[Any], list[Any]]:
-        n, nbytes = self.plan.n_slots, self.plan.slot_bytes
-        if self.backend.name == "cuda":
-            return self.backend.alloc_ipc_slots(n, nbytes)
-        segs = [ShmSegment.create(f"{name_prefix}{i}", nbytes) for i in range(n)]
-        self.owned.extend(segs)
-        return [s.array() for s in segs], [s.name for s in segs]
 
     # -- control ------------------------------------------------------------------------------
     def handle_control(self, msg: dict[str, Any]) -> None:
@@ -150,7 +139,7 @@ class ComputeDaemon(Daemon):
         span = (now - self.recent_tokens[0][0]) if len(self.recent_tokens) > 1 else 0.0
         snap.update(
             active=self.engine.active_ids, queued=self.engine.queued_ids,
-            tokens_generated=self.engine.tokens_generated, n_passes=self.engine.pass_id,
+            tokens_generated=self.engine.tokens_generated, n_passes=self.engine.model.next_pass_id,
             tokens_per_s=round(window / span, 3) if span > 0 else 0.0,
         )
         return snap
@@ -161,9 +150,8 @@ class ComputeDaemon(Daemon):
         self.engine = None
         if hasattr(self, "ring"):
             self.ring.close(linger=0)
-        for seg in getattr(self, "owned", []):
-            seg.close()
-            seg.unlink()
+        if hasattr(self, "backend"):
+            self.backend.close()
 
 
 if __name__ == "__main__":

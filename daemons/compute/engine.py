@@ -97,7 +97,6 @@ class EngineCore:
         self.running: list[_Seq] = []
         self._ids: set[str] = set()
         self._seq_ids = itertools.count()
-        self.pass_id = 0
         self.last_pass: tuple[int, int, int] | None = None
         self.tokens_generated = 0
 
@@ -219,18 +218,14 @@ class EngineCore:
         if not self.running:
             return []
         batch, seqs = self._plan()
-        pass_id = self.pass_id
-        self.pass_id += 1
         # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill
-        self.last_pass = (pass_id, batch.n_tokens, sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
+        self.last_pass = (self.model.next_pass_id, batch.n_tokens,
+                          sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
         try:
-            picked = self.model.forward(batch, pass_id, picks=self._picks(batch, seqs))  # one per logit row
+            picked = self.model.forward(batch, picks=self._picks(batch, seqs))  # one per logit row
         except NtxError as e:
             # A layer of this pass never arrived: the sequences in it have half-written KV
             # caches, so they end with an error; everyone else goes on with the next pass.
-            abort = getattr(self.model.stream, "abort_pass", None)
-            if abort:
-                self.pass_id = max(self.pass_id, abort(pass_id))
             return [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
         events: list[dict] = []
         for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):

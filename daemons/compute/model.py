@@ -1,21 +1,48 @@
-"""The Llama model as an order of work: embed, each layer from wherever it lives, logits.
+"""The Llama model: one block written as math over the backend's operations, and the order of a pass.
 
-Layers come from two places. Resident layers are prepared once and kept by the backend. Streamed
-layers arrive as slot buffers from a ``LayerStream`` (the token ring in the pipeline), are run,
-and handed straight back. One ``forward`` call is one *pass*: every layer once, for every
-sequence chunk in the batch.
+``llama_block`` is the only place the transformer layer is written; every backend runs it
+through its operations (``backend.py``). ``LlamaModel.forward`` is one *pass*: embed, every layer
+once — runs of resident layers as the backend may record them (``run_captured``), streamed layers
+as their slot buffers arrive from a ``LayerStream`` (the token ring in the pipeline) and are
+handed straight back — then the head, for every sequence chunk in the batch. The model numbers
+its passes; a stream that failed a pass says where numbering resumes (``abort_pass``).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Iterable, Protocol
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Backend, Pick
+from ntx.daemons.compute.backend import Backend, Pick, Picked, Workspace, rope_divisors
 from ntx.daemons.compute.batch import StepBatch
+from ntx.daemons.compute.quants import dequantize
+from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.layer_bytes import read_layer, read_layer_into, read_tensor
+
+
+def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) -> None:
+    """One transformer block on the pass's hidden state ws.x [T, D], in place:
+
+        x = x + W_o · attention(rope(W_q · norm(x)), cache ∪ rope(W_k · norm(x)), W_v · norm(x))
+        x = x + W_down · (silu(W_gate · norm(x)) * W_up · norm(x))
+    """
+    ops.rms_norm(ws.x, w["attn_norm"], out=ws.h)  # h: [T, D]
+    ops.matmul(w["attn_q"], ws.h, out=ws.q)  # q: [T, H*hd]
+    ops.matmul(w["attn_k"], ws.h, out=ws.k)  # k: [T, Hkv*hd]
+    ops.matmul(w["attn_v"], ws.h, out=ws.v)  # v: [T, Hkv*hd]
+    ops.rope(ws.q, ws.k, ws)
+    ops.kv_write(layer_idx, ws.k, ws.v, ws)
+    ops.attention(layer_idx, ws.q, ws, out=ws.attn)  # attn: [T, H*hd]
+    ops.matmul(w["attn_output"], ws.attn, out=ws.o)  # o: [T, D]
+    ops.add_rms_norm(ws.x, ws.o, w["ffn_norm"], out=ws.h)  # x += o; h = norm(x)
+    ops.matmul(w["ffn_gate"], ws.h, out=ws.gate)  # gate: [T, F]
+    ops.matmul(w["ffn_up"], ws.h, out=ws.up)  # up: [T, F]
+    ops.swiglu(ws.gate, ws.up, out=ws.act)  # act: [T, F]
+    ops.matmul(w["ffn_down"], ws.act, out=ws.o)  # o: [T, D]
+    ops.add(ws.x, ws.o, out=ws.x)
 
 
 class LayerStream(Protocol):
@@ -24,17 +51,22 @@ class LayerStream(Protocol):
     def begin_pass(self, pass_id: int) -> None: ...
 
     def acquire(self, layer_idx: int, pass_id: int) -> Any:
-        """Block until the layer's slot buffer is ready; return it."""
+        """Block until the layer's slot buffer is ready; return it. Raises ``NtxError`` when the
+        layer cannot be delivered for this pass."""
 
     def release(self, layer_idx: int, pass_id: int) -> None:
         """The layer has run: its slot may be refilled."""
 
     def end_pass(self, pass_id: int) -> None: ...
 
+    def abort_pass(self, pass_id: int) -> int:
+        """The pass failed: hand back whatever it (and any pass already asked for after it)
+        holds; returns the first pass id that is still fresh."""
+
 
 class FileLayerStream:
-    """Reads each streamed layer from the file every pass (in-process; tests and --io mmap-like
-    use). The pipeline replaces this with the ring of the reader and dma daemons."""
+    """Reads each streamed layer from the file every pass (in-process; tests and the in-process
+    benchmarks). The pipeline replaces this with the ring of the reader and dma daemons."""
 
     def __init__(self, index: ModelIndex) -> None:
         self.index = index
@@ -52,8 +84,28 @@ class FileLayerStream:
     def end_pass(self, pass_id: int) -> None:
         pass
 
+    def abort_pass(self, pass_id: int) -> int:
+        return pass_id + 1
+
+
+def _runs(resident: set[int], n_layers: int) -> list[tuple[int, int, bool]]:
+    """The layers cut into maximal runs of equal residency: (first, end, resident)."""
+    runs: list[tuple[int, int, bool]] = []
+    for i in range(n_layers):
+        if runs and runs[-1][2] == (i in resident):
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, i in resident))
+    return runs
+
 
 class LlamaModel:
+    """A Llama GGUF model on a backend: resident layers prepared once, the rest streamed.
+
+    ``forward`` runs one pass and returns logits or picks. Runs of resident layers are handed to
+    the backend as one request each (``run_captured``, keyed by the run), so a GPU backend may
+    replay a recorded graph of the whole run; the first run also embeds the tokens."""
+
     def __init__(
         self,
         index: ModelIndex,
@@ -69,36 +121,62 @@ class LlamaModel:
         self.streamed_layers = [i for i in range(self.hp.n_layers) if i not in resident]
         if self.streamed_layers and stream is None:
             raise ValueError("streamed layers need a LayerStream")
-        self.stream = stream
-        backend.load_globals({name: read_tensor(t) for name, t in index.globals.items()})
+        self.stream = stream if self.streamed_layers else None
+        self.runs = _runs(resident, self.hp.n_layers)
+        raw = {name: read_tensor(t) for name, t in index.globals.items()}
+        freqs = None
+        if "rope_freqs" in raw:
+            t = index.globals["rope_freqs"]
+            freqs = dequantize(raw.pop("rope_freqs"), t.ggml_type, t.shape)
+        backend.load_globals(raw, rope_divisors(self.hp, freqs))
         self.resident: dict[int, Any] = {}
         for i in sorted(resident):
             self.resident[i] = backend.prepare_layer(index.layers[i], read_layer(index.layers[i]), keep=True)
             if progress:
                 progress(i)
-        self.passes_run = 0
+        self.next_pass_id = 0  # the one pass counter: the engine, the ring and the clocks read it
 
-    def forward(self, batch: StepBatch, pass_id: int | None = None, picks: list[Pick] | None = None):
+    def forward(self, batch: StepBatch, picks: list[Pick] | None = None) -> np.ndarray | list[Picked]:
         """Run one pass; returns logits [N_out, V] for ``batch.logit_rows``, or with ``picks``
-        (one per logit row) what each row was asked for (``Backend.pick``)."""
-        pass_id = self.passes_run if pass_id is None else pass_id
-        stream = self.stream if self.streamed_layers else None
-        if stream:
-            stream.begin_pass(pass_id)
-        x = self.backend.embed(batch)  # x: [T, D]
-        for i in range(self.hp.n_layers):
-            if i in self.resident:
-                x = self.backend.layer_forward(i, self.resident[i], x, batch)
-                continue
-            buf = stream.acquire(i, pass_id)
+        (one per logit row) what each row was asked for (``Backend.pick``). A streamed layer
+        that cannot be delivered raises ``NtxError`` after the stream gave the pass up."""
+        pass_id = self.next_pass_id
+        self.next_pass_id += 1
+        be = self.backend
+        with be.scope():
+            ws = be.begin_pass(batch)
+            if self.stream:
+                self.stream.begin_pass(pass_id)
             try:
-                w = self.backend.prepare_layer(self.index.layers[i], buf, keep=False)
-                x = self.backend.layer_forward(i, w, x, batch)
-            finally:
-                stream.release(i, pass_id)
-        if stream:
-            stream.end_pass(pass_id)
-        self.passes_run += 1
-        if picks is not None:
-            return self.backend.pick(x, batch, picks)
-        return self.backend.logits(x, batch)
+                for first, end, resident in self.runs:
+                    embed = first == 0
+                    if resident:
+                        be.run_captured(("layers", first, end), ws, partial(self._resident_run, first, end, embed, ws))
+                    else:
+                        if embed:
+                            be.embed(ws)
+                        for i in range(first, end):
+                            self._streamed_layer(i, pass_id, ws)
+            except NtxError:
+                if self.stream:  # its slots go back; passes it had asked for ahead are dropped
+                    self.next_pass_id = max(self.next_pass_id, self.stream.abort_pass(pass_id))
+                raise
+            if self.stream:
+                self.stream.end_pass(pass_id)
+            if picks is not None:
+                return be.pick(ws, picks)
+            return be.logits(ws)
+
+    def _resident_run(self, first: int, end: int, embed: bool, ws: Workspace) -> None:
+        if embed:
+            self.backend.embed(ws)
+        for i in range(first, end):
+            llama_block(self.backend, i, self.resident[i], ws)
+
+    def _streamed_layer(self, i: int, pass_id: int, ws: Workspace) -> None:
+        buf = self.stream.acquire(i, pass_id)
+        try:
+            w = self.backend.prepare_layer(self.index.layers[i], buf, keep=False)
+            llama_block(self.backend, i, w, ws)
+        finally:
+            self.stream.release(i, pass_id)

@@ -167,7 +167,7 @@ def test_engine_samples_on_device_as_from_full_logits(synth_dir):
         eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=256)
         b = eng.model.backend
         if not device_pick:
-            b.pick = lambda x, batch, picks, b=b: pick_on_host(b.logits(x, batch), picks)
+            b.pick = lambda ws, picks, b=b: pick_on_host(b.logits(ws), picks)
         eng.submit(Request("s", [1, 2, 3, 4], SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=24),
                            logprobs=3))
         eng.submit(Request("g", [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=24), prompt_logprobs=2))

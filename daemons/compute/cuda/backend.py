@@ -1,4 +1,4 @@
-"""The cuda backend: the Llama forward pass on the GPU with ntx's own kernels (``kernels.py``).
+"""The cuda backend: the operations of the Llama block on the GPU with ntx's own kernels (``kernels.py``).
 
 Weights are used exactly as GGUF stores them: a resident layer is uploaded once (its slot-layout
 buffer, no repacking), a streamed layer is read straight from the device slot the dma daemon
@@ -6,10 +6,10 @@ filled. Every matrix product dequantizes on the fly (``kernels.gemm``: matvec fo
 dequantize-to-f16 + cuBLAS beyond).
 
 Launch overhead: one Python-launched kernel costs about 10 µs, as much as a small layer's whole
-work, so decode steps are captured in CUDA graphs — one graph per number of rows T — covering
-the embedding, every resident layer (the resident layers are the first ones, so they form one
-run) and, when nothing streams, the head. All buffers of a step live in a per-T workspace and
-every position, length and cache slot is read from device memory, so one graph replays every
+work, so the model asks for its runs of resident layers to be captured (``run_captured``): one
+CUDA graph per run and number of rows T, recorded on the second call (the first compiles every
+kernel it needs) and replayed after. All buffers of a pass live in a per-T workspace and every
+position, length and cache slot is read from device memory, so one graph replays every decode
 step. Streamed layers run eagerly between graph segments: their slot changes from pass to pass.
 
 KV cache: per layer f16 [max_seqs, n_kv, max_ctx, hd]; a sequence owns one cache slot.
@@ -24,12 +24,14 @@ import cupy as cp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ntx.daemons.compute.backend import Backend, Pick, Picked
+from ntx.daemons.compute.backend import Backend, Pick, Picked, Workspace
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.cuda import kernels as K
+from ntx.daemons.compute.cuda.memory import cuda_memory_costs
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
+from ntx.shared.plan import MemoryCosts
 
 _MAX_GRAPH_T = K.MAX_MATVEC_B
 
@@ -42,12 +44,12 @@ class _Mat:
     n_cols: int
 
 
-class _Work:
-    """Every buffer one pass of T rows needs, so that a pass allocates nothing (capturable)."""
+class _Work(Workspace):
+    """Every buffer one pass of T rows needs, so that a pass allocates nothing (capturable), and
+    the rows' tokens, positions, cache slots and key counts on the device."""
 
     def __init__(self, T: int, hp, n_splits: int) -> None:
         D, F = hp.n_embd, hp.n_ff
-        self.T = T
         self.tokens = cp.zeros(T, dtype=cp.int32)
         self.positions = cp.zeros(T, dtype=cp.int32)
         self.slots = cp.zeros(T, dtype=cp.int32)
@@ -57,7 +59,7 @@ class _Work:
         self.q = cp.zeros((T, hp.q_dim), dtype=cp.float32)
         self.k = cp.zeros((T, hp.kv_dim), dtype=cp.float32)
         self.v = cp.zeros((T, hp.kv_dim), dtype=cp.float32)
-        self.attn = cp.zeros((T, hp.n_head, hp.head_dim), dtype=cp.float32)
+        self.attn = cp.zeros((T, hp.q_dim), dtype=cp.float32)
         self.o = cp.zeros((T, D), dtype=cp.float32)
         self.gate = cp.zeros((T, F), dtype=cp.float32)
         self.up = cp.zeros((T, F), dtype=cp.float32)
@@ -67,6 +69,9 @@ class _Work:
 
 
 class CudaBackend(Backend):
+    """The Llama block's operations as ntx's CUDA kernels on one stream, the KV cache reserved
+    up front for ``max_seqs`` sequences of ``max_ctx`` positions, graphs of resident runs."""
+
     name = "cuda"
 
     def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, use_graphs: bool = True) -> None:
@@ -82,13 +87,15 @@ class CudaBackend(Backend):
         self.seq_slot: dict[int, int] = {}
         self.works: dict[int, _Work] = {}
         self.graphs: dict[tuple, Any] = {}
-        self.resident_prefix: list[tuple[int, Any]] = []  # (layer, weights) of layers 0..k-1 when resident
         self.ipc_slots: list[Any] = []
 
+    @classmethod
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
+        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, prefill_chunk_tokens=prefill_chunk_tokens)
+
     # -- weights -------------------------------------------------------------------------------
-    def load_globals(self, raw: dict[str, np.ndarray]) -> None:
+    def load_globals(self, raw: dict[str, np.ndarray], rope_divisors: np.ndarray | None) -> None:
         g = self.index.globals
-        hp = self.hp
         with self.stream:
             emb = g["token_embd"]
             self.embd = _Mat(cp.asarray(raw["token_embd"]), int(emb.ggml_type), emb.shape[0], emb.shape[1])
@@ -98,13 +105,8 @@ class CudaBackend(Backend):
                 self.head = _Mat(cp.asarray(raw["output"]), int(o.ggml_type), o.shape[0], o.shape[1])
             else:
                 self.head = self.embd
-            ff = None
-            if "rope_freqs" in raw:
-                ff = dequantize(raw["rope_freqs"], g["rope_freqs"].ggml_type, g["rope_freqs"].shape)
-            if hp.rope_scaling.kind == "linear" and hp.rope_scaling.factor not in (0.0, 1.0):
-                base_ff = ff if ff is not None else np.ones(hp.rope_dim // 2, dtype=np.float32)
-                ff = base_ff * np.float32(hp.rope_scaling.factor)
-            self.freq_factors = cp.asarray(ff.astype(np.float32)) if ff is not None else None
+            # the kernel divides each pair's angle by these (backend.rope_divisors)
+            self.freq_factors = cp.asarray(rope_divisors) if rope_divisors is not None else None
         self.stream.synchronize()
 
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, Any]:
@@ -125,13 +127,12 @@ class CudaBackend(Backend):
                     w[name] = _Mat(view, int(t.ggml_type), t.shape[0], t.shape[1])
         if keep:
             self.stream.synchronize()
-            if layer.index == len(self.resident_prefix):
-                self.resident_prefix.append((layer.index, w))
         return w
 
     # -- device slots shared with the dma daemon through CUDA IPC ------------------------------------
-    def alloc_ipc_slots(self, n: int, nbytes: int) -> tuple[list[Any], list[bytes]]:
-        """n device buffers of nbytes each (plain cudaMalloc, so IPC handles cover them whole)."""
+    def alloc_slots(self, n: int, nbytes: int, name_prefix: str) -> tuple[list[Any], list[bytes]]:
+        """n device buffers of nbytes each (plain cudaMalloc, so IPC handles cover them whole);
+        the dma daemon opens them by their CUDA IPC handles. ``name_prefix`` is not needed."""
         bufs, handles = [], []
         for _ in range(n):
             mem = cp.cuda.Memory(nbytes)  # its own cudaMalloc, not a pool sub-allocation
@@ -158,7 +159,7 @@ class CudaBackend(Backend):
         if slot is not None:
             self.free_cache_slots.append(slot)
 
-    # -- forward -------------------------------------------------------------------------------
+    # -- one pass ------------------------------------------------------------------------------
     def _work(self, T: int) -> _Work:
         """Decode-sized workspaces are kept (graphs point into them); prefill-sized ones are made
         per pass and go back to cupy's pool, so a stream of prompt lengths does not pile up."""
@@ -170,7 +171,7 @@ class CudaBackend(Backend):
                 self.works[T] = w
         return w
 
-    def embed(self, batch: StepBatch) -> _Work:
+    def begin_pass(self, batch: StepBatch) -> _Work:
         T = batch.n_tokens
         work = self._work(T)
         slots = np.empty(T, dtype=np.int32)
@@ -181,89 +182,79 @@ class CudaBackend(Backend):
             work.positions.set(batch.positions, stream=self.stream)
             work.kv_lens.set(batch.positions + 1, stream=self.stream)
             work.slots.set(slots, stream=self.stream)
-        work.decode_only = all(c.n_tokens == 1 for c in batch.chunks)
-        work.layer_done = -1
+        work.batch = batch
+        # decode steps of up to _MAX_GRAPH_T rows replay graphs; prompt chunks run eagerly
+        work.capturable = self.use_graphs and T <= _MAX_GRAPH_T and all(c.n_tokens == 1 for c in batch.chunks)
         return work
 
-    def _embed_kernels(self, work: _Work) -> None:
-        e = self.embd
-        K.get_rows(e.raw, e.qtype, e.n_rows, e.n_cols, work.tokens, out=work.x)
+    def scope(self):
+        return self.stream
 
-    def _layer_kernels(self, i: int, w: dict[str, Any], work: _Work) -> None:
-        hp = self.hp
-        T = work.T
-
-        def mm(m: _Mat, x, out):
-            K.gemm(m.raw, m.qtype, m.n_rows, m.n_cols, x, out=out)
-
-        K.rmsnorm(work.x, w["attn_norm"], hp.rms_eps, out=work.h)
-        mm(w["attn_q"], work.h, work.q)
-        mm(w["attn_k"], work.h, work.k)
-        mm(w["attn_v"], work.h, work.v)
-        q3 = work.q.reshape(T, hp.n_head, hp.head_dim)
-        k3 = work.k.reshape(T, hp.n_head_kv, hp.head_dim)
-        v3 = work.v.reshape(T, hp.n_head_kv, hp.head_dim)
-        K.rope_inplace(q3, work.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
-        K.rope_inplace(k3, work.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
-        ck, cv = self.kv[i]
-        K.kv_append(k3, v3, ck, cv, work.slots, work.positions)
-        K.attention(q3, ck, cv, work.slots, work.kv_lens, out=work.attn, n_splits=work.n_splits, workspace=work.attn_ws)
-        mm(w["attn_output"], work.attn.reshape(T, hp.q_dim), work.o)
-        K.rmsnorm(work.o, w["ffn_norm"], hp.rms_eps, residual=work.x, out=work.h)  # x += o; h = norm(x)
-        mm(w["ffn_gate"], work.h, work.gate)
-        mm(w["ffn_up"], work.h, work.up)
-        K.swiglu(work.gate, work.up, out=work.act)
-        mm(w["ffn_down"], work.act, work.o)
-        work.x += work.o
-
-    def _graph(self, key: tuple, fn, work: _Work):
-        """Run ``fn`` through a CUDA graph captured on first use for this key (after one eager run,
-        which compiles every kernel it needs)."""
+    def run_captured(self, key, ws: Workspace, run) -> None:
+        """Replay the graph of ``run`` for (key, T); record it on the first capturable call,
+        after one eager run that compiles every kernel it needs (and does this pass's work)."""
+        if not ws.capturable:
+            run()
+            return
+        key = (key, ws.T)
         g = self.graphs.get(key)
-        if g is None:
-            with self.stream:
-                fn()
-            self.stream.synchronize()
-            with self.stream:
-                self.stream.begin_capture()
-                try:
-                    fn()
-                finally:
-                    g = self.stream.end_capture()
-            self.graphs[key] = g
-            return  # the eager run already did this step's work
-        g.launch(self.stream)
-
-    def layer_forward(self, layer_idx: int, weights: Any, x: _Work, batch: StepBatch) -> _Work:
-        work = x
-        prefix = self.resident_prefix
-        graphable = self.use_graphs and work.decode_only and work.T <= _MAX_GRAPH_T
-        if layer_idx == 0:
-            if graphable and prefix and prefix[0][0] == 0:
-                n = len(prefix)
-
-                def run_prefix():
-                    self._embed_kernels(work)
-                    for i, w in prefix:
-                        self._layer_kernels(i, w, work)
-
-                self._graph(("prefix", work.T, n), run_prefix, work)
-                work.layer_done = n - 1
-                return work
-            with self.stream:
-                self._embed_kernels(work)
-        if layer_idx <= work.layer_done:
-            return work  # ran inside the prefix graph
+        if g is not None:
+            g.launch(self.stream)
+            return
         with self.stream:
-            self._layer_kernels(layer_idx, weights, work)
-        work.layer_done = layer_idx
-        return work
+            run()
+        self.stream.synchronize()
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                run()
+            finally:
+                g = self.stream.end_capture()
+        self.graphs[key] = g
 
-    def _logits_dev(self, x: _Work, batch: StepBatch):
+    # -- operations ----------------------------------------------------------------------------
+    def embed(self, ws: _Work):
+        e = self.embd
+        return K.get_rows(e.raw, e.qtype, e.n_rows, e.n_cols, ws.tokens, out=ws.x)
+
+    def rms_norm(self, x, w, out):
+        return K.rmsnorm(x, w, self.hp.rms_eps, out=out)
+
+    def add_rms_norm(self, x, delta, w, out):
+        return K.rmsnorm(delta, w, self.hp.rms_eps, residual=x, out=out)  # x += delta; out = norm(x)
+
+    def matmul(self, w: _Mat, x, out):
+        return K.gemm(w.raw, w.qtype, w.n_rows, w.n_cols, x, out=out)
+
+    def rope(self, q, k, ws: _Work) -> None:
+        hp, T = self.hp, ws.T
+        K.rope_inplace(q.reshape(T, hp.n_head, hp.head_dim), ws.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
+        K.rope_inplace(k.reshape(T, hp.n_head_kv, hp.head_dim), ws.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
+
+    def kv_write(self, layer_idx: int, k, v, ws: _Work) -> None:
+        hp, T = self.hp, ws.T
+        ck, cv = self.kv[layer_idx]
+        K.kv_append(k.reshape(T, hp.n_head_kv, hp.head_dim), v.reshape(T, hp.n_head_kv, hp.head_dim),
+                    ck, cv, ws.slots, ws.positions)
+
+    def attention(self, layer_idx: int, q, ws: _Work, out):
+        hp, T = self.hp, ws.T
+        ck, cv = self.kv[layer_idx]
+        K.attention(q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
+                    out=out.reshape(T, hp.n_head, hp.head_dim), n_splits=ws.n_splits, workspace=ws.attn_ws)
+        return out
+
+    def swiglu(self, gate, up, out):
+        return K.swiglu(gate, up, out=out)
+
+    def add(self, x, y, out):
+        return cp.add(x, y, out=out)
+
+    # -- the head --------------------------------------------------------------------------------
+    def _logits_dev(self, work: _Work):
         """Final norm and head on the device: f32 [N, V] for ``batch.logit_rows``."""
-        work = x
         hp = self.hp
-        rows = batch.logit_rows
+        rows = work.batch.logit_rows
         with self.stream:
             if len(rows) == work.T:
                 h_in = work.x
@@ -279,17 +270,17 @@ class CudaBackend(Backend):
                 K.matvec(self.head.raw, self.head.qtype, self.head.n_rows, self.head.n_cols, h[i:j], out=out[i:j])
         return out
 
-    def logits(self, x: _Work, batch: StepBatch) -> np.ndarray:
-        out = self._logits_dev(x, batch)
+    def logits(self, ws: _Work) -> np.ndarray:
+        out = self._logits_dev(ws)
         host = cp.asnumpy(out, stream=self.stream)
         self.stream.synchronize()
         return host
 
-    def pick(self, x: _Work, batch: StepBatch, picks: list[Pick]) -> list[Picked]:
+    def pick(self, ws: _Work, picks: list[Pick]) -> list[Picked]:
         """Selection on the device: one top-k kernel over the rows that want candidates (k the
         largest asked), a log-normaliser where asked, and only those k entries (and whole rows
         where k == 0) cross to the host: a decode step copies a few bytes, not [N, V] floats."""
-        lg = self._logits_dev(x, batch)  # [N, V]
+        lg = self._logits_dev(ws)  # [N, V]
         n, V = lg.shape
         result: list[Picked] = [Picked() for _ in range(n)]
         cand = [i for i, p in enumerate(picks) if p.k > 0]
