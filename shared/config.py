@@ -8,6 +8,7 @@ every one of them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -86,7 +87,11 @@ class InstancePaths:
 
     @property
     def shm_prefix(self) -> str:
-        return f"ntx-{os.getuid()}-{self.name}-"
+        """Shared-memory names live in one flat namespace (/dev/shm) for the whole machine, so
+        they carry the run folder's digest: two instances of one name under different run
+        folders (two test runs, two users' NTX_RUN_DIR) never touch each other's segments."""
+        digest = hashlib.sha256(str(run_root().resolve()).encode()).hexdigest()[:8]
+        return f"ntx-{os.getuid()}-{digest}-{self.name}-"
 
     def shm_name(self, gen: int, what: str) -> str:
         return f"{self.shm_prefix}g{gen}-{what}"
