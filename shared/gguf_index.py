@@ -10,10 +10,12 @@ Shapes are given in numpy order (rows first): a GGUF tensor with ``ne = [n_cols,
 ``shape = (n_rows, n_cols)`` and is stored row-major, each row a run of quant blocks.
 
 Slot layout. A layer travels as one buffer (a *slot*): for each file span of the layer (one,
-unless a split set cuts the layer), a page-aligned region that holds the span's bytes starting at
-``span.offset % PAGE_BYTES``, so an O_DIRECT read of the aligned superset lands every byte at the
-same place a buffered read would. ``LayerInfo.slot_offset(name)`` is where a tensor's bytes start
-in that buffer, whoever filled it.
+unless a split set cuts the layer), a region of whole ``DIRECT_ALIGN_BYTES`` units that holds the
+span's bytes starting at ``span.offset % DIRECT_ALIGN_BYTES``, so an O_DIRECT read of the aligned
+superset lands every byte at the same place a buffered read would. ``Span`` is the one place that
+says where a span's bytes sit (``slot_start``, ``bytes_in``, ``region_in``); every reader (the
+reader daemon, ``layer_bytes``, bench) fills a slot through it, and ``LayerInfo.slot_offset(name)``
+is where a tensor's bytes start in that buffer, whoever filled it.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ntx.shared.align import DIRECT_ALIGN_BYTES, round_up
 from ntx.shared.errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-PAGE_BYTES = 4096
 
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
@@ -84,8 +86,11 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Span:
-    """A contiguous byte range of one file; ``slot_base`` is where its page-aligned region starts
-    in the layer's slot buffer and ``head`` where the first byte lands inside that region."""
+    """A contiguous byte range of one file and its place in the layer's slot buffer.
+
+    ``slot_base`` is where the span's aligned region starts in the slot, ``head`` where its first
+    byte lands inside that region: the O_DIRECT alignment of ``offset``, so a direct read of the
+    aligned superset into the region and a plain read of the bytes into ``bytes_in`` agree."""
 
     path: str
     offset: int
@@ -94,11 +99,25 @@ class Span:
 
     @property
     def head(self) -> int:
-        return self.offset % PAGE_BYTES
+        return self.offset % DIRECT_ALIGN_BYTES
 
     @property
     def region_bytes(self) -> int:
-        return _round_up(self.head + self.nbytes, PAGE_BYTES)
+        return round_up(self.head + self.nbytes, DIRECT_ALIGN_BYTES)
+
+    @property
+    def slot_start(self) -> int:
+        """Where the span's first byte sits in the slot buffer."""
+        return self.slot_base + self.head
+
+    def bytes_in(self, slot: np.ndarray) -> np.ndarray:
+        """The span's bytes inside a slot-layout buffer: a [nbytes] view of ``slot``."""
+        return slot[self.slot_start : self.slot_start + self.nbytes]
+
+    def region_in(self, slot: np.ndarray) -> np.ndarray:
+        """The span's aligned region inside a slot-layout buffer, which an O_DIRECT read of the
+        aligned superset fills exactly: a [region_bytes] view of ``slot``."""
+        return slot[self.slot_base : self.slot_base + self.region_bytes]
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,7 @@ class LayerInfo:
         t = self.tensors[name]
         for s in self.spans:
             if s.path == t.path and s.offset <= t.offset < s.offset + s.nbytes:
-                return s.slot_base + s.head + (t.offset - s.offset)
+                return s.slot_start + (t.offset - s.offset)
         raise KeyError(name)  # unreachable for an index built by open_model
 
 
@@ -201,10 +220,6 @@ class ModelIndex:
     @property
     def global_bytes_total(self) -> int:
         return sum(t.nbytes for t in self.globals.values())
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 class _HeaderCursor:
@@ -326,7 +341,7 @@ def _parse_header(buf: mmap.mmap, path: str, size: int) -> _RawFile:
             raise ModelError(path, f"duplicate tensor name {name}")
         seen.add(name)
         infos.append((name, ne, type_id, rel_offset))
-    data_start = _round_up(cur.pos, alignment)
+    data_start = round_up(cur.pos, alignment)
 
     tensors = []
     for name, ne, type_id, rel_offset in infos:

@@ -17,7 +17,8 @@ import pytest
 from ntx.ctl import cli
 from ntx.shared import synth_gguf as sg
 from ntx.shared.errors import ModelError
-from ntx.shared.gguf_index import PAGE_BYTES, ModelIndex, open_model
+from ntx.shared.align import DIRECT_ALIGN_BYTES
+from ntx.shared.gguf_index import ModelIndex, open_model
 
 try:
     from . import synth_models as sm
@@ -78,9 +79,9 @@ def check_spans_and_slots(idx: ModelIndex, alignment: int = 32) -> None:
             for name, other in tensors.items():  # no other tensor inside the span
                 if other.path == s.path and not name.startswith(f"blk.{layer.index}."):
                     assert other.offset + other.nbytes <= s.offset or other.offset >= s.offset + s.nbytes, name
-            assert s.slot_base % PAGE_BYTES == 0
-            assert s.head == s.offset % PAGE_BYTES
-            assert s.region_bytes % PAGE_BYTES == 0 and s.region_bytes >= s.head + s.nbytes
+            assert s.slot_base % DIRECT_ALIGN_BYTES == 0
+            assert s.head == s.offset % DIRECT_ALIGN_BYTES
+            assert s.region_bytes % DIRECT_ALIGN_BYTES == 0 and s.region_bytes >= s.head + s.nbytes
         # regions tile the slot buffer without overlap
         bases = sorted((s.slot_base, s.region_bytes) for s in layer.spans)
         pos = 0
