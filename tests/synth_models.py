@@ -16,7 +16,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf import quants as gq
 
-from ntx.shared import synth_gguf as sg
+import synth_gguf as sg  # scripts/synth_gguf (tests/conftest.py puts scripts/ on sys.path)
+from ntx.shared.gguf_index import DEFAULT_ALIGNMENT
 
 # ---------------------------------------------------------------------------------------------
 # Writing models
@@ -53,7 +54,7 @@ def write_header_only_gguf(path: os.PathLike, cfg: sg.SynthConfig) -> pathlib.Pa
         sg.encode_kv("llama.rope.freq_base", GGUFValueType.FLOAT32, cfg.rope_base),
         sg.encode_kv("llama.attention.layer_norm_rms_epsilon", GGUFValueType.FLOAT32, cfg.rms_eps),
     ]
-    align = sg.DEFAULT_ALIGNMENT
+    align = DEFAULT_ALIGNMENT
     infos, off = [], 0
     for t in plan:
         name = t.name.encode()

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
+import synth_gguf as sg
 from ntx.ctl import cli
-from ntx.shared import synth_gguf as sg
 from ntx.shared.align import DIRECT_ALIGN_BYTES
 from ntx.shared.errors import ModelError
 from ntx.shared.gguf_index import ModelIndex, open_model, read_header
