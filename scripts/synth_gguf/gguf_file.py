@@ -90,7 +90,8 @@ def write_gguf(path: pathlib.Path, kvs: Sequence[bytes], entries: Sequence[Tenso
                version: int = GGUF_VERSION, magic: bytes = GGUF_MAGIC,
                alignment: int = DEFAULT_ALIGNMENT,
                advance: Callable[[int], None] = lambda n: None) -> int:
-    """Write one GGUF file; returns its size. Each entry's writer gets the file descriptor."""
+    """Write one GGUF file; returns its size. Each entry's writer gets the file descriptor; one
+    that only seeks ahead (``hole_writer``) leaves its data as a hole of a sparse file."""
     head = [magic, struct.pack("<IQQ", version, len(entries), len(kvs)), *kvs]
     off = 0
     for e in entries:
@@ -112,9 +113,17 @@ def write_gguf(path: pathlib.Path, kvs: Sequence[bytes], entries: Sequence[Tenso
             if pad:
                 write_all(fd, [b"\0" * pad])
             advance(n + pad)
-        return os.lseek(fd, 0, os.SEEK_CUR)
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        os.ftruncate(fd, end)  # a no-op unless the last tensor is a hole
+        return end
     finally:
         os.close(fd)
+
+
+def hole_writer(nbytes: int) -> Callable[[int], None]:
+    """A tensor writer that writes nothing: ``nbytes`` of hole that read as zeros and take no
+    disk space (a model-sized file whose header alone is real)."""
+    return lambda fd: os.lseek(fd, nbytes, os.SEEK_CUR)
 
 
 def raw_key(raw: bytes) -> str:
