@@ -104,13 +104,13 @@ def measure_disk(index: ModelIndex, layers: list[int], max_bytes: int = 4 << 30)
     spans = [s for i in layers for s in index.layers[i].spans]
     if not spans:
         return {}
-    buf = aligned_empty(max(s.region_bytes for s in spans) + 4096)
+    buf = aligned_empty(max(index.layers[i].slot_bytes for i in layers))  # one slot, as the reader fills
     readers: dict[str, SpanReader] = {}
     done = 0
     t = time.perf_counter()
     for s in spans:
         r = readers.get(s.path) or readers.setdefault(s.path, SpanReader(s.path, mode="auto", queue_depth=4))
-        r.read_into(s.offset, s.nbytes, buf)
+        r.read_span(s, buf)
         done += s.nbytes
         if done >= max_bytes:
             break
@@ -221,9 +221,7 @@ class _MmapPageableStream:
     def acquire(self, layer_idx: int, pass_id: int) -> np.ndarray:
         layer = self.index.layers[layer_idx]
         for s in layer.spans:
-            src = np.frombuffer(self.maps[s.path], dtype=np.uint8, count=s.nbytes, offset=s.offset)
-            start = s.slot_base + s.head
-            self.buf[start : start + s.nbytes] = src
+            s.bytes_in(self.buf)[:] = np.frombuffer(self.maps[s.path], dtype=np.uint8, count=s.nbytes, offset=s.offset)
         return self.buf
 
     def release(self, layer_idx: int, pass_id: int) -> None:

@@ -16,7 +16,8 @@ import cupy as cp
 import numpy as np
 
 from ntx.daemons.compute.cuda import kernels as K
-from ntx.shared.synth_gguf import make_blocks, tensor_nbytes
+from ntx.shared.quant_types import quant_type, tensor_nbytes
+from synth_gguf import make_blocks  # scripts/synth_gguf, next to this script
 
 SHAPES = [(28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)]  # 70B ffn up, q/o, down, k/v
 TS = [8, 9, 16, 24, 32, 48, 64]
@@ -39,7 +40,6 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as QT
 
     rng = np.random.default_rng(0)
@@ -47,8 +47,8 @@ def main() -> None:
     for tname in args.types.split(","):
         qt = int(QT[tname])
         for n_rows, n_cols in SHAPES:
-            nbytes = tensor_nbytes((n_rows, n_cols), qt)
-            nblocks = n_rows * n_cols // GGML_QUANT_SIZES[QT(qt)][0]
+            nbytes = tensor_nbytes(qt, (n_rows, n_cols))
+            nblocks = n_rows * n_cols // quant_type(qt).block_elems
             w = cp.asarray(make_blocks(qt, nblocks, 0.02, rng).reshape(-1))
             assert w.nbytes == nbytes
             for T in TS:

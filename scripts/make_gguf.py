@@ -4,8 +4,9 @@
     python scripts/make_gguf.py OUT.gguf --preset llama3-70b --type Q4_K_M \
         [--layers N] [--tokenizer-from X.gguf] [--seed S] [--split N]
 
-A thin command line over ntx.shared.synth_gguf (see its docstring for the layout and the
-type rules). Ends with one line: the path(s), the size and the write speed.
+A thin command line over the synth_gguf package next to this script (scripts/synth_gguf: see
+its modules for the layout and the type rules). Ends with one line: the path(s), the size and
+the write speed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ntx.shared import synth_gguf as sg
+import synth_gguf as sg  # scripts/synth_gguf: this script's folder is first on sys.path
 from ntx.shared.errors import NtxError
 
 

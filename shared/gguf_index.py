@@ -4,16 +4,21 @@ The reader, the dma stager and the compute worker all need the same facts — hy
 where every tensor lives, and each layer's contiguous byte span — and none of them should read
 tensor data to learn them. ``open_model`` parses only the header (through a read-only mmap, so
 untouched data pages are never read), checks the whole file set, and returns an immutable
-``ModelIndex`` or raises one ``ModelError`` line naming the file and the problem.
+``ModelIndex`` or raises one ``ModelError`` line naming the file and the problem. It is built on
+``read_header``, the one GGUF header parser in ntx, which returns a file's header as written
+(metadata pairs with their raw bytes, tensor infos) without judging it: the synthetic writer and
+the tests read deliberately broken files through it.
 
 Shapes are given in numpy order (rows first): a GGUF tensor with ``ne = [n_cols, n_rows]`` has
 ``shape = (n_rows, n_cols)`` and is stored row-major, each row a run of quant blocks.
 
 Slot layout. A layer travels as one buffer (a *slot*): for each file span of the layer (one,
-unless a split set cuts the layer), a page-aligned region that holds the span's bytes starting at
-``span.offset % PAGE_BYTES``, so an O_DIRECT read of the aligned superset lands every byte at the
-same place a buffered read would. ``LayerInfo.slot_offset(name)`` is where a tensor's bytes start
-in that buffer, whoever filled it.
+unless a split set cuts the layer), a region of whole ``DIRECT_ALIGN_BYTES`` units that holds the
+span's bytes starting at ``span.offset % DIRECT_ALIGN_BYTES``, so an O_DIRECT read of the aligned
+superset lands every byte at the same place a buffered read would. ``Span`` is the one place that
+says where a span's bytes sit (``slot_start``, ``bytes_in``, ``region_in``); every reader (the
+reader daemon, ``layer_bytes``, bench) fills a slot through it, and ``LayerInfo.slot_offset(name)``
+is where a tensor's bytes start in that buffer, whoever filled it.
 """
 
 from __future__ import annotations
@@ -27,19 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
+from ntx.shared.align import DIRECT_ALIGN_BYTES, round_up
 from ntx.shared.errors import ModelError
+from ntx.shared.quant_types import SUPPORTED_TYPES, quant_type, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-PAGE_BYTES = 4096
 
-SUPPORTED_TYPES = frozenset(
-    GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-)
 SUPPORTED_ARCHS = ("llama",)
 
 # GGUF metadata value types (gguf spec): id -> (struct format, size) for scalars.
@@ -84,8 +86,11 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Span:
-    """A contiguous byte range of one file; ``slot_base`` is where its page-aligned region starts
-    in the layer's slot buffer and ``head`` where the first byte lands inside that region."""
+    """A contiguous byte range of one file and its place in the layer's slot buffer.
+
+    ``slot_base`` is where the span's aligned region starts in the slot, ``head`` where its first
+    byte lands inside that region: the O_DIRECT alignment of ``offset``, so a direct read of the
+    aligned superset into the region and a plain read of the bytes into ``bytes_in`` agree."""
 
     path: str
     offset: int
@@ -94,11 +99,25 @@ class Span:
 
     @property
     def head(self) -> int:
-        return self.offset % PAGE_BYTES
+        return self.offset % DIRECT_ALIGN_BYTES
 
     @property
     def region_bytes(self) -> int:
-        return _round_up(self.head + self.nbytes, PAGE_BYTES)
+        return round_up(self.head + self.nbytes, DIRECT_ALIGN_BYTES)
+
+    @property
+    def slot_start(self) -> int:
+        """Where the span's first byte sits in the slot buffer."""
+        return self.slot_base + self.head
+
+    def bytes_in(self, slot: np.ndarray) -> np.ndarray:
+        """The span's bytes inside a slot-layout buffer: a [nbytes] view of ``slot``."""
+        return slot[self.slot_start : self.slot_start + self.nbytes]
+
+    def region_in(self, slot: np.ndarray) -> np.ndarray:
+        """The span's aligned region inside a slot-layout buffer, which an O_DIRECT read of the
+        aligned superset fills exactly: a [region_bytes] view of ``slot``."""
+        return slot[self.slot_base : self.slot_base + self.region_bytes]
 
 
 @dataclass(frozen=True)
@@ -124,7 +143,7 @@ class LayerInfo:
         t = self.tensors[name]
         for s in self.spans:
             if s.path == t.path and s.offset <= t.offset < s.offset + s.nbytes:
-                return s.slot_base + s.head + (t.offset - s.offset)
+                return s.slot_start + (t.offset - s.offset)
         raise KeyError(name)  # unreachable for an index built by open_model
 
 
@@ -203,10 +222,6 @@ class ModelIndex:
         return sum(t.nbytes for t in self.globals.values())
 
 
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 class _HeaderCursor:
     """Sequential little-endian reads from a file's mapping, with truncation reported as such."""
 
@@ -261,16 +276,64 @@ class _HeaderCursor:
         raise ModelError(self.path, f"bad metadata value type {type_id} in {what}")
 
 
-@dataclass
-class _RawFile:
+@dataclass(frozen=True)
+class HeaderKV:
+    """One metadata pair as the file holds it: the decoded value and the encoded bytes (key, type
+    and value), which a tool can copy verbatim into another file (gguf-split, a tokenizer copy)."""
+
+    key: str
+    type_id: int  # a GGUFValueType
+    value: Any
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class HeaderTensor:
+    """One tensor-info record as written; nothing is checked beyond the record's own structure."""
+
+    name: str
+    ne: tuple[int, ...]  # GGUF order: ne[0] is the row length
+    type_id: int  # a GGMLQuantizationType value, possibly one ntx does not read (or none at all)
+    rel_offset: int  # from the start of the data section
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data (by gguf's block sizes; ValueError for an unknown type id)."""
+        return tensor_nbytes(self.type_id, self.ne)
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's header exactly as written: version, metadata pairs, tensor infos, and where
+    the data section starts. ``read_header`` makes one; ``open_model`` builds on it and checks
+    everything a model needs, tools (the synthetic writer, split, tests) read files that are
+    deliberately not models through it."""
+
     path: str
     version: int
-    metadata: dict[str, Any]
-    tensors: list[TensorInfo]
+    kvs: tuple[HeaderKV, ...]
+    tensors: tuple[HeaderTensor, ...]
+    alignment: int
+    data_start: int
+    file_bytes: int
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {kv.key: kv.value for kv in self.kvs}
+
+    def kv(self, key: str) -> HeaderKV | None:
+        """The pair named ``key``, or None."""
+        return next((kv for kv in self.kvs if kv.key == key), None)
 
 
-def _parse_file(path: str) -> _RawFile:
-    """Parse one GGUF file's header; raises ModelError on anything malformed."""
+def read_header(path: str | os.PathLike) -> GGUFHeader:
+    """Parse one GGUF file's header (through a read-only mmap: no tensor data is read).
+
+    Raises ``ModelError`` only for what makes the header itself unreadable (missing file, bad
+    magic, unsupported version, truncation inside the header, bad alignment); what the header
+    says is not checked here.
+    """
+    path = os.fspath(path)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -291,7 +354,7 @@ def _parse_file(path: str) -> _RawFile:
         os.close(fd)
 
 
-def _parse_header(buf: mmap.mmap, path: str, size: int) -> _RawFile:
+def _parse_header(buf: mmap.mmap, path: str, size: int) -> GGUFHeader:
     if buf[:4] != GGUF_MAGIC:
         raise ModelError(path, f"not a GGUF file (bad magic {bytes(buf[:4])!r})")
     cur = _HeaderCursor(buf, path)
@@ -303,54 +366,62 @@ def _parse_header(buf: mmap.mmap, path: str, size: int) -> _RawFile:
     n_kv = cur.u64("metadata count")
     if n_tensors > 1 << 20 or n_kv > 1 << 20:
         raise ModelError(path, f"corrupt header: {n_tensors} tensors, {n_kv} metadata keys")
-    metadata: dict[str, Any] = {}
+    kvs = []
     for i in range(n_kv):
+        start = cur.pos
         key = cur.string(f"metadata key #{i}")
         type_id = cur.u32(f"metadata {key}")
-        metadata[key] = cur.value(type_id, f"metadata {key}")
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        value = cur.value(type_id, f"metadata {key}")
+        kvs.append(HeaderKV(key, type_id, value, bytes(buf[start : cur.pos])))
+    alignment_kv = next((kv for kv in reversed(kvs) if kv.key == "general.alignment"), None)
+    alignment = int(alignment_kv.value) if alignment_kv is not None else DEFAULT_ALIGNMENT
     if alignment <= 0 or alignment & (alignment - 1):
         raise ModelError(path, f"bad general.alignment {alignment}")
 
-    infos = []
-    seen: set[str] = set()
+    tensors = []
     for i in range(n_tensors):
         name = cur.string(f"tensor info #{i}")
         n_dims = cur.u32(f"tensor {name}")
         if not 1 <= n_dims <= 4:
             raise ModelError(path, f"tensor {name} has {n_dims} dimensions")
-        ne = [cur.u64(f"tensor {name}") for _ in range(n_dims)]
+        ne = tuple(cur.u64(f"tensor {name}") for _ in range(n_dims))
         type_id = cur.u32(f"tensor {name}")
         rel_offset = cur.u64(f"tensor {name}")
+        tensors.append(HeaderTensor(name, ne, type_id, rel_offset))
+    return GGUFHeader(path, version, tuple(kvs), tuple(tensors), alignment, round_up(cur.pos, alignment), size)
+
+
+def _file_tensors(header: GGUFHeader) -> list[TensorInfo]:
+    """The file's tensors with absolute offsets, each checked: a unique name, a type ntx reads,
+    whole blocks per row, and data that the file really holds."""
+    path = header.path
+    tensors = []
+    seen: set[str] = set()
+    for h in header.tensors:
+        name = h.name
         if name in seen:
             raise ModelError(path, f"duplicate tensor name {name}")
         seen.add(name)
-        infos.append((name, ne, type_id, rel_offset))
-    data_start = _round_up(cur.pos, alignment)
-
-    tensors = []
-    for name, ne, type_id, rel_offset in infos:
         try:
-            gtype = GGMLQuantizationType(type_id)
+            gtype = GGMLQuantizationType(h.type_id)
         except ValueError:
-            raise ModelError(path, f"tensor {name} has unknown type id {type_id}") from None
+            raise ModelError(path, f"tensor {name} has unknown type id {h.type_id}") from None
         if gtype not in SUPPORTED_TYPES:
             raise ModelError(path, f"tensor {name} has unsupported quant type {gtype.name}")
-        block_elems, block_bytes = GGML_QUANT_SIZES[gtype]
-        if ne[0] % block_elems:
+        block_elems = quant_type(gtype).block_elems
+        if h.ne[0] % block_elems:
             raise ModelError(
-                path, f"tensor {name}: row length {ne[0]} is not a multiple of the {gtype.name} block ({block_elems})"
+                path, f"tensor {name}: row length {h.ne[0]} is not a multiple of the {gtype.name} block ({block_elems})"
             )
-        n_elems = int(np.prod(ne, dtype=np.int64))
-        nbytes = n_elems // block_elems * block_bytes
-        offset = data_start + rel_offset
-        if offset + nbytes > size:
+        nbytes = h.nbytes
+        offset = header.data_start + h.rel_offset
+        if offset + nbytes > header.file_bytes:
             raise ModelError(
                 path,
-                f"truncated file: tensor {name} ends at byte {offset + nbytes} but the file has {size} bytes",
+                f"truncated file: tensor {name} ends at byte {offset + nbytes} but the file has {header.file_bytes} bytes",
             )
-        tensors.append(TensorInfo(name, gtype, tuple(int(d) for d in reversed(ne)), path, offset, nbytes))
-    return _RawFile(path, version, metadata, tensors)
+        tensors.append(TensorInfo(name, gtype, tuple(int(d) for d in reversed(h.ne)), path, offset, nbytes))
+    return tensors
 
 
 def _split_paths(path: str) -> list[str]:
@@ -461,8 +532,8 @@ def open_model(path: str | os.PathLike) -> ModelIndex:
     if not os.path.exists(path):
         raise ModelError(path, "no such file")
     paths = _split_paths(path)
-    files = [_parse_file(p) for p in paths]
-    md = files[0].metadata
+    headers = [read_header(p) for p in paths]
+    md = headers[0].metadata
     if len(paths) > 1:
         count = md.get("split.count")
         if count is not None and int(count) != len(paths):
@@ -475,10 +546,10 @@ def open_model(path: str | os.PathLike) -> ModelIndex:
         raise ModelError(paths[0], f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
 
     all_tensors: dict[str, TensorInfo] = {}
-    for f in files:
-        for t in f.tensors:
+    for h in headers:
+        for t in _file_tensors(h):
             if t.name in all_tensors:
-                raise ModelError(f.path, f"duplicate tensor name {t.name}")
+                raise ModelError(h.path, f"duplicate tensor name {t.name}")
             all_tensors[t.name] = t
 
     globals_: dict[str, TensorInfo] = {}
@@ -519,7 +590,7 @@ def open_model(path: str | os.PathLike) -> ModelIndex:
 
     return ModelIndex(
         paths=tuple(paths),
-        version=files[0].version,
+        version=headers[0].version,
         architecture=arch,
         hparams=hp,
         layers=tuple(layers),

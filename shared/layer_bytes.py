@@ -39,10 +39,8 @@ def read_layer_into(layer: LayerInfo, dest: np.ndarray) -> np.ndarray:
     """Fill ``dest`` ([>= slot_bytes] uint8) with the layer in slot layout; returns ``dest``."""
     if dest.nbytes < layer.slot_bytes:
         raise ValueError(f"buffer of {dest.nbytes} bytes is smaller than layer {layer.index}'s slot ({layer.slot_bytes})")
-    mv = memoryview(dest)
     for s in layer.spans:
-        start = s.slot_base + s.head
-        _pread_exact(s.path, s.offset, mv[start : start + s.nbytes])
+        _pread_exact(s.path, s.offset, memoryview(s.bytes_in(dest)))
     return dest
 
 

@@ -29,19 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from ntx.shared.align import PAGE_BYTES, round_up
 from ntx.shared.errors import NtxError
 
 SHM_DIR = "/dev/shm"
 """Where Linux exposes POSIX shared memory (``shm_open`` names map to files here)."""
 
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
 _GIB = float(1 << 30)
-
-
-def round_up(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``n``."""
-    return -(-n // multiple) * multiple
 
 
 def _check_name(name: str) -> str:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import pytest
+
+# The synthetic GGUF writer (scripts/synth_gguf) is test tooling kept out of the runtime package;
+# the scripts import it from their own folder, the tests from here.
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 
 
 @pytest.fixture(scope="session")

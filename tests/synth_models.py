@@ -16,7 +16,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf import quants as gq
 
-from ntx.shared import synth_gguf as sg
+import synth_gguf as sg  # scripts/synth_gguf (tests/conftest.py puts scripts/ on sys.path)
+from synth_gguf.gguf_file import TensorEntry, encode_kv, hole_writer, write_gguf
 
 # ---------------------------------------------------------------------------------------------
 # Writing models
@@ -40,32 +41,20 @@ def write_header_only_gguf(path: os.PathLike, cfg: sg.SynthConfig) -> pathlib.Pa
     real, every tensor byte reads as zero and none of them is on disk. Indexing it is cheap only
     if the indexer reads no tensor data."""
     path = pathlib.Path(path)
-    plan = sg.tensor_plan(cfg)
     kvs = [
-        sg.encode_kv("general.architecture", GGUFValueType.STRING, "llama"),
-        sg.encode_kv("general.name", GGUFValueType.STRING, "sparse"),
-        sg.encode_kv("llama.block_count", GGUFValueType.UINT32, cfg.n_layers),
-        sg.encode_kv("llama.context_length", GGUFValueType.UINT32, cfg.context_length),
-        sg.encode_kv("llama.embedding_length", GGUFValueType.UINT32, cfg.d_model),
-        sg.encode_kv("llama.feed_forward_length", GGUFValueType.UINT32, cfg.d_ff),
-        sg.encode_kv("llama.attention.head_count", GGUFValueType.UINT32, cfg.n_heads),
-        sg.encode_kv("llama.attention.head_count_kv", GGUFValueType.UINT32, cfg.n_kv_heads),
-        sg.encode_kv("llama.rope.freq_base", GGUFValueType.FLOAT32, cfg.rope_base),
-        sg.encode_kv("llama.attention.layer_norm_rms_epsilon", GGUFValueType.FLOAT32, cfg.rms_eps),
+        encode_kv("general.architecture", GGUFValueType.STRING, "llama"),
+        encode_kv("general.name", GGUFValueType.STRING, "sparse"),
+        encode_kv("llama.block_count", GGUFValueType.UINT32, cfg.n_layers),
+        encode_kv("llama.context_length", GGUFValueType.UINT32, cfg.context_length),
+        encode_kv("llama.embedding_length", GGUFValueType.UINT32, cfg.d_model),
+        encode_kv("llama.feed_forward_length", GGUFValueType.UINT32, cfg.d_ff),
+        encode_kv("llama.attention.head_count", GGUFValueType.UINT32, cfg.n_heads),
+        encode_kv("llama.attention.head_count_kv", GGUFValueType.UINT32, cfg.n_kv_heads),
+        encode_kv("llama.rope.freq_base", GGUFValueType.FLOAT32, cfg.rope_base),
+        encode_kv("llama.attention.layer_norm_rms_epsilon", GGUFValueType.FLOAT32, cfg.rms_eps),
     ]
-    align = sg.DEFAULT_ALIGNMENT
-    infos, off = [], 0
-    for t in plan:
-        name = t.name.encode()
-        infos.append(struct.pack("<Q", len(name)) + name
-                     + struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape)
-                     + struct.pack("<IQ", t.qtype, off))
-        off += -(-t.nbytes // align) * align
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(plan), len(kvs)) + b"".join(kvs) + b"".join(infos)
-    head += b"\0" * (-len(head) % align)
-    with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(len(head) + off)
+    entries = [TensorEntry(t.name, t.shape, t.qtype, t.nbytes, hole_writer(t.nbytes)) for t in sg.tensor_plan(cfg)]
+    write_gguf(path, kvs, entries)
     return path
 
 

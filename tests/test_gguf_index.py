@@ -14,10 +14,11 @@ import time
 import numpy as np
 import pytest
 
+import synth_gguf as sg
 from ntx.ctl import cli
-from ntx.shared import synth_gguf as sg
+from ntx.shared.align import DIRECT_ALIGN_BYTES
 from ntx.shared.errors import ModelError
-from ntx.shared.gguf_index import PAGE_BYTES, ModelIndex, open_model
+from ntx.shared.gguf_index import ModelIndex, open_model, read_header
 
 try:
     from . import synth_models as sm
@@ -78,9 +79,9 @@ def check_spans_and_slots(idx: ModelIndex, alignment: int = 32) -> None:
             for name, other in tensors.items():  # no other tensor inside the span
                 if other.path == s.path and not name.startswith(f"blk.{layer.index}."):
                     assert other.offset + other.nbytes <= s.offset or other.offset >= s.offset + s.nbytes, name
-            assert s.slot_base % PAGE_BYTES == 0
-            assert s.head == s.offset % PAGE_BYTES
-            assert s.region_bytes % PAGE_BYTES == 0 and s.region_bytes >= s.head + s.nbytes
+            assert s.slot_base % DIRECT_ALIGN_BYTES == 0
+            assert s.head == s.offset % DIRECT_ALIGN_BYTES
+            assert s.region_bytes % DIRECT_ALIGN_BYTES == 0 and s.region_bytes >= s.head + s.nbytes
         # regions tile the slot buffer without overlap
         bases = sorted((s.slot_base, s.region_bytes) for s in layer.spans)
         pos = 0
@@ -204,6 +205,26 @@ def test_synthetic_orders_agree_with_gguf_py(tmp_path, order):
     assert idx.hparams.rope_scaling.kind == "llama3"
     check_against_gguf_py(idx)
     check_spans_and_slots(idx)
+
+
+def test_read_header_agrees_with_gguf_py(tmp_path):
+    """The raw header (what the synthetic writer and split read through) matches gguf-py's
+    parse, with a non-default alignment; each pair's raw bytes decode to the same pair."""
+    p = write_tiny(tmp_path, type="Q5_K_M", alignment=64)
+    h = read_header(p)
+    r = gguf_reader(p)
+    assert h.alignment == 64 and r.alignment == 64 and h.data_start == r.data_offset
+    assert [kv.key for kv in h.kvs] == [k for k in r.fields if not k.startswith("GGUF.")]
+    assert h.kv("general.architecture").value == "llama" and h.kv("nope") is None
+    toks = h.kv("tokenizer.ggml.tokens")
+    assert toks.value == r.fields["tokenizer.ggml.tokens"].contents()
+    for kv in h.kvs:
+        assert kv.raw[8 : 8 + len(kv.key.encode())] == kv.key.encode()
+    assert sum(len(kv.raw) for kv in h.kvs) == r.tensors[0].field.offset - r.fields[h.kvs[0].key].offset
+    for t, rt in zip(h.tensors, r.tensors, strict=True):
+        assert t.name == rt.name and t.nbytes == rt.n_bytes and t.type_id == rt.tensor_type
+        assert t.ne == tuple(int(d) for d in rt.shape)
+        assert h.data_start + t.rel_offset == rt.data_offset and rt.data_offset % 64 == 0
 
 
 def test_index_ignores_garbage_tensor_data(tmp_path):

@@ -14,11 +14,11 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
+import synth_gguf as sg
 from ntx.daemons.compute.backend import make_backend
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.model import FileLayerStream, LlamaModel
 from ntx.daemons.compute.quants import dequantize
-from ntx.shared import synth_gguf as sg
 from ntx.shared.gguf_index import open_model
 
 try:

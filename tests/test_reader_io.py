@@ -11,15 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ntx.daemons.reader.io import (
-    DIRECT_ALIGN_BYTES,
-    ReadError,
-    SpanReader,
-    aligned_empty,
-    filesystem_type,
-)
+from ntx.daemons.reader.io import ReadError, SpanReader, aligned_empty, filesystem_type
+from ntx.shared.align import DIRECT_ALIGN_BYTES
 from ntx.shared.errors import NtxError
+from ntx.shared.gguf_index import open_model
+from ntx.shared.layer_bytes import read_layer
 from ntx.shared.shm import SHM_DIR, ShmSegment, unlink_all
+from tests.synth_models import write_tiny
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,6 +126,30 @@ def test_read_into_shm_slot(data_file):
             del slot
     finally:
         unlink_all(name)
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered", "mmap"])
+def test_read_span_fills_the_slot_layout(direct_dir, mode):
+    """Every span of every layer lands where the slot layout puts it (the same bytes as
+    layer_bytes' plain reads), a layer cut between two shards included."""
+    folder = direct_dir / f"spans-{mode}"
+    folder.mkdir()
+    idx = open_model(write_tiny(folder, "set.gguf", split=3, n_layers=4))
+    assert any(len(layer.spans) == 2 for layer in idx.layers)
+    assert any(s.head for layer in idx.layers for s in layer.spans)  # unaligned spans are covered
+    readers = {p: SpanReader(p, mode=mode) for p in idx.paths}
+    try:
+        for layer in idx.layers:
+            slot = aligned_empty(layer.slot_bytes)
+            slot[:] = 0xAB
+            for s in layer.spans:
+                readers[s.path].read_span(s, slot)
+            want = read_layer(layer)
+            for s in layer.spans:
+                assert np.array_equal(s.bytes_in(slot), s.bytes_in(want)), (mode, layer.index, s)
+    finally:
+        for r in readers.values():
+            r.close()
 
 
 def test_slot_bytes_needed_suffices_at_any_offset():

@@ -10,8 +10,9 @@ import uuid
 import numpy as np
 import pytest
 
+from ntx.shared.align import PAGE_BYTES
 from ntx.shared.errors import NtxError
-from ntx.shared.shm import PAGE_BYTES, SHM_DIR, ShmSegment, list_segments, shm_free_bytes, unlink_all
+from ntx.shared.shm import SHM_DIR, ShmSegment, list_segments, shm_free_bytes, unlink_all
 
 
 @pytest.fixture

@@ -7,14 +7,10 @@ gguf-py's numpy reference (``gguf.quants``), the same code the tests hold every 
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
-
-def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor of ``shape`` (numpy order) stored as ``ggml_type``."""
-    block_elems, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    return int(np.prod(shape)) // block_elems * block_bytes
+from ntx.shared.quant_types import tensor_nbytes
 
 
 def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:

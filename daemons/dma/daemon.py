@@ -30,7 +30,7 @@ from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.gguf_index import open_model
 from ntx.shared.layer_bytes import read_layer_into
 from ntx.shared.plan import RAM, STORAGE, Plan
-from ntx.shared.shm import ShmSegment, round_up
+from ntx.shared.shm import ShmSegment
 from ntx.shared.stats import StageClock
 
 
@@ -46,13 +46,14 @@ class DmaDaemon(Daemon):
         self.copier = make_copier(cfg["backend"], config["device_slots"])
         self.n_dev_slots = len(config["device_slots"])
 
-        # pinned-RAM tier: every RAM layer in slot layout, page-aligned, loaded once
+        # pinned-RAM tier: every RAM layer in slot layout, loaded once; slot_bytes is whole
+        # DIRECT_ALIGN_BYTES units, so packed one after another each layer starts aligned
         ram_layers = self.plan.layers_on(RAM)
         self.ram_offsets: dict[int, int] = {}
         total = 0
         for i in ram_layers:
             self.ram_offsets[i] = total
-            total += round_up(self.index.layers[i].slot_bytes, 4096)
+            total += self.index.layers[i].slot_bytes
         self.ram_seg = None
         if ram_layers:
             self.ram_seg = self._create(names["ram"], total)

@@ -50,13 +50,7 @@ class ReaderDaemon(Daemon):
         """Read every span of the layer into ``dest`` (slot layout); returns bytes read."""
         layer = self.index.layers[layer_idx]
         for span in layer.spans:
-            reader = self.readers[span.path]
-            if reader.mode_in_use == "direct":
-                head = reader.read_into(span.offset, span.nbytes, dest[span.slot_base :])
-                assert head == span.head, (head, span.head)
-            else:
-                start = span.slot_base + span.head
-                reader.read_into(span.offset, span.nbytes, dest[start : start + span.nbytes])
+            self.readers[span.path].read_span(span, dest)
         return layer.nbytes
 
     def serve(self) -> None:

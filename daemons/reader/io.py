@@ -3,9 +3,10 @@
 Why O_DIRECT: a streamed layer is read once per pass and never again soon, so the page cache
 only costs a copy and evicts what else is cached; with O_DIRECT the device DMAs straight into
 the slot (pinned shared memory). The price is alignment: file offset, length and destination
-address must be multiples of the logical block size. We use 4096 (``DIRECT_ALIGN_BYTES``), which
-covers 512- and 4096-byte devices, and read the aligned superset of the span; the caller gets
-back ``head``, where the span's first byte landed in the slot.
+address must be multiples of the logical block size (``ntx.shared.align.DIRECT_ALIGN_BYTES``,
+4096, which covers 512- and 4096-byte devices), and we read the aligned superset of the span; the
+caller gets back ``head``, where the span's first byte landed in the slot. ``read_span`` puts a
+layer's span where the slot layout (``gguf_index.Span``) says it goes.
 
 Why several reads in flight: one synchronous 8 MiB request at a time leaves an NVMe drive
 mostly idle; a handful of threads each doing ``os.preadv`` (which releases the GIL) keeps
@@ -28,10 +29,9 @@ import stat
 
 import numpy as np
 
+from ntx.shared.align import DIRECT_ALIGN_BYTES, round_up
 from ntx.shared.errors import NtxError
-
-DIRECT_ALIGN_BYTES = 4096
-"""Alignment of offsets, lengths and buffer addresses for O_DIRECT (safe for 512e and 4Kn)."""
+from ntx.shared.gguf_index import Span
 
 MODES = ("auto", "direct", "buffered", "mmap")
 
@@ -49,11 +49,6 @@ class ReadError(NtxError):
         super().__init__(f"{self.path}: {message}")
 
 
-def round_up(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``n``."""
-    return -(-n // multiple) * multiple
-
-
 def aligned_empty(nbytes: int) -> np.ndarray:
     """A page-aligned, uninitialised uint8 buffer of ``nbytes`` (anonymous mmap).
 
@@ -62,7 +57,7 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     """
     if nbytes < 0:
         raise NtxError(f"buffer size must be >= 0, got {nbytes}")
-    mm = mmap.mmap(-1, max(round_up(nbytes, mmap.PAGESIZE), mmap.PAGESIZE))
+    mm = mmap.mmap(-1, max(nbytes, 1))  # mappings start on a page boundary
     return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
 
@@ -202,9 +197,9 @@ class SpanReader:
         """Read file bytes [offset, offset+nbytes) into ``dest``; return ``head``.
 
         ``head`` is the index in ``dest`` where byte ``offset`` landed: 0 for buffered and
-        mmap, ``offset % 4096`` for direct (which reads the 4096-aligned superset of the span).
-        ``dest`` must be a writable, contiguous 1-D uint8 array; for direct its base must be
-        4096-aligned (ShmSegment and :func:`aligned_empty` buffers are). Size it with
+        mmap, ``offset % DIRECT_ALIGN_BYTES`` for direct (which reads the aligned superset of the
+        span). ``dest`` must be a writable, contiguous 1-D uint8 array; for direct its base must
+        be DIRECT_ALIGN_BYTES-aligned (ShmSegment and :func:`aligned_empty` buffers are). Size it with
         :meth:`slot_bytes_needed` to be safe in every mode.
         """
         fd = self._require_fd()
@@ -269,6 +264,19 @@ class SpanReader:
                     got_bytes=got_bytes,
                 )
         return head
+
+    def read_span(self, span: Span, slot: np.ndarray) -> None:
+        """Read a layer's ``span`` (of this file) into its place in the slot-layout buffer ``slot``.
+
+        Direct mode reads the aligned superset into the span's aligned region; the other modes
+        read the bytes alone to where the slot layout puts them. Either way every byte lands at
+        ``span.bytes_in(slot)``.
+        """
+        if self.mode_in_use == "direct":
+            head = self.read_into(span.offset, span.nbytes, span.region_in(slot))
+            assert head == span.head, (head, span.head)  # one alignment for the layout and the read
+        else:
+            self.read_into(span.offset, span.nbytes, span.bytes_in(slot))
 
     def _read_chunk(self, fd: int, file_off: int, buf: memoryview, direct: bool) -> int:
         """Fill ``buf`` from ``file_off``; return bytes read (fewer only at end of file)."""

@@ -3,7 +3,7 @@ and on synthetic Llama-shaped models of every listed type; and the daemon pipeli
 with layers on all three tiers against the fully resident GPU run.
 
 The SmolLM2 file is found through NTX_TEST_MODEL (the device machine has no registry access);
-synthetic models are written here by ntx.shared.synth_gguf.
+synthetic models are written here by scripts/synth_gguf.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ntx.daemons.compute.backend import Pick, pick_on_host  # noqa: E402
 from ntx.daemons.compute.batch import SeqChunk, StepBatch  # noqa: E402
 from ntx.daemons.compute.engine import Request  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
-from ntx.shared import synth_gguf as sg  # noqa: E402
+import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"]
 

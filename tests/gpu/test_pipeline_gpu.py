@@ -23,7 +23,7 @@ def _model(tmp_path) -> str:
     model = os.environ.get("NTX_TEST_MODEL")
     if model and os.path.exists(model):
         return model
-    from ntx.shared import synth_gguf as sg
+    import synth_gguf as sg
 
     path = tmp_path / "smollm2-shape.gguf"
     sg.write_llama_gguf(path, sg.preset_config("smollm2-135m", type="Q4_1"))
