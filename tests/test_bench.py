@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from tests.synth_models import write_tiny
-from tests.test_cli_generate import unused_port
+from tests.pipeline_util import free_port
 
 
 def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
@@ -21,7 +21,7 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
          "--gpu-layers", "1", "--tokens", "6", "--scenarios", "a,b,c,check", "--out", str(out),
-         "--listen", f"tcp://127.0.0.1:{unused_port()}"],
+         "--listen", f"tcp://127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -54,7 +54,7 @@ def test_bench_batch_stage_figures_cover_decode_passes_only(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
          "--gpu-layers", "1", "--tokens", "5", "--batch", "3", "--scenarios", "a", "--out", str(out),
-         "--listen", f"tcp://127.0.0.1:{unused_port()}"],
+         "--listen", f"tcp://127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
