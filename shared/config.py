@@ -8,6 +8,7 @@ every one of them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -86,7 +87,11 @@ class InstancePaths:
 
     @property
     def shm_prefix(self) -> str:
-        return f"ntx-{os.getuid()}-{self.name}-"
+        """Segment names share one machine-wide namespace (/dev/shm) while an instance name is
+        unique only within its run root: a digest of the root keeps the same name under two roots
+        (two ``NTX_RUN_DIR``s, e.g. two concurrent test runs) from sweeping each other's segments."""
+        root_tag = hashlib.blake2s(str(run_root()).encode(), digest_size=4).hexdigest()
+        return f"ntx-{os.getuid()}-{root_tag}-{self.name}-"
 
     def shm_name(self, gen: int, what: str) -> str:
         return f"{self.shm_prefix}g{gen}-{what}"

@@ -95,7 +95,11 @@ class Pipeline:
 
 @contextmanager
 def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t", backend: str = "cpu"):
-    """Start an instance with ``ntxctl start`` (a real detached supervisor); always stop it."""
+    """Start an instance with ``ntxctl start`` (a real detached supervisor); always stop it.
+
+    ``run_dir`` becomes ``NTX_RUN_DIR`` while the instance runs: a folder of this test run, so that
+    concurrent test runs on one machine never see each other's instances."""
+    old_run_dir = os.environ.get("NTX_RUN_DIR")
     os.environ["NTX_RUN_DIR"] = str(run_dir)
     listen = f"tcp://127.0.0.1:{free_port()}"
     r = ntxctl("start", "--model", model, "--name", name, "--backend", backend, "--listen", listen, *args)
@@ -106,4 +110,8 @@ def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t", bac
     finally:
         ntxctl("stop", "--name", name, "--force")
         left = instance.leftovers(name)
+        if old_run_dir is None:
+            os.environ.pop("NTX_RUN_DIR", None)
+        else:
+            os.environ["NTX_RUN_DIR"] = old_run_dir
         assert not left, f"left behind after stop: {left}"
