@@ -10,10 +10,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.synth_models import write_tiny
 from tests.pipeline_util import free_port
 
 
+@pytest.mark.slow
 def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
     out = tmp_path / "out"
@@ -45,6 +48,7 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     assert "(a)/(c)" in r.stdout and "limit" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_batch_stage_figures_cover_decode_passes_only(tmp_path):
     """Several concurrent requests prefill in one or more passes; the stage figures must leave
     every one of those out (the compute clock marks each pass's prompt rows)."""

@@ -71,6 +71,7 @@ def storage_pipeline(smollm2_path, run_dir):
         yield p
 
 
+@pytest.mark.slow
 def test_storage_tier_equals_reference_and_status_names_bottleneck(storage_pipeline, reference):
     st = storage_pipeline.status()
     assert st["plan"]["tiers"] == ["storage"] * 30
@@ -174,6 +175,7 @@ def test_cancel_tells_the_client(storage_pipeline):
         assert done["finish_reason"] == "cancelled"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("daemon", ["compute", "dma", "reader"])
 def test_kill_9_each_daemon_restarts_pipeline(storage_pipeline, daemon):
     st = storage_pipeline.wait_state("ready")
@@ -191,13 +193,14 @@ def test_kill_9_each_daemon_restarts_pipeline(storage_pipeline, daemon):
     st = storage_pipeline.wait_state("ready", min_gen=gen + 1)
     assert st["restarts"] >= 1
     assert st["daemons"][daemon]["pid"] != pid
-    done = storage_pipeline.generate_greedy("The capital of France is", 4)
+    done = storage_pipeline.generate_greedy("The capital of France is", 2)  # " Paris" comes first
     assert "Paris" in done["text"]
     # the old generation's shared memory is gone; only the new generation's remains
     left = [x for x in instance.leftovers("storage") if x.startswith("shm:")]
     assert left and all(f"-g{st['gen']}-" in x for x in left), left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slots", [2, 3])
 def test_mixed_plan_equals_reference(smollm2_path, run_dir, reference, slots):
     # 10 resident layers, about 12 in pinned RAM, the rest from storage
@@ -248,6 +251,7 @@ def test_status_and_generate_without_pipeline_say_how_to_start(run_dir):
     assert r.returncode != 0 and "ntxctl start" in r.stderr
 
 
+@pytest.mark.slow
 def test_ram_tier_without_storage_layers(smollm2_path, run_dir, reference):
     """No storage layer, so no reader daemon: the dma daemon must not wait on a reader."""
     with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "20", "--ram-budget", "1GiB", name="ramonly") as p:
@@ -257,6 +261,7 @@ def test_ram_tier_without_storage_layers(smollm2_path, run_dir, reference):
         assert p.generate_greedy(PROMPTS[4], N_TOKENS)["tokens"] == reference[PROMPTS[4]]
 
 
+@pytest.mark.slow
 def test_read_error_fails_the_request_and_the_pipeline_stays_up(smollm2_path, run_dir, tmp_path):
     """A short read of a streamed layer (the file shrank under the reader) fails the requests of
     that pass with a clear error; once the file is whole again the next request succeeds."""
@@ -279,6 +284,7 @@ def test_read_error_fails_the_request_and_the_pipeline_stays_up(smollm2_path, ru
         assert "Paris" in p.generate_greedy("The capital of France is", 2)["text"]
 
 
+@pytest.mark.slow
 def test_gives_up_after_bounded_restarts_and_status_says_why(smollm2_path, run_dir):
     listen = f"tcp://127.0.0.1:{free_port()}"
     r = ntxctl("start", "--model", str(smollm2_path), "--name", "flaky", "--backend", "cpu", "--listen", listen,
@@ -295,6 +301,7 @@ def test_gives_up_after_bounded_restarts_and_status_says_why(smollm2_path, run_d
     assert "gave up after 1 restarts" in r.stderr and "compute daemon" in r.stderr and "SIGKILL" in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_keeps_the_conversation_and_status_watch_renders(storage_pipeline):
     import subprocess
     import sys
