@@ -323,18 +323,31 @@ def test_chat_keeps_the_conversation_and_status_watch_renders(storage_pipeline):
     os.close(terminal)
     drawn = bytearray()
 
+    def read_screen() -> None:
+        """Take what it drew so far (kept read, so its writes never block on a full pty)."""
+        try:
+            while select.select([screen], [], [], 0)[0]:
+                drawn.extend(os.read(screen, 1 << 16))
+        except OSError:  # EIO: the program has closed its terminal
+            pass
+
     def table_drawn_twice() -> bool:
+        read_screen()
         assert p.poll() is None, f"status --watch ended by itself: {p.stderr.read()}"
-        while select.select([screen], [], [], 0)[0]:
-            drawn.extend(os.read(screen, 1 << 16))
         return drawn.count(b"stages") >= 2
+
+    def ended() -> bool:
+        read_screen()
+        return p.poll() is not None
 
     try:
         wait_for(table_drawn_twice, 60, lambda: f"status --watch to draw its table twice; drew {bytes(drawn)!r}")
         p.send_signal(signal.SIGINT)
-        err = p.communicate(timeout=30)[1]
+        wait_for(ended, 30, "status --watch to end on Ctrl-C")
+        err = p.stderr.read()
     finally:
-        p.kill()
+        p.kill()  # only if it is still running (a failed wait above)
+        p.wait(timeout=30)
         os.close(screen)
     assert p.returncode == 0 and "Traceback" not in err, err
 
