@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 STATES = ("busy", "starved", "blocked", "idle")
 KEEP_PASSES = 32
@@ -24,11 +25,18 @@ def _zero() -> dict[str, float]:
 
 
 class StageClock:
-    def __init__(self, stage: str) -> None:
+    """One stage's time, split by state and by pass.
+
+    ``now`` is the clock it reads, in seconds (``time.monotonic`` in the daemons); a test hands it a
+    fake one so that the charged times are exact.
+    """
+
+    def __init__(self, stage: str, now: Callable[[], float] = time.monotonic) -> None:
         self.stage = stage
+        self.now = now
         self.state = "idle"
         self.pass_id: int | None = None
-        self.since_s = time.monotonic()
+        self.since_s = now()
         self.started_s = self.since_s
         self.total = _zero()
         self.passes: OrderedDict[int, dict[str, float]] = OrderedDict()
@@ -51,7 +59,7 @@ class StageClock:
 
     def enter(self, state: str, pass_id: int | None = None) -> None:
         """Switch to ``state`` (working on / waiting for ``pass_id``)."""
-        self._charge(time.monotonic())
+        self._charge(self.now())
         self.state = state
         self.pass_id = pass_id
 
@@ -69,14 +77,15 @@ class StageClock:
 
     def snapshot(self) -> dict:
         """A msgpack-able summary: totals, shares of non-idle time, GB/s, recent passes."""
-        self._charge(time.monotonic())
+        now_s = self.now()
+        self._charge(now_s)
         return {
             "stage": self.stage,
             "state": self.state,
             "total": summarize(self.total),
             "passes": {str(k): summarize(v) for k, v in self.passes.items()},
             "recent": self.recent(),
-            "uptime_s": time.monotonic() - self.started_s,
+            "uptime_s": now_s - self.started_s,
             **self.extra,
         }
 

@@ -13,6 +13,16 @@ import pytest
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_root_of_this_test_run(tmp_path_factory):
+    """Every instance a test starts keeps its run folder (and, through it, its shared memory names)
+    under this test run's temporary folder, never in the user's ``/tmp/ntx-<uid>``: two test runs
+    on one machine, or a real instance beside them, never meet."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NTX_RUN_DIR", str(tmp_path_factory.mktemp("run")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> pathlib.Path:
     """The real default model (SmolLM2-135M-Instruct Q4_1) from the user's normal cache;

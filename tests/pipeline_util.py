@@ -1,4 +1,5 @@
-"""Helpers for tests that run the real daemon pipeline (real processes, shm, sockets, files)."""
+"""Helpers for tests that run the real daemon pipeline (real processes, shm, sockets, files), and
+the two every test that talks to a process needs: a free port and a poll for a condition."""
 
 from __future__ import annotations
 
@@ -7,14 +8,38 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 from ntx.ctl import instance
 from ntx.ctl.client import Client
 
 
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str | Callable[[], str],
+             interval_s: float = 0.05) -> T:
+    """Call ``predicate`` until it returns something truthy and return that; after ``timeout_s``
+    raise an AssertionError naming ``what`` was awaited (a callable is asked then, to describe the
+    last state seen).
+
+    Tests wait for the condition itself rather than sleeping a guessed time: the typical wait is
+    as short as the machine allows, and the timeout can be generous for a busy CI machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what() if callable(what) else what}")
+        time.sleep(interval_s)
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel picks it, so concurrent
+    test runs get different ones)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -41,15 +66,27 @@ class Pipeline:
         assert st is not None, "supervisor does not answer"
         return st
 
+    def wait_status(self, holds: Callable[[dict], bool], what: str, timeout_s: float = 120.0) -> dict:
+        """Poll the supervisor's status until ``holds(status)``; return that status."""
+        last: list[dict | None] = [None]
+
+        def satisfied() -> dict | None:
+            last[0] = st = instance.get_status(self.name, timeout_s=2.0)
+            return st if st is not None and holds(st) else None
+
+        return wait_for(satisfied, timeout_s, lambda: f"{what}; last status: {last[0]}")
+
+    def wait_stages_moved_bytes(self, stages: tuple[str, ...] = ("reader", "dma", "compute"),
+                                timeout_s: float = 60.0) -> dict:
+        """The status once each of ``stages`` has reported bytes moved: daemons send their clocks
+        every stats interval, so right after a request the supervisor may not have them yet."""
+        return self.wait_status(
+            lambda st: all(st["stages"].get(s, {}).get("total", {}).get("bytes", 0) > 0 for s in stages),
+            f"stages {', '.join(stages)} to report bytes moved", timeout_s)
+
     def wait_state(self, state: str, timeout_s: float = 120.0, min_gen: int = 0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        st = None
-        while time.monotonic() < deadline:
-            st = instance.get_status(self.name, timeout_s=2.0)
-            if st and st["state"] == state and st["gen"] >= min_gen:
-                return st
-            time.sleep(0.1)
-        raise AssertionError(f"pipeline did not reach {state!r} (gen >= {min_gen}) in {timeout_s} s; last status: {st}")
+        return self.wait_status(lambda st: st["state"] == state and st["gen"] >= min_gen,
+                                f"pipeline state {state!r} (gen >= {min_gen})", timeout_s)
 
     def generate_greedy(self, prompt: str, max_tokens: int = 8, **kw) -> dict:
         with self.client() as c:
@@ -58,7 +95,11 @@ class Pipeline:
 
 @contextmanager
 def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t", backend: str = "cpu"):
-    """Start an instance with ``ntxctl start`` (a real detached supervisor); always stop it."""
+    """Start an instance with ``ntxctl start`` (a real detached supervisor); always stop it.
+
+    ``run_dir`` becomes ``NTX_RUN_DIR`` while the instance runs: a folder of this test run, so that
+    concurrent test runs on one machine never see each other's instances."""
+    old_run_dir = os.environ.get("NTX_RUN_DIR")
     os.environ["NTX_RUN_DIR"] = str(run_dir)
     listen = f"tcp://127.0.0.1:{free_port()}"
     r = ntxctl("start", "--model", model, "--name", name, "--backend", backend, "--listen", listen, *args)
@@ -69,4 +110,8 @@ def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t", bac
     finally:
         ntxctl("stop", "--name", name, "--force")
         left = instance.leftovers(name)
+        if old_run_dir is None:
+            os.environ.pop("NTX_RUN_DIR", None)
+        else:
+            os.environ["NTX_RUN_DIR"] = old_run_dir
         assert not left, f"left behind after stop: {left}"

@@ -10,10 +10,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.synth_models import write_tiny
-from tests.test_cli_generate import unused_port
+from tests.pipeline_util import free_port
 
 
+@pytest.mark.slow
 def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
     out = tmp_path / "out"
@@ -21,7 +24,7 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
          "--gpu-layers", "1", "--tokens", "6", "--scenarios", "a,b,c,check", "--out", str(out),
-         "--listen", f"tcp://127.0.0.1:{unused_port()}"],
+         "--listen", f"tcp://127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -45,6 +48,7 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     assert "(a)/(c)" in r.stdout and "limit" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_batch_stage_figures_cover_decode_passes_only(tmp_path):
     """Several concurrent requests prefill in one or more passes; the stage figures must leave
     every one of those out (the compute clock marks each pass's prompt rows)."""
@@ -54,7 +58,7 @@ def test_bench_batch_stage_figures_cover_decode_passes_only(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
          "--gpu-layers", "1", "--tokens", "5", "--batch", "3", "--scenarios", "a", "--out", str(out),
-         "--listen", f"tcp://127.0.0.1:{unused_port()}"],
+         "--listen", f"tcp://127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr

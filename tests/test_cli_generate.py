@@ -6,26 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from .pipeline_util import free_port
+
 FRANCE = "The capital of France is"
 FRANCE_IDS = [504, 3575, 282, 4649, 314]
-
-
-def unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ntxctl(tmp_path_factory, smollm2_path):
     run_dir = tmp_path_factory.mktemp("run")
-    listen = f"tcp://127.0.0.1:{unused_port()}"
+    listen = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, NTX_RUN_DIR=str(run_dir))
 
     def run(*args: str, model: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 from ntx.shared.stats import StageClock, bottleneck, summarize
+
+
+class FakeClock:
+    """A clock (seconds) that moves only when the test says so, so charged times are exact."""
+
+    def __init__(self, start_s: float = 100.0) -> None:
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, dt_s: float) -> None:
+        self.now_s += dt_s
 
 
 def _snap(busy: float, starved: float, blocked: float, nbytes: float) -> dict:
@@ -12,32 +23,38 @@ def _snap(busy: float, starved: float, blocked: float, nbytes: float) -> dict:
 
 
 def test_clock_charges_time_to_states_and_passes():
-    c = StageClock("x")
+    clock = FakeClock()
+    c = StageClock("x", now=clock)
+    clock.advance(1.0)  # idle before the first pass
     c.enter("busy", 1)
-    time.sleep(0.05)
-    c.add_bytes(1000, 1)
+    clock.advance(0.5)
+    c.add_bytes(10**9, 1)
     c.enter("starved", 1)
-    time.sleep(0.03)
+    clock.advance(0.25)
     c.enter("idle")
-    time.sleep(0.02)
+    clock.advance(0.125)
     snap = c.snapshot()
+    assert snap["state"] == "idle" and snap["uptime_s"] == 1.875
     t = snap["total"]
-    assert 0.04 < t["busy"] < 0.2 and 0.02 < t["starved"] < 0.2 and t["idle"] > 0.01
-    assert abs(t["busy_share"] + t["starved_share"] - 1.0) < 1e-3  # idle is not active time
-    assert snap["passes"]["1"]["bytes"] == 1000 and snap["passes"]["1"]["idle"] == 0.0
+    assert (t["busy"], t["starved"], t["blocked"], t["idle"]) == (0.5, 0.25, 0.0, 1.125)
+    assert (t["busy_share"], t["starved_share"]) == (0.6667, 0.3333)  # idle is not active time
+    assert t["busy_gbps"] == 2.0 and t["active_gbps"] == 1.333  # 1 GB in 0.5 s busy, 0.75 s active
+    p1 = snap["passes"]["1"]
+    assert (p1["busy"], p1["starved"], p1["idle"], p1["bytes"]) == (0.5, 0.25, 0.0, 10**9)
 
 
 def test_recent_passes_exclude_the_running_one_and_drive_the_bottleneck():
-    c = StageClock("x")
+    clock = FakeClock()
+    c = StageClock("x", now=clock)
     for p in range(3):
         c.enter("busy", p)
-        time.sleep(0.01)
+        clock.advance(0.25)
         c.add_bytes(100, p)
         c.enter("starved", p)
-        time.sleep(0.03)
+        clock.advance(0.75)
     rec = c.snapshot()["recent"]
     assert rec["n_passes"] == 2 and rec["bytes"] == 200  # pass 2 is still running
-    assert rec["starved_share"] > rec["busy_share"] > 0
+    assert (rec["busy"], rec["starved"], rec["busy_share"], rec["starved_share"]) == (0.5, 1.5, 0.25, 0.75)
     # A stage whose totals are dominated by a slow first pass (compile, graph capture, a long
     # prefill) but that waits in its recent passes is not the bottleneck: the one busy now is.
     stages = {
