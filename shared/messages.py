@@ -207,8 +207,8 @@ class Config(Message):
     shm_names: dict[str, str]
     host_ring: str
     device_ring: str
-    device_slots: list[Any] = field(default_factory=list)  # to dma (and reader, unused)
-    host_slots: list[str] = field(default_factory=list)  # to the reader
+    device_slots: list[Any] = field(default_factory=list)  # to dma: compute's Ready.device_slots
+    host_slots: list[str] = field(default_factory=list)  # to the reader: dma's Ready.host_slots
 
 
 @_record("shutdown")
