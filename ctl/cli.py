@@ -6,15 +6,18 @@ a non-zero exit status, never a traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
+from inspect import Parameter, Signature, signature  # (the module name is taken: `ntxctl inspect`)
 from typing import Optional
 
 import typer
 
 from ntx.shared.errors import NtxError
+from ntx.shared.sampling_fields import SAMPLING_FIELDS, to_wire
 
 app = typer.Typer(
     add_completion=False,
@@ -62,15 +65,41 @@ def inspect(model: Optional[str] = typer.Argument(None, help="GGUF file (default
     typer.echo(f"  global bytes     {idx.global_bytes_total / 2**20:.1f} MiB ({', '.join(idx.globals)})")
 
 
-def _sampling_params(max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop):
-    from ntx.daemons.compute.sampler import SamplingParams
+def sampling_options(**defaults):
+    """Give a command one option per sampling field of the table (ntx.shared.sampling_fields:
+    flag, type, default, help), with ``defaults`` overriding the table's, and hand it the
+    values as one validated ``sampling: SamplingParams`` argument."""
+    unknown = set(defaults) - {f.name for f in SAMPLING_FIELDS}
+    if unknown:
+        raise TypeError(f"no sampling fields {sorted(unknown)}")
 
-    p = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repetition_penalty=repetition_penalty, seed=seed, max_tokens=max_tokens, stop=list(stop or []),
-    )
-    p.validate()
-    return p
+    def option(f) -> Parameter:
+        flags = [f"--{f.name.replace('_', '-')}"] + ([f.short_flag] if f.short_flag else [])
+        if f.kind is list:  # repeatable; typer wants None, not [], as a list option's default
+            default, annotation = None, Optional[list[str]]
+        else:
+            default = defaults.get(f.name, f.default)
+            annotation = Optional[f.kind] if f.nullable else f.kind
+        return Parameter(
+            f.name, Parameter.KEYWORD_ONLY, annotation=annotation,
+            default=typer.Option(default, *flags, help=f.help),
+        )
+
+    def decorate(command):
+        own = [p for n, p in signature(command, eval_str=True).parameters.items() if n != "sampling"]
+
+        @functools.wraps(command)
+        def wrapper(**kw):
+            from ntx.daemons.compute.sampler import SamplingParams
+
+            values = {f.name: kw.pop(f.name) for f in SAMPLING_FIELDS}
+            values["stop"] = list(values["stop"] or [])
+            return command(**kw, sampling=SamplingParams(**values).validate())
+
+        wrapper.__signature__ = Signature(own + [option(f) for f in SAMPLING_FIELDS])
+        return wrapper
+
+    return decorate
 
 
 _JSON_KEYS = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
@@ -119,44 +148,29 @@ def _generate_local(model_path, prompt, raw, params, as_json) -> None:
 
 
 @app.command()
+@sampling_options()
 def generate(
     prompt: str = typer.Argument(..., help="the prompt (a user message, or raw text with --raw)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
-    temperature: float = typer.Option(0.8, "--temperature", "-t"),
-    top_k: int = typer.Option(40, "--top-k"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    min_p: float = typer.Option(0.05, "--min-p"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help="stop string (repeatable)"),
     raw: bool = typer.Option(False, "--raw", help="the prompt is raw text: no chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
     listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
+    sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Generate text: through a running pipeline if one listens, else in this process (CPU)."""
-    params = _sampling_params(max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop)
     if not local:
         from ntx.ctl.client import pipeline_available
 
         if pipeline_available(listen):
-            _generate_remote(listen, prompt, raw, params, as_json)
+            _generate_remote(listen, prompt, raw, sampling, as_json)
             return
         typer.echo(
             f"ntxctl: no pipeline listens on {listen}; running in this process on the CPU "
             "(start a pipeline with `ntxctl start`)",
             err=True,
         )
-    _generate_local(_model_path(model), prompt, raw, params, as_json)
-
-
-def _wire_params(params) -> dict:
-    return {
-        "max_tokens": params.max_tokens, "temperature": params.temperature, "top_k": params.top_k,
-        "top_p": params.top_p, "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
-        "seed": params.seed, "stop": list(params.stop),
-    }
+    _generate_local(_model_path(model), prompt, raw, sampling, as_json)
 
 
 def _stream_remote(client, as_json: bool, **request) -> dict:
@@ -167,29 +181,23 @@ def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool)
     from ntx.ctl.client import Client
 
     with Client(listen) as c:
-        done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **_wire_params(params))
+        done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **to_wire(params))
     if as_json:
         _print_json(done)
 
 
 @app.command()
+@sampling_options(temperature=0.7, max_tokens=512)
 def chat(
     listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
-    max_tokens: int = typer.Option(512, "--max-tokens", "-n"),
-    temperature: float = typer.Option(0.7, "--temperature", "-t"),
-    top_k: int = typer.Option(40, "--top-k"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    min_p: float = typer.Option(0.05, "--min-p"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Talk to a running pipeline turn by turn; the conversation is kept. Ctrl-D or /exit ends it."""
     from ntx.ctl.client import Client, pipeline_available
 
     if not pipeline_available(listen):
         _fail(f"no pipeline listens on {listen}: start one with `ntxctl start`")
-    params = _sampling_params(max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, None)
     messages = [{"role": "system", "content": system}] if system else []
     with Client(listen) as c:
         while True:
@@ -203,7 +211,7 @@ def chat(
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            done = _stream_remote(c, False, messages=messages, **_wire_params(params))
+            done = _stream_remote(c, False, messages=messages, **to_wire(sampling))
             messages.append({"role": "assistant", "content": done.get("text", "")})
 
 

@@ -43,7 +43,7 @@ def list_instances() -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "logs" and (p / "supervisor.pid").exists())
 
 
-def control_request(paths: InstancePaths, msg: dict[str, Any], timeout_s: float = 5.0) -> dict[str, Any] | None:
+def control_request(paths: InstancePaths, msg: m.CtlStatus | m.CtlStop, timeout_s: float = 5.0) -> m.Message | None:
     """One request/reply with the supervisor over its control socket; None if it does not answer."""
     if not (paths.root / "ctl.sock").exists():
         return None
@@ -53,16 +53,17 @@ def control_request(paths: InstancePaths, msg: dict[str, Any], timeout_s: float 
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(paths.control)
-        sock.send(m.pack(msg))
+        sock.send(msg.encode())
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return m.unpack(sock.recv())
+        return m.SUPERVISOR_TO_CTL.decode(sock.recv())
     finally:
         sock.close(linger=0)
 
 
 def get_status(name: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
-    return control_request(InstancePaths(name), {"t": "ctl", "op": "status"}, timeout_s)
+    reply = control_request(InstancePaths(name), m.CtlStatus(), timeout_s)
+    return reply.status if isinstance(reply, m.StatusReport) else None
 
 
 def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None) -> dict[str, Any]:
@@ -133,7 +134,7 @@ def stop(name: str, force: bool = False, timeout_s: float = 60.0) -> str:
         if n:
             return f"instance {name!r} was not running; removed {n} leftover(s)"
         raise NtxError(f"instance {name!r} is not running")
-    reply = control_request(paths, {"t": "ctl", "op": "stop", "force": force}, timeout_s=timeout_s)
+    reply = control_request(paths, m.CtlStop(force=force), timeout_s=timeout_s)
     deadline = time.monotonic() + (5.0 if reply else 2.0)
     while time.monotonic() < deadline and psutil.pid_exists(pid) and supervisor_pid(paths):
         time.sleep(0.05)
@@ -145,7 +146,7 @@ def stop(name: str, force: bool = False, timeout_s: float = 60.0) -> str:
             pass
         time.sleep(0.1)
     cleanup_leftovers(paths)
-    reason = (reply or {}).get("reason")
+    reason = reply.reason if isinstance(reply, m.Stopped) else None
     return f"instance {name!r} stopped" + (f" ({reason})" if reason else "")
 
 

@@ -11,8 +11,8 @@ names, so nothing stale can be mistaken for current), with bounded retries.
 Bring-up is a state machine inside the main loop, never a blocking wait, so ``ntxctl status``
 answers while a 40 GB model loads: compute first (it owns the device slots), then dma (it opens
 them and creates the host slots and the pinned-RAM tier), then the reader (it maps the host
-slots). Each does hello → config → ready with a timeout; a ``fatal`` message carries the daemon's
-own one-line reason to ``ntxctl start``.
+slots). Each does Hello → Config → Ready with a timeout; a ``Fatal`` message carries the daemon's
+own one-line reason to ``ntxctl start``. (The messages: ntx.shared.messages.)
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class DaemonProc:
     proc: subprocess.Popen
     started_s: float
     state: str = "spawned"  # spawned -> configured -> ready
-    ready_info: dict[str, Any] = field(default_factory=dict)
+    ready: m.Ready = field(default_factory=m.Ready)  # what its Ready handed on
 
 
 def _exit_description(code: int) -> str:
@@ -128,17 +128,13 @@ class Supervisor:
         self.daemons[name] = DaemonProc(name, proc, time.monotonic())
         self.say(f"gen {self.gen}: started {name} (pid {proc.pid})")
 
-    def config_for(self, name: str) -> dict[str, Any]:
-        msg = {
-            "t": m.CONFIG, "instance": self.cfg.to_dict(), "plan": self.plan.to_dict(), "gen": self.gen,
-            "shm_names": self.shm_names(),
-            "host_ring": self.paths.host_ring(self.gen), "device_ring": self.paths.device_ring(self.gen),
-        }
-        if name in ("dma", "reader"):
-            msg["device_slots"] = self.daemons["compute"].ready_info.get("device_slots", [])
-        if name == "reader":
-            msg["host_slots"] = self.daemons["dma"].ready_info.get("host_slots", [])
-        return msg
+    def config_for(self, name: str) -> m.Config:
+        return m.Config(
+            instance=self.cfg.to_dict(), plan=self.plan.to_dict(), shm_names=self.shm_names(),
+            host_ring=self.paths.host_ring(self.gen), device_ring=self.paths.device_ring(self.gen),
+            device_slots=self.daemons["compute"].ready.device_slots if name == "dma" else [],
+            host_slots=self.daemons["dma"].ready.host_slots if name == "reader" else [],
+        )
 
     def bring_up(self) -> None:
         self.state = "starting"
@@ -151,7 +147,7 @@ class Supervisor:
         for d in self.daemons.values():
             if d.proc.poll() is None:
                 try:
-                    self.control.send_multipart([f"{d.name}-g{self.gen}".encode(), m.pack({"t": m.SHUTDOWN})], zmq.NOBLOCK)
+                    self.control.send_multipart([f"{d.name}-g{self.gen}".encode(), m.Shutdown().encode()], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
         deadline = time.monotonic() + grace_s
@@ -214,22 +210,24 @@ class Supervisor:
                 return
 
     # -- messages from daemons and ntxctl --------------------------------------------------
-    def on_control(self, ident: bytes, msg: dict[str, Any]) -> None:
+    def on_control(self, ident: bytes, frame: bytes) -> None:
+        """A frame on the control socket: from ntxctl (identity ``ctl-…``) or from a daemon
+        (identity ``<name>-g<gen>``, which says who sent it)."""
         who = ident.decode(errors="replace")
-        t = msg.get("t")
         if who.startswith("ctl"):
-            self.on_ctl(ident, msg)
+            self.on_ctl(ident, m.CTL_TO_SUPERVISOR.decode(frame))
             return
         name, _, gen = who.rpartition("-g")
         if not gen.isdigit() or int(gen) != self.gen or name not in self.daemons:
             return  # a message from a generation already torn down
+        msg = m.DAEMON_TO_SUPERVISOR.decode(frame)
         d = self.daemons[name]
-        if t == m.HELLO:
-            self.control.send_multipart([ident, m.pack(self.config_for(name))])
+        if isinstance(msg, m.Hello):
+            self.control.send_multipart([ident, self.config_for(name).encode()])
             d.state = "configured"
-        elif t == m.READY:
+        elif isinstance(msg, m.Ready):
             d.state = "ready"
-            d.ready_info = msg
+            d.ready = msg
             self.say(f"gen {self.gen}: {name} ready")
             nxt = self.order.index(name) + 1
             if nxt < len(self.order):
@@ -241,24 +239,23 @@ class Supervisor:
                 while self.pending:
                     rid, req = self.pending.popleft()
                     self.forward(rid, req)
-        elif t == m.FATAL:
-            self.pipeline_failed(msg.get("message", f"{name} failed"))
-        elif t == m.STATS:
-            self.stage_stats[name] = msg.get("stats", {})
-        elif t == m.EVENTS:
-            for ev in msg["events"]:
+        elif isinstance(msg, m.Fatal):
+            self.pipeline_failed(msg.message)
+        elif isinstance(msg, m.Stats):
+            self.stage_stats[name] = msg.stats
+        elif isinstance(msg, m.Events):
+            for ev in msg.events:
                 self.route(ev)
-        elif t == "drained":
+        elif isinstance(msg, m.Drained):
             self.drain_deadline_s = None
             self.shutdown()
 
-    def on_ctl(self, ident: bytes, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
-        if op == "status":
-            self.control.send_multipart([ident, m.pack(self.status())])
-        elif op == "stop":
+    def on_ctl(self, ident: bytes, msg: m.CtlStatus | m.CtlStop) -> None:
+        if isinstance(msg, m.CtlStatus):
+            self.control.send_multipart([ident, m.StatusReport(status=self.status()).encode()])
+        else:
             self.stop_waiters.append(ident)
-            self.begin_stop(force=bool(msg.get("force")))
+            self.begin_stop(force=msg.force)
 
     def begin_stop(self, force: bool) -> None:
         if self.state == "stopping":
@@ -276,7 +273,7 @@ class Supervisor:
             self.fail_inflight("shutdown", "the pipeline was stopped (--force); request cancelled")
             self.shutdown()
         else:
-            self.control.send_multipart([f"compute-g{self.gen}".encode(), m.pack({"t": m.DRAIN, "timeout_s": DRAIN_TIMEOUT_S})])
+            self.control.send_multipart([f"compute-g{self.gen}".encode(), m.Drain(timeout_s=DRAIN_TIMEOUT_S).encode()])
             self.drain_deadline_s = time.monotonic() + DRAIN_TIMEOUT_S + 5.0
 
     def shutdown(self) -> None:
@@ -306,10 +303,8 @@ class Supervisor:
 
     def forward(self, rid: str, req: dict) -> None:
         target = f"compute-g{self.gen}".encode()
-        if req.get("op") == "cancel":
-            self.control.send_multipart([target, m.pack({"t": m.CANCEL, "rid": rid})])
-        else:
-            self.control.send_multipart([target, m.pack({"t": m.REQUEST, "rid": rid, "msg": req})])
+        msg = m.Cancel(rid=rid) if req.get("op") == "cancel" else m.Request(rid=rid, generate=req)
+        self.control.send_multipart([target, msg.encode()])
 
     def on_client(self, client: bytes, frame: bytes) -> None:
         try:
@@ -400,7 +395,7 @@ class Supervisor:
                 while self.control.poll(0) and not self.done:
                     ident, frame = self.control.recv_multipart()[:2]
                     try:
-                        self.on_control(ident, m.unpack(frame))
+                        self.on_control(ident, frame)
                     except Exception as e:  # one broken daemon message must not take the front down
                         self.say(f"bad control message from {ident!r}: {e}")
             if self.front in events and not self.done:
@@ -425,7 +420,7 @@ class Supervisor:
         self.say(f"stopped{': ' + self.reason if self.reason else ''}")
         for ident in self.stop_waiters:
             try:
-                self.control.send_multipart([ident, m.pack({"t": "stopped", "reason": self.reason})])
+                self.control.send_multipart([ident, m.Stopped(reason=self.reason).encode()])
             except zmq.ZMQError:
                 pass
         time.sleep(0.05)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import faulthandler
-import os
 import signal
 import sys
 import time
@@ -43,13 +42,13 @@ def set_process_name(name: str) -> None:
 
 class Daemon:
     """Base of the reader, dma and compute daemons. Subclasses implement ``setup`` (given the
-    supervisor's config, return what ``ready`` reports) and ``serve`` (the main loop, which
-    checks ``self.stopping``)."""
+    supervisor's ``Config``, return the ``Ready`` record to send) and ``serve`` (the main loop,
+    which checks ``self.stopping``). The generation only names the control socket's identity
+    (``<name>-g<gen>``): the supervisor ignores a torn-down generation's messages by it."""
 
     name = "daemon"
 
     def __init__(self, control_addr: str, gen: int) -> None:
-        self.gen = gen
         self.stopping = False
         self.ctx = zmq.Context.instance()
         self.control = self.ctx.socket(zmq.DEALER)
@@ -59,25 +58,25 @@ class Daemon:
         self._last_stats_s = 0.0
 
     # -- control channel ---------------------------------------------------------------------
-    def send_control(self, msg: dict[str, Any]) -> None:
-        self.control.send(m.pack(msg))
+    def send_control(self, msg: m.Message) -> None:
+        self.control.send(msg.encode())
 
-    def handshake(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        self.send_control({"t": m.HELLO, "name": self.name, "pid": os.getpid(), "gen": self.gen})
+    def handshake(self, timeout_s: float = 30.0) -> m.Config:
+        self.send_control(m.Hello())
         if not self.control.poll(int(timeout_s * 1000)):
             raise NtxError(f"{self.name}: no configuration from the supervisor within {timeout_s:.0f} s")
-        msg = m.unpack(self.control.recv())
-        if msg.get("t") != m.CONFIG:
-            raise NtxError(f"{self.name}: expected config from the supervisor, got {msg.get('t')!r}")
+        msg = m.SUPERVISOR_TO_DAEMON.decode(self.control.recv())
+        if not isinstance(msg, m.Config):
+            raise NtxError(f"{self.name}: expected config from the supervisor, got {msg.T!r}")
         return msg
 
-    def handle_control(self, msg: dict[str, Any]) -> None:
+    def handle_control(self, msg: m.Message) -> None:
         """Control messages other than shutdown; compute overrides this for requests."""
 
     def poll_control(self) -> None:
         while self.control.poll(0):
-            msg = m.unpack(self.control.recv())
-            if msg.get("t") == m.SHUTDOWN:
+            msg = m.SUPERVISOR_TO_DAEMON.decode(self.control.recv())
+            if isinstance(msg, m.Shutdown):
                 self.stopping = True
             else:
                 self.handle_control(msg)
@@ -86,13 +85,13 @@ class Daemon:
         now = time.monotonic()
         if force or now - self._last_stats_s >= m.STATS_INTERVAL_S:
             self._last_stats_s = now
-            self.send_control({"t": m.STATS, "name": self.name, "pid": os.getpid(), "stats": self.stats()})
+            self.send_control(m.Stats(stats=self.stats()))
 
     def stats(self) -> dict[str, Any]:
         return {}
 
     # -- life cycle --------------------------------------------------------------------------
-    def setup(self, config: dict[str, Any]) -> dict[str, Any]:
+    def setup(self, config: m.Config) -> m.Ready:
         raise NotImplementedError
 
     def serve(self) -> None:
@@ -104,17 +103,16 @@ class Daemon:
     def run(self) -> int:
         try:
             config = self.handshake()
-            ready = self.setup(config)
-            self.send_control({"t": m.READY, "name": self.name, "pid": os.getpid(), **ready})
+            self.send_control(self.setup(config))
             self.serve()
             return 0
         except NtxError as e:
-            self.send_control({"t": m.FATAL, "name": self.name, "message": str(e)})
+            self.send_control(m.Fatal(message=str(e)))
             print(f"{self.name}: {e}", file=sys.stderr, flush=True)
             return 2
         except Exception as e:
             last = f"{type(e).__name__}: {e}"
-            self.send_control({"t": m.FATAL, "name": self.name, "message": f"{self.name} crashed: {last}"})
+            self.send_control(m.Fatal(message=f"{self.name} crashed: {last}"))
             traceback.print_exc()
             return 3
         finally:

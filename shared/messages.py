@@ -1,50 +1,357 @@
-"""Every message that crosses a process boundary, in one place, with its schema.
+"""Every message that crosses a process boundary, in one place: one typed record per message,
+its encoder (``Message.encode``) and the decoder of each channel (``Channel.decode``).
 
-All messages are msgpack maps. Layer bytes never travel here: only tokens that name slots.
+Senders build records, never dict literals; receivers decode a frame on the channel it came in
+on, which refuses a malformed internal message (not msgpack, an unknown or misplaced type, a
+missing, unknown or wrongly typed field) with one clear ``MessageError`` line. Internally a
+frame is a msgpack map: ``{"t": <type>, <field>: <value>, ...}`` with the record's fields by
+name. Layer bytes never travel here: only tokens that name slots. docs/ARCHITECTURE.md draws
+the sequences; the channels (ipc:// sockets in the instance's run folder):
 
-Internal channels (ipc:// sockets in the instance's run folder):
-
-* **control** — each daemon's DEALER (identity ``<name>``) to the supervisor's ROUTER:
-  ``hello`` → (supervisor) ``config`` → ``ready`` | ``fatal``; then ``stats`` every
-  ``STATS_INTERVAL_S``; ``shutdown`` from the supervisor. The compute daemon also receives
-  ``request`` / ``cancel`` / ``drain`` and sends ``events`` (client replies) on it.
-* **host ring** — dma (PAIR, binds) ⇄ reader (PAIR): ``read`` (dma hands a FREE host slot with a
-  job), ``filled`` / ``read_error`` (the reader answers).
-* **device ring** — compute (PAIR, binds) ⇄ dma (PAIR): ``want`` (compute asks for a pass's
-  streamed layers), ``ready`` (a device slot holds a layer), ``free`` (compute ran it),
-  ``layer_error`` (the layer could not be delivered).
-* **activity** — compute → dma → reader: ``{"active": bool}``, so a stage waiting while nobody has
+* **control** — each daemon's DEALER (identity ``<name>-g<gen>``, which says who sends, so no
+  message repeats it) to the supervisor's ROUTER: ``Hello`` → (supervisor) ``Config`` →
+  ``Ready`` | ``Fatal``; then ``Stats`` every ``STATS_INTERVAL_S``; ``Shutdown`` from the
+  supervisor. Compute also receives ``Request`` / ``Cancel`` / ``Drain`` and sends ``Events``
+  (client replies) and ``Drained``. ntxctl (identity ``ctl-…``) sends ``CtlStatus`` (answered
+  by ``StatusReport``) or ``CtlStop`` (answered by ``Stopped`` once everything is down).
+* **host ring** — dma (PAIR, binds) ⇄ reader (PAIR): ``Read`` (dma hands a FREE host slot with
+  a job), ``Filled`` / ``ReadError`` (the reader answers).
+* **device ring** — compute (PAIR, binds) ⇄ dma (PAIR): ``Want`` (compute asks for a pass's
+  streamed layers), ``SlotReady`` (a device slot holds a layer), ``SlotFree`` (compute ran it),
+  ``LayerError`` (the layer could not be delivered).
+* **activity** — compute → dma → reader: ``Activity``, so a stage waiting while nobody has
   work counts as idle, not as starved or blocked.
 
-The client protocol (docs/PROTOCOL.md) is validated here too, so the supervisor can refuse a
-bad frame with one error line before anything reaches the engine.
+The client protocol (docs/PROTOCOL.md) stays plain msgpack maps, unchanged for clients; it is
+validated here too (``decode_client_frame``), so the supervisor refuses a bad frame with one
+error line before anything reaches the engine. Its sampling fields come from
+``ntx.shared.sampling_fields``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Union
 
 import msgpack
 
+from ntx.shared.errors import NtxError
+from ntx.shared.sampling_fields import SAMPLING_BY_NAME
+
 STATS_INTERVAL_S = 0.5
 
-# control channel
-HELLO, CONFIG, READY, FATAL, STATS, SHUTDOWN = "hello", "config", "ready", "fatal", "stats", "shutdown"
-REQUEST, CANCEL, DRAIN, EVENTS = "request", "cancel", "drain", "events"
-# host ring
-READ, FILLED, READ_ERROR = "read", "filled", "read_error"
-# device ring
-WANT, SLOT_READY, SLOT_FREE, LAYER_ERROR = "want", "ready", "free", "layer_error"
-# both rings: compute has (or no longer has) requests in flight, so waits are stalls, not idling
-ACTIVITY = "activity"
 
-
-def pack(msg: dict[str, Any]) -> bytes:
+def pack(msg: Any) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
 def unpack(frame: bytes) -> Any:
     return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+
+
+class MessageError(NtxError):
+    """A frame on an internal channel that is not one of the channel's messages (a bug, or a
+    stray process on the socket): ``str()`` names the channel and the problem."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+
+
+def _value_check(hint: Any) -> tuple[Callable[[Any], bool], str]:
+    """A check of a decoded msgpack value against a field's type hint, and its description."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return (lambda v: True), "anything"
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise TypeError(f"unsupported message field type {hint!r}")
+        check, what = _value_check(inner[0])
+        return (lambda v: v is None or check(v)), f"{what} or nil"
+    if hint is bool:
+        return (lambda v: isinstance(v, bool)), "true or false"
+    if hint is int:
+        return (lambda v: isinstance(v, int) and not isinstance(v, bool)), "an integer"
+    if hint is float:
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+    if hint is str:
+        return (lambda v: isinstance(v, str)), "a string"
+    if hint is dict or origin is dict:
+        return (lambda v: isinstance(v, dict)), "a map"
+    if origin is list:
+        check, what = _value_check(args[0])
+        return (lambda v: isinstance(v, list) and all(check(x) for x in v)), f"a list (items: {what})"
+    raise TypeError(f"unsupported message field type {hint!r}")
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every internal message record: ``T`` is its type tag on the wire."""
+
+    T: ClassVar[str] = ""
+    _fields: ClassVar[tuple[tuple[str, Callable[[Any], bool], str, bool], ...]] = ()  # name, check, what, required
+
+    def encode(self) -> bytes:
+        return pack({"t": self.T, **{name: getattr(self, name) for name, *_ in self._fields}})
+
+
+_BY_TAG: dict[str, type[Message]] = {}
+
+
+def _record(tag: str):
+    """Register a message record under its wire tag and precompute its field checks."""
+
+    def register(cls: type[Message]) -> type[Message]:
+        cls = dataclass(frozen=True)(cls)
+        if tag in _BY_TAG:
+            raise TypeError(f"message tag {tag!r} is taken by {_BY_TAG[tag].__name__}")
+        hints = typing.get_type_hints(cls)
+        cls.T = tag
+        cls._fields = tuple(
+            (f.name, *_value_check(hints[f.name]), f.default is MISSING and f.default_factory is MISSING)
+            for f in fields(cls)
+        )
+        _BY_TAG[tag] = cls
+        return cls
+
+    return register
+
+
+class Channel:
+    """One direction of one socket and the messages that may travel on it."""
+
+    def __init__(self, name: str, *kinds: type[Message]) -> None:
+        self.name = name
+        self.kinds = {k.T: k for k in kinds}
+
+    def decode(self, frame: bytes) -> Message:
+        """The record a frame holds; MessageError if it is not one of this channel's messages."""
+        try:
+            msg = unpack(frame)
+        except Exception as e:  # msgpack raises several types for garbage
+            raise MessageError(f"{self.name}: frame is not valid msgpack ({type(e).__name__})") from None
+        if not isinstance(msg, dict):
+            raise MessageError(f"{self.name}: frame must be a msgpack map, got {type(msg).__name__}")
+        tag = msg.pop("t", None)
+        kind = self.kinds.get(tag)
+        if kind is None:
+            raise MessageError(f"{self.name}: unexpected message type {tag!r} (expected one of {', '.join(self.kinds)})")
+        for name, check, what, required in kind._fields:
+            if name not in msg:
+                if required:
+                    raise MessageError(f"{self.name}: {tag} lacks field {name!r}")
+            elif not check(msg[name]):
+                raise MessageError(f"{self.name}: {tag} field {name!r} must be {what}, got {msg[name]!r:.80}")
+        extra = set(msg) - {name for name, *_ in kind._fields}
+        if extra:
+            raise MessageError(f"{self.name}: {tag} has unknown field(s) {', '.join(map(repr, sorted(extra)))}")
+        return kind(**msg)
+
+
+# -- control channel: daemon -> supervisor ---------------------------------------------------------
+
+
+@_record("hello")
+class Hello(Message):
+    """A daemon is up and asks for its configuration."""
+
+
+@_record("ready")
+class Ready(Message):
+    """``setup`` is done; what the next daemon needs from this one (compute: its device slots'
+    shared-memory names or CUDA IPC handles; dma: its host slots' names)."""
+
+    device_slots: list[Any] = field(default_factory=list)
+    host_slots: list[str] = field(default_factory=list)
+
+
+@_record("fatal")
+class Fatal(Message):
+    """The daemon cannot go on; ``message`` is the one line ``ntxctl start`` prints."""
+
+    message: str
+
+
+@_record("stats")
+class Stats(Message):
+    """The daemon's StageClock snapshot and counters, every STATS_INTERVAL_S."""
+
+    stats: dict[str, Any]
+
+
+@_record("events")
+class Events(Message):
+    """Client replies (docs/PROTOCOL.md ``token``/``done``/``error`` maps) under internal ids."""
+
+    events: list[dict[str, Any]]
+
+
+@_record("drained")
+class Drained(Message):
+    """Compute finished (or cancelled at the deadline) every request after a ``Drain``."""
+
+
+# -- control channel: supervisor -> daemon --------------------------------------------------------
+
+
+@_record("config")
+class Config(Message):
+    """The answer to ``Hello``: the instance, the plan, names of segments and sockets of this
+    generation, and what the daemons started before this one made."""
+
+    instance: dict[str, Any]
+    plan: dict[str, Any]
+    shm_names: dict[str, str]
+    host_ring: str
+    device_ring: str
+    device_slots: list[Any] = field(default_factory=list)  # to dma: compute's Ready.device_slots
+    host_slots: list[str] = field(default_factory=list)  # to the reader: dma's Ready.host_slots
+
+
+@_record("shutdown")
+class Shutdown(Message):
+    """Stop serving and exit (segments are unlinked by their owner)."""
+
+
+@_record("request")
+class Request(Message):
+    """A client's checked generate map, under the supervisor's internal request id ``rid``."""
+
+    rid: str
+    generate: dict[str, Any]
+
+
+@_record("cancel")
+class Cancel(Message):
+    rid: str
+
+
+@_record("drain")
+class Drain(Message):
+    """Finish the requests in flight within ``timeout_s``, cancel the rest, answer ``Drained``."""
+
+    timeout_s: float
+
+
+# -- ntxctl <-> supervisor (same ROUTER, identity ctl-…) ---------------------------------------------
+
+
+@_record("ctl_status")
+class CtlStatus(Message):
+    """``ntxctl status``: answered by ``StatusReport``."""
+
+
+@_record("status_report")
+class StatusReport(Message):
+    status: dict[str, Any]
+
+
+@_record("ctl_stop")
+class CtlStop(Message):
+    """``ntxctl stop``: answered by ``Stopped`` when daemons, segments and sockets are gone."""
+
+    force: bool = False
+
+
+@_record("stopped")
+class Stopped(Message):
+    reason: str | None = None
+
+
+# -- host ring ------------------------------------------------------------------------------------
+
+
+@_record("read")
+class Read(Message):
+    """dma -> reader: read ``layer`` (for pass ``pass_id``) into the FREE host slot ``slot``.
+    ``backlog`` (storage layers still waiting for a host slot) and ``active`` tell the reader
+    what its wait for the next job means (blocked, starved or idle)."""
+
+    slot: int
+    layer: int
+    pass_id: int
+    backlog: int
+    active: bool
+
+
+@_record("filled")
+class Filled(Message):
+    """reader -> dma: host slot ``slot`` holds ``layer`` for pass ``pass_id``."""
+
+    slot: int
+    layer: int
+    pass_id: int
+
+
+@_record("read_error")
+class ReadError(Message):
+    """reader -> dma: the read failed; the slot is the dma's again, unfilled."""
+
+    slot: int
+    layer: int
+    pass_id: int
+    message: str
+
+
+# -- device ring ----------------------------------------------------------------------------------
+
+
+@_record("want")
+class Want(Message):
+    """compute -> dma: the streamed ``layers`` of pass ``pass_id``, in the order they will run."""
+
+    pass_id: int
+    layers: list[int]
+
+
+@_record("slot_ready")
+class SlotReady(Message):
+    """dma -> compute: device slot ``slot`` holds ``layer`` for pass ``pass_id``."""
+
+    slot: int
+    layer: int
+    pass_id: int
+
+
+@_record("slot_free")
+class SlotFree(Message):
+    """compute -> dma: compute is done with the device slot (it names the layer and pass it got
+    the slot for, so dma can check the token came back the way it went out)."""
+
+    slot: int
+    layer: int
+    pass_id: int
+
+
+@_record("layer_error")
+class LayerError(Message):
+    """dma -> compute: ``layer`` of pass ``pass_id`` cannot be delivered (its read failed)."""
+
+    layer: int
+    pass_id: int
+    message: str
+
+
+@_record("activity")
+class Activity(Message):
+    """compute -> dma -> reader: compute has (or no longer has) requests in flight."""
+
+    active: bool
+
+
+# -- channels -------------------------------------------------------------------------------------
+
+DAEMON_TO_SUPERVISOR = Channel("control (daemon -> supervisor)", Hello, Ready, Fatal, Stats, Events, Drained)
+SUPERVISOR_TO_DAEMON = Channel("control (supervisor -> daemon)", Config, Shutdown, Request, Cancel, Drain)
+CTL_TO_SUPERVISOR = Channel("control (ntxctl -> supervisor)", CtlStatus, CtlStop)
+SUPERVISOR_TO_CTL = Channel("control (supervisor -> ntxctl)", StatusReport, Stopped)
+DMA_TO_READER = Channel("host ring (dma -> reader)", Read, Activity)
+READER_TO_DMA = Channel("host ring (reader -> dma)", Filled, ReadError)
+COMPUTE_TO_DMA = Channel("device ring (compute -> dma)", Want, SlotFree, Activity)
+DMA_TO_COMPUTE = Channel("device ring (dma -> compute)", SlotReady, LayerError)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,24 +366,17 @@ class ProtocolError(ValueError):
         super().__init__(message)
 
 
-# field -> (accepted python types, description for the error line)
+# field -> (accepted python types, description for the error line); sampling fields: their table
 _GENERATE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "id": ((str,), "a string"),
     "prompt": ((str,), "a string"),
     "messages": ((list,), "a list of {role, content} maps"),
     "tokens": ((list,), "a list of token ids"),
-    "max_tokens": ((int,), "an integer"),
-    "temperature": ((int, float), "a number"),
-    "top_k": ((int,), "an integer"),
-    "top_p": ((int, float), "a number"),
-    "min_p": ((int, float), "a number"),
-    "repetition_penalty": ((int, float), "a number"),
-    "seed": ((int,), "an integer"),
-    "stop": ((list,), "a list of strings"),
     "raw": ((bool,), "true or false"),
     "stream": ((bool,), "true or false"),
     "logprobs": ((int,), "an integer"),
     "prompt_logprobs": ((int,), "an integer"),
+    **{name: f.wire_types for name, f in SAMPLING_BY_NAME.items()},
 }
 OPS = ("generate", "cancel", "status")
 
@@ -104,18 +404,23 @@ def decode_client_frame(frame: bytes) -> dict[str, Any]:
 
 
 def check_generate(msg: dict[str, Any]) -> None:
-    """Types and presence of a generate request's fields (values are checked by the engine)."""
+    """Types and presence of a generate request's fields, and the sampling fields' values (the
+    prompt's tokens and the context are checked by the engine)."""
     for key, value in msg.items():
         if key == "op":
             continue
         spec = _GENERATE_FIELDS.get(key)
         if spec is None:
             raise ProtocolError("bad_request", f"unknown field {key!r}")
-        types, what = spec
-        if value is None and key == "seed":
+        types_, what = spec
+        sampling = SAMPLING_BY_NAME.get(key)
+        if value is None and sampling is not None and sampling.nullable:
             continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        if not isinstance(value, types_) or (isinstance(value, bool) and bool not in types_):
             raise ProtocolError("bad_request", f"field {key!r} must be {what}, got {type(value).__name__}")
+        reason = sampling.check(value) if sampling is not None else None
+        if reason:
+            raise ProtocolError("bad_request", reason)
     sources = [k for k in ("prompt", "messages", "tokens") if k in msg]
     if len(sources) != 1:
         raise ProtocolError("bad_request", "give exactly one of 'prompt', 'messages' or 'tokens'")
@@ -132,8 +437,6 @@ def check_generate(msg: dict[str, Any]) -> None:
         for i, m in enumerate(msg["messages"]):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ProtocolError("bad_request", f"messages[{i}] must be a map with string 'role' and 'content'")
-    if "stop" in msg and not all(isinstance(s, str) and s for s in msg["stop"]):
-        raise ProtocolError("bad_request", "field 'stop' must be a list of non-empty strings")
 
 
 def error_reply(rid: str | None, code: str, message: str) -> dict[str, Any]:

@@ -24,15 +24,13 @@ from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.plan import VRAM, Plan
+from ntx.shared.sampling_fields import from_wire
 from ntx.shared.stats import StageClock
-
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_tokens")
 
 
 def request_from_wire(engine: EngineCore, rid: str, msg: dict[str, Any]) -> Request:
     """A checked generate map (see ``messages.check_generate``) -> an engine Request."""
-    params = SamplingParams(**{k: msg[k] for k in _SAMPLING_FIELDS if k in msg}, stop=list(msg.get("stop") or []))
-    params.validate()
+    params = SamplingParams(**from_wire(msg)).validate()
     ids = engine.prompt_tokens(
         prompt=msg.get("prompt"), messages=msg.get("messages"), tokens=msg.get("tokens"), raw=bool(msg.get("raw", False))
     )
@@ -45,11 +43,11 @@ def request_from_wire(engine: EngineCore, rid: str, msg: dict[str, Any]) -> Requ
 class ComputeDaemon(Daemon):
     name = "compute"
 
-    def setup(self, config: dict[str, Any]) -> dict[str, Any]:
-        cfg = config["instance"]
+    def setup(self, config: m.Config) -> m.Ready:
+        cfg = config.instance
         self.cfg = cfg
         self.index = open_model(cfg["model"])
-        self.plan = Plan.from_dict(config["plan"])
+        self.plan = Plan.from_dict(config.plan)
         self.backend = make_backend(cfg["backend"], self.index, max_seqs=cfg["max_batch"], max_ctx=cfg["max_context"])
         self.clock = StageClock("compute")
         streamed = self.plan.streamed_layers
@@ -58,13 +56,13 @@ class ComputeDaemon(Daemon):
         if streamed:
             # the device slots the dma daemon fills: shared memory on cpu, CUDA IPC on cuda
             slot_bufs, descriptors = self.backend.alloc_slots(self.plan.n_slots, self.plan.slot_bytes,
-                                                              config["shm_names"]["dev_slot"])
+                                                              config.shm_names["dev_slot"])
             self.ring = self.ctx.socket(zmq.PAIR)
             self.ring.setsockopt(zmq.LINGER, 0)
-            self.ring.bind(config["device_ring"])
+            self.ring.bind(config.device_ring)
             stream = RingStream(
                 self.ring, slot_bufs, streamed, {i: self.index.layers[i].nbytes for i in streamed},
-                self.clock, self.gen, on_wait=self._on_wait, before_release=self.backend.sync,
+                self.clock, on_wait=self._on_wait, before_release=self.backend.sync,
             )
         self.engine: EngineCore = build_engine(
             self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream,
@@ -73,17 +71,16 @@ class ComputeDaemon(Daemon):
         self.active = False
         self.draining_until_s: float | None = None
         self.recent_tokens: deque[tuple[float, int]] = deque()
-        return {"device_slots": descriptors, "backend": self.backend.name}
+        return m.Ready(device_slots=descriptors)
 
     # -- control ------------------------------------------------------------------------------
-    def handle_control(self, msg: dict[str, Any]) -> None:
-        t = msg.get("t")
-        if t == m.REQUEST:
-            self.submit(msg["rid"], msg["msg"])
-        elif t == m.CANCEL:
-            self.send_events(self.engine.cancel(msg["rid"]))
-        elif t == m.DRAIN:
-            self.draining_until_s = time.monotonic() + float(msg.get("timeout_s", 30.0))
+    def handle_control(self, msg: m.Message) -> None:
+        if isinstance(msg, m.Request):
+            self.submit(msg.rid, msg.generate)
+        elif isinstance(msg, m.Cancel):
+            self.send_events(self.engine.cancel(msg.rid))
+        elif isinstance(msg, m.Drain):
+            self.draining_until_s = time.monotonic() + msg.timeout_s
 
     def submit(self, rid: str, msg: dict[str, Any]) -> None:
         try:
@@ -95,7 +92,7 @@ class ComputeDaemon(Daemon):
 
     def send_events(self, events: list[dict]) -> None:
         if events:
-            self.send_control({"t": m.EVENTS, "events": events})
+            self.send_control(m.Events(events=events))
 
     def _on_wait(self) -> None:
         self.maybe_send_stats()
@@ -104,7 +101,7 @@ class ComputeDaemon(Daemon):
         if active != self.active:
             self.active = active
             if self.plan.streamed_layers:
-                self.ring.send(m.pack({"t": m.ACTIVITY, "active": active, "gen": self.gen}))
+                self.ring.send(m.Activity(active=active).encode())
             self.clock.enter("busy" if active else "idle")
 
     # -- the loop -----------------------------------------------------------------------------
@@ -116,7 +113,7 @@ class ComputeDaemon(Daemon):
             if self.draining_until_s is not None:
                 if not self.engine.has_work or time.monotonic() > self.draining_until_s:
                     self.send_events(self.engine.cancel_all("cancelled"))
-                    self.send_control({"t": "drained"})
+                    self.send_control(m.Drained())
                     self.draining_until_s = None
             if self.engine.has_work:
                 self._set_active(True)

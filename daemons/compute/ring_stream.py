@@ -1,12 +1,12 @@
-"""Compute's end of the device ring: streamed layers arrive as READY tokens, go back as FREE.
+"""Compute's end of the device ring: streamed layers arrive as SlotReady tokens, go back as SlotFree.
 
-Compute asks for the streamed layers of a pass ahead of time (``want``): at the start of pass p
+Compute asks for the streamed layers of a pass ahead of time (``Want``): at the start of pass p
 the layers of p and p+1 are wanted, so while the last layers of p run, dma is already copying the
 first layers of p+1 and the ring does not run dry between passes. Because every pass wants the
 same layers in the same order, a pass that is wanted but not yet run (the engine went idle)
 simply waits in its slots until the next request comes.
 
-A layer that cannot be delivered (a read error) arrives as ``layer_error``: ``acquire`` raises
+A layer that cannot be delivered (a read error) arrives as ``LayerError``: ``acquire`` raises
 ``LayerUnavailable``, the engine fails the requests of that pass, and the rest of the pass's
 tokens are handed straight back as they arrive, so the ring keeps turning.
 """
@@ -34,7 +34,6 @@ class RingStream:
         streamed_layers: list[int],
         layer_bytes: dict[int, int],
         clock: StageClock,
-        gen: int,
         on_wait: Callable[[], None] | None = None,
         before_release: Callable[[], None] | None = None,
     ) -> None:
@@ -43,7 +42,6 @@ class RingStream:
         self.layers = list(streamed_layers)
         self.layer_bytes = layer_bytes
         self.clock = clock
-        self.gen = gen
         self.on_wait = on_wait
         self.before_release = before_release  # e.g. wait for the GPU to finish reading the slot
         self.wanted_upto = -1
@@ -52,25 +50,23 @@ class RingStream:
         self.aborted: set[int] = set()
         self.held: dict[tuple[int, int], int] = {}  # acquired, not yet released
 
-    def _send(self, msg: dict[str, Any]) -> None:
-        msg["gen"] = self.gen
-        self.sock.send(m.pack(msg))
+    def _send(self, msg: m.Message) -> None:
+        self.sock.send(msg.encode())
 
     def begin_pass(self, pass_id: int) -> None:
         while self.wanted_upto < pass_id + 1:
             self.wanted_upto += 1
-            self._send({"t": m.WANT, "pass": self.wanted_upto, "layers": self.layers})
+            self._send(m.Want(pass_id=self.wanted_upto, layers=self.layers))
 
-    def _receive(self, msg: dict[str, Any]) -> None:
-        key = (msg.get("pass"), msg.get("layer"))
-        if msg.get("t") == m.SLOT_READY:
+    def _receive(self, msg: m.SlotReady | m.LayerError) -> None:
+        key = (msg.pass_id, msg.layer)
+        if isinstance(msg, m.SlotReady):
             if key[0] in self.aborted:
-                self._send({"t": m.SLOT_FREE, "slot": msg["slot"], "layer": key[1], "pass": key[0]})
+                self._send(m.SlotFree(slot=msg.slot, layer=msg.layer, pass_id=msg.pass_id))
             else:
-                self.ready[key] = msg["slot"]
-        elif msg.get("t") == m.LAYER_ERROR:
-            if key[0] not in self.aborted:
-                self.errors[key] = msg.get("message", "layer could not be loaded")
+                self.ready[key] = msg.slot
+        elif key[0] not in self.aborted:
+            self.errors[key] = msg.message
 
     def acquire(self, layer_idx: int, pass_id: int) -> Any:
         key = (pass_id, layer_idx)
@@ -81,7 +77,7 @@ class RingStream:
                     raise LayerUnavailable(f"layer {layer_idx} could not be loaded: {self.errors.pop(key)}")
                 if self.sock.poll(int(m.STATS_INTERVAL_S * 1000)):
                     while self.sock.poll(0):
-                        self._receive(m.unpack(self.sock.recv()))
+                        self._receive(m.DMA_TO_COMPUTE.decode(self.sock.recv()))
                 elif self.on_wait:
                     self.on_wait()
             self.clock.enter("busy", pass_id)
@@ -94,7 +90,7 @@ class RingStream:
         if self.before_release:
             self.before_release()
         slot = self.held.pop((pass_id, layer_idx))
-        self._send({"t": m.SLOT_FREE, "slot": slot, "layer": layer_idx, "pass": pass_id})
+        self._send(m.SlotFree(slot=slot, layer=layer_idx, pass_id=pass_id))
 
     def end_pass(self, pass_id: int) -> None:
         pass
@@ -110,7 +106,7 @@ class RingStream:
                 self.release(key[1], p)
             for key in [k for k in self.ready if k[0] == p]:
                 slot = self.ready.pop(key)
-                self._send({"t": m.SLOT_FREE, "slot": slot, "layer": key[1], "pass": p})
+                self._send(m.SlotFree(slot=slot, layer=key[1], pass_id=p))
             for key in [k for k in self.errors if k[0] == p]:
                 self.errors.pop(key)
         return self.wanted_upto + 1

@@ -20,63 +20,26 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ntx.daemons.compute.backend import MAX_PICK_K, Pick, Picked, log_normaliser, top_entries
-from ntx.shared.errors import NtxError
+from ntx.shared.sampling_fields import sampling_dataclass, validate_sampling
 
 __all__ = ["SamplingParams", "Sampler", "StopMatcher", "logprobs_topk", "REPETITION_WINDOW"]
 
 REPETITION_WINDOW = 64
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-@dataclass
+@sampling_dataclass
 class SamplingParams:
-    """Per-request sampling settings. ``temperature=0`` means greedy; ``top_k=0``,
+    """Per-request sampling settings: one field per row of ``SAMPLING_FIELDS`` (name, type,
+    default, rule; ntx.shared.sampling_fields). ``temperature=0`` means greedy; ``top_k=0``,
     ``top_p=1``, ``min_p=0`` and ``repetition_penalty=1`` each switch their step off."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
 
     def validate(self) -> SamplingParams:
         """Raise NtxError naming the first bad field; returns self so calls can chain."""
-
-        def bad(name: str, why: str) -> NtxError:
-            return NtxError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
-
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a finite number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "must be an integer >= 0 (0 = off)")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", "must be a number in (0, 1] (1 = off)")
-        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", "must be a number in [0, 1] (0 = off)")
-        if (not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
-                or self.repetition_penalty <= 0):
-            raise bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise bad("seed", "must be an integer in [0, 2**64) or null")
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise bad("max_tokens", "must be an integer > 0")
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a list of non-empty strings")
+        validate_sampling(self)
         return self
 
 

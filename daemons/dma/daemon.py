@@ -1,11 +1,12 @@
 """The dma daemon: owns the host staging ring and the pinned-RAM tier; feeds compute's device slots.
 
-Slot state machine (one ring per side; a token is ``(slot, layer, pass, generation)``)::
+Slot state machine (one ring per side; a token is ``(slot, layer, pass)``; ``RingState`` in
+ring_state.py holds both sides' state, draws it and checks its invariants at every step)::
 
-    host slot:   FREE --read(job)--> [reader fills] --filled--> FILLED --copy--> FREE
-    device slot: FREE --copy of a FILLED host slot or a RAM-tier layer--> READY --(compute runs it)--> FREE
+    host slot:   FREE --Read(job)--> [reader fills] --Filled--> FILLED --copy--> FREE
+    device slot: FREE --copy of a FILLED host slot or a RAM-tier layer--> SlotReady --(compute runs it)--> SlotFree
 
-Compute sends ``want(pass, layers)`` ahead of time; the daemon keeps the wanted (pass, layer)
+Compute sends ``Want(pass, layers)`` ahead of time; the daemon keeps the wanted (pass, layer)
 pairs in order. Reads for storage-tier layers are issued as soon as a host slot is free — ahead of
 device slots, so the reader runs up to N layers ahead — while device slots are filled strictly in
 wanted order, so compute receives the layers of a pass in the order it runs them. A host slot
@@ -19,12 +20,12 @@ is taken (compute is behind); *starved* when the next layer is a storage layer s
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 import zmq
 
 from ntx.daemons.dma.copier import make_copier
+from ntx.daemons.dma.ring_state import RingState
 from ntx.shared import messages as m
 from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.gguf_index import open_model
@@ -37,14 +38,14 @@ from ntx.shared.stats import StageClock
 class DmaDaemon(Daemon):
     name = "dma"
 
-    def setup(self, config: dict[str, Any]) -> dict[str, Any]:
-        cfg = config["instance"]
+    def setup(self, config: m.Config) -> m.Ready:
+        cfg = config.instance
         self.index = open_model(cfg["model"])
-        self.plan = Plan.from_dict(config["plan"])
-        names = config["shm_names"]
+        self.plan = Plan.from_dict(config.plan)
+        names = config.shm_names
         self.owned: list[ShmSegment] = []
-        self.copier = make_copier(cfg["backend"], config["device_slots"])
-        self.n_dev_slots = len(config["device_slots"])
+        self.copier = make_copier(cfg["backend"], config.device_slots)
+        self.n_dev_slots = len(config.device_slots)
 
         # pinned-RAM tier: every RAM layer in slot layout, loaded once; slot_bytes is whole
         # DIRECT_ALIGN_BYTES units, so packed one after another each layer starts aligned
@@ -75,21 +76,15 @@ class DmaDaemon(Daemon):
         self.clock = StageClock("dma")
         self.host_ring = self.ctx.socket(zmq.PAIR)
         self.host_ring.setsockopt(zmq.LINGER, 0)
-        self.host_ring.bind(config["host_ring"])
+        self.host_ring.bind(config.host_ring)
         self.dev_ring = self.ctx.socket(zmq.PAIR)
         self.dev_ring.setsockopt(zmq.LINGER, 0)
-        self.dev_ring.connect(config["device_ring"])
+        self.dev_ring.connect(config.device_ring)
 
-        self.free_dev: deque[int] = deque(range(self.n_dev_slots))
-        self.free_host: deque[int] = deque(range(len(self.host_slots)))
-        self.wanted: deque[tuple[int, int]] = deque()  # (pass, layer), in compute's order
-        self.reading: dict[tuple[int, int], int] = {}  # (pass, layer) -> host slot being filled
-        self.filled: dict[tuple[int, int], int] = {}  # (pass, layer) -> FILLED host slot
-        self.failed: dict[tuple[int, int], str] = {}
-        self.to_read: deque[tuple[int, int]] = deque()  # storage layers wanted, not yet given to the reader
+        self.ring = RingState(len(self.host_slots), self.n_dev_slots, lambda layer: self.plan.tiers[layer] == STORAGE)
         self.active = False  # compute has requests in flight
         self.clock.extra["limit_gbps"] = self._measure_copy_gbps()
-        return {"host_slots": [s.name for s in self.host_slots], "ram_bytes": total}
+        return m.Ready(host_slots=[s.name for s in self.host_slots])
 
     def _measure_copy_gbps(self) -> float | None:
         """This link's speed now: the best of three copies of a slot's worth of host memory into
@@ -120,83 +115,72 @@ class DmaDaemon(Daemon):
             if self.control in events:
                 self.poll_control()
             while self.dev_ring.poll(0):
-                self.on_device_msg(m.unpack(self.dev_ring.recv()))
+                self.on_device_msg(m.COMPUTE_TO_DMA.decode(self.dev_ring.recv()))
             while self.host_ring.poll(0):
-                self.on_host_msg(m.unpack(self.host_ring.recv()))
+                self.on_host_msg(m.READER_TO_DMA.decode(self.host_ring.recv()))
             self.issue_reads()
             self.deliver()
             self.maybe_send_stats()
 
-    def on_device_msg(self, msg: dict[str, Any]) -> None:
-        t = msg.get("t")
-        if t == m.WANT:
-            for layer in msg["layers"]:
-                key = (msg["pass"], layer)
-                self.wanted.append(key)
-                if self.plan.tiers[layer] == STORAGE:
-                    self.to_read.append(key)
-        elif t == m.SLOT_FREE:
-            self.free_dev.append(msg["slot"])
-        elif t == m.ACTIVITY:
-            self.active = bool(msg["active"])
-            if self.host_slots:  # a reader exists only when some layer lives on storage
-                self.host_ring.send(m.pack({"t": m.ACTIVITY, "active": self.active}))
-
-    def on_host_msg(self, msg: dict[str, Any]) -> None:
-        key = (msg["pass"], msg["layer"])
-        slot = self.reading.pop(key)
-        if msg.get("t") == m.FILLED:
-            self.filled[key] = slot
+    def on_device_msg(self, msg: m.Want | m.SlotFree | m.Activity) -> None:
+        if isinstance(msg, m.Want):
+            self.ring.want(msg.pass_id, msg.layers)
+        elif isinstance(msg, m.SlotFree):
+            self.ring.device_slot_freed(msg.slot, (msg.pass_id, msg.layer))
         else:
-            self.failed[key] = msg.get("message", "read failed")
-            self.free_host.append(slot)
+            self.active = msg.active
+            if self.host_slots:  # a reader exists only when some layer lives on storage
+                self.host_ring.send(msg.encode())
+
+    def on_host_msg(self, msg: m.Filled | m.ReadError) -> None:
+        key = (msg.pass_id, msg.layer)
+        if isinstance(msg, m.Filled):
+            self.ring.read_filled(key, msg.slot)
+        else:
+            self.ring.read_failed(key, msg.slot, msg.message)
 
     def issue_reads(self) -> None:
-        while self.to_read and self.free_host:
-            key = self.to_read.popleft()
-            slot = self.free_host.popleft()
-            self.reading[key] = slot
-            self.host_ring.send(m.pack({"t": m.READ, "slot": slot, "layer": key[1], "pass": key[0], "gen": self.gen,
-                                        "backlog": len(self.to_read), "active": self.active}))
+        while (job := self.ring.start_read()) is not None:
+            (pass_id, layer), slot = job
+            read = m.Read(slot=slot, layer=layer, pass_id=pass_id, backlog=len(self.ring.to_read), active=self.active)
+            self.host_ring.send(read.encode())
 
     def deliver(self) -> None:
         """Fill device slots with wanted layers, strictly in order."""
-        while self.wanted:
-            key = self.wanted[0]
-            pass_id, layer = key
-            if key in self.failed:
-                self.wanted.popleft()
-                self.dev_ring.send(m.pack({"t": m.LAYER_ERROR, "layer": layer, "pass": pass_id, "gen": self.gen,
-                                           "message": self.failed.pop(key)}))
+        ring = self.ring
+        while ring.head is not None:
+            pass_id, layer = ring.head
+            failure = ring.pop_failed_head()
+            if failure is not None:
+                self.dev_ring.send(m.LayerError(layer=layer, pass_id=pass_id, message=failure).encode())
                 continue
-            tier = self.plan.tiers[layer]
-            if tier == STORAGE and key not in self.filled:
+            waits_for = ring.head_waits_for()
+            if waits_for == "read":
                 self.clock.enter("starved" if self.active else "idle", pass_id)
                 return
-            if not self.free_dev:
+            if waits_for == "device_slot":
                 self.clock.enter("blocked" if self.active else "idle", pass_id)
                 return
-            dslot = self.free_dev.popleft()
+            dslot, hslot = ring.next_delivery()
             self.clock.enter("busy", pass_id)
             nbytes = self.index.layers[layer].slot_bytes
-            if tier == STORAGE:
-                hslot = self.filled.pop(key)
+            if hslot is not None:
                 self.copier.copy(self.host_arrays[hslot][:nbytes], dslot)
-                self.free_host.append(hslot)
-                self.issue_reads()
             else:
                 off = self.ram_offsets[layer]
                 self.copier.copy(self.ram_array[off : off + nbytes], dslot)
+            ring.delivered()
+            self.issue_reads()  # the host slot just freed can take the next read at once
             self.clock.add_bytes(self.index.layers[layer].nbytes, pass_id)
-            self.wanted.popleft()
-            self.dev_ring.send(m.pack({"t": m.SLOT_READY, "slot": dslot, "layer": layer, "pass": pass_id, "gen": self.gen}))
+            self.dev_ring.send(m.SlotReady(slot=dslot, layer=layer, pass_id=pass_id).encode())
         self.clock.enter("idle")
 
     def stats(self) -> dict[str, Any]:
         snap = self.clock.snapshot()
-        snap["host_slots"] = {"free": len(self.free_host), "reading": len(self.reading), "filled": len(self.filled)}
-        snap["device_slots_free_seen"] = len(self.free_dev)
-        snap["wanted"] = len(self.wanted)
+        ring = self.ring
+        snap["host_slots"] = {"free": len(ring.free_host), "reading": len(ring.reading), "filled": len(ring.filled)}
+        snap["device_slots_free_seen"] = len(ring.free_dev)
+        snap["wanted"] = len(ring.wanted)
         return snap
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """The reader daemon: turns "layer L into host slot s" into aligned reads of the layer's span.
 
 It owns no model logic and no slots: the dma daemon hands it a FREE host slot with a job
-(``read``), it fills the slot straight from storage (O_DIRECT where the file system allows) and
-answers ``filled`` — or ``read_error``, after which it goes on serving the next job.
+(``Read``), it fills the slot straight from storage (O_DIRECT where the file system allows) and
+answers ``Filled`` — or ``ReadError``, after which it goes on serving the next job.
 
 Time accounting: waiting for a job counts as *blocked* when the dma daemon said more storage
 layers were waiting for a host slot (``backlog`` > 0: the ring is full downstream), otherwise as
@@ -11,7 +11,6 @@ layers were waiting for a host slot (``backlog`` > 0: the ring is full downstrea
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import zmq
@@ -28,10 +27,10 @@ from ntx.shared.stats import StageClock
 class ReaderDaemon(Daemon):
     name = "reader"
 
-    def setup(self, config: dict[str, Any]) -> dict[str, Any]:
-        cfg = config["instance"]
+    def setup(self, config: m.Config) -> m.Ready:
+        cfg = config.instance
         self.index = open_model(cfg["model"])
-        self.slots = [ShmSegment.open(name) for name in config["host_slots"]]
+        self.slots = [ShmSegment.open(name) for name in config.host_slots]
         self.slot_arrays = [s.array() for s in self.slots]
         self.readers = {
             p: SpanReader(p, mode=cfg["io_mode"], chunk_bytes=cfg["read_chunk_bytes"], queue_depth=cfg["read_queue_depth"])
@@ -42,9 +41,8 @@ class ReaderDaemon(Daemon):
         self.clock.extra = {"io_mode": first.mode_in_use, "io_fallback": first.fallback_reason}
         self.ring = self.ctx.socket(zmq.PAIR)
         self.ring.setsockopt(zmq.LINGER, 0)
-        self.ring.connect(config["host_ring"])
-        self.waiting_state = "idle"
-        return {"io_mode": first.mode_in_use, "io_fallback": first.fallback_reason}
+        self.ring.connect(config.host_ring)
+        return m.Ready()  # the io mode in use reaches status through the clock's extra fields
 
     def read_layer(self, layer_idx: int, dest) -> int:
         """Read every span of the layer into ``dest`` (slot layout); returns bytes read."""
@@ -64,34 +62,30 @@ class ReaderDaemon(Daemon):
             # Jobs can arrive back to back for a whole generation (the disk is the slow stage):
             # report and heed shutdown between jobs, not only when the ring falls quiet.
             while self.ring.poll(0) and not self.stopping:
-                self.handle_job(m.unpack(self.ring.recv()))
+                self.handle_job(m.DMA_TO_READER.decode(self.ring.recv()))
                 self.maybe_send_stats()
                 self.poll_control()
             self.maybe_send_stats()
 
-    def handle_job(self, job: dict[str, Any]) -> None:
-        if job.get("t") == m.ACTIVITY:
-            if not job["active"]:
+    def handle_job(self, job: m.Read | m.Activity) -> None:
+        if isinstance(job, m.Activity):
+            if not job.active:
                 self.clock.enter("idle")
             elif self.clock.state == "idle":
                 self.clock.enter("starved")
             return
-        if job.get("t") != m.READ:
-            return
-        slot, layer, pass_id = job["slot"], job["layer"], job["pass"]
+        slot, layer, pass_id = job.slot, job.layer, job.pass_id
         self.clock.enter("busy", pass_id)
-        t0 = time.monotonic()
         try:
             nbytes = self.read_layer(layer, self.slot_arrays[slot])
         except NtxError as e:
-            self.ring.send(m.pack({"t": m.READ_ERROR, "slot": slot, "layer": layer, "pass": pass_id,
-                                   "gen": self.gen, "message": str(e)}))
+            self.ring.send(m.ReadError(slot=slot, layer=layer, pass_id=pass_id, message=str(e)).encode())
         else:
+            # bytes and read time are the reader's own clock's; dma needs only the slot back
             self.clock.add_bytes(nbytes, pass_id)
-            self.ring.send(m.pack({"t": m.FILLED, "slot": slot, "layer": layer, "pass": pass_id, "gen": self.gen,
-                                   "bytes": nbytes, "read_s": time.monotonic() - t0}))
+            self.ring.send(m.Filled(slot=slot, layer=layer, pass_id=pass_id).encode())
         # What the wait for the next job means depends on whether work is queued behind the ring.
-        self.clock.enter("blocked" if job.get("backlog", 0) > 0 else ("starved" if job.get("active") else "idle"), pass_id)
+        self.clock.enter("blocked" if job.backlog > 0 else ("starved" if job.active else "idle"), pass_id)
 
     def stats(self) -> dict[str, Any]:
         return self.clock.snapshot()

@@ -1,0 +1,157 @@
+"""The internal messages (shared/messages.py) and the one sampling-parameter table
+(shared/sampling_fields.py): every record survives its channel, a malformed frame is refused
+with one line naming the problem, and the table drives the wire check, SamplingParams, the CLI
+options and docs/PROTOCOL.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import typer
+
+from ntx.ctl.cli import app
+from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared import messages as m
+from ntx.shared.errors import NtxError
+from ntx.shared.sampling_fields import SAMPLING_FIELDS, from_wire, to_wire
+
+CHANNELS = [
+    m.DAEMON_TO_SUPERVISOR, m.SUPERVISOR_TO_DAEMON, m.CTL_TO_SUPERVISOR, m.SUPERVISOR_TO_CTL,
+    m.DMA_TO_READER, m.READER_TO_DMA, m.COMPUTE_TO_DMA, m.DMA_TO_COMPUTE,
+]
+EXAMPLES = [
+    m.Hello(), m.Ready(device_slots=[b"\x01handle"]), m.Ready(host_slots=["ntx-g0-hslot0"]),
+    m.Fatal(message="no GPU"), m.Stats(stats={"total": {"busy_s": 1.5}}),
+    m.Events(events=[{"id": "r0", "type": "token", "token": 5, "text": "a"}]), m.Drained(),
+    m.Config(instance={"model": "x.gguf"}, plan={"n_slots": 2}, shm_names={"ram": "r"},
+             host_ring="ipc://h", device_ring="ipc://d", device_slots=["s0"], host_slots=["h0"]),
+    m.Shutdown(), m.Request(rid="r1", generate={"op": "generate", "id": "c", "prompt": "hi"}),
+    m.Cancel(rid="r1"), m.Drain(timeout_s=30.0),
+    m.CtlStatus(), m.StatusReport(status={"state": "ready"}), m.CtlStop(force=True), m.Stopped(reason=None),
+    m.Read(slot=1, layer=7, pass_id=3, backlog=2, active=True), m.Filled(slot=1, layer=7, pass_id=3),
+    m.ReadError(slot=1, layer=7, pass_id=3, message="EIO"),
+    m.Want(pass_id=4, layers=[5, 6, 7]), m.SlotReady(slot=0, layer=5, pass_id=4),
+    m.SlotFree(slot=0, layer=5, pass_id=4), m.LayerError(layer=6, pass_id=4, message="EIO"),
+    m.Activity(active=False),
+]
+
+
+def test_every_record_has_an_example_and_a_channel():
+    records = {cls for cls in vars(m).values() if isinstance(cls, type) and issubclass(cls, m.Message) and cls is not m.Message}
+    assert {type(e) for e in EXAMPLES} == records
+    on_a_channel = {kind for ch in CHANNELS for kind in ch.kinds.values()}
+    assert on_a_channel == records
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda msg: type(msg).__name__)
+def test_round_trip_on_its_channels(msg):
+    channels = [ch for ch in CHANNELS if msg.T in ch.kinds]
+    for ch in channels:
+        assert ch.decode(msg.encode()) == msg
+    for ch in CHANNELS:
+        if ch not in channels:  # a message on the wrong channel is refused, never misread
+            with pytest.raises(m.MessageError, match="unexpected message type"):
+                ch.decode(msg.encode())
+
+
+@pytest.mark.parametrize(
+    "frame, needle",
+    [
+        (b"\xc1\xff", "not valid msgpack"),
+        (m.pack([1, 2]), "must be a msgpack map"),
+        (m.pack({"slot": 0}), "unexpected message type None"),
+        (m.pack({"t": "slot_ready", "slot": 0, "layer": 5}), "lacks field 'pass_id'"),
+        (m.pack({"t": "slot_ready", "slot": "0", "layer": 5, "pass_id": 1}), "'slot' must be an integer"),
+        (m.pack({"t": "slot_ready", "slot": True, "layer": 5, "pass_id": 1}), "'slot' must be an integer"),
+        (m.pack({"t": "slot_ready", "slot": 0, "layer": 5, "pass_id": 1, "gen": 0}), "unknown field(s) 'gen'"),
+        (m.pack({"t": "layer_error", "layer": 5, "pass_id": 1}), "lacks field 'message'"),
+    ],
+)
+def test_a_malformed_frame_is_one_clear_error(frame, needle):
+    with pytest.raises(m.MessageError) as err:
+        m.DMA_TO_COMPUTE.decode(frame)
+    text = str(err.value)
+    assert text.startswith("device ring (dma -> compute): ") and needle in text and "\n" not in text
+    assert isinstance(err.value, NtxError)  # a daemon reports it as a fatal error, one line
+
+
+def test_list_items_are_checked():
+    with pytest.raises(m.MessageError, match="'layers' must be a list"):
+        m.COMPUTE_TO_DMA.decode(m.pack({"t": "want", "pass_id": 0, "layers": [1, "2"]}))
+
+
+def test_ring_messages_carry_no_dead_fields():
+    assert [f.name for f in dataclasses.fields(m.Filled)] == ["slot", "layer", "pass_id"]
+    for kind in (m.Read, m.Filled, m.ReadError, m.Want, m.SlotReady, m.SlotFree, m.LayerError, m.Activity):
+        assert "gen" not in {f.name for f in dataclasses.fields(kind)}
+
+
+# --- the sampling table --------------------------------------------------------------------------
+
+
+def test_sampling_params_are_the_table():
+    p = SamplingParams()
+    assert [f.name for f in dataclasses.fields(p)] == [f.name for f in SAMPLING_FIELDS]
+    for f in SAMPLING_FIELDS:
+        assert getattr(p, f.name) == (list(f.default) if f.kind is list else f.default)
+    assert SamplingParams().stop is not SamplingParams().stop  # no shared mutable default
+
+
+def test_wire_round_trip_through_the_table():
+    p = SamplingParams(temperature=0.0, top_k=3, seed=9, max_tokens=7, stop=["\n"])
+    wire = to_wire(p)
+    assert set(wire) == {f.name for f in SAMPLING_FIELDS}
+    m.check_generate({"op": "generate", "id": "x", "prompt": "hi", **wire})
+    assert SamplingParams(**from_wire({"prompt": "hi", **wire})) == p
+    assert SamplingParams(**from_wire({"prompt": "hi"})) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("top_k", "3", "field 'top_k' must be an integer, got str"),
+        ("temperature", True, "field 'temperature' must be a number, got bool"),
+        ("stop", "x", "field 'stop' must be a list of strings"),
+        ("top_p", 9.0, "invalid sampling parameter top_p=9.0"),
+        ("max_tokens", 0, "invalid sampling parameter max_tokens=0"),
+        ("seed", -1, "invalid sampling parameter seed=-1"),
+        ("stop", ["ok", ""], "invalid sampling parameter stop="),
+    ],
+)
+def test_wire_check_of_sampling_fields(field, value, needle):
+    with pytest.raises(m.ProtocolError) as err:
+        m.check_generate({"op": "generate", "id": "x", "prompt": "hi", field: value})
+    assert err.value.code == "bad_request" and needle in str(err.value)
+
+
+def test_seed_may_be_nil_on_the_wire():
+    m.check_generate({"op": "generate", "id": "x", "prompt": "hi", "seed": None})
+
+
+def _options(command: str) -> dict[str, object]:
+    cmd = typer.main.get_command(app).commands[command]
+    return {p.name: p for p in cmd.params}
+
+
+@pytest.mark.parametrize("command, overrides", [("generate", {}), ("chat", {"temperature": 0.7, "max_tokens": 512})])
+def test_cli_options_come_from_the_table(command, overrides):
+    opts = _options(command)
+    for f in SAMPLING_FIELDS:
+        opt = opts[f.name]
+        assert f"--{f.name.replace('_', '-')}" in opt.opts
+        assert opt.help == f.help
+        if f.kind is not list:
+            assert opt.default == overrides.get(f.name, f.default)
+
+
+def test_protocol_doc_lists_every_sampling_field_with_its_default():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "PROTOCOL.md").read_text()
+    for f in SAMPLING_FIELDS:
+        row = re.search(rf"^\| `{f.name}` \| [^|]+ \| ([^|]+) \|", doc, re.M)
+        assert row, f"docs/PROTOCOL.md has no row for {f.name}"
+        shown = row.group(1).strip()
+        expected = "random" if f.default is None else "[]" if f.kind is list else str(f.default)
+        assert shown == expected, (f.name, shown, expected)
