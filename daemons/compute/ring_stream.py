@@ -26,7 +26,20 @@ class LayerUnavailable(NtxError):
     """A streamed layer could not be brought in for this pass."""
 
 
+class RingProtocolError(RuntimeError):
+    """dma broke the ring's contract (a slot handed out twice, a key delivered twice): a bug,
+    so compute stops and the supervisor restarts the pipeline rather than run the wrong bytes."""
+
+
 class RingStream:
+    """Compute's side of the device ring, as the model's ``LayerStream``.
+
+    Each streamed (pass, layer) key is wanted (``Want`` at ``begin_pass``), then ``ready`` (a
+    ``SlotReady`` named its device slot), ``held`` (acquired, running), and gone (``SlotFree``
+    on release); or in ``errors`` (a ``LayerError``), raised by ``acquire``. Invariants, checked
+    as tokens arrive: a key is in at most one of ready / held; a device slot is named by at most
+    one key across ready and held. See docs/ARCHITECTURE.md for both sides of the ring."""
+
     def __init__(
         self,
         sock: zmq.Socket,
@@ -61,6 +74,10 @@ class RingStream:
     def _receive(self, msg: m.SlotReady | m.LayerError) -> None:
         key = (msg.pass_id, msg.layer)
         if isinstance(msg, m.SlotReady):
+            if key in self.ready or key in self.held:
+                raise RingProtocolError(f"dma delivered layer {msg.layer} of pass {msg.pass_id} twice")
+            if msg.slot in self.ready.values() or msg.slot in self.held.values():
+                raise RingProtocolError(f"dma handed out device slot {msg.slot} while compute still holds it")
             if key[0] in self.aborted:
                 self._send(m.SlotFree(slot=msg.slot, layer=msg.layer, pass_id=msg.pass_id))
             else:

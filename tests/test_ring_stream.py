@@ -1,0 +1,73 @@
+"""Compute's end of the device ring against a scripted dma on a real ZeroMQ pair: layers arrive
+in order, go back as SlotFree, a failed pass is aborted, and a broken contract stops compute."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import zmq
+
+from ntx.daemons.compute.ring_stream import LayerUnavailable, RingProtocolError, RingStream
+from ntx.shared import messages as m
+from ntx.shared.stats import StageClock
+
+
+@pytest.fixture
+def ring():
+    ctx = zmq.Context.instance()
+    addr = f"inproc://ring-{uuid.uuid4().hex}"
+    compute, dma = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    compute.bind(addr)
+    dma.connect(addr)
+    slots = [np.full(16, i, dtype=np.uint8) for i in range(2)]
+    stream = RingStream(compute, slots, [2, 3], {2: 16, 3: 16}, StageClock("compute"))
+    yield stream, dma
+    compute.close(linger=0)
+    dma.close(linger=0)
+
+
+def _from_compute(dma) -> list[m.Message]:
+    out = []
+    while dma.poll(200):
+        out.append(m.COMPUTE_TO_DMA.decode(dma.recv()))
+    return out
+
+
+def test_a_pass_wants_ahead_receives_in_order_and_frees(ring):
+    stream, dma = ring
+    stream.begin_pass(0)
+    assert _from_compute(dma) == [m.Want(pass_id=0, layers=[2, 3]), m.Want(pass_id=1, layers=[2, 3])]
+    dma.send(m.SlotReady(slot=1, layer=2, pass_id=0).encode())
+    assert stream.acquire(2, 0)[0] == 1  # slot 1's buffer
+    stream.release(2, 0)
+    assert _from_compute(dma) == [m.SlotFree(slot=1, layer=2, pass_id=0)]
+
+
+def test_a_failed_layer_aborts_the_pass_and_its_prefetch(ring):
+    stream, dma = ring
+    stream.begin_pass(0)
+    _from_compute(dma)
+    dma.send(m.LayerError(layer=2, pass_id=0, message="read failed").encode())
+    dma.send(m.SlotReady(slot=0, layer=3, pass_id=0).encode())
+    with pytest.raises(LayerUnavailable, match="layer 2 could not be loaded: read failed"):
+        stream.acquire(2, 0)
+    assert stream.abort_pass(0) == 2  # passes 0 and 1 were wanted: 2 is the first fresh one
+    assert _from_compute(dma) == [m.SlotFree(slot=0, layer=3, pass_id=0)]  # the ready slot went back at once
+    stream.begin_pass(2)
+    dma.send(m.SlotReady(slot=1, layer=2, pass_id=1).encode())  # an aborted pass's late token
+    dma.send(m.SlotReady(slot=0, layer=2, pass_id=2).encode())
+    assert stream.acquire(2, 2)[0] == 0
+    got = _from_compute(dma)
+    assert m.SlotFree(slot=1, layer=2, pass_id=1) in got and m.Want(pass_id=3, layers=[2, 3]) in got
+
+
+@pytest.mark.parametrize("second", [m.SlotReady(slot=0, layer=3, pass_id=0), m.SlotReady(slot=1, layer=2, pass_id=0)])
+def test_a_slot_or_key_handed_out_twice_stops_compute(ring, second):
+    stream, dma = ring
+    stream.begin_pass(0)
+    dma.send(m.SlotReady(slot=0, layer=2, pass_id=0).encode())
+    dma.send(second.encode())
+    with pytest.raises(RingProtocolError):
+        stream.acquire(3, 0)
