@@ -132,15 +132,15 @@ def _local_events(engine):
         yield from engine.step()
 
 
-def _generate_local(model_path, prompt, raw, params, as_json) -> None:
+def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, drafting: dict) -> None:
     from ntx.ctl.local import build_local_engine
     from ntx.daemons.compute.engine import Request
 
     t0 = time.monotonic()
-    engine = build_local_engine(model_path, progress=True)
+    engine = build_local_engine(model_path, progress=True, **drafting)
     load_s = time.monotonic() - t0
     ids = engine.prompt_tokens(prompt=prompt, raw=raw)
-    engine.submit(Request(id="cli", prompt_tokens=ids, params=params, stream=not as_json))
+    engine.submit(Request(id="cli", prompt_tokens=ids, params=params, stream=not as_json, speculative=speculative))
     done = _print_stream(_local_events(engine), as_json)
     if as_json:
         done["timings"]["load_s"] = round(load_s, 3)
@@ -156,32 +156,51 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
     listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
+    speculative: bool = typer.Option(True, "--speculative/--no-speculative",
+                                     help="draft and verify when the engine has a drafter"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="in-process: draft with this small GGUF (same vocabulary)"),
+    self_draft: Optional[str] = typer.Option(None, "--self-draft", help="in-process: draft with these layers of the model (e.g. 0-9, or all)"),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help="in-process: tokens drafted per pass (1-512)"),
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Generate text: through a running pipeline if one listens, else in this process (CPU)."""
+    drafting = _drafting(draft_model, self_draft, draft_tokens)
     if not local:
         from ntx.ctl.client import pipeline_available
 
         if pipeline_available(listen):
-            _generate_remote(listen, prompt, raw, sampling, as_json)
+            _generate_remote(listen, prompt, raw, sampling, as_json, speculative)
             return
         typer.echo(
             f"ntxctl: no pipeline listens on {listen}; running in this process on the CPU "
             "(start a pipeline with `ntxctl start`)",
             err=True,
         )
-    _generate_local(_model_path(model), prompt, raw, sampling, as_json)
+    _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
+
+
+def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int) -> dict:
+    """``build_engine``'s drafter keywords from the CLI's (``--self-draft all`` or a layer list)."""
+    from ntx.shared.config import parse_layers
+
+    out: dict = {"draft_tokens": draft_tokens}
+    if draft_model:
+        out["draft_model"] = os.path.abspath(draft_model)
+    if self_draft:
+        out["self_draft"] = True if self_draft == "all" else parse_layers(self_draft, "--self-draft")
+    return out
 
 
 def _stream_remote(client, as_json: bool, **request) -> dict:
     return _print_stream(client.generate(stream=not as_json, **request), as_json)
 
 
-def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool) -> None:
+def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool, speculative: bool = True) -> None:
     from ntx.ctl.client import Client
 
+    extra = {} if speculative else {"speculative": False}
     with Client(listen) as c:
-        done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **to_wire(params))
+        done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **to_wire(params), **extra)
     if as_json:
         _print_json(done)
 
@@ -231,6 +250,9 @@ def start(
     plan_only: bool = typer.Option(False, "--plan-only", help="print the tier plan and start nothing"),
     timeout: float = typer.Option(120.0, "--timeout", help="seconds each daemon may take to get ready"),
     max_restarts: int = typer.Option(3, "--max-restarts", help="restarts within 5 minutes before giving up"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="draft with this small GGUF (same vocabulary), resident"),
+    self_draft: Optional[str] = typer.Option(None, "--self-draft", help="draft with resident layers of the model: all, or a list (0-9,12)"),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help="tokens drafted per sequence and pass (1-512)"),
 ) -> None:
     """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
     from ntx.ctl import instance
@@ -245,6 +267,7 @@ def start(
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget is not None else None,
         max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
         handshake_timeout_s=timeout, max_restarts=max_restarts,
+        **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens)),
     ).validate()
     index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
@@ -262,6 +285,14 @@ def start(
     st = instance.start(cfg, plan, on_progress=progress)
     pids = ", ".join(f"{n} {d['pid']}" for n, d in st["daemons"].items())
     typer.echo(f"instance {name!r} ready on {listen} (supervisor {st['supervisor_pid']}; {pids})")
+
+
+def _instance_drafting(drafting: dict) -> dict:
+    """``_drafting``'s keywords as InstanceConfig fields."""
+    self_draft = drafting.get("self_draft", False)
+    return {"draft_model": drafting.get("draft_model"), "self_draft": self_draft is not False,
+            "self_draft_layers": None if self_draft in (True, False) else self_draft,
+            "draft_tokens": drafting["draft_tokens"]}
 
 
 def _choose_backend(backend: str) -> str:

@@ -61,6 +61,11 @@ def render_status(st: dict[str, Any], renderable: bool = False):
     r = st["requests"]
     tail.append(f"requests: {r['active']} active, {r['queued']} queued, {r['in_flight']} in flight;  "
                 f"{st['tokens_per_s']:.2f} tok/s, {st['tokens_generated']} tokens so far\n")
+    spec = st.get("speculation")
+    if spec:
+        tail.append(f"speculation: {spec['drafter']} drafter, up to {spec['draft_tokens']} a pass; drafted "
+                    f"{spec['drafted']}, accepted {spec['accepted']} ({spec['acceptance_rate']:.0%}); "
+                    f"mean acceptance length {spec['accepted_per_pass']:.2f} over {spec['verify_passes']} verify passes\n")
     sl = st["slots"]
     tail.append(f"slots: {sl['n_slots']} × {format_bytes(sl['slot_bytes'])}; host {sl.get('host')}; "
                 f"device slots free at dma: {sl.get('device_free_at_dma')}\n")

@@ -35,6 +35,17 @@ def parse_size(text: str | int, what: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_layers(text: str, what: str = "layers") -> list[int]:
+    """``"0-9,12"`` -> [0, 1, ..., 9, 12]: layer ids as ranges and single ids."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ConfigError(f"{what} {text!r} is not a list of layers (example: 0-9,12)")
+        out.extend(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    return sorted(set(out))
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
@@ -104,6 +115,9 @@ class InstancePaths:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+MAX_DRAFT_TOKENS = 512
+
+
 @dataclass
 class InstanceConfig:
     """What ``ntxctl start`` asked for; travels to every daemon inside its ``config`` message."""
@@ -124,6 +138,11 @@ class InstanceConfig:
     max_restarts: int = 3
     read_queue_depth: int = 4
     read_chunk_bytes: int = 8 << 20
+    # speculative decoding (daemons/compute/speculation.py): one drafter at most
+    draft_model: str | None = None  # a small GGUF of the target's vocabulary, resident
+    self_draft: bool = False  # draft with the target's resident layers
+    self_draft_layers: list[int] | None = None  # those of them to use (None: all)
+    draft_tokens: int = 4  # drafted per sequence and pass
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +163,10 @@ class InstanceConfig:
             raise ConfigError(f"--max-batch {self.max_batch}: must be at least 1")
         if self.max_context < 16:
             raise ConfigError(f"--ctx {self.max_context}: must be at least 16")
+        if self.draft_model is not None and self.self_draft:
+            raise ConfigError("choose one drafter: --self-draft or --draft-model, not both")
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if not self.listen.startswith(("tcp://", "ipc://")):

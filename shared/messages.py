@@ -374,6 +374,7 @@ _GENERATE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "tokens": ((list,), "a list of token ids"),
     "raw": ((bool,), "true or false"),
     "stream": ((bool,), "true or false"),
+    "speculative": ((bool,), "true or false"),
     "logprobs": ((int,), "an integer"),
     "prompt_logprobs": ((int,), "an integer"),
     **{name: f.wire_types for name, f in SAMPLING_BY_NAME.items()},

@@ -44,6 +44,11 @@ class MemoryCosts:
     def kv_bytes(self) -> int:
         return self.kv_bytes_per_token * self.kv_tokens
 
+    @property
+    def all_resident_bytes(self) -> int:
+        """Everything held when every layer is resident (a draft model's footprint)."""
+        return sum(self.layer_bytes) + self.globals_bytes + self.kv_bytes + self.workspace_bytes
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -58,6 +63,7 @@ class Plan:
     kv_bytes: int
     kv_tokens: int
     workspace_bytes: int
+    draft_bytes: int  # a draft model's weights, KV cache and workspace (0 without one)
     device_slot_bytes_total: int
     host_slot_bytes_total: int
     vram_layer_bytes: int
@@ -95,7 +101,9 @@ class Plan:
         lines.append(
             f"reserved in {self.memory_name}: globals {format_bytes(self.globals_bytes)}, "
             f"KV cache {format_bytes(self.kv_bytes)} ({self.kv_tokens} tokens), workspace {format_bytes(self.workspace_bytes)}, "
-            f"device slots {format_bytes(self.device_slot_bytes_total)}; budget {format_bytes(self.vram_budget)}"
+            f"device slots {format_bytes(self.device_slot_bytes_total)}"
+            + (f", draft model {format_bytes(self.draft_bytes)}" if self.draft_bytes else "")
+            + f"; budget {format_bytes(self.vram_budget)}"
         )
         lines.append(
             f"pinned RAM: host slots {format_bytes(self.host_slot_bytes_total)}; budget {format_bytes(self.ram_budget)}; "
@@ -141,9 +149,9 @@ def _free_device_bytes() -> int:
     raise ConfigError("cannot tell the GPU's free memory (no nvidia-smi): give --vram-budget")
 
 
-def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts) -> Plan:
+def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft: MemoryCosts | None = None) -> Plan:
     """Place every layer of ``index`` on a tier under ``cfg``'s budgets, with the memory the
-    backend says it needs (``costs``)."""
+    backend says it needs (``costs``) and, first, a draft model's whole footprint (``draft``)."""
     backend = cfg.backend
     vram_default, ram_default = (None, None)
     if cfg.vram_budget is None or cfg.ram_budget is None:
@@ -153,15 +161,17 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts) -> Pla
 
     hp = index.hparams
     globals_bytes, kv_bytes, workspace = costs.globals_bytes, costs.kv_bytes, costs.workspace_bytes
+    draft_bytes = draft.all_resident_bytes if draft is not None else 0
     slot_bytes = index.max_layer_slot_bytes
     layer_costs = costs.layer_bytes
     n = hp.n_layers
 
-    avail = vram_budget - globals_bytes - kv_bytes - workspace
+    avail = vram_budget - globals_bytes - kv_bytes - workspace - draft_bytes
     if avail < 0:
+        with_draft = f" and the draft model ({format_bytes(draft_bytes)})" if draft_bytes else ""
         raise ConfigError(
-            f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, KV cache and workspace "
-            f"alone need {format_bytes(globals_bytes + kv_bytes + workspace)}"
+            f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, KV cache and workspace"
+            f"{with_draft} alone need {format_bytes(vram_budget - avail)}"
         )
     max_vram_layers = n if cfg.max_vram_layers is None else min(cfg.max_vram_layers, n)
     tiers = [STORAGE] * n
@@ -205,7 +215,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts) -> Pla
     return Plan(
         tiers=tuple(tiers), backend=backend, memory_name=costs.memory_name, n_slots=cfg.slots, slot_bytes=slot_bytes,
         vram_budget=vram_budget, ram_budget=ram_budget, globals_bytes=globals_bytes,
-        kv_bytes=kv_bytes, kv_tokens=costs.kv_tokens, workspace_bytes=workspace,
+        kv_bytes=kv_bytes, kv_tokens=costs.kv_tokens, workspace_bytes=workspace, draft_bytes=draft_bytes,
         device_slot_bytes_total=device_slots_total, host_slot_bytes_total=host_slots_total,
         vram_layer_bytes=total(VRAM), ram_layer_bytes=total(RAM), storage_layer_bytes=total(STORAGE),
     )

@@ -27,7 +27,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from ntx.daemons.compute.batch import StepBatch
-from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex
+from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex, open_model
 from ntx.shared.config import InstanceConfig
 from ntx.shared.plan import MemoryCosts, Plan, make_plan
 
@@ -269,10 +269,13 @@ def memory_costs(name: str, index: ModelIndex, *, max_seqs: int, max_ctx: int, p
 
 
 def plan_for(index: ModelIndex, cfg: InstanceConfig) -> Plan:
-    """The tier plan of an instance: ``cfg``'s budgets against what its backend reports it holds."""
-    costs = memory_costs(cfg.backend, index, max_seqs=cfg.max_batch, max_ctx=cfg.max_context,
-                         prefill_chunk_tokens=cfg.prefill_chunk_tokens)
-    return make_plan(index, cfg, costs)
+    """The tier plan of an instance: ``cfg``'s budgets against what its backend reports it holds
+    (for the model, and for the draft model first when there is one)."""
+    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.max_context, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    draft = None
+    if cfg.draft_model:
+        draft = memory_costs(cfg.backend, open_model(cfg.draft_model), **sizes)
+    return make_plan(index, cfg, memory_costs(cfg.backend, index, **sizes), draft)
 
 
 def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096) -> Backend:

@@ -37,6 +37,7 @@ def request_from_wire(engine: EngineCore, rid: str, msg: dict[str, Any]) -> Requ
     return Request(
         id=rid, prompt_tokens=ids, params=params, logprobs=int(msg.get("logprobs", 0)),
         prompt_logprobs=int(msg.get("prompt_logprobs", 0)), stream=bool(msg.get("stream", True)),
+        speculative=bool(msg.get("speculative", True)),
     )
 
 
@@ -67,6 +68,8 @@ class ComputeDaemon(Daemon):
         self.engine: EngineCore = build_engine(
             self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream,
             max_batch=cfg["max_batch"], max_context=cfg["max_context"], prefill_chunk_tokens=cfg["prefill_chunk_tokens"],
+            self_draft=(cfg["self_draft_layers"] or True) if cfg["self_draft"] else False,
+            draft_model=cfg["draft_model"], draft_tokens=cfg["draft_tokens"],
         )
         self.active = False
         self.draining_until_s: float | None = None
@@ -139,6 +142,9 @@ class ComputeDaemon(Daemon):
             tokens_generated=self.engine.tokens_generated, n_passes=self.engine.model.next_pass_id,
             tokens_per_s=round(window / span, 3) if span > 0 else 0.0,
         )
+        if self.engine.drafter is not None:
+            snap["speculation"] = {"drafter": self.engine.drafter.name, "draft_tokens": self.engine.draft_tokens,
+                                   **self.engine.spec.report()}
         return snap
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import Sampler, SamplingParams, StopMatcher, logprobs_topk
+from ntx.daemons.compute.speculation import MAX_DRAFT_TOKENS, Drafter, DraftRequest, verify_chain
 from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
 from ntx.shared.errors import NtxError
 
@@ -47,6 +48,27 @@ class Request:
     logprobs: int = 0
     prompt_logprobs: int = 0
     stream: bool = True
+    speculative: bool = True  # draft and verify when the engine has a drafter
+
+
+@dataclass
+class SpecCounts:
+    """Speculation's tally: verify passes, tokens drafted and drafted tokens accepted."""
+
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def report(self) -> dict[str, Any]:
+        """For ``done`` replies and status: what speculation got out of each pass."""
+        return {"verify_passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
+                "accepted_per_pass": round(self.accepted / self.passes, 3) if self.passes else 0.0,
+                "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0}
 
 
 @dataclass
@@ -66,6 +88,8 @@ class _Seq:
     next_token: int | None = None  # sampled, not yet fed through the model
     t_first_token_s: float = 0.0
     t_admit_s: float = 0.0
+    draft: list[int] = field(default_factory=list)  # proposed, verified by the next pass
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     @property
     def prefilling(self) -> bool:
@@ -81,8 +105,15 @@ class EngineCore:
         max_batch: int = 16,
         prefill_chunk_tokens: int = 512,
         max_context: int | None = None,
+        drafter: Drafter | None = None,
+        draft_tokens: int = 4,
     ) -> None:
         self.model = model
+        self.drafter = drafter
+        if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise NtxError(f"--draft-tokens {draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
+        self.draft_tokens = draft_tokens
+        self.spec = SpecCounts()  # over every request
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -191,8 +222,7 @@ class EngineCore:
         while self.waiting and len(self.running) < self.max_batch:
             s = self.waiting.popleft()
             s.seq_id = next(self._seq_ids)
-            cap = min(self.max_context, len(s.req.prompt_tokens) + s.req.params.max_tokens)
-            self.model.backend.alloc_sequence(s.seq_id, cap)
+            self.model.backend.alloc_sequence(s.seq_id, self._capacity(s))
             s.t_admit_s = time.monotonic()
             self.running.append(s)
 
@@ -206,9 +236,9 @@ class EngineCore:
                 toks = s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + budget]
                 budget -= len(toks)
                 chunks.append(SeqChunk(s.seq_id, s.n_prefilled, tuple(toks), all_logits=s.req.prompt_logprobs > 0))
-            else:
+            else:  # the last token, then its draft: row i predicts draft[i]
                 pos = len(s.req.prompt_tokens) + len(s.generated) - 1
-                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token,)))
+                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token, *s.draft), all_logits=bool(s.draft)))
             seqs.append(s)
         return StepBatch(chunks), seqs
 
@@ -217,6 +247,7 @@ class EngineCore:
         self._admit()
         if not self.running:
             return []
+        self._propose_drafts()
         batch, seqs = self._plan()
         # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill
         self.last_pass = (self.model.next_pass_id, batch.n_tokens,
@@ -236,7 +267,56 @@ class EngineCore:
                 s.n_prefilled += chunk.n_tokens
                 if s.prefilling:
                     continue
+            elif s.draft:
+                events.extend(self._verify(s, pk))
+                continue
             events.extend(self._advance(s, pk[-1]))
+        return events
+
+    # -- speculation ---------------------------------------------------------------------------
+    def _capacity(self, s: _Seq) -> int:
+        """The positions ``s`` can reach: its KV cache's size."""
+        return min(self.max_context, len(s.req.prompt_tokens) + s.req.params.max_tokens)
+
+    def _draft_budget(self, s: _Seq) -> int:
+        """Tokens ``s`` may draft now: a verify pass yields up to one more than it drafts, and
+        writes KV entries up to the draft's last position, so both must stay within the
+        request's max_tokens and its KV capacity."""
+        pos = len(s.req.prompt_tokens) + len(s.generated) - 1  # where the last token goes
+        left = s.req.params.max_tokens - len(s.generated)
+        return max(0, min(self.draft_tokens, left - 1, self._capacity(s) - 1 - pos))
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for every decoding sequence's next tokens (one batched call)."""
+        if self.drafter is None:
+            return
+        reqs, owners = [], []
+        for s in self.running:
+            if s.prefilling or not s.req.speculative:
+                continue
+            n = self._draft_budget(s)
+            if n > 0:
+                reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, n, self._capacity(s)))
+                owners.append(s)
+        if reqs:
+            for s, draft in zip(owners, self.drafter.propose(reqs)):
+                s.draft = draft
+
+    def _verify(self, s: _Seq, pk: list[Picked]) -> list[dict]:
+        """Accept what the pass confirms of ``s``'s draft, plus the target's own next token, and
+        emit them in order until the request finishes."""
+        history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else []
+        tokens = verify_chain(s.draft, pk, s.sampler, history)
+        accepted = len(tokens) - 1
+        s.spec.add(len(s.draft), accepted)
+        self.spec.add(len(s.draft), accepted)
+        s.draft = []
+        events: list[dict] = []
+        for tok, row in zip(tokens, pk):
+            out, finished = self._emit(s, tok, row)
+            events.extend(out)
+            if finished:
+                break
         return events
 
     def _picks(self, batch: StepBatch, seqs: list[_Seq]) -> list[Pick]:
@@ -246,6 +326,9 @@ class EngineCore:
         n_vocab = self.model.hp.n_vocab
         out: list[Pick] = []
         for s, chunk in zip(seqs, batch.chunks):
+            if not s.prefilling and s.draft:  # every row of a verified chunk is sampled from
+                out.extend([s.sampler.pick(n_vocab, s.req.logprobs)] * chunk.n_tokens)
+                continue
             finishes_prompt = not s.prefilling or s.n_prefilled + chunk.n_tokens >= len(s.req.prompt_tokens)
             last = s.sampler.pick(n_vocab, s.req.logprobs) if finishes_prompt else Pick(1)
             if chunk.all_logits:
@@ -279,15 +362,19 @@ class EngineCore:
 
     def _advance(self, s: _Seq, pk: Picked) -> list[dict]:
         """Sample the next token of ``s`` from its last row's pick; emit and maybe finish."""
-        now = time.monotonic()
         # the history only matters to the repetition penalty: build it only then
         history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else ()
-        tok = s.sampler.sample_picked(pk, history)
+        return self._emit(s, s.sampler.sample_picked(pk, history), pk)[0]
+
+    def _emit(self, s: _Seq, tok: int, pk: Picked) -> tuple[list[dict], bool]:
+        """Append token ``tok`` (drawn from the row ``pk``) to ``s``: its events, and whether the
+        request finished (stop token, stop string, max_tokens or the context's end)."""
+        now = time.monotonic()
         if not s.generated:
             s.t_first_token_s = now
         self.tokens_generated += 1
         if tok in self.tokenizer.stop_ids:
-            return [self._retire(s, "stop")]
+            return [self._retire(s, "stop")], True
         s.generated.append(tok)
         s.next_token = tok
         emit, stopped = s.stopper.push(s.decoder.push(tok))
@@ -305,12 +392,16 @@ class EngineCore:
             events.append(self._retire(s, "length"))
         elif len(s.req.prompt_tokens) + len(s.generated) >= self.max_context:
             events.append(self._retire(s, "length"))
-        return events
+        else:
+            return events, False
+        return events, True
 
     def _release(self, s: _Seq) -> None:
         """Free the sequence's KV cache and its id."""
         if s.seq_id >= 0:
             self.model.backend.free_sequence(s.seq_id)
+            if self.drafter is not None:
+                self.drafter.forget(s.seq_id)
         self._ids.discard(s.req.id)
 
     def _fail(self, s: _Seq, code: str, message: str) -> dict:
@@ -352,4 +443,6 @@ class EngineCore:
             done["tail"] = tail
         if s.req.prompt_logprobs:
             done["prompt_logprobs"] = s.prompt_lp
+        if s.spec.passes:
+            done["speculation"] = s.spec.report()
         return done

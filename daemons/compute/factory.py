@@ -7,12 +7,14 @@ build their engines here, so a model is sized, loaded and wired the same way eve
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from ntx.daemons.compute.backend import Backend, make_backend
 from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
+from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
 from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import ModelIndex, open_model
 
 DEFAULT_CONTEXT = 4096  # positions per sequence when the caller names none (the model may allow more)
@@ -28,6 +30,9 @@ def build_engine(
     max_context: int | None = None,
     prefill_chunk_tokens: int = 512,
     progress: Callable[[int], None] | None = None,
+    self_draft: bool | Sequence[int] = False,
+    draft_model: str | os.PathLike | None = None,
+    draft_tokens: int = 4,
 ) -> EngineCore:
     """An engine for ``model`` (an index or a GGUF path) on ``backend`` (a name, or a backend
     already made — the compute daemon makes its own first, to allocate the ring's slots).
@@ -35,7 +40,11 @@ def build_engine(
     ``resident_layers`` None keeps every layer resident; the others come from ``stream``, or are
     re-read from the file every pass when no stream is given. Contexts hold ``max_context``
     positions (default 4096, at most what the model was trained for), for up to ``max_batch``
-    sequences at once. ``progress(i)`` is called as resident layer i is loaded."""
+    sequences at once. ``progress(i)`` is called as resident layer i is loaded.
+
+    Speculative decoding (``speculation.py``): ``self_draft`` drafts with the resident layers
+    (True) or the given resident layers; ``draft_model`` with a small model of the same
+    vocabulary, all resident on the same backend; ``draft_tokens`` per sequence and pass."""
     index = model if isinstance(model, ModelIndex) else open_model(model)
     max_context = min(max_context or DEFAULT_CONTEXT, index.hparams.n_ctx_train)
     if isinstance(backend, str):
@@ -43,5 +52,21 @@ def build_engine(
     if stream is None and resident_layers is not None and set(resident_layers) != set(range(index.hparams.n_layers)):
         stream = FileLayerStream(index)
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress)
+    drafter = _drafter(llama, backend.name, self_draft, draft_model, max_batch, max_context)
     return EngineCore(llama, Tokenizer.from_metadata(index.metadata), max_batch=max_batch,
-                      prefill_chunk_tokens=prefill_chunk_tokens, max_context=max_context)
+                      prefill_chunk_tokens=prefill_chunk_tokens, max_context=max_context,
+                      drafter=drafter, draft_tokens=draft_tokens)
+
+
+def _drafter(target: LlamaModel, backend: str, self_draft: bool | Sequence[int], draft_model, max_batch: int,
+             max_context: int) -> Drafter | None:
+    if self_draft is not False and draft_model is not None:
+        raise ConfigError("choose one drafter: --self-draft or --draft-model, not both")
+    if self_draft is not False:
+        return SelfDrafter(target, None if self_draft is True else list(self_draft))
+    if draft_model is None:
+        return None
+    index = open_model(draft_model)
+    check_same_vocabulary(target.index, index)
+    draft = LlamaModel(index, make_backend(backend, index, max_seqs=max_batch, max_ctx=max_context))
+    return ModelDrafter(draft)

@@ -11,7 +11,7 @@ its passes; a stream that failed a pass says where numbering resumes (``abort_pa
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -99,6 +99,17 @@ def _runs(resident: set[int], n_layers: int) -> list[tuple[int, int, bool]]:
     return runs
 
 
+def _spans(layers: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted layer ids cut into maximal runs of consecutive ids: [first, end)."""
+    spans: list[tuple[int, int]] = []
+    for i in sorted(layers):
+        if spans and spans[-1][1] == i:
+            spans[-1] = (spans[-1][0], i + 1)
+        else:
+            spans.append((i, i + 1))
+    return spans
+
+
 class LlamaModel:
     """A Llama GGUF model on a backend: resident layers prepared once, the rest streamed.
 
@@ -151,7 +162,7 @@ class LlamaModel:
                 for first, end, resident in self.runs:
                     embed = first == 0
                     if resident:
-                        be.run_captured(("layers", first, end), ws, partial(self._resident_run, first, end, embed, ws))
+                        be.run_captured(("layers", first, end, embed), ws, partial(self._resident_run, first, end, embed, ws))
                     else:
                         if embed:
                             be.embed(ws)
@@ -166,6 +177,18 @@ class LlamaModel:
             if picks is not None:
                 return be.pick(ws, picks)
             return be.logits(ws)
+
+    def draft_forward(self, batch: StepBatch, layers: Sequence[int], picks: list[Pick]) -> list[Picked]:
+        """A pass through resident ``layers`` alone (in order; the others skipped) and the head:
+        the model drafting for itself. It writes those layers' KV entries at the batch's
+        positions, which the verify pass then rewrites; it streams nothing and numbers no pass.
+        A run of layers that a full pass also runs is the same capture request (one graph)."""
+        be = self.backend
+        with be.scope():
+            ws = be.begin_pass(batch)
+            for n, (first, end) in enumerate(_spans(layers)):
+                be.run_captured(("layers", first, end, n == 0), ws, partial(self._resident_run, first, end, n == 0, ws))
+            return be.pick(ws, picks)
 
     def _resident_run(self, first: int, end: int, embed: bool, ws: Workspace) -> None:
         if embed:

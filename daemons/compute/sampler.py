@@ -112,32 +112,53 @@ class Sampler:
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """Draw from a whole row of logits [V]."""
+        return self.sample_picked(Picked(row=np.asarray(logits)), history)
+
+    def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """A float64 working copy of the row [V] with the repetition penalty applied."""
         p = self.params
-        # x: [V] float64 working copy
         x = np.array(logits, dtype=np.float64).reshape(-1)
         n_vocab = x.shape[0]
         if n_vocab == 0:
             raise ValueError("empty logits")
-
         if p.repetition_penalty != 1.0 and len(history):
             recent = np.unique(np.asarray(history[-REPETITION_WINDOW:], dtype=np.int64))
             recent = recent[(recent >= 0) & (recent < n_vocab)]
             vals = x[recent]
             x[recent] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        return x
 
-        if p.temperature == 0:
-            return int(np.argmax(x))  # first max = lowest id on ties
+    def distribution(self, picked: Picked, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a draw can give and their probabilities, ids [C] and probs [C] best first,
+        after the whole chain (penalty, top-k, top-p, min-p, temperature); greedy: the best
+        token alone, with probability 1. Speculative verification accepts drafts against this."""
+        p = self.params
+        if picked.row is not None:
+            x = self._penalised(picked.row, history)
+            if p.temperature == 0:
+                return np.array([int(np.argmax(x))]), np.ones(1)  # first max = lowest id on ties
+            ids = _truncate(x, p.top_k, p.top_p, p.min_p)  # ids: [C]
+            vals = x[ids]
+        else:
+            if p.temperature == 0:
+                return picked.ids[:1], np.ones(1)
+            ids, vals = picked.ids[: p.top_k], picked.vals[: p.top_k]
+            ids = _cuttop_entries(ids, vals, p.top_p, p.min_p)  # a best-first prefix
+            vals = vals[: len(ids)]
+        return ids, _softmax(vals / p.temperature)
 
-        ids = _truncate(x, p.top_k, p.top_p, p.min_p)  # ids: [C]
-        return self._draw(ids, x[ids])
-
-    def _draw(self, ids: np.ndarray, vals: np.ndarray) -> int:
-        # ids, vals: [C] the surviving candidates and their logits
-        probs = _softmax(vals / self.params.temperature)
+    def draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """One token from candidates ``ids`` [C] with weights ``probs`` [C] (need not sum to 1:
+        a distribution with some candidates removed is drawn from as renormalised)."""
         cum = np.cumsum(probs)
         r = self._rng.random() * cum[-1]
         j = min(int(np.searchsorted(cum, r, side="right")), len(ids) - 1)
         return int(ids[j])
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1) of this request's generator (speculative acceptance tests)."""
+        return float(self._rng.random())
 
     def pick(self, n_vocab: int, logprobs: int = 0) -> Pick:
         """What ``sample_picked`` needs from a row of logits, plus ``logprobs`` alternatives:
@@ -160,14 +181,8 @@ class Sampler:
     def sample_picked(self, picked: Picked, history: Sequence[int] = ()) -> int:
         """``sample`` from what ``pick`` asked for: the same token for the same seed and logits
         (the candidates are the same ids and values in the same order)."""
-        if picked.row is not None:
-            return self.sample(picked.row, history)
-        p = self.params
-        if p.temperature == 0:
-            return int(picked.ids[0])
-        ids, vals = picked.ids[: p.top_k], picked.vals[: p.top_k]
-        keep = _cuttop_entries(ids, vals, p.top_p, p.min_p)
-        return self._draw(keep, vals[: len(keep)])
+        ids, probs = self.distribution(picked, history)
+        return int(ids[0]) if self.params.temperature == 0 else self.draw(ids, probs)
 
 
 class StopMatcher:

@@ -1,0 +1,200 @@
+"""Speculative decoding on the cpu backend: drafts verified by one pass of the target.
+
+Greedy output is token for token the output without speculation, for every drafter; with
+temperature > 0 the acceptance rule keeps the target's distribution (checked exactly on the rule,
+and statistically on a small model against distributions computed from its logits); max_tokens,
+the context limit, stop strings, cancel and continuous batching behave as without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ntx.daemons.compute.backend import Picked
+from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.engine import Request
+from ntx.daemons.compute.factory import build_engine
+from ntx.daemons.compute.sampler import Sampler, SamplingParams
+from ntx.daemons.compute.speculation import verify_chain
+from ntx.shared.errors import ConfigError, NtxError
+
+try:
+    from .synth_models import write_tiny
+except ImportError:  # tests/ is not a package
+    from synth_models import write_tiny
+
+GREEDY = dict(temperature=0.0)
+
+
+def _run(engine, requests: list[tuple[str, list[int], dict]]) -> dict[str, dict]:
+    """Submit (id, prompt tokens, sampling fields) requests at once; their done events by id."""
+    for rid, ids, fields in requests:
+        speculative = fields.pop("speculative", True)
+        engine.submit(Request(rid, list(ids), SamplingParams(**fields), speculative=speculative))
+    done = {}
+    while engine.has_work:
+        for ev in engine.step():
+            if ev["type"] == "done":
+                done[ev["id"]] = ev
+    return done
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_path):
+    return build_engine(smollm2_path, max_context=256, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain):
+    return [plain.prompt_tokens(prompt=p, raw=True) for p in
+            ("The history of the transistor begins", "Water boils at a temperature of", "Once upon a time")]
+
+
+def test_a_model_as_its_own_draft_accepts_every_token_and_changes_nothing(smollm2_path, plain, prompts):
+    want = _run(plain, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4)
+    got = _run(spec, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+    # 24 tokens: the prefill yields 1, then four passes of 4 accepted + 1, and one of 2 + 1
+    assert got["speculation"] == {"verify_passes": 5, "drafted": 18, "accepted": 18, "accepted_per_pass": 3.6,
+                                  "acceptance_rate": 1.0}
+
+
+@pytest.mark.parametrize("drafter", ["self-half", "model"])
+def test_greedy_output_is_identical_with_every_drafter_in_a_batch(smollm2_path, plain, prompts, drafter):
+    reqs = [(f"r{i}", p, dict(GREEDY, max_tokens=20)) for i, p in enumerate(prompts)]
+    want = _run(plain, [(r, p, dict(f)) for r, p, f in reqs])
+    kw = dict(self_draft=range(0, 15)) if drafter == "self-half" else dict(draft_model=smollm2_path)
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_tokens=5, **kw)
+    reqs[2][2]["speculative"] = False  # one request opts out, in the same batch
+    got = _run(spec, reqs)
+    for rid in want:
+        assert got[rid]["tokens"] == want[rid]["tokens"], rid
+    assert "speculation" in got["r0"] and "speculation" not in got["r2"]
+    assert spec.spec.passes > 0 and spec.spec.drafted >= spec.spec.accepted
+    if drafter == "self-half":  # half the layers guess wrong at times: rejections were exercised
+        assert spec.spec.accepted < spec.spec.drafted
+
+
+def test_max_tokens_context_and_stop_strings_end_where_they_would(smollm2_path, plain, prompts):
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=8)
+    for fields in (dict(GREEDY, max_tokens=5), dict(GREEDY, max_tokens=30, stop=[" the"])):
+        want = _run(plain, [("x", prompts[0], dict(fields))])["x"]
+        got = _run(spec, [("x", prompts[0], dict(fields))])["x"]
+        assert (got["tokens"], got["text"], got["finish_reason"]) == (want["tokens"], want["text"], want["finish_reason"])
+    short_plain = build_engine(smollm2_path, max_context=len(prompts[1]) + 9)
+    short_spec = build_engine(smollm2_path, max_context=len(prompts[1]) + 9, draft_model=smollm2_path, draft_tokens=8)
+    want = _run(short_plain, [("c", prompts[1], dict(GREEDY, max_tokens=100))])["c"]
+    got = _run(short_spec, [("c", prompts[1], dict(GREEDY, max_tokens=100))])["c"]
+    assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"] == "length"
+
+
+def test_cancel_between_verify_passes_frees_the_draft_and_the_next_request_is_unaffected(smollm2_path, plain, prompts):
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4)
+    drafter = spec.drafter
+    spec.submit(Request("long", prompts[2], SamplingParams(**GREEDY, max_tokens=200)))
+    while spec.spec.passes < 2:
+        spec.step()
+    assert drafter.cached  # the draft model holds the sequence
+    (done,) = spec.cancel("long")
+    assert done["finish_reason"] == "cancelled" and done["speculation"]["verify_passes"] >= 2
+    assert not drafter.cached and not spec.has_work
+    want = _run(plain, [("after", prompts[0], dict(GREEDY, max_tokens=12))])["after"]
+    assert _run(spec, [("after", prompts[0], dict(GREEDY, max_tokens=12))])["after"]["tokens"] == want["tokens"]
+
+
+def test_bad_drafters_are_one_clear_line(smollm2_path, tmp_path):
+    other = write_tiny(tmp_path)  # a 512-token vocabulary
+    with pytest.raises(ConfigError, match="vocabulary has 512 tokens.*same tokenizer"):
+        build_engine(smollm2_path, draft_model=other)
+    with pytest.raises(ConfigError, match="not both"):
+        build_engine(smollm2_path, draft_model=smollm2_path, self_draft=True)
+    with pytest.raises(ConfigError, match="not resident"):
+        build_engine(smollm2_path, resident_layers=range(10), self_draft=[0, 12])
+    with pytest.raises(NtxError, match="--draft-tokens 0"):
+        build_engine(smollm2_path, self_draft=True, draft_tokens=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The acceptance rule keeps the target's distribution
+
+
+def _row(logits) -> Picked:
+    return Picked(row=np.asarray(logits, dtype=np.float32))
+
+
+def test_verify_chain_yields_the_target_distribution_exactly_in_law():
+    """Rows p0, p1, p2 fixed; draft [x0, x1]. The first token must follow p0, the second (when
+    the first is x0) p1. 40,000 draws from fixed seeds, each frequency within 4.5 sigma."""
+    rng = np.random.default_rng(3)
+    rows = [_row(rng.normal(size=6) * 1.5) for _ in range(3)]
+    params = SamplingParams(temperature=0.9, top_k=5, top_p=1.0, min_p=0.0, seed=0)
+    probe = Sampler(params)
+    p = [dict(zip(*(a.tolist() for a in probe.distribution(r)))) for r in rows]
+    draft = [max(p[0], key=p[0].get), sorted(p[1], key=p[1].get)[1]]  # a likely and an unlikely guess
+    n = 40_000
+    first = np.zeros(6)
+    second = np.zeros(6)
+    for seed in range(n):
+        out = verify_chain(draft, rows, Sampler(SamplingParams(**{**params.__dict__, "seed": seed})), [])
+        first[out[0]] += 1
+        if out[0] == draft[0]:
+            second[out[1]] += 1
+    for freq, dist, total in ((first, p[0], n), (second, p[1], first[draft[0]])):
+        for tok in range(6):
+            want = dist.get(tok, 0.0)
+            sigma = np.sqrt(total * want * (1 - want)) + 1e-9
+            assert abs(freq[tok] - total * want) <= 4.5 * sigma + 1, (tok, freq[tok], total * want)
+
+
+def test_sampling_with_a_self_draft_keeps_the_models_distribution(tmp_path):
+    """A 2-layer synthetic model drafting with its first layer; top-k 3 at temperature 1. The
+    joint distribution of the first two generated tokens, computed from the model's logits,
+    against 1,500 seeded requests with speculation: a chi-square test at p = 0.001."""
+    model = write_tiny(tmp_path, type="Q8_0")
+    fields = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, max_tokens=3)
+    spec = build_engine(model, max_context=64, max_batch=8, self_draft=[0], draft_tokens=1)
+    prompt = [5, 300, 37, 400]
+    m = spec.model
+    probe = Sampler(SamplingParams(**fields))
+    m.backend.alloc_sequence(10_000, 64)
+    last = m.forward(StepBatch([SeqChunk(10_000, 0, tuple(prompt), all_logits=True)]))[-1]
+    joint: dict[tuple[int, int], float] = {}
+    for t1, p1 in zip(*probe.distribution(_row(last))):
+        row = m.forward(StepBatch([SeqChunk(10_000, len(prompt), (int(t1),))]))[0]
+        for t2, p2 in zip(*probe.distribution(_row(row))):
+            joint[(int(t1), int(t2))] = float(p1 * p2)
+    m.backend.free_sequence(10_000)
+    n = 1500
+    counts = dict.fromkeys(joint, 0)
+    for start in range(0, n, 8):
+        done = _run(spec, [(f"s{i}", prompt, dict(fields, seed=i)) for i in range(start, min(start + 8, n))])
+        for ev in done.values():
+            counts[tuple(ev["tokens"][:2])] += 1
+    assert spec.spec.passes > 0 and 0 < spec.spec.accepted < spec.spec.drafted
+    chi2 = sum((counts[k] - n * q) ** 2 / (n * q) for k, q in joint.items())
+    assert chi2 < 26.12, (chi2, counts, joint)  # 9 cells: 8 degrees of freedom, p = 0.001
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the daemons
+
+
+def test_pipeline_self_draft_streams_and_reports_acceptance(smollm2_path, plain, prompts, tmp_path):
+    """10 resident layers draft; the other 20 stream from pinned RAM every verify pass. Greedy
+    tokens equal the plain engine's; `speculative: false` opts one request out; status shows it."""
+    try:
+        from .pipeline_util import running_pipeline
+    except ImportError:
+        from pipeline_util import running_pipeline
+    want = _run(plain, [("w", prompts[0], dict(GREEDY, max_tokens=10))])["w"]
+    with running_pipeline(str(smollm2_path), tmp_path, "--gpu-layers", "10", "--self-draft", "all",
+                          "--draft-tokens", "3", "--ctx", "256", name="spec") as p:
+        done = p.generate_greedy("The history of the transistor begins", max_tokens=10)
+        assert done["tokens"] == want["tokens"]
+        assert done["speculation"]["verify_passes"] > 0
+        off = p.generate_greedy("The history of the transistor begins", max_tokens=10, speculative=False)
+        assert off["tokens"] == want["tokens"] and "speculation" not in off
+        st = p.wait_status(lambda s: (s.get("speculation") or {}).get("verify_passes", 0) >= done["speculation"]["verify_passes"],
+                           "speculation counts in status")
+        assert st["speculation"]["drafter"] == "self" and st["speculation"]["draft_tokens"] == 3
