@@ -161,10 +161,11 @@ def generate(
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="in-process: draft with this small GGUF (same vocabulary)"),
     self_draft: Optional[str] = typer.Option(None, "--self-draft", help="in-process: draft with these layers of the model (e.g. 0-9, or all)"),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="in-process: tokens drafted per pass (1-512)"),
+    draft_width: str = typer.Option("auto", "--draft-width", help="in-process: the draft tree's width, or auto"),
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Generate text: through a running pipeline if one listens, else in this process (CPU)."""
-    drafting = _drafting(draft_model, self_draft, draft_tokens)
+    drafting = _drafting(draft_model, self_draft, draft_tokens, draft_width)
     if not local:
         from ntx.ctl.client import pipeline_available
 
@@ -179,11 +180,14 @@ def generate(
     _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
 
 
-def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int) -> dict:
-    """``build_engine``'s drafter keywords from the CLI's (``--self-draft all`` or a layer list)."""
+def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int, draft_width: str) -> dict:
+    """``build_engine``'s drafter keywords from the CLI's (``--self-draft all`` or a layer list,
+    ``--draft-width auto`` or a number)."""
     from ntx.shared.config import parse_layers
 
-    out: dict = {"draft_tokens": draft_tokens}
+    if draft_width != "auto" and not draft_width.isdigit():
+        _fail(f"--draft-width {draft_width!r}: give auto or a whole number")
+    out: dict = {"draft_tokens": draft_tokens, "draft_width": None if draft_width == "auto" else int(draft_width)}
     if draft_model:
         out["draft_model"] = os.path.abspath(draft_model)
     if self_draft:
@@ -253,6 +257,8 @@ def start(
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="draft with this small GGUF (same vocabulary), resident"),
     self_draft: Optional[str] = typer.Option(None, "--self-draft", help="draft with resident layers of the model: all, or a list (0-9,12)"),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="tokens drafted per sequence and pass (1-512)"),
+    draft_width: str = typer.Option("auto", "--draft-width", help="the draft tree's width (1 = a chain), or auto: "
+                                    "chosen from measured acceptance"),
 ) -> None:
     """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
     from ntx.ctl import instance
@@ -267,7 +273,7 @@ def start(
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget is not None else None,
         max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
         handshake_timeout_s=timeout, max_restarts=max_restarts,
-        **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens)),
+        **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width)),
     ).validate()
     index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
@@ -292,7 +298,7 @@ def _instance_drafting(drafting: dict) -> dict:
     self_draft = drafting.get("self_draft", False)
     return {"draft_model": drafting.get("draft_model"), "self_draft": self_draft is not False,
             "self_draft_layers": None if self_draft in (True, False) else self_draft,
-            "draft_tokens": drafting["draft_tokens"]}
+            "draft_tokens": drafting["draft_tokens"], "draft_width": drafting["draft_width"]}
 
 
 def _choose_backend(backend: str) -> str:

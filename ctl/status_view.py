@@ -63,7 +63,8 @@ def render_status(st: dict[str, Any], renderable: bool = False):
                 f"{st['tokens_per_s']:.2f} tok/s, {st['tokens_generated']} tokens so far\n")
     spec = st.get("speculation")
     if spec:
-        tail.append(f"speculation: {spec['drafter']} drafter, up to {spec['draft_tokens']} a pass; drafted "
+        tail.append(f"speculation: {spec['drafter']} drafter, trees of {spec['draft_tokens']} tokens at most "
+                    f"(now depth {spec['tree_depth']}, width {spec['tree_width']}); drafted "
                     f"{spec['drafted']}, accepted {spec['accepted']} ({spec['acceptance_rate']:.0%}); "
                     f"mean acceptance length {spec['accepted_per_pass']:.2f} over {spec['verify_passes']} verify passes\n")
     sl = st["slots"]

@@ -142,7 +142,8 @@ class InstanceConfig:
     draft_model: str | None = None  # a small GGUF of the target's vocabulary, resident
     self_draft: bool = False  # draft with the target's resident layers
     self_draft_layers: list[int] | None = None  # those of them to use (None: all)
-    draft_tokens: int = 4  # drafted per sequence and pass
+    draft_tokens: int = 4  # drafted per sequence and pass (the tree's node budget)
+    draft_width: int | None = None  # the tree's width; None: chosen from measured acceptance
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,6 +168,8 @@ class InstanceConfig:
             raise ConfigError("choose one drafter: --self-draft or --draft-model, not both")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
+        if self.draft_width is not None and not 1 <= self.draft_width <= self.draft_tokens:
+            raise ConfigError(f"--draft-width {self.draft_width}: choose auto or 1 to --draft-tokens ({self.draft_tokens})")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if not self.listen.startswith(("tcp://", "ipc://")):

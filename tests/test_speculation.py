@@ -15,7 +15,7 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.sampler import Sampler, SamplingParams
-from ntx.daemons.compute.speculation import verify_chain
+from ntx.daemons.compute.speculation import DraftTree, verify_tree
 from ntx.shared.errors import ConfigError, NtxError
 
 try:
@@ -52,7 +52,8 @@ def prompts(plain):
 
 def test_a_model_as_its_own_draft_accepts_every_token_and_changes_nothing(smollm2_path, plain, prompts):
     want = _run(plain, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4)
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
+                        draft_width=1)
     got = _run(spec, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
     # 24 tokens: the prefill yields 1, then four passes of 4 accepted + 1, and one of 2 + 1
@@ -60,12 +61,12 @@ def test_a_model_as_its_own_draft_accepts_every_token_and_changes_nothing(smollm
                                   "acceptance_rate": 1.0}
 
 
-@pytest.mark.parametrize("drafter", ["self-half", "model"])
-def test_greedy_output_is_identical_with_every_drafter_in_a_batch(smollm2_path, plain, prompts, drafter):
+@pytest.mark.parametrize("drafter,width", [("self-half", 1), ("self-half", 3), ("model", None)])
+def test_greedy_output_is_identical_with_every_drafter_in_a_batch(smollm2_path, plain, prompts, drafter, width):
     reqs = [(f"r{i}", p, dict(GREEDY, max_tokens=20)) for i, p in enumerate(prompts)]
     want = _run(plain, [(r, p, dict(f)) for r, p, f in reqs])
     kw = dict(self_draft=range(0, 15)) if drafter == "self-half" else dict(draft_model=smollm2_path)
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_tokens=5, **kw)
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_tokens=6, draft_width=width, **kw)
     reqs[2][2]["speculative"] = False  # one request opts out, in the same batch
     got = _run(spec, reqs)
     for rid in want:
@@ -77,7 +78,8 @@ def test_greedy_output_is_identical_with_every_drafter_in_a_batch(smollm2_path, 
 
 
 def test_max_tokens_context_and_stop_strings_end_where_they_would(smollm2_path, plain, prompts):
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=8)
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=8,
+                        draft_width=2)
     for fields in (dict(GREEDY, max_tokens=5), dict(GREEDY, max_tokens=30, stop=[" the"])):
         want = _run(plain, [("x", prompts[0], dict(fields))])["x"]
         got = _run(spec, [("x", prompts[0], dict(fields))])["x"]
@@ -90,7 +92,8 @@ def test_max_tokens_context_and_stop_strings_end_where_they_would(smollm2_path, 
 
 
 def test_cancel_between_verify_passes_frees_the_draft_and_the_next_request_is_unaffected(smollm2_path, plain, prompts):
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4)
+    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
+                        draft_width=1)
     drafter = spec.drafter
     spec.submit(Request("long", prompts[2], SamplingParams(**GREEDY, max_tokens=200)))
     while spec.spec.passes < 2:
@@ -123,7 +126,7 @@ def _row(logits) -> Picked:
     return Picked(row=np.asarray(logits, dtype=np.float32))
 
 
-def test_verify_chain_yields_the_target_distribution_exactly_in_law():
+def test_verify_tree_on_a_chain_yields_the_target_distribution_exactly_in_law():
     """Rows p0, p1, p2 fixed; draft [x0, x1]. The first token must follow p0, the second (when
     the first is x0) p1. 40,000 draws from fixed seeds, each frequency within 4.5 sigma."""
     rng = np.random.default_rng(3)
@@ -136,7 +139,7 @@ def test_verify_chain_yields_the_target_distribution_exactly_in_law():
     first = np.zeros(6)
     second = np.zeros(6)
     for seed in range(n):
-        out = verify_chain(draft, rows, Sampler(SamplingParams(**{**params.__dict__, "seed": seed})), [])
+        out, _ = verify_tree(DraftTree.chain(draft), rows, Sampler(SamplingParams(**{**params.__dict__, "seed": seed})), [])
         first[out[0]] += 1
         if out[0] == draft[0]:
             second[out[1]] += 1
@@ -198,3 +201,102 @@ def test_pipeline_self_draft_streams_and_reports_acceptance(smollm2_path, plain,
         st = p.wait_status(lambda s: (s.get("speculation") or {}).get("verify_passes", 0) >= done["speculation"]["verify_passes"],
                            "speculation counts in status")
         assert st["speculation"]["drafter"] == "self" and st["speculation"]["draft_tokens"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees: the mask, the kept path, the rule with siblings
+
+
+TREE = DraftTree(tokens=[3575, 282, 4649, 1780, 314, 216], parents=[-1, 0, 1, -1, 3, 0])  # two branches and a leaf
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_a_tree_chunk_row_sees_its_own_branch_as_if_run_alone(plain):
+    """Each node's logits in one tree pass equal those of its root-to-node path run as a plain
+    chunk in a fresh sequence (float32 rounding of other pass shapes aside: 1e-5)."""
+    m = plain.model
+    prefix = [504, 3575, 282, 4649, 314, 7042]
+    m.backend.alloc_sequence(900, 64)
+    m.forward(StepBatch([SeqChunk(900, 0, tuple(prefix[:-1]))]))
+    root = prefix[-1]
+    tree_logits = m.forward(StepBatch([SeqChunk(900, len(prefix) - 1, (root, *TREE.tokens), all_logits=True,
+                                                parents=TREE.chunk_parents())]))
+    m.backend.free_sequence(900)
+    for node in range(len(TREE)):
+        path, i = [], node
+        while i != -1:
+            path.insert(0, TREE.tokens[i])
+            i = TREE.parents[i]
+        m.backend.alloc_sequence(901, 64)
+        alone = m.forward(StepBatch([SeqChunk(901, 0, tuple(prefix + path))]))[-1]
+        m.backend.free_sequence(901)
+        assert _rel(tree_logits[node + 1], alone) < 1e-5, node
+        assert tree_logits[node + 1].argmax() == alone.argmax()
+
+
+def test_keeping_a_sibling_path_leaves_the_cache_as_if_it_had_been_fed(plain):
+    """Verify the tree, keep the path 3 -> 4 (a branch off the root, not the chain), then decode:
+    the same logits as a sequence that was fed that path as a plain chunk."""
+    m = plain.model
+    prefix = [504, 3575, 282, 4649, 314, 7042]
+    pos = len(prefix)  # where node i sits is pos + i; the root (the last prefix token) at pos - 1
+    m.backend.alloc_sequence(902, 64)
+    m.forward(StepBatch([SeqChunk(902, 0, tuple(prefix[:-1]))]))
+    m.forward(StepBatch([SeqChunk(902, pos - 1, (prefix[-1], *TREE.tokens), all_logits=True,
+                                  parents=TREE.chunk_parents())]))
+    m.backend.kv_keep(902, [pos + 3, pos + 4], [pos, pos + 1])
+    kept = m.forward(StepBatch([SeqChunk(902, pos + 2, (42,))]))[-1]
+    m.backend.free_sequence(902)
+    m.backend.alloc_sequence(903, 64)
+    fed = m.forward(StepBatch([SeqChunk(903, 0, (*prefix, TREE.tokens[3], TREE.tokens[4], 42))]))[-1]
+    m.backend.free_sequence(903)
+    assert _rel(kept, fed) < 1e-5 and kept.argmax() == fed.argmax()
+
+
+def test_verify_tree_with_siblings_keeps_the_distribution():
+    """A node with three children (best first): the token taken there follows p, whichever of
+    them (or none) the draws accept; 40,000 seeded draws, each frequency within 4.5 sigma."""
+    rng = np.random.default_rng(5)
+    rows = [_row(rng.normal(size=6) * 1.5) for _ in range(4)]
+    params = SamplingParams(temperature=1.1, top_k=6, top_p=1.0, min_p=0.0, seed=0)
+    p = dict(zip(*(a.tolist() for a in Sampler(params).distribution(rows[0]))))
+    order = sorted(p, key=p.get, reverse=True)
+    tree = DraftTree(tokens=[order[0], order[2], order[4]], parents=[-1, -1, -1])
+    n = 40_000
+    first = np.zeros(6)
+    for seed in range(n):
+        out, path = verify_tree(tree, rows, Sampler(SamplingParams(**{**params.__dict__, "seed": seed})), [])
+        first[out[0]] += 1
+        assert len(out) == len(path) + 1 and all(tree.tokens[i] == t for i, t in zip(path, out))
+    for tok in range(6):
+        want = p.get(tok, 0.0)
+        assert abs(first[tok] - n * want) <= 4.5 * np.sqrt(n * want * (1 - want)) + 1, (tok, first[tok], n * want)
+
+
+def test_the_tree_shape_follows_measured_acceptance():
+    """High chain acceptance and a costly verify pass: deep chains. A chain token that is always
+    rejected while its sibling is taken: wide, shallow trees. Cheap verify passes: shallow."""
+    from ntx.daemons.compute.speculation import TreeShape
+
+    deep = TreeShape(budget=32)
+    chain = DraftTree.chain([1] * 8)
+    for _ in range(60):
+        deep.observe(chain, list(range(8)))
+        deep.observe_times(verify_s=0.36, depth_s=0.004)
+    d, w = deep.choose()
+    assert w == 1 and d >= 16
+    wide = TreeShape(budget=32)
+    tree = DraftTree(tokens=[1, 2, 3], parents=[-1, -1, -1])
+    for _ in range(60):
+        wide.observe(tree, [1])  # the rank-2 sibling wins every time
+        wide.observe_times(verify_s=0.36, depth_s=0.004)
+    assert wide.choose()[1] >= 2
+    cheap = TreeShape(budget=32)
+    for _ in range(60):
+        cheap.observe(chain, [0, 1])
+        cheap.observe_times(verify_s=0.005, depth_s=0.004)
+    assert cheap.choose()[0] <= 4
+    assert TreeShape(budget=12, width=3).choose() == (4, 3)

@@ -212,12 +212,20 @@ class Backend(ABC):
 
     @abstractmethod
     def kv_write(self, layer_idx: int, k: Any, v: Any, ws: Workspace) -> None:
-        """Store k, v [T, Hkv*hd] in each row's sequence cache at the row's position."""
+        """Store k, v [T, Hkv*hd] in each row's sequence cache at the row's cache position
+        (``batch.cache_positions``; RoPE positions differ from them only in a tree)."""
 
     @abstractmethod
     def attention(self, layer_idx: int, q: Any, ws: Workspace, out: Any) -> Any:
-        """Grouped-query attention of q [T, H*hd] over each row's sequence cache, causal (a row
-        sees its sequence's positions up to its own), scaled by 1/sqrt(hd). -> out [T, H*hd]"""
+        """Grouped-query attention of q [T, H*hd] over each row's sequence cache, scaled by
+        1/sqrt(hd): a row sees its sequence's cache positions up to its own; a row of a tree
+        chunk sees, of its chunk's rows, only its ancestors and itself. -> out [T, H*hd]"""
+
+    @abstractmethod
+    def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        """Move the sequence's keys and values at ``src_positions`` to ``dst_positions`` in every
+        layer (dst[i] < src[i], both increasing): the accepted path of a verified tree closes
+        ranks behind the cached prefix, the rejected branches stay behind as dead entries."""
 
     @abstractmethod
     def swiglu(self, gate: Any, up: Any, out: Any) -> Any:

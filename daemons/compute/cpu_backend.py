@@ -182,6 +182,8 @@ class CpuBackend(Backend):
             cache.v[layer_idx, :, chunk.start_pos : chunk.end_pos] = v[rows].reshape(n, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
 
     def attention(self, layer_idx: int, q: np.ndarray, ws: Workspace, out: np.ndarray) -> np.ndarray:
+        """Each row sees its sequence's cache up to its own cache position; a tree chunk's row
+        sees, of the chunk's own rows, only its ancestors and itself (``SeqChunk.visible``)."""
         hp = self.hp
         batch = ws.batch
         group = hp.n_head // hp.n_head_kv
@@ -193,15 +195,24 @@ class CpuBackend(Backend):
             vals = cache.v[layer_idx, :, : chunk.end_pos]  # [Hkv, S, hd]
             qc = q[r0 : r0 + n].reshape(n, hp.n_head_kv, group, hp.head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, hd]
             scores = np.matmul(qc, keys[:, None].transpose(0, 1, 3, 2)) * scale  # [Hkv, G, n, S]
-            q_pos = np.arange(chunk.start_pos, chunk.end_pos)[:, None]
+            q_pos = np.arange(chunk.start_pos, chunk.end_pos)[:, None]  # cache positions
             k_pos = np.arange(chunk.end_pos)[None, :]
-            scores = np.where(k_pos <= q_pos, scores, -np.inf)
+            seen = k_pos <= q_pos  # [n, S]
+            vis = chunk.visible()
+            if vis is not None:  # a tree: the prefix, and the row's own branch of the chunk
+                seen = np.concatenate([np.ones((n, chunk.start_pos), dtype=bool), vis], axis=1)
+            scores = np.where(seen, scores, -np.inf)
             scores = scores - scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
             att = np.matmul(p, vals[:, None])  # [Hkv, G, n, hd]
             out[r0 : r0 + n] = att.transpose(2, 0, 1, 3).reshape(n, hp.q_dim)
         return out
+
+    def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        cache = self.caches[seq_id]
+        for c in (cache.k, cache.v):  # c: [L, Hkv, capacity, hd]; the right side is a copy
+            c[:, :, dst_positions] = c[:, :, src_positions]
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
         out[...] = silu(gate) * up

@@ -69,7 +69,7 @@ class ComputeDaemon(Daemon):
             self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream,
             max_batch=cfg["max_batch"], max_context=cfg["max_context"], prefill_chunk_tokens=cfg["prefill_chunk_tokens"],
             self_draft=(cfg["self_draft_layers"] or True) if cfg["self_draft"] else False,
-            draft_model=cfg["draft_model"], draft_tokens=cfg["draft_tokens"],
+            draft_model=cfg["draft_model"], draft_tokens=cfg["draft_tokens"], draft_width=cfg["draft_width"],
         )
         self.active = False
         self.draining_until_s: float | None = None
@@ -143,8 +143,9 @@ class ComputeDaemon(Daemon):
             tokens_per_s=round(window / span, 3) if span > 0 else 0.0,
         )
         if self.engine.drafter is not None:
+            depth, width = self.engine.shape.choose()
             snap["speculation"] = {"drafter": self.engine.drafter.name, "draft_tokens": self.engine.draft_tokens,
-                                   **self.engine.spec.report()}
+                                   "tree_depth": depth, "tree_width": width, **self.engine.spec.report()}
         return snap
 
     def close(self) -> None:

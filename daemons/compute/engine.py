@@ -25,7 +25,7 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import Sampler, SamplingParams, StopMatcher, logprobs_topk
-from ntx.daemons.compute.speculation import MAX_DRAFT_TOKENS, Drafter, DraftRequest, verify_chain
+from ntx.daemons.compute.speculation import MAX_DRAFT_TOKENS, Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
 from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
 from ntx.shared.errors import NtxError
 
@@ -88,7 +88,7 @@ class _Seq:
     next_token: int | None = None  # sampled, not yet fed through the model
     t_first_token_s: float = 0.0
     t_admit_s: float = 0.0
-    draft: list[int] = field(default_factory=list)  # proposed, verified by the next pass
+    draft: DraftTree | None = None  # proposed, verified by the next pass
     spec: SpecCounts = field(default_factory=SpecCounts)
 
     @property
@@ -107,12 +107,14 @@ class EngineCore:
         max_context: int | None = None,
         drafter: Drafter | None = None,
         draft_tokens: int = 4,
+        draft_width: int | None = None,
     ) -> None:
         self.model = model
         self.drafter = drafter
         if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise NtxError(f"--draft-tokens {draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
         self.draft_tokens = draft_tokens
+        self.shape = TreeShape(draft_tokens, draft_width)  # None: the width is chosen as it measures
         self.spec = SpecCounts()  # over every request
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -236,9 +238,13 @@ class EngineCore:
                 toks = s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + budget]
                 budget -= len(toks)
                 chunks.append(SeqChunk(s.seq_id, s.n_prefilled, tuple(toks), all_logits=s.req.prompt_logprobs > 0))
-            else:  # the last token, then its draft: row i predicts draft[i]
+            elif s.draft:  # the last token, then its draft tree (a chain needs no tree mask)
                 pos = len(s.req.prompt_tokens) + len(s.generated) - 1
-                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token, *s.draft), all_logits=bool(s.draft)))
+                parents = None if s.draft.is_chain else s.draft.chunk_parents()
+                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token, *s.draft.tokens), all_logits=True, parents=parents))
+            else:
+                pos = len(s.req.prompt_tokens) + len(s.generated) - 1
+                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token,)))
             seqs.append(s)
         return StepBatch(chunks), seqs
 
@@ -252,12 +258,15 @@ class EngineCore:
         # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill
         self.last_pass = (self.model.next_pass_id, batch.n_tokens,
                           sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
+        t0 = time.monotonic()
         try:
             picked = self.model.forward(batch, picks=self._picks(batch, seqs))  # one per logit row
         except NtxError as e:
             # A layer of this pass never arrived: the sequences in it have half-written KV
             # caches, so they end with an error; everyone else goes on with the next pass.
             return [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
+        if any(s.draft for s in seqs):
+            self.shape.observe_times(verify_s=time.monotonic() - t0)
         events: list[dict] = []
         for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):
             pk = picked[rows]  # [n] Picked
@@ -278,42 +287,51 @@ class EngineCore:
         """The positions ``s`` can reach: its KV cache's size."""
         return min(self.max_context, len(s.req.prompt_tokens) + s.req.params.max_tokens)
 
-    def _draft_budget(self, s: _Seq) -> int:
-        """Tokens ``s`` may draft now: a verify pass yields up to one more than it drafts, and
-        writes KV entries up to the draft's last position, so both must stay within the
-        request's max_tokens and its KV capacity."""
+    def _draft_depth(self, s: _Seq, depth: int, width: int) -> int:
+        """How deep ``s`` may draft now: a verify pass yields up to one token more than its
+        depth, and writes a KV entry per node past the last token, so both must stay within
+        the request's max_tokens and its KV capacity."""
         pos = len(s.req.prompt_tokens) + len(s.generated) - 1  # where the last token goes
         left = s.req.params.max_tokens - len(s.generated)
-        return max(0, min(self.draft_tokens, left - 1, self._capacity(s) - 1 - pos))
+        return max(0, min(depth, left - 1, (self._capacity(s) - 1 - pos) // width))
 
     def _propose_drafts(self) -> None:
-        """Ask the drafter for every decoding sequence's next tokens (one batched call)."""
+        """Ask the drafter for every decoding sequence's draft tree (one batched call), shaped
+        as ``TreeShape`` judges best from what it measured so far."""
         if self.drafter is None:
             return
+        depth, width = self.shape.choose()
         reqs, owners = [], []
         for s in self.running:
             if s.prefilling or not s.req.speculative:
                 continue
-            n = self._draft_budget(s)
-            if n > 0:
-                reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, n, self._capacity(s)))
+            d = self._draft_depth(s, depth, width)
+            if d > 0:
+                reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s)))
                 owners.append(s)
         if reqs:
-            for s, draft in zip(owners, self.drafter.propose(reqs)):
-                s.draft = draft
+            t0 = time.monotonic()
+            trees = self.drafter.propose(reqs)
+            self.shape.observe_times(depth_s=(time.monotonic() - t0) / max(r.depth for r in reqs))
+            for s, tree in zip(owners, trees):
+                s.draft = tree
 
     def _verify(self, s: _Seq, pk: list[Picked]) -> list[dict]:
         """Accept what the pass confirms of ``s``'s draft, plus the target's own next token, and
         emit them in order until the request finishes."""
         history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else []
-        tokens = verify_chain(s.draft, pk, s.sampler, history)
-        accepted = len(tokens) - 1
-        s.spec.add(len(s.draft), accepted)
-        self.spec.add(len(s.draft), accepted)
-        s.draft = []
+        tree, s.draft = s.draft, None
+        tokens, path = verify_tree(tree, pk, s.sampler, history)
+        if path != list(range(len(path))):  # a sibling was taken: close the path's KV entries up
+            pos = len(s.req.prompt_tokens) + len(s.generated)  # node i sits at pos + i
+            self.model.backend.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
+        self.shape.observe(tree, path)
+        s.spec.add(len(tree), len(path))
+        self.spec.add(len(tree), len(path))
         events: list[dict] = []
-        for tok, row in zip(tokens, pk):
-            out, finished = self._emit(s, tok, row)
+        rows = [0] + [i + 1 for i in path]  # token k was drawn from the row of its parent
+        for tok, row in zip(tokens, rows):
+            out, finished = self._emit(s, tok, pk[row])
             events.extend(out)
             if finished:
                 break

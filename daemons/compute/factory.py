@@ -33,6 +33,7 @@ def build_engine(
     self_draft: bool | Sequence[int] = False,
     draft_model: str | os.PathLike | None = None,
     draft_tokens: int = 4,
+    draft_width: int | None = None,
 ) -> EngineCore:
     """An engine for ``model`` (an index or a GGUF path) on ``backend`` (a name, or a backend
     already made — the compute daemon makes its own first, to allocate the ring's slots).
@@ -44,7 +45,8 @@ def build_engine(
 
     Speculative decoding (``speculation.py``): ``self_draft`` drafts with the resident layers
     (True) or the given resident layers; ``draft_model`` with a small model of the same
-    vocabulary, all resident on the same backend; ``draft_tokens`` per sequence and pass."""
+    vocabulary, all resident on the same backend; ``draft_tokens`` per sequence and pass, as a
+    tree of ``draft_width`` (None: chosen from measured acceptance; 1: a chain)."""
     index = model if isinstance(model, ModelIndex) else open_model(model)
     max_context = min(max_context or DEFAULT_CONTEXT, index.hparams.n_ctx_train)
     if isinstance(backend, str):
@@ -55,7 +57,7 @@ def build_engine(
     drafter = _drafter(llama, backend.name, self_draft, draft_model, max_batch, max_context)
     return EngineCore(llama, Tokenizer.from_metadata(index.metadata), max_batch=max_batch,
                       prefill_chunk_tokens=prefill_chunk_tokens, max_context=max_context,
-                      drafter=drafter, draft_tokens=draft_tokens)
+                      drafter=drafter, draft_tokens=draft_tokens, draft_width=draft_width)
 
 
 def _drafter(target: LlamaModel, backend: str, self_draft: bool | Sequence[int], draft_model, max_batch: int,

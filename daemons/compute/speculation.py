@@ -2,28 +2,35 @@
 target verifies all of them, and every accepted token is a token the pass did not have to stream.
 
 At batch 1 a streamed pass moves ~20 GB over the link to produce one token while the GPU idles;
-verifying a few drafted tokens in that pass costs almost nothing more. The engine asks a
-``Drafter`` for up to N tokens per sequence, runs them as one chunk after the sequence's last
-token (row 0 predicts draft[0], row i predicts draft[i], the last row the token after the whole
-draft), then ``verify_chain`` decides what the pass yields.
+verifying a few hundred drafted tokens in that pass costs little more. The engine asks a
+``Drafter`` for a ``DraftTree`` per sequence and runs it as one tree chunk after the sequence's
+last token (``batch.SeqChunk.parents``: each row sees the cached prefix and its own ancestors),
+then ``verify_tree`` decides what the pass yields and the backend keeps the accepted path's KV
+entries (``kv_keep``); the rejected branches' entries are left behind past the sequence's end,
+where no later row sees them and the next pass overwrites them.
 
-Drafts here are chains (a tree of width 1); the draft is deterministic (each drafter proposes its
-best token), so the acceptance rule that keeps the target's distribution exactly is: at row i,
-accept draft token x with probability p_i(x); otherwise draw from p_i with x removed
-(renormalised) and stop; after a fully accepted chain, draw one more token from the last row.
-Then P(token = y) = p(x)[y = x] + (1 - p(x)) p(y) / (1 - p(x)) [y != x] = p(y) for every y. With
-temperature 0, p_i is the target's argmax: drafts are accepted while they equal it, and the
-output is token for token the target's greedy output.
+The tree's shape: a chain of the drafter's best tokens, depth D, and at each depth the next w - 1
+candidates of the same draft distribution as leaves beside the chain node (they cost no extra
+draft pass). A chain is the tree of width 1. ``TreeShape`` picks D and w from what it measures:
+the rate at which the chain's token is accepted, the rate at which a sibling of rank r rescues a
+rejected one, the verify pass's time and a draft depth's time; it takes the (D, w) within the
+token budget that maximises expected tokens per second.
 
-KV entries: the chunk writes the target's cache at the draft's positions; positions past the
-accepted ones hold stale keys that no later row sees (attention is causal over positions) and
-that the next pass overwrites.
+Acceptance (``verify_tree``). Drafts are deterministic (the drafter's best tokens), so the rule
+that keeps the target's distribution p exactly at a node with children x1, x2, … (best first) is:
+accept x1 with probability p(x1); otherwise remove x1 from p (renormalise) and try x2 the same
+way; …; when every child is rejected, draw from what is left of p and stop. Each step asks "is the
+draw x_k?" with its conditional probability given that it was none of x1..x_(k-1), so the token
+chosen is distributed as p. After an accepted leaf, one more token is drawn from its row. With
+temperature 0, p is the target's argmax: a child is accepted when it equals it, and the output is
+token for token the target's greedy output.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -36,48 +43,85 @@ from ntx.shared.config import MAX_DRAFT_TOKENS
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import ModelIndex
 
-__all__ = ["MAX_DRAFT_TOKENS", "DraftRequest", "Drafter", "SelfDrafter", "ModelDrafter", "check_same_vocabulary",
-           "verify_chain"]
+__all__ = ["MAX_DRAFT_TOKENS", "DraftTree", "DraftRequest", "Drafter", "SelfDrafter", "ModelDrafter", "TreeShape",
+           "check_same_vocabulary", "verify_tree"]
+
+
+@dataclass
+class DraftTree:
+    """Drafted tokens hanging off a sequence's last token: node i is ``tokens[i]``, child of node
+    ``parents[i]`` (-1: of the last token); parents come first, and a node's children in the
+    order they are tried (best first). The chain of best tokens is nodes 0..depth-1, so when all
+    of it is accepted its KV entries are already where they belong."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def chunk_parents(self) -> tuple[int, ...]:
+        """Parents as chunk rows (row 0 is the last token, row i + 1 is node i)."""
+        return (-1, *(p + 1 for p in self.parents))
 
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """Draft up to ``n`` tokens after ``tokens`` (the sequence so far, prompt and generated; the
-    last one is not yet in the target's KV cache: it sits at position len(tokens) - 1).
-    ``capacity``: the positions the sequence can ever reach (its KV cache's size)."""
+    """Draft ``depth`` tokens deep and ``width`` wide after ``tokens`` (the sequence so far,
+    prompt and generated; the last one is not yet in the target's KV cache: it sits at position
+    len(tokens) - 1). ``capacity``: the positions the sequence can ever reach (its cache size)."""
 
     seq_id: int
     tokens: Sequence[int]
-    n: int
+    depth: int
+    width: int
     capacity: int
 
 
 class Drafter(ABC):
-    """Proposes draft tokens for several sequences at once (one batched pass per depth)."""
+    """Proposes draft trees for several sequences at once (one batched pass per depth)."""
 
     name = "?"
 
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        """For each request, a chain of its best tokens ``depth`` deep with ``width - 1``
+        alternatives beside each chain node (the next best of the same draft distribution)."""
+        trees = [DraftTree() for _ in requests]
+        alternatives: list[list[tuple[int, list[int]]]] = [[] for _ in requests]  # (parent, tokens)
+        depth = 0
+        while True:
+            todo = [i for i, r in enumerate(requests) if depth < r.depth]
+            if not todo:
+                break
+            picked = self._step([requests[i] for i in todo], depth, [trees[i].tokens for i in todo],
+                                max(requests[i].width for i in todo))
+            for i, pk in zip(todo, picked):
+                best = [int(t) for t in pk.ids[: requests[i].width]]
+                alternatives[i].append((depth - 1, best[1:]))
+                trees[i].tokens.append(best[0])
+                trees[i].parents.append(depth - 1)
+            depth += 1
+        for tree, alts in zip(trees, alternatives):
+            for parent, tokens in alts:
+                tree.tokens.extend(tokens)
+                tree.parents.extend([parent] * len(tokens))
+        return trees
+
     @abstractmethod
-    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        """For each request, at most ``n`` tokens, best guess first."""
+    def _step(self, requests: list[DraftRequest], depth: int, chains: list[list[int]], k: int) -> list[Picked]:
+        """One batched draft pass: for each request, the top-``k`` next tokens after its tokens
+        and the ``depth`` chain tokens drafted so far (``chains``)."""
 
     def forget(self, seq_id: int) -> None:
         """The sequence ended: drop whatever the drafter keeps for it."""
-
-
-def _greedy_chains(requests: list[DraftRequest], step) -> list[list[int]]:
-    """Draft every request's chain one depth at a time: ``step(todo, depth, out)`` runs one
-    batched pass for the requests ``todo`` (indices) still drafting at ``depth`` (``out`` holds
-    what each drafted so far) and returns each one's best next token."""
-    out: list[list[int]] = [[] for _ in requests]
-    depth = 0
-    while True:
-        todo = [i for i, r in enumerate(requests) if len(out[i]) < r.n]
-        if not todo:
-            return out
-        for i, tok in zip(todo, step(todo, depth, out)):
-            out[i].append(tok)
-        depth += 1
 
 
 class SelfDrafter(Drafter):
@@ -97,17 +141,10 @@ class SelfDrafter(Drafter):
             raise ConfigError(f"--self-draft layers {outside} are not resident: a self-draft uses resident layers only")
         self.model = model
 
-    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        def step(todo, depth, out):
-            chunks = []
-            for i in todo:
-                r = requests[i]
-                tok = r.tokens[-1] if depth == 0 else out[i][-1]
-                chunks.append(SeqChunk(r.seq_id, len(r.tokens) - 1 + depth, (tok,)))
-            picked = self.model.draft_forward(StepBatch(chunks), self.layers, [Pick(1)] * len(chunks))
-            return [int(p.ids[0]) for p in picked]
-
-        return _greedy_chains(requests, step)
+    def _step(self, requests, depth, chains, k):
+        chunks = [SeqChunk(r.seq_id, len(r.tokens) - 1 + depth, (r.tokens[-1] if depth == 0 else chain[-1],))
+                  for r, chain in zip(requests, chains)]
+        return self.model.draft_forward(StepBatch(chunks), self.layers, [Pick(k)] * len(chunks))
 
 
 class ModelDrafter(Drafter):
@@ -121,23 +158,17 @@ class ModelDrafter(Drafter):
         self.model = model
         self.cached: dict[int, list[int]] = {}  # seq -> tokens whose KV entries the draft cache holds
 
-    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        def step(todo, depth, out):
-            chunks = []
-            for i in todo:
-                r = requests[i]
-                if depth == 0:
-                    known = self._known(r)
-                    feed = list(r.tokens[known:])  # at least the last token
-                    self.cached[r.seq_id] = list(r.tokens)
-                    chunks.append(SeqChunk(r.seq_id, known, tuple(feed)))
-                else:
-                    self.cached[r.seq_id].append(out[i][-1])
-                    chunks.append(SeqChunk(r.seq_id, len(r.tokens) - 1 + depth, (out[i][-1],)))
-            picked = self.model.forward(StepBatch(chunks), picks=[Pick(1)] * len(chunks))
-            return [int(p.ids[0]) for p in picked]
-
-        return _greedy_chains(requests, step)
+    def _step(self, requests, depth, chains, k):
+        chunks = []
+        for r, chain in zip(requests, chains):
+            if depth == 0:
+                known = self._known(r)
+                self.cached[r.seq_id] = list(r.tokens)
+                chunks.append(SeqChunk(r.seq_id, known, tuple(r.tokens[known:])))  # at least the last token
+            else:
+                self.cached[r.seq_id].append(chain[-1])
+                chunks.append(SeqChunk(r.seq_id, len(r.tokens) - 1 + depth, (chain[-1],)))
+        return self.model.forward(StepBatch(chunks), picks=[Pick(k)] * len(chunks))
 
     def _known(self, r: DraftRequest) -> int:
         """How many leading tokens of ``r`` the draft cache already holds (never all of them:
@@ -174,27 +205,110 @@ def check_same_vocabulary(target: ModelIndex, draft: ModelIndex) -> None:
             )
 
 
-def verify_chain(draft: list[int], rows: list[Picked], sampler: Sampler, history: list[int]) -> list[int]:
-    """What one verify pass yields for a sequence: the accepted prefix of ``draft`` and one token
-    more from the target (the correction at the first rejection, or a bonus after a fully
-    accepted draft). ``rows[i]`` is the target's pick at chunk row i (row 0 is the last token,
-    predicting draft[0]); ``history`` the tokens before row 0's prediction (for the penalty)."""
-    out: list[int] = []
+def verify_tree(tree: DraftTree, rows: list[Picked], sampler: Sampler, history: list[int]) -> tuple[list[int], list[int]]:
+    """What one verify pass yields for a sequence: (tokens, path). ``path`` holds the accepted
+    nodes from the root down; ``tokens`` their tokens and one more from the target (a draw from
+    what is left at the first node none of whose children was accepted, or after an accepted
+    leaf). ``rows[j]`` is the target's pick at chunk row j (row 0 the last token, row i + 1 node
+    i); ``history`` the tokens before row 0's prediction (for the repetition penalty)."""
+    children: list[list[int]] = [[] for _ in range(len(tree) + 1)]  # by row
+    for i, p in enumerate(tree.parents):
+        children[p + 1].append(i + 1)
     greedy = sampler.params.temperature == 0
-    for i, x in enumerate(draft):
-        ids, probs = sampler.distribution(rows[i], history + out)
+    out: list[int] = []
+    path: list[int] = []
+    row = 0
+    while True:
+        ids, probs = sampler.distribution(rows[row], history + out)
+        chosen = None
         if greedy:
-            out.append(int(ids[0]))
-            if out[-1] != x:
-                return out
-            continue
-        hit = ids == x
-        if not hit.any() or sampler.uniform() >= float(probs[hit].sum()):
-            rest = ~hit
-            if rest.any():  # the residual max(0, p - draft) = p without x
-                out.append(sampler.draw(ids[rest], probs[rest]))
-                return out
-        out.append(x)
-    ids, probs = sampler.distribution(rows[len(draft)], history + out)
-    out.append(int(ids[0]) if greedy else sampler.draw(ids, probs))
-    return out
+            best = int(ids[0])
+            chosen = next((c for c in children[row] if tree.tokens[c - 1] == best), None)
+        else:
+            probs = probs.copy()
+            for c in children[row]:
+                hit = ids == tree.tokens[c - 1]
+                total = float(probs.sum())
+                mass = float(probs[hit].sum())
+                if mass > 0 and (mass >= total or sampler.uniform() * total < mass):
+                    chosen = c
+                    break
+                probs[hit] = 0.0  # rejected: the rest of p, renormalised, for the next child
+        if chosen is None:
+            out.append(int(ids[0]) if greedy else sampler.draw(ids, probs))
+            return out, path
+        out.append(tree.tokens[chosen - 1])
+        path.append(chosen - 1)
+        row = chosen
+
+
+class TreeShape:
+    """Chooses the draft tree's depth D and width w from measured acceptance and timings.
+
+    Measured (running means over the last verify passes): ``chain_rate``, how often the chain's
+    node is accepted where it is tried; ``rescue_rate[r]``, how often the sibling of rank r (2, 3,
+    …) is accepted when every better one was rejected; ``verify_s``, a verify pass; ``depth_s``,
+    one draft depth. Expected accepted tokens of (D, w):
+        E = sum_{d=1..D} a^(d-1) (a + (1 - a) R_w),  a = chain_rate, R_w = 1 - prod_{r=2..w} (1 - rescue_r)
+    and the pass yields E + 1 tokens in verify_s + D depth_s. ``choose`` returns the (D, w) with
+    D w <= the budget that maximises (E + 1) / (verify_s + D depth_s); a fixed width skips the
+    search over w. Priors stand in until the first measurements."""
+
+    WIDTHS = (1, 2, 3, 4)
+    DECAY = 0.9  # weight of the past in the running means
+
+    def __init__(self, budget: int, width: int | None = None) -> None:
+        self.budget = budget
+        self.width = width
+        self.chain_rate = 0.6
+        self.rescue_rate = {r: 0.2 for r in self.WIDTHS[1:]}
+        self.verify_s = 1.0
+        self.depth_s = 0.1
+
+    def _mean(self, old: float, new: float) -> float:
+        return self.DECAY * old + (1 - self.DECAY) * new
+
+    def expected_accepted(self, depth: int, width: int) -> float:
+        a = min(self.chain_rate, 0.999)
+        rescue = 1.0 - math.prod(1.0 - self.rescue_rate[r] for r in range(2, width + 1))
+        return (a + (1 - a) * rescue) * (1 - a ** depth) / (1 - a)
+
+    def choose(self) -> tuple[int, int]:
+        if self.width is not None:
+            return max(1, self.budget // self.width), self.width
+        best, best_score = (self.budget, 1), -1.0
+        for w in self.WIDTHS:
+            for d in range(1, self.budget // w + 1):
+                score = (self.expected_accepted(d, w) + 1) / (self.verify_s + d * self.depth_s)
+                if score > best_score:
+                    best, best_score = (d, w), score
+        return best
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        """Learn from one verified tree: at each node the pass reached, was the chain's child
+        accepted, or which sibling rank."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents):
+            children.setdefault(p, []).append(i)
+        node = -1
+        for nxt in path + [None]:
+            kids = children.get(node, [])
+            if not kids:
+                break
+            rank = kids.index(nxt) + 1 if nxt in kids else None
+            self.chain_rate = self._mean(self.chain_rate, 1.0 if rank == 1 else 0.0)
+            for r in range(2, len(kids) + 1):  # siblings tried after a rejected chain node
+                if rank == 1:
+                    break
+                self.rescue_rate[r] = self._mean(self.rescue_rate[r], 1.0 if rank == r else 0.0)
+                if rank == r:
+                    break
+            if nxt is None:
+                break
+            node = nxt
+
+    def observe_times(self, verify_s: float | None = None, depth_s: float | None = None) -> None:
+        if verify_s is not None:
+            self.verify_s = self._mean(self.verify_s, verify_s)
+        if depth_s is not None:
+            self.depth_s = self._mean(self.depth_s, depth_s)
