@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile every CUDA source of the cuda backend with NVRTC, no GPU needed.
 
-Instantiates the templates that kernels.py uses (the default matvec configurations for every
+Compiles each .cu exactly as kernels.py does (headers inlined by sources.kernel_source) and
+instantiates the templates that kernels.py uses (the default matvec configurations for every
 type and batch size, the dequantizers, the attention variants) and prints NVRTC's log: errors,
 warnings, and with --sass-info (an sm_90 cubin through ptxas) registers, stack and spills per
 kernel. Exit status 1 on any compile error.
@@ -14,13 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from cupy_backends.cuda.libs import nvrtc
 
-ROOT = Path(__file__).resolve().parents[1]
-CUDA_DIR = ROOT / "daemons" / "compute" / "cuda"
-sys.path.insert(0, str(ROOT))
+from ntx.daemons.compute.cuda.sources import CUDA_DIR, kernel_source
 
 QTYPES = [0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30]
 
@@ -52,10 +50,10 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
     return []
 
 
-def compile_one(path: Path, arch: str, sass_info: bool, all_configs: bool) -> bool:
-    src = path.read_text()
-    names = names_for(path.name, all_configs)
-    prog = nvrtc.createProgram(src, path.name, [], [])
+def compile_one(name: str, arch: str, sass_info: bool, all_configs: bool) -> bool:
+    src = kernel_source(name)
+    names = names_for(name, all_configs)
+    prog = nvrtc.createProgram(src, name, [], [])
     for n in names:
         nvrtc.addNameExpression(prog, n)
     opts = [f"-arch={arch}", "-std=c++17"]
@@ -67,10 +65,10 @@ def compile_one(path: Path, arch: str, sass_info: bool, all_configs: bool) -> bo
         nvrtc.compileProgram(prog, opts)
     except nvrtc.NVRTCError as e:
         ok = False
-        print(f"== {path.name}: COMPILE ERROR {e}")
+        print(f"== {name}: COMPILE ERROR {e}")
     dt = time.perf_counter() - t0
     log = nvrtc.getProgramLog(prog).strip()
-    print(f"== {path.name}: {'ok' if ok else 'FAILED'} ({len(names)} instantiations, {dt:.1f} s, {arch})")
+    print(f"== {name}: {'ok' if ok else 'FAILED'} ({len(names)} instantiations, {dt:.1f} s, {arch})")
     if log:
         if sass_info and ok:
             # keep the per-kernel resource lines short: name + registers/spills
@@ -97,7 +95,7 @@ def main() -> int:
     arch = "sm_90" if a.sass_info and a.arch == "compute_90" else a.arch
     ok = True
     for p in sorted(CUDA_DIR.glob("*.cu")):
-        ok &= compile_one(p, arch, a.sass_info, a.all_configs)
+        ok &= compile_one(p.name, arch, a.sass_info, a.all_configs)
     print("ALL OK" if ok else "ERRORS")
     return 0 if ok else 1
 

@@ -31,10 +31,11 @@ import math
 import os
 import threading
 from enum import IntEnum
-from pathlib import Path
 
 import cupy as cp
 import numpy as np
+
+from ntx.daemons.compute.cuda.sources import kernel_source
 
 __all__ = [
     "QType", "QUANT_INFO", "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm",
@@ -43,7 +44,6 @@ __all__ = [
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x",
 ]
 
-_DIR = Path(__file__).resolve().parent
 MAX_MATVEC_B = 8
 
 
@@ -127,10 +127,6 @@ _modules: dict[tuple, cp.RawModule] = {}
 _OPTIONS = ("-std=c++17",)
 
 
-def _source(name: str) -> str:
-    return (_DIR / name).read_text()
-
-
 def _module(fname: str, names: tuple[str, ...]) -> cp.RawModule:
     key = (cp.cuda.Device().id, fname, names)
     mod = _modules.get(key)
@@ -138,10 +134,12 @@ def _module(fname: str, names: tuple[str, ...]) -> cp.RawModule:
         with _lock:
             mod = _modules.get(key)
             if mod is None:
+                # headers inlined: cupy caches compiled modules by this text (sources.py)
+                src = kernel_source(fname)
                 if names:
-                    mod = cp.RawModule(code=_source(fname), options=_OPTIONS, name_expressions=list(names))
+                    mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=list(names))
                 else:
-                    mod = cp.RawModule(code=_source(fname), options=_OPTIONS)
+                    mod = cp.RawModule(code=src, options=_OPTIONS)
                 mod.compile()
                 _modules[key] = mod
     return mod

@@ -15,25 +15,12 @@
 // Small integers become floats without the (quarter-rate) I2F conversion: byte_perm builds the
 // float 2^23 + q and one FADD removes 2^23 (exact for q < 2^23).
 //
-// Compiled by NVRTC at run time (cupy RawModule); no headers needed.
+// Compiled by NVRTC at run time (cupy RawModule), common.cuh inlined (sources.py).
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
+#include "common.cuh"
 
 #define MAGIC 8388608.0f  // 2^23
 
-__device__ __forceinline__ float h2f(u32 h) {
-    float f;
-    u16 hs = (u16)(h & 0xFFFFu);
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
 __device__ __forceinline__ u32 ld16(const u8* p) { return (u32)__ldg((const u16*)p); }
 __device__ __forceinline__ u32 ld32a2(const u8* p) {
     const u16* q = (const u16*)p;
@@ -351,12 +338,6 @@ template <> struct QTraits<108> {
         o0 = 4 * j; o1 = 32 + 4 * j;
     }
 };
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // out[b, row] = sum_c W[row, c] * x[b, c]       x: [B, n_cols] f32, out: [B, n_rows] f32
 // One CTA per NR rows; its warps split each row's pieces; every lane handles U pieces per trip
