@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark the CUDA kernels against the device's measured copy bandwidth.
 
-Measures in one run: device-to-device copy bandwidth (1 GiB cupy copy, bytes read + written per
-second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B shapes per type at
+Measures in one run: device-to-device copy bandwidth (copy_bandwidth.device_copy_gbps, bytes
+read + written per second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B shapes per type at
 B = 1 and B = 8 for both variants, f32 ("v1"/"v2") and int8-activation "dp4a" (its time includes
 the quantize-x launch), sweeping launch configurations (--quick: a few), plus a few other kernels. Each timing replays a
 CUDA graph of back-to-back launches that cycle over enough copies of the weights (>= 512 MiB) that
@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from ntx.daemons.compute.cuda import tuning
+from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
 from ntx.shared.quant_types import QUANT_TYPES, quant_type
 
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "F16"]
@@ -123,25 +124,6 @@ def time_graph(cp, launch_fns, reps: int) -> float:
         e1.record(s)
         e1.synchronize()
     return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / (reps * len(launch_fns))
-
-
-def copy_bandwidth(cp) -> float:
-    n = 1 << 30
-    a = cp.ones(n, dtype=cp.uint8)
-    b = cp.empty_like(a)
-    for _ in range(3):
-        b[...] = a
-    cp.cuda.Device().synchronize()
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    reps = 20
-    e0.record()
-    for _ in range(reps):
-        cp.copyto(b, a)
-    e1.record()
-    e1.synchronize()
-    dt = cp.cuda.get_elapsed_time(e0, e1) / 1e3
-    del a, b
-    return 2 * n * reps / dt
 
 
 def bench_matvec(cp, K, quick: bool):
@@ -293,12 +275,12 @@ def main() -> int:
            "sms": props["multiProcessorCount"], "l2_bytes": props["l2CacheSize"],
            "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion()}
     print("device:", dev)
-    copy_bw = copy_bandwidth(cp)
+    copy_bw = device_copy_gbps() * 1e9
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     t0 = time.perf_counter()
     mv = bench_matvec(cp, K, a.quick)
     other = bench_other(cp, K)
-    copy_bw2 = copy_bandwidth(cp)
+    copy_bw2 = device_copy_gbps() * 1e9
     print(f"device-to-device copy again: {copy_bw2 / 1e9:.0f} GB/s")
     print()
     print(f"matvec, weight bytes / time, vs copy bandwidth {copy_bw / 1e9:.0f} GB/s (graph replay, L2-cold); "

@@ -35,7 +35,8 @@ def test_kernel_source_names_a_missing_header(tmp_path, monkeypatch):
 
 def test_tuning_imports_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None\n"
-            "import ntx.daemons.compute.cuda.tuning, ntx.daemons.compute.cuda.sources")
+            "import ntx.daemons.compute.cuda.tuning, ntx.daemons.compute.cuda.sources\n"
+            "import ntx.daemons.compute.cuda.copy_bandwidth")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
