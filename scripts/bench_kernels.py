@@ -2,8 +2,8 @@
 """Benchmark the CUDA kernels against the device's measured copy bandwidth.
 
 Measures in one run: device-to-device copy bandwidth (copy_bandwidth.device_copy_gbps, bytes
-read + written per second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B shapes per type at
-B = 1 and B = 8 for both variants, f32 ("v1"/"v2") and int8-activation "dp4a" (its time includes
+read + written per second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B
+shapes per type at B = 1 and B = 8 for both variants, f32 ("v1"/"v2") and int8-activation "dp4a" (its time includes
 the quantize-x launch), sweeping launch configurations (--quick: a few), plus a few other kernels. Each timing replays a
 CUDA graph of back-to-back launches that cycle over enough copies of the weights (>= 512 MiB) that
 the 50 MB L2 cannot serve them, timed with CUDA events. Prints a table with % of copy bandwidth

@@ -3,8 +3,9 @@
 kernels.py decides *what* to compute; this module holds every choice of *how* that only moves
 speed: matvec launch configurations, which layout cut or activation path the "auto" matvec
 takes, when gemm loops matvec instead of going through cuBLAS, how attention splits its keys,
-and the dequantizers' cut. None of it changes a result beyond f32 rounding order of the paths a
-test pins, except the dp4a path, which stays opt-in (see ``dp4a_opt_in``).
+and the dequantizers' cut. A choice here moves a result only through the order of its f32
+additions (the last bits), except the dp4a path (activations rounded to int8), which therefore
+stays opt-in (``dp4a_opt_in``).
 
 Entries are keyed by the device's name as CUDA reports it (``for_device``); a device without an
 entry gets ``DEFAULT``. Only the H200 was measured, so ``DEFAULT`` is the H200's table; a new
