@@ -52,3 +52,5 @@ def test_tuning_entries_by_device_name():
                 assert nr in (1, 2, 4) and 1 <= nw <= 8 and u in (1, 2, 4)
         assert all("v2" in QUANT_TYPES[q].cuts for q in t.v2_auto_types)
         assert all(cut in QUANT_TYPES[q].cuts for q, cut in t.deq_cut.items())
+        for D in (1, 2048, 4096, 1 << 20):  # rmsnorm_kernel: a multiple of 32 threads, <= 1024
+            assert t.rmsnorm_block(D) % 32 == 0 and t.rmsnorm_block(D) <= 1024

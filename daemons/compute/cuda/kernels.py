@@ -487,7 +487,7 @@ def rmsnorm(x, w, eps: float, *, residual=None, out=None, stream=None):
     T = x.size // D
     if T == 0:
         return out
-    block = 1024 if D >= 8192 else (512 if D >= 2048 else 256)
+    block = _tuning().rmsnorm_block(D)
     with _stream_ctx(stream):
         _ops_kernel("rmsnorm_kernel")((T,), (block,), (x, w, out, _ptr_or_null(residual), np.int32(D), np.float32(eps)))
     return out

@@ -3,9 +3,9 @@
 kernels.py decides *what* to compute; this module holds every choice of *how* that only moves
 speed: matvec launch configurations, which layout cut or activation path the "auto" matvec
 takes, when gemm loops matvec instead of going through cuBLAS, how attention splits its keys,
-and the dequantizers' cut. A choice here moves a result only through the order of its f32
-additions (the last bits), except the dp4a path (activations rounded to int8), which therefore
-stays opt-in (``dp4a_opt_in``).
+rmsnorm's threads per row and the dequantizers' cut. A choice here moves a result only through
+the order of its f32 additions (the last bits), except the dp4a path (activations rounded to
+int8), which therefore stays opt-in (``dp4a_opt_in``).
 
 Entries are keyed by the device's name as CUDA reports it (``for_device``); a device without an
 entry gets ``DEFAULT``. Only the H200 was measured, so ``DEFAULT`` is the H200's table; a new
@@ -56,6 +56,8 @@ class KernelTuning:
     # at most attn_max_splits splits
     attn_target_warps: int
     attn_max_splits: int
+    # rmsnorm threads per row: (smallest row length D, threads), largest D first
+    rmsnorm_threads: tuple[tuple[int, int], ...]
     # layout cut of each type's dequantizer (types not listed: "v1")
     deq_cut: dict[QT, str] = field(default_factory=dict)
 
@@ -66,6 +68,10 @@ class KernelTuning:
     def mvq(self, qtype: QT, B: int) -> MatvecLaunch:
         """The dp4a matvec launch for qtype at batch size B."""
         return self.mvq_launch_override.get((qtype, B)) or self.mvq_launch[B]
+
+    def rmsnorm_block(self, D: int) -> int:
+        """Threads per row of rmsnorm for rows of D elements."""
+        return next(threads for min_d, threads in self.rmsnorm_threads if D >= min_d)
 
     def all_mv_launches(self) -> set[MatvecLaunch]:
         return set(self.mv_launch.values()) | set(self.mv_launch_override.values())
@@ -98,7 +104,8 @@ class KernelTuning:
 # Dequantizers: 28672x8192 Q4_K to f16 + GEMM took 1.40 ms with cut v1 (8-byte stores scattered
 #   over four blocks) against 0.32 ms for Q6_K and Q8_0; the v2 cut writes consecutive 4-element
 #   runs from consecutive lanes, hence deq_cut v2 for Q4_K and Q5_K.
-# Attention splits (2048 warps, at most 64 splits) were set at design time, not swept.
+# Attention splits (2048 warps, at most 64 splits) and rmsnorm's threads per row were set at
+# design time, not swept.
 _MV_SMALL_B = (2, 4, 1)
 _MV_LARGE_B = (4, 4, 1)
 H200 = KernelTuning(
@@ -114,6 +121,7 @@ H200 = KernelTuning(
     gemm_chunked_max_bytes=40 << 20,
     attn_target_warps=2048,
     attn_max_splits=64,
+    rmsnorm_threads=((8192, 1024), (2048, 512), (0, 256)),
     deq_cut={QT.Q4_K: "v2", QT.Q5_K: "v2"},
 )
 DEFAULT = H200  # the only device measured
