@@ -60,6 +60,7 @@ def measure_copy_limits(backend: str, nbytes: int = 1 << 30) -> dict[str, float]
         return out
     import cupy as cp
 
+    from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
     from ntx.shared.shm import ShmSegment
 
     dev = cp.empty(nbytes, dtype=cp.uint8)
@@ -84,16 +85,9 @@ def measure_copy_limits(backend: str, nbytes: int = 1 << 30) -> dict[str, float]
         seg.unlink()
     pageable = np.ones(nbytes, dtype=np.uint8)
     out["h2d_pageable_gbps"] = nbytes / _timed(lambda: h2d(pageable.ctypes.data), 3) / GB
-    del pageable
-    dev2 = cp.empty_like(dev)
-
-    def d2d() -> None:
-        cp.copyto(dev2, dev)
-        cp.cuda.Device().synchronize()
-
-    out["d2d_copy_gbps"] = 2 * nbytes / _timed(d2d, 10) / GB  # bytes read + written
-    del dev, dev2
+    del pageable, dev
     cp.get_default_memory_pool().free_all_blocks()
+    out["d2d_copy_gbps"] = device_copy_gbps(nbytes)  # bytes read + written
     return out
 
 

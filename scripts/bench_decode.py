@@ -21,25 +21,9 @@ import cupy as cp
 
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
 from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import SamplingParams
-
-
-def copy_bandwidth_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
-    a = cp.empty(nbytes, dtype=cp.uint8)
-    b = cp.empty_like(a)
-    cp.copyto(b, a)
-    cp.cuda.Device().synchronize()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(iters):
-        cp.copyto(b, a)
-    stop.record()
-    stop.synchronize()
-    s = cp.cuda.get_elapsed_time(start, stop) / 1e3
-    del a, b
-    cp.get_default_memory_pool().free_all_blocks()
-    return 2 * nbytes * iters / s / 1e9
 
 
 def bench_model(path: str, tokens: int, batches: list[int]) -> dict:
@@ -105,7 +89,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     props = cp.cuda.runtime.getDeviceProperties(0)
-    copy_gbps = copy_bandwidth_gbps()
+    copy_gbps = device_copy_gbps()
     report = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
               "copy_gbps": round(copy_gbps, 1), "models": []}
     print(f"device {report['device']}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)", flush=True)

@@ -1,8 +1,9 @@
 """Which path is faster for T > 8 rows against one quantized matrix: matvec in chunks of 8 rows
 (weights read ceil(T/8) times, dequantized in registers) or dequantize-to-f16 + cuBLAS GEMM
-(weights read once, an f16 copy written and read)? It decides ``kernels.GEMM_CHUNKED_MAX_T`` and
-``GEMM_CHUNKED_MAX_BYTES``, where ``gemm`` loops matvec: batched decode of 9..64 sequences and short
-prompts run through it on every streamed layer.
+(weights read once, an f16 copy written and read)? It decides ``gemm_chunked_max_t`` and
+``gemm_chunked_max_bytes`` of the device's entry in daemons/compute/cuda/tuning.py, up to which
+``kernels.gemm`` loops matvec: batched decode of 9..64 sequences and short prompts run through it
+on every streamed layer.
 
     python3 scripts/bench_gemm_paths.py [--types Q4_K,Q8_0] [--out gemm_paths.json]
 """

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Benchmark the CUDA kernels against the device's measured copy bandwidth.
 
-Measures in one run: device-to-device copy bandwidth (1 GiB cupy copy, bytes read + written per
-second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B shapes per type at
-B = 1 and B = 8 for both variants, f32 ("v1"/"v2") and int8-activation "dp4a" (its time includes
+Measures in one run: device-to-device copy bandwidth (copy_bandwidth.device_copy_gbps, bytes
+read + written per second), then matvec bandwidth (weight bytes per second) for the Llama-3-8B
+shapes per type at B = 1 and B = 8 for both variants, f32 ("v1"/"v2") and int8-activation "dp4a" (its time includes
 the quantize-x launch), sweeping launch configurations (--quick: a few), plus a few other kernels. Each timing replays a
 CUDA graph of back-to-back launches that cycle over enough copies of the weights (>= 512 MiB) that
 the 50 MB L2 cannot serve them, timed with CUDA events. Prints a table with % of copy bandwidth
-and writes JSON.
+and writes JSON. The figures behind each launch choice are kept in daemons/compute/cuda/tuning.py.
 
     python scripts/bench_kernels.py [--out bench.json] [--quick]
     python scripts/bench_kernels.py --precompile --jobs 16   # fill cupy's kernel cache in parallel
@@ -22,6 +22,12 @@ import sys
 import time
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+from ntx.daemons.compute.cuda import tuning
+from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
+from ntx.shared.quant_types import QUANT_TYPES, quant_type
 
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "F16"]
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
@@ -37,26 +43,26 @@ def _k():
 
 
 def precompile_specs():
+    """The modules that the default launches of every device entry in tuning.py and this
+    benchmark's sweeps need, as (file, name expressions) of kernels._module."""
     K = _k()
+    tunings = list(tuning.TUNINGS.values())
+    mv_default = {(nr, u) for t in tunings for nr, _, u in t.all_mv_launches()}
+    mvq_default = {(nr, u) for t in tunings for nr, _, u in t.all_mvq_launches()}
+    sweep = {(c[0], c[2]) for c in SWEEP}
+    benched = {QT[t] for t in TYPES}
     specs = []
-    for qt in K.QType:
-        for tid in (int(qt), K._V2.get(int(qt), int(qt))):
-            for nr, u in sorted({(c[0], c[2]) for c in K._MV_DEFAULT.values()}):
-                specs.append(("quant.cu", K._mv_names(tid, nr, u)))
-        dq = K._DEQ_TRAITS.get(qt, int(qt))
-        specs.append(("quant.cu", (f"deq_kernel<{dq},0>", f"deq_kernel<{dq},1>")))
-    for t in TYPES:
-        qt = int(K.QType[t])
-        for tid in (qt, K._V2.get(qt, qt)):
-            for nr, u in sorted({(c[0], c[2]) for c in SWEEP}):
-                specs.append(("quant.cu", K._mv_names(tid, nr, u)))
-    # dp4a variant: defaults for every type it exists for, the sweep for the benchmarked ones
-    for qt in sorted(K._DP4A_TYPES):
-        cfgs = {(c[0], c[2]) for c in K._MVQ_DEFAULT.values()}
-        if qt in {int(K.QType[t]) for t in TYPES}:
-            cfgs |= {(c[0], c[2]) for c in SWEEP + QUICK_SWEEP_DP4A}
-        for nr, u in sorted(cfgs):
-            specs.append(("quant.cu", K._mvq_names(qt, nr, u)))
+    for q in QUANT_TYPES.values():
+        for cut in q.cuts:
+            cfgs = mv_default | (sweep if q.qtype in benched else set())
+            for nr, u in sorted(cfgs):
+                specs.append(("quant.cu", K._mv_names(q.qtype, cut, nr, u)))
+            specs.append(("quant.cu", K._deq_names(q.qtype, cut)))
+        # dp4a variant: defaults for every type it exists for, the sweep for the benchmarked ones
+        if q.dp4a:
+            cfgs = mvq_default | ({(c[0], c[2]) for c in SWEEP + QUICK_SWEEP_DP4A} if q.qtype in benched else set())
+            for nr, u in sorted(cfgs):
+                specs.append(("quant.cu", K._mvq_names(q.qtype, nr, u)))
     specs.append(("quant.cu", ()))  # quantize_x_kernel
     specs.append(("ops.cu", ()))
     for g in (1, 3, 4, 8):
@@ -85,12 +91,12 @@ def precompile(jobs: int) -> None:
 def random_raw(cp, K, qt, n_rows, n_cols, rng):
     """Random valid GGUF bytes built on the device (random bytes, finite f16 scale fields)."""
     rb = K.row_bytes(qt, n_cols)
-    if qt == K.QType.F16:
+    if qt == QT.F16:
         return (cp.random.standard_normal((n_rows, n_cols), dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint8).reshape(-1)
-    bs, ts, _, _ = K.QUANT_INFO[qt]
+    ts = GGML_QUANT_SIZES[qt][1]
     nb = n_rows * rb // ts
     blocks = cp.random.randint(0, 256, size=(nb, ts), dtype=cp.int32).astype(cp.uint8)
-    fields = {K.QType.Q4_K: (0, 2), K.QType.Q6_K: (208,), K.QType.Q8_0: (0,)}[qt]
+    fields = {QT.Q4_K: (0, 2), QT.Q6_K: (208,), QT.Q8_0: (0,)}[qt]
     for off in fields:
         sc = (cp.random.uniform(0.002, 0.05, size=nb, dtype=cp.float32)).astype(cp.float16)
         blocks[:, off:off + 2] = sc.view(cp.uint8).reshape(nb, 2)
@@ -120,25 +126,6 @@ def time_graph(cp, launch_fns, reps: int) -> float:
     return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / (reps * len(launch_fns))
 
 
-def copy_bandwidth(cp) -> float:
-    n = 1 << 30
-    a = cp.ones(n, dtype=cp.uint8)
-    b = cp.empty_like(a)
-    for _ in range(3):
-        b[...] = a
-    cp.cuda.Device().synchronize()
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    reps = 20
-    e0.record()
-    for _ in range(reps):
-        cp.copyto(b, a)
-    e1.record()
-    e1.synchronize()
-    dt = cp.cuda.get_elapsed_time(e0, e1) / 1e3
-    del a, b
-    return 2 * n * reps / dt
-
-
 def bench_matvec(cp, K, quick: bool):
     """Both variants per shape and B: f32 ("v1"/"v2", the default config and a sweep) and "dp4a"
     (int8 activations; its time includes the quantize-x kernel that each call launches)."""
@@ -147,8 +134,8 @@ def bench_matvec(cp, K, quick: bool):
     sweep = SWEEP if not quick else QUICK_SWEEP
     sweep_q = SWEEP if not quick else QUICK_SWEEP_DP4A
     for tname in TYPES:
-        qt = K.QType[tname]
-        has_dp4a = int(qt) in K._DP4A_TYPES
+        qt = QT[tname]
+        has_dp4a = quant_type(qt).dp4a
         for (n_rows, n_cols) in SHAPES:
             raw0 = random_raw(cp, K, qt, n_rows, n_cols, rng)
             nbytes = raw0.size
@@ -161,14 +148,14 @@ def bench_matvec(cp, K, quick: bool):
                 x = cp.random.standard_normal((B, n_cols), dtype=cp.float32)
                 out = cp.empty((B, n_rows), dtype=cp.float32)
                 ref = K.matvec(views[0], qt, n_rows, n_cols, x, variant="v1").copy()
-                default_cfg = K._MV_CONFIG.get((int(qt), B)) or K._MV_DEFAULT[B]
-                has_v2 = int(qt) in K._V2
+                default_cfg = K._tuning().mv(qt, B)
+                has_v2 = "v2" in quant_type(qt).cuts
                 runs = [("v1", default_cfg)] + [(("v2" if has_v2 else "v1"), c) for c in sweep]
                 if has_v2:
                     runs.insert(1, ("v2", default_cfg))
                 if has_dp4a:
                     ref_q = K.matvec(views[0], qt, n_rows, n_cols, x, variant="dp4a").copy()
-                    qcfg = K._MVQ_CONFIG.get((int(qt), B)) or K._MVQ_DEFAULT[B]
+                    qcfg = K._tuning().mvq(qt, B)
                     runs += [("dp4a", qcfg)] + [("dp4a", c) for c in sweep_q]
                 runs = list(dict.fromkeys(runs))
                 rows = []
@@ -238,7 +225,7 @@ def bench_other(cp, K):
     res["attention_prefill_T512"] = {"us": t * 1e6, "tflops": flops / t / 1e12}
     print(f"  attention prefill T=512 causal: {t * 1e6:.1f} us ({flops / t / 1e12:.2f} TFLOP/s)")
     # dequantize Q4_K 14336x4096 to f16, and gemm T=512
-    qt = K.QType.Q4_K
+    qt = QT.Q4_K
     raw = random_raw(cp, K, qt, 14336, 4096, np.random.default_rng(1))
     w16 = cp.empty((14336, 4096), dtype=cp.float16)
     t = time_graph(cp, [lambda s: K.dequantize_f16(raw, qt, 14336, 4096, out=w16, stream=s)] * 10, 10)
@@ -288,12 +275,12 @@ def main() -> int:
            "sms": props["multiProcessorCount"], "l2_bytes": props["l2CacheSize"],
            "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion()}
     print("device:", dev)
-    copy_bw = copy_bandwidth(cp)
+    copy_bw = device_copy_gbps() * 1e9
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     t0 = time.perf_counter()
     mv = bench_matvec(cp, K, a.quick)
     other = bench_other(cp, K)
-    copy_bw2 = copy_bandwidth(cp)
+    copy_bw2 = device_copy_gbps() * 1e9
     print(f"device-to-device copy again: {copy_bw2 / 1e9:.0f} GB/s")
     print()
     print(f"matvec, weight bytes / time, vs copy bandwidth {copy_bw / 1e9:.0f} GB/s (graph replay, L2-cold); "

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Compile every CUDA source of the cuda backend with NVRTC, no GPU needed.
 
-Instantiates the templates that kernels.py uses (the default matvec configurations for every
-type and batch size, the dequantizers, the attention variants) and prints NVRTC's log: errors,
-warnings, and with --sass-info (an sm_90 cubin through ptxas) registers, stack and spills per
-kernel. Exit status 1 on any compile error.
+Compiles each .cu exactly as kernels.py does (headers inlined by sources.kernel_source) and
+instantiates the templates kernels.py uses: for every supported type (shared/quant_types.py)
+and each of its layout cuts, the f32 matvec at every launch configuration of every device entry
+in tuning.py, the dp4a matvec where the type has one, the dequantizers, and the attention
+variants. Prints NVRTC's log: errors, warnings, and with --sass-info (an sm_90 cubin through
+ptxas) registers, stack and spills per kernel. Exit status 1 on any compile error.
 
     python scripts/compile_check.py [--arch compute_90] [--sass-info] [--all-configs]
 """
@@ -14,48 +16,53 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from cupy_backends.cuda.libs import nvrtc
 
-ROOT = Path(__file__).resolve().parents[1]
-CUDA_DIR = ROOT / "daemons" / "compute" / "cuda"
-sys.path.insert(0, str(ROOT))
+from ntx.daemons.compute.cuda import tuning
+from ntx.daemons.compute.cuda.sources import CUDA_DIR, kernel_source
+from ntx.shared.quant_types import QUANT_TYPES
 
-QTYPES = [0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30]
+CUT_ID = {"v1": 1, "v2": 2}  # quant.cu CUT_V1, CUT_V2 (kernels.py _CUT_ID)
+BATCH_SIZES = range(1, tuning.MAX_MATVEC_B + 1)
 
 
-def _defaults():
-    # read the default matvec configs without importing cupy's runtime parts (no GPU here)
-    src = (CUDA_DIR / "kernels.py").read_text()
-    start = src.index("_MV_DEFAULT = ")
-    end = src.index("}", start) + 1
-    ns: dict = {}
-    exec(src[start:end], ns)
-    return ns["_MV_DEFAULT"]
+def _launch_cuts(all_configs: bool) -> tuple[set, set]:
+    """(rows per CTA, pieces per trip) pairs of the f32 and dp4a matvec that some device entry
+    launches (the warps per CTA are a launch argument, not a template one); all_configs: every
+    pair the kernels allow."""
+    if all_configs:
+        every = {(nr, u) for nr in (1, 2, 4) for u in (1, 2)}
+        return every, every
+    mv = {(nr, u) for t in tuning.TUNINGS.values() for nr, _, u in t.all_mv_launches()}
+    mvq = {(nr, u) for t in tuning.TUNINGS.values() for nr, _, u in t.all_mvq_launches()}
+    return mv, mvq
 
 
 def names_for(fname: str, all_configs: bool) -> list[str]:
     if fname == "quant.cu":
-        cfgs = {(nr, u) for nr, _, u in _defaults().values()}
-        if all_configs:
-            cfgs = {(nr, u) for nr in (1, 2, 4) for u in (1, 2)}
+        mv_cfgs, mvq_cfgs = _launch_cuts(all_configs)
         out = []
-        for qt in QTYPES + [108, 112, 113, 114]:  # + the v2 (lane-contiguous) matvec variants
-            for nr, u in sorted(cfgs):
-                out += [f"mv_kernel<{qt},{b},{nr},{u}>" for b in range(1, 9)]
-            if qt < 100 or qt in (112, 113):  # the v2 cut dequantizes Q4_K / Q5_K
-                out += [f"deq_kernel<{qt},0>", f"deq_kernel<{qt},1>"]
+        for q in QUANT_TYPES.values():
+            qt = int(q.qtype)
+            for cut in q.cuts:
+                c = CUT_ID[cut]
+                for nr, u in sorted(mv_cfgs):
+                    out += [f"mv_kernel<{qt},{c},{b},{nr},{u}>" for b in BATCH_SIZES]
+                out += [f"deq_kernel<{qt},{c},0>", f"deq_kernel<{qt},{c},1>"]
+            if q.dp4a:
+                for nr, u in sorted(mvq_cfgs):
+                    out += [f"mvq_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
         return out
     if fname == "ops.cu":
         return [f"attn_split_kernel<{g},{hd}>" for g in (1, 2, 3, 4, 8) for hd in (64, 128, 256) if g * hd <= 2048]
     return []
 
 
-def compile_one(path: Path, arch: str, sass_info: bool, all_configs: bool) -> bool:
-    src = path.read_text()
-    names = names_for(path.name, all_configs)
-    prog = nvrtc.createProgram(src, path.name, [], [])
+def compile_one(name: str, arch: str, sass_info: bool, all_configs: bool) -> bool:
+    src = kernel_source(name)
+    names = names_for(name, all_configs)
+    prog = nvrtc.createProgram(src, name, [], [])
     for n in names:
         nvrtc.addNameExpression(prog, n)
     opts = [f"-arch={arch}", "-std=c++17"]
@@ -67,10 +74,10 @@ def compile_one(path: Path, arch: str, sass_info: bool, all_configs: bool) -> bo
         nvrtc.compileProgram(prog, opts)
     except nvrtc.NVRTCError as e:
         ok = False
-        print(f"== {path.name}: COMPILE ERROR {e}")
+        print(f"== {name}: COMPILE ERROR {e}")
     dt = time.perf_counter() - t0
     log = nvrtc.getProgramLog(prog).strip()
-    print(f"== {path.name}: {'ok' if ok else 'FAILED'} ({len(names)} instantiations, {dt:.1f} s, {arch})")
+    print(f"== {name}: {'ok' if ok else 'FAILED'} ({len(names)} instantiations, {dt:.1f} s, {arch})")
     if log:
         if sass_info and ok:
             # keep the per-kernel resource lines short: name + registers/spills
@@ -97,7 +104,7 @@ def main() -> int:
     arch = "sm_90" if a.sass_info and a.arch == "compute_90" else a.arch
     ok = True
     for p in sorted(CUDA_DIR.glob("*.cu")):
-        ok &= compile_one(p, arch, a.sass_info, a.all_configs)
+        ok &= compile_one(p.name, arch, a.sass_info, a.all_configs)
     print("ALL OK" if ok else "ERRORS")
     return 0 if ok else 1
 

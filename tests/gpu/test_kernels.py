@@ -21,6 +21,7 @@ rms, and a few-term product can cancel).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -32,10 +33,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from ntx.daemons.compute.cuda import kernels as K  # noqa: E402
+from ntx.daemons.compute.cuda import tuning  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-QT = K.QType
+QT = GGMLQuantizationType
 ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 # byte offsets of the f16 scale fields in one block
 F16_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
@@ -57,7 +59,7 @@ def random_weights(qt: QT, n_rows: int, n_cols: int, rng) -> np.ndarray:
     if qt == QT.BF16:
         f = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
         return (f.view(np.uint32) >> 16).astype(np.uint16).reshape(-1).view(np.uint8)
-    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(int(qt))]
+    bs, ts = GGML_QUANT_SIZES[QT(int(qt))]
     nb = n_rows * (n_cols // bs)
     blocks = rng.integers(0, 256, size=(nb, ts), dtype=np.uint8)
     for off in F16_FIELDS[qt]:
@@ -69,7 +71,7 @@ def random_weights(qt: QT, n_rows: int, n_cols: int, rng) -> np.ndarray:
 
 def reference_matrix(qt: QT, raw: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
     rb = K.row_bytes(qt, n_cols)
-    w = gguf_dequantize(raw.reshape(n_rows, rb), GGMLQuantizationType(int(qt)))
+    w = gguf_dequantize(raw.reshape(n_rows, rb), QT(int(qt)))
     w = np.asarray(w, dtype=np.float64).reshape(n_rows, n_cols)
     assert np.all(np.isfinite(w))
     return w
@@ -96,7 +98,7 @@ def test_device_is_there():
 
 # ------------------------------------------------------------------------------ matvec
 def _cols(qt: QT, big: bool) -> int:
-    bs = GGML_QUANT_SIZES[GGMLQuantizationType(int(qt))][0]
+    bs = GGML_QUANT_SIZES[QT(int(qt))][0]
     if bs == 256:
         return 10240 if big else 768        # 40 / 3 super-blocks per row
     if bs == 32:
@@ -273,7 +275,7 @@ def test_matvec_dp4a_auto_and_errors(rng):
     raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
     x = cp.asarray(rng.standard_normal((2, n_cols)).astype(np.float32))
     a = K.matvec(raw, qt, n_rows, n_cols, x, variant="auto")
-    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if int(qt) in K._DP4A_AUTO else "v1")
+    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if tuning.dp4a_opt_in() else "v1")
     np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
     # B = 1 on a small matrix: auto keeps the f32 path (the quantize launch would cost more)
     a1 = K.matvec(raw, qt, n_rows, n_cols, x[:1], variant="auto")
@@ -376,9 +378,10 @@ def test_get_rows(qt, rng):
 @pytest.mark.parametrize("T", [3, 20, 37, 128])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
 def test_gemm(qt, T, chunked_max_t, rng, monkeypatch):
-    """Both paths beyond 8 rows: matvec over 8-row chunks (T <= GEMM_CHUNKED_MAX_T) and
-    dequantize-to-f16 + cuBLAS."""
-    monkeypatch.setattr(K, "GEMM_CHUNKED_MAX_T", chunked_max_t)
+    """Both paths beyond 8 rows: matvec over 8-row chunks (T <= the device's gemm_chunked_max_t)
+    and dequantize-to-f16 + cuBLAS."""
+    table = dataclasses.replace(K._tuning(), gemm_chunked_max_t=chunked_max_t)
+    monkeypatch.setattr(K, "_tuning", lambda: table)
     n_rows, n_cols = 300, _cols(qt, False) * 4
     raw = random_weights(qt, n_rows, n_cols, rng)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)

@@ -12,13 +12,9 @@ matrix [n_rows, n_cols] (GGUF ne = [n_cols, n_rows]) of n_cols / block_size bloc
 KV cache layout (one pair per layer): ``cache_k``, ``cache_v``: f16 [n_slots, n_kv, max_ctx, hd];
 a sequence owns one slot; position p of kv-head g of slot s is ``cache[s, g, p, :]``.
 
-Measured on the H200 (copy bandwidth 4.2 TB/s; scripts/bench_kernels.py, CUDA-graph replay over
->= 512 MiB of weight copies): the f32 matvec at B=1 reads F16 at 4.1 TB/s (98%), Q8_0 at 2.2-2.3
-TB/s (52-54%), Q6_K at 1.3-1.4 TB/s (31-33%), Q4_K at 1.2-1.3 TB/s (29-31%) for the 8B shapes,
-bound by the per-weight f32 decode work, not by DRAM. The "dp4a" matvec variant (llama.cpp's int8
-path: activations quantized per 32 to int8, integer dot products with __dp4a; the default for the
-quantized types) reads Q8_0 at 3.0-3.3 TB/s (72-78%), Q6_K at 2.1-2.2 (49-52%), Q4_K at 2.2-2.3
-(52-55%) at B=1 for the 4096x14336 / 14336x4096 shapes, and about doubles B=8; see matvec.
+Which launch configuration, layout cut and path each call takes is looked up per device in
+tuning.py, with the measurements behind each choice. Tensor types come from
+ntx.shared.quant_types (gguf's GGMLQuantizationType; block sizes from gguf's own table).
 
 Shapes: T tokens, B sequences (or tokens of a decode batch), H query heads, n_kv kv heads
 (H = n_kv * group), hd head dim, D model dim, F feed-forward dim, V vocabulary.
@@ -28,97 +24,53 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
-from enum import IntEnum
-from pathlib import Path
 
 import cupy as cp
 import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ntx.daemons.compute.cuda import tuning
+from ntx.daemons.compute.cuda.sources import kernel_source
+from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbytes
 
 __all__ = [
-    "QType", "QUANT_INFO", "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm",
+    "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
     "rmsnorm", "rope_inplace", "alloc_kv_cache", "kv_append", "attention", "attention_splits",
     "attention_workspace", "swiglu", "argmax", "apply_repetition_penalty", "topk", "compile_all",
-    "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x",
+    "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
 ]
 
-_DIR = Path(__file__).resolve().parent
-MAX_MATVEC_B = 8
-
-
-class QType(IntEnum):
-    """GGML type ids (gguf.GGMLQuantizationType values) that the kernels read."""
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    BF16 = 30
-
-
-# qtype -> (GGUF block size in elements, bytes per block, n_cols multiple the kernel needs,
-#           byte alignment the kernel's loads need for the base address and the row length)
-QUANT_INFO: dict[QType, tuple[int, int, int, int]] = {
-    QType.F32: (1, 4, 8, 16),
-    QType.F16: (1, 2, 8, 16),
-    QType.BF16: (1, 2, 8, 16),
-    QType.Q4_0: (32, 18, 32, 2),
-    QType.Q4_1: (32, 20, 32, 4),
-    QType.Q5_0: (32, 22, 32, 2),
-    QType.Q5_1: (32, 24, 32, 4),
-    QType.Q8_0: (32, 34, 32, 2),
-    QType.Q4_K: (256, 144, 256, 16),
-    QType.Q5_K: (256, 176, 256, 16),
-    QType.Q6_K: (256, 210, 256, 2),
-}
-
-# matvec launch configuration per batch size: (rows per CTA, warps per CTA, pieces per lane per trip)
-_MV_DEFAULT = {1: (2, 4, 1), 2: (2, 4, 1), 3: (2, 4, 1), 4: (2, 4, 1),
-               5: (4, 4, 1), 6: (4, 4, 1), 7: (4, 4, 1), 8: (4, 4, 1)}
-# matvec kernel variants (quant.cu): "v2" = the lane-contiguous cut of a block (traits id + 100),
-# whose activation loads cover whole cache lines; "v1" = the first cut (every type has one).
-# Measured on the H200 (scripts/bench_kernels.py): v1 is faster at B=1 (fewer scale decodes per
-# weight), v2 at B=8 for Q4_K (+40-48%) and Q8_0 (+7-45%); Q6_K is even. "auto" picks by that.
-_V2 = {12: 112, 13: 113, 14: 114, 8: 108}
-_V2_AUTO = {12, 13, 8}
+MAX_MATVEC_B = tuning.MAX_MATVEC_B
+# matvec variants: "v1", "v2" = the f32 path through that layout cut ("f32" = "v1"), "dp4a" =
+# the int8-activation path, "auto" = per tuning.py
 MATVEC_VARIANT = "auto"
-_MV_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {  # (qtype, B) -> config, overrides
-    (1, 1): (2, 8, 1),  # F16 at B=1: 4.1 TB/s on the H200 (vs 4.0 with (2, 4, 1))
-}
-# "dp4a" variant (quant.cu mvq_kernel): x quantized to int8 per 32 (quantize_x_kernel), integer
-# dot products. Exists for the block-quantized types; "auto" takes it for _DP4A_AUTO except at
-# B = 1 for matrices under _DP4A_MIN_BYTES, where the extra quantize launch outweighs the gain.
-# Measured on the H200 (scripts/bench_kernels.py --quick, copy 4207 GB/s), 8B shapes, GB/s f32 -> dp4a:
-#   B=1: Q4_K 14336x4096 1293 -> 2330, 4096x14336 1232 -> 2199 (2447 with (4, 4, 1)), 4096x4096 1028 -> 1303;
-#        Q6_K 1396 -> 2195, 1281 -> 2071, 1129 -> 1397; Q8_0 2279 -> 3271, 2175 -> 3013, 1807 -> 2090;
-#        1024x4096 (2.4-4.5 MB): 2-7% slower (Q4_K 579 -> 536, Q6_K 671 -> 656, Q8_0 946 -> 888).
-#   B=8 (config (4, 4, 1)): Q4_K 544 -> 1079, Q6_K 725 -> 1035, Q8_0 1057 -> 1931 (14336x4096).
-# Only Q4_K/Q6_K/Q8_0 were timed; the other types share the kernel and are taken on that basis.
-# B = 2..7 were not timed: the defaults interpolate between the B=1 and B=8 bests.
-_DP4A_TYPES = {2, 3, 6, 7, 8, 12, 13, 14}
-# Opt-in (NTX_MATVEC_DP4A=1): int8 activations measured +35% decode on 8B Q4_K_M (186 -> 251 tok/s
-# on the H200) but moved a near-tie greedy token of a synthetic model away from the CPU reference;
-# the f32 path is the one whose greedy tokens were checked equal to the reference on the GPU.
-_DP4A_AUTO = set(_DP4A_TYPES) if os.environ.get("NTX_MATVEC_DP4A", "") == "1" else set()
-_DP4A_MIN_BYTES = 8 << 20
-_MVQ_DEFAULT = {1: (2, 4, 1), 2: (2, 4, 1), 3: (2, 4, 1), 4: (2, 4, 1),
-                5: (4, 4, 1), 6: (4, 4, 1), 7: (4, 4, 1), 8: (4, 4, 1)}
-_MVQ_CONFIG: dict[tuple[int, int], tuple[int, int, int]] = {}  # (qtype, B) -> config, overrides
 VARIANTS = ("auto", "v1", "v2", "dp4a", "f32")
+# template argument of each layout cut (quant.cu CUT_V1, CUT_V2)
+_CUT_ID = {"v1": 1, "v2": 2}
+# elements per piece (EPB / LPB of quant.cu's QTraits<QT, CUT>) where it is not 8: the
+# dequantizer runs one thread per piece
+_ELEMS_PER_PIECE = {(QT.Q4_K, "v1"): 32, (QT.Q5_K, "v1"): 32, (QT.Q6_K, "v1"): 16}
 
 
 def row_bytes(qtype, n_cols: int) -> int:
     """Bytes of one row of n_cols elements in the GGUF layout of qtype."""
-    bs, ts, _, _ = QUANT_INFO[QType(int(qtype))]
-    if n_cols % bs:
-        raise ValueError(f"n_cols={n_cols} is not a multiple of the {QType(int(qtype)).name} block size {bs}")
-    return n_cols // bs * ts
+    return row_nbytes(qtype, n_cols)
+
+
+_tunings: dict[int, tuning.KernelTuning] = {}
+
+
+def _tuning() -> tuning.KernelTuning:
+    """The current device's launch table (tuning.for_device, looked up once per device). Called
+    several times per eager matvec: the device id comes straight from the runtime (a Device
+    object per call cost ~60 µs a layer at 16 rows on the H200)."""
+    dev = cp.cuda.runtime.getDevice()
+    t = _tunings.get(dev)
+    if t is None:
+        name = cp.cuda.runtime.getDeviceProperties(dev)["name"]
+        t = _tunings[dev] = tuning.for_device(name.decode() if isinstance(name, bytes) else str(name))
+    return t
 
 
 # ------------------------------------------------------------------------------ compilation
@@ -127,37 +79,35 @@ _modules: dict[tuple, cp.RawModule] = {}
 _OPTIONS = ("-std=c++17",)
 
 
-def _source(name: str) -> str:
-    return (_DIR / name).read_text()
-
-
 def _module(fname: str, names: tuple[str, ...]) -> cp.RawModule:
-    key = (cp.cuda.Device().id, fname, names)
+    key = (cp.cuda.runtime.getDevice(), fname, names)
     mod = _modules.get(key)
     if mod is None:
         with _lock:
             mod = _modules.get(key)
             if mod is None:
+                # headers inlined: cupy caches compiled modules by this text (sources.py)
+                src = kernel_source(fname)
                 if names:
-                    mod = cp.RawModule(code=_source(fname), options=_OPTIONS, name_expressions=list(names))
+                    mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=list(names))
                 else:
-                    mod = cp.RawModule(code=_source(fname), options=_OPTIONS)
+                    mod = cp.RawModule(code=src, options=_OPTIONS)
                 mod.compile()
                 _modules[key] = mod
     return mod
 
 
-def _mv_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
-    return tuple(f"mv_kernel<{qt},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+def _mv_names(qt: int, cut: str, nr: int, u: int) -> tuple[str, ...]:
+    return tuple(f"mv_kernel<{int(qt)},{_CUT_ID[cut]},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
 
 
-def _mv_kernel(qt: int, b: int, nr: int, u: int):
-    names = _mv_names(qt, nr, u)
+def _mv_kernel(qt: int, cut: str, b: int, nr: int, u: int):
+    names = _mv_names(qt, cut, nr, u)
     return _module("quant.cu", names).get_function(names[b - 1])
 
 
 def _mvq_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
-    return tuple(f"mvq_kernel<{qt},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+    return tuple(f"mvq_kernel<{int(qt)},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
 
 
 def _mvq_kernel(qt: int, b: int, nr: int, u: int):
@@ -169,8 +119,12 @@ def _quantize_x_kernel():
     return _module("quant.cu", ()).get_function("quantize_x_kernel")
 
 
-def _deq_kernel(qt: int, out_f32: bool):
-    names = (f"deq_kernel<{qt},0>", f"deq_kernel<{qt},1>")
+def _deq_names(qt: int, cut: str) -> tuple[str, ...]:
+    return tuple(f"deq_kernel<{int(qt)},{_CUT_ID[cut]},{o}>" for o in (0, 1))
+
+
+def _deq_kernel(qt: int, cut: str, out_f32: bool):
+    names = _deq_names(qt, cut)
     return _module("quant.cu", names).get_function(names[int(out_f32)])
 
 
@@ -185,15 +139,16 @@ def _attn_kernel(g: int, hd: int):
 
 def compile_all(qtypes=None) -> None:
     """Compile (or load from cupy's disk cache) the modules that the default paths use."""
-    for qt in qtypes if qtypes is not None else list(QType):
-        qt = int(qt)
-        for tid in {qt, _V2.get(qt, qt)}:
-            for nr, u in {(c[0], c[2]) for c in _MV_DEFAULT.values()}:
-                _mv_kernel(tid, 1, nr, u)
-        if qt in _DP4A_TYPES:
-            for nr, u in {(c[0], c[2]) for c in _MVQ_DEFAULT.values()}:
-                _mvq_kernel(qt, 1, nr, u)
-        _deq_kernel(_DEQ_TRAITS.get(qt, qt), False)
+    t = _tuning()
+    for qt in qtypes if qtypes is not None else list(QUANT_TYPES):
+        q = quant_type(qt)
+        for cut in q.cuts:
+            for nr, _, u in t.all_mv_launches():
+                _mv_kernel(q.qtype, cut, 1, nr, u)
+        if q.dp4a:
+            for nr, _, u in t.all_mvq_launches():
+                _mvq_kernel(q.qtype, 1, nr, u)
+        _deq_kernel(q.qtype, t.deq_cut.get(q.qtype, "v1"), False)
     _quantize_x_kernel()
     _ops_kernel("rmsnorm_kernel")
 
@@ -231,17 +186,17 @@ def _out(out, shape, dtype):
     return out
 
 
-def _check_weights(w_raw, qt: QType, n_rows: int, n_cols: int) -> int:
-    bs, ts, col_mult, align = QUANT_INFO[qt]
+def _check_weights(w_raw, q: QuantType, n_rows: int, n_cols: int) -> int:
+    col_mult, align = q.kernel_col_multiple, q.kernel_align_bytes
     if not isinstance(w_raw, cp.ndarray) or w_raw.dtype != cp.uint8 or not w_raw.flags.c_contiguous:
         raise TypeError("w_raw must be a C-contiguous cupy uint8 array of the tensor's GGUF bytes")
     if n_cols % col_mult:
-        raise ValueError(f"{qt.name}: n_cols={n_cols} must be a multiple of {col_mult}")
-    rb = row_bytes(qt, n_cols)
+        raise ValueError(f"{q.name}: n_cols={n_cols} must be a multiple of {col_mult}")
+    rb = row_nbytes(q.qtype, n_cols)
     if w_raw.size < n_rows * rb:
-        raise ValueError(f"w_raw holds {w_raw.size} bytes, {qt.name} [{n_rows}, {n_cols}] needs {n_rows * rb}")
+        raise ValueError(f"w_raw holds {w_raw.size} bytes, {q.name} [{n_rows}, {n_cols}] needs {n_rows * rb}")
     if w_raw.data.ptr % align or rb % align:
-        raise ValueError(f"{qt.name} weights must start on a {align}-byte boundary (address {w_raw.data.ptr:#x}, row {rb} B)")
+        raise ValueError(f"{q.name} weights must start on a {align}-byte boundary (address {w_raw.data.ptr:#x}, row {rb} B)")
     return rb
 
 
@@ -257,24 +212,29 @@ def _aligned_x(x, n_cols: int):
 
 
 # ------------------------------------------------------------------------------ GEMV / GEMM
-def _mv_traits(qt: QType, n_cols: int, variant, B: int) -> int:
+def _mv_cut(q: QuantType, n_cols: int, variant, B: int) -> str:
+    """The layout cut the f32 matvec takes: "v2" when asked for (or by "auto" per the device's
+    table) and the type has it for this row length (Q8_0's v2 takes blocks in pairs), else "v1"."""
     v = variant or MATVEC_VARIANT
     if v == "auto":
-        v = "v2" if B >= 5 and int(qt) in _V2_AUTO else "v1"
-    if v == "v2" and int(qt) in _V2 and not (qt == QType.Q8_0 and n_cols % 64):
-        return _V2[int(qt)]
-    return int(qt)
+        t = _tuning()
+        v = "v2" if B >= t.v2_auto_min_b and q.qtype in t.v2_auto_types else "v1"
+    if v == "v2" and "v2" in q.cuts and not (q.qtype == QT.Q8_0 and n_cols % 64):
+        return "v2"
+    return "v1"
 
 
-def _use_dp4a(qt: QType, variant, B: int = 1, w_bytes: int = 1 << 62) -> bool:
+def _use_dp4a(qtype, variant, B: int = 1, w_bytes: int = 1 << 62) -> bool:
+    q = quant_type(qtype)
     v = variant or MATVEC_VARIANT
     if v not in VARIANTS:
         raise ValueError(f"unknown matvec variant {v!r} (one of {', '.join(VARIANTS)})")
     if v == "dp4a":
-        if int(qt) not in _DP4A_TYPES:
-            raise ValueError(f"the dp4a matvec variant does not exist for {qt.name}")
+        if not q.dp4a:
+            raise ValueError(f"the dp4a matvec variant does not exist for {q.name}")
         return True
-    return v == "auto" and int(qt) in _DP4A_AUTO and (B > 1 or w_bytes >= _DP4A_MIN_BYTES)
+    return (v == "auto" and q.dp4a and tuning.dp4a_opt_in()
+            and (B > 1 or w_bytes >= _tuning().dp4a_min_bytes))
 
 
 def matvec_workspace_bytes(B: int, n_cols: int) -> int:
@@ -297,7 +257,7 @@ class _XqScratch:
         self.lock = threading.Lock()
 
     def get(self, nbytes: int) -> cp.ndarray:
-        key = (cp.cuda.Device().id, nbytes)
+        key = (cp.cuda.runtime.getDevice(), nbytes)
         b = self.bufs.get(key)
         if b is None:
             if cp.cuda.get_current_stream().is_capturing():
@@ -368,9 +328,11 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Exact up to f32 rounding for the
         dequantized int8 x; against the exact x the error is that of x's rounding, ~0.3-0.5%
         relative for Gaussian-like rows (each element is off by at most d/2 = max|x_group| / 254).
-      "auto": dp4a for the types in _DP4A_AUTO (but not at B = 1 for weights under
-        _DP4A_MIN_BYTES = 8 MiB), else v1 (v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
-    config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4}).
+      "auto": with NTX_MATVEC_DP4A=1 (tuning.dp4a_opt_in) dp4a where it exists (but not at B = 1
+        for weights under the device's dp4a_min_bytes), else v1 or v2 per the device's table
+        (tuning.py; on the H200 v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
+    config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in
+      {1, 2, 4}); default the device's launch table (tuning.py).
     xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
       aligned; matvec_workspace makes one). Without it a per-(device, size) workspace is made on
       first use and reused, so the call stays allocation-free after the first one of its size; a
@@ -378,8 +340,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
       or pass xq=). The shared workspace is per device, not per stream: calls on different streams
       that may overlap must pass their own xq.
     """
-    qt = QType(int(qtype))
-    rb = _check_weights(w_raw, qt, n_rows, n_cols)
+    q = quant_type(qtype)
+    rb = _check_weights(w_raw, q, n_rows, n_cols)
     one_d = x.ndim == 1
     x = _aligned_x(x, n_cols)
     B = x.shape[0]
@@ -387,63 +349,51 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     grid_rows = n_rows
-    if _use_dp4a(qt, variant, B, n_rows * rb):
-        nr, nw, u = config or _MVQ_CONFIG.get((int(qt), B)) or _MVQ_DEFAULT[B]
-        kern = _mvq_kernel(int(qt), B, nr, u)
+    if _use_dp4a(q.qtype, variant, B, n_rows * rb):
+        nr, nw, u = config or _tuning().mvq(q.qtype, B)
+        kern = _mvq_kernel(q.qtype, B, nr, u)
         with _stream_ctx(stream):
             ws = xq if xq is not None else _xq_scratch.get(matvec_workspace_bytes(B, n_cols))
             xqv, ds = _quantize_launch(x, ws, B, n_cols)
             kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
                  (w_raw, xqv, ds, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
         return out
-    nr, nw, u = config or _MV_CONFIG.get((int(qt), B)) or _MV_DEFAULT[B]
+    nr, nw, u = config or _tuning().mv(q.qtype, B)
     v = variant or MATVEC_VARIANT
-    kern = _mv_kernel(_mv_traits(qt, n_cols, "v1" if v == "f32" else v, B), B, nr, u)
+    kern = _mv_kernel(q.qtype, _mv_cut(q, n_cols, "v1" if v == "f32" else v, B), B, nr, u)
     grid = ((n_rows + nr - 1) // nr,)
     with _stream_ctx(stream):
         kern(grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
     return out
 
 
-# Dequantizers that decode with the lane-contiguous (v2) cut: consecutive lanes write consecutive
-# 4-element runs, where the first cut scatters 8-byte stores over four blocks. H200, 28672x8192
-# Q4_K to f16 + GEMM: 1.40 ms with the first cut, against 0.32 ms for Q6_K and Q8_0.
-_DEQ_TRAITS = {QType.Q4_K: 112, QType.Q5_K: 113}
-
-
-def _deq_launch(w_raw, qt: QType, n_src_rows: int, n_cols: int, ids, out, n_out_rows: int, out_f32: bool, stream):
-    rb = _check_weights(w_raw, qt, n_src_rows, n_cols)
-    bs, ts, _, _ = QUANT_INFO[qt]
-    tid = _DEQ_TRAITS.get(qt, int(qt))
-    # pieces per row, as the kernel cuts them (see quant.cu's QTraits)
-    lpb = {112: 32, 113: 32, int(QType.Q6_K): 16}.get(tid, 1 if bs == 1 else 4)
-    epb = 8 if bs == 1 else bs
-    total = n_out_rows * (n_cols // epb) * lpb
+def _deq_launch(w_raw, q: QuantType, n_src_rows: int, n_cols: int, ids, out, n_out_rows: int, out_f32: bool, stream):
+    rb = _check_weights(w_raw, q, n_src_rows, n_cols)
+    cut = _tuning().deq_cut.get(q.qtype, "v1")
+    total = n_out_rows * n_cols // _ELEMS_PER_PIECE.get((q.qtype, cut), 8)
     if total == 0:
         return out
     blocks = min((total + 255) // 256, 1 << 20)
     with _stream_ctx(stream):
-        _deq_kernel(tid, out_f32)((blocks,), (256,), (
+        _deq_kernel(q.qtype, cut, out_f32)((blocks,), (256,), (
             w_raw, _ptr_or_null(ids), out, np.int32(n_out_rows), np.int32(n_cols), np.int64(rb), np.int32(n_src_rows)))
     return out
 
 
 def dequantize_f16(w_raw, qtype, n_rows: int, n_cols: int, out=None, *, stream=None):
     """W [n_rows, n_cols] as f16 (dequantized in f32, rounded once to f16)."""
-    qt = QType(int(qtype))
     out = _out(out, (n_rows, n_cols), cp.float16)
-    return _deq_launch(w_raw, qt, n_rows, n_cols, None, out, n_rows, False, stream)
+    return _deq_launch(w_raw, quant_type(qtype), n_rows, n_cols, None, out, n_rows, False, stream)
 
 
 def get_rows(table_raw, qtype, n_rows: int, n_cols: int, ids, out=None, *, stream=None):
     """Embedding lookup: out[t, :] = table[ids[t], :] in f32. table_raw: GGUF bytes of
     [n_rows, n_cols]; ids: int32 [T] on the device; out: f32 [T, n_cols]. An id outside
     [0, n_rows) gives a row of NaN."""
-    qt = QType(int(qtype))
     _check_i32("ids", ids)
     T = ids.size
     out = _out(out, (T, n_cols), cp.float32)
-    return _deq_launch(table_raw, qt, n_rows, n_cols, ids, out, T, True, stream)
+    return _deq_launch(table_raw, quant_type(qtype), n_rows, n_cols, ids, out, T, True, stream)
 
 
 class _Scratch:
@@ -453,7 +403,7 @@ class _Scratch:
         self.bufs: dict[tuple[int, str], cp.ndarray] = {}
 
     def get(self, name: str, n: int, dtype) -> cp.ndarray:
-        key = (cp.cuda.Device().id, name)
+        key = (cp.cuda.runtime.getDevice(), name)
         b = self.bufs.get(key)
         if b is None or b.size < n or b.dtype != dtype:
             b = cp.empty(max(n, 1), dtype=dtype)
@@ -464,28 +414,21 @@ class _Scratch:
 _scratch = _Scratch()
 
 
-# gemm loops matvec over 8-row chunks for T <= GEMM_CHUNKED_MAX_T on matrices of at most
-# GEMM_CHUNKED_MAX_BYTES; beyond, dequantize-to-f16 + cuBLAS wins. Measured on the H200
-# (scripts/bench_gemm_paths.py, 70B shapes, T = 16): 1024x8192 Q4_K 0.11 ms chunked vs 0.20,
-# 8192x8192 Q4_K (38 MB) 0.14 vs 0.18, Q8_0 (71 MB) 0.15 vs 0.11, 28672x8192 Q4_K 0.53 vs 0.34.
-GEMM_CHUNKED_MAX_T = 16
-GEMM_CHUNKED_MAX_BYTES = 40 << 20
-
-
 def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
 
-    T <= GEMM_CHUNKED_MAX_T on a matrix of at most GEMM_CHUNKED_MAX_BYTES: matvec (its default
-    variant; see matvec) over chunks of up to 8 rows, each chunk reading the weights once
-    (ceil(T/8) reads of the quantized bytes). Otherwise ``gemm_dequant``: whichever
-    scripts/bench_gemm_paths.py measured faster on the H200.
+    T <= gemm_chunked_max_t on a matrix of at most gemm_chunked_max_bytes (the device's table,
+    tuning.py): matvec (its default variant; see matvec) over chunks of up to 8 rows, each chunk
+    reading the weights once (ceil(T/8) reads of the quantized bytes). Otherwise
+    ``gemm_dequant``: whichever scripts/bench_gemm_paths.py measured faster.
     """
-    qt = QType(int(qtype))
+    qt = quant_type(qtype).qtype
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
     if T <= MAX_MATVEC_B:
         return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
-    if T <= GEMM_CHUNKED_MAX_T and w_raw.nbytes <= GEMM_CHUNKED_MAX_BYTES:
+    t = _tuning()
+    if T <= t.gemm_chunked_max_t and w_raw.nbytes <= t.gemm_chunked_max_bytes:
         out = _out(out, (T, n_rows), cp.float32)
         for i in range(0, T, MAX_MATVEC_B):
             j = min(i + MAX_MATVEC_B, T)
@@ -499,7 +442,7 @@ def gemm_dequant(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=
     an f16 scratch buffer that is reused across calls, x rounded to f16, cuBLAS GEMM with f32
     accumulation and f32 output (relative error ~1e-3 from the two f16 roundings). The scratch
     is shared per device: calls on different streams must not overlap."""
-    qt = QType(int(qtype))
+    qt = quant_type(qtype).qtype
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
     out = _out(out, (T, n_rows), cp.float32)
@@ -546,7 +489,7 @@ def rmsnorm(x, w, eps: float, *, residual=None, out=None, stream=None):
     T = x.size // D
     if T == 0:
         return out
-    block = 1024 if D >= 8192 else (512 if D >= 2048 else 256)
+    block = _tuning().rmsnorm_block(D)
     with _stream_ctx(stream):
         _ops_kernel("rmsnorm_kernel")((T,), (block,), (x, w, out, _ptr_or_null(residual), np.int32(D), np.float32(eps)))
     return out
@@ -611,14 +554,17 @@ def kv_append(k, v, cache_k, cache_v, slots, positions, *, stream=None):
             np.int32(max_ctx), np.int32(n_slots)))
 
 
-_ATTN_WARPS = 4
+_ATTN_WARPS = 4  # warps per CTA of attn_split_kernel: n_splits is a multiple of it
 
 
 def attention_splits(T: int, n_kv: int, max_ctx: int) -> int:
-    """Default number of key splits (a multiple of 4) for attention over T queries."""
+    """Default number of key splits (a multiple of 4) for attention over T queries: enough
+    (query, kv-head, split) warps to fill the device (its tuning entry), at most one split per
+    32-key tile."""
+    t = _tuning()
     tiles = -(-max_ctx // 32)
-    s = -(-2048 // max(1, T * n_kv))
-    s = min(s, 64, tiles)
+    s = -(-t.attn_target_warps // max(1, T * n_kv))
+    s = min(s, t.attn_max_splits, tiles)
     return max(_ATTN_WARPS, -(-s // _ATTN_WARPS) * _ATTN_WARPS)
 
 

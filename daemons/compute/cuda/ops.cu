@@ -1,34 +1,15 @@
 // ntx CUDA kernels for the non-GEMM parts of a Llama forward pass and for sampling.
-// Compiled by NVRTC at run time (cupy RawModule); no headers needed.
+// Compiled by NVRTC at run time (cupy RawModule), common.cuh inlined (sources.py).
 //
 // KV cache layout (per layer): cache_k, cache_v: f16 [n_slots, n_kv, max_ctx, hd]; a sequence
 // owns one slot; position p of kv-head g of slot s is row ((s * n_kv + g) * max_ctx + p).
 // Every position, length and slot index is read from device memory, so a captured CUDA graph
 // replays unchanged for the next step once those small arrays have been updated.
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "common.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
 
-__device__ __forceinline__ float h2f(u32 h) {
-    float f;
-    u16 hs = (u16)(h & 0xFFFFu);
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

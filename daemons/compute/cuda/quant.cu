@@ -15,25 +15,17 @@
 // Small integers become floats without the (quarter-rate) I2F conversion: byte_perm builds the
 // float 2^23 + q and one FADD removes 2^23 (exact for q < 2^23).
 //
-// Compiled by NVRTC at run time (cupy RawModule); no headers needed.
+// A layout cut (template parameter CUT) is one way of dividing a type's block among a warp's
+// lanes: CUT_V1 (every type has it) and CUT_V2 (the lane-contiguous cut, for Q4_K, Q5_K, Q6_K and
+// Q8_0; see below). shared/quant_types.py lists the cuts of each type (QuantType.cuts).
+//
+// Compiled by NVRTC at run time (cupy RawModule), common.cuh inlined (sources.py).
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
+#include "common.cuh"
 
 #define MAGIC 8388608.0f  // 2^23
+constexpr int CUT_V1 = 1, CUT_V2 = 2;  // layout cuts (QuantType.cuts "v1", "v2")
 
-__device__ __forceinline__ float h2f(u32 h) {
-    float f;
-    u16 hs = (u16)(h & 0xFFFFu);
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(hs));
-    return f;
-}
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
 __device__ __forceinline__ u32 ld16(const u8* p) { return (u32)__ldg((const u16*)p); }
 __device__ __forceinline__ u32 ld32a2(const u8* p) {
     const u16* q = (const u16*)p;
@@ -47,10 +39,10 @@ __device__ __forceinline__ float bytef(u32 v, int k, float off) {
 }
 __device__ __forceinline__ u32 byte_of(u32 v, int k) { return (v >> (8 * k)) & 0xFFu; }
 
-template <int QT> struct QTraits;
+template <int QT, int CUT> struct QTraits;
 
 // ---------------------------------------------------------------- F32 (virtual block of 8)
-template <> struct QTraits<0> {
+template <> struct QTraits<0, CUT_V1> {
     static constexpr int EPB = 8, BYTES = 32, LPB = 1, NG = 1;
     struct Raw { float4 a, b; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -64,7 +56,7 @@ template <> struct QTraits<0> {
     }
 };
 // ---------------------------------------------------------------- F16 (virtual block of 8)
-template <> struct QTraits<1> {
+template <> struct QTraits<1, CUT_V1> {
     static constexpr int EPB = 8, BYTES = 16, LPB = 1, NG = 1;
     struct Raw { uint4 v; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) { r.v = ld128(blk); }
@@ -75,7 +67,7 @@ template <> struct QTraits<1> {
     }
 };
 // ---------------------------------------------------------------- BF16 (virtual block of 8)
-template <> struct QTraits<30> {
+template <> struct QTraits<30, CUT_V1> {
     static constexpr int EPB = 8, BYTES = 16, LPB = 1, NG = 1;
     struct Raw { uint4 v; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) { r.v = ld128(blk); }
@@ -88,7 +80,7 @@ template <> struct QTraits<30> {
     }
 };
 // ---------------------------------------------------------------- Q4_0: d f16, qs[16]
-template <> struct QTraits<2> {
+template <> struct QTraits<2, CUT_V1> {
     static constexpr int EPB = 32, BYTES = 18, LPB = 4, NG = 1;
     struct Raw { u32 d, q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -103,7 +95,7 @@ template <> struct QTraits<2> {
     }
 };
 // ---------------------------------------------------------------- Q4_1: d, m f16, qs[16]
-template <> struct QTraits<3> {
+template <> struct QTraits<3, CUT_V1> {
     static constexpr int EPB = 32, BYTES = 20, LPB = 4, NG = 1;
     struct Raw { u32 dm, q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -122,7 +114,7 @@ __device__ __forceinline__ u32 q5_hbits(u32 t) {
     return ((t << 4) & 0x10u) | ((t << 11) & 0x1000u) | ((t << 18) & 0x100000u) | ((t << 25) & 0x10000000u);
 }
 // ---------------------------------------------------------------- Q5_0: d f16, qh u32, qs[16]
-template <> struct QTraits<6> {
+template <> struct QTraits<6, CUT_V1> {
     static constexpr int EPB = 32, BYTES = 22, LPB = 4, NG = 1;
     struct Raw { u32 d, qh, q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -138,7 +130,7 @@ template <> struct QTraits<6> {
     }
 };
 // ---------------------------------------------------------------- Q5_1: d, m f16, qh u32, qs[16]
-template <> struct QTraits<7> {
+template <> struct QTraits<7, CUT_V1> {
     static constexpr int EPB = 32, BYTES = 24, LPB = 4, NG = 1;
     struct Raw { u32 dm, qh, q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -154,7 +146,7 @@ template <> struct QTraits<7> {
     }
 };
 // ---------------------------------------------------------------- Q8_0: d f16, qs[32] int8
-template <> struct QTraits<8> {
+template <> struct QTraits<8, CUT_V1> {
     static constexpr int EPB = 32, BYTES = 34, LPB = 4, NG = 1;
     struct Raw { u32 d, q0, q1; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -180,7 +172,7 @@ __device__ __forceinline__ void k4_scale_min(int is, u32 s0, u32 s1, u32 s2, flo
     }
 }
 // ---------------------------------------------------------------- Q4_K: d, dmin f16, scales[12], qs[128]
-template <> struct QTraits<12> {
+template <> struct QTraits<12, CUT_V1> {
     static constexpr int EPB = 256, BYTES = 144, LPB = 8, NG = 4;
     struct Raw { uint4 h, q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -202,7 +194,7 @@ template <> struct QTraits<12> {
     }
 };
 // ---------------------------------------------------------------- Q5_K: d, dmin, scales[12], qh[32], qs[128]
-template <> struct QTraits<13> {
+template <> struct QTraits<13, CUT_V1> {
     static constexpr int EPB = 256, BYTES = 176, LPB = 8, NG = 4;
     struct Raw { uint4 h, qh, q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -228,7 +220,7 @@ template <> struct QTraits<13> {
 //   low 4 bits = (ql[64h + l + 32*(k&1)] >> 4*(k>>1)) & 15, high 2 bits = (qh[32h + l] >> 2k) & 3,
 //   value = d * scales[e/16] * (q - 32).
 // piece j (16 per block): h = j/8, l = 4*(j%8); the 16 elements l..l+3 of each k = 0..3.
-template <> struct QTraits<14> {
+template <> struct QTraits<14, CUT_V1> {
     static constexpr int EPB = 256, BYTES = 210, LPB = 16, NG = 2;
     struct Raw { u32 qa, qb, qh, sc, d; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -253,8 +245,8 @@ template <> struct QTraits<14> {
     }
 };
 
-// ---------------------------------------------------------------- lane-contiguous variants
-// The variants below (type id + 100) cut a block so that the 8 lanes of a group read 32
+// ---------------------------------------------------------------- lane-contiguous cut (CUT_V2)
+// The cuts below cut a block so that the 8 lanes of a group read 32
 // consecutive activations: a warp's float4 loads of x then touch 4 whole 128-byte lines
 // (the mapping above scatters them over up to 32 lines, and the L1 wavefronts of those
 // loads, not DRAM, bound the kernel).
@@ -270,7 +262,7 @@ __device__ __forceinline__ void k4_scales_packed(u32 s0, u32 s1, u32 s2, bool hi
 }
 // Q4_K, 32 pieces of 4 qs bytes: piece j -> chunk c = j/8, positions p..p+3 (p = 4*(j%8));
 // low nibbles -> sub-block 2c, high nibbles -> sub-block 2c+1.
-template <> struct QTraits<112> {
+template <> struct QTraits<12, CUT_V2> {
     static constexpr int EPB = 256, BYTES = 144, LPB = 32, NG = 1;
     struct Raw { uint4 h; u32 q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -290,7 +282,7 @@ template <> struct QTraits<112> {
     }
 };
 // Q5_K, as Q4_K v2 plus the high bits: qh byte p+t holds bit `is` for sub-block is.
-template <> struct QTraits<113> {
+template <> struct QTraits<13, CUT_V2> {
     static constexpr int EPB = 256, BYTES = 176, LPB = 32, NG = 1;
     struct Raw { uint4 h; u32 qh, q; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -312,7 +304,7 @@ template <> struct QTraits<113> {
 };
 // Q6_K, 32 pieces: piece j -> half h = j/16, kk = (j/8)%2, l = 4*(j%8); the 4 bytes
 // ql[64h + 32kk + l ..] give k = kk (low nibbles) and k = kk+2 (high nibbles).
-template <> struct QTraits<114> {
+template <> struct QTraits<14, CUT_V2> {
     static constexpr int EPB = 256, BYTES = 210, LPB = 32, NG = 1;
     struct Raw { u32 ql, qh, sc, d; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -336,7 +328,7 @@ template <> struct QTraits<114> {
 };
 // Q8_0 in pairs of blocks (rows of an even number of blocks): piece j (8 per pair) takes
 // qs bytes 4j..4j+3 of both blocks.
-template <> struct QTraits<108> {
+template <> struct QTraits<8, CUT_V2> {
     static constexpr int EPB = 64, BYTES = 68, LPB = 8, NG = 1;
     struct Raw { u32 d0, q0, d1, q1; };
     static __device__ __forceinline__ void load(const u8* blk, int j, Raw& r) {
@@ -352,98 +344,13 @@ template <> struct QTraits<108> {
     }
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// out[b, row] = sum_c W[row, c] * x[b, c]       x: [B, n_cols] f32, out: [B, n_rows] f32
-// One CTA per NR rows; its warps split each row's pieces; every lane handles U pieces per trip
-// with all loads issued before the first use; x is read once per piece for all NR rows.
-template <int QT, int B, int NR, int U>
-__global__ void __launch_bounds__(256) mv_kernel(const u8* __restrict__ w, const float* __restrict__ x,
-                                                 float* __restrict__ out, int n_rows, int n_cols,
-                                                 long long row_bytes) {
-    typedef QTraits<QT> T;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int row0 = blockIdx.x * NR;
-    const int npieces = (n_cols / T::EPB) * T::LPB;
-    float acc[NR][B];
-#pragma unroll
-    for (int r = 0; r < NR; r++)
-#pragma unroll
-        for (int b = 0; b < B; b++) acc[r][b] = 0.f;
-    const u8* rp[NR];
-#pragma unroll
-    for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
-    const int stride = nw * 32;
-    for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
-        typename T::Raw raw[U][NR];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int p = p0 + u * stride;
-            if (p < npieces) {
-                const int blk = p / T::LPB, j = p % T::LPB;
-#pragma unroll
-                for (int r = 0; r < NR; r++) T::load(rp[r] + (long long)blk * T::BYTES, j, raw[u][r]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int p = p0 + u * stride;
-            if (p < npieces) {
-                const int blk = p / T::LPB, j = p % T::LPB;
-                const float* xb = x + (long long)blk * T::EPB;
-#pragma unroll
-                for (int g = 0; g < T::NG; g++) {
-                    float wv[NR][8];
-                    int o0 = 0, o1 = 0;
-#pragma unroll
-                    for (int r = 0; r < NR; r++) T::decode(raw[u][r], j, g, wv[r], o0, o1);
-#pragma unroll
-                    for (int b = 0; b < B; b++) {
-                        const float4 xa = __ldg((const float4*)(xb + (long long)b * n_cols + o0));
-                        const float4 xc = __ldg((const float4*)(xb + (long long)b * n_cols + o1));
-#pragma unroll
-                        for (int r = 0; r < NR; r++) {
-                            float s = acc[r][b];
-                            s = fmaf(wv[r][0], xa.x, s); s = fmaf(wv[r][1], xa.y, s);
-                            s = fmaf(wv[r][2], xa.z, s); s = fmaf(wv[r][3], xa.w, s);
-                            s = fmaf(wv[r][4], xc.x, s); s = fmaf(wv[r][5], xc.y, s);
-                            s = fmaf(wv[r][6], xc.z, s); s = fmaf(wv[r][7], xc.w, s);
-                            acc[r][b] = s;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    __shared__ float red[8][NR * B];
-#pragma unroll
-    for (int r = 0; r < NR; r++)
-#pragma unroll
-        for (int b = 0; b < B; b++) {
-            const float v = warp_sum(acc[r][b]);
-            if (lane == 0) red[warp][r * B + b] = v;
-        }
-    __syncthreads();
-    if (threadIdx.x < NR * B) {
-        const int r = threadIdx.x / B, b = threadIdx.x % B;
-        float s = 0.f;
-        for (int i = 0; i < nw; i++) s += red[i][threadIdx.x];
-        const int row = row0 + r;
-        if (row < n_rows) out[(long long)b * n_rows + row] = s;
-    }
-}
-
 // Dequantize rows: out[i, :] = W[ids ? ids[i] : i, :] as f16 (OUT_F32 = 0) or f32 (OUT_F32 = 1).
 // out: [n_out_rows, n_cols]. A row id outside [0, n_src_rows) gives a row of NaN.
-template <int QT, int OUT_F32>
+template <int QT, int CUT, int OUT_F32>
 __global__ void __launch_bounds__(256) deq_kernel(const u8* __restrict__ w, const int* __restrict__ ids,
                                                   void* __restrict__ out, int n_out_rows, int n_cols,
                                                   long long row_bytes, int n_src_rows) {
-    typedef QTraits<QT> T;
+    typedef QTraits<QT, CUT> T;
     const int npieces = (n_cols / T::EPB) * T::LPB;
     const long long total = (long long)n_out_rows * npieces;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
@@ -732,19 +639,25 @@ template <> struct QDTraits<3> : QD32<3> {};
 template <> struct QDTraits<6> : QD32<6> {};
 template <> struct QDTraits<7> : QD32<7> {};
 
-// out[b, row] = sum_c W[row, c] * dequant(xq)[b, c]   (xq, ds from quantize_x_kernel)
-// Same decomposition as mv_kernel: one CTA per NR rows, its warps split each row's pieces, U pieces
-// per lane per trip with every weight load issued before the first use; the weights of a piece
-// are decoded once for all B activation rows, and each activation piece is loaded once for all
-// NR rows.
-template <int QT, int B, int NR, int U>
-__global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
-                                                  const float2* __restrict__ ds, float* __restrict__ out,
-                                                  int n_rows, int n_cols, long long row_bytes) {
-    typedef QDTraits<QT> T;
+// ================================================================ matvec: one skeleton, two products
+// out[b, row] = sum_c W[row, c] * x[b, c] for B <= 8 activation rows, weights read once for all B.
+// matvec_rows is the skeleton of both matvec paths; the path is its piece product P:
+//   P::EPB, P::BYTES, P::LPB, P::Raw, P::load   the weight layout (from QTraits / QDTraits)
+//   P::Act                                      the activations (device pointers)
+//   P::accumulate<B, NR>(raw, blk, j, act, n_cols, acc)
+//                                               acc[r][b] += piece j of block blk of row r times
+//                                               the matching activations of row b, for all r, b
+// One CTA per NR rows; its warps split each row's pieces; every lane handles U pieces per trip
+// with all weight loads issued before the first use. Each lane's partial sums are reduced over
+// the warp (warp_sum), then over the CTA's warps in warp order, so a result does not depend on
+// timing.
+template <class P, int B, int NR, int U>
+__device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const typename P::Act& act,
+                                            float* __restrict__ out, int n_rows, int n_cols,
+                                            long long row_bytes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int row0 = blockIdx.x * NR;
-    const int nblk = n_cols / T::EPB, npieces = nblk * T::LPB, ngroups = n_cols / 32;
+    const int npieces = (n_cols / P::EPB) * P::LPB;
     float acc[NR][B];
 #pragma unroll
     for (int r = 0; r < NR; r++)
@@ -755,32 +668,22 @@ __global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, cons
     for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
     const int stride = nw * 32;
     for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
-        typename T::Raw raw[U][NR];
+        typename P::Raw raw[U][NR];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int p = p0 + u * stride;
             if (p < npieces) {
-                const int blk = p / T::LPB, j = p % T::LPB;
+                const int blk = p / P::LPB, j = p % P::LPB;
 #pragma unroll
-                for (int r = 0; r < NR; r++) T::load(rp[r] + (long long)blk * T::BYTES, j, raw[u][r]);
+                for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
             }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int p = p0 + u * stride;
             if (p < npieces) {
-                const int blk = p / T::LPB, j = p % T::LPB;
-                typename T::Dec dec[NR];
-#pragma unroll
-                for (int r = 0; r < NR; r++) T::decode(raw[u][r], j, dec[r]);
-#pragma unroll
-                for (int b = 0; b < B; b++) {
-                    typename T::XV xv;
-                    T::loadx(j, xq + (long long)b * n_cols + (long long)blk * T::EPB,
-                             ds + (long long)b * ngroups + (long long)blk * (T::EPB / 32), xv);
-#pragma unroll
-                    for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], xv);
-                }
+                const int blk = p / P::LPB, j = p % P::LPB;
+                P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
             }
         }
     }
@@ -800,4 +703,82 @@ __global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, cons
         const int row = row0 + r;
         if (row < n_rows) out[(long long)b * n_rows + row] = s;
     }
+}
+
+// f32 product: the piece's NG groups of 8 weights are dequantized in registers (once for all B
+// rows), each group times two float4 runs of x (once for all NR rows), f32 FMAs in column order.
+template <int QT, int CUT> struct MvF32 : QTraits<QT, CUT> {
+    typedef QTraits<QT, CUT> T;
+    struct Act { const float* x; };  // x: [B, n_cols] f32
+    template <int B, int NR>
+    static __device__ __forceinline__ void accumulate(const typename T::Raw (&raw)[NR], int blk, int j,
+                                                      const Act& act, int n_cols, float (&acc)[NR][B]) {
+        const float* xb = act.x + (long long)blk * T::EPB;
+#pragma unroll
+        for (int g = 0; g < T::NG; g++) {
+            float wv[NR][8];
+            int o0 = 0, o1 = 0;
+#pragma unroll
+            for (int r = 0; r < NR; r++) T::decode(raw[r], j, g, wv[r], o0, o1);
+#pragma unroll
+            for (int b = 0; b < B; b++) {
+                const float4 xa = __ldg((const float4*)(xb + (long long)b * n_cols + o0));
+                const float4 xc = __ldg((const float4*)(xb + (long long)b * n_cols + o1));
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    float s = acc[r][b];
+                    s = fmaf(wv[r][0], xa.x, s); s = fmaf(wv[r][1], xa.y, s);
+                    s = fmaf(wv[r][2], xa.z, s); s = fmaf(wv[r][3], xa.w, s);
+                    s = fmaf(wv[r][4], xc.x, s); s = fmaf(wv[r][5], xc.y, s);
+                    s = fmaf(wv[r][6], xc.z, s); s = fmaf(wv[r][7], xc.w, s);
+                    acc[r][b] = s;
+                }
+            }
+        }
+    }
+};
+
+// int8 product (xq, ds from quantize_x_kernel): the piece's weights are decoded to integers once
+// for all B rows, each row's int8 activation piece is loaded once for all NR rows, and dot()
+// applies the scales per sub-block.
+template <int QT> struct MvDp4a : QDTraits<QT> {
+    typedef QDTraits<QT> T;
+    struct Act {
+        const u8* xq;       // int8 [B, n_cols]
+        const float2* ds;   // (d, d * sum) [B, ngroups]
+        int ngroups;        // n_cols / 32
+    };
+    template <int B, int NR>
+    static __device__ __forceinline__ void accumulate(const typename T::Raw (&raw)[NR], int blk, int j,
+                                                      const Act& act, int n_cols, float (&acc)[NR][B]) {
+        typename T::Dec dec[NR];
+#pragma unroll
+        for (int r = 0; r < NR; r++) T::decode(raw[r], j, dec[r]);
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            typename T::XV xv;
+            T::loadx(j, act.xq + (long long)b * n_cols + (long long)blk * T::EPB,
+                     act.ds + (long long)b * act.ngroups + (long long)blk * (T::EPB / 32), xv);
+#pragma unroll
+            for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], xv);
+        }
+    }
+};
+
+// x: [B, n_cols] f32, out: [B, n_rows] f32; weights of type QT read through layout cut CUT.
+template <int QT, int CUT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) mv_kernel(const u8* __restrict__ w, const float* __restrict__ x,
+                                                 float* __restrict__ out, int n_rows, int n_cols,
+                                                 long long row_bytes) {
+    typedef MvF32<QT, CUT> P;
+    matvec_rows<P, B, NR, U>(w, typename P::Act{x}, out, n_rows, n_cols, row_bytes);
+}
+
+// out[b, row] = sum_c W[row, c] * dequant(xq)[b, c]; xq, ds: quantize_x_kernel's output for x.
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
+                                                  const float2* __restrict__ ds, float* __restrict__ out,
+                                                  int n_rows, int n_cols, long long row_bytes) {
+    typedef MvDp4a<QT> P;
+    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, n_cols / 32}, out, n_rows, n_cols, row_bytes);
 }
