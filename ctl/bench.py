@@ -32,6 +32,7 @@ import numpy as np
 from ntx.ctl import instance
 from ntx.ctl.client import Client
 from ntx.daemons.compute.backend import plan_for
+from ntx.daemons.compute.model import FileLayerStream
 from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.plan import RAM, STORAGE, VRAM
@@ -197,35 +198,22 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     }
 
 
-class _MmapPageableStream:
+class _MmapPageableStream(FileLayerStream):
     """The naive baseline: every pass, each non-resident layer is taken from an mmap of the file
     (page cache) and copied from that pageable memory to the device by the backend."""
 
     def __init__(self, index: ModelIndex) -> None:
-        self.index = index
+        super().__init__(index)
         self.maps = {}
         for p in index.paths:
             with open(p, "rb") as f:
                 self.maps[p] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.buf = np.empty(index.max_layer_slot_bytes, dtype=np.uint8)
-
-    def begin_pass(self, pass_id: int) -> None:
-        pass
 
     def acquire(self, layer_idx: int, pass_id: int) -> np.ndarray:
         layer = self.index.layers[layer_idx]
         for s in layer.spans:
             s.bytes_in(self.buf)[:] = np.frombuffer(self.maps[s.path], dtype=np.uint8, count=s.nbytes, offset=s.offset)
         return self.buf
-
-    def release(self, layer_idx: int, pass_id: int) -> None:
-        pass
-
-    def end_pass(self, pass_id: int) -> None:
-        pass
-
-    def abort_pass(self, pass_id: int) -> int:
-        return pass_id + 1
 
 
 def run_in_process(label: str, model: str, backend: str, resident: list[int] | None, tokens: int, batch: int,

@@ -125,6 +125,13 @@ class Workspace:
     def T(self) -> int:
         return self.batch.n_tokens
 
+    def allocate(self, T: int, hp: HParams, alloc: Callable[[tuple[int, ...]], Any]) -> None:
+        """Make every buffer for T rows with ``alloc(shape)`` (float32 arrays of a backend)."""
+        D, F = hp.n_embd, hp.n_ff
+        for name, width in (("x", D), ("h", D), ("q", hp.q_dim), ("k", hp.kv_dim), ("v", hp.kv_dim),
+                            ("attn", hp.q_dim), ("o", D), ("gate", F), ("up", F), ("act", F)):
+            setattr(self, name, alloc((T, width)))
+
 
 class Backend(ABC):
     """The operations of a Llama forward pass on one kind of device, and the memory it holds:

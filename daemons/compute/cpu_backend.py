@@ -67,18 +67,8 @@ class _CpuWorkspace(Workspace):
     """A pass's buffers as fresh float32 arrays (numpy needs no capture, so none are kept)."""
 
     def __init__(self, batch: StepBatch, hp) -> None:
-        T, D, F = batch.n_tokens, hp.n_embd, hp.n_ff
         self.batch = batch
-        self.x = np.empty((T, D), dtype=np.float32)
-        self.h = np.empty((T, D), dtype=np.float32)
-        self.q = np.empty((T, hp.q_dim), dtype=np.float32)
-        self.k = np.empty((T, hp.kv_dim), dtype=np.float32)
-        self.v = np.empty((T, hp.kv_dim), dtype=np.float32)
-        self.attn = np.empty((T, hp.q_dim), dtype=np.float32)
-        self.o = np.empty((T, D), dtype=np.float32)
-        self.gate = np.empty((T, F), dtype=np.float32)
-        self.up = np.empty((T, F), dtype=np.float32)
-        self.act = np.empty((T, F), dtype=np.float32)
+        self.allocate(batch.n_tokens, hp, lambda shape: np.empty(shape, dtype=np.float32))
 
 
 class CpuBackend(Backend):

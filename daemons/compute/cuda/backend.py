@@ -49,21 +49,11 @@ class _Work(Workspace):
     the rows' tokens, positions, cache slots and key counts on the device."""
 
     def __init__(self, T: int, hp, n_splits: int) -> None:
-        D, F = hp.n_embd, hp.n_ff
         self.tokens = cp.zeros(T, dtype=cp.int32)
         self.positions = cp.zeros(T, dtype=cp.int32)
         self.slots = cp.zeros(T, dtype=cp.int32)
         self.kv_lens = cp.ones(T, dtype=cp.int32)
-        self.x = cp.zeros((T, D), dtype=cp.float32)
-        self.h = cp.zeros((T, D), dtype=cp.float32)
-        self.q = cp.zeros((T, hp.q_dim), dtype=cp.float32)
-        self.k = cp.zeros((T, hp.kv_dim), dtype=cp.float32)
-        self.v = cp.zeros((T, hp.kv_dim), dtype=cp.float32)
-        self.attn = cp.zeros((T, hp.q_dim), dtype=cp.float32)
-        self.o = cp.zeros((T, D), dtype=cp.float32)
-        self.gate = cp.zeros((T, F), dtype=cp.float32)
-        self.up = cp.zeros((T, F), dtype=cp.float32)
-        self.act = cp.zeros((T, F), dtype=cp.float32)
+        self.allocate(T, hp, lambda shape: cp.zeros(shape, dtype=cp.float32))
         self.n_splits = n_splits
         self.attn_ws = K.attention_workspace(T, hp.n_head, hp.head_dim, n_splits)
 
