@@ -253,6 +253,11 @@ def start(
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="draft with this small GGUF (same vocabulary), resident"),
     self_draft: Optional[str] = typer.Option(None, "--self-draft", help="draft with resident layers of the model: all, or a list (0-9,12)"),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="tokens drafted per sequence and pass (1-512)"),
+    draft_replay: Optional[str] = typer.Option(
+        None, "--draft-replay", help="for benchmarks: draft a recorded greedy continuation (JSON from `ntxctl bench "
+        "--scenarios spec`); the drafter named otherwise runs and is ignored"),
+    draft_replay_p: float = typer.Option(0.0, "--draft-replay-p", help="for benchmarks: probability that each "
+                                         "replayed draft token is made wrong"),
 ) -> None:
     """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
     from ntx.ctl import instance
@@ -268,6 +273,7 @@ def start(
         max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
         handshake_timeout_s=timeout, max_restarts=max_restarts,
         **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens)),
+        draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
     ).validate()
     index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
@@ -293,6 +299,16 @@ def _instance_drafting(drafting: dict) -> dict:
     return {"draft_model": drafting.get("draft_model"), "self_draft": self_draft is not False,
             "self_draft_layers": None if self_draft in (True, False) else self_draft,
             "draft_tokens": drafting["draft_tokens"]}
+
+
+def _replay_path(path: str | None) -> str | None:
+    """``--draft-replay``'s file, read here first so that a bad one is one line, not a failed daemon."""
+    if path is None:
+        return None
+    from ntx.daemons.compute.replay import load_references
+
+    load_references(path)
+    return os.path.abspath(path)
 
 
 def _choose_backend(backend: str) -> str:

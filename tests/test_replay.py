@@ -1,0 +1,149 @@
+"""The replay drafter (benchmarks' controlled acceptance): it proposes the recorded continuation,
+makes each token wrong at the rate asked (a different id, reproducibly), runs the drafter it
+wraps, and greedy output through it is the plain output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ntx.daemons.compute.engine import Request
+from ntx.daemons.compute.factory import build_engine
+from ntx.daemons.compute.replay import ReplayDrafter, load_references, write_references
+from ntx.daemons.compute.sampler import SamplingParams
+from ntx.daemons.compute.speculation import DraftRequest, ModelDrafter
+from ntx.shared.errors import ConfigError
+
+try:
+    from .pipeline_util import ntxctl
+    from .synth_models import write_tiny
+except ImportError:  # tests/ is not a package
+    from pipeline_util import ntxctl
+    from synth_models import write_tiny
+
+REF = (7, 8, 9, 10, 11, 12, 13, 14)
+OTHER = (7, 8, 1, 2, 3)
+
+
+def _req(tokens, n, seq_id=0) -> DraftRequest:
+    return DraftRequest(seq_id, list(tokens), n, 64)
+
+
+def test_it_proposes_the_recorded_continuation_of_the_matching_sequence():
+    d = ReplayDrafter([OTHER, REF], 0.0, n_vocab=100)
+    assert d.name == "replay"
+    got = d.propose([_req(REF[:3], 4), _req(OTHER[:3], 9, 1), _req(REF[:6], 5, 2), _req(REF, 3, 3), _req((5, 6), 2, 4)])
+    # the first recording that extends the tokens; cut at n or at the recording's end; else nothing
+    assert got == [list(REF[3:7]), list(OTHER[3:]), list(REF[6:]), [], []]
+
+
+def test_each_token_is_made_wrong_at_rate_p_independently_and_reproducibly():
+    ref = tuple(range(2, 402))
+    n_draws = 50  # 50 drafts of 400 tokens: 20,000 tokens
+    p = 0.3
+
+    def draws(seed):
+        d = ReplayDrafter([ref], p, n_vocab=50_000, seed=seed)
+        return np.array([d.propose([_req(ref[:1], 400)])[0] for _ in range(n_draws)])  # [draws, 399]
+
+    got = draws(seed=11)
+    wrong = got != np.array(ref[1:])
+    n = wrong.size
+    assert abs(wrong.sum() - p * n) <= 4.5 * np.sqrt(n * p * (1 - p))
+    # independent: the rate of a wrong token right after a wrong one is p too
+    pairs = wrong[:, 1:][wrong[:, :-1]]
+    assert abs(pairs.mean() - p) <= 4.5 * np.sqrt(p * (1 - p) / pairs.size)
+    assert ((got >= 0) & (got < 50_000)).all()
+    assert (draws(seed=11) == got).all() and not (draws(seed=12) == got).all()
+    bits = (0, 1, 1, 0, 1, 0, 0)
+    assert ReplayDrafter([bits], 1.0, n_vocab=2).propose([_req(bits[:1], 6)])[0] == [1 - b for b in bits[1:]]
+    assert all(a != b for a, b in zip(ReplayDrafter([ref], 1.0, n_vocab=500).propose([_req(ref[:1], 399)])[0], ref[1:]))
+
+
+def test_replay_files_round_trip_and_bad_ones_are_one_clear_line(tmp_path):
+    path = tmp_path / "replay.json"
+    write_references(path, [list(REF), list(OTHER)])
+    assert load_references(path) == [REF, OTHER]
+    bad = tmp_path / "bad.json"
+    for text in ("{", json.dumps([[1, 2]]), json.dumps({"sequences": [[1, "a"]]}), json.dumps({"sequences": [[-1]]})):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match="--draft-replay"):
+            load_references(bad)
+    with pytest.raises(ConfigError, match="--draft-replay .*missing"):
+        load_references(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="--draft-replay-p 1.5"):
+        ReplayDrafter([REF], 1.5, n_vocab=10)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("replay"), n_layers=3, type="Q8_0")
+
+
+def _generate(engine, prompt, max_tokens) -> dict:
+    engine.submit(Request("r", list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+    done = None
+    while engine.has_work:
+        for ev in engine.step():
+            if ev["type"] == "done":
+                done = ev
+    return done
+
+
+def test_greedy_output_through_replay_is_the_plain_output_at_any_p(tiny, tmp_path):
+    prompt = [5, 300, 37, 400, 12]
+    want = _generate(build_engine(tiny, max_context=128), prompt, 24)
+    path = tmp_path / "replay.json"
+    write_references(path, [want["prompt_tokens"] + want["tokens"]])
+    n = len(want["tokens"])
+    assert n == 24  # no stop token came early
+    for p in (0.0, 0.5, 1.0):
+        eng = build_engine(tiny, max_context=128, draft_replay=path, draft_replay_p_wrong=p, draft_tokens=4)
+        got = _generate(eng, prompt, 24)
+        assert got["tokens"] == want["tokens"], p
+        spec = got["speculation"]
+        if p == 0.0:  # every draft right: 1 token from the prefill, then passes of 4 + 1
+            assert spec["accepted"] == spec["drafted"] == n - spec["verify_passes"] - 1
+        elif p == 1.0:
+            # one token a pass; the last pass has no room left to draft (max_tokens)
+            assert spec["accepted"] == 0 and spec["verify_passes"] == n - 2
+        else:
+            assert 0 < spec["accepted"] < spec["drafted"]
+
+
+def test_replay_runs_the_drafter_it_wraps_and_ignores_its_proposals(tiny, tmp_path):
+    """The tiny model as its own draft would accept everything; behind a replay at p = 1 nothing
+    is accepted, yet the draft model ran on the sequence (its cache held it)."""
+    prompt = [5, 300, 37, 400, 12]
+    want = _generate(build_engine(tiny, max_context=128), prompt, 12)
+    path = tmp_path / "replay.json"
+    write_references(path, [want["prompt_tokens"] + want["tokens"]])
+    eng = build_engine(tiny, max_context=128, draft_model=tiny, draft_replay=path, draft_replay_p_wrong=1.0,
+                       draft_tokens=3)
+    assert isinstance(eng.drafter, ReplayDrafter) and isinstance(eng.drafter.inner, ModelDrafter)
+    inner = eng.drafter.inner
+    calls = []
+
+    def counted(reqs):
+        calls.append(len(reqs))
+        return ModelDrafter.propose(inner, reqs)
+
+    inner.propose = counted
+    got = _generate(eng, prompt, 12)
+    assert got["tokens"] == want["tokens"] and got["speculation"]["accepted"] == 0
+    assert calls == [1] * got["speculation"]["verify_passes"]  # once before every verify pass
+    assert not inner.cached  # forgotten with the sequence
+
+
+def test_ntxctl_start_reads_the_replay_file_first(tmp_path, tiny):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    r = ntxctl("start", "--model", str(tiny), "--backend", "cpu", "--plan-only", "--draft-replay", str(bad))
+    assert r.returncode == 1 and r.stderr.strip().startswith("ntxctl: error: --draft-replay") and "Traceback" not in r.stderr
+    good = tmp_path / "good.json"
+    write_references(good, [list(REF)])
+    r = ntxctl("start", "--model", str(tiny), "--backend", "cpu", "--plan-only", "--draft-replay", str(good),
+               "--draft-replay-p", "2")
+    assert r.returncode == 1 and "--draft-replay-p 2.0: a probability" in r.stderr
