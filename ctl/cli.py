@@ -389,16 +389,27 @@ def bench(
     ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="for (a); (b) uses 0"),
     tokens: int = typer.Option(8, "--tokens", help="tokens generated per request"),
     batch: int = typer.Option(1, "--batch", help="concurrent requests"),
-    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check"),
+    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check,spec"),
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
     listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
+    spec_verify_draft_tokens: str = typer.Option("1,8,32,128,512", "--spec-verify-draft-tokens",
+                                                 help="spec: chain lengths whose verify pass is timed"),
+    spec_verify_passes: int = typer.Option(2, "--spec-verify-passes", help="spec: timed verify passes per chain length"),
+    spec_accept_draft_tokens: int = typer.Option(8, "--spec-accept-draft-tokens",
+                                                 help="spec: tokens drafted per pass at controlled acceptance"),
+    spec_accept_length: float = typer.Option(6.0, "--spec-accept-length",
+                                             help="spec: expected accepted tokens per pass (sets the replay's p)"),
+    spec_tokens: int = typer.Option(64, "--spec-tokens", help="spec: tokens generated per controlled-acceptance run"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model",
+                                              help="spec: run this draft model behind the replay (its cost paid)"),
 ) -> None:
-    """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident;
-    every figure printed next to the limit measured in the same run."""
+    """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident,
+    (spec) speculative decoding with the replay drafter; every figure printed next to the limit
+    measured in the same run."""
     from pathlib import Path
 
-    from ntx.ctl.bench import run_bench
+    from ntx.ctl.bench import SpecOptions, run_bench
     from ntx.shared.config import parse_size
 
     run_bench(
@@ -407,7 +418,17 @@ def bench(
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget else None, tokens=tokens, batch=batch,
         scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,
         out_dir=Path(out), listen=listen, log=lambda s: typer.echo(s),
+        spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
+                         spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens, draft_model),
     )
+
+
+def _counts(text: str, what: str) -> tuple[int, ...]:
+    """``"1,8,32"`` -> (1, 8, 32)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        _fail(f"{what} {text!r}: expected whole numbers separated by commas (example: 1,8,32)")
 
 
 def main() -> None:

@@ -127,7 +127,7 @@ class ComputeDaemon(Daemon):
                     self.clock.add_rows(*self.engine.last_pass)
                     self.engine.last_pass = None
                 self.recent_tokens.append((time.monotonic(), self.engine.tokens_generated - n_before))
-            else:
+            if not self.engine.has_work:  # at once, or the wait for the next message counts as the last pass's
                 self._set_active(False)
             self.maybe_send_stats()
 
