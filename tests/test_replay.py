@@ -147,3 +147,24 @@ def test_ntxctl_start_reads_the_replay_file_first(tmp_path, tiny):
     r = ntxctl("start", "--model", str(tiny), "--backend", "cpu", "--plan-only", "--draft-replay", str(good),
                "--draft-replay-p", "2")
     assert r.returncode == 1 and "--draft-replay-p 2.0: a probability" in r.stderr
+
+
+def test_the_1b_preset_is_a_draft_model_for_the_70b_preset(tmp_path):
+    """Llama-3.2-1B's shape, and the same tokenizer as the 70B preset (the synthetic vocabulary
+    depends on its size only), so ``--draft-model`` accepts it: checked on copies cut to one
+    narrow layer that keep the full 128,256-token vocabulary."""
+    import synth_gguf as sg
+
+    from ntx.daemons.compute.speculation import check_same_vocabulary
+    from ntx.shared.gguf_index import open_model
+
+    full = sg.preset_config("llama3-1b", type="Q4_K_M")
+    assert (full.n_layers, full.d_model, full.d_ff, full.n_heads, full.n_kv_heads, full.hd) == (16, 2048, 8192, 32, 8, 64)
+    assert (full.vocab_size, full.rope_base, full.tied_embeddings) == (128256, 500000.0, True)
+    gb = sum(t.nbytes for t in sg.tensor_plan(full)) / 1e9
+    assert 0.7 < gb < 0.9, gb  # Llama-3.2-1B Q4_K_M is 0.81 GB
+    narrow = dict(n_layers=1, d_model=64, d_ff=64, n_heads=2, n_kv_heads=1, type="Q8_0")
+    draft = open_model(sg.write_llama_gguf(tmp_path / "1b.gguf", sg.preset_config("llama3-1b", **narrow)))
+    target = open_model(sg.write_llama_gguf(tmp_path / "70b.gguf", sg.preset_config("llama3-70b", **narrow)))
+    assert draft.hparams.n_vocab == target.hparams.n_vocab == 128256
+    check_same_vocabulary(target, draft)
