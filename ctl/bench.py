@@ -310,9 +310,10 @@ class SpecOptions:
     draft_model: str | None = None
 
     def validate(self) -> SpecOptions:
-        for k in (*self.verify_draft_tokens, self.accept_draft_tokens):
-            if not 1 <= k <= MAX_DRAFT_TOKENS:
-                raise ConfigError(f"--spec-*-draft-tokens {k}: choose 1 to {MAX_DRAFT_TOKENS}")
+        for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
+                         ("--spec-accept-draft-tokens", (self.accept_draft_tokens,))):
+            if not ks or not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
+                raise ConfigError(f"{flag} {','.join(map(str, ks))}: each from 1 to {MAX_DRAFT_TOKENS}")
         if self.verify_passes < 1:
             raise ConfigError(f"--spec-verify-passes {self.verify_passes}: at least 1")
         if not 0 <= self.accept_length <= self.accept_draft_tokens:

@@ -17,10 +17,10 @@ from ntx.daemons.compute.speculation import DraftRequest, ModelDrafter
 from ntx.shared.errors import ConfigError
 
 try:
-    from .pipeline_util import ntxctl
+    from .pipeline_util import ntxctl, running_pipeline
     from .synth_models import write_tiny
 except ImportError:  # tests/ is not a package
-    from pipeline_util import ntxctl
+    from pipeline_util import ntxctl, running_pipeline
     from synth_models import write_tiny
 
 REF = (7, 8, 9, 10, 11, 12, 13, 14)
@@ -147,6 +147,25 @@ def test_ntxctl_start_reads_the_replay_file_first(tmp_path, tiny):
     r = ntxctl("start", "--model", str(tiny), "--backend", "cpu", "--plan-only", "--draft-replay", str(good),
                "--draft-replay-p", "2")
     assert r.returncode == 1 and "--draft-replay-p 2.0: a probability" in r.stderr
+
+
+def test_a_pipeline_started_with_a_replay_drafts_it_and_says_replay(tiny, tmp_path):
+    """Through the daemons (one layer resident, three streamed): the file reaches compute, every
+    replayed draft is accepted at p = 0, and status and ``ntxctl status`` name the drafter replay."""
+    text = "The history of the transistor begins"
+    plain = build_engine(tiny, max_context=128)
+    want = _generate(plain, plain.prompt_tokens(prompt=text, raw=True), 9)
+    path = tmp_path / "replay.json"
+    write_references(path, [want["prompt_tokens"] + want["tokens"]])
+    with running_pipeline(str(tiny), tmp_path / "run", "--gpu-layers", "1", "--draft-replay", str(path),
+                          "--draft-tokens", "3", "--ctx", "128", name="replay") as p:
+        done = p.generate_greedy(text, max_tokens=9)
+        assert done["tokens"] == want["tokens"]
+        assert done["speculation"]["accepted"] == done["speculation"]["drafted"] == 6  # 1 + (3 + 1) x 2
+        st = p.wait_status(lambda s: (s.get("speculation") or {}).get("verify_passes", 0) >= 2, "replay counts in status")
+        assert st["speculation"]["drafter"] == "replay"
+        shown = ntxctl("status", "--name", "replay")
+        assert shown.returncode == 0 and "replay drafter" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_the_1b_preset_is_a_draft_model_for_the_70b_preset(tmp_path):
