@@ -487,6 +487,7 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         entry["verify"].append({
             "draft_tokens": k, "p_wrong": 0.0, "pass_s": pass_s, "n_passes": len(times),
             "ratio_to_plain_pass": pass_s / plain_pass_s if pass_s and plain_pass_s else None,
+            "ratio_to_link_pass": pass_s / link_pass_s if pass_s and link_pass_s else None,
             "accepted_per_pass": (run["done"].get("speculation") or {}).get("accepted_per_pass", 0.0),
             "start_s": run["start_s"],
         })
@@ -555,6 +556,8 @@ def _spec_verify_line(v: dict) -> str:
     s = f"(spec) replay verify pass, chain of {v['draft_tokens']} drafted: {_ms(v['pass_s'])}"
     if v["ratio_to_plain_pass"]:
         s += f" = {v['ratio_to_plain_pass']:.3f}x a 1-token pass"
+    if v["ratio_to_link_pass"]:
+        s += f", {v['ratio_to_link_pass']:.3f}x the link limit"
     return s + f" (timed passes: {v['n_passes']}; accepted per pass {v['accepted_per_pass']:.2f})"
 
 
