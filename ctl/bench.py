@@ -10,7 +10,12 @@ Scenarios (each optional):
 (d) a model fully resident (``--resident-model``), decode speed against the device's copy
     bandwidth;
 (check) greedy tokens of (a) against the same model with every layer resident (same weights,
-    different tiers), when it fits.
+    different tiers), when it fits;
+(spec) speculative decoding in (a)'s setting, with the *replay* drafter (controlled acceptance,
+    ``daemons/compute/replay.py``): a plain greedy run records the reference continuation and
+    the 1-token pass time; then the verify-pass time of chains of K drafted tokens (every draft
+    right), and end-to-end tokens/s at a chosen expected acceptance length and with every draft
+    wrong, optionally paying a real draft model's cost (``--draft-model``). See ``run_spec``.
 
 The physical limits are measured in the same run: pinned and pageable host-to-device copies,
 shared memory registered with cudaHostRegister, device-to-device copy, and O_DIRECT reads of the
@@ -24,6 +29,7 @@ import mmap
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,9 @@ from ntx.ctl import instance
 from ntx.ctl.client import Client
 from ntx.daemons.compute.backend import plan_for
 from ntx.daemons.compute.model import FileLayerStream
-from ntx.shared.config import InstanceConfig, format_bytes
+from ntx.daemons.compute.replay import write_references
+from ntx.shared.config import MAX_DRAFT_TOKENS, InstanceConfig, format_bytes
+from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.plan import RAM, STORAGE, VRAM
 from ntx.shared.stats import bottleneck, combine, summarize
@@ -258,6 +266,304 @@ def run_in_process(label: str, model: str, backend: str, resident: list[int] | N
     }
 
 
+# ------------------------------------------------------------------------------ spec (speculation)
+VERIFY_GOAL_DRAFT_TOKENS = 256  # issue 10: a verify pass of 256 tokens ...
+VERIFY_GOAL_RATIO = 1.15  # ... costs at most 1.15x a 1-token pass (the pass is bound by the link)
+ACCEPT_GOAL_TOKENS_PER_S = 12.0  # at acceptance length ACCEPT_GOAL_LENGTH, batch 1, 70B shape at 24 GiB
+ACCEPT_GOAL_LENGTH = 6.0
+ALL_WRONG_GOAL_RATIO = 0.9  # every draft wrong: at least 0.9x plain
+SPEC_PROMPT_POSITIONS = 64  # room for PROMPT's tokens in the spec runs' context
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """The spec scenario's knobs (``ntxctl bench --spec-*``); small values keep a CPU run short.
+
+    ``verify_draft_tokens``: the chain lengths K timed, each for ``verify_passes`` verify passes
+    after one warm-up pass; ``accept_draft_tokens`` K and ``accept_length`` the expected accepted
+    tokens per pass of the controlled-acceptance run, ``accept_tokens`` the tokens it generates;
+    ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid)."""
+
+    verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
+    verify_passes: int = 2
+    accept_draft_tokens: int = 8
+    accept_length: float = 6.0
+    accept_tokens: int = 64
+    draft_model: str | None = None
+
+    def validate(self) -> SpecOptions:
+        for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
+                         ("--spec-accept-draft-tokens", (self.accept_draft_tokens,))):
+            if not ks or not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
+                raise ConfigError(f"{flag} {','.join(map(str, ks))}: each from 1 to {MAX_DRAFT_TOKENS}")
+        if self.verify_passes < 1:
+            raise ConfigError(f"--spec-verify-passes {self.verify_passes}: at least 1")
+        if not 0 <= self.accept_length <= self.accept_draft_tokens:
+            raise ConfigError(f"--spec-accept-length {self.accept_length}: from 0 to --spec-accept-draft-tokens "
+                              f"({self.accept_draft_tokens})")
+        if self.accept_tokens < 2:
+            raise ConfigError(f"--spec-tokens {self.accept_tokens}: at least 2")
+        return self
+
+    def verify_tokens(self, k: int) -> int:
+        """max_tokens of a timed chain run: the prefill's token, then ``verify_passes`` passes that
+        each draft k tokens and, every one right, yield k + 1 (a pass drafts only what max_tokens
+        leaves room for, so fewer would shorten the last chains)."""
+        return 1 + self.verify_passes * (k + 1)
+
+    @property
+    def reference_tokens(self) -> int:
+        """The greedy continuation the plain run must record: what the longest run replays."""
+        return max([self.verify_tokens(k) for k in self.verify_draft_tokens]
+                   + [self.accept_tokens, self.accept_draft_tokens + 2])
+
+
+def p_wrong_for_acceptance(draft_tokens: int, length: float) -> float:
+    """The p with sum_{i=1..K} (1-p)^i = ``length``: the expected accepted tokens of a replayed
+    draft of K tokens, each wrong with probability p independently. Bisection on q = 1 - p (the
+    sum rises with q from 0 at q = 0 to K at q = 1)."""
+    if length >= draft_tokens:
+        return 0.0
+    if length <= 0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        q = (lo + hi) / 2
+        if sum(q**i for i in range(1, draft_tokens + 1)) < length:
+            lo = q
+        else:
+            hi = q
+    return 1.0 - (lo + hi) / 2
+
+
+def _greedy_request(listen: str, max_tokens: int) -> tuple[dict, float]:
+    """One greedy request of PROMPT: its ``done`` event and its decode seconds (first token to done)."""
+    first = None
+    with Client(listen, event_timeout_s=600) as c:
+        for ev in c.generate(PROMPT, raw=True, temperature=0.0, max_tokens=max_tokens):
+            if ev["type"] == "token" and first is None:
+                first = time.perf_counter()
+            done = ev
+    return done, time.perf_counter() - (first or time.perf_counter())
+
+
+def _settled_status(name: str, tokens_generated: int, timeout_s: float = 60.0) -> dict:
+    """The instance's status once compute has reported ``tokens_generated`` tokens and gone
+    idle: its per-pass clock then holds every pass of the requests so far, the last one closed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = instance.get_status(name, 10) or {}
+        if st.get("tokens_generated", 0) >= tokens_generated and \
+                st.get("stages", {}).get("compute", {}).get("state") == "idle":
+            return st
+        if time.monotonic() > deadline:
+            raise NtxError(f"bench: compute's status did not show {tokens_generated} tokens and idle within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def _timed_instance(cfg: InstanceConfig, index: ModelIndex, warmup_tokens: int, tokens: int) -> dict[str, Any]:
+    """Start ``cfg``'s instance, warm it with one greedy request of ``warmup_tokens`` (kernels
+    compiled, this pass shape's graph captured), time one of ``tokens``, stop it. Returns the
+    timed request's ``done`` event; its tokens/s after the first token as compute timed it (the
+    ``done`` timings: no delivery lag of a loaded machine's supervisor or client in it) and as
+    the client saw it; and compute's clock (busy + starved + blocked seconds) of each of its
+    decode passes, by rows computed."""
+    plan = plan_for(index, cfg)
+    t0 = time.perf_counter()
+    instance.start(cfg, plan)
+    start_s = time.perf_counter() - t0
+    try:
+        warm, _ = _greedy_request(cfg.listen, warmup_tokens)
+        before = _settled_status(cfg.name, len(warm["tokens"]))
+        done, decode_s = _greedy_request(cfg.listen, tokens)
+        after = _settled_status(cfg.name, before["tokens_generated"] + len(done["tokens"]))
+    finally:
+        instance.stop(cfg.name, force=True)
+    comp_before, comp_after = before["stages"]["compute"], after["stages"]["compute"]
+    pass_s_by_rows: dict[int, list[float]] = {}
+    for k, v in (comp_after.get("passes") or {}).items():
+        if comp_before["n_passes"] <= int(k) < comp_after["n_passes"] and v["rows"] > 0 and v["prefill_rows"] == 0:
+            pass_s_by_rows.setdefault(v["rows"], []).append(v["busy"] + v["starved"] + v["blocked"])
+    n = len(done["tokens"])
+    return {"done": done, "tokens_per_s": done["timings"]["decode_tokens_per_s"] or 0.0,
+            "client_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            "pass_s_by_rows": pass_s_by_rows, "start_s": round(start_s, 2),
+            "streamed_bytes_per_pass": plan.streamed_bytes_per_pass,
+            "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE)}}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _at_draft_tokens(pass_s: dict[int, float], k: int) -> tuple[float, str] | None:
+    """The verify-pass time at ``k`` drafted tokens: measured, or linear between the measured
+    lengths around it (and said so); None when no measured lengths bracket it."""
+    if k in pass_s:
+        return pass_s[k], "measured"
+    below = [x for x in pass_s if x < k]
+    above = [x for x in pass_s if x > k]
+    if not below or not above:
+        return None
+    lo, hi = max(below), min(above)
+    return pass_s[lo] + (pass_s[hi] - pass_s[lo]) * (k - lo) / (hi - lo), f"interpolated between {lo} and {hi}"
+
+
+def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, limits: dict, opts: SpecOptions,
+             out_dir: Path, log, save) -> None:
+    """The spec scenario, batch 1 in (a)'s setting, through the real daemons; fills ``entry``
+    (``save()`` after each run, so a cut-off run keeps what it measured).
+
+    (i) a plain greedy run of ``opts.reference_tokens`` tokens: plain tokens/s, the 1-token pass
+    time from compute's per-pass clock, and the reference continuation (``replay.json``);
+    (ii) per chain length K, replay with p = 0 and ``--draft-tokens K``: the mean time of the
+    verify passes of K + 1 rows against the 1-token pass and the link's limit for the plan;
+    (iii) replay with K = ``opts.accept_draft_tokens`` at the p whose expected acceptance length is
+    ``opts.accept_length``, and at p = 1 (every draft wrong): tokens/s against plain, and the
+    measured mean acceptance length (accepted tokens per verify pass).
+
+    Every run has the same context and workspace (the largest chain's rows), so the same layers
+    stream in all of them; only ``--draft-model`` moves layers out of VRAM, and its runs say so.
+    """
+    positions = opts.reference_tokens + SPEC_PROMPT_POSITIONS
+    if positions > index.hparams.n_ctx_train:
+        raise ConfigError(f"bench spec: its runs need {positions} positions but {index.name} holds "
+                          f"{index.hparams.n_ctx_train}: fewer --spec-verify-passes or shorter chains")
+    rows = max(base.prefill_chunk_tokens, max(opts.verify_draft_tokens) + 1, opts.accept_draft_tokens + 1)
+    plain_cfg = InstanceConfig(**{**base.to_dict(), "max_batch": 1, "max_context": positions,
+                                  "prefill_chunk_tokens": rows}).validate()
+    link_gbps = _link_gbps(limits)
+    replay_path = (out_dir / "replay.json").resolve()
+    entry.update(drafter="replay", replay_file=str(replay_path))
+
+    # (i) plain, recording the reference
+    log(f"(spec) plain greedy run of {opts.reference_tokens} tokens: the replay drafter's reference and the baseline")
+    plain = _timed_instance(plain_cfg, index, 2, opts.reference_tokens)
+    done = plain["done"]
+    write_references(replay_path, [done["prompt_tokens"] + done["tokens"]])
+    plain_pass_s = _mean(plain["pass_s_by_rows"].get(1, []))
+    link_pass_s = plain["streamed_bytes_per_pass"] / (link_gbps * GB) if link_gbps else None
+    entry.update(
+        plan_tiers=plain["plan_tiers"], streamed_bytes_per_pass=plain["streamed_bytes_per_pass"],
+        link_gbps=link_gbps, link_pass_s=link_pass_s, reference_tokens=len(done["tokens"]),
+        plain={"tokens_per_s": plain["tokens_per_s"], "client_tokens_per_s": plain["client_tokens_per_s"],
+               "pass_s": plain_pass_s,
+               "n_passes": len(plain["pass_s_by_rows"].get(1, [])), "start_s": plain["start_s"]},
+        verify=[], acceptance=[],
+    )
+    save()
+    log(_spec_plain_line(entry))
+    if len(done["tokens"]) < opts.reference_tokens:
+        log(f"(spec) the plain run stopped after {len(done['tokens'])} tokens ({done['finish_reason']}): "
+            "runs that need more replay what there is")
+
+    def replay_cfg(k: int, p_wrong: float, draft_model: str | None = None) -> InstanceConfig:
+        return InstanceConfig(**{**plain_cfg.to_dict(), "draft_tokens": k, "draft_width": 1,  # chains of k
+                                 "draft_replay": str(replay_path),
+                                 "draft_replay_p_wrong": p_wrong, "draft_model": draft_model}).validate()
+
+    # (ii) verify-pass time per chain length, every draft right
+    for k in opts.verify_draft_tokens:
+        run = _timed_instance(replay_cfg(k, 0.0), index, k + 2, opts.verify_tokens(k))
+        times = run["pass_s_by_rows"].get(k + 1, [])
+        pass_s = _mean(times)
+        entry["verify"].append({
+            "draft_tokens": k, "p_wrong": 0.0, "pass_s": pass_s, "n_passes": len(times),
+            "ratio_to_plain_pass": pass_s / plain_pass_s if pass_s and plain_pass_s else None,
+            "ratio_to_link_pass": pass_s / link_pass_s if pass_s and link_pass_s else None,
+            "accepted_per_pass": (run["done"].get("speculation") or {}).get("accepted_per_pass", 0.0),
+            "start_s": run["start_s"],
+        })
+        save()
+        log(_spec_verify_line(entry["verify"][-1]))
+    measured = {v["draft_tokens"]: v["pass_s"] for v in entry["verify"] if v["pass_s"]}
+    at = _at_draft_tokens(measured, VERIFY_GOAL_DRAFT_TOKENS)
+    if at and plain_pass_s:
+        entry["verify_goal"] = {"draft_tokens": VERIFY_GOAL_DRAFT_TOKENS, "pass_s": at[0], "how": at[1],
+                                "ratio_to_plain_pass": at[0] / plain_pass_s, "goal_ratio": VERIFY_GOAL_RATIO,
+                                "met": at[0] / plain_pass_s <= VERIFY_GOAL_RATIO}
+        log(_spec_verify_goal_line(entry["verify_goal"]))
+    else:
+        log(f"(spec) replay goal at {VERIFY_GOAL_DRAFT_TOKENS} drafted tokens: not judged (the measured chains "
+            f"{sorted(measured)} do not bracket it, or no 1-token pass was timed)")
+
+    # (iii) end to end at controlled acceptance
+    k = opts.accept_draft_tokens
+    draft_model = os.path.abspath(opts.draft_model) if opts.draft_model else None
+    for case, p_wrong in ((f"acceptance length {opts.accept_length:g}", p_wrong_for_acceptance(k, opts.accept_length)),
+                          ("every draft wrong", 1.0)):
+        run = _timed_instance(replay_cfg(k, p_wrong, draft_model), index, k + 2, opts.accept_tokens)
+        spec = run["done"].get("speculation") or {}
+        passes = [t for r, ts in run["pass_s_by_rows"].items() if r > 1 for t in ts]
+        point = {
+            "case": case, "draft_tokens": k, "p_wrong": p_wrong,
+            "expected_length": sum((1 - p_wrong) ** i for i in range(1, k + 1)),
+            "accepted_per_pass": spec.get("accepted_per_pass", 0.0), "verify_passes": spec.get("verify_passes", 0),
+            "tokens_per_s": run["tokens_per_s"], "client_tokens_per_s": run["client_tokens_per_s"],
+            "pass_s": _mean(passes),
+            "ratio_to_plain": run["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None,
+            "draft_model": draft_model, "streamed_bytes_per_pass": run["streamed_bytes_per_pass"],
+            "link_pass_s": run["streamed_bytes_per_pass"] / (link_gbps * GB) if link_gbps else None,
+            "plan_tiers": run["plan_tiers"], "start_s": run["start_s"],
+        }
+        if p_wrong == 1.0:
+            point.update(goal=f">= {ALL_WRONG_GOAL_RATIO}x plain",
+                         met=point["ratio_to_plain"] is not None and point["ratio_to_plain"] >= ALL_WRONG_GOAL_RATIO)
+        elif opts.accept_length == ACCEPT_GOAL_LENGTH:
+            point.update(goal=f">= {ACCEPT_GOAL_TOKENS_PER_S:g} tok/s (70B shape, 24 GiB, batch 1)",
+                         met=run["tokens_per_s"] >= ACCEPT_GOAL_TOKENS_PER_S)
+        entry["acceptance"].append(point)
+        save()
+        log(_spec_accept_line(point, plain["tokens_per_s"]))
+
+
+def _link_gbps(limits: dict) -> float | None:
+    """The host-to-device link's GB/s as the streamed layers cross it (host copy on cpu)."""
+    return limits.get("h2d_shm_registered_gbps") or limits.get("host_copy_gbps")
+
+
+def _ms(s: float | None) -> str:
+    return f"{s * 1e3:.1f} ms" if s is not None else "n/a (no such pass on compute's clock)"
+
+
+def _spec_plain_line(e: dict) -> str:
+    s = (f"(spec) plain: {e['plain']['tokens_per_s']:.3f} tok/s, 1-token pass {_ms(e['plain']['pass_s'])} "
+         f"(compute's clock, {e['plain']['n_passes']} passes)")
+    if e.get("link_pass_s"):
+        s += (f"; link limit {_ms(e['link_pass_s'])}/pass ({format_bytes(e['streamed_bytes_per_pass'])} at "
+              f"{e['link_gbps']:.2f} GB/s)")
+    return s + f"; reference of {e['reference_tokens']} tokens -> {e['replay_file']}"
+
+
+def _spec_verify_line(v: dict) -> str:
+    s = f"(spec) replay verify pass, chain of {v['draft_tokens']} drafted: {_ms(v['pass_s'])}"
+    if v["ratio_to_plain_pass"]:
+        s += f" = {v['ratio_to_plain_pass']:.3f}x a 1-token pass"
+    if v["ratio_to_link_pass"]:
+        s += f", {v['ratio_to_link_pass']:.3f}x the link limit"
+    return s + f" (timed passes: {v['n_passes']}; accepted per pass {v['accepted_per_pass']:.2f})"
+
+
+def _spec_verify_goal_line(g: dict) -> str:
+    return (f"(spec) replay goal: a {g['draft_tokens']}-token verify pass <= {g['goal_ratio']}x a 1-token pass: "
+            f"{_ms(g['pass_s'])} ({g['how']}) = {g['ratio_to_plain_pass']:.3f}x: {'met' if g['met'] else 'NOT met'}")
+
+
+def _spec_accept_line(a: dict, plain_tokens_per_s: float) -> str:
+    s = (f"(spec) replay K={a['draft_tokens']} p={a['p_wrong']:.4f} ({a['case']}; expected {a['expected_length']:.2f}): "
+         f"{a['tokens_per_s']:.3f} tok/s, measured acceptance length {a['accepted_per_pass']:.2f} over "
+         f"{a['verify_passes']} verify passes, {_ms(a['pass_s'])}/pass")
+    if a.get("link_pass_s"):
+        s += f" (link limit {_ms(a['link_pass_s'])})"
+    if a["ratio_to_plain"] is not None:
+        s += f"; plain {plain_tokens_per_s:.3f} tok/s -> {a['ratio_to_plain']:.2f}x"
+    if a["draft_model"]:
+        s += f"; draft model {os.path.basename(a['draft_model'])} run and ignored (target layers in VRAM: {a['plan_tiers']['vram']})"
+    if "goal" in a:
+        s += f"; goal {a['goal']}: {'met' if a['met'] else 'NOT met'}"
+    return s
+
+
 # ------------------------------------------------------------------------------ report
 def chart(report: dict, path: Path) -> str | None:
     try:
@@ -288,7 +594,7 @@ def chart(report: dict, path: Path) -> str | None:
     axes[1].legend()
     axes[1].set_title("share of active time")
     axes[1].tick_params(axis="x", rotation=60)
-    all_sc = report["scenarios"]
+    all_sc = [s for s in report["scenarios"] if "tokens_per_s" in s]  # not spec's: its figures are per run
     axes[2].bar([s["label"] for s in all_sc], [s["tokens_per_s"] for s in all_sc])
     axes[2].set_yscale("log")
     axes[2].set_title("tokens/s (log)")
@@ -299,7 +605,7 @@ def chart(report: dict, path: Path) -> str | None:
 
 def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
     """What the link or disk allows: batch / (streamed bytes per pass / bandwidth)."""
-    h2d = limits.get("h2d_shm_registered_gbps") or limits.get("host_copy_gbps")
+    h2d = _link_gbps(limits)
     t = 0.0
     if s.get("storage_bytes_per_pass") and limits.get("disk_read_gbps"):
         t = max(t, s["storage_bytes_per_pass"] / (limits["disk_read_gbps"] * GB))
@@ -311,8 +617,11 @@ def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
 def run_bench(
     model: str, *, backend: str, vram_budget: int | None, gpu_layers: int | None, ram_budget: int | None,
     tokens: int, batch: int, scenarios: list[str], resident_model: str | None, out_dir: Path, listen: str, log=print,
+    spec: SpecOptions | None = None,
 ) -> dict[str, Any]:
-    """Run the chosen scenarios; write bench.json (and bench.png) into ``out_dir``."""
+    """Run the chosen scenarios; write bench.json (and bench.png) into ``out_dir``. ``spec``:
+    the spec scenario's options (its defaults when None)."""
+    spec_opts = (spec or SpecOptions()).validate() if "spec" in scenarios else None
     out_dir.mkdir(parents=True, exist_ok=True)
     index = open_model(model)
     base = InstanceConfig(model=os.path.abspath(model), name="bench", backend=backend, listen=listen,
@@ -333,7 +642,16 @@ def run_bench(
         p = cp.cuda.runtime.getDeviceProperties(0)
         report["device"] = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
     results: dict[str, dict] = {}
+
+    def save() -> None:  # partial results survive a cut-off run
+        (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
+
     for sc in scenarios:
+        if sc == "spec":
+            entry: dict[str, Any] = {"label": "spec"}
+            report["scenarios"].append(entry)
+            run_spec(entry, base, index, limits, spec_opts, out_dir, log, save)
+            continue
         if sc == "a":
             results["a"] = run_pipeline("a", base, index, tokens, batch, log)
         elif sc == "b":
@@ -357,7 +675,7 @@ def run_bench(
             r["share_of_copy_bw"] = r["weight_gbps"] / copy if copy else None
         report["scenarios"].append(r)
         log(_line(r))
-        (out_dir / "bench.json").write_text(json.dumps(report, indent=2))  # partial results survive a cut-off run
+        save()
     if "a" in results and "c" in results and results["c"]["tokens_per_s"]:
         report["a_over_c"] = results["a"]["tokens_per_s"] / results["c"]["tokens_per_s"]
         log(f"(a)/(c): {report['a_over_c']:.1f}x")
@@ -365,7 +683,7 @@ def run_bench(
         n = min(len(results["a"]["tokens"]), len(results["check"]["tokens"]))
         report["greedy_equal"] = results["a"]["tokens"][:n] == results["check"]["tokens"][:n]
         log(f"greedy tokens of (a) equal the all-resident run: {report['greedy_equal']}")
-    (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
+    save()
     problem = chart(report, out_dir / "bench.png")
     if problem:
         log(problem)

@@ -259,6 +259,11 @@ def start(
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="tokens drafted per sequence and pass (1-512)"),
     draft_width: str = typer.Option("auto", "--draft-width", help="the draft tree's width (1 = a chain), or auto: "
                                     "chosen from measured acceptance"),
+    draft_replay: Optional[str] = typer.Option(
+        None, "--draft-replay", help="for benchmarks: draft a recorded greedy continuation (JSON from `ntxctl bench "
+        "--scenarios spec`); the drafter named otherwise runs and is ignored"),
+    draft_replay_p: float = typer.Option(0.0, "--draft-replay-p", help="for benchmarks: probability that each "
+                                         "replayed draft token is made wrong"),
 ) -> None:
     """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
     from ntx.ctl import instance
@@ -274,6 +279,7 @@ def start(
         max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
         handshake_timeout_s=timeout, max_restarts=max_restarts,
         **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width)),
+        draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
     ).validate()
     index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
@@ -299,6 +305,16 @@ def _instance_drafting(drafting: dict) -> dict:
     return {"draft_model": drafting.get("draft_model"), "self_draft": self_draft is not False,
             "self_draft_layers": None if self_draft in (True, False) else self_draft,
             "draft_tokens": drafting["draft_tokens"], "draft_width": drafting["draft_width"]}
+
+
+def _replay_path(path: str | None) -> str | None:
+    """``--draft-replay``'s file, read here first so that a bad one is one line, not a failed daemon."""
+    if path is None:
+        return None
+    from ntx.daemons.compute.replay import load_references
+
+    load_references(path)
+    return os.path.abspath(path)
 
 
 def _choose_backend(backend: str) -> str:
@@ -379,16 +395,27 @@ def bench(
     ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="for (a); (b) uses 0"),
     tokens: int = typer.Option(8, "--tokens", help="tokens generated per request"),
     batch: int = typer.Option(1, "--batch", help="concurrent requests"),
-    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check"),
+    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check,spec"),
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
     listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
+    spec_verify_draft_tokens: str = typer.Option("1,8,32,128,512", "--spec-verify-draft-tokens",
+                                                 help="spec: chain lengths whose verify pass is timed"),
+    spec_verify_passes: int = typer.Option(2, "--spec-verify-passes", help="spec: timed verify passes per chain length"),
+    spec_accept_draft_tokens: int = typer.Option(8, "--spec-accept-draft-tokens",
+                                                 help="spec: tokens drafted per pass at controlled acceptance"),
+    spec_accept_length: float = typer.Option(6.0, "--spec-accept-length",
+                                             help="spec: expected accepted tokens per pass (sets the replay's p)"),
+    spec_tokens: int = typer.Option(64, "--spec-tokens", help="spec: tokens generated per controlled-acceptance run"),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model",
+                                              help="spec: run this draft model behind the replay (its cost paid)"),
 ) -> None:
-    """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident;
-    every figure printed next to the limit measured in the same run."""
+    """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident,
+    (spec) speculative decoding with the replay drafter; every figure printed next to the limit
+    measured in the same run."""
     from pathlib import Path
 
-    from ntx.ctl.bench import run_bench
+    from ntx.ctl.bench import SpecOptions, run_bench
     from ntx.shared.config import parse_size
 
     run_bench(
@@ -397,7 +424,17 @@ def bench(
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget else None, tokens=tokens, batch=batch,
         scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,
         out_dir=Path(out), listen=listen, log=lambda s: typer.echo(s),
+        spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
+                         spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens, draft_model),
     )
+
+
+def _counts(text: str, what: str) -> tuple[int, ...]:
+    """``"1,8,32"`` -> (1, 8, 32)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        _fail(f"{what} {text!r}: expected whole numbers separated by commas (example: 1,8,32)")
 
 
 def main() -> None:

@@ -10,8 +10,12 @@
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
 #   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it.
-# --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d).
+# --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d; spec on request).
 # STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_BATCH, STREAM_SCENARIOS steer --stream-bench.
+#   With `spec` in STREAM_SCENARIOS (speculative decoding, replay drafter): SPEC_ARGS (e.g.
+#   "--spec-verify-passes 1") goes to the bench as it is, and DRAFT_MODEL=1 also writes a
+#   Llama-3.2-1B-shaped Q4_K_M (~0.8 GB) and runs it behind the replay (--draft-model). Both go to
+#   this tree's bench only, never to a BASELINE tree's (which may not know the options).
 # --status-demo: start the 70B as in (a), generate 40 tokens, and save `ntxctl status` (text and
 #   JSON) taken in the middle of the decode to $OUT/status-a.txt / status-a.json.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
@@ -101,11 +105,11 @@ decode_bench() {  # decode_bench TREE OUTPREFIX
   python3 "$1/scripts/bench_decode.py" ${NTX_TEST_MODEL:+"$NTX_TEST_MODEL"} ${DECODE_MODELS[@]} \
     --tokens 128 --batch ${DECODE_BATCH:-1 8} --out "$2decode.json" 2>&1 | tee "$2decode.log"
 }
-stream_bench() {  # stream_bench OUTDIR
+stream_bench() {  # stream_bench OUTDIR [more bench args]
   mkdir -p "$1"
   python3 -m ntx.ctl.cli bench --model "$MODELS/llama3-70b-Q4_K_M.gguf" --backend cuda --vram-budget 24GiB \
     --tokens "${STREAM_TOKENS:-4}" --batch "${STREAM_BATCH:-1}" --scenarios "${STREAM_SCENARIOS:-a,c,b,check,d}" \
-    --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "$1" 2>&1 | tee "$1/stream.log"
+    --resident-model "$MODELS/llama3-8b-Q4_K_M.gguf" --out "$1" "${@:2}" 2>&1 | tee "$1/stream.log"
 }
 if [ "$DECODE" = 1 ]; then
   DECODE_MODELS=()
@@ -115,10 +119,18 @@ fi
 if [ "$STREAM" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B
   synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  SPEC_BENCH_ARGS=()
+  case ",${STREAM_SCENARIOS:-a,c,b,check,d}," in *,spec,*)
+    read -r -a SPEC_BENCH_ARGS <<< "${SPEC_ARGS:-}"
+    if [ "${DRAFT_MODEL:-0}" = 1 ]; then
+      synth llama3-1b-Q4_K_M llama3-1b Q4_K_M
+      SPEC_BENCH_ARGS+=(--draft-model "$MODELS/llama3-1b-Q4_K_M.gguf")
+    fi ;;
+  esac
   # written data still being flushed would slow (and skew) the O_DIRECT reads that (b) measures
   case "${STREAM_SCENARIOS:-a,c,b,check,d}" in *b*) sync ;; esac
   df -h "$MODELS" | tail -1
-  stream_bench "${STREAM_OUT:-$OUT}"
+  stream_bench "${STREAM_OUT:-$OUT}" ${SPEC_BENCH_ARGS[@]+"${SPEC_BENCH_ARGS[@]}"}
 fi
 if [ -n "${BASELINE:-}" ] && [ "$((DECODE + STREAM))" -gt 0 ]; then
   BASE=$(cd "$REPO" && cd "$BASELINE" && pwd)

@@ -144,6 +144,10 @@ class InstanceConfig:
     self_draft_layers: list[int] | None = None  # those of them to use (None: all)
     draft_tokens: int = 4  # drafted per sequence and pass (the tree's node budget)
     draft_width: int | None = None  # the tree's width; None: chosen from measured acceptance
+    # benchmarks only (daemons/compute/replay.py): recorded greedy continuations as the draft,
+    # each token made wrong with this probability; the drafter above, if any, runs and is ignored
+    draft_replay: str | None = None
+    draft_replay_p_wrong: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,6 +174,8 @@ class InstanceConfig:
             raise ConfigError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
         if self.draft_width is not None and not 1 <= self.draft_width <= self.draft_tokens:
             raise ConfigError(f"--draft-width {self.draft_width}: choose auto or 1 to --draft-tokens ({self.draft_tokens})")
+        if not 0.0 <= self.draft_replay_p_wrong <= 1.0:
+            raise ConfigError(f"--draft-replay-p {self.draft_replay_p_wrong}: a probability, from 0 to 1")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if not self.listen.startswith(("tcp://", "ipc://")):

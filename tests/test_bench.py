@@ -67,3 +67,44 @@ def test_bench_batch_stage_figures_cover_decode_passes_only(tmp_path):
     assert comp["n_passes"] >= 2 and comp["prefill_rows"] == 0
     assert comp["n_passes"] <= comp["rows"] <= 3 * comp["n_passes"]
     assert a["stages"]["dma"]["n_passes"] == comp["n_passes"]
+
+
+@pytest.mark.slow
+def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_replay_drafter(tmp_path):
+    """``--scenarios a,spec`` on the cpu backend: a plain run records the replay reference; chains of
+    1 and 4 drafted tokens are timed on compute's clock over their verify passes (every draft
+    right: 1 and 4 accepted a pass); at K = 4 the acceptance length asked (4: p = 0) is what is
+    measured, and with every draft wrong nothing is accepted. The draft model given runs behind
+    the replay in those two runs. Every spec line says replay."""
+    model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
+    out = tmp_path / "out"
+    env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
+    r = subprocess.run(
+        [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
+         "--gpu-layers", "1", "--tokens", "4", "--scenarios", "a,spec", "--out", str(out),
+         "--listen", f"tcp://127.0.0.1:{free_port()}", "--spec-verify-draft-tokens", "1,4",
+         "--spec-verify-passes", "2", "--spec-accept-draft-tokens", "4", "--spec-accept-length", "4",
+         "--spec-tokens", "11", "--draft-model", str(model)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads((out / "bench.json").read_text())
+    a, spec = rep["scenarios"]
+    assert a["label"] == "a" and spec["label"] == "spec" and spec["drafter"] == "replay"
+    ref = json.loads((out / "replay.json").read_text())["sequences"]
+    assert len(ref) == 1 and spec["reference_tokens"] == 11  # 1 + 2 passes x (4 + 1), the longest run
+    assert spec["plain"]["pass_s"] > 0 and spec["plain"]["n_passes"] == 10 and spec["plain"]["tokens_per_s"] > 0
+    assert spec["link_pass_s"] > 0 and spec["plan_tiers"]["vram"] == 1
+    assert [v["draft_tokens"] for v in spec["verify"]] == [1, 4]
+    for v in spec["verify"]:
+        assert v["n_passes"] == 2 and v["pass_s"] > 0 and v["ratio_to_plain_pass"] > 0
+        assert v["accepted_per_pass"] == v["draft_tokens"]
+    right, wrong = spec["acceptance"]
+    assert right["p_wrong"] == 0.0 and right["expected_length"] == 4 and right["accepted_per_pass"] == 4.0
+    assert wrong["p_wrong"] == 1.0 and wrong["accepted_per_pass"] == 0.0 and wrong["verify_passes"] > 0
+    assert "met" in wrong and "goal" not in right  # the tok/s goal is judged at acceptance length 6 only
+    for point in (right, wrong):
+        assert point["tokens_per_s"] > 0 and point["pass_s"] > 0 and point["ratio_to_plain"] > 0
+        assert point["draft_model"] == str(model)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("(spec) ") and "plain" not in ln.split(":")[0]]
+    assert len(lines) >= 5 and all("replay" in ln for ln in lines), r.stdout

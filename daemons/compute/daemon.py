@@ -70,6 +70,7 @@ class ComputeDaemon(Daemon):
             max_batch=cfg["max_batch"], max_context=cfg["max_context"], prefill_chunk_tokens=cfg["prefill_chunk_tokens"],
             self_draft=(cfg["self_draft_layers"] or True) if cfg["self_draft"] else False,
             draft_model=cfg["draft_model"], draft_tokens=cfg["draft_tokens"], draft_width=cfg["draft_width"],
+            draft_replay=cfg["draft_replay"], draft_replay_p_wrong=cfg["draft_replay_p_wrong"],
         )
         self.active = False
         self.draining_until_s: float | None = None
@@ -126,7 +127,7 @@ class ComputeDaemon(Daemon):
                     self.clock.add_rows(*self.engine.last_pass)
                     self.engine.last_pass = None
                 self.recent_tokens.append((time.monotonic(), self.engine.tokens_generated - n_before))
-            else:
+            if not self.engine.has_work:  # at once, or the wait for the next message counts as the last pass's
                 self._set_active(False)
             self.maybe_send_stats()
 

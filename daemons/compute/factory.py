@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Sequence
 from ntx.daemons.compute.backend import Backend, make_backend
 from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
+from ntx.daemons.compute.replay import ReplayDrafter, load_references
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
 from ntx.daemons.compute.tokenizer import Tokenizer
 from ntx.shared.errors import ConfigError
@@ -34,6 +35,8 @@ def build_engine(
     draft_model: str | os.PathLike | None = None,
     draft_tokens: int = 4,
     draft_width: int | None = None,
+    draft_replay: str | os.PathLike | None = None,
+    draft_replay_p_wrong: float = 0.0,
 ) -> EngineCore:
     """An engine for ``model`` (an index or a GGUF path) on ``backend`` (a name, or a backend
     already made — the compute daemon makes its own first, to allocate the ring's slots).
@@ -46,7 +49,11 @@ def build_engine(
     Speculative decoding (``speculation.py``): ``self_draft`` drafts with the resident layers
     (True) or the given resident layers; ``draft_model`` with a small model of the same
     vocabulary, all resident on the same backend; ``draft_tokens`` per sequence and pass, as a
-    tree of ``draft_width`` (None: chosen from measured acceptance; 1: a chain)."""
+    tree of ``draft_width`` (None: chosen from measured acceptance; 1: a chain).
+    ``draft_replay`` (benchmarks only, ``replay.py``): a file of recorded greedy continuations
+    proposed (as chains) with each token made wrong with probability ``draft_replay_p_wrong``;
+    the drafter chosen by the other keywords, if any, still runs first and its proposals are
+    discarded."""
     index = model if isinstance(model, ModelIndex) else open_model(model)
     max_context = min(max_context or DEFAULT_CONTEXT, index.hparams.n_ctx_train)
     if isinstance(backend, str):
@@ -55,6 +62,9 @@ def build_engine(
         stream = FileLayerStream(index)
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress)
     drafter = _drafter(llama, backend.name, self_draft, draft_model, max_batch, max_context)
+    if draft_replay is not None:
+        drafter = ReplayDrafter(load_references(draft_replay), draft_replay_p_wrong, index.hparams.n_vocab,
+                                inner=drafter)
     return EngineCore(llama, Tokenizer.from_metadata(index.metadata), max_batch=max_batch,
                       prefill_chunk_tokens=prefill_chunk_tokens, max_context=max_context,
                       drafter=drafter, draft_tokens=draft_tokens, draft_width=draft_width)

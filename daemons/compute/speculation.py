@@ -43,8 +43,8 @@ from ntx.shared.config import MAX_DRAFT_TOKENS
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import ModelIndex
 
-__all__ = ["MAX_DRAFT_TOKENS", "DraftTree", "DraftRequest", "Drafter", "SelfDrafter", "ModelDrafter", "TreeShape",
-           "check_same_vocabulary", "verify_tree"]
+__all__ = ["MAX_DRAFT_TOKENS", "DraftTree", "DraftRequest", "Drafter", "PassDrafter", "SelfDrafter", "ModelDrafter",
+           "TreeShape", "check_same_vocabulary", "verify_tree"]
 
 
 @dataclass
@@ -87,9 +87,21 @@ class DraftRequest:
 
 
 class Drafter(ABC):
-    """Proposes draft trees for several sequences at once (one batched pass per depth)."""
+    """Proposes draft trees for several sequences at once."""
 
     name = "?"
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        """For each request, a tree at most ``depth`` deep and ``width`` wide."""
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence ended: drop whatever the drafter keeps for it."""
+
+
+class PassDrafter(Drafter):
+    """A drafter that runs a model: one batched pass per depth, whose top tokens give the chain
+    and the siblings beside it."""
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         """For each request, a chain of its best tokens ``depth`` deep with ``width - 1``
@@ -120,11 +132,8 @@ class Drafter(ABC):
         """One batched draft pass: for each request, the top-``k`` next tokens after its tokens
         and the ``depth`` chain tokens drafted so far (``chains``)."""
 
-    def forget(self, seq_id: int) -> None:
-        """The sequence ended: drop whatever the drafter keeps for it."""
 
-
-class SelfDrafter(Drafter):
+class SelfDrafter(PassDrafter):
     """The target drafts for itself with its resident layers (all of them, or a chosen subset)
     and its head: no bytes stream, and the drafted layers' KV entries are the target's own (the
     verify pass rewrites them at the same positions). The reference engine's self-speculation."""
@@ -147,7 +156,7 @@ class SelfDrafter(Drafter):
         return self.model.draft_forward(StepBatch(chunks), self.layers, [Pick(k)] * len(chunks))
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(PassDrafter):
     """A small model with the target's vocabulary, all resident, with its own KV cache per
     sequence. It remembers which tokens its cache holds, so after a verify pass it feeds only
     what it has not seen (the accepted tokens past its last draft, and the correction)."""

@@ -84,6 +84,11 @@ PRESETS: dict[str, dict] = {
     "smollm2-135m": dict(n_layers=30, d_model=576, d_ff=1536, n_heads=9, n_kv_heads=3,
                          vocab_size=49152, rope_base=100000.0, context_length=8192,
                          tied_embeddings=True),
+    # Llama-3.2-1B's shape: a draft model for the 70B (the same synthetic vocabulary, as the
+    # vocabulary depends on vocab_size only; speculation.check_same_vocabulary compares it)
+    "llama3-1b": dict(n_layers=16, d_model=2048, d_ff=8192, n_heads=32, n_kv_heads=8,
+                      vocab_size=128256, rope_base=500000.0, context_length=8192,
+                      tied_embeddings=True),
     "llama3-8b": dict(n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8,
                       vocab_size=128256, rope_base=500000.0, context_length=8192,
                       tied_embeddings=False),
