@@ -67,7 +67,7 @@ def precompile_specs():
     specs.append(("ops.cu", ()))
     for g in (1, 3, 4, 8):
         for hd in (64, 128):
-            specs.append(("ops.cu", (f"attn_split_kernel<{g},{hd}>",)))
+            specs.append(("ops.cu", K._attn_names(g, hd)))
     return list(dict.fromkeys(specs))
 
 

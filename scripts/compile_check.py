@@ -5,7 +5,8 @@ Compiles each .cu exactly as kernels.py does (headers inlined by sources.kernel_
 instantiates the templates kernels.py uses: for every supported type (shared/quant_types.py)
 and each of its layout cuts, the f32 matvec at every launch configuration of every device entry
 in tuning.py, the dp4a matvec where the type has one, the dequantizers, and the attention
-variants. Prints NVRTC's log: errors, warnings, and with --sass-info (an sm_90 cubin through
+variants (plain and tree-masked; the extern "C" kernels, kv_move among them, need no
+instantiation). Prints NVRTC's log: errors, warnings, and with --sass-info (an sm_90 cubin through
 ptxas) registers, stack and spills per kernel. Exit status 1 on any compile error.
 
     python scripts/compile_check.py [--arch compute_90] [--sass-info] [--all-configs]
@@ -54,8 +55,9 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
                 for nr, u in sorted(mvq_cfgs):
                     out += [f"mvq_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
         return out
-    if fname == "ops.cu":
-        return [f"attn_split_kernel<{g},{hd}>" for g in (1, 2, 3, 4, 8) for hd in (64, 128, 256) if g * hd <= 2048]
+    if fname == "ops.cu":  # each attention variant plain and with a tree mask (kernels._attn_names)
+        return [f"{k}<{g},{hd}>" for g in (1, 2, 3, 4, 8) for hd in (64, 128, 256) if g * hd <= 2048
+                for k in ("attn_split_kernel", "attn_tree_split_kernel")]
     return []
 
 

@@ -32,6 +32,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
+from ntx.daemons.compute.batch import SeqChunk  # noqa: E402
 from ntx.daemons.compute.cuda import kernels as K  # noqa: E402
 from ntx.daemons.compute.cuda import tuning  # noqa: E402
 
@@ -456,16 +457,18 @@ def test_swiglu(rng):
 
 
 # ------------------------------------------------------------------------------ KV cache + attention
-def attn_ref(q, ck, cv, slots, kv_lens, n_kv):
-    """float64 reference over the cache's own (f16) values."""
+def attn_ref(q, ck, cv, slots, kv_lens, n_kv, seen=None):
+    """float64 reference over the cache's own (f16) values. seen: per row, None (every key in
+    [0, kv_lens[t])) or the bool [kv_lens[t]] of the keys it sees."""
     T, H, hd = q.shape
     G = H // n_kv
     out = np.zeros((T, H, hd))
     for t in range(T):
         L = int(kv_lens[t])
+        keys = np.arange(L) if seen is None or seen[t] is None else np.flatnonzero(seen[t])
         for h in range(H):
-            k = ck[slots[t], h // G, :L].astype(np.float64)
-            v = cv[slots[t], h // G, :L].astype(np.float64)
+            k = ck[slots[t], h // G, keys].astype(np.float64)
+            v = cv[slots[t], h // G, keys].astype(np.float64)
             s = k @ q[t, h].astype(np.float64) / math.sqrt(hd)
             p = np.exp(s - s.max())
             out[t, h] = p @ v / p.sum()
@@ -538,6 +541,134 @@ def test_attention_empty_length_is_zero(rng):
     out = nan_f32((1, 2, 64))
     K.attention(q, ck, cv, cp.zeros(1, cp.int32), cp.zeros(1, cp.int32), out=out)
     assert float(cp.abs(out).max()) == 0.0
+
+
+# ------------------------------------------------------------------------------ token trees
+def random_parents(n: int, rng) -> tuple[int, ...]:
+    """A random tree of n rows: each row's parent is an earlier row."""
+    return (-1,) + tuple(int(rng.integers(0, j)) for j in range(1, n))
+
+
+def _tree_pass(rng, G, hd, chunks, slots_of, n_slots=5, max_ctx=1024, n_splits=None):
+    """One attention pass over ``chunks`` (SeqChunk, trees or plain, one slot each): their keys
+    and values appended at their cache positions, then attention with the tree arguments.
+    Returns (out, reference)."""
+    n_kv = 2
+    H = n_kv * G
+    ck_h, cv_h = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
+    ck, cv = cp.asarray(ck_h), cp.asarray(cv_h)
+    T = sum(c.n_tokens for c in chunks)
+    trees = [c for c in chunks if c.parents is not None]
+    n_words = K.tree_mask_words(max([c.n_tokens for c in trees], default=1))
+    slots = np.concatenate([np.full(c.n_tokens, slots_of[i], np.int32) for i, c in enumerate(chunks)])
+    cpos = np.concatenate([np.arange(c.start_pos, c.end_pos, dtype=np.int32) for c in chunks])
+    base = np.full(T, -1, np.int32)
+    mask = np.zeros((T, n_words), np.uint32)
+    seen = []
+    r0 = 0
+    for c in chunks:
+        vis = c.visible()
+        for j in range(c.n_tokens):
+            L = c.start_pos + j + 1
+            if vis is None:
+                seen.append(None)
+            else:
+                s = np.ones(L, dtype=bool)
+                s[c.start_pos:] = vis[j, : j + 1]
+                seen.append(s)
+        if vis is not None:
+            base[r0 : r0 + c.n_tokens] = c.start_pos
+            mask[r0 : r0 + c.n_tokens] = K.pack_tree_mask(vis, n_words)
+        r0 += c.n_tokens
+    k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    K.kv_append(cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(cpos))
+    out = nan_f32((T, H, hd))
+    K.attention(cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(cpos + 1), out=out, n_splits=n_splits,
+                tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
+    ck_h[slots, :, cpos] = k.astype(np.float16)
+    cv_h[slots, :, cpos] = v.astype(np.float16)
+    return out, attn_ref(q, ck_h, cv_h, slots, cpos + 1, n_kv, seen)
+
+
+@pytest.mark.parametrize("n_splits", [None, 4, 64])
+@pytest.mark.parametrize("G,hd", [(4, 128), (1, 64), (8, 128), (3, 256)])
+def test_attention_tree_mask(G, hd, n_splits, rng):
+    """Random trees (up to 64 rows, one at cache position 0) beside a plain decode row and a
+    causal prompt chunk, each sequence in its own slot: a tree row sees the prefix, its
+    ancestors and itself, nothing else."""
+    chunks = [
+        SeqChunk(0, 300, tuple(range(64)), parents=random_parents(64, rng)),
+        SeqChunk(1, 77, (1,)),  # a decode row
+        SeqChunk(2, 0, tuple(range(33)), parents=random_parents(33, rng)),  # a tree with no prefix
+        SeqChunk(3, 40, tuple(range(9))),  # a causal chunk
+        SeqChunk(4, 900, tuple(range(5)), parents=(-1, 0, 0, 1, 1)),
+    ]
+    out, ref = _tree_pass(rng, G, hd, chunks, slots_of=[3, 0, 4, 1, 2], n_splits=n_splits)
+    assert relerr(out, ref) < 1e-5
+
+
+def test_attention_tree_513_rows(rng):
+    """The largest tree (512 drafted tokens and the root): 17 mask words per row, several of a
+    row's 32-key tiles seen through no bit at all."""
+    chunks = [SeqChunk(0, 200, tuple(range(513)), parents=random_parents(513, rng)), SeqChunk(1, 10, (3,))]
+    out, ref = _tree_pass(rng, 4, 128, chunks, slots_of=[1, 0])
+    assert relerr(out, ref) < 1e-5
+
+
+def test_attention_tree_kernel_plain_rows_bit_identical(rng):
+    """Rows outside trees (tree_base = -1) and a chain (every row sees every earlier row) give,
+    through the tree kernel, exactly the plain kernel's output."""
+    n_slots, n_kv, max_ctx, hd, G = 2, 2, 512, 128, 4
+    ck, cv = (cp.asarray(a) for a in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    T = 21
+    q = cp.asarray(rng.standard_normal((T, n_kv * G, hd)).astype(np.float32))
+    slots = cp.asarray(np.array([0] * 20 + [1], dtype=np.int32))
+    lens = cp.asarray(np.array(list(range(101, 121)) + [333], dtype=np.int32))
+    plain = K.attention(q, ck, cv, slots, lens)
+    chain = K.pack_tree_mask(SeqChunk(0, 100, tuple(range(20)), parents=tuple(range(-1, 19))).visible(), 1)
+    base = np.array([100] * 20 + [-1], dtype=np.int32)
+    mask = np.concatenate([chain, np.zeros((1, 1), np.uint32)])
+    tree = K.attention(q, ck, cv, slots, lens, tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
+    np.testing.assert_array_equal(cp.asnumpy(tree), cp.asnumpy(plain))
+    with pytest.raises(ValueError, match="go together"):
+        K.attention(q, ck, cv, slots, lens, tree_base=cp.asarray(base))
+
+
+def test_pack_tree_mask_bits():
+    vis = SeqChunk(0, 0, tuple(range(40)), parents=(-1,) + tuple(range(39))).visible()  # a chain
+    m = K.pack_tree_mask(vis, 2)
+    assert m.dtype == np.uint32 and m.shape == (40, 2)
+    assert m[0, 0] == 1 and m[0, 1] == 0 and m[31, 0] == 0xFFFFFFFF and m[31, 1] == 0
+    assert m[39, 0] == 0xFFFFFFFF and m[39, 1] == 0xFF
+    with pytest.raises(ValueError, match="mask words"):
+        K.pack_tree_mask(vis, 1)
+
+
+def test_kv_move_every_layer_in_order(rng):
+    """The accepted path's keys and values move down in every layer, k and v, only in the
+    sequence's slot; moves whose destination is an earlier move's source see the moved-out
+    value, not the moved-in one."""
+    n_layers, n_slots, n_kv, max_ctx, hd = 3, 3, 2, 64, 128
+    host = [_random_cache(rng, n_slots, n_kv, max_ctx, hd) for _ in range(n_layers)]
+    caches = [(cp.asarray(k), cp.asarray(v)) for k, v in host]
+    src = [21, 23, 24, 30, 63]
+    dst = [20, 21, 23, 24, 25]  # 21, 23, 24: earlier sources
+    slot = 1
+    table = K.kv_cache_table(caches)
+    K.kv_move(caches, slot, src, dst, table=table)
+    for (ck_h, cv_h), (ck, cv) in zip(host, caches):
+        want_k, want_v = ck_h.copy(), cv_h.copy()
+        for s_, d_ in zip(src, dst):
+            want_k[slot, :, d_] = want_k[slot, :, s_]
+            want_v[slot, :, d_] = want_v[slot, :, s_]
+        np.testing.assert_array_equal(cp.asnumpy(ck), want_k)
+        np.testing.assert_array_equal(cp.asnumpy(cv), want_v)
+    K.kv_move(caches, slot, [], [])  # nothing to move
+    for bad_src, bad_dst in (([5, 4], [1, 2]), ([5, 6], [5, 3]), ([5, 64], [1, 2]), ([5], [1, 2])):
+        with pytest.raises(ValueError):
+            K.kv_move(caches, slot, bad_src, bad_dst)
 
 
 # ------------------------------------------------------------------------------ sampling

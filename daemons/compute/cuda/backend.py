@@ -12,7 +12,11 @@ kernel it needs) and replayed after. All buffers of a pass live in a per-T works
 position, length and cache slot is read from device memory, so one graph replays every decode
 step. Streamed layers run eagerly between graph segments: their slot changes from pass to pass.
 
-KV cache: per layer f16 [max_seqs, n_kv, max_ctx, hd]; a sequence owns one cache slot.
+KV cache: per layer f16 [max_seqs, n_kv, max_ctx, hd]; a sequence owns one cache slot. A row's
+keys and values go to its cache position (``StepBatch.cache_positions``), which differs from its
+RoPE position only in a token tree. A pass with trees (speculative verification) hands attention
+each tree row's tree mask; such passes have chunks of several rows, so they are never captured.
+After verification ``kv_keep`` moves the accepted path down in every layer in one launch.
 """
 
 from __future__ import annotations
@@ -46,16 +50,37 @@ class _Mat:
 
 class _Work(Workspace):
     """Every buffer one pass of T rows needs, so that a pass allocates nothing (capturable), and
-    the rows' tokens, positions, cache slots and key counts on the device."""
+    the rows' tokens, positions, cache slots and key counts on the device. ``tree_base`` and
+    ``tree_mask`` (kernels.attention's tree arguments) are set per pass, only for passes with
+    trees of more than one row; None otherwise."""
 
     def __init__(self, T: int, hp, n_splits: int) -> None:
         self.tokens = cp.zeros(T, dtype=cp.int32)
-        self.positions = cp.zeros(T, dtype=cp.int32)
+        self.positions = cp.zeros(T, dtype=cp.int32)  # RoPE positions
+        self.cache_positions = cp.zeros(T, dtype=cp.int32)  # where each row's K/V are stored
         self.slots = cp.zeros(T, dtype=cp.int32)
-        self.kv_lens = cp.ones(T, dtype=cp.int32)
+        self.kv_lens = cp.ones(T, dtype=cp.int32)  # cache_positions + 1
+        self.tree_base: Any = None  # int32 [T]: cache position of the row's tree root, -1 outside trees
+        self.tree_mask: Any = None  # uint32 [T, W]: bit i = the row sees its tree's row i
         self.allocate(T, hp, lambda shape: cp.zeros(shape, dtype=cp.float32))
         self.n_splits = n_splits
         self.attn_ws = K.attention_workspace(T, hp.n_head, hp.head_dim, n_splits)
+
+
+def _tree_rows(batch: StepBatch) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """kernels.attention's tree arguments for ``batch`` on the host: (tree_base int32 [T],
+    tree_mask uint32 [T, W]), or (None, None) when no chunk is a tree of more than one row (a
+    one-row tree sees the prefix and itself, as a plain row does)."""
+    trees = [(c, r0) for c, r0 in zip(batch.chunks, batch.row_starts) if c.parents is not None and c.n_tokens > 1]
+    if not trees:
+        return None, None
+    n_words = K.tree_mask_words(max(c.n_tokens for c, _ in trees))
+    tree_base = np.full(batch.n_tokens, -1, dtype=np.int32)
+    tree_mask = np.zeros((batch.n_tokens, n_words), dtype=np.uint32)
+    for c, r0 in trees:
+        tree_base[r0 : r0 + c.n_tokens] = c.start_pos
+        tree_mask[r0 : r0 + c.n_tokens] = K.pack_tree_mask(c.visible(), n_words)
+    return tree_base, tree_mask
 
 
 class CudaBackend(Backend):
@@ -73,6 +98,7 @@ class CudaBackend(Backend):
         self.use_graphs = use_graphs
         with self.stream:
             self.kv = [K.alloc_kv_cache(max_seqs, hp.n_head_kv, self.max_ctx, hp.head_dim) for _ in range(hp.n_layers)]
+            self.kv_table = K.kv_cache_table(self.kv)  # every layer's cache addresses, for kv_keep
         self.free_cache_slots = list(range(max_seqs - 1, -1, -1))
         self.seq_slot: dict[int, int] = {}
         self.works: dict[int, _Work] = {}
@@ -149,6 +175,12 @@ class CudaBackend(Backend):
         if slot is not None:
             self.free_cache_slots.append(slot)
 
+    def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        """The accepted path of a verified tree: K and V at ``src_positions`` move to
+        ``dst_positions`` in every layer, one kernel launch on the pass stream."""
+        K.kv_move(self.kv, self.seq_slot[seq_id], src_positions, dst_positions, table=self.kv_table,
+                  stream=self.stream)
+
     # -- one pass ------------------------------------------------------------------------------
     def _work(self, T: int) -> _Work:
         """Decode-sized workspaces are kept (graphs point into them); prefill-sized ones are made
@@ -167,13 +199,17 @@ class CudaBackend(Backend):
         slots = np.empty(T, dtype=np.int32)
         for c, r0 in zip(batch.chunks, batch.row_starts):
             slots[r0 : r0 + c.n_tokens] = self.seq_slot[c.seq_id]
+        tree_base, tree_mask = _tree_rows(batch)
         with self.stream:
             work.tokens.set(batch.tokens, stream=self.stream)
             work.positions.set(batch.positions, stream=self.stream)
-            work.kv_lens.set(batch.positions + 1, stream=self.stream)
+            work.cache_positions.set(batch.cache_positions, stream=self.stream)
+            work.kv_lens.set(batch.cache_positions + 1, stream=self.stream)
             work.slots.set(slots, stream=self.stream)
+            work.tree_base = cp.asarray(tree_base) if tree_base is not None else None
+            work.tree_mask = cp.asarray(tree_mask) if tree_mask is not None else None
         work.batch = batch
-        # decode steps of up to _MAX_GRAPH_T rows replay graphs; prompt chunks run eagerly
+        # decode steps of up to _MAX_GRAPH_T rows replay graphs; prompt chunks and trees run eagerly
         work.capturable = self.use_graphs and T <= _MAX_GRAPH_T and all(c.n_tokens == 1 for c in batch.chunks)
         return work
 
@@ -225,13 +261,14 @@ class CudaBackend(Backend):
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]
         K.kv_append(k.reshape(T, hp.n_head_kv, hp.head_dim), v.reshape(T, hp.n_head_kv, hp.head_dim),
-                    ck, cv, ws.slots, ws.positions)
+                    ck, cv, ws.slots, ws.cache_positions)
 
     def attention(self, layer_idx: int, q, ws: _Work, out):
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]
         K.attention(q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
-                    out=out.reshape(T, hp.n_head, hp.head_dim), n_splits=ws.n_splits, workspace=ws.attn_ws)
+                    out=out.reshape(T, hp.n_head, hp.head_dim), n_splits=ws.n_splits, workspace=ws.attn_ws,
+                    tree_base=ws.tree_base, tree_mask=ws.tree_mask)
         return out
 
     def swiglu(self, gate, up, out):

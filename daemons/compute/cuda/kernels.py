@@ -12,6 +12,11 @@ matrix [n_rows, n_cols] (GGUF ne = [n_cols, n_rows]) of n_cols / block_size bloc
 KV cache layout (one pair per layer): ``cache_k``, ``cache_v``: f16 [n_slots, n_kv, max_ctx, hd];
 a sequence owns one slot; position p of kv-head g of slot s is ``cache[s, g, p, :]``.
 
+Token trees (speculative decoding verifies a tree of drafted tokens in one pass): attention
+takes, per query row, the cache position of its tree's row 0 and a bit mask over the tree's rows
+(``pack_tree_mask``); ``kv_move`` then moves the accepted path's keys and values down to the
+prefix in every layer at once.
+
 Which launch configuration, layout cut and path each call takes is looked up per device in
 tuning.py, with the measurements behind each choice. Tensor types come from
 ntx.shared.quant_types (gguf's GGMLQuantizationType; block sizes from gguf's own table).
@@ -36,8 +41,9 @@ from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbyte
 
 __all__ = [
     "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
-    "rmsnorm", "rope_inplace", "alloc_kv_cache", "kv_append", "attention", "attention_splits",
-    "attention_workspace", "swiglu", "argmax", "apply_repetition_penalty", "topk", "compile_all",
+    "rmsnorm", "rope_inplace", "alloc_kv_cache", "kv_append", "kv_cache_table", "kv_move", "attention",
+    "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu", "argmax",
+    "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
 ]
 
@@ -132,9 +138,13 @@ def _ops_kernel(name: str):
     return _module("ops.cu", ()).get_function(name)
 
 
-def _attn_kernel(g: int, hd: int):
-    names = (f"attn_split_kernel<{g},{hd}>",)
-    return _module("ops.cu", names).get_function(names[0])
+def _attn_names(g: int, hd: int) -> tuple[str, ...]:
+    return (f"attn_split_kernel<{g},{hd}>", f"attn_tree_split_kernel<{g},{hd}>")
+
+
+def _attn_kernel(g: int, hd: int, tree: bool):
+    names = _attn_names(g, hd)
+    return _module("ops.cu", names).get_function(names[int(tree)])
 
 
 def compile_all(qtypes=None) -> None:
@@ -554,6 +564,62 @@ def kv_append(k, v, cache_k, cache_v, slots, positions, *, stream=None):
             np.int32(max_ctx), np.int32(n_slots)))
 
 
+def kv_cache_table(caches):
+    """The device addresses of every layer's (cache_k, cache_v), in that order: uint64
+    [2 * n_layers], for kv_move. Make it once per set of caches (they never move)."""
+    shape = _check_cache(*caches[0])
+    for ck, cv in caches:
+        if _check_cache(ck, cv) != shape:
+            raise ValueError("every layer's KV cache must have the same shape")
+    return cp.asarray(np.array([c.data.ptr for pair in caches for c in pair], dtype=np.uint64))
+
+
+def kv_move(caches, slot: int, src_positions, dst_positions, *, table=None, stream=None):
+    """For every layer: cache[slot, :, dst[i], :] = cache[slot, :, src[i], :], k and v, for
+    i in increasing order, in one launch. caches: every layer's (cache_k, cache_v) of one shape;
+    src_positions, dst_positions: host ints with dst[i] < src[i], both strictly increasing (so
+    dst[i] may be an earlier src[j], never a later one, and moving in order is in place);
+    table: kv_cache_table(caches), made here when None."""
+    n_slots, n_kv, max_ctx, hd = _check_cache(*caches[0])
+    src = np.asarray(src_positions, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_positions, dtype=np.int64).reshape(-1)
+    if src.size != dst.size:
+        raise ValueError(f"kv_move: {src.size} source positions, {dst.size} destinations")
+    if not 0 <= slot < n_slots:
+        raise ValueError(f"kv_move: slot {slot} outside [0, {n_slots})")
+    if src.size == 0:
+        return
+    if (np.any(np.diff(src) <= 0) or np.any(np.diff(dst) <= 0) or np.any(dst >= src) or dst[0] < 0
+            or src[-1] >= max_ctx):
+        raise ValueError("kv_move: positions must be strictly increasing, each destination below its "
+                         f"source, all in [0, {max_ctx})")
+    if table is None:
+        table = kv_cache_table(caches)
+    if table.dtype != cp.uint64 or table.size != 2 * len(caches):
+        raise ValueError(f"table must be kv_cache_table(caches): uint64 [{2 * len(caches)}]")
+    with _stream_ctx(stream):
+        moves = cp.asarray(np.stack([src, dst]).astype(np.int32))  # [2, n]: sources, destinations
+        _ops_kernel("kv_move_kernel")((n_kv, 2 * len(caches)), (min(hd, 256),), (
+            table, moves[0], moves[1], np.int32(src.size), np.int32(slot), np.int32(n_kv), np.int32(max_ctx),
+            np.int32(hd)))
+
+
+def tree_mask_words(n_rows: int) -> int:
+    """u32 words per row of a tree mask over trees of up to n_rows rows."""
+    return max(1, -(-n_rows // 32))
+
+
+def pack_tree_mask(visible, n_words: int):
+    """A tree's visibility (bool [n, n], row j sees row i) as attention's tree_mask rows: uint32
+    [n, n_words], bit i % 32 of word i // 32 of row j = visible[j, i]."""
+    n = visible.shape[0]
+    if n > 32 * n_words:
+        raise ValueError(f"a tree of {n} rows needs {tree_mask_words(n)} mask words, not {n_words}")
+    bits = np.zeros((n, 32 * n_words), dtype=bool)
+    bits[:, :n] = visible
+    return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+
+
 _ATTN_WARPS = 4  # warps per CTA of attn_split_kernel: n_splits is a multiple of it
 
 
@@ -573,7 +639,8 @@ def attention_workspace(T: int, H: int, hd: int, n_splits: int):
     return cp.empty(T * H * n_splits * 2, dtype=cp.float32), cp.empty(T * H * n_splits * hd, dtype=cp.float32)
 
 
-def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, workspace=None, scale=None, stream=None):
+def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, workspace=None, scale=None,
+              tree_base=None, tree_mask=None, stream=None):
     """Grouped-query attention over the f16 KV cache, softmax in f32.
 
     q: f32 [T, H, hd] (RoPE applied), H = n_kv * group; query t (head h) attends to positions
@@ -582,6 +649,12 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
       decode:  T sequences, kv_lens[t] = pos[t] + 1 (after kv_append of this step's k, v);
       prefill: one sequence's chunk of T positions, slots all equal, kv_lens[t] = positions[t] + 1
                (causal within the chunk, the chunk's own keys appended first).
+      tree:    with tree_base (int32 [T]) and tree_mask (uint32 [T, W], pack_tree_mask), a row t
+               with tree_base[t] >= 0 is a row of a token tree whose row 0 sits at cache position
+               tree_base[t]: of the keys in [0, kv_lens[t]) it sees those before tree_base[t] and
+               the tree row i (at tree_base[t] + i) where bit i of tree_mask[t] is set (its
+               ancestors and itself). Rows with tree_base[t] = -1 keep the rule above. Without
+               them the kernel has no mask code at all (a separate instantiation).
     out: f32 [T, H, hd]. n_splits: key splits (multiple of 4; default attention_splits); pass the
     same n_splits and a workspace (attention_workspace) to make the call allocation-free.
     """
@@ -595,6 +668,14 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
         raise ValueError(f"unsupported head dim {hd} / group {G} (hd multiple of 32 <= 256, group*hd <= 2048)")
     _check_i32("slots", slots, T)
     _check_i32("kv_lens", kv_lens, T)
+    tree = tree_base is not None
+    if tree != (tree_mask is not None):
+        raise ValueError("tree_base and tree_mask go together")
+    if tree:
+        _check_i32("tree_base", tree_base, T)
+        if (not isinstance(tree_mask, cp.ndarray) or tree_mask.dtype != cp.uint32 or tree_mask.ndim != 2
+                or tree_mask.shape[0] != T or not tree_mask.flags.c_contiguous):
+            raise TypeError(f"tree_mask must be a C-contiguous cupy uint32 [{T}, W] array")
     out = _out(out, (T, H, hd), cp.float32)
     if T == 0:
         return out
@@ -608,10 +689,12 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
         raise ValueError("workspace too small for this T, H, hd, n_splits")
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(hd)
     smem = _ATTN_WARPS * G * hd * 4
+    args = (q, cache_k, cache_v, slots, kv_lens, part_ml, part_acc, np.int32(n_slots), np.int32(n_kv),
+            np.int32(max_ctx), np.float32(sc))
+    if tree:
+        args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     with _stream_ctx(stream):
-        _attn_kernel(G, hd)((S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), (
-            q, cache_k, cache_v, slots, kv_lens, part_ml, part_acc, np.int32(n_slots), np.int32(n_kv),
-            np.int32(max_ctx), np.float32(sc)), shared_mem=smem)
+        _attn_kernel(G, hd, tree)((S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), args, shared_mem=smem)
         _ops_kernel("attn_combine_kernel")((H, T), (min(hd, 256),), (
             part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd)))
     return out

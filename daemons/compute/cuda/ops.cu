@@ -94,20 +94,42 @@ extern "C" __global__ void kv_append_kernel(const float* __restrict__ k, const f
     }
 }
 
+// ------------------------------------------------------------------------------- kv move
+// For every layer at once: cache[slot, :, dst[i], :] = cache[slot, :, src[i], :] for
+// i = 0 .. n_moves-1 in that order (the accepted path of a verified token tree closing ranks).
+// caches: [2 * n_layers] addresses (k0, v0, k1, v1, ...) of f16 [n_slots, n_kv, max_ctx, hd]
+// caches of one shape. grid (n_kv, 2 * n_layers), block hd: each thread moves element e of one
+// (layer, k|v, kv-head) through every move in order, so with dst[i] < src[i] and both
+// increasing (dst[i] may be src[j] of an earlier j, never of a later one) it moves in place.
+extern "C" __global__ void kv_move_kernel(u16* const* __restrict__ caches, const int* __restrict__ src,
+                                          const int* __restrict__ dst, int n_moves, int slot, int n_kv,
+                                          int max_ctx, int hd) {
+    u16* c = caches[blockIdx.y] + ((long long)slot * n_kv + blockIdx.x) * max_ctx * hd;
+    for (int e = threadIdx.x; e < hd; e += blockDim.x)
+        for (int i = 0; i < n_moves; i++) c[(long long)dst[i] * hd + e] = c[(long long)src[i] * hd + e];
+}
+
 // ------------------------------------------------------------------------------- attention
 // q: [T, H, hd] f32, H = n_kv * G. Query t attends to cache positions [0, kv_lens[t]) of slot
 // slots[t] (decode: kv_lens = pos + 1; causal prefill chunk: kv_lens[t] = positions[t] + 1).
+// TREE (attn_tree_split_kernel): row t of a token tree whose row 0 is stored at cache position
+// tree_base[t] (-1: not a tree row, the rule above) sees the keys before tree_base[t] and, of
+// the tree's rows, row i (at tree_base[t] + i) where bit i of tree_mask[t, :] (mask_words u32
+// words per row) is set: its ancestors and itself, not its siblings' branches. Masked keys
+// weigh nothing; a tile whose keys are all masked is skipped (every row sees itself, so no row
+// is left without keys).
 // Split-K ("flash decoding"): warp s of the S = gridDim.x * warps_per_cta splits of (t, kv-head g)
 // handles key tiles s, s+S, ... of 32 keys with an online softmax in f32 and writes its partial
 // (m, l, acc) to part_ml [T, H, S, 2] / part_acc [T, H, S, HD]; attn_combine merges them.
 // Within a tile each lane scores one key (q of the G heads in shared memory), then the lanes
 // split the head dimension to accumulate p * v over the tile's keys.
-template <int G, int HD>
+template <int G, int HD, bool TREE>
 __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ ck,
                                                 const u16* __restrict__ cv, const int* __restrict__ slots,
                                                 const int* __restrict__ kv_lens, float* __restrict__ part_ml,
                                                 float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
-                                                float scale, float* qs_all) {
+                                                float scale, float* qs_all, const int* __restrict__ tree_base,
+                                                const u32* __restrict__ tree_mask, int mask_words) {
     constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpc = blockDim.x >> 5;
     const int S = gridDim.x * wpc, s = blockIdx.x * wpc + warp;
@@ -121,6 +143,12 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     if (L > max_ctx) L = max_ctx;
     if (slot < 0 || slot >= n_slots) { slot = 0; L = 0; }  // bad slot: attend to nothing (output 0)
     const long long kvbase = ((long long)slot * n_kv + g) * max_ctx * HD;
+    int base = -1;  // TREE: cache position of the tree's row 0 (-1: a plain causal row)
+    const u32* row_mask = nullptr;  // TREE: the row's visibility bits over the tree's rows
+    if constexpr (TREE) {
+        base = tree_base[t];
+        row_mask = tree_mask + (long long)t * mask_words;
+    }
     float m[G], l[G], acc[G][EPL];
 #pragma unroll
     for (int h = 0; h < G; h++) {
@@ -130,7 +158,13 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     }
     for (int tile = s; tile * 32 < L; tile += S) {
         const int key = tile * 32 + lane;
-        const bool valid = key < L;
+        bool valid = key < L;
+        if constexpr (TREE) {
+            const int i = key - base;  // the key's row in the tree
+            if (valid && base >= 0 && i >= 0)
+                valid = i < 32 * mask_words && ((__ldg(row_mask + (i >> 5)) >> (i & 31)) & 1u);
+            if (__ballot_sync(0xffffffffu, valid) == 0u) continue;  // a tile of siblings' keys only
+        }
         float sc[G];
 #pragma unroll
         for (int h = 0; h < G; h++) sc[h] = 0.f;
@@ -200,7 +234,20 @@ __global__ void __launch_bounds__(128) attn_split_kernel(const float* __restrict
                                                          float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
                                                          float scale) {
     extern __shared__ float qs_all[];
-    attn_split_body<G, HD>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all);
+    attn_split_body<G, HD, false>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all,
+                                  nullptr, nullptr, 0);
+}
+
+template <int G, int HD>
+__global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* __restrict__ q, const u16* __restrict__ ck,
+                                                              const u16* __restrict__ cv, const int* __restrict__ slots,
+                                                              const int* __restrict__ kv_lens, float* __restrict__ part_ml,
+                                                              float* __restrict__ part_acc, int n_slots, int n_kv,
+                                                              int max_ctx, float scale, const int* __restrict__ tree_base,
+                                                              const u32* __restrict__ tree_mask, int mask_words) {
+    extern __shared__ float qs_all[];
+    attn_split_body<G, HD, true>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all,
+                                 tree_base, tree_mask, mask_words);
 }
 
 // out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (H, T), block HD.
