@@ -394,6 +394,53 @@ def bench(
     )
 
 
+@app.command()
+def perplexity(
+    file: str = typer.Argument(..., help="text file (UTF-8)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk; the second half of each is scored"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
+    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
+    local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
+) -> None:
+    """Perplexity over FILE by llama-perplexity's method (chunks of --ctx tokens, second halves
+    scored): the running value per chunk, then PPL ± its standard error. Through a running
+    pipeline if one listens, else in this process."""
+    from ntx.ctl import perplexity as ppl
+    from ntx.ctl.client import pipeline_available
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not local and pipeline_available(listen):
+        scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
+    else:
+        scorer = ppl.LocalScorer(_model_path(model), _choose_backend(backend))
+    bar = Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                   TimeElapsedColumn(), console=Console(stderr=True))
+    task = None
+
+    def on_start(n_chunks: int) -> None:
+        nonlocal task
+        bar.start()
+        task = bar.add_task(f"ctx {ctx}, {scorer.name}", total=n_chunks)
+
+    def on_chunk(i: int, running_ppl: float) -> None:
+        bar.update(task, advance=1, description=f"[{i + 1}] {running_ppl:.4f}")
+
+    try:
+        result = ppl.measure(scorer, file, ctx, on_start=on_start, on_chunk=on_chunk)
+    finally:
+        bar.stop()
+        scorer.close()
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+        return
+    typer.echo(",".join(f"[{i + 1}]{v:.4f}" for i, v in enumerate(result.running_ppl)))
+    typer.echo(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.ppl_stderr:.5f}  ({result.n_chunks} chunks of "
+               f"{ctx}, {result.n_scored} tokens scored, {result.elapsed_s:.1f} s, {result.scorer})")
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit status 1."""
     try:
