@@ -441,6 +441,41 @@ def perplexity(
                f"{ctx}, {result.n_scored} tokens scored, {result.elapsed_s:.1f} s, {result.scorer})")
 
 
+@app.command()
+def calibrate(
+    file: str = typer.Argument(..., help="calibration text file (UTF-8)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
+    out: str = typer.Option("skip-profile.json", "--out", help="where the skip profile is written"),
+    threshold: float = typer.Option(0.98, "--threshold", help="report the layers at this similarity or more"),
+) -> None:
+    """Measure each layer's input/output cosine similarity over FILE (in-process, cpu) and write
+    a skip profile: the layers that change the hidden state least are the ones to skip."""
+    from ntx.ctl.calibrate import calibrate as measure_profile
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True))
+    task = None
+
+    def on_start(n_chunks: int) -> None:
+        nonlocal task
+        bar.start()
+        task = bar.add_task("", total=n_chunks)
+
+    try:
+        profile = measure_profile(_model_path(model), file, ctx, on_start=on_start,
+                                  on_chunk=lambda i: bar.update(task, advance=1))
+    finally:
+        bar.stop()
+    profile.save(out)
+    for i, s in enumerate(profile.similarity):
+        typer.echo(f"  layer {i:3d}  cos {s:.4f}")
+    skip = profile.layers_at(threshold)
+    typer.echo(f"{len(skip)} of {profile.n_layers} layers at cos >= {threshold}: {skip}; profile written to {out}")
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit status 1."""
     try:
