@@ -127,3 +127,29 @@ def calibrate(model_path: str, text_path: str | Path, ctx: int = 512, *,
     sim = layer_similarity(model, chunks, on_chunk)
     return SkipProfile(model=str(model_path), n_layers=index.hparams.n_layers, text=str(text_path), ctx=ctx,
                        n_tokens=len(chunks) * ctx, similarity=[round(float(s), 6) for s in sim])
+
+
+DEFAULT_THRESHOLD = 0.98  # the reference engine's: a layer this similar is skipped
+
+
+def skip_layers(spec: str, n_layers: int) -> list[int]:
+    """The layers a ``--skip-layers`` value names: a list (``20-27,29``), a profile file (its
+    layers at cos >= 0.98), or ``PROFILE:N`` (its N most similar). One line on a bad value."""
+    from ntx.shared.config import parse_layers
+
+    path, sep, n = spec.rpartition(":")
+    if not sep or not Path(path).is_file():
+        path, n = spec, ""
+    if Path(path).is_file() or path.endswith(".json"):
+        prof = SkipProfile.load(path)
+        if prof.n_layers != n_layers:
+            raise ProfileError(f"{path}: a profile of {prof.n_layers} layers, the model has {n_layers}")
+        if not n:
+            return prof.layers_at(DEFAULT_THRESHOLD)
+        if not n.isdigit() or int(n) >= n_layers:
+            raise ProfileError(f"--skip-layers {spec}: N must be 0 to {n_layers - 1}")
+        return prof.most_similar(int(n))
+    layers = parse_layers(spec, "--skip-layers")
+    if layers[-1] >= n_layers or len(layers) >= n_layers:
+        raise ProfileError(f"--skip-layers {spec}: the model has layers 0 to {n_layers - 1}, and one must stay")
+    return layers

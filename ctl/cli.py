@@ -403,6 +403,9 @@ def perplexity(
     backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
     listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
     local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
+    skip_layers: Optional[str] = typer.Option(None, "--skip-layers",
+                                              help="in-process: skip these layers (0-3,7), a profile's at cos >= 0.98 (PROFILE), or its N most similar (PROFILE:N)"),
 ) -> None:
     """Perplexity over FILE by llama-perplexity's method (chunks of --ctx tokens, second halves
     scored): the running value per chunk, then PPL ± its standard error. Through a running
@@ -412,10 +415,15 @@ def perplexity(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if not local and pipeline_available(listen):
+    if skip_layers is None and not local and pipeline_available(listen):
         scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
     else:
-        scorer = ppl.LocalScorer(_model_path(model), _choose_backend(backend))
+        from ntx.ctl.calibrate import skip_layers as parse_skip
+        from ntx.shared.gguf_index import open_model
+
+        model_path = _model_path(model)
+        skip = parse_skip(skip_layers, open_model(model_path).hparams.n_layers) if skip_layers else None
+        scorer = ppl.LocalScorer(model_path, _choose_backend(backend), skip)
     bar = Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                    TimeElapsedColumn(), console=Console(stderr=True))
     task = None
@@ -429,7 +437,7 @@ def perplexity(
         bar.update(task, advance=1, description=f"[{i + 1}] {running_ppl:.4f}")
 
     try:
-        result = ppl.measure(scorer, file, ctx, on_start=on_start, on_chunk=on_chunk)
+        result = ppl.measure(scorer, file, ctx, max_chunks=chunks, on_start=on_start, on_chunk=on_chunk)
     finally:
         bar.stop()
         scorer.close()

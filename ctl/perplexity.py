@@ -111,15 +111,21 @@ def tokenize(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_bos=None, parse_special=False)
 
 
-def cut_chunks(tokens: list[int], ctx: int, bos_id: int | None, *, max_ctx: int, source: str = "the text") -> list[list[int]]:
-    """``len(tokens) // ctx`` chunks of ``ctx`` tokens, each starting with ``bos_id`` when it is
-    given (the model adds a BOS). ``max_ctx``: the most positions the scorer can evaluate."""
+def cut_chunks(tokens: list[int], ctx: int, bos_id: int | None, *, max_ctx: int, source: str = "the text",
+               max_chunks: int | None = None) -> list[list[int]]:
+    """``len(tokens) // ctx`` chunks of ``ctx`` tokens (the first ``max_chunks`` of them), each
+    starting with ``bos_id`` when it is given (the model adds a BOS). ``max_ctx``: the most
+    positions the scorer can evaluate."""
     if not MIN_CTX <= ctx <= max_ctx:
         raise PerplexityError(f"--ctx {ctx}: choose {MIN_CTX} to {max_ctx}")
     n_chunks = len(tokens) // ctx
     if n_chunks == 0:
         fits = f"; --ctx {len(tokens)} or less would fit" if len(tokens) >= MIN_CTX else ""
         raise PerplexityError(f"{source} has {len(tokens)} tokens, fewer than one chunk of --ctx {ctx}{fits}")
+    if max_chunks is not None:
+        if max_chunks < 1:
+            raise PerplexityError(f"--chunks {max_chunks}: choose 1 or more")
+        n_chunks = min(n_chunks, max_chunks)
     chunks = [list(tokens[i * ctx:(i + 1) * ctx]) for i in range(n_chunks)]
     if bos_id is not None:
         for c in chunks:
@@ -152,7 +158,7 @@ class LocalScorer:
     then the scored half with every row's logits (the first half's logits are never needed).
     The model loads on the first chunk, after the text was found usable."""
 
-    def __init__(self, model_path: str, backend: str = "cpu") -> None:
+    def __init__(self, model_path: str, backend: str = "cpu", skip_layers: list[int] | None = None) -> None:
         from ntx.shared.gguf_index import open_model
 
         self.model_path = model_path
@@ -160,7 +166,8 @@ class LocalScorer:
         self.tokenizer = Tokenizer.from_metadata(self.index.metadata)
         self.max_ctx = self.index.hparams.n_ctx_train
         self.backend = backend
-        self.name = f"in-process ({backend})"
+        self.skip_layers = sorted(skip_layers or [])
+        self.name = f"in-process ({backend})" + (f", layers {self.skip_layers} skipped" if self.skip_layers else "")
         self.model = None
 
     def score_all(self, chunks: list[list[int]]) -> Iterator[np.ndarray]:
@@ -183,9 +190,9 @@ class LocalScorer:
         for seq in range(len(chunks)):
             be.alloc_sequence(seq, ctx)
         try:
-            self.model.forward(StepBatch([SeqChunk(seq, 0, tuple(c[:first])) for seq, c in enumerate(chunks)]))
-            logits = self.model.forward(StepBatch([SeqChunk(seq, first, tuple(c[first:]), all_logits=True)
-                                                   for seq, c in enumerate(chunks)]))  # [n_seq * (ctx-first), V]
+            self._forward(StepBatch([SeqChunk(seq, 0, tuple(c[:first])) for seq, c in enumerate(chunks)]))
+            logits = self._forward(StepBatch([SeqChunk(seq, first, tuple(c[first:]), all_logits=True)
+                                              for seq, c in enumerate(chunks)]))  # [n_seq * (ctx-first), V]
         finally:
             for seq in range(len(chunks)):
                 be.free_sequence(seq)
@@ -197,6 +204,17 @@ class LocalScorer:
             lse = m + np.log(np.exp(rows - m[:, None]).sum(axis=1))
             out.append(lse - rows[np.arange(rows.shape[0]), c[first + 1:]])
         return out
+
+    def _forward(self, batch) -> np.ndarray:
+        """Logits [N_out, V] of a pass; with skipped layers a pass through the others alone
+        (``draft_forward``: a skipped layer is never run, its KV entries never read)."""
+        if not self.skip_layers:
+            return self.model.forward(batch)
+        from ntx.daemons.compute.backend import Pick
+
+        kept = [i for i in range(self.index.hparams.n_layers) if i not in self.skip_layers]
+        picked = self.model.draft_forward(batch, kept, [Pick(0)] * len(batch.logit_rows))
+        return np.stack([p.row for p in picked])
 
     def close(self) -> None:
         if self.model is not None:
@@ -250,7 +268,7 @@ class PipelineScorer:
         self.client.close()
 
 
-def measure(scorer: Scorer, text_path: str | Path, ctx: int, *,
+def measure(scorer: Scorer, text_path: str | Path, ctx: int, *, max_chunks: int | None = None,
             on_start: Callable[[int], None] | None = None,
             on_chunk: Callable[[int, float], None] | None = None) -> PerplexityResult:
     """The perplexity of ``scorer``'s model over the file: ``on_start(n_chunks)`` once the text
@@ -259,7 +277,7 @@ def measure(scorer: Scorer, text_path: str | Path, ctx: int, *,
     text = read_text(text_path)
     tokens = tokenize(scorer.tokenizer, text)
     bos = scorer.tokenizer.bos_id if scorer.tokenizer.add_bos else None
-    chunks = cut_chunks(tokens, ctx, bos, max_ctx=scorer.max_ctx, source=str(text_path))
+    chunks = cut_chunks(tokens, ctx, bos, max_ctx=scorer.max_ctx, source=str(text_path), max_chunks=max_chunks)
     if on_start:
         on_start(len(chunks))
     tally, running = NllTally(), []

@@ -107,3 +107,21 @@ def test_bad_inputs_are_one_error_line(tiny, tmp_path, case, needle):
     r = ntxctl("perplexity", str(path), "--model", str(model), "--ctx", ctx, "--local",
                "--listen", f"tcp://127.0.0.1:{free_port()}")
     assert needle in _one_error_line(r)
+
+
+def test_skipped_layers_leave_the_pass(tiny):
+    """``--skip-layers``: the PPL of the model without layer 1, by hand from the reference pass
+    that leaves layer 1 out, and different from the whole model's."""
+    model, text = tiny
+    r = ppl.measure(ppl.LocalScorer(str(model), skip_layers=[1]), text, CTX, max_chunks=2)
+    tok = Tokenizer.from_metadata(open_model(model).metadata)
+    ids = tok.encode(TEXT)
+    w = ReferenceWeights(model)
+    nll = []
+    for c in range(2):
+        chunk = [tok.bos_id] + ids[c * CTX + 1:(c + 1) * CTX]
+        logp = log_softmax64(reference_logits(w, chunk, skip=(1,)))
+        nll += [-logp[p - 1, chunk[p]] for p in range(CTX // 2 + 1, CTX)]
+    assert r.n_chunks == 2 and r.ppl == pytest.approx(math.exp(np.mean(nll)), rel=1e-4)
+    whole = ppl.measure(ppl.LocalScorer(str(model)), text, CTX, max_chunks=2)
+    assert abs(whole.ppl - r.ppl) > 1e-3 * r.ppl
