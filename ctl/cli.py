@@ -404,8 +404,9 @@ def perplexity(
     listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
     local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
-    skip_layers: Optional[str] = typer.Option(None, "--skip-layers",
-                                              help="in-process: skip these layers (0-3,7), a profile's at cos >= 0.98 (PROFILE), or its N most similar (PROFILE:N)"),
+    skip_layers: Optional[str] = typer.Option(
+        None, "--skip-layers",
+        help="in-process: skip these layers (0-3,7), a profile's at cos >= 0.98 (PROFILE), or its N most similar (PROFILE:N)"),
 ) -> None:
     """Perplexity over FILE by llama-perplexity's method (chunks of --ctx tokens, second halves
     scored): the running value per chunk, then PPL ± its standard error. Through a running

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
+from ntx.daemons.compute.backend import log_normaliser
 from ntx.daemons.compute.tokenizer import Tokenizer
 from ntx.shared.errors import NtxError
 
@@ -198,11 +199,10 @@ class LocalScorer:
                 be.free_sequence(seq)
         out = []
         for seq, c in enumerate(chunks):
-            rows = np.asarray(logits[seq * (ctx - first):(seq + 1) * (ctx - first) - 1], dtype=np.float64)
             # rows: [ctx-first-1, V]; row j predicts c[first+1+j]
-            m = rows.max(axis=1)
-            lse = m + np.log(np.exp(rows - m[:, None]).sum(axis=1))
-            out.append(lse - rows[np.arange(rows.shape[0]), c[first + 1:]])
+            rows = logits[seq * (ctx - first):(seq + 1) * (ctx - first) - 1]
+            lse = np.array([log_normaliser(r) for r in rows])  # float64, as llama.cpp sums
+            out.append(lse - rows[np.arange(rows.shape[0]), c[first + 1:]].astype(np.float64))
         return out
 
     def _forward(self, batch) -> np.ndarray:
