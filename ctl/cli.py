@@ -437,6 +437,97 @@ def _counts(text: str, what: str) -> tuple[int, ...]:
         _fail(f"{what} {text!r}: expected whole numbers separated by commas (example: 1,8,32)")
 
 
+@app.command()
+def perplexity(
+    file: str = typer.Argument(..., help="text file (UTF-8)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk; the second half of each is scored"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
+    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
+    local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
+    skip_layers: Optional[str] = typer.Option(
+        None, "--skip-layers",
+        help="in-process: skip these layers (0-3,7), a profile's at cos >= 0.98 (PROFILE), or its N most similar (PROFILE:N)"),
+) -> None:
+    """Perplexity over FILE by llama-perplexity's method (chunks of --ctx tokens, second halves
+    scored): the running value per chunk, then PPL ± its standard error. Through a running
+    pipeline if one listens, else in this process."""
+    from ntx.ctl import perplexity as ppl
+    from ntx.ctl.client import pipeline_available
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if skip_layers is None and not local and pipeline_available(listen):
+        scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
+    else:
+        from ntx.ctl.calibrate import skip_layers as parse_skip
+        from ntx.shared.gguf_index import open_model
+
+        model_path = _model_path(model)
+        skip = parse_skip(skip_layers, open_model(model_path).hparams.n_layers) if skip_layers else None
+        scorer = ppl.LocalScorer(model_path, _choose_backend(backend), skip)
+    bar = Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                   TimeElapsedColumn(), console=Console(stderr=True))
+    task = None
+
+    def on_start(n_chunks: int) -> None:
+        nonlocal task
+        bar.start()
+        task = bar.add_task(f"ctx {ctx}, {scorer.name}", total=n_chunks)
+
+    def on_chunk(i: int, running_ppl: float) -> None:
+        bar.update(task, advance=1, description=f"[{i + 1}] {running_ppl:.4f}")
+
+    try:
+        result = ppl.measure(scorer, file, ctx, max_chunks=chunks, on_start=on_start, on_chunk=on_chunk)
+    finally:
+        bar.stop()
+        scorer.close()
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+        return
+    typer.echo(",".join(f"[{i + 1}]{v:.4f}" for i, v in enumerate(result.running_ppl)))
+    typer.echo(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.ppl_stderr:.5f}  ({result.n_chunks} chunks of "
+               f"{ctx}, {result.n_scored} tokens scored, {result.elapsed_s:.1f} s, {result.scorer})")
+
+
+@app.command()
+def calibrate(
+    file: str = typer.Argument(..., help="calibration text file (UTF-8)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
+    out: str = typer.Option("skip-profile.json", "--out", help="where the skip profile is written"),
+    threshold: float = typer.Option(0.98, "--threshold", help="report the layers at this similarity or more"),
+) -> None:
+    """Measure each layer's input/output cosine similarity over FILE (in-process, cpu) and write
+    a skip profile: the layers that change the hidden state least are the ones to skip."""
+    from ntx.ctl.calibrate import calibrate as measure_profile
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True))
+    task = None
+
+    def on_start(n_chunks: int) -> None:
+        nonlocal task
+        bar.start()
+        task = bar.add_task("", total=n_chunks)
+
+    try:
+        profile = measure_profile(_model_path(model), file, ctx, on_start=on_start,
+                                  on_chunk=lambda i: bar.update(task, advance=1))
+    finally:
+        bar.stop()
+    profile.save(out)
+    for i, s in enumerate(profile.similarity):
+        typer.echo(f"  layer {i:3d}  cos {s:.4f}")
+    skip = profile.layers_at(threshold)
+    typer.echo(f"{len(skip)} of {profile.n_layers} layers at cos >= {threshold}: {skip}; profile written to {out}")
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit status 1."""
     try:

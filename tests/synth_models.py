@@ -153,11 +153,13 @@ def _rope64(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
 
 
 def reference_logits(w: ReferenceWeights, tokens: list[int],
-                     rope_factors: bool | None = None) -> np.ndarray:
+                     rope_factors: bool | None = None, hidden: list | None = None,
+                     skip: tuple[int, ...] = ()) -> np.ndarray:
     """Logits [T, V] (float64) of the whole prompt ``tokens`` from position 0.
 
     ``rope_factors`` None: use ``rope_freqs.weight`` if the file has it; False: ignore it (to
-    show a test is sensitive to it)."""
+    show a test is sensitive to it). ``hidden``: a list that receives the hidden state [T, D]
+    entering each layer, then the last layer's output. ``skip``: layers left out of the pass."""
     tokens = np.asarray(tokens)
     T = len(tokens)
     H, Hkv, hd = w.n_head, w.n_head_kv, w.head_dim
@@ -169,6 +171,10 @@ def reference_logits(w: ReferenceWeights, tokens: list[int],
     x = embd[tokens]  # [T, D]
     causal = np.tril(np.ones((T, T), dtype=bool))
     for i in range(w.n_layers):
+        if i in skip:
+            continue
+        if hidden is not None:
+            hidden.append(x)
         p = f"blk.{i}."
         h = _rms_norm64(x, w(p + "attn_norm.weight"), w.eps)
         q = _rope64((h @ w(p + "attn_q.weight").T).reshape(T, H, hd), pos, inv_freq)
@@ -187,6 +193,8 @@ def reference_logits(w: ReferenceWeights, tokens: list[int],
         gate = h @ w(p + "ffn_gate.weight").T
         up = h @ w(p + "ffn_up.weight").T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w(p + "ffn_down.weight").T
+    if hidden is not None:
+        hidden.append(x)
     h = _rms_norm64(x, w("output_norm.weight"), w.eps)
     head_w = w("output.weight") if w.has("output.weight") else embd
     return h @ head_w.T

@@ -38,21 +38,25 @@ MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the
 class Pick:
     """What the engine needs from one row of logits: its ``k`` largest entries (ids and values,
     best first, ties to the lower id), with ``lse`` also the row's log-normaliser
-    (log-probabilities are value - lse); ``k == 0``: the whole row."""
+    (log-probabilities are value - lse); ``k == 0``: the whole row. ``token``: also this id's
+    value, wherever it ranks (the prompt token a scored prompt row predicts)."""
 
     k: int
     lse: bool = False
+    token: int | None = None
 
 
 @dataclass
 class Picked:
     """One row's answer to a ``Pick``: ``row`` [V] when the whole row was asked for, else
-    ``ids`` [k] int64 and ``vals`` [k] float64 best first, and ``lse`` when asked."""
+    ``ids`` [k] int64 and ``vals`` [k] float64 best first, and ``lse`` and ``token_val`` (the
+    value of the Pick's ``token``) when asked."""
 
     ids: np.ndarray | None = None
     vals: np.ndarray | None = None
     lse: float | None = None
     row: np.ndarray | None = None
+    token_val: float | None = None
 
 
 def top_entries(row: np.ndarray, k: int) -> np.ndarray:
@@ -81,7 +85,8 @@ def pick_on_host(logits: np.ndarray, picks: list[Pick]) -> list[Picked]:
             continue
         ids = top_entries(row, p.k)
         out.append(Picked(ids=ids.astype(np.int64), vals=row[ids].astype(np.float64),
-                          lse=log_normaliser(row) if p.lse else None))
+                          lse=log_normaliser(row) if p.lse else None,
+                          token_val=float(row[p.token]) if p.token is not None else None))
     return out
 
 

@@ -349,10 +349,11 @@ class EngineCore:
                 continue
             finishes_prompt = not s.prefilling or s.n_prefilled + chunk.n_tokens >= len(s.req.prompt_tokens)
             last = s.sampler.pick(n_vocab, s.req.logprobs) if finishes_prompt else Pick(1)
-            if chunk.all_logits:
-                scored = Pick(s.req.prompt_logprobs, lse=True)
-                out.extend([scored] * (chunk.n_tokens - 1))
-                last = Pick(0) if last.k == 0 else Pick(max(last.k, scored.k), lse=True)
+            if chunk.all_logits:  # row j scores prompt token start_pos + j + 1, when there is one
+                k, prompt = s.req.prompt_logprobs, s.req.prompt_tokens
+                out.extend(Pick(k, lse=True, token=prompt[chunk.start_pos + j + 1]) for j in range(chunk.n_tokens - 1))
+                scored_last = prompt[chunk.end_pos] if chunk.end_pos < len(prompt) else None
+                last = Pick(0) if last.k == 0 else Pick(max(last.k, k), lse=True, token=scored_last)
             out.append(last)
         return out
 
@@ -363,7 +364,16 @@ class EngineCore:
         for j in range(chunk.n_tokens):
             target = chunk.start_pos + j + 1  # row j predicts prompt token j+1
             if target < len(prompt):
-                s.prompt_lp.append(self._logprob_entry(pk[j], s.req.prompt_logprobs))
+                s.prompt_lp.append(self._prompt_entry(pk[j], s.req.prompt_logprobs, prompt[target]))
+
+    @classmethod
+    def _prompt_entry(cls, pk: Picked, k: int, tok: int) -> list[list]:
+        """A ``prompt_logprobs`` entry: the top-k pairs, then the actual prompt token's pair when
+        it is not among them (as vLLM does), so the list stays best first."""
+        entry = cls._logprob_entry(pk, k)
+        if all(i != tok for i, _ in entry):
+            entry.append([int(tok), cls._token_logprob(pk, tok)])
+        return entry
 
     @staticmethod
     def _logprob_entry(pk: Picked, k: int) -> list[list]:
@@ -376,7 +386,8 @@ class EngineCore:
     def _token_logprob(pk: Picked, tok: int) -> float:
         if pk.row is not None:
             return float(pk.row[tok] - log_normaliser(pk.row))
-        return float(pk.vals[int(np.flatnonzero(pk.ids == tok)[0])] - pk.lse)
+        hit = np.flatnonzero(pk.ids == tok)
+        return float((pk.vals[int(hit[0])] if hit.size else pk.token_val) - pk.lse)
 
     def _advance(self, s: _Seq, pk: Picked) -> list[dict]:
         """Sample the next token of ``s`` from its last row's pick; emit and maybe finish."""

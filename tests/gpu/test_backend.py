@@ -136,14 +136,14 @@ def test_streamed_layers_in_process_match_resident():
 def test_device_pick_equals_selection_from_copied_logits(synth_dir):
     """Sampling on the GPU, kernel level: the device-side top-k and log-normaliser give exactly
     the ids and values that selecting from the copied [N, V] logits gives, for every kind of row
-    in one batch (scored prompt rows, a sampler's top-40, greedy top-1, a whole row)."""
+    in one batch (scored prompt rows with their actual token's value, a sampler's top-40, greedy top-1, a whole row)."""
     eng = build_local_engine(_synth(synth_dir, "Q8_0"), backend="cuda", max_batch=4, max_context=256)
     m = eng.model
     for sid in range(3):
         m.backend.alloc_sequence(sid, 256)
     batch = StepBatch([SeqChunk(0, 0, (1, 50, 300, 7, 900), all_logits=True), SeqChunk(1, 0, (5, 6, 7)),
                        SeqChunk(2, 0, (8,))])
-    picks = [Pick(5, lse=True)] * 4 + [Pick(40, lse=True), Pick(1), Pick(0)]
+    picks = [Pick(5, lse=True, token=t) for t in (50, 300, 7, 900)] + [Pick(40, lse=True), Pick(1), Pick(0)]
     logits = m.forward(batch)  # [7, V] on the host
     got = m.forward(batch, picks=picks)  # the same pass again (the same KV positions rewritten)
     want = pick_on_host(logits, picks)
@@ -155,6 +155,7 @@ def test_device_pick_equals_selection_from_copied_logits(synth_dir):
         np.testing.assert_array_equal(g.vals, w.vals)
         if p.lse:
             assert abs(g.lse - w.lse) < 1e-4 * max(1.0, abs(w.lse)), (g.lse, w.lse)
+        assert g.token_val == w.token_val  # the scored prompt token's logit, gathered on the device
 
 
 def test_engine_samples_on_device_as_from_full_logits(synth_dir):
@@ -186,8 +187,9 @@ def test_engine_samples_on_device_as_from_full_logits(synth_dir):
         assert abs(a - b) < 1e-4 and [i for i, _ in alts_a] == [i for i, _ in alts_b]
     pa, pb = d_dev["g"]["prompt_logprobs"], d_host["g"]["prompt_logprobs"]
     assert pa[0] is None and pb[0] is None and len(pa) == len(pb) == 3
-    for ea, eb in zip(pa[1:], pb[1:]):
+    for ea, eb in zip(pa[1:], pb[1:]):  # the actual prompt token's pair: from the device's gather
         assert [i for i, _ in ea] == [i for i, _ in eb]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(ea, eb))
 
 
 # ------------------------------------------------------------------------------ token trees

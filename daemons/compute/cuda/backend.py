@@ -312,6 +312,8 @@ class CudaBackend(Backend):
         result: list[Picked] = [Picked() for _ in range(n)]
         cand = [i for i, p in enumerate(picks) if p.k > 0]
         full = [i for i, p in enumerate(picks) if p.k == 0]
+        tok_rows = [j for j, i in enumerate(cand) if picks[i].token is not None]  # rows of ``cand``
+        tok_vals = None
         with self.stream:
             if cand:
                 k = min(max(picks[i].k for i in cand), V)
@@ -325,12 +327,16 @@ class CudaBackend(Backend):
                 vals = cp.asnumpy(vals_d, stream=self.stream)
                 ids = cp.asnumpy(ids_d, stream=self.stream)
                 lse = cp.asnumpy(lse_d, stream=self.stream) if lse_d is not None else None
+                if tok_rows:  # the asked tokens' logits, gathered on the device: [len(tok_rows)]
+                    tok_ids = cp.asarray([picks[cand[j]].token for j in tok_rows])
+                    tok_vals = cp.asnumpy(sub[cp.asarray(tok_rows), tok_ids], stream=self.stream)
             rows_full = cp.asnumpy(lg[cp.asarray(full)], stream=self.stream) if full else None
         self.stream.synchronize()
+        tok_val = dict(zip(tok_rows, tok_vals.tolist())) if tok_rows else {}
         for j, i in enumerate(cand):
             kk = picks[i].k
             result[i] = Picked(ids=ids[j, :kk].astype(np.int64), vals=vals[j, :kk].astype(np.float64),
-                               lse=float(lse[j]) if picks[i].lse else None)
+                               lse=float(lse[j]) if picks[i].lse else None, token_val=tok_val.get(j))
         for j, i in enumerate(full):
             result[i] = Picked(row=rows_full[j])
         return result
