@@ -63,15 +63,15 @@ QUANT_TYPES: dict[QT, QuantType] = {
     )
 }
 SUPPORTED_TYPES = frozenset(QUANT_TYPES)
+_BY_ID: dict[int, QuantType] = {int(k): v for k, v in QUANT_TYPES.items()}  # kernels look types up per call
 
 
 def quant_type(qtype: int | QT) -> QuantType:
     """The table entry of a type id; ``KeyError`` names the type when ntx does not read it."""
-    qt = QT(int(qtype))
-    try:
-        return QUANT_TYPES[qt]
-    except KeyError:
-        raise KeyError(f"tensor type {qt.name} is not supported") from None
+    q = _BY_ID.get(int(qtype))
+    if q is None:
+        raise KeyError(f"tensor type {QT(int(qtype)).name} is not supported")
+    return q
 
 
 def row_nbytes(qtype: int | QT, n_cols: int) -> int:
