@@ -132,9 +132,10 @@ def calibrate(model_path: str, text_path: str | Path, ctx: int = 512, *,
 DEFAULT_THRESHOLD = 0.98  # the reference engine's: a layer this similar is skipped
 
 
-def skip_layers(spec: str, n_layers: int) -> list[int]:
-    """The layers a ``--skip-layers`` value names: a list (``20-27,29``), a profile file (its
-    layers at cos >= 0.98), or ``PROFILE:N`` (its N most similar). One line on a bad value."""
+def skip_layers(spec: str, n_layers: int, what: str = "--skip-layers") -> list[int]:
+    """The layers a ``--skip-layers`` value (or another option ``what`` of the same grammar)
+    names: a list (``20-27,29``), a profile file (its layers at cos >= 0.98), or ``PROFILE:N``
+    (its N most similar). One line on a bad value."""
     from ntx.shared.config import parse_layers
 
     path, sep, n = spec.rpartition(":")
@@ -147,9 +148,9 @@ def skip_layers(spec: str, n_layers: int) -> list[int]:
         if not n:
             return prof.layers_at(DEFAULT_THRESHOLD)
         if not n.isdigit() or int(n) >= n_layers:
-            raise ProfileError(f"--skip-layers {spec}: N must be 0 to {n_layers - 1}")
+            raise ProfileError(f"{what} {spec}: N must be 0 to {n_layers - 1}")
         return prof.most_similar(int(n))
-    layers = parse_layers(spec, "--skip-layers")
+    layers = parse_layers(spec, what)
     if layers[-1] >= n_layers or len(layers) >= n_layers:
-        raise ProfileError(f"--skip-layers {spec}: the model has layers 0 to {n_layers - 1}, and one must stay")
+        raise ProfileError(f"{what} {spec}: the model has layers 0 to {n_layers - 1}, and one must stay")
     return layers

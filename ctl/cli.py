@@ -160,12 +160,14 @@ def generate(
                                      help="draft and verify when the engine has a drafter"),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="in-process: draft with this small GGUF (same vocabulary)"),
     self_draft: Optional[str] = typer.Option(None, "--self-draft", help="in-process: draft with these layers of the model (e.g. 0-9, or all)"),
+    self_draft_skip: Optional[str] = typer.Option(None, "--self-draft-skip", help="in-process: draft without these layers "
+                                                  "(a list, a calibrate profile, or PROFILE:N, its N most similar)"),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="in-process: tokens drafted per pass (1-512)"),
     draft_width: str = typer.Option("auto", "--draft-width", help="in-process: the draft tree's width, or auto"),
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Generate text: through a running pipeline if one listens, else in this process (CPU)."""
-    drafting = _drafting(draft_model, self_draft, draft_tokens, draft_width)
+    drafting = _drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)
     if not local:
         from ntx.ctl.client import pipeline_available
 
@@ -180,9 +182,10 @@ def generate(
     _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
 
 
-def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int, draft_width: str) -> dict:
+def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int, draft_width: str,
+              self_draft_skip: str | None = None, model: str | None = None) -> dict:
     """``build_engine``'s drafter keywords from the CLI's (``--self-draft all`` or a layer list,
-    ``--draft-width auto`` or a number)."""
+    ``--self-draft-skip`` as ``--skip-layers`` reads it, ``--draft-width auto`` or a number)."""
     from ntx.shared.config import parse_layers
 
     if draft_width != "auto" and not draft_width.isdigit():
@@ -192,6 +195,13 @@ def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int
         out["draft_model"] = os.path.abspath(draft_model)
     if self_draft:
         out["self_draft"] = True if self_draft == "all" else parse_layers(self_draft, "--self-draft")
+    if self_draft_skip:
+        from ntx.ctl.calibrate import skip_layers
+        from ntx.shared.gguf_index import open_model
+
+        n_layers = open_model(_model_path(model)).hparams.n_layers
+        out["self_draft_skip"] = skip_layers(self_draft_skip, n_layers, "--self-draft-skip")
+        out.setdefault("self_draft", True)
     return out
 
 
@@ -256,6 +266,8 @@ def start(
     max_restarts: int = typer.Option(3, "--max-restarts", help="restarts within 5 minutes before giving up"),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="draft with this small GGUF (same vocabulary), resident"),
     self_draft: Optional[str] = typer.Option(None, "--self-draft", help="draft with resident layers of the model: all, or a list (0-9,12)"),
+    self_draft_skip: Optional[str] = typer.Option(None, "--self-draft-skip", help="draft without these layers: a list, "
+                                                  "a calibrate profile, or PROFILE:N (its N most similar layers)"),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="tokens drafted per sequence and pass (1-512)"),
     draft_width: str = typer.Option("auto", "--draft-width", help="the draft tree's width (1 = a chain), or auto: "
                                     "chosen from measured acceptance"),
@@ -278,7 +290,7 @@ def start(
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget is not None else None,
         max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
         handshake_timeout_s=timeout, max_restarts=max_restarts,
-        **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width)),
+        **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)),
         draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
     ).validate()
     index = open_model(model_path)
@@ -304,6 +316,7 @@ def _instance_drafting(drafting: dict) -> dict:
     self_draft = drafting.get("self_draft", False)
     return {"draft_model": drafting.get("draft_model"), "self_draft": self_draft is not False,
             "self_draft_layers": None if self_draft in (True, False) else self_draft,
+            "self_draft_skip": drafting.get("self_draft_skip"),
             "draft_tokens": drafting["draft_tokens"], "draft_width": drafting["draft_width"]}
 
 

@@ -142,6 +142,7 @@ class InstanceConfig:
     draft_model: str | None = None  # a small GGUF of the target's vocabulary, resident
     self_draft: bool = False  # draft with the target's resident layers
     self_draft_layers: list[int] | None = None  # those of them to use (None: all)
+    self_draft_skip: list[int] | None = None  # and without these (e.g. a calibrate profile's most similar)
     draft_tokens: int = 4  # drafted per sequence and pass (the tree's node budget)
     draft_width: int | None = None  # the tree's width; None: chosen from measured acceptance
     # benchmarks only (daemons/compute/replay.py): recorded greedy continuations as the draft,

@@ -300,3 +300,25 @@ def test_the_tree_shape_follows_measured_acceptance():
         cheap.observe_times(verify_s=0.005, depth_s=0.004)
     assert cheap.choose()[0] <= 4
     assert TreeShape(budget=12, width=3).choose() == (4, 3)
+
+
+def test_a_self_draft_without_the_most_similar_layers(smollm2_path, plain, prompts):
+    """--self-draft-skip: every resident layer but the given ones drafts; output unchanged."""
+    want = _run(plain, [("k", prompts[1], dict(GREEDY, max_tokens=12))])["k"]
+    spec = build_engine(smollm2_path, max_context=256, self_draft=True, self_draft_skip=[13, 14], draft_tokens=4)
+    assert spec.drafter.layers == [i for i in range(30) if i not in (13, 14)]
+    got = _run(spec, [("k", prompts[1], dict(GREEDY, max_tokens=12))])["k"]
+    assert got["tokens"] == want["tokens"] and got["speculation"]["verify_passes"] > 0
+
+
+def test_self_draft_skip_on_the_command_line(smollm2_path):
+    """The option reads --skip-layers' grammar and names itself when the value is bad."""
+    from subprocess import run
+    import sys
+
+    ok = run([sys.executable, "-m", "ntx.ctl.cli", "start", "--model", str(smollm2_path), "--backend", "cpu",
+              "--plan-only", "--self-draft-skip", "13-14"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = run([sys.executable, "-m", "ntx.ctl.cli", "start", "--model", str(smollm2_path), "--backend", "cpu",
+               "--plan-only", "--self-draft-skip", "0-40"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("ntxctl: error: --self-draft-skip 0-40") and "Traceback" not in bad.stderr

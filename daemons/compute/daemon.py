@@ -69,6 +69,7 @@ class ComputeDaemon(Daemon):
             self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream,
             max_batch=cfg["max_batch"], max_context=cfg["max_context"], prefill_chunk_tokens=cfg["prefill_chunk_tokens"],
             self_draft=(cfg["self_draft_layers"] or True) if cfg["self_draft"] else False,
+            self_draft_skip=cfg["self_draft_skip"] or (),
             draft_model=cfg["draft_model"], draft_tokens=cfg["draft_tokens"], draft_width=cfg["draft_width"],
             draft_replay=cfg["draft_replay"], draft_replay_p_wrong=cfg["draft_replay_p_wrong"],
         )

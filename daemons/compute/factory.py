@@ -32,6 +32,7 @@ def build_engine(
     prefill_chunk_tokens: int = 512,
     progress: Callable[[int], None] | None = None,
     self_draft: bool | Sequence[int] = False,
+    self_draft_skip: Sequence[int] = (),
     draft_model: str | os.PathLike | None = None,
     draft_tokens: int = 4,
     draft_width: int | None = None,
@@ -47,7 +48,7 @@ def build_engine(
     sequences at once. ``progress(i)`` is called as resident layer i is loaded.
 
     Speculative decoding (``speculation.py``): ``self_draft`` drafts with the resident layers
-    (True) or the given resident layers; ``draft_model`` with a small model of the same
+    (True) or the given resident layers, less ``self_draft_skip``; ``draft_model`` with a small model of the same
     vocabulary, all resident on the same backend; ``draft_tokens`` per sequence and pass, as a
     tree of ``draft_width`` (None: chosen from measured acceptance; 1: a chain).
     ``draft_replay`` (benchmarks only, ``replay.py``): a file of recorded greedy continuations
@@ -61,7 +62,7 @@ def build_engine(
     if stream is None and resident_layers is not None and set(resident_layers) != set(range(index.hparams.n_layers)):
         stream = FileLayerStream(index)
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress)
-    drafter = _drafter(llama, backend.name, self_draft, draft_model, max_batch, max_context)
+    drafter = _drafter(llama, backend.name, self_draft, self_draft_skip, draft_model, max_batch, max_context)
     if draft_replay is not None:
         drafter = ReplayDrafter(load_references(draft_replay), draft_replay_p_wrong, index.hparams.n_vocab,
                                 inner=drafter)
@@ -70,12 +71,12 @@ def build_engine(
                       drafter=drafter, draft_tokens=draft_tokens, draft_width=draft_width)
 
 
-def _drafter(target: LlamaModel, backend: str, self_draft: bool | Sequence[int], draft_model, max_batch: int,
-             max_context: int) -> Drafter | None:
+def _drafter(target: LlamaModel, backend: str, self_draft: bool | Sequence[int], self_draft_skip: Sequence[int],
+             draft_model, max_batch: int, max_context: int) -> Drafter | None:
     if self_draft is not False and draft_model is not None:
         raise ConfigError("choose one drafter: --self-draft or --draft-model, not both")
     if self_draft is not False:
-        return SelfDrafter(target, None if self_draft is True else list(self_draft))
+        return SelfDrafter(target, None if self_draft is True else list(self_draft), self_draft_skip)
     if draft_model is None:
         return None
     index = open_model(draft_model)
