@@ -84,7 +84,7 @@ class StepBatch:
                 raise ValueError(f"empty chunk for sequence {c.seq_id}")
             starts.append(row)
             toks.extend(c.tokens)
-            pos.extend(c.start_pos + c.depths())
+            pos.extend(range(c.start_pos, c.end_pos) if c.parents is None else c.start_pos + c.depths())
             cpos.extend(range(c.start_pos, c.end_pos))
             out_rows.extend(range(row, row + c.n_tokens) if c.all_logits else [row + c.n_tokens - 1])
             row += c.n_tokens

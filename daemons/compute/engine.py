@@ -238,13 +238,13 @@ class EngineCore:
                 toks = s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + budget]
                 budget -= len(toks)
                 chunks.append(SeqChunk(s.seq_id, s.n_prefilled, tuple(toks), all_logits=s.req.prompt_logprobs > 0))
-            elif s.draft:  # the last token, then its draft tree (a chain needs no tree mask)
+            else:  # the last token, then its draft tree if any (a chain needs no tree mask)
                 pos = len(s.req.prompt_tokens) + len(s.generated) - 1
-                parents = None if s.draft.is_chain else s.draft.chunk_parents()
-                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token, *s.draft.tokens), all_logits=True, parents=parents))
-            else:
-                pos = len(s.req.prompt_tokens) + len(s.generated) - 1
-                chunks.append(SeqChunk(s.seq_id, pos, (s.next_token,)))
+                if s.draft:
+                    parents = None if s.draft.is_chain else s.draft.chunk_parents()
+                    chunks.append(SeqChunk(s.seq_id, pos, (s.next_token, *s.draft.tokens), all_logits=True, parents=parents))
+                else:
+                    chunks.append(SeqChunk(s.seq_id, pos, (s.next_token,)))
             seqs.append(s)
         return StepBatch(chunks), seqs
 
@@ -314,7 +314,7 @@ class EngineCore:
             trees = self.drafter.propose(reqs)
             self.shape.observe_times(depth_s=(time.monotonic() - t0) / max(r.depth for r in reqs))
             for s, tree in zip(owners, trees):
-                s.draft = tree
+                s.draft = tree or None  # a drafter may have nothing to propose
 
     def _verify(self, s: _Seq, pk: list[Picked]) -> list[dict]:
         """Accept what the pass confirms of ``s``'s draft, plus the target's own next token, and
