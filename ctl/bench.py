@@ -283,7 +283,8 @@ class SpecOptions:
     ``verify_draft_tokens``: the chain lengths K timed, each for ``verify_passes`` verify passes
     after one warm-up pass; ``accept_draft_tokens`` K and ``accept_length`` the expected accepted
     tokens per pass of the controlled-acceptance run, ``accept_tokens`` the tokens it generates;
-    ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid)."""
+    ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid); ``batch`` > 1:
+    the controlled-acceptance runs again with that many concurrent requests, beside plain."""
 
     verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
     verify_passes: int = 2
@@ -291,6 +292,7 @@ class SpecOptions:
     accept_length: float = 6.0
     accept_tokens: int = 64
     draft_model: str | None = None
+    batch: int = 1
 
     def validate(self) -> SpecOptions:
         for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
@@ -304,6 +306,8 @@ class SpecOptions:
                               f"({self.accept_draft_tokens})")
         if self.accept_tokens < 2:
             raise ConfigError(f"--spec-tokens {self.accept_tokens}: at least 2")
+        if self.batch < 1:
+            raise ConfigError(f"--spec-batch {self.batch}: at least 1")
         return self
 
     def verify_tokens(self, k: int) -> int:
@@ -421,7 +425,9 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     verify passes of K + 1 rows against the 1-token pass and the link's limit for the plan;
     (iii) replay with K = ``opts.accept_draft_tokens`` at the p whose expected acceptance length is
     ``opts.accept_length``, and at p = 1 (every draft wrong): tokens/s against plain, and the
-    measured mean acceptance length (accepted tokens per verify pass).
+    measured mean acceptance length (accepted tokens per verify pass);
+    (iv) with ``opts.batch`` > 1: that many concurrent requests, plain and with the replay of (iii) at
+    both p, tokens/s of all of them together as the clients saw it.
 
     Every run has the same context and workspace (the largest chain's rows), so the same layers
     stream in all of them; only ``--draft-model`` moves layers out of VRAM, and its runs say so.
@@ -516,6 +522,49 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         entry["acceptance"].append(point)
         save()
         log(_spec_accept_line(point, plain["tokens_per_s"]))
+    if opts.batch > 1:
+        _spec_batch(entry, plain_cfg, replay_cfg, index, opts, opts.batch, draft_model, log, save)
+
+
+def _spec_batch(entry: dict[str, Any], plain_cfg: InstanceConfig, replay_cfg, index: ModelIndex, opts: SpecOptions,
+                batch: int, draft_model: str | None, log, save) -> None:
+    """(iv) of ``run_spec``: ``batch`` concurrent greedy requests of the same prompt (so the one
+    recording serves every sequence's replay), plain and speculative; each tree of its own
+    sequence verified in the same pass. Tokens/s over all requests, after the last first token."""
+    k = opts.accept_draft_tokens
+    tokens = max(2, opts.accept_tokens // 2)
+    runs = [("plain", None)] + [(case, p) for case, p in (
+        (f"acceptance length {opts.accept_length:g}", p_wrong_for_acceptance(k, opts.accept_length)),
+        ("every draft wrong", 1.0))]
+    entry["batch"] = {"batch": batch, "tokens_per_request": tokens, "runs": []}
+    plain_tps = None
+    for case, p_wrong in runs:
+        cfg = plain_cfg if p_wrong is None else replay_cfg(k, p_wrong, draft_model)
+        cfg = InstanceConfig(**{**cfg.to_dict(), "max_batch": batch}).validate()
+        plan = plan_for(index, cfg)
+        instance.start(cfg, plan)
+        try:
+            _generate_concurrently(cfg.listen, batch, k + 2)  # warm-up: this batch's shapes compiled
+            decode_s, n, _ = _generate_concurrently(cfg.listen, batch, tokens)
+            st = instance.get_status(cfg.name, 10) or {}
+        finally:
+            instance.stop(cfg.name, force=True)
+        tps = n / decode_s if decode_s > 0 else 0.0
+        plain_tps = tps if p_wrong is None else plain_tps
+        run = {"case": case, "p_wrong": p_wrong, "tokens_per_s": tps, "draft_model": draft_model if p_wrong is not None else None,
+               "ratio_to_plain": tps / plain_tps if p_wrong is not None and plain_tps else None,
+               "speculation": st.get("speculation"), "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE)}}
+        if p_wrong is not None:
+            run.update(goal="at least plain batch speed", met=run["ratio_to_plain"] is not None and run["ratio_to_plain"] >= 1.0)
+        entry["batch"]["runs"].append(run)
+        save()
+        line = f"(spec) batch {batch}, {case}{' (replay)' if p_wrong is not None else ''}: {tps:.3f} tok/s"
+        if run["ratio_to_plain"] is not None:
+            line += f" = {run['ratio_to_plain']:.2f}x plain batch {batch}"
+            spec = run["speculation"] or {}
+            if spec.get("accepted_per_pass") is not None:
+                line += f"; accepted per verify pass {spec['accepted_per_pass']:.2f}"
+        log(line)
 
 
 def _link_gbps(limits: dict) -> float | None:

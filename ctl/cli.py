@@ -437,6 +437,8 @@ def bench(
     spec_tokens: int = typer.Option(64, "--spec-tokens", help="spec: tokens generated per controlled-acceptance run"),
     draft_model: Optional[str] = typer.Option(None, "--draft-model",
                                               help="spec: run this draft model behind the replay (its cost paid)"),
+    spec_batch: int = typer.Option(1, "--spec-batch", help="spec: also run the controlled-acceptance cases with this "
+                                   "many concurrent requests, beside plain"),
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="skip: (a) without these layers: a list, "
                                               "a calibrate profile, or PROFILE:N"),
 ) -> None:
@@ -459,7 +461,8 @@ def bench(
         scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,
         out_dir=Path(out), listen=listen, log=lambda s: typer.echo(s),
         spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
-                         spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens, draft_model),
+                         spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens, draft_model,
+                         spec_batch),
     )
 
 

@@ -12,10 +12,11 @@
 #   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it.
 # --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d; spec on request).
 # STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_BATCH, STREAM_SCENARIOS steer --stream-bench.
-#   With `spec` in STREAM_SCENARIOS (speculative decoding, replay drafter): SPEC_ARGS (e.g.
-#   "--spec-verify-passes 1") goes to the bench as it is, and DRAFT_MODEL=1 also writes a
-#   Llama-3.2-1B-shaped Q4_K_M (~0.8 GB) and runs it behind the replay (--draft-model). Both go to
-#   this tree's bench only, never to a BASELINE tree's (which may not know the options).
+#   BENCH_ARGS (e.g. "--spec-verify-passes 1" for spec, "--skip-layers 40-59" for skip) goes to
+#   the bench as it is. With `spec` in STREAM_SCENARIOS (speculative decoding, replay drafter)
+#   DRAFT_MODEL=1 also writes a Llama-3.2-1B-shaped Q4_K_M (~0.8 GB) and runs it behind the
+#   replay (--draft-model). Both go to this tree's bench only, never to a BASELINE tree's (which
+#   may not know the options).
 # --status-demo: start the 70B as in (a), generate 40 tokens, and save `ntxctl status` (text and
 #   JSON) taken in the middle of the decode to $OUT/status-a.txt / status-a.json.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
@@ -120,8 +121,8 @@ if [ "$STREAM" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B
   synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
   SPEC_BENCH_ARGS=()
+  read -r -a SPEC_BENCH_ARGS <<< "${BENCH_ARGS:-${SPEC_ARGS:-}}"  # SPEC_ARGS: its older name
   case ",${STREAM_SCENARIOS:-a,c,b,check,d}," in *,spec,*)
-    read -r -a SPEC_BENCH_ARGS <<< "${SPEC_ARGS:-}"
     if [ "${DRAFT_MODEL:-0}" = 1 ]; then
       synth llama3-1b-Q4_K_M llama3-1b Q4_K_M
       SPEC_BENCH_ARGS+=(--draft-model "$MODELS/llama3-1b-Q4_K_M.gguf")

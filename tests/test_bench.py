@@ -80,7 +80,8 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     1 and 4 drafted tokens are timed on compute's clock over their verify passes (every draft
     right: 1 and 4 accepted a pass); at K = 4 the acceptance length asked (4: p = 0) is what is
     measured, and with every draft wrong nothing is accepted. The draft model given runs behind
-    the replay in those two runs. Every spec line says replay."""
+    the replay in those two runs. At --spec-batch 2 both cases run again beside plain batch 2, each
+    sequence verifying its own chains in the shared passes. Every spec line says replay."""
     model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
     out = tmp_path / "out"
     env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
@@ -89,7 +90,7 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
          "--gpu-layers", "1", "--tokens", "4", "--scenarios", "a,spec", "--out", str(out),
          "--listen", f"tcp://127.0.0.1:{free_port()}", "--spec-verify-draft-tokens", "1,4",
          "--spec-verify-passes", "2", "--spec-accept-draft-tokens", "4", "--spec-accept-length", "4",
-         "--spec-tokens", "11", "--draft-model", str(model)],
+         "--spec-tokens", "11", "--draft-model", str(model), "--spec-batch", "2"],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -111,5 +112,11 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     for point in (right, wrong):
         assert point["tokens_per_s"] > 0 and point["pass_s"] > 0 and point["ratio_to_plain"] > 0
         assert point["draft_model"] == str(model)
+    b = spec["batch"]
+    assert b["batch"] == 2 and [x["case"] for x in b["runs"]] == ["plain", "acceptance length 4", "every draft wrong"]
+    plain_b, right_b, wrong_b = b["runs"]
+    assert all(x["tokens_per_s"] > 0 for x in b["runs"]) and plain_b["speculation"] is None
+    assert right_b["speculation"]["acceptance_rate"] == 1.0 and right_b["ratio_to_plain"] > 0 and "met" in right_b
+    assert wrong_b["speculation"]["accepted"] == 0
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("(spec) ") and "plain" not in ln.split(":")[0]]
-    assert len(lines) >= 5 and all("replay" in ln for ln in lines), r.stdout
+    assert len(lines) >= 7 and all("replay" in ln for ln in lines), r.stdout

@@ -114,8 +114,8 @@ def test_greedy_output_through_replay_is_the_plain_output_at_any_p(tiny, tmp_pat
         if p == 0.0:  # every draft right: 1 token from the prefill, then passes of 4 + 1
             assert spec["accepted"] == spec["drafted"] == n - spec["verify_passes"] - 1
         elif p == 1.0:
-            # one token a pass; the last pass has no room left to draft (max_tokens)
-            assert spec["accepted"] == 0 and spec["verify_passes"] == n - 2
+            # one token a pass; the tree shape may stop drafting (it only costs: how soon depends on measured times)
+            assert spec["accepted"] == 0 and 0 < spec["verify_passes"] <= n - 2
         else:
             assert 0 < spec["accepted"] < spec["drafted"]
 

@@ -146,7 +146,7 @@ class ComputeDaemon(Daemon):
             tokens_per_s=round(window / span, 3) if span > 0 else 0.0,
         )
         if self.engine.drafter is not None:
-            depth, width = self.engine.shape.choose()
+            depth, width = self.engine.shape.best()
             snap["speculation"] = {"drafter": self.engine.drafter.name, "draft_tokens": self.engine.draft_tokens,
                                    "tree_depth": depth, "tree_width": width, **self.engine.spec.report()}
         return snap

@@ -260,12 +260,17 @@ class TreeShape:
     …) is accepted when every better one was rejected; ``verify_s``, a verify pass; ``depth_s``,
     one draft depth. Expected accepted tokens of (D, w):
         E = sum_{d=1..D} a^(d-1) (a + (1 - a) R_w),  a = chain_rate, R_w = 1 - prod_{r=2..w} (1 - rescue_r)
-    and the pass yields E + 1 tokens in verify_s + D depth_s. ``choose`` returns the (D, w) with
-    D w <= the budget that maximises (E + 1) / (verify_s + D depth_s); a fixed width skips the
-    search over w. Priors stand in until the first measurements."""
+    and the pass yields E + 1 tokens in verify_s + D depth_s. ``best`` returns the (D, w) with
+    D w <= the budget that maximises (E + 1) / (verify_s + D depth_s), or (0, w) — no draft,
+    one token per verify_s — when no tree pays for its drafting (every draft wrong: the drafter's
+    time is then all loss). A fixed width only fixes w; D is still searched. ``choose``, asked
+    once per pass, follows ``best`` but drafts one token every ``PROBE_EVERY`` passes while
+    drafting is off, so that acceptance keeps being measured and drafting resumes when it
+    pays again. Priors stand in until the first measurements."""
 
     WIDTHS = (1, 2, 3, 4)
     DECAY = 0.9  # weight of the past in the running means
+    PROBE_EVERY = 8  # passes: one probe per 8 undrafted passes costs ~1/8 of one draft depth
 
     def __init__(self, budget: int, width: int | None = None) -> None:
         self.budget = budget
@@ -274,6 +279,7 @@ class TreeShape:
         self.rescue_rate = {r: 0.2 for r in self.WIDTHS[1:]}
         self.verify_s = 1.0
         self.depth_s = 0.1
+        self.undrafted_passes = 0  # in a row, since drafting was judged a loss
 
     def _mean(self, old: float, new: float) -> float:
         return self.DECAY * old + (1 - self.DECAY) * new
@@ -283,16 +289,28 @@ class TreeShape:
         rescue = 1.0 - math.prod(1.0 - self.rescue_rate[r] for r in range(2, width + 1))
         return (a + (1 - a) * rescue) * (1 - a ** depth) / (1 - a)
 
-    def choose(self) -> tuple[int, int]:
-        if self.width is not None:
-            return max(1, self.budget // self.width), self.width
-        best, best_score = (self.budget, 1), -1.0
-        for w in self.WIDTHS:
+    def best(self) -> tuple[int, int]:
+        """The shape that yields most tokens per second by what was measured; depth 0: none."""
+        widths = (self.width,) if self.width is not None else self.WIDTHS
+        best, best_score = (0, widths[0]), 1.0 / self.verify_s
+        for w in widths:
             for d in range(1, self.budget // w + 1):
                 score = (self.expected_accepted(d, w) + 1) / (self.verify_s + d * self.depth_s)
                 if score > best_score:
                     best, best_score = (d, w), score
         return best
+
+    def choose(self) -> tuple[int, int]:
+        """This pass's shape: ``best``, or a one-token probe every ``PROBE_EVERY`` passes that
+        ``best`` leaves undrafted."""
+        depth, width = self.best()
+        if depth > 0:
+            self.undrafted_passes = 0
+            return depth, width
+        self.undrafted_passes += 1
+        if self.undrafted_passes % self.PROBE_EVERY == 0:
+            return 1, 1
+        return 0, width
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         """Learn from one verified tree: at each node the pass reached, was the chain's child
