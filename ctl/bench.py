@@ -667,7 +667,7 @@ def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
 def run_bench(
     model: str, *, backend: str, vram_budget: int | None, gpu_layers: int | None, ram_budget: int | None,
     tokens: int, batch: int, scenarios: list[str], resident_model: str | None, out_dir: Path, listen: str, log=print,
-    spec: SpecOptions | None = None, skip_layers: list[int] | None = None,
+    spec: SpecOptions | None = None, skip_layers: list[int] | None = None, placement: str = "spread",
 ) -> dict[str, Any]:
     """Run the chosen scenarios; write bench.json (and bench.png) into ``out_dir``. ``spec``:
     the spec scenario's options (its defaults when None); ``skip_layers``: what the skip
@@ -679,7 +679,7 @@ def run_bench(
     index = open_model(model)
     base = InstanceConfig(model=os.path.abspath(model), name="bench", backend=backend, listen=listen,
                           vram_budget=vram_budget, ram_budget=ram_budget, max_vram_layers=gpu_layers,
-                          max_batch=max(batch, 1), max_context=512).validate()
+                          placement=placement, max_batch=max(batch, 1), max_context=512).validate()
     plan_a = plan_for(index, base)
     log(f"model {index.name}: {index.file_type}, {index.hparams.n_layers} layers, "
         f"{format_bytes(index.layer_bytes_total)} of layers; backend {backend}")

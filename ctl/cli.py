@@ -205,6 +205,8 @@ def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int
     return out
 
 
+PLACEMENT_HELP = ("where resident layers sit when not all fit: spread (evenly over the model, so streamed copies "
+                  "overlap resident compute) or first")
 SKIP_LAYERS_HELP = ("never run, read nor copy these layers: a list (20-27,29), a calibrate profile (its layers at "
                     "cos >= 0.98), or PROFILE:N (its N most similar layers)")
 
@@ -271,6 +273,7 @@ def start(
     vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="e.g. 24GiB (default: free device memory)"),
     ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="pinned RAM for layers, e.g. 64GiB"),
     gpu_layers: Optional[int] = typer.Option(None, "--gpu-layers", help="at most this many resident layers"),
+    placement: str = typer.Option("spread", "--placement", help=PLACEMENT_HELP),
     io: str = typer.Option("auto", "--io", help="storage reads: auto, direct, buffered or mmap"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences advanced per pass"),
     ctx: int = typer.Option(4096, "--ctx", help="context length per sequence"),
@@ -303,7 +306,7 @@ def start(
         model=model_path, name=name, backend=_choose_backend(backend), listen=listen, slots=slots,
         vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget is not None else None,
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget is not None else None,
-        max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
+        max_vram_layers=gpu_layers, placement=placement, io_mode=io, max_batch=max_batch, max_context=ctx,
         handshake_timeout_s=timeout, max_restarts=max_restarts,
         **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)),
         draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
@@ -420,6 +423,7 @@ def bench(
     backend: str = typer.Option("auto", "--backend"),
     vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="for (a), (b), (c): e.g. 24GiB"),
     gpu_layers: Optional[int] = typer.Option(None, "--gpu-layers"),
+    placement: str = typer.Option("spread", "--placement", help=PLACEMENT_HELP),
     ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="for (a); (b) uses 0"),
     tokens: int = typer.Option(8, "--tokens", help="tokens generated per request"),
     batch: int = typer.Option(1, "--batch", help="concurrent requests"),
@@ -454,7 +458,7 @@ def bench(
 
     model_path = os.path.abspath(_model_path(model))
     run_bench(
-        model_path, backend=_choose_backend(backend),
+        model_path, backend=_choose_backend(backend), placement=placement,
         skip_layers=_skip_layers(skip_layers, open_model(model_path).hparams.n_layers),
         vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget else None, gpu_layers=gpu_layers,
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget else None, tokens=tokens, batch=batch,

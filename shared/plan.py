@@ -1,8 +1,9 @@
 """The tier plan: which layers live in compute's memory, which in pinned RAM, which stream from storage.
 
 Reservations come first (as in ntransformer): the global tensors, the KV cache, the workspace
-and — only when something streams — the device slots; then layers fill the VRAM budget in order,
-the rest fills the RAM budget (less the host staging slots, when something is left for storage),
+and — only when something streams — the device slots; then as many layers as fit the VRAM budget
+stay resident, spread evenly over the model (``--placement spread``: a streamed layer's copy then
+overlaps a resident layer's compute) or the first ones (``first``); the rest fills the RAM budget (less the host staging slots, when something is left for storage),
 and whatever remains streams from storage on every pass. Layers the user skips
 (``--skip-layers``: a calibrate profile's most input-like layers) take no tier at all: they
 cost no memory, are never read nor copied, and the layers after them move up.
@@ -100,7 +101,7 @@ class Plan:
         lines = []
         for tier, layer_bytes in ((VRAM, self.vram_layer_bytes), (RAM, self.ram_layer_bytes), (STORAGE, self.storage_layer_bytes)):
             layers = self.layers_on(tier)
-            lines.append(f"{tier:8s} {len(layers):4d} layers {layer_ranges(layers):>14s}  {format_bytes(layer_bytes):>11s}")
+            lines.append(f"{tier:8s} {len(layers):4d} layers {_brief(layers):>14s}  {format_bytes(layer_bytes):>11s}")
         lines.append(
             f"reserved in {self.memory_name}: globals {format_bytes(self.globals_bytes)}, "
             f"KV cache {format_bytes(self.kv_bytes)} ({self.kv_tokens} tokens), workspace {format_bytes(self.workspace_bytes)}, "
@@ -119,6 +120,12 @@ class Plan:
         lines.append(f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}"
                      + (f" ({format_bytes(self.skipped_layer_bytes)} of skipped layers saved)" if skipped else ""))
         return lines
+
+
+def _brief(idx: list[int]) -> str:
+    """``layer_ranges``, or for a long spread set its span (the full list is in ``tiers``)."""
+    text = layer_ranges(idx)
+    return text if len(text) <= 24 else f"spread over {idx[0]}-{idx[-1]}"
 
 
 def layer_ranges(idx: list[int]) -> str:
@@ -158,11 +165,39 @@ def _free_device_bytes() -> int:
     raise ConfigError("cannot tell the GPU's free memory (no nvidia-smi): give --vram-budget")
 
 
+PLACEMENTS = ("spread", "first")
+
+
+def _resident_layers(kept: list[int], max_count: int, layer_costs: tuple[int, ...], avail_bytes: int,
+                     placement: str) -> list[int]:
+    """Which of the ``kept`` layers stay resident when not all of them fit in ``avail_bytes``.
+
+    ``first``: the first ones, in order, while they fit. ``spread``: as many, spaced evenly over
+    the model (one in each of ``count`` equal stretches of it), so that resident and streamed
+    layers alternate. A pass then runs a resident layer while the next streamed one crosses the
+    link: with the resident layers first, their compute and the copies of the streamed ones
+    overlap only as far as the device slots reach, and a wide pass (a verified tree, a long
+    prompt, a large batch) pays its resident compute on top of the link's time."""
+    count, used = 0, 0
+    for i in kept[:max_count]:
+        if used + layer_costs[i] > avail_bytes:
+            break
+        count, used = count + 1, used + layer_costs[i]
+    if placement == "first" or count == 0:
+        return kept[:count]
+    while True:  # layers differ a little in size (mixed quant types): fewer if the spread set is larger
+        chosen = [kept[(2 * j + 1) * len(kept) // (2 * count)] for j in range(count)]
+        if sum(layer_costs[i] for i in chosen) <= avail_bytes or count == 1:
+            return chosen if sum(layer_costs[i] for i in chosen) <= avail_bytes else []
+        count -= 1
+
+
 def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft: MemoryCosts | None = None) -> Plan:
     """Place every layer of ``index`` on a tier under ``cfg``'s budgets, with the memory the
     backend says it needs (``costs``) and, first, a draft model's whole footprint (``draft``).
     ``cfg.skip_layers`` are placed nowhere (tier ``skipped``); the cap ``max_vram_layers``
-    counts the layers that run."""
+    counts the layers that run; ``cfg.placement`` says where the resident ones sit
+    (``_resident_layers``)."""
     backend = cfg.backend
     vram_default, ram_default = (None, None)
     if cfg.vram_budget is None or cfg.ram_budget is None:
@@ -177,6 +212,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     layer_costs = costs.layer_bytes
     n = hp.n_layers
     skip = set(cfg.skip_layers or ())
+    if cfg.placement not in PLACEMENTS:
+        raise ConfigError(f"--placement {cfg.placement!r}: choose {' or '.join(PLACEMENTS)}")
     bad = sorted(i for i in skip if not 0 <= i < n)
     if bad:
         raise ConfigError(f"--skip-layers {bad}: the model has layers 0-{n - 1}")
@@ -205,12 +242,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
                 f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.slots} device slots of "
                 f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}"
             )
-        used = 0
-        for i in kept[:max_vram_layers]:
-            if used + layer_costs[i] > avail:
-                break
+        for i in _resident_layers(kept, max_vram_layers, layer_costs, avail, cfg.placement):
             tiers[i] = VRAM
-            used += layer_costs[i]
 
     rest = [i for i in kept if tiers[i] != VRAM]
     host_slots_total = 0

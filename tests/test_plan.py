@@ -1,4 +1,5 @@
-"""The tier planner: reservations first, then VRAM, pinned RAM and storage in layer order."""
+"""The tier planner: reservations first, then VRAM (spread over the model, or the first layers),
+pinned RAM and storage in layer order."""
 
 from __future__ import annotations
 
@@ -37,10 +38,20 @@ def test_layers_fill_vram_then_ram_then_storage_in_order(index):
     cost = index.layers[0].nbytes
     reserved = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0))
     fixed = reserved.globals_bytes + reserved.kv_bytes + reserved.workspace_bytes + 2 * reserved.slot_bytes
-    p = plan_for(index, _cfg(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2,
-                              ram_budget=2 * index.max_layer_slot_bytes + 10 * index.layers[0].slot_bytes + 100))
+    budgets = dict(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2,
+                   ram_budget=2 * index.max_layer_slot_bytes + 10 * index.layers[0].slot_bytes + 100)
+    p = plan_for(index, _cfg(placement="first", **budgets))
     assert p.tiers == (VRAM,) * 7 + (RAM,) * 10 + (STORAGE,) * 13
     assert p.vram_layer_bytes == sum(index.layers[i].nbytes for i in range(7))
+    # spread (the default): as many resident layers, one in each seventh of the model; the
+    # streamed ones fill RAM then storage in layer order
+    p = plan_for(index, _cfg(**budgets))
+    assert p.layers_on(VRAM) == [2, 6, 10, 15, 19, 23, 27]
+    streamed = [i for i in range(30) if i not in p.layers_on(VRAM)]
+    assert p.layers_on(RAM) == streamed[:10] and p.layers_on(STORAGE) == streamed[10:]
+    assert "7 layers 2,6,10,15,19,23,27" in "\n".join(p.describe())
+    with pytest.raises(ConfigError, match="--placement 'middle': choose spread or first"):
+        plan_for(index, _cfg(placement="middle", **budgets))
 
 
 def test_each_backend_reports_its_costs(index):
@@ -69,6 +80,9 @@ def test_budget_too_small_is_one_clear_line(index):
 
 def test_describe_names_every_tier(index):
     lines = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=parse_size("20MiB"),
-                                  max_vram_layers=5)).describe()
+                                  max_vram_layers=5, placement="first")).describe()
     text = "\n".join(lines)
     assert "vram" in text and "ram" in text and "storage" in text and "0-4" in text
+    # a long spread set is shown by its span (status's JSON lists every layer's tier)
+    text = "\n".join(plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, max_vram_layers=14)).describe())
+    assert "14 layers spread over 1-28" in text

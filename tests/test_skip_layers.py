@@ -35,9 +35,9 @@ def _plan(index, **kw):
 
 
 def test_plan_places_skipped_layers_nowhere_and_moves_the_rest_up(index):
-    plain = _plan(index, max_vram_layers=10, ram_budget=30 << 20)
+    plain = _plan(index, max_vram_layers=10, ram_budget=30 << 20, placement="first")
     skip = [3, 15, 27]
-    plan = _plan(index, max_vram_layers=10, ram_budget=30 << 20, skip_layers=skip)
+    plan = _plan(index, max_vram_layers=10, ram_budget=30 << 20, skip_layers=skip, placement="first")
     assert plan.layers_on(SKIPPED) == skip
     # ten layers still run resident: the first ten that are not skipped
     assert plan.layers_on(VRAM) == [i for i in range(30) if i not in skip][:10]
@@ -48,6 +48,8 @@ def test_plan_places_skipped_layers_nowhere_and_moves_the_rest_up(index):
         == plan.skipped_layer_bytes
     text = "\n".join(plan.describe())
     assert "skipped" in text and "3,15,27" in text and "never read, copied nor run" in text
+    spread = _plan(index, max_vram_layers=10, ram_budget=30 << 20, skip_layers=skip)
+    assert len(spread.layers_on(VRAM)) == 10 and not set(skip) & set(spread.layers_on(VRAM))
 
 
 def test_plan_all_resident_when_the_kept_layers_fit(index):

@@ -263,7 +263,8 @@ class TreeShape:
     and the pass yields E + 1 tokens in verify_s + D depth_s. ``best`` returns the (D, w) with
     D w <= the budget that maximises (E + 1) / (verify_s + D depth_s), or (0, w) — no draft,
     one token per verify_s — when no tree pays for its drafting (every draft wrong: the drafter's
-    time is then all loss). A fixed width only fixes w; D is still searched. ``choose``, asked
+    time is then all loss). A fixed width fixes the tree (D = budget / w): drafting it or not is
+    then the only choice. ``choose``, asked
     once per pass, follows ``best`` but drafts one token every ``PROBE_EVERY`` passes while
     drafting is off, so that acceptance keeps being measured and drafting resumes when it
     pays again. Priors stand in until the first measurements."""
@@ -277,8 +278,9 @@ class TreeShape:
         self.width = width
         self.chain_rate = 0.6
         self.rescue_rate = {r: 0.2 for r in self.WIDTHS[1:]}
-        self.verify_s = 1.0
+        self.verify_s = 1.0  # priors, replaced by the first measurement
         self.depth_s = 0.1
+        self.timed = set()  # which of the two times were measured
         self.undrafted_passes = 0  # in a row, since drafting was judged a loss
 
     def _mean(self, old: float, new: float) -> float:
@@ -291,13 +293,15 @@ class TreeShape:
 
     def best(self) -> tuple[int, int]:
         """The shape that yields most tokens per second by what was measured; depth 0: none."""
-        widths = (self.width,) if self.width is not None else self.WIDTHS
-        best, best_score = (0, widths[0]), 1.0 / self.verify_s
-        for w in widths:
-            for d in range(1, self.budget // w + 1):
-                score = (self.expected_accepted(d, w) + 1) / (self.verify_s + d * self.depth_s)
-                if score > best_score:
-                    best, best_score = (d, w), score
+        if self.width is not None:
+            shapes = [(max(1, self.budget // self.width), self.width)]
+        else:
+            shapes = [(d, w) for w in self.WIDTHS for d in range(1, self.budget // w + 1)]
+        best, best_score = (0, shapes[0][1]), 1.0 / self.verify_s
+        for d, w in shapes:
+            score = (self.expected_accepted(d, w) + 1) / (self.verify_s + d * self.depth_s)
+            if score > best_score:
+                best, best_score = (d, w), score
         return best
 
     def choose(self) -> tuple[int, int]:
@@ -337,6 +341,8 @@ class TreeShape:
 
     def observe_times(self, verify_s: float | None = None, depth_s: float | None = None) -> None:
         if verify_s is not None:
-            self.verify_s = self._mean(self.verify_s, verify_s)
+            self.verify_s = self._mean(self.verify_s, verify_s) if "verify" in self.timed else verify_s
+            self.timed.add("verify")
         if depth_s is not None:
-            self.depth_s = self._mean(self.depth_s, depth_s)
+            self.depth_s = self._mean(self.depth_s, depth_s) if "depth" in self.timed else depth_s
+            self.timed.add("depth")
