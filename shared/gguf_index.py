@@ -52,7 +52,7 @@ SUPPORTED_ARCHS = ("llama",)
 # any size, and some values size allocations that no tensor backs (the context, the rope tables,
 # a metadata array): each is capped far above any real Llama (405B: 126 layers, 16384 wide,
 # 128 heads of 128; the largest vocabularies ~256k tokens, the longest contexts ~1M).
-MAX_TENSORS = 1 << 20
+MAX_TENSORS = 1 << 16  # a 4096-layer Llama has 36,868
 MAX_METADATA_KEYS = 1 << 20
 MAX_METADATA_ITEMS = 1 << 22  # strings and lists decoded from all metadata values together
 MAX_ALIGNMENT = 1 << 20
