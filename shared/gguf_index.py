@@ -9,6 +9,16 @@ untouched data pages are never read), checks the whole file set, and returns an 
 (metadata pairs with their raw bytes, tensor infos) without judging it: the synthetic writer and
 the tests read deliberately broken files through it.
 
+Hostile files. Every value the index or its users read is checked before use: its type (one
+table, ``_KINDS``, that the tokenizer checks its metadata by too), its range (finite, positive,
+capped by the ``MAX_*`` bounds so no header can size a large allocation), and every tensor's
+place (aligned, inside its file, overlapping no other). Counts in the header are checked against
+the bytes left before anything is allocated for them, names quoted in messages are short, and
+``NtxError`` escapes what is not printable, so the only thing a file can make escape is one
+``ModelError`` line (tests/test_gguf_fuzz.py holds it to that). Metadata values are plain
+Python values, except numeric arrays: those stay packed (``array.array``), so a large array in a
+file costs its size once, not a Python object per element.
+
 Shapes are given in numpy order (rows first): a GGUF tensor with ``ne = [n_cols, n_rows]`` has
 ``shape = (n_rows, n_cols)`` and is stored row-major, each row a run of quant blocks.
 
@@ -54,7 +64,7 @@ SUPPORTED_ARCHS = ("llama",)
 # 128 heads of 128; the largest vocabularies ~256k tokens, the longest contexts ~1M).
 MAX_TENSORS = 1 << 16  # a 4096-layer Llama has 36,868
 MAX_METADATA_KEYS = 1 << 20
-MAX_METADATA_ITEMS = 1 << 22  # strings and lists decoded from all metadata values together
+MAX_METADATA_ITEMS = 1 << 22  # strings decoded from all metadata arrays together
 MAX_ALIGNMENT = 1 << 20
 MAX_LAYERS = 1 << 12
 MAX_EMBD = 1 << 17
@@ -76,8 +86,9 @@ _INT_CODES = frozenset("bBhHiIqQ")
 _TYPE_STRING, _TYPE_ARRAY = 8, 9
 _COPY_CHUNK_BYTES = 16 << 20
 
-_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf$")
-_LAYER_RE = re.compile(r"^blk\.([0-9]+)\.(.+)\.weight$")
+# matched with fullmatch: a name with a trailing newline is not another spelling of a plain one
+_SPLIT_RE = re.compile(r"(?P<stem>.*)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf")
+_LAYER_RE = re.compile(r"blk\.([0-9]+)\.(.+)\.weight")
 
 LAYER_TENSORS = (
     "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -205,6 +216,9 @@ class HParams:
 
 @dataclass(frozen=True)
 class ModelIndex:
+    """A checked Llama model: its files, hyper-parameters, layers (tensors and byte spans), the
+    global tensors, and the first file's metadata (values as ``read_header`` decodes them)."""
+
     paths: tuple[str, ...]
     version: int
     architecture: str
