@@ -16,11 +16,19 @@ from ntx.shared.gguf_index import LayerInfo, TensorInfo
 
 
 def _pread_exact(path: str, offset: int, dest: memoryview) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """Fill ``dest`` from ``path`` at ``offset``; a file that is gone, unreadable or shorter than
+    the index said (changed since it was indexed) is a ``ModelError``, not an ``OSError``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ModelError(path, f"cannot open: {e.strerror or e}") from None
     try:
         done = 0
         while done < len(dest):
-            n = os.preadv(fd, [dest[done:]], offset + done)
+            try:
+                n = os.preadv(fd, [dest[done:]], offset + done)
+            except OSError as e:
+                raise ModelError(path, f"read failed at byte {offset + done}: {e.strerror or e}") from None
             if n == 0:
                 raise ModelError(path, f"short read at byte {offset + done}: file ended early")
             done += n

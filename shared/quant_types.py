@@ -70,7 +70,8 @@ def quant_type(qtype: int | QT) -> QuantType:
     """The table entry of a type id; ``KeyError`` names the type when ntx does not read it."""
     q = _BY_ID.get(int(qtype))
     if q is None:
-        raise KeyError(f"tensor type {QT(int(qtype)).name} is not supported")
+        known = int(qtype) in QT._value2member_map_
+        raise KeyError(f"tensor type {QT(int(qtype)).name if known else f'id {int(qtype)}'} is not supported")
     return q
 
 

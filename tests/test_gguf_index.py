@@ -4,26 +4,32 @@ be unusable, each ending as one ``ModelError`` line (and one ``ntxctl: error:`` 
 
 from __future__ import annotations
 
+import array
+import copy
 import os
 import pathlib
 import resource
+import struct
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType as VT
 
 import synth_gguf as sg
 from ntx.ctl import cli
 from ntx.shared.align import DIRECT_ALIGN_BYTES
-from ntx.shared.errors import ModelError
+from ntx.shared.errors import ModelError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model, read_header
 
 try:
     from . import synth_models as sm
+    from .gguf_mutate import GGUFParts
 except ImportError:  # tests/ is not a package
     import synth_models as sm
+    from gguf_mutate import GGUFParts
 
 data_region_start, gguf_reader, reader_meta = sm.data_region_start, sm.gguf_reader, sm.reader_meta
 tiny_config, write_header_only_gguf, write_tiny = sm.tiny_config, sm.write_header_only_gguf, sm.write_tiny
@@ -396,3 +402,195 @@ def test_tiny_config_is_what_the_bad_inputs_assume():
     # wrong_shape halves ffn_up's ne[1] (512 -> 256) of a d_model 256 / d_ff 512 model
     cfg = tiny_config()
     assert (cfg.d_model, cfg.d_ff) == (256, 512)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile headers (issue 12): every value the index uses is checked; nothing but one ModelError
+# line escapes, and what the file says is quoted with its control characters escaped.
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tmp_path_factory):
+    """The pieces of a valid tiny model, for each attack to change."""
+    return GGUFParts.of(write_tiny(tmp_path_factory.mktemp("attack")))
+
+
+def _kv(key, vtype, value, subtype=None):
+    return lambda p: p.set_kv(key, vtype, value, subtype)
+
+
+def _tensor(tensor_name, **fields):
+    def change(p):
+        t = p.tensor(tensor_name)
+        for k, v in fields.items():
+            setattr(t, k, v(p) if callable(v) else v)
+        return p
+    return change
+
+
+def _raw_kv(key: bytes, body: bytes):
+    """A pair written byte by byte: ``body`` is its type id and value."""
+    return lambda p: (p.kvs.append(struct.pack("<Q", len(key)) + key + body), p)[1]
+
+
+_EPS, _ROPE = "llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base"
+_FORGED = "\x1b[31m\nFAKE: model OK"
+_FORGED_SHOWN = "\\x1b[31m\\nFAKE: model OK"
+
+ATTACKS = {
+    # non-finite or out-of-range numbers that used to reach compute (NaN logits, 16 GiB tables)
+    "eps_nan": (_kv(_EPS, VT.FLOAT32, float("nan")), [_EPS, "nan"]),
+    "eps_negative": (_kv(_EPS, VT.FLOAT32, -1e-5), [_EPS, "must be a finite number > 0"]),
+    "eps_zero_in_float32": (_kv(_EPS, VT.FLOAT64, 1e-60), [_EPS]),
+    "rope_base_inf": (_kv(_ROPE, VT.FLOAT32, float("inf")), [_ROPE, "inf"]),
+    "rope_base_zero": (_kv(_ROPE, VT.FLOAT32, 0.0), [_ROPE]),
+    "rope_dim_huge": (_kv("llama.rope.dimension_count", VT.UINT32, 1 << 31), ["llama.rope.dimension_count", "outside 2..64"]),
+    "rope_dim_odd": (_kv("llama.rope.dimension_count", VT.UINT32, 63), ["llama.rope.dimension_count", "even"]),
+    "context_huge": (_kv("llama.context_length", VT.UINT64, 1 << 63), ["llama.context_length", "outside"]),
+    "heads_zero": (_kv("llama.attention.head_count", VT.UINT32, 0), ["llama.attention.head_count", "outside"]),
+    "scaling_factor_nan": (_kv("llama.rope.scaling.factor", VT.FLOAT32, float("nan")), ["llama.rope.scaling.factor"]),
+    "scaling_type_escape": (_kv("llama.rope.scaling.type", VT.STRING, "\x1b]0;pwned\x07"),
+                            ["llama.rope.scaling.type", "\\x1b]0;pwned\\x07"]),
+    # values of the wrong type (int() of a string, a NaN alignment)
+    "block_count_string": (_kv("llama.block_count", VT.STRING, "2"), ["llama.block_count", "not an integer"]),
+    "alignment_nan": (_kv("general.alignment", VT.FLOAT32, float("nan")), ["general.alignment", "nan"]),
+    "alignment_string": (_kv("general.alignment", VT.STRING, "32"), ["general.alignment", "'32'"]),
+    "alignment_3": (_kv("general.alignment", VT.UINT32, 3), ["general.alignment 3", "power of two"]),
+    "alignment_huge": (_kv("general.alignment", VT.UINT64, 1 << 40), ["general.alignment", "power of two"]),
+    "nested_array": (_raw_kv(b"general.nested", struct.pack("<IIQIQ", 9, 9, 1, 0, 0)), ["arrays of arrays"]),
+    "duplicate_key": (lambda p: (p.kvs.append(p.kvs[p.key_index("general.architecture")]), p)[1],
+                      ["duplicate metadata key general.architecture"]),
+    # tokenizer fields of the wrong type or length
+    "tokens_not_strings": (_kv("tokenizer.ggml.tokens", VT.ARRAY, list(range(512)), VT.INT32),
+                           ["tokenizer.ggml.tokens", "not an array of strings"]),
+    "token_type_strings": (_kv("tokenizer.ggml.token_type", VT.ARRAY, ["1"] * 512, VT.STRING),
+                           ["tokenizer.ggml.token_type", "not an array of integers"]),
+    "token_type_short": (_kv("tokenizer.ggml.token_type", VT.ARRAY, [1] * 10, VT.INT32), ["has 10 entries for 512 tokens"]),
+    "bos_id_string": (_kv("tokenizer.ggml.bos_token_id", VT.STRING, "1"), ["tokenizer.ggml.bos_token_id", "not an integer"]),
+    "add_bos_string": (_kv("tokenizer.ggml.add_bos_token", VT.STRING, "yes"), ["tokenizer.ggml.add_bos_token", "not a bool"]),
+    "chat_template_number": (_kv("tokenizer.chat_template", VT.UINT32, 7), ["tokenizer.chat_template", "not a string"]),
+    "vocab_short": (lambda p: _kv("tokenizer.ggml.token_type", VT.ARRAY, [1] * 500, VT.INT32)(
+                        _kv("tokenizer.ggml.tokens", VT.ARRAY, [f"t{i}" for i in range(500)], VT.STRING)(p)),
+                    ["the tokenizer has 500 tokens", "vocabulary has 512"]),
+    # tensor records: layer numbers, ranges, names that speak to the terminal
+    "layer_5000_digits": (_tensor("blk.0.attn_q.weight", name=b"blk." + b"7" * 5000 + b".attn_q.weight"),
+                          ["tensor info #2", "a name of 5018 bytes", "at most 63"]),
+    "layer_leading_zeros": (_tensor("blk.1.attn_q.weight", name=b"blk." + b"0" * 40 + b"1.attn_q.weight"),
+                            ["layer number 00000000000000000000...", "not a plain number"]),
+    "layer_4096": (_tensor("blk.1.attn_q.weight", name=b"blk.4096.attn_q.weight"), ["layer number 4096"]),
+    "overlapping_tensors": (_tensor("blk.0.attn_k.weight", rel_offset=lambda p: p.tensor("blk.0.attn_q.weight").rel_offset + 512),
+                            ["tensors blk.0.attn_q.weight and blk.0.attn_k.weight overlap"]),
+    "misaligned_tensor": (_tensor("blk.0.attn_k.weight", rel_offset=lambda p: p.tensor("blk.0.attn_k.weight").rel_offset + 1),
+                          ["blk.0.attn_k.weight", "not a multiple of the alignment 32"]),
+    "zero_dimension": (_tensor("blk.0.attn_q.weight", ne=[256, 0]), ["blk.0.attn_q.weight", "zero dimension"]),
+    "offset_past_end": (_tensor("output_norm.weight", rel_offset=(1 << 64) - 32), ["truncated file", "output_norm.weight"]),
+    "forged_line_in_tensor_name": (_tensor("blk.0.attn_q.weight", name=f"x{_FORGED}".encode(), type_id=999),
+                                   [f"tensor x{_FORGED_SHOWN} has unknown type id 999"]),
+    "forged_line_in_key": (_raw_kv(f"k{_FORGED}".encode(), struct.pack("<I", 99)), [f"k{_FORGED_SHOWN}"]),
+    "forged_line_in_arch": (_kv("general.architecture", VT.STRING, _FORGED), ["unsupported architecture", _FORGED_SHOWN]),
+    "too_many_tensors": (lambda p: setattr(p, "counts", ((1 << 16) + 1, len(p.kvs))) or p, ["corrupt header"]),
+}
+
+
+def assert_model_error_line(make, *needles: str) -> ModelError:
+    with pytest.raises(ModelError) as ei:
+        make()
+    msg = str(ei.value)
+    assert msg.isprintable(), repr(msg)  # no newline, no escape sequence, no bidi override
+    for n in needles:
+        assert n in msg, (n, msg)
+    return ei.value
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_hostile_header_is_one_printable_error_line(tmp_path, monkeypatch, capsys, tiny_parts, attack):
+    change, needles = ATTACKS[attack]
+    p = change(copy.deepcopy(tiny_parts)).write(tmp_path / "hostile.gguf")
+    assert_model_error_line(lambda: open_model(p), f"{p}: ", *needles)
+    code, out, err = run_cli_inprocess(monkeypatch, capsys, "inspect", str(p))
+    assert_one_error_line(code, out, err, str(p), *needles)
+    assert err.isascii() and "\x1b" not in err and out == ""
+
+
+@pytest.mark.parametrize("attack", ["eps_nan", "rope_dim_huge", "overlapping_tensors", "tokens_not_strings", "forged_line_in_key"])
+def test_plan_only_refuses_a_hostile_header(tmp_path, monkeypatch, capsys, tiny_parts, attack):
+    change, needles = ATTACKS[attack]
+    p = change(copy.deepcopy(tiny_parts)).write(tmp_path / "hostile.gguf")
+    code, out, err = run_cli_inprocess(monkeypatch, capsys, "start", "--model", str(p), "--backend", "cpu", "--plan-only")
+    assert_one_error_line(code, out, err, str(p), *needles)
+    assert out == ""
+
+
+def test_tokenizer_refuses_wrong_types_with_one_line(tiny_parts, tmp_path):
+    """The tokenizer checks a metadata dict by the index's own table (tests build dicts)."""
+    from ntx.daemons.compute.tokenizer import Tokenizer
+
+    md = dict(open_model(tiny_parts.write(tmp_path / "ok.gguf")).metadata)
+    for key, bad in (("tokenizer.ggml.token_type", ["1"] * 512), ("tokenizer.ggml.eos_token_id", float("nan")),
+                     ("tokenizer.ggml.merges", [1, 2]), ("tokenizer.ggml.pre", ["smollm"])):
+        with pytest.raises(NtxError) as ei:
+            Tokenizer.from_metadata({**md, key: bad})
+        assert key in str(ei.value) and str(ei.value).isprintable()
+    assert Tokenizer.from_metadata(md).vocab_size == 512
+
+
+def test_forged_model_name_is_shown_escaped(tmp_path, monkeypatch, capsys, tiny_parts):
+    p = _kv("general.name", VT.STRING, _FORGED)(copy.deepcopy(tiny_parts)).write(tmp_path / "named.gguf")
+    code, out, err = run_cli_inprocess(monkeypatch, capsys, "inspect", str(p))
+    assert code == 0, err
+    assert out.splitlines()[0].startswith(_FORGED_SHOWN) and "\x1b" not in out and "FAKE" not in out.splitlines()[1]
+
+
+def test_split_name_with_no_shards(tmp_path, tiny_parts):
+    p = tiny_parts.write(tmp_path / "m-00001-of-00000.gguf")
+    assert_model_error_line(lambda: open_model(p), "shard 1 of 0")
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    p = tmp_path / "pipe.gguf"
+    os.mkfifo(p)
+    assert_model_error_line(lambda: open_model(p), "not a regular file")
+
+
+def test_numeric_arrays_are_kept_packed(tiny_parts, tmp_path):
+    """A numeric metadata array is one packed copy (array.array), equal to what gguf-py reads;
+    its raw bytes are read from the file only when asked for."""
+    parts = _kv("tokenizer.ggml.scores", VT.ARRAY, [i / 4 for i in range(512)], VT.FLOAT32)(copy.deepcopy(tiny_parts))
+    p = parts.write(tmp_path / "scores.gguf")
+    scores = read_header(p).kv("tokenizer.ggml.scores")
+    assert isinstance(scores.value, array.array) and scores.value.typecode == "f"
+    assert list(scores.value) == gguf_reader(p).fields["tokenizer.ggml.scores"].contents()
+    assert scores.raw == parts.kvs[parts.key_index("tokenizer.ggml.scores")]
+    assert open_model(p).metadata["tokenizer.ggml.scores"] == scores.value
+
+
+_PEAK_RSS = """
+import resource, sys
+from ntx.ctl import cli
+sys.argv = ["ntxctl", "inspect", sys.argv[1]]
+try:
+    cli.main()
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+"""
+
+
+def _inspect_peak_rss_bytes(path) -> int:
+    r = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return int(r.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux only")
+def test_a_large_metadata_array_is_held_once(tmp_path, tiny_parts):
+    """`inspect` of a file with a 64 MiB float array peaks less than two copies of the array above
+    the same model without it (it was ~9 copies: a Python float per element, plus the raw bytes)."""
+    array_bytes = 64 << 20
+    values = np.arange(array_bytes // 4, dtype=np.float32)
+    big = copy.deepcopy(tiny_parts)
+    big.kvs.append(struct.pack("<Q", 11) + b"general.big" + struct.pack("<IIQ", 9, 6, values.size) + values.tobytes())
+    del values
+    base_rss = _inspect_peak_rss_bytes(tiny_parts.write(tmp_path / "base.gguf"))
+    big_rss = _inspect_peak_rss_bytes(big.write(tmp_path / "big.gguf"))
+    assert big_rss - base_rss < 2 * array_bytes, (base_rss, big_rss)

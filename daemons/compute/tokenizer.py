@@ -43,6 +43,7 @@ from tokenizers.models import BPE
 
 from ntx.shared.bytelevel import bytes_to_unicode
 from ntx.shared.errors import NtxError
+from ntx.shared.gguf_index import TOKENIZER_ID_KEYS, metadata_problem
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "TokenType", "PRE_TOKENIZER_REGEXES"]
 
@@ -202,43 +203,42 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """Build from GGUF metadata (key -> plain Python value). Raises NtxError on a vocab we
-        cannot use (unsupported model, unknown pre-tokenizer, missing fields)."""
+        """Build from GGUF metadata (key -> value, as ``gguf_index`` reads it or as plain Python
+        lists). Raises NtxError on a vocab we cannot use (unsupported model, unknown
+        pre-tokenizer, missing fields, a field of the wrong type)."""
+        problem = metadata_problem(metadata)
+        if problem:
+            raise NtxError(f"the model's tokenizer cannot be used: {problem}")
         model = _field(metadata, "tokenizer.ggml.model")
         tokens = _field(metadata, "tokenizer.ggml.tokens")
         if not model or not tokens:
             raise NtxError("the model file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        tokens = [str(t) for t in tokens]
+        tokens = list(tokens)
         n_vocab = len(tokens)
         types = _field(metadata, "tokenizer.ggml.token_type")
-        types = [int(t) for t in types] if types is not None else [TokenType.NORMAL] * n_vocab
-        if len(types) != n_vocab:
-            raise NtxError(f"tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens")
+        types = list(types) if types is not None else [TokenType.NORMAL] * n_vocab
 
         def tok_id(key: str) -> int | None:
             v = _field(metadata, f"tokenizer.ggml.{key}_token_id")
-            if v is None:
-                return None
-            v = int(v)
-            return v if 0 <= v < n_vocab else None
+            return v if v is not None and 0 <= v < n_vocab else None
 
-        special_ids = {k: tok_id(k) for k in ("bos", "eos", "eot", "eom", "pad", "unknown")}
+        special_ids = {k: tok_id(k) for k in TOKENIZER_ID_KEYS}
         special_ids["unk"] = special_ids.pop("unknown")
 
         if model == "gpt2":
-            pre = str(_field(metadata, "tokenizer.ggml.pre", "default") or "default")
+            pre = _field(metadata, "tokenizer.ggml.pre", "default") or "default"
             hf = _build_bpe(metadata, tokens, types, pre)
             add_bos_default = pre in _ADD_BOS_PRE
             add_space_prefix = False
         elif model == "llama":
             pre = None
-            add_space_prefix = bool(_field(metadata, "tokenizer.ggml.add_space_prefix", True))
+            add_space_prefix = _field(metadata, "tokenizer.ggml.add_space_prefix", True)
             hf = _build_spm(metadata, tokens, types, special_ids["unk"], add_space_prefix)
             add_bos_default = True
         else:
             raise NtxError(f"unsupported tokenizer model {model!r} (supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
 
-        add_bos = bool(_field(metadata, "tokenizer.ggml.add_bos_token", add_bos_default))
+        add_bos = _field(metadata, "tokenizer.ggml.add_bos_token", add_bos_default)
         if add_bos and special_ids["bos"] is None:
             add_bos = False
 
@@ -379,7 +379,7 @@ def _build_spm(
     metadata: dict[str, Any], tokens: list[str], types: list[int], unk_id: int | None, add_space_prefix: bool
 ) -> _HFTokenizer:
     scores = _field(metadata, "tokenizer.ggml.scores")
-    if scores is None or len(scores) != len(tokens):
+    if scores is None:  # (its length, when present, was checked with the other fields' types)
         raise NtxError("SentencePiece vocab without a score for every token (tokenizer.ggml.scores)")
     vocab = _vocab_dict(tokens)
     merges = _spm_merges(tokens, types, scores)
