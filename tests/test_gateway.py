@@ -8,6 +8,7 @@ and a client that hangs up must see its request cancelled in the pipeline within
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,9 +38,11 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(smollm2_path, run_dir):
-    """A pipeline (every layer resident) with its gateway on a free port."""
+    """A pipeline with its gateway on a free port: 26 layers resident and 4 read from storage,
+    so that every stage (reader, dma, compute) works and shows."""
     http = f"127.0.0.1:{free_port()}"
-    with running_pipeline(str(smollm2_path), run_dir, "--http", http, name="gw") as p:
+    with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "26", "--ram-budget", "0", "--http", http,
+                          name="gw") as p:
         p.http = http
         p.base = f"http://{http}"
         yield p
@@ -165,7 +168,8 @@ def test_metrics_parse_and_count(served, oai):
     assert [s.value for s in families["ntx_pipeline_ready"].samples] == [1.0]
     shares = {(s.labels["stage"], s.labels["state"]) for s in families["ntx_stage_share"].samples}
     assert ("compute", "busy") in shares and ("compute", "starved") in shares
-    assert {s.labels["tier"] for s in families["ntx_streamed_bytes"].samples} == {"storage", "ram"}
+    tiers = {s.labels["tier"]: s.value for s in families["ntx_streamed_bytes"].samples if s.name.endswith("_total")}
+    assert tiers["storage"] > 0 and tiers["ram"] == 0  # 4 layers on storage, none in pinned RAM
     generated = [s.value for s in families["ntx_generated_tokens"].samples if s.name == "ntx_generated_tokens_total"]
     assert generated[0] >= 3
 
@@ -256,3 +260,55 @@ def test_http_beyond_loopback_needs_a_key(smollm2_path):
                env={"NTX_API_KEY": ""})
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("ntxctl: error: --http on 0.0.0.0 listens beyond this machine")
+
+
+def _headless_chromium():
+    """Debian's chromium through its own chromedriver (.ci/run installs both); skip, saying
+    what is missing, only where they are not installed."""
+    driver = shutil.which("chromedriver")
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not driver or not binary:
+        pytest.skip("the status page's browser test needs chromium and chromedriver "
+                    "(Debian: apt-get install chromium chromium-driver, which .ci/run does as root)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=opts)
+
+
+def test_status_page_in_a_headless_browser(served):
+    """The page loads, shows every stage and the plan, and updates while a request runs."""
+    from selenium.webdriver.common.by import By
+
+    browser = _headless_chromium()
+    try:
+        browser.get(f"{served.base}/")
+        for stage in ("reader", "dma", "compute"):
+            wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, f'.stage[data-stage="{stage}"]'), 30.0,
+                     f"the page to show the {stage} stage")
+        assert "storage" in browser.find_element(By.ID, "plan").text
+        assert browser.find_element(By.ID, "state").text == "ready"
+
+        def figure(element_id: str) -> int:
+            return int(browser.find_element(By.ID, element_id).text)
+
+        before = figure("tokens-generated")
+        body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000,
+                "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{served.base}/v1/chat/completions", json=body):
+            wait_for(lambda: figure("in-flight") == 1 and figure("tokens-generated") > before, 30.0,
+                     "the page to show the running request and its tokens")
+            seen = figure("tokens-generated")
+            wait_for(lambda: figure("tokens-generated") > seen, 30.0, "the page to update again while it runs")
+            # the compute chart has drawn busy time
+            painted = browser.execute_script(
+                'const c = document.querySelector(\'.stage[data-stage="compute"] canvas\');'
+                "return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data).some(v => v > 0);")
+            assert painted
+        wait_for(lambda: figure("in-flight") == 0, 30.0, "the page to show the request gone")
+    finally:
+        browser.quit()
