@@ -49,10 +49,12 @@ def request_log_line(rid: str, client_rid: str, ev: dict) -> str:
     head = f"request {rid} (client id {client_rid!r}):"
     if ev.get("type") == "error":
         return f"{head} error {ev.get('code')}: {ev.get('message')}"
-    usage, t = ev.get("usage", {}), ev.get("timings", {})
-    ttft_s = t.get("queued_s", 0.0) + t.get("prefill_s", 0.0)
+    usage, t = ev.get("usage") or {}, ev.get("timings") or {}
+    ttft_s = (t.get("queued_s") or 0.0) + (t.get("prefill_s") or 0.0)
+    tok_s = t.get("decode_tokens_per_s")  # None when there was nothing to decode after the first token
     return (f"{head} prompt {usage.get('prompt_tokens', 0)} tokens, generated {usage.get('completion_tokens', 0)}, "
-            f"finish {ev.get('finish_reason')}, ttft {ttft_s:.3f} s, {t.get('decode_tokens_per_s', 0.0):.1f} tok/s")
+            f"finish {ev.get('finish_reason')}, ttft {ttft_s:.3f} s, "
+            + (f"{tok_s:.1f} tok/s" if tok_s is not None else "no decode"))
 
 
 @dataclass
@@ -356,9 +358,9 @@ class Supervisor:
         if ev.get("type") in ("done", "error"):
             del self.inflight[rid]
             self.by_client.pop((client, client_rid), None)
-            if LOG_LEVELS.index(self.cfg.log_level) <= LOG_LEVELS.index("info"):
-                self.say(request_log_line(rid, client_rid, ev))
         self.reply(client, ev)
+        if ev.get("type") in ("done", "error") and LOG_LEVELS.index(self.cfg.log_level) <= LOG_LEVELS.index("info"):
+            self.say(request_log_line(rid, client_rid, ev))
 
     def forward(self, rid: str, req: dict) -> None:
         target = f"compute-g{self.gen}".encode()
