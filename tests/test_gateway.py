@@ -312,3 +312,19 @@ def test_status_page_in_a_headless_browser(served):
         wait_for(lambda: figure("in-flight") == 0, 30.0, "the page to show the request gone")
     finally:
         browser.quit()
+
+
+def test_health_says_loading_while_the_pipeline_starts():
+    """/health follows the pipeline's state: 503 "loading" while it starts, 200 once ready (the
+    app in process, its status set by hand; nothing listens on its pipeline address)."""
+    from starlette.testclient import TestClient
+
+    from ntx.ctl.gateway.app import create_app
+
+    with TestClient(create_app(f"tcp://127.0.0.1:{free_port()}")) as http:
+        link = http.app.state.gateway.link
+        link.status, link.status_at_s = {"state": "starting"}, time.monotonic()
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        link.status, link.status_at_s = {"state": "ready"}, time.monotonic()
+        assert http.get("/health").status_code == 200
