@@ -168,9 +168,9 @@ def _print_stream(events, as_json: bool) -> dict:
                     if reason != "stop":
                         typer.echo(f"ntxctl: finish: {FINISH_NOTES.get(reason, reason)}", err=True)
             elif ev["type"] == "error":
-                _fail(f"{ev.get('code')}: {ev.get('message')}")
-    except (NtxError, typer.Exit):
-        if not at_line_start:  # the error line starts a line of its own, not after the text
+                raise NtxError(f"{ev.get('code')}: {ev.get('message')}")
+    except NtxError:  # main() prints it: on a line of its own, not after the text
+        if not at_line_start:
             sys.stdout.write("\n")
             sys.stdout.flush()
         raise

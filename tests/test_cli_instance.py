@@ -90,14 +90,8 @@ def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
 
 
 def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
-    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "generate", "--name", "cli", "--max-tokens", "3000",
-                             "Tell me a very long story."], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc, _ = _start_generating("--name", "cli", "--max-tokens", "3000", "Tell me a very long story.")
     try:
-        out = b""
-        deadline = time.monotonic() + 120
-        while len(out.strip()) < 3 and time.monotonic() < deadline:  # it generates
-            if select.select([proc.stdout], [], [], 1.0)[0]:
-                out += os.read(proc.stdout.fileno(), 4096)
         assert pipeline.status()["requests"]["in_flight"] == 1
         proc.send_signal(signal.SIGINT)
         interrupted_s = time.monotonic()
@@ -108,6 +102,31 @@ def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
     assert b"finish: cancelled" in err and b"Traceback" not in err
     wait_for(lambda: pipeline.status()["requests"]["in_flight"] == 0, 1.0, "the request to be gone from the pipeline")
     assert time.monotonic() - interrupted_s < 5.0
+
+
+def _start_generating(*args: str) -> tuple[subprocess.Popen, bytes]:
+    """``ntxctl generate ARGS`` in a subprocess, once it has printed some text."""
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "generate", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = b""
+    deadline = time.monotonic() + 120
+    while len(out.strip()) < 3 and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            out += os.read(proc.stdout.fileno(), 4096)
+    return proc, out
+
+
+def test_a_forced_stop_ends_the_text_before_the_error_line(smollm2_path, run_dir):
+    with running_pipeline(str(smollm2_path), run_dir, name="forced"):
+        proc, _ = _start_generating("--name", "forced", "--max-tokens", "3000", "Tell me a very long story.")
+        try:
+            assert ntxctl("stop", "--name", "forced", "--force").returncode == 0
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1
+    assert out.endswith(b"\n")  # the text's line is ended before the error is said
+    assert err.decode().strip().splitlines()[-1].startswith("ntxctl: error: shutdown: ")
 
 
 def test_status_reads_as_text_and_names_the_logs(pipeline):

@@ -87,7 +87,8 @@ class Generation:
         self.last_token_s: float | None = None
         self.stream: RequestStream | None = None
         self.finish = "error"
-        self._watch: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None  # awaits the client's hang-up
+        self._events: AsyncIterator[dict] | None = None
 
     async def start(self) -> dict:
         """Submit the request and wait for its first event; an error reply raises ApiError

@@ -14,9 +14,10 @@ import time
 from collections import deque
 from typing import Any, AsyncIterator
 
-import msgpack
 import zmq
 import zmq.asyncio
+
+from ntx.shared import messages as m
 
 STATUS_INTERVAL_S = 1.0
 HISTORY_S = 60  # the status page's chart spans the last minute, one sample per interval
@@ -105,7 +106,7 @@ class PipelineLink:
 
     def send(self, msg: dict) -> None:
         try:
-            self.sock.send(msgpack.packb(msg), zmq.NOBLOCK)
+            self.sock.send(m.pack(msg), zmq.NOBLOCK)
         except zmq.Again:  # the supervisor is gone: the status poll notices and /health says so
             pass
 
@@ -162,8 +163,8 @@ class PipelineLink:
         while True:
             frame = await self.sock.recv()
             try:
-                ev = msgpack.unpackb(frame)
-            except Exception:
+                ev = m.unpack(frame)
+            except ValueError:  # msgpack's errors are ValueErrors: a frame not from the supervisor
                 continue
             if not isinstance(ev, dict):
                 continue
