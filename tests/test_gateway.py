@@ -185,7 +185,8 @@ def test_streaming_client_that_hangs_up_is_cancelled_within_a_second(served):
                 pass  # the role chunk; then the first token arrived: the request runs
             assert _in_flight(served) == 1
         hung_up_s = time.monotonic()  # leaving the block closed the connection
-    wait_for(lambda: _in_flight(served) == 0, 1.0, "the pipeline to drop the request after the hang-up")
+    wait_for(lambda: _in_flight(served) == 0, 1.0,
+             lambda: f"the pipeline to drop the request after the hang-up (now: {served.status()['requests']})")
     assert time.monotonic() - hung_up_s < 1.0
 
 
@@ -195,7 +196,8 @@ def test_non_streaming_client_that_times_out_is_cancelled_within_a_second(served
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.base}/v1/chat/completions", json=body, timeout=httpx.Timeout(10.0, read=1.5))
     hung_up_s = time.monotonic()
-    wait_for(lambda: _in_flight(served) == 0, 1.0, "the pipeline to drop the request after the time-out")
+    wait_for(lambda: _in_flight(served) == 0, 1.0,
+             lambda: f"the pipeline to drop the request after the time-out (now: {served.status()['requests']})")
     assert time.monotonic() - hung_up_s < 1.0
 
 
