@@ -43,7 +43,7 @@ from ntx.daemons.compute.replay import write_references
 from ntx.shared.config import MAX_DRAFT_TOKENS, InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
-from ntx.shared.plan import RAM, STORAGE, VRAM
+from ntx.shared.plan import RAM, SKIPPED, STORAGE, VRAM, layer_ranges
 from ntx.shared.stats import bottleneck, combine, summarize
 
 GB = 1e9
@@ -196,7 +196,8 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     last = int(after.get("stages", {}).get("compute", {}).get("n_passes", 0))
     stages = _decode_passes(after, first, last)
     return {
-        "label": label, "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE)},
+        "label": label, "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE, SKIPPED)},
+        "skipped_layers": plan.layers_on(SKIPPED), "skipped_bytes_per_pass": plan.skipped_layer_bytes,
         "streamed_bytes_per_pass": plan.streamed_bytes_per_pass, "ram_bytes_per_pass": plan.ram_layer_bytes,
         "storage_bytes_per_pass": plan.storage_layer_bytes, "start_s": round(start_s, 2),
         "tokens_per_s": n / decode_s if decode_s > 0 else 0.0, "pass_s": decode_s / passes if passes else 0.0,
@@ -389,7 +390,7 @@ def _timed_instance(cfg: InstanceConfig, index: ModelIndex, warmup_tokens: int, 
             "client_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             "pass_s_by_rows": pass_s_by_rows, "start_s": round(start_s, 2),
             "streamed_bytes_per_pass": plan.streamed_bytes_per_pass,
-            "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE)}}
+            "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE, SKIPPED)}}
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -617,10 +618,13 @@ def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
 def run_bench(
     model: str, *, backend: str, vram_budget: int | None, gpu_layers: int | None, ram_budget: int | None,
     tokens: int, batch: int, scenarios: list[str], resident_model: str | None, out_dir: Path, listen: str, log=print,
-    spec: SpecOptions | None = None,
+    spec: SpecOptions | None = None, skip_layers: list[int] | None = None,
 ) -> dict[str, Any]:
     """Run the chosen scenarios; write bench.json (and bench.png) into ``out_dir``. ``spec``:
-    the spec scenario's options (its defaults when None)."""
+    the spec scenario's options (its defaults when None); ``skip_layers``: what the skip
+    scenario, (a) without those layers, leaves out."""
+    if "skip" in scenarios and not skip_layers:
+        raise ConfigError("the skip scenario needs --skip-layers (a list, a calibrate profile, or PROFILE:N)")
     spec_opts = (spec or SpecOptions()).validate() if "spec" in scenarios else None
     out_dir.mkdir(parents=True, exist_ok=True)
     index = open_model(model)
@@ -654,6 +658,9 @@ def run_bench(
             continue
         if sc == "a":
             results["a"] = run_pipeline("a", base, index, tokens, batch, log)
+        elif sc == "skip":
+            cfg_skip = InstanceConfig(**{**base.to_dict(), "skip_layers": skip_layers})
+            results["skip"] = run_pipeline("skip", cfg_skip, index, tokens, batch, log)
         elif sc == "b":
             cfg_b = InstanceConfig(**{**base.to_dict(), "ram_budget": 0})
             results["b"] = run_pipeline("b", cfg_b, index, tokens, batch, log)
@@ -666,7 +673,7 @@ def run_bench(
         else:
             continue
         r = results[sc]
-        lim = limit_tokens_per_s(r, limits, batch) if sc in ("a", "b", "c") else None
+        lim = limit_tokens_per_s(r, limits, batch) if sc in ("a", "b", "c", "skip") else None
         r["limit_tokens_per_s"] = lim
         r["ratio_to_limit"] = r["tokens_per_s"] / lim if lim else None
         if sc == "d":
@@ -679,6 +686,9 @@ def run_bench(
     if "a" in results and "c" in results and results["c"]["tokens_per_s"]:
         report["a_over_c"] = results["a"]["tokens_per_s"] / results["c"]["tokens_per_s"]
         log(f"(a)/(c): {report['a_over_c']:.1f}x")
+    if "a" in results and "skip" in results and results["a"]["tokens_per_s"]:
+        report["skip_over_a"] = results["skip"]["tokens_per_s"] / results["a"]["tokens_per_s"]
+        log(f"(skip)/(a): {report['skip_over_a']:.2f}x with {len(skip_layers)} of {index.hparams.n_layers} layers skipped")
     if "a" in results and "check" in results:
         n = min(len(results["a"]["tokens"]), len(results["check"]["tokens"]))
         report["greedy_equal"] = results["a"]["tokens"][:n] == results["check"]["tokens"][:n]
@@ -692,6 +702,9 @@ def run_bench(
 
 def _line(r: dict) -> str:
     s = f"({r['label']}) {r['tokens_per_s']:.3f} tok/s, {r['pass_s'] * 1e3:.1f} ms/pass"
+    if r.get("skipped_layers"):
+        s += (f"; {len(r['skipped_layers'])} layers skipped ({layer_ranges(r['skipped_layers'])}), "
+              f"{format_bytes(r['skipped_bytes_per_pass'])} per pass never read nor copied")
     if r.get("limit_tokens_per_s"):
         s += f"; limit {r['limit_tokens_per_s']:.3f} tok/s ({100 * r['ratio_to_limit']:.1f}%)"
     if r.get("share_of_copy_bw") is not None:

@@ -285,6 +285,19 @@ class Cancelled(Exception):
     """Ctrl-C during a request: it was cancelled in the pipeline."""
 
 
+SKIP_LAYERS_HELP = ("never run, read nor copy these layers: a list (20-27,29), a calibrate profile (its layers at "
+                    "cos >= 0.98), or PROFILE:N (its N most similar layers)")
+
+
+def _skip_layers(spec: str | None, n_layers: int) -> list[int] | None:
+    """``--skip-layers``'s layers, or None without the option."""
+    if spec is None:
+        return None
+    from ntx.ctl.calibrate import skip_layers
+
+    return skip_layers(spec, n_layers) or None
+
+
 def _stream_remote(client, as_json: bool, **request) -> dict:
     """Run one request on the pipeline, printing as it streams. Ctrl-C sends ``cancel`` and
     waits (briefly) for the pipeline to confirm, then raises Cancelled."""
@@ -382,6 +395,7 @@ def start(
         "--scenarios spec`); the drafter named otherwise runs and is ignored"),
     draft_replay_p: float = typer.Option(0.0, "--draft-replay-p", help="for benchmarks: probability that each "
                                          "replayed draft token is made wrong"),
+    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help=SKIP_LAYERS_HELP),
     http: Optional[str] = typer.Option(None, "--http", help="also serve OpenAI's API, /metrics, /health and a live "
                                        "status page on HOST:PORT (example: 127.0.0.1:8080)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, help="the Bearer token HTTP clients "
@@ -406,7 +420,7 @@ app.command()(serve)
 
 def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budget, ram_budget, gpu_layers, io,
             max_batch, ctx, plan_only, timeout, max_restarts, draft_model, self_draft, self_draft_skip, draft_tokens,
-            draft_width, draft_replay, draft_replay_p, http, api_key, log_level) -> None:
+            draft_width, draft_replay, draft_replay_p, skip_layers, http, api_key, log_level) -> None:
     """``start`` (a detached supervisor) and ``serve`` (this process becomes the supervisor)."""
     from ntx.ctl import instance
     from ntx.shared.config import InstanceConfig, parse_size
@@ -414,6 +428,7 @@ def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budge
     from ntx.daemons.compute.backend import plan_for
 
     model_path = os.path.abspath(_model_path(model))
+    index = open_model(model_path)
     cfg = InstanceConfig(
         model=model_path, name=name, backend=_choose_backend(backend), listen=listen, slots=slots,
         vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget is not None else None,
@@ -421,11 +436,11 @@ def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budge
         max_vram_layers=gpu_layers, io_mode=io, max_batch=max_batch, max_context=ctx,
         handshake_timeout_s=timeout, max_restarts=max_restarts,
         **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)),
-        draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p, http=http, log_level=log_level,
+        draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
+        skip_layers=_skip_layers(skip_layers, index.hparams.n_layers), http=http, log_level=log_level,
     ).validate()
     _check_http(http, api_key)
     _check_port_free(listen, "--listen")
-    index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
     plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
@@ -641,7 +656,7 @@ def bench(
     ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="for (a); (b) uses 0"),
     tokens: int = typer.Option(8, "--tokens", help="tokens generated per request"),
     batch: int = typer.Option(1, "--batch", help="concurrent requests"),
-    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check,spec"),
+    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check,spec,skip"),
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
     listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
@@ -655,17 +670,23 @@ def bench(
     spec_tokens: int = typer.Option(64, "--spec-tokens", help="spec: tokens generated per controlled-acceptance run"),
     draft_model: Optional[str] = typer.Option(None, "--draft-model",
                                               help="spec: run this draft model behind the replay (its cost paid)"),
+    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="skip: (a) without these layers: a list, "
+                                              "a calibrate profile, or PROFILE:N"),
 ) -> None:
     """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident,
-    (spec) speculative decoding with the replay drafter; every figure printed next to the limit
-    measured in the same run."""
+    (spec) speculative decoding with the replay drafter, (skip) (a) with --skip-layers; every
+    figure printed next to the limit measured in the same run."""
     from pathlib import Path
 
     from ntx.ctl.bench import SpecOptions, run_bench
     from ntx.shared.config import parse_size
 
+    from ntx.shared.gguf_index import open_model
+
+    model_path = os.path.abspath(_model_path(model))
     run_bench(
-        os.path.abspath(_model_path(model)), backend=_choose_backend(backend),
+        model_path, backend=_choose_backend(backend),
+        skip_layers=_skip_layers(skip_layers, open_model(model_path).hparams.n_layers),
         vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget else None, gpu_layers=gpu_layers,
         ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget else None, tokens=tokens, batch=batch,
         scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,

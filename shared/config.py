@@ -131,6 +131,7 @@ class InstanceConfig:
     vram_budget: int | None = None  # bytes; None = from free device memory
     ram_budget: int | None = None  # bytes; None = from available RAM
     max_vram_layers: int | None = None  # cap on resident layers (like llama.cpp's -ngl)
+    skip_layers: list[int] | None = None  # never run, read nor copied (``--skip-layers``; ctl/calibrate.py)
     io_mode: str = "auto"
     max_batch: int = 16
     max_context: int = 4096

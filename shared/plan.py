@@ -3,7 +3,9 @@
 Reservations come first (as in ntransformer): the global tensors, the KV cache, the workspace
 and — only when something streams — the device slots; then layers fill the VRAM budget in order,
 the rest fills the RAM budget (less the host staging slots, when something is left for storage),
-and whatever remains streams from storage on every pass.
+and whatever remains streams from storage on every pass. Layers the user skips
+(``--skip-layers``: a calibrate profile's most input-like layers) take no tier at all: they
+cost no memory, are never read nor copied, and the layers after them move up.
 
 What a layer, the KV cache and the workspace cost is the backend's to say, not the planner's:
 each backend reports a ``MemoryCosts`` (``Backend.memory_costs``) and the planner places layers
@@ -23,7 +25,7 @@ from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import ModelIndex
 
-VRAM, RAM, STORAGE = "vram", "ram", "storage"
+VRAM, RAM, STORAGE, SKIPPED = "vram", "ram", "storage", "skipped"
 DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
 RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
 
@@ -52,7 +54,7 @@ class MemoryCosts:
 
 @dataclass(frozen=True)
 class Plan:
-    tiers: tuple[str, ...]  # per layer: vram | ram | storage
+    tiers: tuple[str, ...]  # per layer: vram | ram | storage | skipped
     backend: str
     memory_name: str  # where "vram" layers live: VRAM on cuda, compute's own memory on cpu
     n_slots: int
@@ -69,13 +71,14 @@ class Plan:
     vram_layer_bytes: int
     ram_layer_bytes: int
     storage_layer_bytes: int
+    skipped_layer_bytes: int = 0  # the skipped layers' bytes in the file: what a pass no longer moves or holds
 
     def layers_on(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
 
     @property
     def streamed_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if t != VRAM]
+        return [i for i, t in enumerate(self.tiers) if t in (RAM, STORAGE)]
 
     @property
     def streamed_bytes_per_pass(self) -> int:
@@ -97,7 +100,7 @@ class Plan:
         lines = []
         for tier, layer_bytes in ((VRAM, self.vram_layer_bytes), (RAM, self.ram_layer_bytes), (STORAGE, self.storage_layer_bytes)):
             layers = self.layers_on(tier)
-            lines.append(f"{tier:8s} {len(layers):4d} layers {_ranges(layers):>14s}  {format_bytes(layer_bytes):>11s}")
+            lines.append(f"{tier:8s} {len(layers):4d} layers {layer_ranges(layers):>14s}  {format_bytes(layer_bytes):>11s}")
         lines.append(
             f"reserved in {self.memory_name}: globals {format_bytes(self.globals_bytes)}, "
             f"KV cache {format_bytes(self.kv_bytes)} ({self.kv_tokens} tokens), workspace {format_bytes(self.workspace_bytes)}, "
@@ -109,11 +112,17 @@ class Plan:
             f"pinned RAM: host slots {format_bytes(self.host_slot_bytes_total)}; budget {format_bytes(self.ram_budget)}; "
             f"{self.n_slots} slots of {format_bytes(self.slot_bytes)}"
         )
-        lines.append(f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}")
+        skipped = self.layers_on(SKIPPED)
+        if skipped:
+            lines.append(f"{SKIPPED:8s} {len(skipped):4d} layers {layer_ranges(skipped):>14s}  {format_bytes(self.skipped_layer_bytes):>11s}"
+                         "  never read, copied nor run")
+        lines.append(f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}"
+                     + (f" ({format_bytes(self.skipped_layer_bytes)} of skipped layers saved)" if skipped else ""))
         return lines
 
 
-def _ranges(idx: list[int]) -> str:
+def layer_ranges(idx: list[int]) -> str:
+    """Sorted layer ids as a person reads them: [0, 1, 2, 5] -> "0-2,5"."""
     if not idx:
         return "-"
     out, start, prev = [], idx[0], idx[0]
@@ -151,7 +160,9 @@ def _free_device_bytes() -> int:
 
 def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft: MemoryCosts | None = None) -> Plan:
     """Place every layer of ``index`` on a tier under ``cfg``'s budgets, with the memory the
-    backend says it needs (``costs``) and, first, a draft model's whole footprint (``draft``)."""
+    backend says it needs (``costs``) and, first, a draft model's whole footprint (``draft``).
+    ``cfg.skip_layers`` are placed nowhere (tier ``skipped``); the cap ``max_vram_layers``
+    counts the layers that run."""
     backend = cfg.backend
     vram_default, ram_default = (None, None)
     if cfg.vram_budget is None or cfg.ram_budget is None:
@@ -165,6 +176,13 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     slot_bytes = index.max_layer_slot_bytes
     layer_costs = costs.layer_bytes
     n = hp.n_layers
+    skip = set(cfg.skip_layers or ())
+    bad = sorted(i for i in skip if not 0 <= i < n)
+    if bad:
+        raise ConfigError(f"--skip-layers {bad}: the model has layers 0-{n - 1}")
+    if len(skip) >= n:
+        raise ConfigError(f"--skip-layers skips all {n} layers: keep at least one")
+    kept = [i for i in range(n) if i not in skip]
 
     avail = vram_budget - globals_bytes - kv_bytes - workspace - draft_bytes
     if avail < 0:
@@ -173,11 +191,12 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
             f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, KV cache and workspace"
             f"{with_draft} alone need {format_bytes(vram_budget - avail)}"
         )
-    max_vram_layers = n if cfg.max_vram_layers is None else min(cfg.max_vram_layers, n)
-    tiers = [STORAGE] * n
+    max_vram_layers = len(kept) if cfg.max_vram_layers is None else min(cfg.max_vram_layers, len(kept))
+    tiers = [SKIPPED if i in skip else STORAGE for i in range(n)]
     device_slots_total = 0
-    if max_vram_layers == n and sum(layer_costs) <= avail:
-        tiers = [VRAM] * n
+    if max_vram_layers == len(kept) and sum(layer_costs[i] for i in kept) <= avail:
+        for i in kept:
+            tiers[i] = VRAM
     else:
         device_slots_total = cfg.slots * slot_bytes
         avail -= device_slots_total
@@ -187,13 +206,13 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
                 f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}"
             )
         used = 0
-        for i in range(max_vram_layers):
+        for i in kept[:max_vram_layers]:
             if used + layer_costs[i] > avail:
                 break
             tiers[i] = VRAM
             used += layer_costs[i]
 
-    rest = [i for i in range(n) if tiers[i] != VRAM]
+    rest = [i for i in kept if tiers[i] != VRAM]
     host_slots_total = 0
     rest_bytes = sum(index.layers[i].slot_bytes for i in rest)
     if rest_bytes <= ram_budget:
@@ -218,4 +237,5 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         kv_bytes=kv_bytes, kv_tokens=costs.kv_tokens, workspace_bytes=workspace, draft_bytes=draft_bytes,
         device_slot_bytes_total=device_slots_total, host_slot_bytes_total=host_slots_total,
         vram_layer_bytes=total(VRAM), ram_layer_bytes=total(RAM), storage_layer_bytes=total(STORAGE),
+        skipped_layer_bytes=total(SKIPPED),
     )

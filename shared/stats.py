@@ -41,6 +41,7 @@ class StageClock:
         self.total = _zero()
         self.passes: OrderedDict[int, dict[str, float]] = OrderedDict()
         self.extra: dict[str, object] = {}
+        self.layer_moves: dict[int, int] = {}  # layer -> times its bytes were moved (read, copied)
 
     def _charge(self, now_s: float) -> None:
         dt = now_s - self.since_s
@@ -63,7 +64,11 @@ class StageClock:
         self.state = state
         self.pass_id = pass_id
 
-    def add_bytes(self, n: int, pass_id: int | None = None) -> None:
+    def add_bytes(self, n: int, pass_id: int | None = None, layer: int | None = None) -> None:
+        """``n`` bytes moved for ``pass_id``; naming the ``layer`` counts it in ``layer_moves``
+        (what status shows: which layers a stage really read or copied, e.g. none skipped)."""
+        if layer is not None:
+            self.layer_moves[layer] = self.layer_moves.get(layer, 0) + 1
         self.total["bytes"] += n
         if pass_id is not None:
             self._pass(pass_id)["bytes"] += n
@@ -86,6 +91,7 @@ class StageClock:
             "passes": {str(k): summarize(v) for k, v in self.passes.items()},
             "recent": self.recent(),
             "uptime_s": now_s - self.started_s,
+            "layer_moves": {str(k): v for k, v in sorted(self.layer_moves.items())},
             **self.extra,
         }
 

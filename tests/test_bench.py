@@ -23,7 +23,7 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
-         "--gpu-layers", "1", "--tokens", "6", "--scenarios", "a,b,c,check", "--out", str(out),
+         "--gpu-layers", "1", "--tokens", "6", "--scenarios", "a,b,c,check,skip", "--skip-layers", "2", "--out", str(out),
          "--listen", f"tcp://127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=600, env=env,
     )
@@ -31,10 +31,15 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     rep = json.loads((out / "bench.json").read_text())
     assert rep["limits"]["host_copy_gbps"] > 0 and rep["limits"]["disk_read_gbps"] > 0
     by = {s["label"]: s for s in rep["scenarios"]}
-    assert set(by) == {"a", "b", "c", "check"}
-    assert by["a"]["plan_tiers"] == {"vram": 1, "ram": 3, "storage": 0}
-    assert by["b"]["plan_tiers"] == {"vram": 1, "ram": 0, "storage": 3}
-    for label in ("a", "b"):
+    assert set(by) == {"a", "b", "c", "check", "skip"}
+    assert by["a"]["plan_tiers"] == {"vram": 1, "ram": 3, "storage": 0, "skipped": 0}
+    assert by["b"]["plan_tiers"] == {"vram": 1, "ram": 0, "storage": 3, "skipped": 0}
+    # (skip): (a) without layer 2, whose bytes no pass moves any more
+    assert by["skip"]["plan_tiers"] == {"vram": 1, "ram": 2, "storage": 0, "skipped": 1}
+    assert by["skip"]["skipped_layers"] == [2]
+    assert by["skip"]["streamed_bytes_per_pass"] == by["a"]["streamed_bytes_per_pass"] - by["skip"]["skipped_bytes_per_pass"]
+    assert rep["skip_over_a"] > 0 and "(skip)/(a)" in r.stdout and "never read nor copied" in r.stdout
+    for label in ("a", "b", "skip"):
         st = by[label]["stages"]
         # 6 tokens: one prefill pass, then 5 decode passes; the per-pass records cover the decode
         assert {"compute", "dma"} <= set(st), st

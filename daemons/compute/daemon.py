@@ -23,7 +23,7 @@ from ntx.shared import messages as m
 from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
-from ntx.shared.plan import VRAM, Plan
+from ntx.shared.plan import SKIPPED, VRAM, Plan
 from ntx.shared.sampling_fields import from_wire
 from ntx.shared.stats import StageClock
 
@@ -67,6 +67,7 @@ class ComputeDaemon(Daemon):
             )
         self.engine: EngineCore = build_engine(
             self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream,
+            skip_layers=self.plan.layers_on(SKIPPED),
             max_batch=cfg["max_batch"], max_context=cfg["max_context"], prefill_chunk_tokens=cfg["prefill_chunk_tokens"],
             self_draft=(cfg["self_draft_layers"] or True) if cfg["self_draft"] else False,
             self_draft_skip=cfg["self_draft_skip"] or (),

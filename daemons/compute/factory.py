@@ -26,6 +26,7 @@ def build_engine(
     backend: Backend | str = "cpu",
     *,
     resident_layers: Iterable[int] | None = None,
+    skip_layers: Sequence[int] = (),
     stream: LayerStream | None = None,
     max_batch: int = 16,
     max_context: int | None = None,
@@ -43,7 +44,7 @@ def build_engine(
     already made — the compute daemon makes its own first, to allocate the ring's slots).
 
     ``resident_layers`` None keeps every layer resident; the others come from ``stream``, or are
-    re-read from the file every pass when no stream is given. Contexts hold ``max_context``
+    re-read from the file every pass when no stream is given; ``skip_layers`` never run. Contexts hold ``max_context``
     positions (default 4096, at most what the model was trained for), for up to ``max_batch``
     sequences at once. ``progress(i)`` is called as resident layer i is loaded.
 
@@ -59,9 +60,11 @@ def build_engine(
     max_context = min(max_context or DEFAULT_CONTEXT, index.hparams.n_ctx_train)
     if isinstance(backend, str):
         backend = make_backend(backend, index, max_seqs=max_batch, max_ctx=max_context)
-    if stream is None and resident_layers is not None and set(resident_layers) != set(range(index.hparams.n_layers)):
+    kept = set(range(index.hparams.n_layers)) - set(skip_layers)
+    if stream is None and resident_layers is not None and set(resident_layers) != kept:
         stream = FileLayerStream(index)
-    llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress)
+    llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress,
+                       skip_layers=skip_layers)
     drafter = _drafter(llama, backend.name, self_draft, self_draft_skip, draft_model, max_batch, max_context)
     if draft_replay is not None:
         drafter = ReplayDrafter(load_references(draft_replay), draft_replay_p_wrong, index.hparams.n_vocab,

@@ -88,11 +88,14 @@ class FileLayerStream:
         return pass_id + 1
 
 
-def _runs(resident: set[int], n_layers: int) -> list[tuple[int, int, bool]]:
-    """The layers cut into maximal runs of equal residency: (first, end, resident)."""
+def _runs(resident: set[int], n_layers: int, skipped: set[int] = frozenset()) -> list[tuple[int, int, bool]]:
+    """The layers that run, cut into maximal runs of consecutive layers of equal residency:
+    (first, end, resident). A skipped layer ends a run and belongs to none."""
     runs: list[tuple[int, int, bool]] = []
     for i in range(n_layers):
-        if runs and runs[-1][2] == (i in resident):
+        if i in skipped:
+            continue
+        if runs and runs[-1][1] == i and runs[-1][2] == (i in resident):
             runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
         else:
             runs.append((i, i + 1, i in resident))
@@ -115,7 +118,9 @@ class LlamaModel:
 
     ``forward`` runs one pass and returns logits or picks. Runs of resident layers are handed to
     the backend as one request each (``run_captured``, keyed by the run), so a GPU backend may
-    replay a recorded graph of the whole run; the first run also embeds the tokens."""
+    replay a recorded graph of the whole run; the first run also embeds the tokens.
+    ``skip_layers`` never run (``--skip-layers``): the hidden state passes them unchanged, they
+    are neither loaded nor streamed, and their KV entries are never written nor read."""
 
     def __init__(
         self,
@@ -124,16 +129,22 @@ class LlamaModel:
         resident_layers: Iterable[int] | None = None,
         stream: LayerStream | None = None,
         progress=None,
+        skip_layers: Iterable[int] = (),
     ) -> None:
         self.index = index
         self.hp = index.hparams
         self.backend = backend
-        resident = set(range(self.hp.n_layers) if resident_layers is None else resident_layers)
-        self.streamed_layers = [i for i in range(self.hp.n_layers) if i not in resident]
+        self.skip_layers = sorted(set(skip_layers))
+        skipped = set(self.skip_layers)
+        kept = [i for i in range(self.hp.n_layers) if i not in skipped]
+        if not kept:
+            raise ValueError("every layer skipped")
+        resident = set(kept if resident_layers is None else resident_layers) - skipped
+        self.streamed_layers = [i for i in kept if i not in resident]
         if self.streamed_layers and stream is None:
             raise ValueError("streamed layers need a LayerStream")
         self.stream = stream if self.streamed_layers else None
-        self.runs = _runs(resident, self.hp.n_layers)
+        self.runs = _runs(resident, self.hp.n_layers, skipped)
         raw = {name: read_tensor(t) for name, t in index.globals.items()}
         freqs = None
         if "rope_freqs" in raw:
@@ -159,8 +170,8 @@ class LlamaModel:
             if self.stream:
                 self.stream.begin_pass(pass_id)
             try:
-                for first, end, resident in self.runs:
-                    embed = first == 0
+                for n, (first, end, resident) in enumerate(self.runs):
+                    embed = n == 0
                     if resident:
                         be.run_captured(("layers", first, end, embed), ws, partial(self._resident_run, first, end, embed, ws))
                     else:

@@ -100,7 +100,7 @@ class RingStream:
             self.clock.enter("busy", pass_id)
         slot = self.ready.pop(key)
         self.held[key] = slot
-        self.clock.add_bytes(self.layer_bytes[layer_idx], pass_id)
+        self.clock.add_bytes(self.layer_bytes[layer_idx], pass_id, layer=layer_idx)
         return self.slot_bufs[slot]
 
     def release(self, layer_idx: int, pass_id: int) -> None:

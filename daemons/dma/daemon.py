@@ -171,7 +171,7 @@ class DmaDaemon(Daemon):
                 self.copier.copy(self.ram_array[off : off + nbytes], dslot)
             ring.delivered()
             self.issue_reads()  # the host slot just freed can take the next read at once
-            self.clock.add_bytes(self.index.layers[layer].nbytes, pass_id)
+            self.clock.add_bytes(self.index.layers[layer].nbytes, pass_id, layer=layer)
             self.dev_ring.send(m.SlotReady(slot=dslot, layer=layer, pass_id=pass_id).encode())
         self.clock.enter("idle")
 

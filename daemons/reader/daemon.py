@@ -82,7 +82,7 @@ class ReaderDaemon(Daemon):
             self.ring.send(m.ReadError(slot=slot, layer=layer, pass_id=pass_id, message=str(e)).encode())
         else:
             # bytes and read time are the reader's own clock's; dma needs only the slot back
-            self.clock.add_bytes(nbytes, pass_id)
+            self.clock.add_bytes(nbytes, pass_id, layer=layer)
             self.ring.send(m.Filled(slot=slot, layer=layer, pass_id=pass_id).encode())
         # What the wait for the next job means depends on whether work is queued behind the ring.
         self.clock.enter("blocked" if job.backlog > 0 else ("starved" if job.active else "idle"), pass_id)
