@@ -60,7 +60,7 @@ def _version(value: bool) -> None:
 def _main_options(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
 ) -> None:
-    """ntx: run Llama-family GGUF models larger than the GPU by streaming layers through daemons."""
+    pass  # the app's own options (--version; typer adds completion's), before any command
 
 
 def _fail(message: str, code: int = 1) -> None:

@@ -14,6 +14,7 @@ import os
 import secrets
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, AsyncIterator
 
@@ -183,17 +184,32 @@ def _streaming(gen: Generation, chunks: AsyncIterator[bytes]) -> StreamingRespon
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def chat_completions(request: Request) -> Response:
+@dataclass
+class Started:
+    """A generation under way for one endpoint: its events (the first already in), and what
+    every response of it names."""
+
+    parsed: oa.Parsed
+    gen: Generation
+    events: AsyncIterator[dict]
+    model: str
+    rid: str
+    created: int
+    logprobs: oa.LogprobsBuilder | None
+
+
+async def _start(request: Request, parse, endpoint: str, id_prefix: str) -> Started:
+    """Check the key and the body, start the generation and wait for its first event (so that a
+    refused request is answered with its HTTP status before any stream begins)."""
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
-    parsed = oa.parse_chat(await _body(request))
+    parsed = parse(await _body(request))
     st = gw.serving_status()
-    model, rid, created = gw.model_name(st), f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
     lp = None
     if parsed.top_logprobs is not None:
         tok = await gw.tokenizer(st["model"])
         lp = oa.LogprobsBuilder(parsed.top_logprobs, tok.token_text, tok.token_bytes)
-    gen = Generation(gw, request, parsed, "chat")
+    gen = Generation(gw, request, parsed, endpoint)
     first = await gen.start()
 
     async def events() -> AsyncIterator[dict]:
@@ -201,85 +217,80 @@ async def chat_completions(request: Request) -> Response:
         async for ev in gen.rest():
             yield ev
 
-    if not parsed.stream:
-        try:
-            entries, done = [], {}
-            async for ev in events():
-                if ev["type"] == "token" and lp:
-                    entries.append(lp.chat_entry(ev))
-                elif ev["type"] == "done":
-                    done = ev
-        finally:
-            await gen.close()
-        return JSONResponse(oa.chat_response(rid, model, done, entries if lp else None))
+    return Started(parsed, gen, events(), gw.model_name(st), f"{id_prefix}-{secrets.token_hex(12)}",
+                   int(time.time()), lp)
+
+
+async def _collect(s: Started) -> tuple[list[dict], dict]:
+    """A non-streamed generation's token events and its ``done`` event."""
+    tokens, done = [], {}
+    try:
+        async for ev in s.events:
+            if ev["type"] == "token":
+                tokens.append(ev)
+            elif ev["type"] == "done":
+                done = ev
+    finally:
+        await s.gen.close()
+    return tokens, done
+
+
+async def chat_completions(request: Request) -> Response:
+    s = await _start(request, oa.parse_chat, "chat", "chatcmpl")
+    lp = s.logprobs
+    if not s.parsed.stream:
+        tokens, done = await _collect(s)
+        return JSONResponse(oa.chat_response(s.rid, s.model, done, [lp.chat_entry(t) for t in tokens] if lp else None))
+
+    def chunk(delta: dict, **kw) -> dict:
+        return oa.chat_chunk(s.rid, s.model, s.created, delta, **kw)
 
     async def chunks() -> AsyncIterator[bytes]:
-        yield _sse(oa.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-        async for ev in events():
+        yield _sse(chunk({"role": "assistant", "content": ""}))
+        async for ev in s.events:
             if ev["type"] == "token":
                 if ev["text"] or lp:
-                    yield _sse(oa.chat_chunk(rid, model, created, {"content": ev["text"]},
-                                             logprobs=[lp.chat_entry(ev)] if lp else None))
+                    yield _sse(chunk({"content": ev["text"]}, logprobs=[lp.chat_entry(ev)] if lp else None))
             elif ev["type"] == "done":
                 if ev.get("tail"):
-                    yield _sse(oa.chat_chunk(rid, model, created, {"content": ev["tail"]}))
-                final_usage = None if parsed.include_usage else oa.usage(ev)
-                yield _sse(oa.chat_chunk(rid, model, created, {}, oa.finish_reason(ev), usage_=final_usage)
-                           | oa.ntx_extra(ev))
-                if parsed.include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [], "usage": oa.usage(ev)})
+                    yield _sse(chunk({"content": ev["tail"]}))
+                usage = None if s.parsed.include_usage else oa.usage(ev)
+                yield _sse(chunk({}, finish=oa.finish_reason(ev), usage_=usage) | oa.ntx_extra(ev))
+                if s.parsed.include_usage:
+                    yield _sse(_usage_chunk(s, "chat.completion.chunk", ev))
 
-    return _streaming(gen, chunks())
+    return _streaming(s.gen, chunks())
 
 
 async def completions(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
-    gw.check_key(request)
-    parsed = oa.parse_completion(await _body(request))
-    st = gw.serving_status()
-    model, rid, created = gw.model_name(st), f"cmpl-{secrets.token_hex(12)}", int(time.time())
-    lp = None
-    if parsed.top_logprobs is not None:
-        tok = await gw.tokenizer(st["model"])
-        lp = oa.LogprobsBuilder(parsed.top_logprobs, tok.token_text, tok.token_bytes)
-    gen = Generation(gw, request, parsed, "completions")
-    first = await gen.start()
-
-    async def events() -> AsyncIterator[dict]:
-        yield first
-        async for ev in gen.rest():
-            yield ev
-
-    if not parsed.stream:
-        try:
-            tokens, done = [], {}
-            async for ev in events():
-                if ev["type"] == "token":
-                    tokens.append(ev)
-                elif ev["type"] == "done":
-                    done = ev
-        finally:
-            await gen.close()
-        return JSONResponse(oa.completion_response(rid, model, done, lp.completion_part(tokens, 0) if lp else None))
+    s = await _start(request, oa.parse_completion, "completions", "cmpl")
+    lp = s.logprobs
+    if not s.parsed.stream:
+        tokens, done = await _collect(s)
+        return JSONResponse(oa.completion_response(s.rid, s.model, done, lp.completion_part(tokens, 0) if lp else None))
 
     async def chunks() -> AsyncIterator[bytes]:
         offset = 0
-        async for ev in events():
+        async for ev in s.events:
             if ev["type"] == "token":
                 if ev["text"] or lp:
-                    yield _sse(oa.completion_chunk(rid, model, created, ev["text"],
-                                                   logprobs=lp.completion_part([ev], offset) if lp else None))
+                    part = lp.completion_part([ev], offset) if lp else None
+                    yield _sse(oa.completion_chunk(s.rid, s.model, s.created, ev["text"], logprobs=part))
                     offset += len(ev["text"])
             elif ev["type"] == "done":
-                final_usage = None if parsed.include_usage else oa.usage(ev)
-                yield _sse(oa.completion_chunk(rid, model, created, ev.get("tail", ""), oa.finish_reason(ev),
-                                               usage_=final_usage) | oa.ntx_extra(ev))
-                if parsed.include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": oa.usage(ev)})
+                usage = None if s.parsed.include_usage else oa.usage(ev)
+                yield _sse(oa.completion_chunk(s.rid, s.model, s.created, ev.get("tail", ""), oa.finish_reason(ev),
+                                               usage_=usage) | oa.ntx_extra(ev))
+                if s.parsed.include_usage:
+                    yield _sse(_usage_chunk(s, "text_completion", ev))
 
-    return _streaming(gen, chunks())
+    return _streaming(s.gen, chunks())
+
+
+def _usage_chunk(s: Started, object_: str, done: dict) -> dict:
+    """With ``stream_options.include_usage``: OpenAI's last chunk, no choices and the usage."""
+    return {"id": s.rid, "object": object_, "created": s.created, "model": s.model, "choices": [],
+            "usage": oa.usage(done)}
 
 
 async def models(request: Request) -> Response:
