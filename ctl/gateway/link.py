@@ -62,6 +62,7 @@ class RequestStream:
         self.rid = rid
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
         self.finished = False
+        self.cancel_sent = False
 
     async def __aiter__(self) -> AsyncIterator[dict]:
         while not self.finished:
@@ -71,8 +72,10 @@ class RequestStream:
             yield ev
 
     def cancel(self) -> None:
-        """Ask the pipeline to stop this request (if it still runs); its ``done`` reply follows."""
-        if not self.finished:
+        """Ask the pipeline to stop this request (if it still runs, and once); its ``done``
+        reply follows."""
+        if not self.finished and not self.cancel_sent:
+            self.cancel_sent = True
             self.link.send({"op": "cancel", "id": self.rid})
 
 
