@@ -498,6 +498,8 @@ def _check_port_free(address: str, option: str) -> None:
     if not port.isdigit():
         return
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as ZeroMQ and uvicorn bind: connections of a stopped instance in TIME_WAIT do not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, int(port)))
         except OSError as e:

@@ -104,6 +104,28 @@ def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
     assert time.monotonic() - interrupted_s < 5.0
 
 
+def test_ctrl_c_in_chat_cancels_the_reply_and_the_chat_goes_on(pipeline):
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--name", "cli", "--max-tokens", "3000"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"Tell me a very long story.\n")
+        proc.stdin.flush()
+        out = b""
+        deadline = time.monotonic() + 120
+        while len(out.strip()) < 8 and time.monotonic() < deadline:  # the prompt, then the reply
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                out += os.read(proc.stdout.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: pipeline.status()["requests"]["in_flight"] == 0, 10.0, "the reply to be cancelled")
+        proc.stdin.write(b"/exit\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err  # the chat went on after the cancelled reply, and /exit ended it
+    assert b"finish: cancelled" in err and b"Traceback" not in err
+
+
 def _start_generating(*args: str) -> tuple[subprocess.Popen, bytes]:
     """``ntxctl generate ARGS`` in a subprocess, once it has printed some text."""
     proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "generate", *args],
