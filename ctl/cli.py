@@ -439,6 +439,7 @@ def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budge
         draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
         skip_layers=_skip_layers(skip_layers, index.hparams.n_layers), http=http, log_level=log_level,
     ).validate()
+    instance.refuse_running(name)  # said as such, not as its port being in use
     _check_http(http, api_key)
     _check_port_free(listen, "--listen")
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)

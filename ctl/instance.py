@@ -67,14 +67,19 @@ def get_status(name: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
     return reply.status if isinstance(reply, m.StatusReport) else None
 
 
+def refuse_running(name: str) -> None:
+    """Raise NtxError if instance ``name`` runs (before anything else about a start is checked)."""
+    pid = supervisor_pid(InstancePaths(name))
+    if pid:
+        raise NtxError(f"instance {name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
+
+
 def prepare_run(cfg: InstanceConfig, plan: Plan) -> Path:
     """Make an instance's run folder ready for a supervisor (``start`` detached, ``ntxctl serve``
     in the foreground): refuse a running one, free a dead one's leftovers, write the config the
     supervisor reads; returns that config file."""
     paths = InstancePaths(cfg.name)
-    pid = supervisor_pid(paths)
-    if pid:
-        raise NtxError(f"instance {cfg.name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
+    refuse_running(cfg.name)
     cleanup_leftovers(paths)
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
