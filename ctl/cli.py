@@ -20,12 +20,47 @@ from ntx.shared.errors import NtxError
 from ntx.shared.sampling_fields import SAMPLING_FIELDS, to_wire
 
 app = typer.Typer(
-    add_completion=False,
     no_args_is_help=True,
     help="ntx: run Llama-family GGUF models larger than the GPU by streaming layers through daemons.",
 )
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:5555"
+# One way to name an instance, for every command: --name (or NTX_NAME); its client address is
+# found from the name. --listen (or NTX_LISTEN) gives an address directly and wins.
+NAME_ENV, LISTEN_ENV, API_KEY_ENV = "NTX_NAME", "NTX_LISTEN", "NTX_API_KEY"
+
+
+def _name_option():
+    return typer.Option("default", "--name", envvar=NAME_ENV, help="instance name")
+
+
+def _listen_option(help_text: str = "address of a running pipeline (default: the named instance's)"):
+    return typer.Option(None, "--listen", envvar=LISTEN_ENV, help=help_text)
+
+
+def _pipeline_address(name: str, listen: str | None) -> str:
+    """Where to reach the pipeline: --listen if given, else instance ``name``'s address while it
+    runs, else the default address."""
+    if listen:
+        return listen
+    from ntx.ctl.instance import instance_listen
+
+    return instance_listen(name) or DEFAULT_LISTEN
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"ntxctl {version('ntransformer')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+) -> None:
+    pass  # the app's own options (--version; typer adds completion's), before any command
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -105,21 +140,40 @@ def sampling_options(**defaults):
 _JSON_KEYS = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
 
 
+FINISH_NOTES = {
+    "length": "length: --max-tokens reached, or the context is full",
+    "cancelled": "cancelled: the request was cancelled (Ctrl-C, or the pipeline is stopping)",
+}
+
+
 def _print_stream(events, as_json: bool) -> dict:
     """Write token texts as they come (unless --json); return the ``done`` event. Local and
-    remote generations both end here, so they print exactly alike."""
+    remote generations both end here, so they print exactly alike. An end other than a normal
+    stop is said on stderr, so a cut text is never mistaken for a whole one."""
     done: dict = {}
-    for ev in events:
-        if ev["type"] == "token" and not as_json:
-            sys.stdout.write(ev["text"])
-            sys.stdout.flush()
-        elif ev["type"] == "done":
-            done = ev
-            if not as_json:
-                sys.stdout.write(ev.get("tail", "") + "\n")
+    at_line_start = True
+    try:
+        for ev in events:
+            if ev["type"] == "token" and not as_json:
+                sys.stdout.write(ev["text"])
                 sys.stdout.flush()
-        elif ev["type"] == "error":
-            _fail(f"{ev.get('code')}: {ev.get('message')}")
+                at_line_start = at_line_start and not ev["text"]
+            elif ev["type"] == "done":
+                done = ev
+                if not as_json:
+                    sys.stdout.write(ev.get("tail", "") + "\n")
+                    sys.stdout.flush()
+                    at_line_start = True
+                    reason = ev.get("finish_reason")
+                    if reason != "stop":
+                        typer.echo(f"ntxctl: finish: {FINISH_NOTES.get(reason, reason)}", err=True)
+            elif ev["type"] == "error":
+                raise NtxError(f"{ev.get('code')}: {ev.get('message')}")
+    except NtxError:  # main() prints it: on a line of its own, not after the text
+        if not at_line_start:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     return done
 
 
@@ -154,7 +208,8 @@ def generate(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
     raw: bool = typer.Option(False, "--raw", help="the prompt is raw text: no chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
-    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
+    name: str = _name_option(),
+    listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
     speculative: bool = typer.Option(True, "--speculative/--no-speculative",
                                      help="draft and verify when the engine has a drafter"),
@@ -166,12 +221,14 @@ def generate(
     draft_width: str = typer.Option("auto", "--draft-width", help="in-process: the draft tree's width, or auto"),
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
-    """Generate text: through a running pipeline if one listens, else in this process (CPU)."""
+    """Generate text: through a running pipeline if one listens, else in this process (CPU).
+    Ctrl-C cancels the request in the pipeline."""
     drafting = _drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)
     if not local:
-        from ntx.ctl.client import pipeline_available
-
-        if pipeline_available(listen):
+        listen = _pipeline_address(name, listen)
+        served = _served_model(listen)
+        if served is not None:
+            _check_same_model(model, served, listen)
             _generate_remote(listen, prompt, raw, sampling, as_json, speculative)
             return
         typer.echo(
@@ -205,6 +262,29 @@ def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int
     return out
 
 
+def _served_model(listen: str) -> str | None:
+    """The model file of the pipeline answering on ``listen``, or None when none answers."""
+    from ntx.ctl.client import Client, ClientError
+
+    try:
+        with Client(listen) as c:
+            return c.status(timeout_s=0.5).get("model", "")
+    except (ClientError, OSError):
+        return None
+
+
+def _check_same_model(model: str | None, served: str, listen: str) -> None:
+    """``--model X`` against a pipeline that runs another model is an error, never silently
+    answered by the other model."""
+    if model and os.path.realpath(model) != os.path.realpath(served):
+        _fail(f"the pipeline on {listen} runs {served}, not {model}: leave out --model, use --local, "
+              "or start an instance of that model (ntxctl start --model M --name N --listen ADDR) and pass --name N")
+
+
+class Cancelled(Exception):
+    """Ctrl-C during a request: it was cancelled in the pipeline."""
+
+
 PLACEMENT_HELP = ("where resident layers sit when not all fit: spread (evenly over the model, so streamed copies "
                   "overlap resident compute) or first")
 SKIP_LAYERS_HELP = ("never run, read nor copy these layers: a list (20-27,29), a calibrate profile (its layers at "
@@ -221,7 +301,22 @@ def _skip_layers(spec: str | None, n_layers: int) -> list[int] | None:
 
 
 def _stream_remote(client, as_json: bool, **request) -> dict:
-    return _print_stream(client.generate(stream=not as_json, **request), as_json)
+    """Run one request on the pipeline, printing as it streams. Ctrl-C sends ``cancel`` and
+    waits (briefly) for the pipeline to confirm, then raises Cancelled."""
+    rid = client.submit(stream=not as_json, **request)
+    try:
+        return _print_stream(client.events(rid), as_json)
+    except KeyboardInterrupt:
+        client.cancel(rid)
+        try:
+            for ev in client.events(rid):
+                pass
+        except Exception:  # gone or an error: either way the request no longer runs
+            pass
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        typer.echo(f"ntxctl: finish: {FINISH_NOTES['cancelled']}", err=True)
+        raise Cancelled() from None
 
 
 def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool, speculative: bool = True) -> None:
@@ -229,7 +324,10 @@ def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool,
 
     extra = {} if speculative else {"speculative": False}
     with Client(listen) as c:
-        done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **to_wire(params), **extra)
+        try:
+            done = _stream_remote(c, as_json, prompt=prompt, raw=raw, **to_wire(params), **extra)
+        except Cancelled:
+            raise typer.Exit(130) from None
     if as_json:
         _print_json(done)
 
@@ -237,15 +335,18 @@ def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool,
 @app.command()
 @sampling_options(temperature=0.7, max_tokens=512)
 def chat(
-    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
+    name: str = _name_option(),
+    listen: Optional[str] = _listen_option(),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
-    """Talk to a running pipeline turn by turn; the conversation is kept. Ctrl-D or /exit ends it."""
+    """Talk to a running pipeline turn by turn; the conversation is kept. Ctrl-C cancels the
+    reply being written; Ctrl-D or /exit ends the chat."""
     from ntx.ctl.client import Client, pipeline_available
 
+    listen = _pipeline_address(name, listen)
     if not pipeline_available(listen):
-        _fail(f"no pipeline listens on {listen}: start one with `ntxctl start`")
+        _fail(f"no pipeline listens on {listen}: start one with `ntxctl start` (or give --name)")
     messages = [{"role": "system", "content": system}] if system else []
     with Client(listen) as c:
         while True:
@@ -259,16 +360,21 @@ def chat(
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            done = _stream_remote(c, False, messages=messages, **to_wire(sampling))
+            try:
+                done = _stream_remote(c, False, messages=messages, **to_wire(sampling))
+            except Cancelled:
+                messages.pop()  # the unanswered turn is not kept
+                continue
             messages.append({"role": "assistant", "content": done.get("text", "")})
 
 
 @app.command()
 def start(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
-    name: str = typer.Option("default", "--name", help="instance name (several can run side by side)"),
+    name: str = _name_option(),
     backend: str = typer.Option("auto", "--backend", help="cuda, cpu or auto (cuda when a GPU and cupy are present)"),
-    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="client address (ZeroMQ ROUTER)"),
+    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", envvar=LISTEN_ENV,
+                               help="client address (ZeroMQ ROUTER)"),
     slots: int = typer.Option(2, "--slots", help="ring slots per side (2 = double buffering)"),
     vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="e.g. 24GiB (default: free device memory)"),
     ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="pinned RAM for layers, e.g. 64GiB"),
@@ -293,8 +399,32 @@ def start(
     draft_replay_p: float = typer.Option(0.0, "--draft-replay-p", help="for benchmarks: probability that each "
                                          "replayed draft token is made wrong"),
     skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help=SKIP_LAYERS_HELP),
+    http: Optional[str] = typer.Option(None, "--http", help="also serve OpenAI's API, /metrics, /health and a live "
+                                       "status page on HOST:PORT (example: 127.0.0.1:8080)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, help="the Bearer token HTTP clients "
+                                          "must send; required to serve --http beyond loopback"),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error: info logs one line "
+                                  "per request (supervisor.log), the gateway logs at this level"),
 ) -> None:
-    """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
+    """Start the pipeline (supervisor + reader, dma and compute daemons) in the background; logs
+    go to the folder `ntxctl status` names."""
+    _launch(foreground=False, **locals())
+
+
+def serve(**options) -> None:
+    """Run the pipeline in the foreground until SIGTERM (graceful) or Ctrl-C (cancels requests),
+    logging to stderr: for systemd units and containers. Takes start's options."""
+    _launch(foreground=True, **options)
+
+
+serve.__signature__ = signature(start, eval_str=True)
+app.command()(serve)
+
+
+def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budget, ram_budget, gpu_layers, placement, io,
+            max_batch, ctx, plan_only, timeout, max_restarts, draft_model, self_draft, self_draft_skip, draft_tokens,
+            draft_width, draft_replay, draft_replay_p, skip_layers, http, api_key, log_level) -> None:
+    """``start`` (a detached supervisor) and ``serve`` (this process becomes the supervisor)."""
     from ntx.ctl import instance
     from ntx.shared.config import InstanceConfig, parse_size
     from ntx.shared.gguf_index import open_model
@@ -310,8 +440,11 @@ def start(
         handshake_timeout_s=timeout, max_restarts=max_restarts,
         **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)),
         draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
-        skip_layers=_skip_layers(skip_layers, index.hparams.n_layers),
+        skip_layers=_skip_layers(skip_layers, index.hparams.n_layers), http=http, log_level=log_level,
     ).validate()
+    instance.refuse_running(name)  # said as such, not as its port being in use
+    _check_http(http, api_key)
+    _check_port_free(listen, "--listen")
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
     plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
@@ -319,6 +452,13 @@ def start(
         typer.echo(f"  {line}")
     if plan_only:
         return
+    if api_key:  # to the gateway through the environment, never through files or the config
+        os.environ[API_KEY_ENV] = api_key
+    if foreground:
+        cfg_file = instance.prepare_run(cfg, plan)
+        instance.InstancePaths(name).pid_file.write_text(f"{os.getpid()}\n")
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file), "--foreground"])
 
     def progress(st):
         ready = [n for n, d in st.get("daemons", {}).items() if d["state"] == "ready"]
@@ -327,6 +467,74 @@ def start(
     st = instance.start(cfg, plan, on_progress=progress)
     pids = ", ".join(f"{n} {d['pid']}" for n, d in st["daemons"].items())
     typer.echo(f"instance {name!r} ready on {listen} (supervisor {st['supervisor_pid']}; {pids})")
+    if http:
+        _wait_for_gateway(name, http)
+    typer.echo(f"logs: {st['log_dir']}")
+
+
+def _check_http(http: str | None, api_key: str | None) -> None:
+    """``--http``'s address, its key rule and its packages, checked before anything starts."""
+    if http is None:
+        return
+    from ntx.ctl.gateway.address import check_exposure, parse_http_address
+
+    try:
+        host, port = parse_http_address(http)
+        check_exposure(host, api_key)
+    except ValueError as e:
+        _fail(str(e))
+    from importlib.util import find_spec
+
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if find_spec(m) is None]
+    if missing:
+        _fail(f"--http needs the http extra ({', '.join(missing)} missing): pip install 'ntransformer[http]'")
+    _check_port_free(f"tcp://{host}:{port}", "--http")
+
+
+def _check_port_free(address: str, option: str) -> None:
+    """A TCP address that something already listens on is one line naming the fix."""
+    import socket
+
+    if not address.startswith("tcp://"):
+        return
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    host = {"*": "0.0.0.0"}.get(host, host).strip("[]")
+    if not port.isdigit():
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # as ZeroMQ and uvicorn bind: connections of a stopped instance in TIME_WAIT do not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            _fail(f"{option} {address}: cannot listen there ({e.strerror}); another program (or ntx instance: "
+                  f"`ntxctl ps`) uses the port: pick another, e.g. {option} {address.rpartition(':')[0]}:{int(port) + 1}")
+
+
+def _wait_for_gateway(name: str, http: str, timeout_s: float = 30.0) -> None:
+    """Wait until the gateway answers on ``http``; if it cannot start, stop the instance and
+    say why (the gateway's last log line)."""
+    import urllib.error
+    import urllib.request
+
+    from ntx.ctl import instance
+    from ntx.shared.config import InstancePaths
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://{http}/health", timeout=1.0)
+            break
+        except urllib.error.HTTPError:
+            break  # it answers (503 while loading)
+        except OSError:
+            time.sleep(0.2)
+    else:
+        log = InstancePaths(name).log_dir / "gateway.log"
+        lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        instance.stop(name, force=True)
+        _fail(f"the HTTP gateway did not start on {http}" + (f": {lines[-1]}" if lines else "") + f" (log: {log})")
+    typer.echo(f"HTTP on http://{http}/v1 (OpenAI API), /metrics, /health; status page http://{http}/")
 
 
 def _instance_drafting(drafting: dict) -> dict:
@@ -364,7 +572,7 @@ def _choose_backend(backend: str) -> str:
 
 @app.command()
 def stop(
-    name: str = typer.Option("default", "--name"),
+    name: str = _name_option(),
     force: bool = typer.Option(False, "--force", help="cancel in-flight requests instead of finishing them"),
 ) -> None:
     """Stop an instance: finish (or with --force cancel) in-flight requests, free every resource."""
@@ -375,7 +583,7 @@ def stop(
 
 @app.command()
 def status(
-    name: str = typer.Option("default", "--name"),
+    name: str = _name_option(),
     as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
     watch: bool = typer.Option(False, "--watch", help="refresh every second until Ctrl-C"),
 ) -> None:
@@ -415,6 +623,34 @@ def status(
                     live.update(render_status(st, renderable=True))
         except KeyboardInterrupt:
             return
+
+
+@app.command()
+def ps() -> None:
+    """List the running instances: name, state, model, addresses, supervisor pid, uptime."""
+    from ntx.ctl import instance
+
+    names = instance.list_instances()
+    if not names:
+        typer.echo("no instances are running (start one with `ntxctl start`)")
+        return
+    rows = [("NAME", "STATE", "MODEL", "LISTEN", "HTTP", "PID", "UP")]
+    for n in names:
+        st = instance.get_status(n, timeout_s=1.0)
+        if st is None:
+            pid = instance.supervisor_pid(instance.InstancePaths(n))
+            rows.append((n, "not answering" if pid else "dead", "", "", "", str(pid or ""), ""))
+            continue
+        rows.append((n, st["state"], os.path.basename(st["model"]), st["listen"], st.get("http") or "-",
+                     str(st["supervisor_pid"]), _duration(st["uptime_s"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 @app.command()
@@ -485,7 +721,8 @@ def perplexity(
     ctx: int = typer.Option(512, "--ctx", help="tokens per chunk; the second half of each is scored"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
-    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", help="address of a running pipeline"),
+    name: str = _name_option(),
+    listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
     skip_layers: Optional[str] = typer.Option(
@@ -500,6 +737,7 @@ def perplexity(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    listen = _pipeline_address(name, listen)
     if skip_layers is None and not local and pipeline_available(listen):
         scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
     else:
@@ -571,6 +809,9 @@ def calibrate(
 
 def main() -> None:
     """Console entry point: user errors become one line and exit status 1."""
+    from ntx.daemons.compute.threads import bound_blas_threads
+
+    bound_blas_threads(os.environ)
     try:
         rc = app(standalone_mode=False)
         sys.exit(rc if isinstance(rc, int) else 0)

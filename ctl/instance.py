@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -66,20 +67,44 @@ def get_status(name: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
     return reply.status if isinstance(reply, m.StatusReport) else None
 
 
-def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None) -> dict[str, Any]:
-    """Launch the supervisor detached, wait until the pipeline is ready; return its status.
-
-    Raises NtxError with the failing daemon's own reason if the pipeline cannot start."""
-    paths = InstancePaths(cfg.name)
-    pid = supervisor_pid(paths)
+def refuse_running(name: str) -> None:
+    """Raise NtxError if instance ``name`` runs (before anything else about a start is checked)."""
+    pid = supervisor_pid(InstancePaths(name))
     if pid:
-        raise NtxError(f"instance {cfg.name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
+        raise NtxError(f"instance {name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
+
+
+def prepare_run(cfg: InstanceConfig, plan: Plan) -> Path:
+    """Make an instance's run folder ready for a supervisor (``start`` detached, ``ntxctl serve``
+    in the foreground): refuse a running one, free a dead one's leftovers, write the config the
+    supervisor reads; returns that config file."""
+    paths = InstancePaths(cfg.name)
+    refuse_running(cfg.name)
     cleanup_leftovers(paths)
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     (paths.log_dir / "last_failure").unlink(missing_ok=True)
     cfg_file = paths.root / "config.json"
     cfg_file.write_text(json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
+    return cfg_file
+
+
+def instance_listen(name: str) -> str | None:
+    """The client address of instance ``name`` while it runs (from its run folder), else None."""
+    if supervisor_pid(InstancePaths(name)) is None:
+        return None
+    try:
+        return json.loads((InstancePaths(name).root / "config.json").read_text())["instance"]["listen"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None) -> dict[str, Any]:
+    """Launch the supervisor detached, wait until the pipeline is ready; return its status.
+
+    Raises NtxError with the failing daemon's own reason if the pipeline cannot start."""
+    paths = InstancePaths(cfg.name)
+    cfg_file = prepare_run(cfg, plan)
     log = open(paths.log_dir / "supervisor.out", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file)],

@@ -10,12 +10,24 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ntx.shared.config import format_bytes
+from ntx.shared.config import InstancePaths, format_bytes
 from ntx.shared.stats import window
 
 
 def _pct(x: float | None) -> str:
     return f"{100 * (x or 0):5.1f}%"
+
+
+def _slots_line(sl: dict[str, Any]) -> str:
+    """The ring slots in words: ``host`` is dma's count of host slots per state (absent when no
+    layer streams from storage), ``device_free_at_dma`` the device slots dma holds free."""
+    line = f"slots: {sl['n_slots']} × {format_bytes(sl['slot_bytes'])} per side"
+    host = sl.get("host")
+    if host:
+        line += "; host slots " + ", ".join(f"{n} {state}" for state, n in host.items())
+    if sl.get("device_free_at_dma") is not None:
+        line += f"; device slots free at dma: {sl['device_free_at_dma']}"
+    return line
 
 
 def render_status(st: dict[str, Any], renderable: bool = False):
@@ -25,6 +37,9 @@ def render_status(st: dict[str, Any], renderable: bool = False):
     head.append(st["state"], style=state_style)
     head.append(f"  gen {st['gen']}  restarts {st['restarts']}  up {st['uptime_s']:.0f}s  {st['backend']}  {st['listen']}\n")
     head.append(f"model {st['model']}\n")
+    if st.get("http"):
+        head.append(f"http  http://{st['http']}/v1 (OpenAI API) · status page http://{st['http']}/\n")
+    head.append(f"logs  {st.get('log_dir') or InstancePaths(st['instance']).log_dir}\n")
     if st.get("reason"):
         head.append(f"reason: {st['reason']}\n", style="red")
     plan = Text("tier plan\n", style="bold")
@@ -67,9 +82,7 @@ def render_status(st: dict[str, Any], renderable: bool = False):
                     f"(now depth {spec['tree_depth']}, width {spec['tree_width']}); drafted "
                     f"{spec['drafted']}, accepted {spec['accepted']} ({spec['acceptance_rate']:.0%}); "
                     f"mean acceptance length {spec['accepted_per_pass']:.2f} over {spec['verify_passes']} verify passes\n")
-    sl = st["slots"]
-    tail.append(f"slots: {sl['n_slots']} × {format_bytes(sl['slot_bytes'])}; host {sl.get('host')}; "
-                f"device slots free at dma: {sl.get('device_free_at_dma')}\n")
+    tail.append(_slots_line(st["slots"]) + "\n")
     io = st.get("io") or {}
     if io.get("io_mode"):
         tail.append(f"storage reads: {io['io_mode']}" + (f" (fallback: {io['io_fallback']})" if io.get("io_fallback") else "") + "\n")

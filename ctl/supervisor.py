@@ -32,13 +32,29 @@ from typing import Any
 import zmq
 
 from ntx.shared import messages as m
-from ntx.shared.config import InstanceConfig, InstancePaths
+from ntx.daemons.compute.threads import bound_blas_threads
+from ntx.shared.config import LOG_LEVELS, InstanceConfig, InstancePaths
 from ntx.shared.plan import RAM, STORAGE, Plan
 from ntx.shared.shm import unlink_all
 from ntx.shared.stats import bottleneck
 
 RESTART_WINDOW_S = 300.0
 DRAIN_TIMEOUT_S = 30.0
+GATEWAY_MIN_RUN_S = 5.0  # a gateway that dies sooner cannot start at all; it is not restarted
+
+
+def request_log_line(rid: str, client_rid: str, ev: dict) -> str:
+    """One line per finished request: ids, prompt and generated tokens, finish, time to first
+    token (queued + prefill, as compute measured them) and decode tok/s."""
+    head = f"request {rid} (client id {client_rid!r}):"
+    if ev.get("type") == "error":
+        return f"{head} error {ev.get('code')}: {ev.get('message')}"
+    usage, t = ev.get("usage") or {}, ev.get("timings") or {}
+    ttft_s = (t.get("queued_s") or 0.0) + (t.get("prefill_s") or 0.0)
+    tok_s = t.get("decode_tokens_per_s")  # None when there was nothing to decode after the first token
+    return (f"{head} prompt {usage.get('prompt_tokens', 0)} tokens, generated {usage.get('completion_tokens', 0)}, "
+            f"finish {ev.get('finish_reason')}, ttft {ttft_s:.3f} s, "
+            + (f"{tok_s:.1f} tok/s" if tok_s is not None else "no decode"))
 
 
 @dataclass
@@ -60,7 +76,7 @@ def _exit_description(code: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, cfg: InstanceConfig, plan: Plan) -> None:
+    def __init__(self, cfg: InstanceConfig, plan: Plan, foreground: bool = False) -> None:
         self.cfg = cfg
         self.plan = plan
         self.paths = InstancePaths(cfg.name)
@@ -96,7 +112,11 @@ class Supervisor:
             self.order.append("dma")
         if plan.layers_on(STORAGE):
             self.order.append("reader")
-        self.log = open(self.paths.log_dir / "supervisor.log", "a", buffering=1)
+        # foreground (ntxctl serve): everything, daemons' output too, to stderr for systemd/containers
+        self.foreground = foreground
+        self.log = sys.stderr if foreground else open(self.paths.log_dir / "supervisor.log", "a", buffering=1)
+        self.gateway: subprocess.Popen | None = None  # the HTTP gateway (ntx.ctl.gateway), with --http
+        self.gateway_started_s = 0.0
 
     # -- logging & state file -----------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -119,12 +139,15 @@ class Supervisor:
         env = dict(os.environ)
         if name != "compute":  # the copy and read loops gain nothing from BLAS threads
             env.setdefault("OPENBLAS_NUM_THREADS", "1")
-        logf = open(self.paths.log_dir / f"{name}.log", "ab")
+        else:
+            bound_blas_threads(env)
+        logf = sys.stderr if self.foreground else open(self.paths.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", f"ntx.daemons.{name}", "--control", self.paths.control, "--gen", str(self.gen)],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
         )
-        logf.close()
+        if not self.foreground:
+            logf.close()
         self.daemons[name] = DaemonProc(name, proc, time.monotonic())
         self.say(f"gen {self.gen}: started {name} (pid {proc.pid})")
 
@@ -198,8 +221,44 @@ class Supervisor:
         self.gen += 1
         self.bring_up()
 
+    # -- the HTTP gateway: a plain protocol client, restarted if it dies after running a while --
+    def spawn_gateway(self) -> None:
+        logf = sys.stderr if self.foreground else open(self.paths.log_dir / "gateway.log", "ab")
+        self.gateway = subprocess.Popen(
+            [sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", self.cfg.listen, "--http", self.cfg.http,
+             "--log-level", self.cfg.log_level],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+        )
+        if not self.foreground:
+            logf.close()
+        self.gateway_started_s = time.monotonic()
+        self.say(f"started the HTTP gateway on {self.cfg.http} (pid {self.gateway.pid})")
+
+    def watch_gateway(self) -> None:
+        code = self.gateway.poll() if self.gateway else None
+        if code is None:
+            return
+        ran_s = time.monotonic() - self.gateway_started_s
+        if ran_s < GATEWAY_MIN_RUN_S:  # it cannot start (port taken): retrying will not help
+            self.say(f"the HTTP gateway {_exit_description(code)} after {ran_s:.1f} s; not restarting it "
+                     f"(its reason: {self.paths.log_dir / 'gateway.log'})")
+            self.gateway = None
+            return
+        self.say(f"the HTTP gateway {_exit_description(code)}; restarting it")
+        self.spawn_gateway()
+
+    def stop_gateway(self) -> None:
+        if self.gateway and self.gateway.poll() is None:
+            self.gateway.terminate()
+            try:
+                self.gateway.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self.gateway.kill()
+                self.gateway.wait()
+
     def watch(self) -> None:
         """Notice a dead daemon at once, and a handshake that takes too long."""
+        self.watch_gateway()
         for d in list(self.daemons.values()):
             code = d.proc.poll()
             if code is not None:
@@ -300,6 +359,8 @@ class Supervisor:
             del self.inflight[rid]
             self.by_client.pop((client, client_rid), None)
         self.reply(client, ev)
+        if ev.get("type") in ("done", "error") and LOG_LEVELS.index(self.cfg.log_level) <= LOG_LEVELS.index("info"):
+            self.say(request_log_line(rid, client_rid, ev))
 
     def forward(self, rid: str, req: dict) -> None:
         target = f"compute-g{self.gen}".encode()
@@ -357,7 +418,8 @@ class Supervisor:
             "instance": self.cfg.name, "state": self.state, "reason": self.reason, "gen": self.gen,
             "model": self.cfg.model, "backend": self.cfg.backend, "listen": self.cfg.listen,
             "uptime_s": round(now - self.started_s, 3), "restarts": self.restarts,
-            "supervisor_pid": os.getpid(),
+            "supervisor_pid": os.getpid(), "log_dir": str(self.paths.log_dir),
+            "http": self.cfg.http if self.gateway else None,
             "plan": {**self.plan.to_dict(), "lines": self.plan.describe()},
             "daemons": {
                 n: {"pid": d.proc.pid, "state": d.state, "uptime_s": round(now - d.started_s, 3), "restarts": self.restarts}
@@ -384,6 +446,8 @@ class Supervisor:
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
         self.bring_up()
+        if self.cfg.http:
+            self.spawn_gateway()
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.front, zmq.POLLIN)
@@ -415,6 +479,7 @@ class Supervisor:
     def finish(self) -> None:
         """Leave nothing behind: daemons, shared memory, sockets, run folder."""
         self.fail_inflight("shutdown", self.reason or "the pipeline stopped")
+        self.stop_gateway()
         self.teardown_daemons(grace_s=1.0)
         if self.reason:
             (self.paths.log_dir / "last_failure").write_text(self.reason + "\n")
@@ -428,12 +493,14 @@ class Supervisor:
         self.front.close(linger=200)
         self.control.close(linger=200)
         self.paths.remove_runtime()
-        self.log.close()
+        if not self.foreground:
+            self.log.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="ntx-supervisor")
     ap.add_argument("--config", required=True, help="instance config JSON written by ntxctl start")
+    ap.add_argument("--foreground", action="store_true", help="ntxctl serve: log to stderr")
     args = ap.parse_args(argv)
     with open(args.config) as f:
         data = json.load(f)
@@ -444,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     set_process_name("ntx-supervisor")
     paths = InstancePaths(cfg.name)
     try:
-        sup = Supervisor(cfg, plan)
+        sup = Supervisor(cfg, plan, foreground=args.foreground)
     except zmq.ZMQError as e:
         paths.log_dir.mkdir(parents=True, exist_ok=True)
         (paths.log_dir / "last_failure").write_text(f"cannot listen on {cfg.listen}: {e}\n")

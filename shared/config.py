@@ -116,6 +116,7 @@ class InstancePaths:
 
 
 MAX_DRAFT_TOKENS = 512
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -151,6 +152,10 @@ class InstanceConfig:
     # each token made wrong with this probability; the drafter above, if any, runs and is ignored
     draft_replay: str | None = None
     draft_replay_p_wrong: float = 0.0
+    # the HTTP gateway (ctl/gateway): HOST:PORT, or None for none; its key travels in the
+    # environment (NTX_API_KEY), never in this config, which every daemon receives
+    http: str | None = None
+    log_level: str = "info"  # the supervisor's request lines and the gateway's log (LOG_LEVELS)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,6 +186,8 @@ class InstanceConfig:
             raise ConfigError(f"--draft-replay-p {self.draft_replay_p_wrong}: a probability, from 0 to 1")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level!r}: choose {', '.join(LOG_LEVELS)}")
         if not self.listen.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--listen {self.listen!r}: expected tcp://HOST:PORT or ipc://PATH")
         return self

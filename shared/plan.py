@@ -123,9 +123,9 @@ class Plan:
 
 
 def _brief(idx: list[int]) -> str:
-    """``layer_ranges``, or for a long spread set its span (the full list is in ``tiers``)."""
+    """``layer_ranges``, or for a long interleaved set its span (the full list is in ``tiers``)."""
     text = layer_ranges(idx)
-    return text if len(text) <= 24 else f"spread over {idx[0]}-{idx[-1]}"
+    return text if len(text) <= 24 else f"within {idx[0]}-{idx[-1]}"
 
 
 def layer_ranges(idx: list[int]) -> str:

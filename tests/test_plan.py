@@ -85,4 +85,4 @@ def test_describe_names_every_tier(index):
     assert "vram" in text and "ram" in text and "storage" in text and "0-4" in text
     # a long spread set is shown by its span (status's JSON lists every layer's tier)
     text = "\n".join(plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, max_vram_layers=14)).describe())
-    assert "14 layers spread over 1-28" in text
+    assert "14 layers    within 1-28" in text

@@ -1,0 +1,36 @@
+"""``python -m ntx.ctl.gateway --pipeline tcp://127.0.0.1:5555 --http 127.0.0.1:8080``: serve the
+gateway until SIGTERM (uvicorn's own signal handling shuts it down cleanly)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ntx.ctl.gateway.address import check_exposure, parse_http_address
+from ntx.shared.config import LOG_LEVELS
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="ntx-gateway")
+    ap.add_argument("--pipeline", required=True, help="the pipeline's client address (ZeroMQ)")
+    ap.add_argument("--http", required=True, help="HOST:PORT to serve HTTP on")
+    ap.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    args = ap.parse_args(argv)
+    api_key = os.environ.get("NTX_API_KEY") or None
+    try:
+        host, port = parse_http_address(args.http)
+        check_exposure(host, api_key)
+    except ValueError as e:
+        print(f"ntx-gateway: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    import uvicorn
+
+    from ntx.ctl.gateway.app import create_app
+
+    uvicorn.run(create_app(args.pipeline, api_key), host=host, port=port, log_level=args.log_level,
+                timeout_graceful_shutdown=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""The gateway's ASGI application (Starlette): OpenAI's endpoints, health, metrics, status page.
+
+Every generation is one ``generate`` request on the pipeline, read token by token (time to first
+token and per-token latency are measured here, and logprobs arrive per token). A task watches
+the HTTP connection meanwhile: when the client goes away, the gateway sends ``cancel`` for the
+request at once, so the pipeline does not generate for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ntx.ctl.gateway import openai_schema as oa
+from ntx.ctl.gateway.link import PipelineLink, RequestStream
+from ntx.ctl.gateway.metrics import GatewayMetrics
+
+
+class Gateway:
+    """What the routes share: the pipeline link, the metrics, the API key, the tokenizer."""
+
+    def __init__(self, listen: str, api_key: str | None) -> None:
+        self.listen = listen
+        self.api_key = api_key
+        self.link: PipelineLink | None = None
+        self.metrics = GatewayMetrics(lambda: self.link.fresh_status if self.link else None)
+        self._tokenizer = None
+        self._tokenizer_lock = asyncio.Lock()
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise oa.ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                              code="invalid_api_key")
+
+    def serving_status(self) -> dict:
+        """The pipeline's status, or a 503 if it does not answer or cannot take requests."""
+        st = self.link.fresh_status
+        if st is None:
+            raise oa.ApiError(503, f"the pipeline on {self.listen} does not answer", "service_unavailable")
+        if st.get("state") not in ("ready", "starting"):
+            raise oa.ApiError(503, f"the pipeline is {st.get('state')}", "service_unavailable")
+        return st
+
+    @staticmethod
+    def model_name(st: dict) -> str:
+        return os.path.basename(st.get("model", "")) or "ntx"
+
+    async def tokenizer(self, model_path: str):
+        """The model's tokenizer (for logprobs' token strings), read once from the GGUF."""
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                def load():
+                    from ntx.daemons.compute.tokenizer import Tokenizer
+                    from ntx.shared.gguf_index import open_model
+
+                    return Tokenizer.from_metadata(open_model(model_path).metadata)
+
+                self._tokenizer = await asyncio.to_thread(load)
+        return self._tokenizer
+
+
+class Generation:
+    """One HTTP request's run on the pipeline: its events, its metrics, its cancellation."""
+
+    def __init__(self, gw: Gateway, request: Request, parsed: oa.Parsed, endpoint: str) -> None:
+        self.gw = gw
+        self.request = request
+        self.parsed = parsed
+        self.endpoint = endpoint
+        self.started_s = time.monotonic()
+        self.last_token_s: float | None = None
+        self.stream: RequestStream | None = None
+        self.finish = "error"
+        self._watch: asyncio.Task | None = None  # awaits the client's hang-up
+        self._events: AsyncIterator[dict] | None = None
+
+    async def start(self) -> dict:
+        """Submit the request and wait for its first event; an error reply raises ApiError
+        (so it is answered with its HTTP status, before any stream begins)."""
+        self.stream = self.gw.link.submit(self.parsed.wire)
+        self.gw.metrics.in_flight.inc()
+        self._watch = asyncio.create_task(self._watch_disconnect())
+        self._events = self._read()
+        try:
+            first = await anext(self._events)
+        except BaseException:
+            await self.close()
+            raise
+        return first
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                self.finish = "cancelled"
+                self.stream.cancel()
+                return
+
+    async def _read(self) -> AsyncIterator[dict]:
+        async for ev in self.stream:
+            if ev["type"] == "error":
+                raise oa.wire_error(ev)
+            if ev["type"] == "token":
+                now = time.monotonic()
+                if self.last_token_s is None:
+                    self.gw.metrics.ttft_s.observe(now - self.started_s)
+                else:
+                    self.gw.metrics.token_s.observe(now - self.last_token_s)
+                self.last_token_s = now
+            elif ev["type"] == "done":
+                self.finish = ev.get("finish_reason", "stop")
+                u = ev.get("usage", {})
+                self.gw.metrics.prompt_tokens.inc(u.get("prompt_tokens", 0))
+                self.gw.metrics.generated_tokens.inc(u.get("completion_tokens", 0))
+            yield ev
+
+    async def rest(self) -> AsyncIterator[dict]:
+        """The events after the first, to ``done``."""
+        async for ev in self._events:
+            yield ev
+
+    async def close(self) -> None:
+        """Cancel the request if it still runs (the client left, or the response failed), and
+        count it. Safe to call more than once."""
+        if self.stream is None:
+            return
+        if not self.stream.finished:
+            self.finish = "cancelled"
+            self.stream.cancel()
+        self.gw.link.forget(self.stream)
+        self.stream = None
+        if self._watch is not None:
+            self._watch.cancel()
+        self.gw.metrics.in_flight.dec()
+        self.gw.metrics.requests.labels(self.endpoint, self.finish).inc()
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def _body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise oa.ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise oa.ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _streaming(gen: Generation, chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except oa.ApiError as e:  # after the stream began: an error event, as OpenAI does
+            yield _sse(e.body())
+        finally:
+            await gen.close()
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@dataclass
+class Started:
+    """A generation under way for one endpoint: its events (the first already in), and what
+    every response of it names."""
+
+    parsed: oa.Parsed
+    gen: Generation
+    events: AsyncIterator[dict]
+    model: str
+    rid: str
+    created: int
+    logprobs: oa.LogprobsBuilder | None
+
+
+async def _start(request: Request, parse, endpoint: str, id_prefix: str) -> Started:
+    """Check the key and the body, start the generation and wait for its first event (so that a
+    refused request is answered with its HTTP status before any stream begins)."""
+    gw: Gateway = request.app.state.gateway
+    gw.check_key(request)
+    parsed = parse(await _body(request))
+    st = gw.serving_status()
+    lp = None
+    if parsed.top_logprobs is not None:
+        tok = await gw.tokenizer(st["model"])
+        lp = oa.LogprobsBuilder(parsed.top_logprobs, tok.token_text, tok.token_bytes)
+    gen = Generation(gw, request, parsed, endpoint)
+    first = await gen.start()
+
+    async def events() -> AsyncIterator[dict]:
+        yield first
+        async for ev in gen.rest():
+            yield ev
+
+    return Started(parsed, gen, events(), gw.model_name(st), f"{id_prefix}-{secrets.token_hex(12)}",
+                   int(time.time()), lp)
+
+
+async def _collect(s: Started) -> tuple[list[dict], dict]:
+    """A non-streamed generation's token events and its ``done`` event."""
+    tokens, done = [], {}
+    try:
+        async for ev in s.events:
+            if ev["type"] == "token":
+                tokens.append(ev)
+            elif ev["type"] == "done":
+                done = ev
+    finally:
+        await s.gen.close()
+    return tokens, done
+
+
+async def chat_completions(request: Request) -> Response:
+    s = await _start(request, oa.parse_chat, "chat", "chatcmpl")
+    lp = s.logprobs
+    if not s.parsed.stream:
+        tokens, done = await _collect(s)
+        return JSONResponse(oa.chat_response(s.rid, s.model, done, [lp.chat_entry(t) for t in tokens] if lp else None))
+
+    def chunk(delta: dict, **kw) -> dict:
+        return oa.chat_chunk(s.rid, s.model, s.created, delta, **kw)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield _sse(chunk({"role": "assistant", "content": ""}))
+        async for ev in s.events:
+            if ev["type"] == "token":
+                if ev["text"] or lp:
+                    yield _sse(chunk({"content": ev["text"]}, logprobs=[lp.chat_entry(ev)] if lp else None))
+            elif ev["type"] == "done":
+                if ev.get("tail"):
+                    yield _sse(chunk({"content": ev["tail"]}))
+                usage = None if s.parsed.include_usage else oa.usage(ev)
+                yield _sse(chunk({}, finish=oa.finish_reason(ev), usage_=usage) | oa.ntx_extra(ev))
+                if s.parsed.include_usage:
+                    yield _sse(_usage_chunk(s, "chat.completion.chunk", ev))
+
+    return _streaming(s.gen, chunks())
+
+
+async def completions(request: Request) -> Response:
+    s = await _start(request, oa.parse_completion, "completions", "cmpl")
+    lp = s.logprobs
+    if not s.parsed.stream:
+        tokens, done = await _collect(s)
+        return JSONResponse(oa.completion_response(s.rid, s.model, done, lp.completion_part(tokens, 0) if lp else None))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        offset = 0
+        async for ev in s.events:
+            if ev["type"] == "token":
+                if ev["text"] or lp:
+                    part = lp.completion_part([ev], offset) if lp else None
+                    yield _sse(oa.completion_chunk(s.rid, s.model, s.created, ev["text"], logprobs=part))
+                    offset += len(ev["text"])
+            elif ev["type"] == "done":
+                usage = None if s.parsed.include_usage else oa.usage(ev)
+                yield _sse(oa.completion_chunk(s.rid, s.model, s.created, ev.get("tail", ""), oa.finish_reason(ev),
+                                               usage_=usage) | oa.ntx_extra(ev))
+                if s.parsed.include_usage:
+                    yield _sse(_usage_chunk(s, "text_completion", ev))
+
+    return _streaming(s.gen, chunks())
+
+
+def _usage_chunk(s: Started, object_: str, done: dict) -> dict:
+    """With ``stream_options.include_usage``: OpenAI's last chunk, no choices and the usage."""
+    return {"id": s.rid, "object": object_, "created": s.created, "model": s.model, "choices": [],
+            "usage": oa.usage(done)}
+
+
+async def models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    gw.check_key(request)
+    st = gw.serving_status()
+    return JSONResponse({"object": "list", "data": [
+        {"id": gw.model_name(st), "object": "model", "created": int(time.time() - st.get("uptime_s", 0)),
+         "owned_by": "ntx"}]})
+
+
+async def health(request: Request) -> Response:
+    """200 when the pipeline is ready, 503 while it loads, restarts, stops or does not answer
+    (no key needed: load balancers and orchestrators probe it)."""
+    st = request.app.state.gateway.link.fresh_status
+    if st is None:
+        return JSONResponse({"status": "unavailable", "message": "the pipeline does not answer"}, 503)
+    if st.get("state") != "ready":
+        return JSONResponse({"status": "loading" if st["state"] == "starting" else st["state"]}, 503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    gw.check_key(request)
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def status_page(request: Request) -> Response:
+    """The live status page: static HTML whose script polls /api/status (the key, if one is
+    needed, comes from the page address' #key=… fragment, which browsers never send)."""
+    return HTMLResponse(resources.files("ntx.ctl.gateway").joinpath("status_page.html").read_text())
+
+
+async def api_status(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    gw.check_key(request)
+    return JSONResponse({"status": gw.link.fresh_status, "history": list(gw.link.history),
+                         "gateway": {"in_flight": gw.link.in_flight}})
+
+
+async def _api_error(request: Request, exc: oa.ApiError) -> Response:
+    return JSONResponse(exc.body(), exc.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(oa.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_).body(),
+                        exc.status_code)
+
+
+def create_app(listen: str, api_key: str | None = None) -> Starlette:
+    """The gateway for the pipeline whose client address is ``listen``."""
+    gw = Gateway(listen, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        gw.link = PipelineLink(listen)
+        gw.link.start()
+        try:
+            yield
+        finally:
+            await gw.link.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/api/status", api_status, methods=["GET"]),
+            Route("/", status_page, methods=["GET"]),
+        ],
+        exception_handlers={oa.ApiError: _api_error, HTTPException: _http_error},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gw
+    return app

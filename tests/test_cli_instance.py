@@ -1,0 +1,189 @@
+"""ntxctl against a running instance, as a user runs it (the console entry point in subprocesses):
+one name for every command (--name or NTX_NAME), ps, --version, completion, serve in the
+foreground, --model against another model's pipeline, the finish reason on stderr, Ctrl-C
+cancelling the request in the pipeline, the per-request log line, status without Python reprs."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+
+import pytest
+
+from ntx.ctl import instance
+from ntx.shared.config import InstancePaths
+
+from .pipeline_util import free_port, ntxctl, running_pipeline, wait_for
+
+FRANCE = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    old = os.environ.get("NTX_RUN_DIR")
+    os.environ["NTX_RUN_DIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("NTX_RUN_DIR", None)
+    else:
+        os.environ["NTX_RUN_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def pipeline(smollm2_path, run_dir):
+    with running_pipeline(str(smollm2_path), run_dir, name="cli") as p:
+        yield p
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("ntxctl: error: ")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_version_and_completion():
+    r = ntxctl("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"ntxctl {version('ntransformer')}"
+    r = subprocess.run([sys.executable, "-m", "ntx.ctl.cli", "--show-completion", "bash"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "complete " in r.stdout
+
+
+def test_ps_lists_the_running_instance(pipeline):
+    r = ntxctl("ps")
+    assert r.returncode == 0, r.stderr
+    header, *rows = r.stdout.strip().splitlines()
+    assert header.split() == ["NAME", "STATE", "MODEL", "LISTEN", "HTTP", "PID", "UP"]
+    row = next(line.split() for line in rows if line.split()[0] == "cli")
+    assert row[1] == "ready" and row[2] == "SmolLM2-135M-Instruct.Q4_1.gguf" and row[3] == pipeline.listen
+
+
+def test_the_name_finds_the_instance_and_the_finish_reason_is_said(pipeline):
+    """NTX_NAME alone (no address) reaches the named instance; a text cut by --max-tokens says
+    so on stderr; the supervisor logs one line for the request."""
+    r = ntxctl("generate", "--raw", "--temperature", "0", "--max-tokens", "4", FRANCE, env={"NTX_NAME": "cli"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(" Paris")
+    assert "no pipeline listens" not in r.stderr
+    assert r.stderr.strip().splitlines() == ["ntxctl: finish: length: --max-tokens reached, or the context is full"]
+    log = InstancePaths("cli").log_dir / "supervisor.log"
+    wait_for(lambda: "prompt 5 tokens, generated 4, finish length, ttft " in log.read_text(), 10.0,
+             "the request's line in supervisor.log")
+    r = ntxctl("generate", "--name", "cli", "--raw", "--temperature", "0", "--max-tokens", "4", "--stop", ".",
+               "The capital of France is Paris")
+    assert r.returncode == 0 and r.stderr == ""  # a normal stop says nothing
+
+
+def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
+    other = tmp_path / "other.gguf"
+    r = ntxctl("generate", "--name", "cli", "--model", str(other), FRANCE)
+    line = _one_error_line(r)
+    assert f"runs {pipeline.status()['model']}, not {other}" in line
+    assert r.stdout == ""
+
+
+def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
+    proc, _ = _start_generating("--name", "cli", "--max-tokens", "3000", "Tell me a very long story.")
+    try:
+        assert pipeline.status()["requests"]["in_flight"] == 1
+        proc.send_signal(signal.SIGINT)
+        interrupted_s = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert b"finish: cancelled" in err and b"Traceback" not in err
+    wait_for(lambda: pipeline.status()["requests"]["in_flight"] == 0, 1.0, "the request to be gone from the pipeline")
+    assert time.monotonic() - interrupted_s < 5.0
+
+
+def test_ctrl_c_in_chat_cancels_the_reply_and_the_chat_goes_on(pipeline):
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--name", "cli", "--max-tokens", "3000"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(b"Tell me a very long story.\n")
+        proc.stdin.flush()
+        out = b""
+        deadline = time.monotonic() + 120
+        while len(out.strip()) < 8 and time.monotonic() < deadline:  # the prompt, then the reply
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                out += os.read(proc.stdout.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: pipeline.status()["requests"]["in_flight"] == 0, 10.0, "the reply to be cancelled")
+        proc.stdin.write(b"/exit\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err  # the chat went on after the cancelled reply, and /exit ended it
+    assert b"finish: cancelled" in err and b"Traceback" not in err
+
+
+def _start_generating(*args: str) -> tuple[subprocess.Popen, bytes]:
+    """``ntxctl generate ARGS`` in a subprocess, once it has printed some text."""
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "generate", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = b""
+    deadline = time.monotonic() + 120
+    while len(out.strip()) < 3 and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 1.0)[0]:
+            out += os.read(proc.stdout.fileno(), 4096)
+    return proc, out
+
+
+def test_a_forced_stop_ends_the_text_before_the_error_line(smollm2_path, run_dir):
+    with running_pipeline(str(smollm2_path), run_dir, name="forced"):
+        proc, _ = _start_generating("--name", "forced", "--max-tokens", "3000", "Tell me a very long story.")
+        try:
+            assert ntxctl("stop", "--name", "forced", "--force").returncode == 0
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1
+    assert out.endswith(b"\n")  # the text's line is ended before the error is said
+    assert err.decode().strip().splitlines()[-1].startswith("ntxctl: error: shutdown: ")
+
+
+def test_status_reads_as_text_and_names_the_logs(pipeline):
+    r = ntxctl("status", env={"NTX_NAME": "cli", "COLUMNS": "400"})  # wide: no wrapped lines
+    assert r.returncode == 0, r.stderr
+    assert "None" not in r.stdout and "{'" not in r.stdout
+    assert f"logs  {InstancePaths('cli').log_dir}\n" in r.stdout
+    assert "slots: 2 × 2.12 MiB per side\n" in r.stdout  # every layer resident: no host slots to show
+
+
+def test_a_port_in_use_names_the_fix(pipeline, smollm2_path):
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "clash", "--backend", "cpu", "--listen", pipeline.listen)
+    line = _one_error_line(r)
+    assert f"--listen {pipeline.listen}: cannot listen there" in line and "pick another" in line
+    assert instance.supervisor_pid(InstancePaths("clash")) is None
+
+
+def test_serve_runs_in_the_foreground_and_stops_on_sigterm(smollm2_path, run_dir, tmp_path):
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    err_path = tmp_path / "serve.stderr"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "serve", "--model", str(smollm2_path),
+                                 "--backend", "cpu", "--listen", listen, "--name", "fg"],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for(lambda: (instance.get_status("fg", timeout_s=1.0) or {}).get("state") == "ready", 120.0,
+                 "the foreground instance to be ready")
+        assert instance.supervisor_pid(InstancePaths("fg")) == proc.pid  # this process is the supervisor
+        r = ntxctl("generate", "--raw", "--temperature", "0", "--max-tokens", "3", FRANCE, env={"NTX_NAME": "fg"})
+        assert r.returncode == 0 and r.stdout.startswith(" Paris")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    log = err_path.read_text()
+    assert "gen 0: compute ready" in log and "generated 3, finish length" in log  # logs went to stderr
+    assert not (InstancePaths("fg").log_dir / "supervisor.log").exists()
+    assert instance.leftovers("fg") == []

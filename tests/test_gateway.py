@@ -1,0 +1,332 @@
+"""The HTTP gateway against a real pipeline on the CPU backend (``ntxctl start --http``).
+
+The official ``openai`` package is the client for what works (streaming and not), raw HTTP for
+the error cases (OpenAI's error schema), /metrics is read with prometheus_client's own parser,
+and a client that hangs up must see its request cancelled in the pipeline within a second.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .pipeline_util import free_port, ntxctl, running_pipeline, wait_for
+
+FRANCE = "The capital of France is"
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    old = os.environ.get("NTX_RUN_DIR")
+    os.environ["NTX_RUN_DIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("NTX_RUN_DIR", None)
+    else:
+        os.environ["NTX_RUN_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path, run_dir):
+    """A pipeline with its gateway on a free port: 26 layers resident and 4 read from storage,
+    so that every stage (reader, dma, compute) works and shows."""
+    http = f"127.0.0.1:{free_port()}"
+    with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "26", "--ram-budget", "0", "--http", http,
+                          name="gw") as p:
+        p.http = http
+        p.base = f"http://{http}"
+        yield p
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _in_flight(pipeline) -> int:
+    return pipeline.status()["requests"]["in_flight"]
+
+
+def test_chat_equals_the_pipeline_and_streams_the_same(served, oai):
+    with served.client() as c:
+        want = c.complete(messages=HI, temperature=0.0, max_tokens=5)
+    r = oai.chat.completions.create(model="any", messages=HI, temperature=0, max_tokens=5)
+    assert r.choices[0].message.content == want["text"]
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want["finish_reason"] == "length"
+    assert r.usage.prompt_tokens == len(want["prompt_tokens"]) and r.usage.completion_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 5
+    assert r.model == os.path.basename(served.status()["model"])
+
+    chunks = list(oai.chat.completions.create(model="any", messages=HI, temperature=0, max_tokens=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want["text"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 5  # usage in the last chunk
+
+    # stream_options.include_usage: OpenAI's own shape, a last chunk with no choices
+    chunks = list(oai.chat.completions.create(model="any", messages=HI, temperature=0, max_tokens=4, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_completions_raw_text_and_token_ids(served, oai):
+    r = oai.completions.create(model="any", prompt=FRANCE, temperature=0, max_tokens=6, seed=1)
+    assert r.choices[0].text.startswith(" Paris")
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 6
+    streamed = list(oai.completions.create(model="any", prompt=FRANCE, temperature=0, max_tokens=6, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == r.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+    by_ids = oai.completions.create(model="any", prompt=[504, 3575, 282, 4649, 314], temperature=0, max_tokens=6)
+    assert by_ids.choices[0].text == r.choices[0].text
+
+
+def test_sampling_fields_are_mapped(served, oai):
+    """stop ends the text before the stop string; a seed repeats a sampled answer."""
+    r = oai.completions.create(model="any", prompt=FRANCE, temperature=0, max_tokens=12, stop=["."])
+    assert r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text
+    a, b = (oai.chat.completions.create(model="any", messages=HI, temperature=1.0, top_p=0.9, seed=7, max_tokens=10)
+            for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_logprobs(served, oai):
+    r = oai.chat.completions.create(model="any", messages=HI, temperature=0, max_tokens=5, logprobs=True,
+                                    top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 5
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        assert e.token == e.top_logprobs[0].token  # greedy: the chosen token is the best
+    assert "".join(e.token for e in entries) == r.choices[0].message.content
+
+    c = oai.completions.create(model="any", prompt=FRANCE, temperature=0, max_tokens=3, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert lp.tokens[0] == " Paris" and len(lp.top_logprobs[0]) == 2 and lp.text_offset[0] == 0
+
+
+def test_models_and_health(served, oai):
+    ids = [m.id for m in oai.models.list().data]
+    assert ids == [os.path.basename(served.status()["model"])]
+    r = httpx.get(f"{served.base}/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", {"model": "m"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": HI, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": HI, "top_p": 7}, 400, None),  # the pipeline's own check
+    ("/v1/completions", {"prompt": {"x": 1}}, 400, "prompt"),
+    ("/v1/completions", {"prompt": FRANCE, "logprobs": 99}, 400, "logprobs"),
+])
+def test_bad_requests_answer_in_openai_error_schema(served, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{served.base}{path}", **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    if path.endswith("chat/completions") and isinstance(body, dict) and "top_p" in body:
+        assert "top_p" in err["message"]
+
+
+def test_context_overflow_and_unknown_routes(served, oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="any", prompt=[1] * 9000, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    r = httpx.get(f"{served.base}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(f"{served.base}/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_metrics_parse_and_count(served, oai):
+    oai.chat.completions.create(model="any", messages=HI, temperature=0, max_tokens=3)
+    text = httpx.get(f"{served.base}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = {tuple(sorted(s.labels.items())): s.value for s in families["ntx_http_requests"].samples
+                if s.name == "ntx_http_requests_total"}
+    assert requests[(("endpoint", "chat"), ("finish", "length"))] >= 1
+    ttft = {s.name: s.value for s in families["ntx_time_to_first_token_seconds"].samples if not s.labels.get("le")}
+    assert ttft["ntx_time_to_first_token_seconds_count"] >= 1 and ttft["ntx_time_to_first_token_seconds_sum"] > 0
+    per_token = {s.name: s.value for s in families["ntx_time_per_output_token_seconds"].samples}
+    assert per_token["ntx_time_per_output_token_seconds_count"] >= 2
+    assert [s.value for s in families["ntx_pipeline_ready"].samples] == [1.0]
+    shares = {(s.labels["stage"], s.labels["state"]) for s in families["ntx_stage_share"].samples}
+    assert ("compute", "busy") in shares and ("compute", "starved") in shares
+    tiers = {s.labels["tier"]: s.value for s in families["ntx_streamed_bytes"].samples if s.name.endswith("_total")}
+    assert tiers["storage"] > 0 and tiers["ram"] == 0  # 4 layers on storage, none in pinned RAM
+    generated = [s.value for s in families["ntx_generated_tokens"].samples if s.name == "ntx_generated_tokens_total"]
+    assert generated[0] >= 3
+
+
+def test_streaming_client_that_hangs_up_is_cancelled_within_a_second(served):
+    body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000,
+            "temperature": 0.8, "stream": True}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{served.base}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while '"content":""' in next(l for l in lines if l.startswith("data:")):
+                pass  # the role chunk; then the first token arrived: the request runs
+            assert _in_flight(served) == 1
+        hung_up_s = time.monotonic()  # leaving the block closed the connection
+    wait_for(lambda: _in_flight(served) == 0, 1.0,
+             lambda: f"the pipeline to drop the request after the hang-up (now: {served.status()['requests']})")
+    assert time.monotonic() - hung_up_s < 1.0
+
+
+def test_non_streaming_client_that_times_out_is_cancelled_within_a_second(served):
+    body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000}
+    wait_for(lambda: _in_flight(served) == 0, 10.0, "no request in flight before the test")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.base}/v1/chat/completions", json=body, timeout=httpx.Timeout(10.0, read=1.5))
+    hung_up_s = time.monotonic()
+    wait_for(lambda: _in_flight(served) == 0, 1.0,
+             lambda: f"the pipeline to drop the request after the time-out (now: {served.status()['requests']})")
+    assert time.monotonic() - hung_up_s < 1.0
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway(served):
+    """A second gateway on the same pipeline that needs a key, run as ``python -m ntx.ctl.gateway``."""
+    http = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", served.listen, "--http", http],
+                            env={**os.environ, "NTX_API_KEY": "s3cret"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    base = f"http://{http}"
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"{base}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(answers, 30.0, "the keyed gateway to answer /health")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_api_key_is_required_when_set(keyed_gateway):
+    r = httpx.get(f"{keyed_gateway}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{keyed_gateway}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{keyed_gateway}/metrics").status_code == 401
+    ok = openai.OpenAI(base_url=f"{keyed_gateway}/v1", api_key="s3cret", max_retries=0)
+    assert ok.chat.completions.create(model="m", messages=HI, temperature=0, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_gateway_without_a_pipeline_says_503(tmp_path):
+    """/health is 503 and requests get a 503 error while no pipeline answers."""
+    http = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", f"tcp://127.0.0.1:{free_port()}",
+                             "--http", http], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://{http}"
+
+    def health():
+        try:
+            return httpx.get(f"{base}/health")
+        except httpx.HTTPError:
+            return None
+
+    try:
+        r = wait_for(health, 30.0, "the gateway to answer")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": HI})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_http_beyond_loopback_needs_a_key(smollm2_path):
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "exposed", "--backend", "cpu",
+               "--listen", f"tcp://127.0.0.1:{free_port()}", "--http", f"0.0.0.0:{free_port()}",
+               env={"NTX_API_KEY": ""})
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("ntxctl: error: --http on 0.0.0.0 listens beyond this machine")
+
+
+def _headless_chromium():
+    """Debian's chromium through its own chromedriver (.ci/run installs both); skip, saying
+    what is missing, only where they are not installed."""
+    driver = shutil.which("chromedriver")
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not driver or not binary:
+        pytest.skip("the status page's browser test needs chromium and chromedriver "
+                    "(Debian: apt-get install chromium chromium-driver, which .ci/run does as root)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=opts)
+
+
+def test_status_page_in_a_headless_browser(served):
+    """The page loads, shows every stage and the plan, and updates while a request runs."""
+    from selenium.webdriver.common.by import By
+
+    browser = _headless_chromium()
+    try:
+        browser.get(f"{served.base}/")
+        for stage in ("reader", "dma", "compute"):
+            wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, f'.stage[data-stage="{stage}"]'), 30.0,
+                     f"the page to show the {stage} stage")
+        assert "storage" in browser.find_element(By.ID, "plan").text
+        assert browser.find_element(By.ID, "state").text == "ready"
+
+        def figure(element_id: str) -> int:
+            return int(browser.find_element(By.ID, element_id).text)
+
+        before = figure("tokens-generated")
+        body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000,
+                "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{served.base}/v1/chat/completions", json=body):
+            wait_for(lambda: figure("in-flight") == 1 and figure("tokens-generated") > before, 30.0,
+                     "the page to show the running request and its tokens")
+            seen = figure("tokens-generated")
+            wait_for(lambda: figure("tokens-generated") > seen, 30.0, "the page to update again while it runs")
+            # the compute chart has drawn busy time
+            painted = browser.execute_script(
+                'const c = document.querySelector(\'.stage[data-stage="compute"] canvas\');'
+                "return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data).some(v => v > 0);")
+            assert painted
+        wait_for(lambda: figure("in-flight") == 0, 30.0, "the page to show the request gone")
+    finally:
+        browser.quit()
+
+
+def test_health_says_loading_while_the_pipeline_starts():
+    """/health follows the pipeline's state: 503 "loading" while it starts, 200 once ready (the
+    app in process, its status set by hand; nothing listens on its pipeline address)."""
+    from starlette.testclient import TestClient
+
+    from ntx.ctl.gateway.app import create_app
+
+    with TestClient(create_app(f"tcp://127.0.0.1:{free_port()}")) as http:
+        link = http.app.state.gateway.link
+        link.status, link.status_at_s = {"state": "starting"}, time.monotonic()
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        link.status, link.status_at_s = {"state": "ready"}, time.monotonic()
+        assert http.get("/health").status_code == 200
