@@ -276,6 +276,10 @@ def start(
         "--scenarios spec`); the drafter named otherwise runs and is ignored"),
     draft_replay_p: float = typer.Option(0.0, "--draft-replay-p", help="for benchmarks: probability that each "
                                          "replayed draft token is made wrong"),
+    curve_server_key: Optional[str] = typer.Option(None, "--curve-server-key", help="CURVE: the server's secret key "
+                                                   "file (`ntxctl keygen`); required when --listen is not loopback"),
+    curve_clients: Optional[str] = typer.Option(None, "--curve-clients", help="CURVE: folder of the public key "
+                                                "files (NAME.key) of the clients let in"),
 ) -> None:
     """Start the pipeline (supervisor + reader, dma and compute daemons) in the background."""
     from ntx.ctl import instance
@@ -292,6 +296,8 @@ def start(
         handshake_timeout_s=timeout, max_restarts=max_restarts,
         **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)),
         draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
+        curve_server_key=os.path.abspath(curve_server_key) if curve_server_key else None,
+        curve_clients=os.path.abspath(curve_clients) if curve_clients else None,
     ).validate()
     index = open_model(model_path)
     cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
@@ -342,6 +348,28 @@ def _choose_backend(backend: str) -> str:
     from ntx.daemons.compute.cuda_check import cuda_problem
 
     return "cuda" if cuda_problem() is None else "cpu"
+
+
+@app.command()
+def keygen(
+    name: str = typer.Argument(..., help="whose key: e.g. server, or a client's name"),
+    key_dir: str = typer.Option(".", "--dir", help="folder to write NAME.key (public) and NAME.key_secret into"),
+) -> None:
+    """Make a CURVE key pair for `start --curve-server-key` (the server's NAME.key_secret) or a client
+    (its NAME.key goes into the server's --curve-clients folder; clients give the server's NAME.key
+    and their own NAME.key_secret in NTX_CURVE_SERVER_KEY and NTX_CURVE_CLIENT_KEY)."""
+    import zmq.auth
+
+    os.makedirs(key_dir, exist_ok=True)
+    existing = [p for p in (f"{name}.key", f"{name}.key_secret") if os.path.exists(os.path.join(key_dir, p))]
+    if existing:
+        _fail(f"keygen: {os.path.join(key_dir, existing[0])} exists; remove it or choose another name")
+    old_umask = os.umask(0o077)  # the secret key is the owner's alone
+    try:
+        public, secret = zmq.auth.create_certificates(key_dir, name)
+    finally:
+        os.umask(old_umask)
+    typer.echo(f"public key {public}\nsecret key {secret}")
 
 
 @app.command()
