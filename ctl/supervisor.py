@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -207,7 +207,7 @@ def test_a_listen_address_other_machines_reach_needs_curve(smollm2_path, tmp_pat
     (clients / "alice.key").write_bytes((keys / "alice.key").read_bytes())
     with running_pipeline(str(smollm2_path), run_dir, "--ctx", str(CTX), "--curve-server-key",
                           str(keys / "server.key_secret"), "--curve-clients", str(clients), name="curve",
-                          listen=f"tcp://0.0.0.0:{port}") as p:
+                          listen=f"tcp://0.0.0.0:{port}"):
         loopback = f"tcp://127.0.0.1:{port}"
         with Client(loopback, server_key=str(keys / "server.key"), client_key=str(keys / "alice.key_secret")) as c:
             assert "Paris" in c.complete("The capital of France is", raw=True, temperature=0.0, max_tokens=4)["text"]
