@@ -200,6 +200,10 @@ class InstanceConfig:
             raise ConfigError(f"--listen {self.listen!r}: expected tcp://HOST:PORT or ipc://PATH")
         if (self.curve_server_key is None) != (self.curve_clients is None):
             raise ConfigError("CURVE needs both --curve-server-key and --curve-clients")
+        if self.curve_server_key is not None and not os.path.isfile(self.curve_server_key):
+            raise ConfigError(f"--curve-server-key {self.curve_server_key}: no such file")
+        if self.curve_clients is not None and not os.path.isdir(self.curve_clients):
+            raise ConfigError(f"--curve-clients {self.curve_clients}: no such folder (it holds the clients' NAME.key files)")
         if self.curve_server_key is None and not listen_is_local(self.listen):
             raise ConfigError(f"--listen {self.listen}: other machines can reach it, so clients must authenticate: "
                               "make keys with `ntxctl keygen` and give --curve-server-key and --curve-clients")
