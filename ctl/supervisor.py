@@ -465,8 +465,9 @@ class Supervisor:
         poller.register(self.front.sock, zmq.POLLIN)
         poller.register(self.front.monitor, zmq.POLLIN)
         while not self.done:
-            # replies waiting for slow readers are retried soon; otherwise wait for a message
-            events = dict(poller.poll(5 if self.front.has_backlog else 50))
+            # replies waiting for slow readers are retried soon (each new reply retries its
+            # connection at once); otherwise wait for a message
+            events = dict(poller.poll(20 if self.front.has_backlog else 50))
             if self.signalled is not None:
                 self.begin_stop(force=self.signalled == signal.SIGINT)
                 self.signalled = None
