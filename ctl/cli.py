@@ -405,6 +405,10 @@ def start(
                                           "must send; required to serve --http beyond loopback"),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error: info logs one line "
                                   "per request (supervisor.log), the gateway logs at this level"),
+    curve_server_key: Optional[str] = typer.Option(None, "--curve-server-key", help="CURVE: the server's secret key "
+                                                   "file (`ntxctl keygen`); required when --listen is not loopback"),
+    curve_clients: Optional[str] = typer.Option(None, "--curve-clients", help="CURVE: folder of the public key "
+                                                "files (NAME.key) of the clients let in"),
 ) -> None:
     """Start the pipeline (supervisor + reader, dma and compute daemons) in the background; logs
     go to the folder `ntxctl status` names."""
@@ -423,7 +427,8 @@ app.command()(serve)
 
 def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budget, ram_budget, gpu_layers, placement, io,
             max_batch, ctx, plan_only, timeout, max_restarts, draft_model, self_draft, self_draft_skip, draft_tokens,
-            draft_width, draft_replay, draft_replay_p, skip_layers, http, api_key, log_level) -> None:
+            draft_width, draft_replay, draft_replay_p, skip_layers, http, api_key, log_level, curve_server_key,
+            curve_clients) -> None:
     """``start`` (a detached supervisor) and ``serve`` (this process becomes the supervisor)."""
     from ntx.ctl import instance
     from ntx.shared.config import InstanceConfig, parse_size
@@ -441,6 +446,8 @@ def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budge
         **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)),
         draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
         skip_layers=_skip_layers(skip_layers, index.hparams.n_layers), http=http, log_level=log_level,
+        curve_server_key=os.path.abspath(curve_server_key) if curve_server_key else None,
+        curve_clients=os.path.abspath(curve_clients) if curve_clients else None,
     ).validate()
     instance.refuse_running(name)  # said as such, not as its port being in use
     _check_http(http, api_key)
@@ -568,6 +575,28 @@ def _choose_backend(backend: str) -> str:
     from ntx.daemons.compute.cuda_check import cuda_problem
 
     return "cuda" if cuda_problem() is None else "cpu"
+
+
+@app.command()
+def keygen(
+    name: str = typer.Argument(..., help="whose key: e.g. server, or a client's name"),
+    key_dir: str = typer.Option(".", "--dir", help="folder to write NAME.key (public) and NAME.key_secret into"),
+) -> None:
+    """Make a CURVE key pair for `start --curve-server-key` (the server's NAME.key_secret) or a client
+    (its NAME.key goes into the server's --curve-clients folder; clients give the server's NAME.key
+    and their own NAME.key_secret in NTX_CURVE_SERVER_KEY and NTX_CURVE_CLIENT_KEY)."""
+    import zmq.auth
+
+    os.makedirs(key_dir, exist_ok=True)
+    existing = [p for p in (f"{name}.key", f"{name}.key_secret") if os.path.exists(os.path.join(key_dir, p))]
+    if existing:
+        _fail(f"keygen: {os.path.join(key_dir, existing[0])} exists; remove it or choose another name")
+    old_umask = os.umask(0o077)  # the secret key is the owner's alone
+    try:
+        public, secret = zmq.auth.create_certificates(key_dir, name)
+    finally:
+        os.umask(old_umask)
+    typer.echo(f"public key {public}\nsecret key {secret}")
 
 
 @app.command()

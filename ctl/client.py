@@ -7,6 +7,10 @@
 
 One ZeroMQ DEALER socket carries any number of concurrent requests; replies are sorted by
 request id, so several ``generate`` iterators can be consumed in any order.
+
+A pipeline that listens where other machines can reach it requires CURVE: give the server's
+public key file and this client's secret key file (both from ``ntxctl keygen``), as arguments or
+in ``NTX_CURVE_SERVER_KEY`` / ``NTX_CURVE_CLIENT_KEY`` (which ntxctl's commands read too).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections import defaultdict, deque
 from typing import Any, Iterator
 
 import zmq
+import zmq.auth
 
 from ntx.shared import messages as m
 from ntx.shared.errors import NtxError
@@ -34,13 +39,39 @@ class ClientError(NtxError):
         super().__init__(f"{code}: {message}")
 
 
+def _use_curve(sock: zmq.Socket, server_key: str, client_key: str) -> None:
+    """Make ``sock`` a CURVE client of the server whose public key file is ``server_key``."""
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key)
+        public, secret = zmq.auth.load_certificate(client_key)
+    except (OSError, ValueError) as e:
+        raise ClientError("bad_key", f"cannot read a CURVE key file: {e}") from None
+    if not secret:
+        raise ClientError("bad_key", f"{client_key} holds no secret key (give the .key_secret file from `ntxctl keygen`)")
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, event_timeout_s: float = DEFAULT_EVENT_TIMEOUT_S) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, event_timeout_s: float = DEFAULT_EVENT_TIMEOUT_S,
+                 server_key: str | None = None, client_key: str | None = None) -> None:
         self.address = address
         self.event_timeout_s = event_timeout_s
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        server_key = server_key or os.environ.get("NTX_CURVE_SERVER_KEY")
+        client_key = client_key or os.environ.get("NTX_CURVE_CLIENT_KEY")
+        if server_key or client_key:
+            if not (server_key and client_key):
+                self.sock.close(linger=0)
+                raise ClientError("bad_key", "CURVE needs both the server's public key and the client's secret key")
+            try:
+                _use_curve(self.sock, server_key, client_key)
+            except ClientError:
+                self.sock.close(linger=0)
+                raise
         self.sock.connect(address)
         self._inbox: dict[Any, deque[dict]] = defaultdict(deque)
         self._ids = itertools.count()

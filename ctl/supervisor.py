@@ -25,21 +25,28 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from ntx.ctl.front import ClientFront, Connection
+from ntx.ctl.request_limits import MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS, MAX_REQUESTS_PER_CONNECTION, RequestLimits
 from ntx.shared import messages as m
 from ntx.daemons.compute.threads import bound_blas_threads
 from ntx.shared.config import LOG_LEVELS, InstanceConfig, InstancePaths
+from ntx.shared.errors import ConfigError
 from ntx.shared.plan import RAM, STORAGE, Plan
 from ntx.shared.shm import unlink_all
 from ntx.shared.stats import bottleneck
 
 RESTART_WINDOW_S = 300.0
 DRAIN_TIMEOUT_S = 30.0
+# A send to a daemon waits at most this long for room in its pipe (the compute window keeps it
+# far from full, so a wait this long means the daemon is stuck): then the pipeline has failed.
+CONTROL_SEND_TIMEOUT_S = 30.0
+# Status fields only operators see (connections from this machine; ntxctl status)
+OPERATOR_STATUS_FIELDS = ("model", "listen", "supervisor_pid", "reason")
 GATEWAY_MIN_RUN_S = 5.0  # a gateway that dies sooner cannot start at all; it is not restarted
 
 
@@ -86,10 +93,12 @@ class Supervisor:
         self.ctx = zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        # a message to a daemon that is not connected is an error, a full pipe a wait, never a drop
+        self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.control.setsockopt(zmq.SNDTIMEO, int(CONTROL_SEND_TIMEOUT_S * 1000))
         self.control.bind(self.paths.control)
-        self.front = self.ctx.socket(zmq.ROUTER)
-        self.front.setsockopt(zmq.LINGER, 500)
-        self.front.bind(cfg.listen)
+        self.front = ClientFront(self.ctx, cfg, on_gone=self.connection_gone, on_slow=self.connection_slow)
+        self.limits = RequestLimits(max_context=cfg.max_context, max_batch=cfg.max_batch)
         self.gen = 0
         self.state = "starting"
         self.reason: str | None = None
@@ -98,9 +107,13 @@ class Supervisor:
         self.restarts = 0
         self.daemons: dict[str, DaemonProc] = {}
         self.stage_stats: dict[str, dict] = {}
-        self.inflight: dict[str, tuple[bytes, str]] = {}  # internal id -> (client identity, client id)
-        self.by_client: dict[tuple[bytes, str], str] = {}
-        self.pending: deque[tuple[str, dict]] = deque()  # requests waiting for the pipeline
+        self.inflight: dict[str, tuple[Connection, str]] = {}  # internal id -> (connection, client id)
+        self.by_client: dict[tuple[int, str], str] = {}  # (connection serial, client id) -> internal id
+        # requests waiting for room at compute: internal id -> (generate map, frame bytes)
+        self.pending: dict[str, tuple[dict, int]] = {}
+        self.pending_bytes = 0
+        self.at_compute: set[str] = set()  # forwarded, compute's done/error not yet seen
+        self.cancel_sent: set[str] = set()
         self._ids = itertools.count()
         self.stop_requested: dict | None = None
         self.stop_waiters: list[bytes] = []
@@ -194,10 +207,11 @@ class Supervisor:
                 sock.unlink(missing_ok=True)
 
     def fail_inflight(self, code: str, message: str) -> None:
-        for rid, (client, client_rid) in list(self.inflight.items()):
-            self.reply(client, m.error_reply(client_rid, code, message))
-        self.inflight.clear()
-        self.by_client.clear()
+        """Answer every request in flight with an error: compute has gone or is going."""
+        for rid in list(self.inflight):
+            self.end_request(rid, error=(code, message))
+        self.at_compute.clear()
+        self.cancel_sent.clear()
 
     def pipeline_failed(self, reason: str) -> None:
         self.say(f"gen {self.gen}: {reason}")
@@ -295,9 +309,7 @@ class Supervisor:
                 self.state = "ready"
                 self.ever_ready = True
                 self.write_state()
-                while self.pending:
-                    rid, req = self.pending.popleft()
-                    self.forward(rid, req)
+                self.dispatch()
         elif isinstance(msg, m.Fatal):
             self.pipeline_failed(msg.message)
         elif isinstance(msg, m.Stats):
@@ -322,17 +334,13 @@ class Supervisor:
         self.say(f"stop requested ({'force' if force else 'graceful'})")
         self.state = "stopping"
         self.write_state()
-        while self.pending:
-            rid, _ = self.pending.popleft()
-            client, client_rid = self.inflight.pop(rid)
-            self.by_client.pop((client, client_rid), None)
-            self.reply(client, m.error_reply(client_rid, "shutdown", "the pipeline is stopping; request not started"))
+        for rid in list(self.pending):
+            self.end_request(rid, error=("shutdown", "the pipeline is stopping; request not started"))
         compute = self.daemons.get("compute")
         if force or not compute or compute.state != "ready" or not self.inflight:
             self.fail_inflight("shutdown", "the pipeline was stopped (--force); request cancelled")
             self.shutdown()
-        else:
-            self.control.send_multipart([f"compute-g{self.gen}".encode(), m.Drain(timeout_s=DRAIN_TIMEOUT_S).encode()])
+        elif self.send_compute(m.Drain(timeout_s=DRAIN_TIMEOUT_S)):
             self.drain_deadline_s = time.monotonic() + DRAIN_TIMEOUT_S + 5.0
 
     def shutdown(self) -> None:
@@ -342,79 +350,142 @@ class Supervisor:
         self.done = True
 
     # -- clients -----------------------------------------------------------------------------
-    def reply(self, client: bytes, msg: dict[str, Any]) -> None:
+    # A request is in ``inflight`` from its admission to its last reply; meanwhile it waits in
+    # ``pending`` (the supervisor's bounded queue) or is ``at_compute`` (at most the compute
+    # window). Every admitted request ends in exactly one done or error reply (``end_request``).
+    def send_compute(self, msg: m.Message) -> bool:
+        """Send to this generation's compute; a failure to deliver fails the pipeline (False)."""
         try:
-            self.front.send_multipart([client, m.pack(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the client is gone or not reading; nothing else to tell
+            self.control.send_multipart([f"compute-g{self.gen}".encode(), msg.encode()])
+            return True
+        except zmq.ZMQError as e:
+            why = "is not connected" if e.errno == zmq.EHOSTUNREACH else f"took no message for {CONTROL_SEND_TIMEOUT_S:.0f} s"
+            self.pipeline_failed(f"compute daemon {why}")
+            return False
+
+    def dispatch(self) -> None:
+        """Forward queued requests, oldest first, while compute's window has room."""
+        while self.pending and self.state == "ready" and len(self.at_compute) < self.limits.compute_window:
+            rid = next(iter(self.pending))
+            req, n_bytes = self.pending.pop(rid)
+            self.pending_bytes -= n_bytes
+            self.at_compute.add(rid)
+            if not self.send_compute(m.Request(rid=rid, generate=req)):
+                return
+
+    def cancel_at_compute(self, rid: str) -> None:
+        if rid in self.at_compute and rid not in self.cancel_sent:
+            self.cancel_sent.add(rid)
+            self.send_compute(m.Cancel(rid=rid))
+
+    def end_request(self, rid: str, error: tuple[str, str] | None = None) -> None:
+        """Forget a request (its reply, if any, is sent first); an error ends it for its client."""
+        conn, client_rid = self.inflight.pop(rid)
+        self.by_client.pop((conn.serial, client_rid), None)
+        conn.rids.discard(rid)
+        if rid in self.pending:
+            self.pending_bytes -= self.pending.pop(rid)[1]
+        if error is not None:
+            self.front.send(conn, m.error_reply(client_rid, *error))
+
+    def connection_gone(self, conn: Connection) -> None:
+        """Its client disconnected: nobody will read these requests' replies, so they stop."""
+        if conn.rids:
+            self.say(f"client connection {conn.serial} closed; cancelling its {len(conn.rids)} request(s)")
+        for rid in list(conn.rids):
+            self.end_request(rid)
+            self.cancel_at_compute(rid)
+
+    def connection_slow(self, conn: Connection) -> None:
+        """Its client reads far slower than its requests produce: cancel them, with a reason."""
+        self.say(f"client connection {conn.serial} has {conn.outbox_bytes} bytes unread; cancelling its requests")
+        client_rids = {self.inflight[rid][1] for rid in conn.rids}
+        self.front.drop_queued(conn, client_rids)
+        for rid in list(conn.rids):
+            self.cancel_at_compute(rid)
+            self.end_request(rid, error=("client_too_slow", "the client did not read its replies (more than "
+                                         f"{conn.outbox_bytes >> 20} MiB waiting); request cancelled"))
 
     def route(self, ev: dict[str, Any]) -> None:
         rid = ev.get("id")
+        last = ev.get("type") in ("done", "error")
+        if last:
+            self.at_compute.discard(rid)
+            self.cancel_sent.discard(rid)
         owner = self.inflight.get(rid)
-        if owner is None:
-            return
-        client, client_rid = owner
-        ev = dict(ev, id=client_rid)
-        if ev.get("type") in ("done", "error"):
-            del self.inflight[rid]
-            self.by_client.pop((client, client_rid), None)
-        self.reply(client, ev)
-        if ev.get("type") in ("done", "error") and LOG_LEVELS.index(self.cfg.log_level) <= LOG_LEVELS.index("info"):
-            self.say(request_log_line(rid, client_rid, ev))
+        if owner is not None:
+            conn, client_rid = owner
+            if last:
+                self.end_request(rid)
+            self.front.send(conn, dict(ev, id=client_rid))
+            if last and LOG_LEVELS.index(self.cfg.log_level) <= LOG_LEVELS.index("info"):
+                self.say(request_log_line(rid, client_rid, ev))
+        if last:
+            self.dispatch()
 
-    def forward(self, rid: str, req: dict) -> None:
-        target = f"compute-g{self.gen}".encode()
-        msg = m.Cancel(rid=rid) if req.get("op") == "cancel" else m.Request(rid=rid, generate=req)
-        self.control.send_multipart([target, msg.encode()])
-
-    def on_client(self, client: bytes, frame: bytes) -> None:
+    def on_client(self, conn: Connection, frame: bytes) -> None:
         try:
             msg = m.decode_client_frame(frame)
+            if msg["op"] == "generate":
+                self.limits.check(msg)
         except m.ProtocolError as e:
-            rid = None
-            try:
-                raw = m.unpack(frame)
-                rid = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
-            except Exception:
-                pass
-            self.reply(client, m.error_reply(rid, e.code, str(e)))
+            self.front.send(conn, m.error_reply(m.client_frame_id(frame), e.code, str(e)))
             return
         op = msg["op"]
         if op == "status":
-            self.reply(client, {"id": msg.get("id"), "type": "status", "status": self.status()})
+            self.front.send(conn, {"id": msg.get("id"), "type": "status", "status": self.status(operator=conn.operator)})
             return
-        key = (client, msg["id"])
+        key = (conn.serial, msg["id"])
         if op == "cancel":
             rid = self.by_client.get(key)
             if rid is None:
-                self.reply(client, m.error_reply(msg["id"], "unknown_id", f"no request {msg['id']!r} in flight"))
-            elif any(r == rid for r, _ in self.pending):
-                self.pending = deque((r, q) for r, q in self.pending if r != rid)
+                self.front.send(conn, m.error_reply(msg["id"], "unknown_id", f"no request {msg['id']!r} in flight"))
+            elif rid in self.pending:
                 self.route({"id": rid, "type": "done", "finish_reason": "cancelled", "text": "", "tokens": [],
                             "prompt_tokens": [], "usage": {"prompt_tokens": 0, "completion_tokens": 0}, "timings": {}})
             else:
-                self.forward(rid, {"op": "cancel"})
+                self.cancel_at_compute(rid)
             return
-        if self.state == "stopping":
-            self.reply(client, m.error_reply(msg["id"], "shutdown", "the pipeline is stopping"))
-            return
-        if key in self.by_client:
-            self.reply(client, m.error_reply(msg["id"], "duplicate_id", f"request id {msg['id']!r} is already in flight"))
+        refusal = self.refusal(conn, key, len(frame))
+        if refusal is not None:
+            self.front.send(conn, m.error_reply(msg["id"], *refusal))
             return
         rid = f"r{next(self._ids)}"
-        self.inflight[rid] = (client, msg["id"])
+        self.inflight[rid] = (conn, msg["id"])
         self.by_client[key] = rid
-        if self.state == "ready":
-            self.forward(rid, msg)
-        else:
-            self.pending.append((rid, msg))
+        conn.rids.add(rid)
+        self.pending[rid] = (msg, len(frame))
+        self.pending_bytes += len(frame)
+        self.dispatch()
+
+    def refusal(self, conn: Connection, key: tuple[int, str], n_bytes: int) -> tuple[str, str] | None:
+        """Why a checked generate request cannot be admitted now (code, message), or None."""
+        if self.state == "stopping":
+            return "shutdown", "the pipeline is stopping"
+        if key in self.by_client:
+            return "duplicate_id", f"request id {key[1]!r} is already in flight"
+        if len(conn.rids) >= MAX_REQUESTS_PER_CONNECTION:
+            return "overloaded", f"this connection has {MAX_REQUESTS_PER_CONNECTION} requests in flight, the most it may"
+        if len(self.pending) >= MAX_QUEUED_REQUESTS or self.pending_bytes + n_bytes > MAX_QUEUED_BYTES:
+            return "overloaded", f"{len(self.pending)} requests are queued, the most the pipeline holds; retry later"
+        return None
+
+    def on_client_frame(self, conn: Connection, frame: bytes) -> None:
+        """``on_client``, and whatever goes wrong in it is this frame's error, never the loop's."""
+        try:
+            self.on_client(conn, frame)
+        except Exception as e:  # noqa: BLE001 - one bad frame must not take the instance down
+            self.say(f"client frame of {len(frame)} bytes failed: {type(e).__name__}: {str(e)[:200]}")
+            self.front.send(conn, m.error_reply(None, "internal_error",
+                                                f"the server failed on this frame ({type(e).__name__}); it was dropped"))
 
     # -- status -----------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, operator: bool = True) -> dict[str, Any]:
+        """The status map; without ``operator``, less what only operators see (paths, pids)."""
         now = time.monotonic()
         compute = self.stage_stats.get("compute", {})
         stages = {n: s for n, s in self.stage_stats.items() if "total" in s}
-        return {
+        st = {
             "instance": self.cfg.name, "state": self.state, "reason": self.reason, "gen": self.gen,
             "model": self.cfg.model, "backend": self.cfg.backend, "listen": self.cfg.listen,
             "uptime_s": round(now - self.started_s, 3), "restarts": self.restarts,
@@ -422,7 +493,8 @@ class Supervisor:
             "http": self.cfg.http if self.gateway else None,
             "plan": {**self.plan.to_dict(), "lines": self.plan.describe()},
             "daemons": {
-                n: {"pid": d.proc.pid, "state": d.state, "uptime_s": round(now - d.started_s, 3), "restarts": self.restarts}
+                n: {**({"pid": d.proc.pid} if operator else {}), "state": d.state,
+                    "uptime_s": round(now - d.started_s, 3), "restarts": self.restarts}
                 for n, d in self.daemons.items()
             },
             "stages": stages,
@@ -442,6 +514,10 @@ class Supervisor:
             "io": {k: self.stage_stats.get("reader", {}).get(k) for k in ("io_mode", "io_fallback")},
             "ram_tier_layers": len(self.plan.layers_on(RAM)),
         }
+        if not operator:
+            for key in OPERATOR_STATUS_FIELDS:
+                del st[key]
+        return st
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -450,9 +526,12 @@ class Supervisor:
             self.spawn_gateway()
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
-        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.front.sock, zmq.POLLIN)
+        poller.register(self.front.monitor, zmq.POLLIN)
         while not self.done:
-            events = dict(poller.poll(50))
+            # replies waiting for slow readers are retried soon (each new reply retries its
+            # connection at once); otherwise wait for a message
+            events = dict(poller.poll(20 if self.front.has_backlog else 50))
             if self.signalled is not None:
                 self.begin_stop(force=self.signalled == signal.SIGINT)
                 self.signalled = None
@@ -463,11 +542,10 @@ class Supervisor:
                         self.on_control(ident, frame)
                     except Exception as e:  # one broken daemon message must not take the front down
                         self.say(f"bad control message from {ident!r}: {e}")
-            if self.front in events and not self.done:
-                while self.front.poll(0):
-                    parts = self.front.recv_multipart()
-                    if len(parts) >= 2:
-                        self.on_client(parts[0], parts[-1])
+            if not self.done:
+                for conn, frame in self.front.receive():
+                    self.on_client_frame(conn, frame)
+                self.front.flush()
             if not self.done:
                 self.watch()
             if self.drain_deadline_s is not None and time.monotonic() > self.drain_deadline_s:
@@ -490,7 +568,7 @@ class Supervisor:
             except zmq.ZMQError:
                 pass
         time.sleep(0.05)
-        self.front.close(linger=200)
+        self.front.close()
         self.control.close(linger=200)
         self.paths.remove_runtime()
         if not self.foreground:
@@ -512,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = InstancePaths(cfg.name)
     try:
         sup = Supervisor(cfg, plan, foreground=args.foreground)
-    except zmq.ZMQError as e:
+    except (zmq.ZMQError, ConfigError) as e:
         paths.log_dir.mkdir(parents=True, exist_ok=True)
         (paths.log_dir / "last_failure").write_text(f"cannot listen on {cfg.listen}: {e}\n")
         paths.remove_runtime()

@@ -9,6 +9,7 @@ every one of them.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 import shutil
@@ -51,6 +52,19 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def listen_is_local(listen: str) -> bool:
+    """Whether only this machine can reach a listen address: ipc, or tcp on a loopback address."""
+    if listen.startswith("ipc://"):
+        return True
+    host = listen.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # *, 0.0.0.0 is an address; an interface name or a host name may be any
 
 
 def check_name(name: str) -> str:
@@ -156,6 +170,9 @@ class InstanceConfig:
     # environment (NTX_API_KEY), never in this config, which every daemon receives
     http: str | None = None
     log_level: str = "info"  # the supervisor's request lines and the gateway's log (LOG_LEVELS)
+    # CURVE on the client socket (ctl/front.py), required when other machines can reach --listen
+    curve_server_key: str | None = None  # the server's secret key file (`ntxctl keygen`)
+    curve_clients: str | None = None  # folder of the public key files of the clients let in
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,4 +207,13 @@ class InstanceConfig:
             raise ConfigError(f"--log-level {self.log_level!r}: choose {', '.join(LOG_LEVELS)}")
         if not self.listen.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--listen {self.listen!r}: expected tcp://HOST:PORT or ipc://PATH")
+        if (self.curve_server_key is None) != (self.curve_clients is None):
+            raise ConfigError("CURVE needs both --curve-server-key and --curve-clients")
+        if self.curve_server_key is not None and not os.path.isfile(self.curve_server_key):
+            raise ConfigError(f"--curve-server-key {self.curve_server_key}: no such file")
+        if self.curve_clients is not None and not os.path.isdir(self.curve_clients):
+            raise ConfigError(f"--curve-clients {self.curve_clients}: no such folder (it holds the clients' NAME.key files)")
+        if self.curve_server_key is None and not listen_is_local(self.listen):
+            raise ConfigError(f"--listen {self.listen}: other machines can reach it, so clients must authenticate: "
+                              "make keys with `ntxctl keygen` and give --curve-server-key and --curve-clients")
         return self

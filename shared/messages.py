@@ -366,6 +366,14 @@ class ProtocolError(ValueError):
         super().__init__(message)
 
 
+# Bounds of a client frame that hold whatever the instance (docs/PROTOCOL.md, "Limits"); the
+# ones that depend on the instance's context (prompt size, max_tokens) are in ctl/request_limits.py.
+MAX_FRAME_BYTES = 1 << 20  # a 128k-token prompt as text or as token ids fits with room to spare
+MAX_NESTING_DEPTH = 8  # a valid request nests 3 deep (map > messages list > entry map)
+MAX_MAP_ENTRIES = 64  # generate has 20 fields
+MAX_ARRAY_ITEMS = 1 << 18  # token ids of the largest context (2 x 128k)
+MAX_ID_CHARS = 256
+
 # field -> (accepted python types, description for the error line); sampling fields: their table
 _GENERATE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "id": ((str,), "a string"),
@@ -379,26 +387,71 @@ _GENERATE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "prompt_logprobs": ((int,), "an integer"),
     **{name: f.wire_types for name, f in SAMPLING_BY_NAME.items()},
 }
-OPS = ("generate", "cancel", "status")
+_MESSAGE_ENTRY_FIELDS = ("role", "content")
+# the fields each op may carry: anything else is refused, so nothing unchecked travels on
+_OP_FIELDS = {"generate": set(_GENERATE_FIELDS) | {"op"}, "cancel": {"op", "id"}, "status": {"op", "id"}}
+OPS = tuple(_OP_FIELDS)
+
+
+def _nesting_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether maps and lists nest deeper than ``limit`` in ``value``; a walk with its own stack,
+    so a frame nested a thousand levels deep cannot exhaust the interpreter's recursion limit
+    (msgpack unpacks up to 1,024 levels; re-packing or printing such a value raises)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            items = v.values() if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
+    return False
+
+
+def unpack_client_frame(frame: bytes) -> Any:
+    """A client frame's msgpack value within the frame bounds (size, nesting, map and array
+    lengths; map keys must be strings); raises ProtocolError ``bad_frame``."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError("bad_frame", f"frame of {len(frame)} bytes is larger than the limit of {MAX_FRAME_BYTES} bytes")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_map_len=MAX_MAP_ENTRIES,
+                              max_array_len=MAX_ARRAY_ITEMS)
+    except Exception as e:  # msgpack raises several types for garbage and for the limits
+        raise ProtocolError("bad_frame", f"frame is not valid msgpack within the limits ({type(e).__name__}: "
+                                         f"{str(e)[:80]})") from None
+    if _nesting_depth_exceeds(msg, MAX_NESTING_DEPTH):
+        raise ProtocolError("bad_frame", f"frame nests maps and lists deeper than {MAX_NESTING_DEPTH} levels")
+    return msg
+
+
+def client_frame_id(frame: bytes) -> str | None:
+    """The request id of a refused frame, for its error reply, if one can be read safely."""
+    try:
+        msg = unpack_client_frame(frame)
+    except ProtocolError:
+        return None
+    rid = msg.get("id") if isinstance(msg, dict) else None
+    return rid if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS else None
 
 
 def decode_client_frame(frame: bytes) -> dict[str, Any]:
     """Parse and check a client frame's shape; raises ProtocolError naming the problem."""
-    try:
-        msg = unpack(frame)
-    except Exception as e:  # msgpack raises several types for garbage
-        raise ProtocolError("bad_frame", f"frame is not valid msgpack ({type(e).__name__})") from None
+    msg = unpack_client_frame(frame)
     if not isinstance(msg, dict):
         raise ProtocolError("bad_frame", f"frame must be a msgpack map, got {type(msg).__name__}")
     op = msg.get("op")
     if op not in OPS:
-        raise ProtocolError("unknown_op", f"unknown op {op!r} (expected one of {', '.join(OPS)})")
-    if op in ("generate", "cancel"):
-        rid = msg.get("id")
-        if not isinstance(rid, str) or not rid:
-            raise ProtocolError("bad_request", "field 'id' must be a non-empty string")
-        if len(rid) > 256:
-            raise ProtocolError("bad_request", "field 'id' is longer than 256 characters")
+        raise ProtocolError("unknown_op", f"unknown op {op!r:.40} (expected one of {', '.join(OPS)})")
+    rid = msg.get("id")
+    if op in ("generate", "cancel") and (not isinstance(rid, str) or not rid):
+        raise ProtocolError("bad_request", "field 'id' must be a non-empty string")
+    if rid is not None and not isinstance(rid, str):
+        raise ProtocolError("bad_request", "field 'id' must be a string")
+    if rid is not None and len(rid) > MAX_ID_CHARS:
+        raise ProtocolError("bad_request", f"field 'id' is longer than {MAX_ID_CHARS} characters")
+    extra = set(msg) - _OP_FIELDS[op]
+    if extra:
+        raise ProtocolError("bad_request", f"unknown field(s) {', '.join(sorted(repr(k)[:40] for k in extra))}")
     if op == "generate":
         check_generate(msg)
     return msg
@@ -412,7 +465,7 @@ def check_generate(msg: dict[str, Any]) -> None:
             continue
         spec = _GENERATE_FIELDS.get(key)
         if spec is None:
-            raise ProtocolError("bad_request", f"unknown field {key!r}")
+            raise ProtocolError("bad_request", f"unknown field {key!r:.40}")
         types_, what = spec
         sampling = SAMPLING_BY_NAME.get(key)
         if value is None and sampling is not None and sampling.nullable:
@@ -438,6 +491,10 @@ def check_generate(msg: dict[str, Any]) -> None:
         for i, m in enumerate(msg["messages"]):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ProtocolError("bad_request", f"messages[{i}] must be a map with string 'role' and 'content'")
+            extra = set(m) - set(_MESSAGE_ENTRY_FIELDS)
+            if extra:
+                raise ProtocolError("bad_request", f"messages[{i}] has unknown field(s) "
+                                                   f"{', '.join(sorted(repr(k)[:40] for k in extra))}")
 
 
 def error_reply(rid: str | None, code: str, message: str) -> dict[str, Any]:

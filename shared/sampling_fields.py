@@ -68,6 +68,11 @@ class SamplingField:
         return f"invalid sampling parameter {self.name}={value!r}: {self.rule}"
 
 
+# every generated token is matched against every stop string: a million of them once slowed
+# every client of the pipeline a hundredfold (docs/RELIABILITY.md)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
 SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField(
         "temperature", float, 0.8, "softmax temperature; 0 = greedy",
@@ -106,8 +111,9 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     ),
     SamplingField(
         "stop", list, (), "stop string (repeatable)",
-        "must be a list of non-empty strings",
-        lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
+        f"must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+        lambda v: isinstance(v, (list, tuple)) and len(v) <= MAX_STOP_STRINGS
+        and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v),
     ),
 )
 SAMPLING_BY_NAME: dict[str, SamplingField] = {f.name: f for f in SAMPLING_FIELDS}

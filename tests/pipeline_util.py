@@ -94,14 +94,16 @@ class Pipeline:
 
 
 @contextmanager
-def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t", backend: str = "cpu"):
+def running_pipeline(model: str, run_dir: Path, *args: str, name: str = "t", backend: str = "cpu",
+                     listen: str | None = None):
     """Start an instance with ``ntxctl start`` (a real detached supervisor); always stop it.
+    It listens on ``listen`` (default: a free loopback port).
 
     ``run_dir`` becomes ``NTX_RUN_DIR`` while the instance runs: a folder of this test run, so that
     concurrent test runs on one machine never see each other's instances."""
     old_run_dir = os.environ.get("NTX_RUN_DIR")
     os.environ["NTX_RUN_DIR"] = str(run_dir)
-    listen = f"tcp://127.0.0.1:{free_port()}"
+    listen = listen or f"tcp://127.0.0.1:{free_port()}"
     r = ntxctl("start", "--model", model, "--name", name, "--backend", backend, "--listen", listen, *args)
     assert r.returncode == 0, f"start failed: {r.stdout}\n{r.stderr}"
     p = Pipeline(name, listen, run_dir)

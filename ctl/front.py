@@ -1,0 +1,234 @@
+"""The instance's client socket: who is connected, and what waits to be sent to each of them.
+
+The supervisor decides what to answer; this module decides how an answer reaches the one client
+that asked, and only that client:
+
+* **Connections, not routing ids.** A ZeroMQ ROUTER names its peers by routing id, and a peer
+  may choose its own: a new client that takes the id of one that just left would receive the
+  departed client's tokens and could cancel its requests. So a request belongs to a
+  ``Connection``, which the supervisor recognises by the socket descriptor its frames arrive on
+  (``ZMQ_SRCFD``) together with their routing id. The socket monitor reports each
+  disconnect with that descriptor (``EVENT_DISCONNECTED``); the connection ends there, its
+  requests are cancelled (``on_gone``), and nothing is ever sent to its routing id again, whoever
+  takes it next. The monitor is read before every receive and every send, and libzmq reports a
+  disconnect before it closes the descriptor, so a reused descriptor is never mistaken for the
+  old connection. A peer that vanishes without closing (cable, suspended laptop) is found by TCP
+  keepalive (``ZMQ_TCP_KEEPALIVE``): the kernel probes an idle connection and closes it when
+  the peer's kernel stops answering, which the monitor then reports. Not ZMTP heartbeats: a
+  client that does not read stops answering them too (its libzmq stops reading the socket), so
+  they would cut off a slow reader that is still there, and libzmq 4.3.5 aborts the process
+  (``Assertion failed: !_io_error``) when that happens to a connection whose input is stalled.
+* **Nothing dropped silently.** The socket is ``ZMQ_ROUTER_MANDATORY``: a full pipe to a slow
+  reader is ``EAGAIN`` instead of a silent drop. Replies then wait in the connection's
+  ``outbox`` and go out as the client reads. An outbox over ``OUTBOX_LIMIT_BYTES`` means the
+  client reads far slower than it asks: ``on_slow`` cancels its requests, their queued tokens are
+  dropped and each gets one ``client_too_slow`` error instead (bounded memory, a clear reason).
+* **Authentication.** A listen address other machines can reach requires CURVE
+  (``InstanceConfig.validate``): the server's secret key and a folder of the clients' public
+  keys, all made by ``ntxctl keygen``; pyzmq's ZAP authenticator refuses any other key.
+* **Operators.** Status details (model path, pids, listen address) go only to connections from
+  this machine (loopback or ipc); ``Connection.operator`` says which.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+from ntx.shared import messages as m
+from ntx.shared.config import InstanceConfig
+from ntx.shared.errors import ConfigError
+
+KEEPALIVE_IDLE_S = 30  # an idle connection is probed after this long
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3  # unanswered probes before the kernel closes it (about 45 s in all)
+# Replies waiting for one slow client: 64 streaming requests of 2,000 tokens come to about 6 MiB.
+OUTBOX_LIMIT_BYTES = 32 << 20
+# Replies in libzmq's pipe to one client, past which a send waits in the outbox (counted in
+# messages, not bytes, so kept small: a done reply with prompt_logprobs can be megabytes).
+PIPE_LIMIT_MESSAGES = 100
+# libzmq drops the connection of a peer that sends a frame larger than this (no reply is
+# possible then); frames up to m.MAX_FRAME_BYTES get a clear error, larger ones up to here too.
+CONNECTION_FRAME_LIMIT_BYTES = 16 * m.MAX_FRAME_BYTES
+
+
+@dataclass(eq=False)
+class Connection:
+    """One client connection: the descriptor and routing id its frames arrive with, whether it
+    may see status details, the internal ids of its requests in flight (the supervisor's
+    bookkeeping) and the replies waiting for it to read."""
+
+    serial: int
+    fd: int
+    routing_id: bytes
+    operator: bool
+    rids: set[str] = field(default_factory=set)
+    outbox: deque[tuple[str | None, bytes]] = field(default_factory=deque)  # (client request id, frame)
+    outbox_bytes: int = 0
+    alive: bool = True
+    slow: bool = False  # over OUTBOX_LIMIT_BYTES until its outbox empties
+
+
+def _is_operator_peer(frame: zmq.Frame, listen: str) -> bool:
+    if listen.startswith("ipc://"):
+        return True
+    try:
+        address = frame.get("Peer-Address")
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except (zmq.ZMQError, ValueError, AttributeError):
+        return False
+
+
+def load_curve_server(cfg: InstanceConfig) -> tuple[bytes, bytes] | None:
+    """The server's CURVE key pair from ``cfg.curve_server_key`` (None: no CURVE); ConfigError
+    naming the file if it is not a secret key made by ``ntxctl keygen``."""
+    if not cfg.curve_server_key:
+        return None
+    try:
+        public, secret = zmq.auth.load_certificate(cfg.curve_server_key)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--curve-server-key {cfg.curve_server_key}: cannot read it ({e})") from None
+    if not secret:
+        raise ConfigError(f"--curve-server-key {cfg.curve_server_key}: holds no secret key "
+                          "(give the .key_secret file made by `ntxctl keygen`)")
+    return public, secret
+
+
+class ClientFront:
+    """The ROUTER the clients talk to, its monitor, its connections and their outboxes.
+
+    ``on_gone(conn)`` is called once when a connection ends; ``on_slow(conn)`` once when its
+    outbox passes the limit. Both may call ``send``."""
+
+    def __init__(self, ctx: zmq.Context, cfg: InstanceConfig, on_gone: Callable[[Connection], None],
+                 on_slow: Callable[[Connection], None]) -> None:
+        self.listen = cfg.listen
+        self.on_gone = on_gone
+        self.on_slow = on_slow
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, PIPE_LIMIT_MESSAGES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, CONNECTION_FRAME_LIMIT_BYTES)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
+        self.auth: ThreadAuthenticator | None = None
+        keys = load_curve_server(cfg)
+        if keys is not None:
+            self.auth = ThreadAuthenticator(ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=cfg.curve_clients)
+            self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+            self.sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.bind(cfg.listen)
+        self.by_fd: dict[int, Connection] = {}
+        self.waiting: set[Connection] = set()  # connections with something in their outbox
+        self._serials = 0
+
+    # -- connections -----------------------------------------------------------------------
+    def _end(self, conn: Connection) -> None:
+        if not conn.alive:
+            return
+        conn.alive = False
+        if self.by_fd.get(conn.fd) is conn:
+            del self.by_fd[conn.fd]
+        conn.outbox.clear()
+        conn.outbox_bytes = 0
+        self.waiting.discard(conn)
+        self.on_gone(conn)
+
+    def check_disconnects(self) -> None:
+        """End every connection the monitor reports closed."""
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())
+            conn = self.by_fd.get(int(event["value"]))
+            if conn is not None:
+                self._end(conn)
+
+    def _connection(self, routing_id: bytes, frame: zmq.Frame) -> Connection:
+        fd = frame.get(zmq.SRCFD)
+        conn = self.by_fd.get(fd)
+        if conn is not None and conn.routing_id != routing_id:
+            self._end(conn)  # the descriptor was reused: the old connection is gone
+            conn = None
+        if conn is None:
+            self._serials += 1
+            conn = Connection(self._serials, fd, routing_id, _is_operator_peer(frame, self.listen))
+            self.by_fd[fd] = conn
+        return conn
+
+    def receive(self) -> Iterator[tuple[Connection, bytes]]:
+        """Every client frame waiting now, with the connection it came on."""
+        while True:
+            self.check_disconnects()
+            if not self.sock.poll(0):
+                return
+            parts = self.sock.recv_multipart(copy=False)
+            if len(parts) < 2:
+                continue
+            yield self._connection(parts[0].bytes, parts[-1]), parts[-1].bytes
+
+    # -- replies ---------------------------------------------------------------------------
+    def send(self, conn: Connection, msg: dict[str, Any]) -> None:
+        """Queue a reply for ``conn`` (dropped if it has gone) and send what its client takes."""
+        if not conn.alive:
+            return
+        frame = m.pack(msg)
+        conn.outbox.append((msg.get("id"), frame))
+        conn.outbox_bytes += len(frame)
+        self.waiting.add(conn)
+        self._flush(conn)
+        if conn.alive and not conn.slow and conn.outbox_bytes > OUTBOX_LIMIT_BYTES:
+            conn.slow = True
+            self.on_slow(conn)
+
+    def drop_queued(self, conn: Connection, client_rids: set[str]) -> None:
+        """Forget the replies of these requests that still wait in ``conn``'s outbox."""
+        kept = deque((rid, f) for rid, f in conn.outbox if rid not in client_rids)
+        conn.outbox = kept
+        conn.outbox_bytes = sum(len(f) for _, f in kept)
+
+    def _flush(self, conn: Connection) -> None:
+        self.check_disconnects()
+        while conn.alive and conn.outbox:
+            try:
+                self.sock.send_multipart([conn.routing_id, conn.outbox[0][1]], zmq.NOBLOCK)
+            except zmq.Again:
+                return  # its pipe is full: the client is not reading; try again later
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:  # gone before the monitor said so
+                    self._end(conn)
+                    return
+                raise
+            conn.outbox_bytes -= len(conn.outbox.popleft()[1])
+        if not conn.outbox:
+            self.waiting.discard(conn)
+            conn.slow = False
+
+    def flush(self) -> None:
+        """Send what the waiting connections' clients take now."""
+        for conn in list(self.waiting):
+            self._flush(conn)
+
+    @property
+    def has_backlog(self) -> bool:
+        return bool(self.waiting)
+
+    def close(self) -> None:
+        self.flush()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=200)
+        if self.auth is not None:
+            self.auth.stop()

@@ -1,0 +1,151 @@
+"""The client socket on its own (ctl/front.py), in this process with real ZeroMQ sockets: replies
+are never dropped for a client that reads late, a client that reads far too late is told so, a
+disconnect ends its connection, and a newcomer with a departed client's routing id is a
+different connection that receives nothing of the departed one's."""
+
+from __future__ import annotations
+
+import zmq
+
+from ntx.ctl.front import OUTBOX_LIMIT_BYTES, ClientFront, Connection
+from ntx.shared import messages as m
+from ntx.shared.config import InstanceConfig
+
+from .pipeline_util import free_port, wait_for
+
+
+class Front:
+    """A ClientFront on a free loopback port with its callbacks recorded."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context.instance()
+        self.listen = f"tcp://127.0.0.1:{free_port()}"
+        self.gone: list[Connection] = []
+        self.slow: list[Connection] = []
+        self.front = ClientFront(self.ctx, InstanceConfig(model="unused", listen=self.listen),
+                                 on_gone=self.gone.append, on_slow=self.slow.append)
+
+    def client(self, routing_id: bytes | None = None, rcvhwm: int | None = None) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            sock.setsockopt(zmq.IDENTITY, routing_id)
+        if rcvhwm is not None:
+            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.connect(self.listen)
+        return sock
+
+    def connection_of(self, sock: zmq.Socket, text: str) -> Connection:
+        """Send a frame from ``sock`` and return the connection the front receives it on."""
+        sock.send(m.pack({"op": "status", "id": text}))
+        got: list[tuple[Connection, bytes]] = []
+        wait_for(lambda: got.extend(self.front.receive()) or got, 10, f"frame {text!r} at the front")
+        assert m.unpack(got[0][1])["id"] == text
+        return got[0][0]
+
+    def close(self) -> None:
+        self.front.close()
+
+
+def test_a_client_that_reads_late_gets_every_reply():
+    """64 streaming requests of 2,000 tokens read only at the end: before, the ROUTER dropped
+    every reply past its high-water mark and 64 requests never saw their done."""
+    f = Front()
+    try:
+        sock = f.client()
+        conn = f.connection_of(sock, "hello")
+        n = 64 * 2000
+        for i in range(n):
+            f.front.send(conn, {"id": f"q{i % 64}", "type": "token", "token": i, "text": " x"})
+        assert f.front.has_backlog and not f.slow  # the client has not read yet: replies wait
+        seen = []
+
+        def read_all() -> bool:
+            f.front.flush()
+            while sock.poll(10):
+                seen.append(m.unpack(sock.recv())["token"])
+            return len(seen) == n
+
+        wait_for(read_all, 120, lambda: f"all {n} replies (got {len(seen)})", interval_s=0)
+        assert seen == list(range(n))
+        assert not f.front.has_backlog and not f.slow and not f.gone
+        sock.close()
+    finally:
+        f.close()
+
+
+def test_a_client_that_never_reads_is_cancelled_with_a_reason_once():
+    f = Front()
+    try:
+        sock = f.client(rcvhwm=1)
+        conn = f.connection_of(sock, "hello")
+        big = "x" * (64 << 10)
+        sent = 0
+        while not f.slow:
+            f.front.send(conn, {"id": "q", "type": "token", "token": sent, "text": big})
+            sent += 1
+            assert sent < 4 * OUTBOX_LIMIT_BYTES // len(big), "the outbox bound was never reached"
+        f.front.send(conn, {"id": "q", "type": "token", "token": sent, "text": big})
+        assert f.slow == [conn] and conn.alive  # told once; what to cancel is the supervisor's call
+        f.front.drop_queued(conn, {"q"})
+        assert conn.outbox_bytes == 0
+        sock.close()
+    finally:
+        f.close()
+
+
+def test_a_disconnect_ends_the_connection():
+    f = Front()
+    try:
+        sock = f.client()
+        conn = f.connection_of(sock, "hello")
+        sock.close()
+
+        def ended() -> bool:
+            f.front.check_disconnects()
+            return bool(f.gone)
+
+        wait_for(ended, 10, "the front to see the disconnect")
+        assert f.gone == [conn] and not conn.alive
+    finally:
+        f.close()
+
+
+def test_a_newcomer_with_a_departed_clients_routing_id_is_another_connection():
+    """Before, requests were keyed by routing id: a client that took a departed client's id
+    received its tokens and could cancel its requests."""
+    f = Front()
+    try:
+        first = f.client(routing_id=b"same-id")
+        old = f.connection_of(first, "first")
+        first.close()
+
+        def ended() -> bool:
+            f.front.check_disconnects()
+            return bool(f.gone)
+
+        # (while the first is connected, libzmq ignores a peer that claims its routing id)
+        wait_for(ended, 10, "the front to see the first client leave")
+        # libzmq ignores a peer whose routing id is still in use while the old pipe is being torn
+        # down, so the newcomer tries again, as an attacker would
+        new = None
+        for attempt in range(20):
+            second = f.client(routing_id=b"same-id")
+            second.send(m.pack({"op": "status", "id": "second"}))
+            got: list[tuple[Connection, bytes]] = []
+            try:
+                new = wait_for(lambda: got.extend(f.front.receive()) or got, 0.5, "the newcomer's frame")[0][0]
+                break
+            except AssertionError:
+                second.close()
+        assert new is not None, "the newcomer was never let in"
+        assert new is not old and new.serial != old.serial and new.routing_id == old.routing_id
+        assert f.gone == [old] and not old.alive
+        f.front.send(old, {"id": "first-req", "type": "token", "token": 1, "text": "secret"})
+        f.front.send(new, {"id": "second-req", "type": "token", "token": 2, "text": "yours"})
+        assert second.poll(5000)
+        assert m.unpack(second.recv())["id"] == "second-req"  # the departed client's reply never came
+        assert not second.poll(0)
+        second.close()
+    finally:
+        f.close()
