@@ -24,6 +24,7 @@ from ntx.shared.errors import NtxError
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_EVENT_TIMEOUT_S = 600.0
+HEARTBEAT_S = 1.0  # ZeroMQ pings the server this often; a server silent for 3 of them is gone
 
 
 class ClientError(NtxError):
@@ -41,12 +42,19 @@ class Client:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * HEARTBEAT_S * 1000))
+        # A lost connection (the supervisor died, or froze past the heartbeat) loses every reply
+        # owed on it: the monitor tells a waiting caller at once instead of after event_timeout_s.
+        self._lost = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self._inbox: dict[Any, deque[dict]] = defaultdict(deque)
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid()}-{id(self) & 0xFFFF:x}-"
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._lost.close(linger=0)
         self.sock.close(linger=0)
 
     def __enter__(self) -> Client:
@@ -64,7 +72,15 @@ class Client:
         self.sock.send(frame)
 
     def _pump(self, timeout_s: float) -> bool:
-        if not self.sock.poll(int(timeout_s * 1000)):
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._lost, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        if self._lost in ready and self.sock not in ready:
+            self._lost.recv_multipart()
+            raise ClientError("pipeline_lost", f"the connection to {self.address} was lost (the supervisor "
+                                               f"died or stopped answering); requests in flight there are lost")
+        if not ready:
             return False
         while self.sock.poll(0):
             ev = m.unpack(self.sock.recv())

@@ -121,7 +121,8 @@ class Supervisor:
             env.setdefault("OPENBLAS_NUM_THREADS", "1")
         logf = open(self.paths.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", f"ntx.daemons.{name}", "--control", self.paths.control, "--gen", str(self.gen)],
+            [sys.executable, "-m", f"ntx.daemons.{name}", "--control", self.paths.control, "--gen", str(self.gen),
+             "--supervisor-pid", str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
         )
         logf.close()
@@ -143,22 +144,19 @@ class Supervisor:
         self.spawn(self.order[0])
 
     def teardown_daemons(self, grace_s: float = 3.0) -> None:
-        """Stop every daemon of this generation and free what they held."""
+        """Stop every daemon of this generation and free what they held.
+
+        SIGTERM rather than a Shutdown message: a daemon blocked in a ring wait (its peer just
+        died) does not read its control socket, but every wait heeds the signal's flag within
+        ``WAIT_SLICE_S`` (shared/daemon.py). SIGKILL after ``grace_s``; the sweep of the
+        generation's shared memory below covers a daemon that could not unlink its own."""
         for d in self.daemons.values():
-            if d.proc.poll() is None:
-                try:
-                    self.control.send_multipart([f"{d.name}-g{self.gen}".encode(), m.Shutdown().encode()], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        for d in self.daemons.values():
-            while d.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
             if d.proc.poll() is None:
                 d.proc.terminate()
+        deadline = time.monotonic() + grace_s
         for d in self.daemons.values():
             try:
-                d.proc.wait(timeout=2.0)
+                d.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 d.proc.kill()
                 d.proc.wait()
