@@ -6,7 +6,9 @@ flight that it failed. The supervisor holds the ROUTER the clients talk to, reme
 client owns which request, forwards requests to compute over the control channel, and routes
 compute's replies back. A dead daemon becomes an error reply for every in-flight request and a
 restart of the whole pipeline under a new generation number (fresh sockets and shared memory
-names, so nothing stale can be mistaken for current), with bounded retries.
+names, so nothing stale can be mistaken for current), with bounded retries spaced by an
+exponential back-off; a model file that changed under the pipeline stops it instead
+(ctl/restart_policy.py has both rules).
 
 Bring-up is a state machine inside the main loop, never a blocking wait, so ``ntxctl status``
 answers while a 40 GB model loads: compute first (it owns the device slots), then dma (it opens
@@ -31,13 +33,13 @@ from typing import Any
 
 import zmq
 
+from ntx.ctl.restart_policy import FILE_CHECK_INTERVAL_S, ModelFiles, RestartPolicy
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig, InstancePaths
 from ntx.shared.plan import RAM, STORAGE, Plan
 from ntx.shared.shm import unlink_all
 from ntx.shared.stats import bottleneck
 
-RESTART_WINDOW_S = 300.0
 DRAIN_TIMEOUT_S = 30.0
 
 
@@ -78,7 +80,10 @@ class Supervisor:
         self.state = "starting"
         self.reason: str | None = None
         self.ever_ready = False
-        self.restart_times: list[float] = []
+        self.restart_policy = RestartPolicy(cfg.max_restarts)
+        self.restart_at_s: float | None = None  # when the next generation starts (back-off)
+        self.model_files = ModelFiles(cfg.model, cfg.draft_model)
+        self.next_file_check_s = 0.0
         self.restarts = 0
         self.daemons: dict[str, DaemonProc] = {}
         self.stage_stats: dict[str, dict] = {}
@@ -184,20 +189,44 @@ class Supervisor:
             self.fail_inflight("pipeline_failure", reason)
             self.shutdown()
             return
-        now = time.monotonic()
-        self.restart_times = [t for t in self.restart_times if now - t < RESTART_WINDOW_S] + [now]
+        delay_s = self.restart_policy.after_failure(time.monotonic())
         self.fail_inflight("pipeline_failure", f"{reason}; the pipeline is restarting")
         self.teardown_daemons()
-        if len(self.restart_times) > self.cfg.max_restarts:
-            self.reason = f"{reason}; gave up after {self.cfg.max_restarts} restarts in {RESTART_WINDOW_S:.0f} s"
+        if delay_s is None:
+            self.reason = (f"{reason}; gave up after {self.cfg.max_restarts} restarts "
+                           f"in {self.restart_policy.window_s:.0f} s")
             self.shutdown()
             return
-        self.restarts += 1
-        self.gen += 1
-        self.bring_up()
+        self.say(f"restarting in {delay_s:.2f} s")
+        self.state = "restarting"
+        self.write_state()
+        self.restart_at_s = time.monotonic() + delay_s
+
+    def model_changed(self, change: str) -> None:
+        """Stop for good: the daemons would read another file than the one the plan was made for."""
+        self.say(change)
+        self.reason = f"{change}; stopped (start the instance again to serve the new file)"
+        self.fail_inflight("model_changed", self.reason)
+        self.shutdown()
 
     def watch(self) -> None:
-        """Notice a dead daemon at once, and a handshake that takes too long."""
+        """Notice a dead daemon at once, a handshake that takes too long, a changed model file
+        within ``FILE_CHECK_INTERVAL_S`` (and before every restart); restart when the back-off
+        has passed."""
+        now = time.monotonic()
+        restart_due = self.restart_at_s is not None and now >= self.restart_at_s
+        if now >= self.next_file_check_s or restart_due:
+            self.next_file_check_s = now + FILE_CHECK_INTERVAL_S
+            change = self.model_files.change()
+            if change:
+                self.model_changed(change)
+                return
+        if restart_due:
+            self.restart_at_s = None
+            self.restarts += 1
+            self.gen += 1
+            self.bring_up()
+            return
         for d in list(self.daemons.values()):
             code = d.proc.poll()
             if code is not None:

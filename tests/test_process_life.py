@@ -16,6 +16,7 @@ import pytest
 
 from ntx.ctl import instance
 from ntx.ctl.client import ClientError
+from ntx.ctl.restart_policy import ModelFiles, RestartPolicy
 from ntx.shared.config import InstancePaths
 from ntx.shared.shm import ShmSegment, list_segments
 
@@ -53,3 +54,58 @@ def test_supervisor_death_takes_its_daemons_and_fails_the_waiting_client(smollm2
         wait_for(lambda: not any(_alive(pid) for pid in daemon_pids), 10.0,
                  lambda: f"the daemons to exit; alive: {[pid for pid in daemon_pids if _alive(pid)]}")
         assert list_segments(prefix) == []  # unlinked by their owners, not by a later sweep
+
+
+def test_restart_policy_backs_off_and_gives_up():
+    policy = RestartPolicy(max_restarts=4, window_s=100.0, first_delay_s=0.5, max_delay_s=3.0)
+    assert [policy.after_failure(t) for t in (0.0, 1.0, 2.0, 3.0)] == [0.5, 1.0, 2.0, 3.0]
+    assert policy.after_failure(4.0) is None  # the fifth failure within the window
+    assert policy.after_failure(200.0) == 0.5  # the window forgot the old ones
+
+
+def test_model_files_name_each_kind_of_change(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x" * 1000)
+    files = ModelFiles(str(model))
+    assert files.change() is None
+    with open(model, "r+b") as f:
+        f.truncate(400)
+    assert "truncated from 1000 to 400 bytes" in files.change()
+    files = ModelFiles(str(model))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"y" * 400)
+    os.replace(other, model)
+    assert "replaced by another file" in files.change()
+    files = ModelFiles(str(model))
+    os.utime(model, ns=(1, 1))
+    assert "rewritten" in files.change()
+    model.unlink()
+    assert str(model) in files.change() and "removed" in files.change()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncate", "replace"])
+def test_model_file_changed_under_the_pipeline_stops_it_with_the_reason(smollm2_path, tmp_path, how):
+    """Before: a truncated file gave ``layer_unavailable`` for ever while status said ready, a
+    replaced one sent dma into a crash loop. Now the supervisor stops, saying what changed."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(smollm2_path.read_bytes())
+    run_dir = tmp_path / "run"
+    with running_pipeline(str(model), run_dir, "--gpu-layers", "0", "--ram-budget", "0", name=f"chg-{how}") as p:
+        assert "Paris" in p.generate_greedy("The capital of France is", 2)["text"]
+        if how == "truncate":
+            with open(model, "r+b") as f:
+                f.truncate(model.stat().st_size // 2)  # the later layers are past the end now
+            with p.client() as c, pytest.raises(ClientError) as err:  # a short read, or the stop
+                c.complete("The capital of France is", raw=True, temperature=0.0, max_tokens=2)
+            assert err.value.code in ("layer_unavailable", "model_changed", "pipeline_lost"), err.value
+            assert err.value.code == "pipeline_lost" or "model.gguf" in str(err.value)
+        else:
+            tmp = tmp_path / "new.gguf"
+            tmp.write_bytes(smollm2_path.read_bytes()[: 1 << 20])
+            os.replace(tmp, model)
+        wait_for(lambda: instance.get_status(p.name, 1.0) is None, 30, "the supervisor to stop")
+        r = ntxctl("status", "--name", p.name)
+        assert r.returncode != 0
+        word = "truncated" if how == "truncate" else "replaced"
+        assert f"model file {model} was {word}" in r.stderr, r.stderr
