@@ -18,6 +18,7 @@ from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig, InstancePaths, run_root
 from ntx.shared.errors import NtxError
 from ntx.shared.plan import Plan
+from ntx.shared.run_files import open_private, private_dir, write_private
 from ntx.shared.shm import list_segments, unlink_all
 
 
@@ -75,18 +76,18 @@ def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progr
     if pid:
         raise NtxError(f"instance {cfg.name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
     cleanup_leftovers(paths)
-    paths.root.mkdir(parents=True, exist_ok=True)
-    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(paths.root)
+    private_dir(paths.log_dir)
     (paths.log_dir / "last_failure").unlink(missing_ok=True)
     cfg_file = paths.root / "config.json"
-    cfg_file.write_text(json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
-    log = open(paths.log_dir / "supervisor.out", "ab")
+    write_private(cfg_file, json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
+    log = open_private(paths.log_dir / "supervisor.out", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     log.close()
-    paths.pid_file.write_text(f"{proc.pid}\n")
+    write_private(paths.pid_file, f"{proc.pid}\n")
     wait_s = wait_s if wait_s is not None else cfg.handshake_timeout_s * 3 + 10
     deadline = time.monotonic() + wait_s
     last_state = None

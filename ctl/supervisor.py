@@ -36,7 +36,9 @@ import zmq
 from ntx.ctl.restart_policy import FILE_CHECK_INTERVAL_S, ModelFiles, RestartPolicy
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig, InstancePaths
+from ntx.shared.errors import NtxError
 from ntx.shared.plan import RAM, STORAGE, Plan
+from ntx.shared.run_files import open_private, private_dir, write_private
 from ntx.shared.shm import unlink_all
 from ntx.shared.stats import bottleneck
 
@@ -67,8 +69,16 @@ class Supervisor:
         self.plan = plan
         self.paths = InstancePaths(cfg.name)
         self.started_s = time.monotonic()
-        self.paths.root.mkdir(parents=True, exist_ok=True)
-        self.paths.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.paths.root)
+        private_dir(self.paths.log_dir)
+        self.order = ["compute"]
+        if plan.streamed_layers:
+            self.order.append("dma")
+        if plan.layers_on(STORAGE):
+            self.order.append("reader")
+        # opened once, before anything starts, so that a planted link fails the start in one line
+        self.log = open_private(self.paths.log_dir / "supervisor.log", "a")
+        self.daemon_logs = {name: open_private(self.paths.log_dir / f"{name}.log", "ab") for name in self.order}
         self.ctx = zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -96,12 +106,6 @@ class Supervisor:
         self.drain_deadline_s: float | None = None
         self.done = False
         self.signalled: int | None = None
-        self.order = ["compute"]
-        if plan.streamed_layers:
-            self.order.append("dma")
-        if plan.layers_on(STORAGE):
-            self.order.append("reader")
-        self.log = open(self.paths.log_dir / "supervisor.log", "a", buffering=1)
 
     # -- logging & state file -----------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -109,7 +113,7 @@ class Supervisor:
 
     def write_state(self) -> None:
         tmp = self.paths.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"state": self.state, "reason": self.reason, "gen": self.gen, "pid": os.getpid()}))
+        write_private(tmp, json.dumps({"state": self.state, "reason": self.reason, "gen": self.gen, "pid": os.getpid()}))
         os.replace(tmp, self.paths.state_file)
 
     # -- daemons -------------------------------------------------------------------------------
@@ -124,13 +128,11 @@ class Supervisor:
         env = dict(os.environ)
         if name != "compute":  # the copy and read loops gain nothing from BLAS threads
             env.setdefault("OPENBLAS_NUM_THREADS", "1")
-        logf = open(self.paths.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", f"ntx.daemons.{name}", "--control", self.paths.control, "--gen", str(self.gen),
              "--supervisor-pid", str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL, stdout=self.daemon_logs[name], stderr=subprocess.STDOUT, env=env,
         )
-        logf.close()
         self.daemons[name] = DaemonProc(name, proc, time.monotonic())
         self.say(f"gen {self.gen}: started {name} (pid {proc.pid})")
 
@@ -444,7 +446,7 @@ class Supervisor:
         self.fail_inflight("shutdown", self.reason or "the pipeline stopped")
         self.teardown_daemons(grace_s=1.0)
         if self.reason:
-            (self.paths.log_dir / "last_failure").write_text(self.reason + "\n")
+            write_private(self.paths.log_dir / "last_failure", self.reason + "\n")
         self.say(f"stopped{': ' + self.reason if self.reason else ''}")
         for ident in self.stop_waiters:
             try:
@@ -455,6 +457,8 @@ class Supervisor:
         self.front.close(linger=200)
         self.control.close(linger=200)
         self.paths.remove_runtime()
+        for f in self.daemon_logs.values():
+            f.close()
         self.log.close()
 
 
@@ -472,9 +476,12 @@ def main(argv: list[str] | None = None) -> None:
     paths = InstancePaths(cfg.name)
     try:
         sup = Supervisor(cfg, plan)
-    except zmq.ZMQError as e:
-        paths.log_dir.mkdir(parents=True, exist_ok=True)
-        (paths.log_dir / "last_failure").write_text(f"cannot listen on {cfg.listen}: {e}\n")
+    except (zmq.ZMQError, NtxError) as e:
+        reason = f"cannot listen on {cfg.listen}: {e}" if isinstance(e, zmq.ZMQError) else str(e)
+        try:
+            write_private(private_dir(paths.log_dir) / "last_failure", reason + "\n")
+        except NtxError:
+            print(reason, file=sys.stderr, flush=True)  # supervisor.out: ntxctl start shows its last line
         paths.remove_runtime()
         sys.exit(1)
 

@@ -18,6 +18,8 @@ from ntx.ctl import instance
 from ntx.ctl.client import ClientError
 from ntx.ctl.restart_policy import ModelFiles, RestartPolicy
 from ntx.shared.config import InstancePaths
+from ntx.shared.errors import NtxError
+from ntx.shared.run_files import open_private, private_dir, write_private
 from ntx.shared.shm import ShmSegment, list_segments
 
 from .pipeline_util import Pipeline, free_port, ntxctl, running_pipeline, wait_for
@@ -109,3 +111,73 @@ def test_model_file_changed_under_the_pipeline_stops_it_with_the_reason(smollm2_
         assert r.returncode != 0
         word = "truncated" if how == "truncate" else "replaced"
         assert f"model file {model} was {word}" in r.stderr, r.stderr
+
+
+def test_one_name_under_two_run_folders_leaves_the_other_alone(tmp_path, monkeypatch):
+    """Shared memory lives in one namespace for the machine; an instance's names carry its run
+    folder's digest, so cleaning up after ``twin`` under one run folder (what start and stop do)
+    leaves the segments of ``twin`` under another alone. (Before, two test runs deleted each
+    other's segments.)"""
+    segments = {}
+    for run in ("a", "b"):
+        monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / run))
+        paths = InstancePaths("twin")
+        segments[run] = ShmSegment.create(paths.shm_name(0, "dslot0"), 4096)
+    assert segments["a"].name != segments["b"].name
+    try:
+        assert instance.cleanup_leftovers(InstancePaths("twin")) >= 1  # b's, as NTX_RUN_DIR is b now
+        assert not os.path.exists(segments["b"].path)
+        assert os.path.exists(segments["a"].path)
+        monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / "a"))
+        assert instance.leftovers("twin") == [f"shm:{segments['a'].name}"]
+        instance.cleanup_leftovers(InstancePaths("twin"))
+        assert not os.path.exists(segments["a"].path)
+    finally:
+        for seg in segments.values():
+            seg.close()
+            seg.unlink()
+
+
+def test_run_folder_files_are_private_and_never_followed(tmp_path, monkeypatch):
+    monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir(mode=0o777)
+    os.chmod(tmp_path / "run", 0o777)
+    logs = private_dir(InstancePaths("x").log_dir)
+    for folder in (tmp_path / "run", tmp_path / "run" / "logs", logs):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    with open_private(logs / "a.log") as f:
+        f.write("line\n")
+    assert stat.S_IMODE((logs / "a.log").stat().st_mode) == 0o600
+    target = tmp_path / "target"
+    target.write_text("precious\n")
+    (logs / "b.log").symlink_to(target)
+    with pytest.raises(NtxError, match="b.log is a symbolic link; refusing to follow it"):
+        open_private(logs / "b.log")
+    with pytest.raises(NtxError, match="symbolic link"):
+        write_private(logs / "b.log", "x")
+    assert target.read_text() == "precious\n"
+    other = tmp_path / "run" / "others"
+    other.mkdir()
+    if os.getuid() == 0:  # as root, make it someone else's
+        os.chown(other, 65534, 65534)
+        with pytest.raises(NtxError, match="belongs to uid 65534, not to you"):
+            private_dir(other / "logs")
+
+
+@pytest.mark.parametrize("planted", ["supervisor.log", "compute.log", "supervisor.out"])
+def test_start_refuses_a_link_planted_among_the_logs(smollm2_path, tmp_path, planted):
+    """Before, an instance (run by root) followed a link another user placed among the run
+    folder's logs and appended its log lines to the link's target."""
+    run_dir = tmp_path / "run"
+    target = tmp_path / "target"
+    target.write_text("precious\n")
+    logs = run_dir / "logs" / "linked"
+    logs.mkdir(parents=True)
+    (logs / planted).symlink_to(target)
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "linked", "--backend", "cpu",
+               "--listen", f"tcp://127.0.0.1:{free_port()}", env={"NTX_RUN_DIR": str(run_dir)})
+    assert r.returncode != 0
+    assert f"{logs / planted} is a symbolic link; refusing to follow it" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert target.read_text() == "precious\n"
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
