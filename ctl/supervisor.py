@@ -109,7 +109,8 @@ class Supervisor:
 
     # -- logging & state file -----------------------------------------------------------------
     def say(self, text: str) -> None:
-        self.log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        now = time.time()  # milliseconds: a restart's steps take tenths of a second
+        self.log.write(f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {text}\n")
 
     def write_state(self) -> None:
         tmp = self.paths.state_file.with_suffix(".tmp")
