@@ -17,6 +17,7 @@ import pytest
 from ntx.ctl import instance
 from ntx.ctl.client import ClientError
 from ntx.ctl.restart_policy import ModelFiles, RestartPolicy
+from ntx.shared import messages as m
 from ntx.shared.config import InstancePaths
 from ntx.shared.errors import NtxError
 from ntx.shared.run_files import open_private, private_dir, write_private
@@ -181,3 +182,36 @@ def test_start_refuses_a_link_planted_among_the_logs(smollm2_path, tmp_path, pla
     assert "Traceback" not in r.stderr
     assert target.read_text() == "precious\n"
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+
+
+def test_a_send_to_a_vanished_peer_gives_up_once_the_daemon_must_stop(tmp_path):
+    """What kept compute alive after its supervisor died: a ring send to a peer that is gone
+    blocks for ever. ``send_patiently`` waits in slices and asks between them."""
+    import zmq
+
+    from ntx.shared.daemon import Daemon, StopRequested, send_patiently
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PAIR)  # nobody connects: every send would block
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{tmp_path}/ring.sock")
+    asked = []
+
+    def between() -> None:
+        asked.append(time.monotonic())
+        if len(asked) == 3:
+            raise StopRequested("stop")
+
+    try:
+        with pytest.raises(StopRequested):
+            send_patiently(sock, b"want", between)
+        assert len(asked) == 3
+
+        daemon = Daemon(f"ipc://{tmp_path}/ctl.sock", gen=0, supervisor_pid=os.getppid())
+        assert not daemon.stopping
+        daemon.supervisor_pid += 1  # as after the supervisor died and this process was reparented
+        with pytest.raises(StopRequested, match="the supervisor .* is gone"):
+            daemon.send(sock, m.Want(pass_id=0, layers=[1]))
+        daemon.control.close(linger=0)
+    finally:
+        sock.close(linger=0)
