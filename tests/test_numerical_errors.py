@@ -15,6 +15,7 @@ import struct
 import numpy as np
 import pytest
 
+from ntx.ctl.client import ClientError
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.backend import Picked
 from ntx.daemons.compute.engine import Request
@@ -94,9 +95,9 @@ def test_pipeline_survives_nan_logits_without_restarts(nan_model, tmp_path):
     with running_pipeline(str(nan_model), tmp_path, "--max-restarts", "1", name="nan") as p:
         compute_pid = p.status()["daemons"]["compute"]["pid"]
         for params in PARAMS + PARAMS[:1]:
-            with p.client() as c, pytest.raises(Exception) as err:
+            with p.client() as c, pytest.raises(ClientError) as err:
                 c.complete("hello", raw=True, max_tokens=3, **params)
-            assert getattr(err.value, "code", None) == "numerical_error", err.value
+            assert err.value.code == "numerical_error", err.value
         st = p.status()
         assert st["state"] == "ready" and st["restarts"] == 0
         assert st["daemons"]["compute"]["pid"] == compute_pid

@@ -23,7 +23,7 @@ from ntx.shared.errors import NtxError
 from ntx.shared.run_files import open_private, private_dir, write_private
 from ntx.shared.shm import ShmSegment, list_segments
 
-from .pipeline_util import Pipeline, free_port, ntxctl, running_pipeline, wait_for
+from .pipeline_util import free_port, ntxctl, running_pipeline, wait_for
 
 
 def _alive(pid: int) -> bool:
