@@ -101,3 +101,19 @@ def test_pipeline_survives_nan_logits_without_restarts(nan_model, tmp_path):
         st = p.status()
         assert st["state"] == "ready" and st["restarts"] == 0
         assert st["daemons"]["compute"]["pid"] == compute_pid
+
+
+def test_a_nan_draft_model_drafts_nothing_and_the_target_answers_alone(nan_model, tmp_path):
+    """A draft model whose logits are NaN has no candidates to propose (it crashed compute on an
+    empty top-k list); its requests go on undrafted, with the target's own tokens."""
+    target = write_tiny(tmp_path, "target.gguf")  # the same shape and vocabulary as nan_model
+    tokens = []
+    for kw in ({"draft_model": str(nan_model)}, {}):
+        engine = build_local_engine(str(target), **kw)
+        engine.submit(Request(id="a", prompt_tokens=[1, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=6)))
+        events = []
+        while engine.has_work:
+            events.extend(engine.step())
+        assert events[-1]["type"] == "done", events[-1]
+        tokens.append(events[-1]["tokens"])
+    assert tokens[0] == tokens[1]
