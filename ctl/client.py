@@ -72,12 +72,19 @@ class Client:
             except ClientError:
                 self.sock.close(linger=0)
                 raise
+        # A lost connection (the supervisor died: its sockets close) loses every reply owed on it:
+        # the monitor tells a waiting caller at once instead of after event_timeout_s. No ZMTP
+        # heartbeats: a client that reads slowly stops reading its socket, its pongs queue behind
+        # the replies, and the heartbeat would cut it off (docs/PROTOCOL.md: TCP keepalive finds a vanished peer).
+        self._lost = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self._inbox: dict[Any, deque[dict]] = defaultdict(deque)
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid()}-{id(self) & 0xFFFF:x}-"
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._lost.close(linger=0)
         self.sock.close(linger=0)
 
     def __enter__(self) -> Client:
@@ -95,7 +102,15 @@ class Client:
         self.sock.send(frame)
 
     def _pump(self, timeout_s: float) -> bool:
-        if not self.sock.poll(int(timeout_s * 1000)):
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._lost, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        if self._lost in ready and self.sock not in ready:
+            self._lost.recv_multipart()
+            raise ClientError("pipeline_lost", f"the connection to {self.address} was lost (the supervisor "
+                                               f"died or stopped answering); requests in flight there are lost")
+        if not ready:
             return False
         while self.sock.poll(0):
             ev = m.unpack(self.sock.recv())

@@ -19,6 +19,7 @@ from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig, InstancePaths, run_root
 from ntx.shared.errors import NtxError
 from ntx.shared.plan import Plan
+from ntx.shared.run_files import open_private, private_dir, write_private
 from ntx.shared.shm import list_segments, unlink_all
 
 
@@ -81,11 +82,11 @@ def prepare_run(cfg: InstanceConfig, plan: Plan) -> Path:
     paths = InstancePaths(cfg.name)
     refuse_running(cfg.name)
     cleanup_leftovers(paths)
-    paths.root.mkdir(parents=True, exist_ok=True)
-    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(paths.root)
+    private_dir(paths.log_dir)
     (paths.log_dir / "last_failure").unlink(missing_ok=True)
     cfg_file = paths.root / "config.json"
-    cfg_file.write_text(json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
+    write_private(cfg_file, json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
     return cfg_file
 
 
@@ -105,13 +106,13 @@ def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progr
     Raises NtxError with the failing daemon's own reason if the pipeline cannot start."""
     paths = InstancePaths(cfg.name)
     cfg_file = prepare_run(cfg, plan)
-    log = open(paths.log_dir / "supervisor.out", "ab")
+    log = open_private(paths.log_dir / "supervisor.out", "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     log.close()
-    paths.pid_file.write_text(f"{proc.pid}\n")
+    write_private(paths.pid_file, f"{proc.pid}\n")
     wait_s = wait_s if wait_s is not None else cfg.handshake_timeout_s * 3 + 10
     deadline = time.monotonic() + wait_s
     last_state = None

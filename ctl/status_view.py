@@ -33,7 +33,7 @@ def _slots_line(sl: dict[str, Any]) -> str:
 def render_status(st: dict[str, Any], renderable: bool = False):
     head = Text()
     head.append(f"instance {st['instance']}  ", style="bold")
-    state_style = {"ready": "green", "starting": "yellow", "stopping": "yellow"}.get(st["state"], "red")
+    state_style = {"ready": "green", "starting": "yellow", "restarting": "yellow", "stopping": "yellow"}.get(st["state"], "red")
     head.append(st["state"], style=state_style)
     head.append(f"  gen {st['gen']}  restarts {st['restarts']}  up {st['uptime_s']:.0f}s  {st['backend']}  {st['listen']}\n")
     head.append(f"model {st['model']}\n")

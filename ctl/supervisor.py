@@ -6,7 +6,9 @@ flight that it failed. The supervisor holds the ROUTER the clients talk to, reme
 client owns which request, forwards requests to compute over the control channel, and routes
 compute's replies back. A dead daemon becomes an error reply for every in-flight request and a
 restart of the whole pipeline under a new generation number (fresh sockets and shared memory
-names, so nothing stale can be mistaken for current), with bounded retries.
+names, so nothing stale can be mistaken for current), with bounded retries spaced by an
+exponential back-off; a model file that changed under the pipeline stops it instead
+(ctl/restart_policy.py has both rules).
 
 Bring-up is a state machine inside the main loop, never a blocking wait, so ``ntxctl status``
 answers while a 40 GB model loads: compute first (it owns the device slots), then dma (it opens
@@ -32,15 +34,16 @@ import zmq
 
 from ntx.ctl.front import ClientFront, Connection
 from ntx.ctl.request_limits import MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS, MAX_REQUESTS_PER_CONNECTION, RequestLimits
-from ntx.shared import messages as m
+from ntx.ctl.restart_policy import FILE_CHECK_INTERVAL_S, ModelFiles, RestartPolicy
 from ntx.daemons.compute.threads import bound_blas_threads
+from ntx.shared import messages as m
 from ntx.shared.config import LOG_LEVELS, InstanceConfig, InstancePaths
-from ntx.shared.errors import ConfigError
+from ntx.shared.errors import NtxError
 from ntx.shared.plan import RAM, STORAGE, Plan
+from ntx.shared.run_files import open_private, private_dir, write_private
 from ntx.shared.shm import unlink_all
 from ntx.shared.stats import bottleneck
 
-RESTART_WINDOW_S = 300.0
 DRAIN_TIMEOUT_S = 30.0
 # A send to a daemon waits at most this long for room in its pipe (the compute window keeps it
 # far from full, so a wait this long means the daemon is stuck): then the pipeline has failed.
@@ -88,8 +91,19 @@ class Supervisor:
         self.plan = plan
         self.paths = InstancePaths(cfg.name)
         self.started_s = time.monotonic()
-        self.paths.root.mkdir(parents=True, exist_ok=True)
-        self.paths.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.paths.root)
+        private_dir(self.paths.log_dir)
+        self.order = ["compute"]
+        if plan.streamed_layers:
+            self.order.append("dma")
+        if plan.layers_on(STORAGE):
+            self.order.append("reader")
+        # foreground (ntxctl serve): everything, daemons' output too, to stderr for systemd/containers;
+        # else the log files, opened once before anything starts, so a planted link fails the start in one line
+        self.foreground = foreground
+        self.log = sys.stderr if foreground else open_private(self.paths.log_dir / "supervisor.log", "a")
+        self.daemon_logs = {name: sys.stderr if foreground else open_private(self.paths.log_dir / f"{name}.log", "ab")
+                            for name in self.order}
         self.ctx = zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -103,7 +117,10 @@ class Supervisor:
         self.state = "starting"
         self.reason: str | None = None
         self.ever_ready = False
-        self.restart_times: list[float] = []
+        self.restart_policy = RestartPolicy(cfg.max_restarts)
+        self.restart_at_s: float | None = None  # when the next generation starts (back-off)
+        self.model_files = ModelFiles(cfg.model, cfg.draft_model)
+        self.next_file_check_s = 0.0
         self.restarts = 0
         self.daemons: dict[str, DaemonProc] = {}
         self.stage_stats: dict[str, dict] = {}
@@ -120,24 +137,17 @@ class Supervisor:
         self.drain_deadline_s: float | None = None
         self.done = False
         self.signalled: int | None = None
-        self.order = ["compute"]
-        if plan.streamed_layers:
-            self.order.append("dma")
-        if plan.layers_on(STORAGE):
-            self.order.append("reader")
-        # foreground (ntxctl serve): everything, daemons' output too, to stderr for systemd/containers
-        self.foreground = foreground
-        self.log = sys.stderr if foreground else open(self.paths.log_dir / "supervisor.log", "a", buffering=1)
         self.gateway: subprocess.Popen | None = None  # the HTTP gateway (ntx.ctl.gateway), with --http
         self.gateway_started_s = 0.0
 
     # -- logging & state file -----------------------------------------------------------------
     def say(self, text: str) -> None:
-        self.log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        now = time.time()  # milliseconds: a restart's steps take tenths of a second
+        self.log.write(f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now * 1000) % 1000:03d} {text}\n")
 
     def write_state(self) -> None:
         tmp = self.paths.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"state": self.state, "reason": self.reason, "gen": self.gen, "pid": os.getpid()}))
+        write_private(tmp, json.dumps({"state": self.state, "reason": self.reason, "gen": self.gen, "pid": os.getpid()}))
         os.replace(tmp, self.paths.state_file)
 
     # -- daemons -------------------------------------------------------------------------------
@@ -154,13 +164,11 @@ class Supervisor:
             env.setdefault("OPENBLAS_NUM_THREADS", "1")
         else:
             bound_blas_threads(env)
-        logf = sys.stderr if self.foreground else open(self.paths.log_dir / f"{name}.log", "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", f"ntx.daemons.{name}", "--control", self.paths.control, "--gen", str(self.gen)],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, "-m", f"ntx.daemons.{name}", "--control", self.paths.control, "--gen", str(self.gen),
+             "--supervisor-pid", str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=self.daemon_logs[name], stderr=subprocess.STDOUT, env=env,
         )
-        if not self.foreground:
-            logf.close()
         self.daemons[name] = DaemonProc(name, proc, time.monotonic())
         self.say(f"gen {self.gen}: started {name} (pid {proc.pid})")
 
@@ -179,22 +187,19 @@ class Supervisor:
         self.spawn(self.order[0])
 
     def teardown_daemons(self, grace_s: float = 3.0) -> None:
-        """Stop every daemon of this generation and free what they held."""
+        """Stop every daemon of this generation and free what they held.
+
+        SIGTERM rather than a Shutdown message: a daemon blocked in a ring wait (its peer just
+        died) does not read its control socket, but every wait heeds the signal's flag within
+        ``WAIT_SLICE_S`` (shared/daemon.py). SIGKILL after ``grace_s``; the sweep of the
+        generation's shared memory below covers a daemon that could not unlink its own."""
         for d in self.daemons.values():
-            if d.proc.poll() is None:
-                try:
-                    self.control.send_multipart([f"{d.name}-g{self.gen}".encode(), m.Shutdown().encode()], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        for d in self.daemons.values():
-            while d.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
             if d.proc.poll() is None:
                 d.proc.terminate()
+        deadline = time.monotonic() + grace_s
         for d in self.daemons.values():
             try:
-                d.proc.wait(timeout=2.0)
+                d.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 d.proc.kill()
                 d.proc.wait()
@@ -223,21 +228,29 @@ class Supervisor:
             self.fail_inflight("pipeline_failure", reason)
             self.shutdown()
             return
-        now = time.monotonic()
-        self.restart_times = [t for t in self.restart_times if now - t < RESTART_WINDOW_S] + [now]
+        delay_s = self.restart_policy.after_failure(time.monotonic())
         self.fail_inflight("pipeline_failure", f"{reason}; the pipeline is restarting")
         self.teardown_daemons()
-        if len(self.restart_times) > self.cfg.max_restarts:
-            self.reason = f"{reason}; gave up after {self.cfg.max_restarts} restarts in {RESTART_WINDOW_S:.0f} s"
+        if delay_s is None:
+            self.reason = (f"{reason}; gave up after {self.cfg.max_restarts} restarts "
+                           f"in {self.restart_policy.window_s:.0f} s")
             self.shutdown()
             return
-        self.restarts += 1
-        self.gen += 1
-        self.bring_up()
+        self.say(f"restarting in {delay_s:.2f} s")
+        self.state = "restarting"
+        self.write_state()
+        self.restart_at_s = time.monotonic() + delay_s
+
+    def model_changed(self, change: str) -> None:
+        """Stop for good: the daemons would read another file than the one the plan was made for."""
+        self.say(change)
+        self.reason = f"{change}; stopped (start the instance again to serve the new file)"
+        self.fail_inflight("model_changed", self.reason)
+        self.shutdown()
 
     # -- the HTTP gateway: a plain protocol client, restarted if it dies after running a while --
     def spawn_gateway(self) -> None:
-        logf = sys.stderr if self.foreground else open(self.paths.log_dir / "gateway.log", "ab")
+        logf = sys.stderr if self.foreground else open_private(self.paths.log_dir / "gateway.log", "ab")
         self.gateway = subprocess.Popen(
             [sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", self.cfg.listen, "--http", self.cfg.http,
              "--log-level", self.cfg.log_level],
@@ -271,8 +284,24 @@ class Supervisor:
                 self.gateway.wait()
 
     def watch(self) -> None:
-        """Notice a dead daemon at once, and a handshake that takes too long."""
+        """Notice a dead daemon (or gateway) at once, a handshake that takes too long, a changed
+        model file within ``FILE_CHECK_INTERVAL_S`` (and before every restart); restart when the
+        back-off has passed."""
         self.watch_gateway()
+        now = time.monotonic()
+        restart_due = self.restart_at_s is not None and now >= self.restart_at_s
+        if now >= self.next_file_check_s or restart_due:
+            self.next_file_check_s = now + FILE_CHECK_INTERVAL_S
+            change = self.model_files.change()
+            if change:
+                self.model_changed(change)
+                return
+        if restart_due:
+            self.restart_at_s = None
+            self.restarts += 1
+            self.gen += 1
+            self.bring_up()
+            return
         for d in list(self.daemons.values()):
             code = d.proc.poll()
             if code is not None:
@@ -560,7 +589,7 @@ class Supervisor:
         self.stop_gateway()
         self.teardown_daemons(grace_s=1.0)
         if self.reason:
-            (self.paths.log_dir / "last_failure").write_text(self.reason + "\n")
+            write_private(self.paths.log_dir / "last_failure", self.reason + "\n")
         self.say(f"stopped{': ' + self.reason if self.reason else ''}")
         for ident in self.stop_waiters:
             try:
@@ -572,6 +601,8 @@ class Supervisor:
         self.control.close(linger=200)
         self.paths.remove_runtime()
         if not self.foreground:
+            for f in self.daemon_logs.values():
+                f.close()
             self.log.close()
 
 
@@ -590,9 +621,12 @@ def main(argv: list[str] | None = None) -> None:
     paths = InstancePaths(cfg.name)
     try:
         sup = Supervisor(cfg, plan, foreground=args.foreground)
-    except (zmq.ZMQError, ConfigError) as e:
-        paths.log_dir.mkdir(parents=True, exist_ok=True)
-        (paths.log_dir / "last_failure").write_text(f"cannot listen on {cfg.listen}: {e}\n")
+    except (zmq.ZMQError, NtxError) as e:
+        reason = f"cannot listen on {cfg.listen}: {e}" if isinstance(e, zmq.ZMQError) else str(e)
+        try:
+            write_private(private_dir(paths.log_dir) / "last_failure", reason + "\n")
+        except NtxError:
+            print(reason, file=sys.stderr, flush=True)  # supervisor.out: ntxctl start shows its last line
         paths.remove_runtime()
         sys.exit(1)
 

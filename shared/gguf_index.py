@@ -542,6 +542,11 @@ def _file_tensors(header: GGUFHeader) -> list[TensorInfo]:
     return tensors
 
 
+def model_file_paths(path: str | os.PathLike) -> list[str]:
+    """The files ``open_model(path)`` reads: the file itself, or every shard of its split set."""
+    return _split_paths(os.fspath(path))
+
+
 def _split_paths(path: str) -> list[str]:
     """All shard paths of a split set that ``path`` belongs to, or [path]."""
     m = _SPLIT_RE.fullmatch(os.path.basename(path))

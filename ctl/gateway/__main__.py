@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--http", required=True, help="HOST:PORT to serve HTTP on")
     ap.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = ap.parse_args(argv)
+    from ntx.shared.daemon import die_with_parent
+
+    die_with_parent()  # a supervisor killed outright takes its gateway with it
     api_key = os.environ.get("NTX_API_KEY") or None
     try:
         host, port = parse_http_address(args.http)

@@ -101,13 +101,15 @@ class ComputeDaemon(Daemon):
             self.send_control(m.Events(events=events))
 
     def _on_wait(self) -> None:
+        """Between the slices of a ring wait: report, and give up once the daemon must stop."""
+        self.check_stop()
         self.maybe_send_stats()
 
     def _set_active(self, active: bool) -> None:
         if active != self.active:
             self.active = active
             if self.plan.streamed_layers:
-                self.ring.send(m.Activity(active=active).encode())
+                self.send(self.ring, m.Activity(active=active))
             self.clock.enter("busy" if active else "idle")
 
     # -- the loop -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ntx.daemons.compute.backend import Pick, Picked, log_normaliser
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
-from ntx.daemons.compute.sampler import Sampler, SamplingParams, StopMatcher, logprobs_topk
+from ntx.daemons.compute.sampler import NumericalError, Sampler, SamplingParams, StopMatcher, logprobs_topk
 from ntx.daemons.compute.speculation import MAX_DRAFT_TOKENS, Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
 from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
 from ntx.shared.errors import NtxError
@@ -276,10 +276,10 @@ class EngineCore:
                 s.n_prefilled += chunk.n_tokens
                 if s.prefilling:
                     continue
-            elif s.draft:
-                events.extend(self._verify(s, pk))
-                continue
-            events.extend(self._advance(s, pk[-1]))
+            try:
+                events.extend(self._verify(s, pk) if s.draft else self._advance(s, pk[-1]))
+            except NumericalError as e:  # this request's numbers broke; the others go on
+                events.append(self._fail(s, "numerical_error", str(e)))
         return events
 
     # -- speculation ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import zmq
 
 from ntx.shared import messages as m
+from ntx.shared.daemon import WAIT_SLICE_S, send_patiently
 from ntx.shared.errors import NtxError
 from ntx.shared.stats import StageClock
 
@@ -55,7 +56,7 @@ class RingStream:
         self.layers = list(streamed_layers)
         self.layer_bytes = layer_bytes
         self.clock = clock
-        self.on_wait = on_wait
+        self.on_wait = on_wait  # between the slices of every wait (a layer, room to send); may raise to give up
         self.before_release = before_release  # e.g. wait for the GPU to finish reading the slot
         self.wanted_upto = -1
         self.ready: dict[tuple[int, int], int] = {}
@@ -64,7 +65,11 @@ class RingStream:
         self.held: dict[tuple[int, int], int] = {}  # acquired, not yet released
 
     def _send(self, msg: m.Message) -> None:
-        self.sock.send(msg.encode())
+        send_patiently(self.sock, msg.encode(), self._waiting)
+
+    def _waiting(self) -> None:
+        if self.on_wait:
+            self.on_wait()
 
     def begin_pass(self, pass_id: int) -> None:
         while self.wanted_upto < pass_id + 1:
@@ -92,11 +97,11 @@ class RingStream:
             while key not in self.ready:
                 if key in self.errors:
                     raise LayerUnavailable(f"layer {layer_idx} could not be loaded: {self.errors.pop(key)}")
-                if self.sock.poll(int(m.STATS_INTERVAL_S * 1000)):
+                if self.sock.poll(int(WAIT_SLICE_S * 1000)):
                     while self.sock.poll(0):
                         self._receive(m.DMA_TO_COMPUTE.decode(self.sock.recv()))
-                elif self.on_wait:
-                    self.on_wait()
+                else:
+                    self._waiting()
             self.clock.enter("busy", pass_id)
         slot = self.ready.pop(key)
         self.held[key] = slot

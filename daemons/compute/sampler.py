@@ -24,9 +24,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ntx.daemons.compute.backend import MAX_PICK_K, Pick, Picked, log_normaliser, top_entries
+from ntx.shared.errors import NtxError
 from ntx.shared.sampling_fields import sampling_dataclass, validate_sampling
 
-__all__ = ["SamplingParams", "Sampler", "StopMatcher", "logprobs_topk", "REPETITION_WINDOW"]
+__all__ = ["SamplingParams", "Sampler", "StopMatcher", "NumericalError", "logprobs_topk", "REPETITION_WINDOW"]
 
 REPETITION_WINDOW = 64
 
@@ -41,6 +42,31 @@ class SamplingParams:
         """Raise NtxError naming the first bad field; returns self so calls can chain."""
         validate_sampling(self)
         return self
+
+
+class NumericalError(NtxError):
+    """The logits of a request cannot be drawn from: NaN, +inf, or no finite value at all.
+
+    Why an error of the request and not of the process: a broken weight or hyperparameter (an
+    ``rms_eps`` of NaN, an overflowing layer) spoils the numbers of the requests that run through
+    it, not the engine's state; the engine fails those requests (``numerical_error``) and keeps
+    serving, instead of crashing the daemon on an empty candidate list and spending a restart."""
+
+
+def check_logits(vals: np.ndarray) -> None:
+    """Raise NumericalError unless ``vals`` (a row [V] or candidate values [k]) can be sampled
+    from: no NaN, no +inf, at least one finite value (-inf alone is a masked token, allowed)."""
+    top = float(vals.max()) if vals.size else math.nan  # max propagates NaN; a NaN row has no top-k
+    if math.isnan(top):
+        found = "NaN"
+    elif top == math.inf:
+        found = "+inf"
+    elif top == -math.inf:
+        found = "no finite value"
+    else:
+        return
+    raise NumericalError(f"the model's logits are not finite ({found}): a NaN or inf weight or "
+                         f"hyperparameter (e.g. rms_eps) broke the numbers; this request cannot be sampled")
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -132,15 +158,18 @@ class Sampler:
     def distribution(self, picked: Picked, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The tokens a draw can give and their probabilities, ids [C] and probs [C] best first,
         after the whole chain (penalty, top-k, top-p, min-p, temperature); greedy: the best
-        token alone, with probability 1. Speculative verification accepts drafts against this."""
+        token alone, with probability 1. Speculative verification accepts drafts against this.
+        Logits that cannot be drawn from raise NumericalError (``check_logits``)."""
         p = self.params
         if picked.row is not None:
             x = self._penalised(picked.row, history)
+            check_logits(x)
             if p.temperature == 0:
                 return np.array([int(np.argmax(x))]), np.ones(1)  # first max = lowest id on ties
             ids = _truncate(x, p.top_k, p.top_p, p.min_p)  # ids: [C]
             vals = x[ids]
         else:
+            check_logits(picked.vals)  # best first: a NaN row comes back with no candidates
             if p.temperature == 0:
                 return picked.ids[:1], np.ones(1)
             ids, vals = picked.ids[: p.top_k], picked.vals[: p.top_k]

@@ -108,15 +108,19 @@ class PassDrafter(Drafter):
         alternatives beside each chain node (the next best of the same draft distribution)."""
         trees = [DraftTree() for _ in requests]
         alternatives: list[list[tuple[int, list[int]]]] = [[] for _ in requests]  # (parent, tokens)
+        broken: set[int] = set()  # requests whose draft logits had no candidate (NaN): drafted no deeper
         depth = 0
         while True:
-            todo = [i for i, r in enumerate(requests) if depth < r.depth]
+            todo = [i for i, r in enumerate(requests) if depth < r.depth and i not in broken]
             if not todo:
                 break
             picked = self._step([requests[i] for i in todo], depth, [trees[i].tokens for i in todo],
                                 max(requests[i].width for i in todo))
             for i, pk in zip(todo, picked):
                 best = [int(t) for t in pk.ids[: requests[i].width]]
+                if not best:  # a wrong draft costs nothing; a drafter crash would cost the daemon
+                    broken.add(i)
+                    continue
                 alternatives[i].append((depth - 1, best[1:]))
                 trees[i].tokens.append(best[0])
                 trees[i].parents.append(depth - 1)

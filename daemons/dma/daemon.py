@@ -130,7 +130,7 @@ class DmaDaemon(Daemon):
         else:
             self.active = msg.active
             if self.host_slots:  # a reader exists only when some layer lives on storage
-                self.host_ring.send(msg.encode())
+                self.send(self.host_ring, msg)
 
     def on_host_msg(self, msg: m.Filled | m.ReadError) -> None:
         key = (msg.pass_id, msg.layer)
@@ -143,7 +143,7 @@ class DmaDaemon(Daemon):
         while (job := self.ring.start_read()) is not None:
             (pass_id, layer), slot = job
             read = m.Read(slot=slot, layer=layer, pass_id=pass_id, backlog=len(self.ring.to_read), active=self.active)
-            self.host_ring.send(read.encode())
+            self.send(self.host_ring, read)
 
     def deliver(self) -> None:
         """Fill device slots with wanted layers, strictly in order."""
@@ -152,7 +152,7 @@ class DmaDaemon(Daemon):
             pass_id, layer = ring.head
             failure = ring.pop_failed_head()
             if failure is not None:
-                self.dev_ring.send(m.LayerError(layer=layer, pass_id=pass_id, message=failure).encode())
+                self.send(self.dev_ring, m.LayerError(layer=layer, pass_id=pass_id, message=failure))
                 continue
             waits_for = ring.head_waits_for()
             if waits_for == "read":
@@ -172,7 +172,7 @@ class DmaDaemon(Daemon):
             ring.delivered()
             self.issue_reads()  # the host slot just freed can take the next read at once
             self.clock.add_bytes(self.index.layers[layer].nbytes, pass_id, layer=layer)
-            self.dev_ring.send(m.SlotReady(slot=dslot, layer=layer, pass_id=pass_id).encode())
+            self.send(self.dev_ring, m.SlotReady(slot=dslot, layer=layer, pass_id=pass_id))
         self.clock.enter("idle")
 
     def stats(self) -> dict[str, Any]:

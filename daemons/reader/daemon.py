@@ -79,11 +79,11 @@ class ReaderDaemon(Daemon):
         try:
             nbytes = self.read_layer(layer, self.slot_arrays[slot])
         except NtxError as e:
-            self.ring.send(m.ReadError(slot=slot, layer=layer, pass_id=pass_id, message=str(e)).encode())
+            self.send(self.ring, m.ReadError(slot=slot, layer=layer, pass_id=pass_id, message=str(e)))
         else:
             # bytes and read time are the reader's own clock's; dma needs only the slot back
             self.clock.add_bytes(nbytes, pass_id, layer=layer)
-            self.ring.send(m.Filled(slot=slot, layer=layer, pass_id=pass_id).encode())
+            self.send(self.ring, m.Filled(slot=slot, layer=layer, pass_id=pass_id))
         # What the wait for the next job means depends on whether work is queued behind the ring.
         self.clock.enter("blocked" if job.backlog > 0 else ("starved" if job.active else "idle"), pass_id)
 

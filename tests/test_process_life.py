@@ -1,0 +1,217 @@
+"""How an instance's processes live and die (issue 12, items 6, 10, 11, 12): a killed supervisor
+takes its daemons and its shared memory with it and its clients hear of it; a model file changed
+under the pipeline stops it with the reason; restarts back off; two instances of one name under
+two run folders leave each other alone; the run folder is private and its files are opened
+without following links."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+import psutil
+import pytest
+
+from ntx.ctl import instance
+from ntx.ctl.client import ClientError
+from ntx.ctl.restart_policy import ModelFiles, RestartPolicy
+from ntx.shared import messages as m
+from ntx.shared.config import InstancePaths
+from ntx.shared.errors import NtxError
+from ntx.shared.run_files import open_private, private_dir, write_private
+from ntx.shared.shm import ShmSegment, list_segments
+
+from .pipeline_util import free_port, ntxctl, running_pipeline, wait_for
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+def test_supervisor_death_takes_its_daemons_and_fails_the_waiting_client(smollm2_path, tmp_path):
+    """kill -9 of the supervisor mid-generation: the client's wait ends with ``pipeline_lost``
+    within seconds, every daemon exits within seconds (compute was blocked in a ring send or a
+    ring wait before), and the daemons unlink their own shared memory on the way out."""
+    with running_pipeline(str(smollm2_path), tmp_path, "--gpu-layers", "0", "--ram-budget", "0", name="orphan") as p:
+        st = p.status()
+        daemon_pids = [d["pid"] for d in st["daemons"].values()]
+        assert len(daemon_pids) == 3
+        prefix = InstancePaths("orphan").shm_prefix
+        assert list_segments(prefix)
+        with p.client() as c:
+            rid = c.submit("Once upon a time", raw=True, temperature=0.0, max_tokens=2000)
+            assert c.next_event(rid, 120)["type"] == "token"  # it is generating
+            os.kill(st["supervisor_pid"], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(ClientError) as err:
+                for _ in c.events(rid):
+                    pass
+            assert err.value.code == "pipeline_lost", err.value
+            assert time.monotonic() - t0 < 10.0
+        wait_for(lambda: not any(_alive(pid) for pid in daemon_pids), 10.0,
+                 lambda: f"the daemons to exit; alive: {[pid for pid in daemon_pids if _alive(pid)]}")
+        assert list_segments(prefix) == []  # unlinked by their owners, not by a later sweep
+
+
+def test_restart_policy_backs_off_and_gives_up():
+    policy = RestartPolicy(max_restarts=4, window_s=100.0, first_delay_s=0.5, max_delay_s=3.0)
+    assert [policy.after_failure(t) for t in (0.0, 1.0, 2.0, 3.0)] == [0.5, 1.0, 2.0, 3.0]
+    assert policy.after_failure(4.0) is None  # the fifth failure within the window
+    assert policy.after_failure(200.0) == 0.5  # the window forgot the old ones
+
+
+def test_model_files_name_each_kind_of_change(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x" * 1000)
+    files = ModelFiles(str(model))
+    assert files.change() is None
+    with open(model, "r+b") as f:
+        f.truncate(400)
+    assert "truncated from 1000 to 400 bytes" in files.change()
+    files = ModelFiles(str(model))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"y" * 400)
+    os.replace(other, model)
+    assert "replaced by another file" in files.change()
+    files = ModelFiles(str(model))
+    os.utime(model, ns=(1, 1))
+    assert "rewritten" in files.change()
+    model.unlink()
+    assert str(model) in files.change() and "removed" in files.change()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncate", "replace"])
+def test_model_file_changed_under_the_pipeline_stops_it_with_the_reason(smollm2_path, tmp_path, how):
+    """Before: a truncated file gave ``layer_unavailable`` for ever while status said ready, a
+    replaced one sent dma into a crash loop. Now the supervisor stops, saying what changed."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(smollm2_path.read_bytes())
+    run_dir = tmp_path / "run"
+    with running_pipeline(str(model), run_dir, "--gpu-layers", "0", "--ram-budget", "0", name=f"chg-{how}") as p:
+        assert "Paris" in p.generate_greedy("The capital of France is", 2)["text"]
+        if how == "truncate":
+            with open(model, "r+b") as f:
+                f.truncate(model.stat().st_size // 2)  # the later layers are past the end now
+            with p.client() as c, pytest.raises(ClientError) as err:  # a short read, or the stop
+                c.complete("The capital of France is", raw=True, temperature=0.0, max_tokens=2)
+            assert err.value.code in ("layer_unavailable", "model_changed", "pipeline_lost"), err.value
+            assert err.value.code == "pipeline_lost" or "model.gguf" in str(err.value)
+        else:
+            tmp = tmp_path / "new.gguf"
+            tmp.write_bytes(smollm2_path.read_bytes()[: 1 << 20])
+            os.replace(tmp, model)
+        wait_for(lambda: instance.get_status(p.name, 1.0) is None, 30, "the supervisor to stop")
+        r = ntxctl("status", "--name", p.name)
+        assert r.returncode != 0
+        word = "truncated" if how == "truncate" else "replaced"
+        assert f"model file {model} was {word}" in r.stderr, r.stderr
+
+
+def test_one_name_under_two_run_folders_leaves_the_other_alone(tmp_path, monkeypatch):
+    """Shared memory lives in one namespace for the machine; an instance's names carry its run
+    folder's digest, so cleaning up after ``twin`` under one run folder (what start and stop do)
+    leaves the segments of ``twin`` under another alone. (Before, two test runs deleted each
+    other's segments.)"""
+    segments = {}
+    for run in ("a", "b"):
+        monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / run))
+        paths = InstancePaths("twin")
+        segments[run] = ShmSegment.create(paths.shm_name(0, "dslot0"), 4096)
+    assert segments["a"].name != segments["b"].name
+    try:
+        assert instance.cleanup_leftovers(InstancePaths("twin")) >= 1  # b's, as NTX_RUN_DIR is b now
+        assert not os.path.exists(segments["b"].path)
+        assert os.path.exists(segments["a"].path)
+        monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / "a"))
+        assert instance.leftovers("twin") == [f"shm:{segments['a'].name}"]
+        instance.cleanup_leftovers(InstancePaths("twin"))
+        assert not os.path.exists(segments["a"].path)
+    finally:
+        for seg in segments.values():
+            seg.close()
+            seg.unlink()
+
+
+def test_run_folder_files_are_private_and_never_followed(tmp_path, monkeypatch):
+    monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir(mode=0o777)
+    os.chmod(tmp_path / "run", 0o777)
+    logs = private_dir(InstancePaths("x").log_dir)
+    for folder in (tmp_path / "run", tmp_path / "run" / "logs", logs):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    with open_private(logs / "a.log") as f:
+        f.write("line\n")
+    assert stat.S_IMODE((logs / "a.log").stat().st_mode) == 0o600
+    target = tmp_path / "target"
+    target.write_text("precious\n")
+    (logs / "b.log").symlink_to(target)
+    with pytest.raises(NtxError, match="b.log is a symbolic link; refusing to follow it"):
+        open_private(logs / "b.log")
+    with pytest.raises(NtxError, match="symbolic link"):
+        write_private(logs / "b.log", "x")
+    assert target.read_text() == "precious\n"
+    other = tmp_path / "run" / "others"
+    other.mkdir()
+    if os.getuid() == 0:  # as root, make it someone else's
+        os.chown(other, 65534, 65534)
+        with pytest.raises(NtxError, match="belongs to uid 65534, not to you"):
+            private_dir(other / "logs")
+
+
+@pytest.mark.parametrize("planted", ["supervisor.log", "compute.log", "supervisor.out"])
+def test_start_refuses_a_link_planted_among_the_logs(smollm2_path, tmp_path, planted):
+    """Before, an instance (run by root) followed a link another user placed among the run
+    folder's logs and appended its log lines to the link's target."""
+    run_dir = tmp_path / "run"
+    target = tmp_path / "target"
+    target.write_text("precious\n")
+    logs = run_dir / "logs" / "linked"
+    logs.mkdir(parents=True)
+    (logs / planted).symlink_to(target)
+    r = ntxctl("start", "--model", str(smollm2_path), "--name", "linked", "--backend", "cpu",
+               "--listen", f"tcp://127.0.0.1:{free_port()}", env={"NTX_RUN_DIR": str(run_dir)})
+    assert r.returncode != 0
+    assert f"{logs / planted} is a symbolic link; refusing to follow it" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert target.read_text() == "precious\n"
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+
+
+def test_a_send_to_a_vanished_peer_gives_up_once_the_daemon_must_stop(tmp_path):
+    """What kept compute alive after its supervisor died: a ring send to a peer that is gone
+    blocks for ever. ``send_patiently`` waits in slices and asks between them."""
+    import zmq
+
+    from ntx.shared.daemon import Daemon, StopRequested, send_patiently
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PAIR)  # nobody connects: every send would block
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{tmp_path}/ring.sock")
+    asked = []
+
+    def between() -> None:
+        asked.append(time.monotonic())
+        if len(asked) == 3:
+            raise StopRequested("stop")
+
+    try:
+        with pytest.raises(StopRequested):
+            send_patiently(sock, b"want", between)
+        assert len(asked) == 3
+
+        daemon = Daemon(f"ipc://{tmp_path}/ctl.sock", gen=0, supervisor_pid=os.getppid())
+        assert not daemon.stopping
+        daemon.supervisor_pid += 1  # as after the supervisor died and this process was reparented
+        with pytest.raises(StopRequested, match="the supervisor .* is gone"):
+            daemon.send(sock, m.Want(pass_id=0, layers=[1]))
+        daemon.control.close(linger=0)
+    finally:
+        sock.close(linger=0)
