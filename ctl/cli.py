@@ -90,14 +90,27 @@ def inspect(model: Optional[str] = typer.Argument(None, help="GGUF file (default
     """Show a model's hyper-parameters and per-layer byte spans (no tensor data is read)."""
     from ntx.shared.gguf_index import open_model
 
+    from collections import Counter
+
+    from ntx.shared.config import format_bytes
+
     idx = open_model(_model_path(model))
     hp = idx.hparams
     typer.echo(f"{idx.name}  ({idx.architecture}, GGUF v{idx.version}, {idx.file_type}, {len(idx.paths)} file(s))")
     for k, v in vars(hp).items():
+        if k == "rope_scaling":
+            v = v.kind if v.kind == "none" else f"{v.kind}, factor {v.factor:g}, original context {v.original_context}"
         typer.echo(f"  {k:16s} {v}")
-    typer.echo(f"  layer bytes      {idx.layer_bytes_total / 2**20:.1f} MiB in {hp.n_layers} layers "
-               f"(largest slot {idx.max_layer_slot_bytes / 2**20:.2f} MiB)")
-    typer.echo(f"  global bytes     {idx.global_bytes_total / 2**20:.1f} MiB ({', '.join(idx.globals)})")
+    typer.echo(f"  layer bytes      {format_bytes(idx.layer_bytes_total)} in {hp.n_layers} layers "
+               f"(largest slot {format_bytes(idx.max_layer_slot_bytes)})")
+    typer.echo(f"  global bytes     {format_bytes(idx.global_bytes_total)} ({', '.join(idx.globals)})")
+    typer.echo("  layer   bytes       file byte spans (what one streamed pass reads)   tensor types")
+    many_files = len(idx.paths) > 1
+    for layer in idx.layers:
+        spans = ",".join((f"{os.path.basename(sp.path)}:" if many_files else "") + f"{sp.offset}-{sp.offset + sp.nbytes}"
+                          for sp in layer.spans)
+        types = " ".join(f"{t}x{n}" for t, n in sorted(Counter(x.type_name for x in layer.tensors.values()).items()))
+        typer.echo(f"  {layer.index:5d}   {format_bytes(layer.nbytes):>10s}  {spans:44s}  {types}")
 
 
 def sampling_options(**defaults):

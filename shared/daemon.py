@@ -85,6 +85,7 @@ class Daemon:
 
     def __init__(self, control_addr: str, gen: int, supervisor_pid: int | None = None) -> None:
         self.stop_requested = False  # a Shutdown message or SIGTERM (the supervisor's death, too)
+        self.gen = gen
         self.supervisor_pid = supervisor_pid if supervisor_pid is not None else os.getppid()
         self.ctx = zmq.Context.instance()
         self.control = self.ctx.socket(zmq.DEALER)
@@ -158,8 +159,12 @@ class Daemon:
     def run(self) -> int:
         try:
             config = self.handshake()
-            self.send_control(self.setup(config))
+            t0 = time.monotonic()
+            ready = self.setup(config)
+            self.say(f"gen {self.gen}: ready after {time.monotonic() - t0:.2f} s of setup")
+            self.send_control(ready)
             self.serve()
+            self.say(f"gen {self.gen}: stopped")
             return 0
         except StopRequested as e:
             print(e, file=sys.stderr, flush=True)
@@ -178,6 +183,11 @@ class Daemon:
                 self.close()
             finally:
                 self.control.close(linger=500)
+
+    def say(self, text: str) -> None:
+        """A line in this daemon's log (its stdout: the supervisor's ``NAME.log``), so that a
+        healthy run's log shows when the daemon was ready and when it stopped."""
+        print(f"{time.strftime('%H:%M:%S')} {self.name} (pid {os.getpid()}): {text}", flush=True)
 
     def _last_word(self, msg: m.Message) -> None:
         """Tell the supervisor why this daemon ends, if it still listens."""

@@ -226,7 +226,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         with_draft = f" and the draft model ({format_bytes(draft_bytes)})" if draft_bytes else ""
         raise ConfigError(
             f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, KV cache and workspace"
-            f"{with_draft} alone need {format_bytes(vram_budget - avail)}"
+            f"{with_draft} alone need {format_bytes(vram_budget - avail)}; raise it, or shrink the KV cache "
+            f"({format_bytes(kv_bytes)} for {costs.kv_tokens} positions) with a smaller --ctx or --max-batch"
         )
     max_vram_layers = len(kept) if cfg.max_vram_layers is None else min(cfg.max_vram_layers, len(kept))
     tiers = [SKIPPED if i in skip else STORAGE for i in range(n)]
@@ -240,7 +241,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         if avail < 0:
             raise ConfigError(
                 f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.slots} device slots of "
-                f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}"
+                f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}; raise it, or free room "
+                f"with a smaller --ctx or --max-batch (KV cache {format_bytes(kv_bytes)})"
             )
         for i in _resident_layers(kept, max_vram_layers, layer_costs, avail, cfg.placement):
             tiers[i] = VRAM

@@ -190,6 +190,13 @@ def test_inspect_prints_hparams(smollm2_path):
     assert "llama" in r.stdout.splitlines()[0] and "Q4_1" in r.stdout.splitlines()[0]
     assert fields["n_layers"] == "30"
     assert fields["n_embd"] == "576"
+    assert fields["rope_scaling"] == "none"  # read as a person writes it, not a Python repr
+    # per layer: its bytes and the file byte spans one streamed pass reads
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.strip()[:1].isdigit()]
+    assert [int(row[0]) for row in rows] == list(range(30))
+    idx = open_model(smollm2_path)
+    for row, layer in zip(rows, idx.layers):
+        assert row[3] == ",".join(f"{sp.offset}-{sp.offset + sp.nbytes}" for sp in layer.spans)
     assert fields["n_ff"] == "1536"
     assert fields["n_head"] == "9"
     assert fields["n_head_kv"] == "3"

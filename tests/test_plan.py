@@ -71,7 +71,7 @@ def test_each_backend_reports_its_costs(index):
 
 
 def test_budget_too_small_is_one_clear_line(index):
-    with pytest.raises(ConfigError, match="--vram-budget .* is too small"):
+    with pytest.raises(ConfigError, match="--vram-budget .* is too small.* smaller --ctx or --max-batch"):
         plan_for(index, _cfg(vram_budget=parse_size("10MiB"), ram_budget=0))
     with pytest.raises(ConfigError, match="is not a size"):
         parse_size("lots", "--vram-budget")

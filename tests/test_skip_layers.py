@@ -149,6 +149,10 @@ def test_pipeline_never_reads_nor_copies_a_skipped_layer(smollm2_path, tmp_path)
         assert moved("reader") == set(storage)
         assert moved("dma") == set(streamed)
         assert moved("compute") == set(streamed)  # the slots compute ran
+    # a healthy run's daemon logs say when each daemon was ready and that it stopped
+    for daemon in ("compute", "dma", "reader"):
+        log = (tmp_path / "logs" / "skip" / f"{daemon}.log").read_text()
+        assert "gen 0: ready after" in log and "gen 0: stopped" in log, (daemon, log)
 
 
 def test_cli_bad_skip_sets_are_one_line(smollm2_path, tmp_path):
