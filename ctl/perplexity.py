@@ -287,7 +287,11 @@ class PipelineScorer:
         self.client = Client(listen)
         self._sent: dict[int, str] = {}
         st = self.client.status()
-        self.model_path = st["model"]
+        self.model_path = st.get("model")  # operators only: connections from this machine
+        if self.model_path is None:
+            self.client.close()
+            raise PerplexityError(f"the pipeline on {listen} does not name its model to this connection (status "
+                                  "details are for this machine): run perplexity on the pipeline's machine")
         if model_path is not None and Path(model_path).resolve() != Path(self.model_path).resolve():
             self.client.close()
             raise PerplexityError(f"the pipeline on {listen} serves {self.model_path}, not {model_path} "
