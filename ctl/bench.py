@@ -544,9 +544,9 @@ def _spec_batch(entry: dict[str, Any], plain_cfg: InstanceConfig, replay_cfg, in
         plan = plan_for(index, cfg)
         instance.start(cfg, plan)
         try:
-            _generate_concurrently(cfg.listen, batch, k + 2)  # warm-up: this batch's shapes compiled
-            decode_s, n, _ = _generate_concurrently(cfg.listen, batch, tokens)
-            st = instance.get_status(cfg.name, 10) or {}
+            _, _, warm = _generate_concurrently(cfg.listen, batch, k + 2)  # warm-up: this batch's shapes compiled
+            decode_s, n, timed = _generate_concurrently(cfg.listen, batch, tokens)
+            st = _settled_status(cfg.name, sum(len(t) for t in warm + timed))  # compute's figures include them
         finally:
             instance.stop(cfg.name, force=True)
         tps = n / decode_s if decode_s > 0 else 0.0

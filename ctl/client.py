@@ -76,7 +76,12 @@ class Client:
         # the monitor tells a waiting caller at once instead of after event_timeout_s. No ZMTP
         # heartbeats: a client that reads slowly stops reading its socket, its pongs queue behind
         # the replies, and the heartbeat would cut it off (docs/PROTOCOL.md: TCP keepalive finds a vanished peer).
-        self._lost = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # Only a connection that completed its handshake can be lost: a refused CURVE key is said
+        # as such, and a server not up yet is simply retried (libzmq reconnects).
+        self._lost = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._connected = False  # a handshake completed
+        self._gone = False  # and that connection dropped since
         self.sock.connect(address)
         self._inbox: dict[Any, deque[dict]] = defaultdict(deque)
         self._ids = itertools.count()
@@ -106,8 +111,9 @@ class Client:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._lost, zmq.POLLIN)
         ready = dict(poller.poll(int(timeout_s * 1000)))
-        if self._lost in ready and self.sock not in ready:
-            self._lost.recv_multipart()
+        if self._lost in ready:
+            self._connection_events()
+        if self._gone and self.sock not in ready:  # the replies that came before the loss are read first
             raise ClientError("pipeline_lost", f"the connection to {self.address} was lost (the supervisor "
                                                f"died or stopped answering); requests in flight there are lost")
         if not ready:
@@ -116,6 +122,22 @@ class Client:
             ev = m.unpack(self.sock.recv())
             self._inbox[ev.get("id") if isinstance(ev, dict) else None].append(ev)
         return True
+
+    def _connection_events(self) -> None:
+        """Read the socket monitor: a handshake done, a key refused (``auth_refused``), or an
+        established connection lost (``_gone``: ``pipeline_lost`` once the replies that came
+        before it are read)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._lost.poll(0):
+            event = recv_monitor_message(self._lost)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise ClientError("auth_refused", f"{self.address} refused this client's CURVE key: give the key "
+                                                  "pair the operator let in (NTX_CURVE_CLIENT_KEY, ntxctl keygen)")
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                self._gone = True
 
     def next_event(self, rid: Any, timeout_s: float | None = None) -> dict:
         """The next reply for request ``rid`` (None: replies with no id, e.g. to a bad frame)."""
