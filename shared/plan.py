@@ -3,8 +3,9 @@
 Reservations come first (as in ntransformer): the global tensors, the KV cache, the workspace
 and — only when something streams — the device slots; then as many layers as fit the VRAM budget
 stay resident, spread evenly over the model (``--placement spread``: a streamed layer's copy then
-overlaps a resident layer's compute) or the first ones (``first``); the rest fills the RAM budget (less the host staging slots, when something is left for storage),
-and whatever remains streams from storage on every pass. Layers the user skips
+overlaps a resident layer's compute) or the first ones (``first``); the rest fills the RAM budget
+(less the host staging slots, when something is left for storage), and whatever remains streams
+from storage on every pass. Layers the user skips
 (``--skip-layers``: a calibrate profile's most input-like layers) take no tier at all: they
 cost no memory, are never read nor copied, and the layers after them move up.
 
