@@ -193,7 +193,7 @@ class LocalScorer:
         try:
             self.model.forward(StepBatch([SeqChunk(seq, 0, tuple(c[:first])) for seq, c in enumerate(chunks)]))
             logits = self.model.forward(StepBatch([SeqChunk(seq, first, tuple(c[first:]), all_logits=True)
-                                              for seq, c in enumerate(chunks)]))  # [n_seq * (ctx-first), V]
+                                                   for seq, c in enumerate(chunks)]))  # [n_seq * (ctx-first), V]
         finally:
             for seq in range(len(chunks)):
                 be.free_sequence(seq)
@@ -204,71 +204,6 @@ class LocalScorer:
             lse = np.array([log_normaliser(r) for r in rows])  # float64, as llama.cpp sums
             out.append(lse - rows[np.arange(rows.shape[0]), c[first + 1:]].astype(np.float64))
         return out
-
-    def close(self) -> None: ...
-
-
-class LocalScorer:
-    """Chunks evaluated by ``LlamaModel.forward`` in this process: the context half in one pass,
-    then the scored half with every row's logits (the first half's logits are never needed).
-    The model loads on the first chunk, after the text was found usable."""
-
-    def __init__(self, model_path: str, backend: str = "cpu", skip_layers: list[int] | None = None) -> None:
-        from ntx.shared.gguf_index import open_model
-
-        self.model_path = model_path
-        self.index = open_model(model_path)
-        self.tokenizer = Tokenizer.from_metadata(self.index.metadata)
-        self.max_ctx = self.index.hparams.n_ctx_train
-        self.backend = backend
-        self.skip_layers = sorted(skip_layers or [])
-        self.name = f"in-process ({backend})" + (f", layers {self.skip_layers} skipped" if self.skip_layers else "")
-        self.model = None
-
-    def score_all(self, chunks: list[list[int]]) -> Iterator[np.ndarray]:
-        from ntx.daemons.compute.factory import build_engine
-
-        ctx = len(chunks[0])
-        n_seq = max(1, ROWS_PER_PASS // ctx)  # chunks side by side in one pass, as llama.cpp's n_seq
-        self.model = build_engine(self.index, self.backend, max_batch=n_seq, max_context=ctx,
-                                  prefill_chunk_tokens=ctx, skip_layers=self.skip_layers).model
-        for i in range(0, len(chunks), n_seq):
-            yield from self._score(chunks[i:i + n_seq])
-
-    def _score(self, chunks: list[list[int]]) -> list[np.ndarray]:
-        """One group of chunks, each its own sequence: a pass over their context halves, then a
-        pass over their scored halves returning every row's logits."""
-        from ntx.daemons.compute.batch import SeqChunk, StepBatch
-
-        ctx, first = len(chunks[0]), len(chunks[0]) // 2
-        be = self.model.backend
-        for seq in range(len(chunks)):
-            be.alloc_sequence(seq, ctx)
-        try:
-            self.model.forward(StepBatch([SeqChunk(seq, 0, tuple(c[:first])) for seq, c in enumerate(chunks)]))
-            logits = self.model.forward(StepBatch([SeqChunk(seq, first, tuple(c[first:]), all_logits=True)
-                                              for seq, c in enumerate(chunks)]))  # [n_seq * (ctx-first), V]
-        finally:
-            for seq in range(len(chunks)):
-                be.free_sequence(seq)
-        out = []
-        for seq, c in enumerate(chunks):
-            # rows: [ctx-first-1, V]; row j predicts c[first+1+j]
-            rows = logits[seq * (ctx - first):(seq + 1) * (ctx - first) - 1]
-            lse = np.array([log_normaliser(r) for r in rows])  # float64, as llama.cpp sums
-            out.append(lse - rows[np.arange(rows.shape[0]), c[first + 1:]].astype(np.float64))
-        return out
-
-    def _forward(self, batch) -> np.ndarray:
-        """Logits [N_out, V] of a pass; with skipped layers a pass through the others alone
-        (``draft_forward``: a skipped layer is never run, its KV entries never read)."""
-        if not self.skip_layers:
-            return self.model.forward(batch)
-        from ntx.daemons.compute.backend import Pick
-
-        kept = [i for i in range(self.index.hparams.n_layers) if i not in self.skip_layers]
-        picked = self.model.draft_forward(batch, kept, [Pick(0)] * len(batch.logit_rows))
-        return np.stack([p.row for p in picked])
 
     def close(self) -> None:
         if self.model is not None:

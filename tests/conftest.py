@@ -23,6 +23,16 @@ def run_root_of_this_test_run(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run folder of the test module's own (``NTX_RUN_DIR`` while the module runs): its
+    instances see neither another module's nor another test run's."""
+    d = tmp_path_factory.mktemp("run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NTX_RUN_DIR", str(d))
+        yield d
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> pathlib.Path:
     """The real default model (SmolLM2-135M-Instruct Q4_1) from the user's normal cache;

@@ -24,18 +24,6 @@ FRANCE = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("run")
-    old = os.environ.get("NTX_RUN_DIR")
-    os.environ["NTX_RUN_DIR"] = str(d)
-    yield d
-    if old is None:
-        os.environ.pop("NTX_RUN_DIR", None)
-    else:
-        os.environ["NTX_RUN_DIR"] = old
-
-
-@pytest.fixture(scope="module")
 def pipeline(smollm2_path, run_dir):
     with running_pipeline(str(smollm2_path), run_dir, name="cli") as p:
         yield p

@@ -25,18 +25,6 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("run")
-    old = os.environ.get("NTX_RUN_DIR")
-    os.environ["NTX_RUN_DIR"] = str(d)
-    yield d
-    if old is None:
-        os.environ.pop("NTX_RUN_DIR", None)
-    else:
-        os.environ["NTX_RUN_DIR"] = old
-
-
-@pytest.fixture(scope="module")
 def served(smollm2_path, run_dir):
     """A pipeline with its gateway on a free port: 26 layers resident and 4 read from storage,
     so that every stage (reader, dma, compute) works and shows."""

@@ -53,18 +53,6 @@ def reference(smollm2_path) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("run")
-    old = os.environ.get("NTX_RUN_DIR")
-    os.environ["NTX_RUN_DIR"] = str(d)
-    yield d
-    if old is None:
-        os.environ.pop("NTX_RUN_DIR", None)
-    else:
-        os.environ["NTX_RUN_DIR"] = old
-
-
-@pytest.fixture(scope="module")
 def storage_pipeline(smollm2_path, run_dir):
     """Every layer on the storage tier: each pass streams all 30 layers through both rings."""
     with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "0", "--ram-budget", "0", name="storage") as p:
