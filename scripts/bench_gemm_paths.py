@@ -1,11 +1,12 @@
-"""Which path is faster for T > 8 rows against one quantized matrix: matvec in chunks of 8 rows
-(weights read ceil(T/8) times, dequantized in registers) or dequantize-to-f16 + cuBLAS GEMM
-(weights read once, an f16 copy written and read)? It decides ``gemm_chunked_max_t`` and
-``gemm_chunked_max_bytes`` of the device's entry in daemons/compute/cuda/tuning.py, up to which
-``kernels.gemm`` loops matvec: batched decode of 9..64 sequences and short prompts run through it
-on every streamed layer.
+"""Which path is fastest for T <= 64 rows of x against one quantized matrix: the tensor-core
+matmul (``kernels.mm``, weights read once), or matvec (f32, and the int8-activation dp4a variant)
+in chunks of 8 rows (weights read ceil(T/8) times)? It decides ``mm_min_rows`` and ``mm_launch``
+of the device's entry in daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, the path beyond
+64 rows, is not a candidate: cupy cannot capture cuBLAS calls in a graph.) Each path is timed as
+a CUDA graph of 20 calls (no Python launch overhead) cycling over up to 8 copies of the matrix,
+so small matrices are not read from L2.
 
-    python3 scripts/bench_gemm_paths.py [--types Q4_K,Q8_0] [--out gemm_paths.json]
+    python3 scripts/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--out gemm_paths.json]
 """
 
 from __future__ import annotations
@@ -17,62 +18,94 @@ import cupy as cp
 import numpy as np
 
 from ntx.daemons.compute.cuda import kernels as K
+from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
 from ntx.shared.quant_types import quant_type, tensor_nbytes
 from synth_gguf import make_blocks  # scripts/synth_gguf, next to this script
 
-SHAPES = [(28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)]  # 70B ffn up, q/o, down, k/v
-TS = [8, 9, 16, 24, 32, 48, 64]
+SHAPES = {"70b": [(28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)],  # ffn up, q/o, down, k/v
+          "8b": [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096)]}
+ITERS = 20
 
 
-def _time_ms(fn, iters: int = 10) -> float:
-    fn()
-    cp.cuda.Device().synchronize()
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) / iters
+def _time_ms(fn, stream) -> float | None:
+    """Mean time of one of ITERS calls replayed as one CUDA graph (None when the path fails)."""
+    try:
+        with stream:
+            fn(0)  # eager first: compiles, makes workspaces
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                for i in range(ITERS):
+                    fn(i)
+            finally:
+                g = stream.end_capture()
+            g.launch(stream)
+            stream.synchronize()
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            g.launch(stream)
+            b.record(stream)
+            b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) / ITERS
+    except Exception as e:  # a path that cannot run this shape (or be captured) is reported, not fatal
+        print(f"  path failed: {type(e).__name__}: {e}", flush=True)
+        return None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
+    ap.add_argument("--ts", default="1,2,3,4,8,9,16,24,32,48,64")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep-mm", action="store_true", help="time the tensor-core matmul at every (WR, WK, KS)")
     args = ap.parse_args()
     from gguf import GGMLQuantizationType as QT
 
     rng = np.random.default_rng(0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    copy_gbps = device_copy_gbps()
+    print(f"device-to-device copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
     for tname in args.types.split(","):
         qt = int(QT[tname])
-        for n_rows, n_cols in SHAPES:
+        for n_rows, n_cols in SHAPES[args.shapes]:
             nbytes = tensor_nbytes(qt, (n_rows, n_cols))
+            n_copies = max(1, -(-(256 << 20) // nbytes))  # cycle through >= 256 MB: L2-cold
             nblocks = n_rows * n_cols // quant_type(qt).block_elems
-            w = cp.asarray(make_blocks(qt, nblocks, 0.02, rng).reshape(-1))
-            assert w.nbytes == nbytes
-            for T in TS:
+            ws = [cp.asarray(make_blocks(qt, nblocks, 0.02, rng).reshape(-1)) for _ in range(min(n_copies, 8))]
+            for T in [int(t) for t in args.ts.split(",")]:
                 x = cp.asarray(rng.standard_normal((T, n_cols), dtype=np.float32))
                 out = cp.empty((T, n_rows), dtype=cp.float32)
 
-                def chunked():
-                    for i in range(0, T, K.MAX_MATVEC_B):
-                        j = min(i + K.MAX_MATVEC_B, T)
-                        K.matvec(w, qt, n_rows, n_cols, x[i:j], out=out[i:j])
+                def chunked(i, variant="f32"):
+                    w = ws[i % len(ws)]
+                    for a in range(0, T, K.MAX_MATVEC_B):
+                        b = min(a + K.MAX_MATVEC_B, T)
+                        K.matvec(w, qt, n_rows, n_cols, x[a:b], out=out[a:b], variant=variant)
 
-                def dequant_gemm():
-                    K.gemm_dequant(w, qt, n_rows, n_cols, x, out=out)
-
-                row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes,
-                       "chunked_matvec_ms": round(_time_ms(chunked), 4),
-                       "dequant_gemm_ms": round(_time_ms(dequant_gemm), 4)}
+                paths = {"matvec_f32": chunked, "matvec_dp4a": lambda i: chunked(i, "dp4a")}
+                if K.mm_supported(qt, n_cols) and T <= K.MAX_MM_ROWS:
+                    paths["mm"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out)
+                if args.sweep_mm and "mm" in paths:
+                    for wr in (1, 2, 4, 8):
+                        for wk in (1, 2, 4, 8):
+                            for ks in (1, 2, 4, 8):
+                                if wr * wk <= 8 and 16 * wr >= T // 2:
+                                    paths[f"mm_{wr}_{wk}_{ks}"] = (lambda c: lambda i: K.mm(
+                                        ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))((wr, wk, ks))
+                row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes}
+                for name, fn in paths.items():
+                    ms = _time_ms(fn, stream)
+                    row[f"{name}_ms"] = None if ms is None else round(ms, 4)
+                    row[f"{name}_gbps"] = None if ms is None else round(nbytes / ms / 1e6, 1)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del w
+            ws.clear()
+            cp.get_default_memory_pool().free_all_blocks()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"copy_gbps": round(copy_gbps, 1), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

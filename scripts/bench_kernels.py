@@ -63,7 +63,9 @@ def precompile_specs():
             cfgs = mvq_default | ({(c[0], c[2]) for c in SWEEP + QUICK_SWEEP_DP4A} if q.qtype in benched else set())
             for nr, u in sorted(cfgs):
                 specs.append(("quant.cu", K._mvq_names(q.qtype, nr, u)))
-    specs.append(("quant.cu", ()))  # quantize_x_kernel
+        for cut, _, _ in q.mm_cuts:  # the tensor-core matmul
+            specs.append(("quant.cu", K._mm_names(q.qtype, cut)))
+    specs.append(("quant.cu", ()))  # quantize_x_kernel, mm_split_x_kernel
     specs.append(("ops.cu", ()))
     for g in (1, 3, 4, 8):
         for hd in (64, 128):

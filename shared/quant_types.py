@@ -6,7 +6,9 @@ of a row (its length a multiple of ``kernel_col_multiple``, its start aligned to
 ``kernel_align_bytes`` for the kernel's vector loads) and which *layout cuts* the matvec kernels
 have for the type. A cut is a way of dividing a block among a warp's lanes: ``"v1"`` (every type
 has it) and ``"v2"`` (the lane-contiguous cut, whose activation loads cover whole cache lines).
-A cut is its own field, never an offset added to the type id.
+A cut is its own field, never an offset added to the type id. ``mm_cuts``: the cuts the
+tensor-core matmul decodes the type through (its exact-integer decoder, quant.cu MmTraits), in
+order of preference, with the (columns, pieces) of that cut's block.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class QuantType:
     kernel_align_bytes: int  # base address and row length alignment the kernels' loads need
     cuts: tuple[str, ...] = ("v1",)  # matvec layout cuts that exist for this type
     dp4a: bool = False  # an int8-activation (dp4a) matvec exists for this type
+    # tensor-core matmul: cut -> (columns, pieces) of its block (quant.cu QTraits EPB, LPB)
+    mm_cuts: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -50,16 +54,17 @@ QUANT_TYPES: dict[QT, QuantType] = {
     q.qtype: q
     for q in (
         QuantType(QT.F32, 8, 16),
-        QuantType(QT.F16, 8, 16),
+        QuantType(QT.F16, 8, 16, mm_cuts=(("v1", 8, 1),)),
         QuantType(QT.BF16, 8, 16),
-        QuantType(QT.Q4_0, 32, 2, dp4a=True),
-        QuantType(QT.Q4_1, 32, 4, dp4a=True),
-        QuantType(QT.Q5_0, 32, 2, dp4a=True),
-        QuantType(QT.Q5_1, 32, 4, dp4a=True),
-        QuantType(QT.Q8_0, 32, 2, cuts=("v1", "v2"), dp4a=True),
-        QuantType(QT.Q4_K, 256, 16, cuts=("v1", "v2"), dp4a=True),
-        QuantType(QT.Q5_K, 256, 16, cuts=("v1", "v2"), dp4a=True),
-        QuantType(QT.Q6_K, 256, 2, cuts=("v1", "v2"), dp4a=True),
+        QuantType(QT.Q4_0, 32, 2, dp4a=True, mm_cuts=(("v1", 32, 4),)),
+        QuantType(QT.Q4_1, 32, 4, dp4a=True, mm_cuts=(("v1", 32, 4),)),
+        QuantType(QT.Q5_0, 32, 2, dp4a=True, mm_cuts=(("v1", 32, 4),)),
+        QuantType(QT.Q5_1, 32, 4, dp4a=True, mm_cuts=(("v1", 32, 4),)),
+        # Q8_0's v2 block is a pair of blocks: rows of an odd number of blocks take v1
+        QuantType(QT.Q8_0, 32, 2, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 64, 8), ("v1", 32, 4))),
+        QuantType(QT.Q4_K, 256, 16, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),)),
+        QuantType(QT.Q5_K, 256, 16, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),)),
+        QuantType(QT.Q6_K, 256, 2, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),)),
     )
 }
 SUPPORTED_TYPES = frozenset(QUANT_TYPES)

@@ -188,6 +188,16 @@ def test_prompt_longer_than_the_context(engine):
     assert not engine.has_work
 
 
+def test_prompt_token_outside_the_vocabulary(engine):
+    """Refused at submit, naming the id and the range: on the GPU its embedding row would be NaN."""
+    n_vocab = engine.model.hp.n_vocab
+    for bad in (n_vocab, -1):
+        with pytest.raises(RequestError, match=f"token id {bad} is outside the vocabulary") as ei:
+            engine.submit(Request(id="oov", prompt_tokens=[504, bad], params=greedy(2)))
+        assert ei.value.code == "bad_request"
+    assert not engine.has_work
+
+
 def test_cancel_frees_the_sequence(engine):
     be = engine.model.backend
     engine.submit(Request(id="run", prompt_tokens=FRANCE_IDS, params=greedy(50)))

@@ -143,9 +143,7 @@ class EngineCore:
     ) -> list[int]:
         """The token ids a request's prompt stands for (chat template unless ``raw``)."""
         if tokens is not None:
-            bad = [t for t in tokens if not (0 <= t < self.model.hp.n_vocab)]
-            if bad:
-                raise RequestError("bad_request", f"token id {bad[0]} is outside the vocabulary (0..{self.model.hp.n_vocab - 1})")
+            self._check_vocab(tokens)
             ids = list(tokens)
         else:
             if messages is None:
@@ -182,6 +180,7 @@ class EngineCore:
         n = len(req.prompt_tokens)
         if n == 0:
             raise RequestError("bad_request", "empty prompt")
+        self._check_vocab(req.prompt_tokens)
         if n >= self.max_context:
             raise RequestError(
                 "context_overflow", f"prompt has {n} tokens but the context holds {self.max_context}"
@@ -191,6 +190,13 @@ class EngineCore:
         self.waiting.append(
             _Seq(req, -1, sampler, IncrementalDecoder(self.tokenizer), StopMatcher(list(req.params.stop or [])), time.monotonic())
         )
+
+    def _check_vocab(self, tokens: list[int]) -> None:
+        """A token id outside the vocabulary is the request's error: on the GPU its embedding row
+        would be NaN and fail the request only after it was scheduled."""
+        bad = [t for t in tokens if not (0 <= t < self.model.hp.n_vocab)]
+        if bad:
+            raise RequestError("bad_request", f"token id {bad[0]} is outside the vocabulary (0..{self.model.hp.n_vocab - 1})")
 
     def cancel(self, req_id: str) -> list[dict]:
         """Stop a request; returns its final ``done`` event (finish_reason ``cancelled``), or []."""

@@ -112,7 +112,7 @@ def test_batched_decode_equals_alone_and_graphs_replay():
     """Two sequences decoding in one pass (graph-captured) equal each run alone, step after step."""
     model = _smollm2()
     eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=256)
-    # 4 tokens each, so the shared prefill pass (T = 8) takes the same f32 matvec path as alone
+    # 4 tokens each: the shared prefill pass (T = 8) and the decode passes take the same matvec path
     prompts = [[504, 3575, 282, 4649], [1780, 314, 216, 34]]
     alone = [_greedy(model, "cuda", p, 12) for p in prompts]
     for i, p in enumerate(prompts):

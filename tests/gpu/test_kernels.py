@@ -2,8 +2,9 @@
 
 Every test draws fresh random inputs, pre-fills outputs with NaN so an unwritten element fails,
 and compares with the relative error ||out - ref|| / ||ref||; a NaN or inf never passes.
-Tolerances: 1e-5 for f32 arithmetic (matvec, rmsnorm, rope, attention against the f16 values the
-cache holds, swiglu, get_rows); 1e-3 for results rounded to f16 once (dequantize_f16: f16 has an
+Tolerances: 1e-5 for f32 arithmetic (matvec, the tensor-core matmul (exact integer weights times
+x split into two f16 halves), rmsnorm, rope, attention against the f16 values the cache holds,
+swiglu, get_rows); 1e-3 for results rounded to f16 once (dequantize_f16: f16 has an
 11-bit significand, so each element is off by <= 2^-11 relative); 2e-3 for the f16 cuBLAS GEMM path
 (both operands rounded to f16).
 Quantized weights are random valid GGUF blocks (random bytes, finite f16 scales), referenced by
@@ -21,7 +22,6 @@ rms, and a few-term product can cancel).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -276,11 +276,11 @@ def test_matvec_dp4a_auto_and_errors(rng):
     raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
     x = cp.asarray(rng.standard_normal((2, n_cols)).astype(np.float32))
     a = K.matvec(raw, qt, n_rows, n_cols, x, variant="auto")
-    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if tuning.dp4a_opt_in() else "v1")
+    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if tuning.dp4a_enabled() else "v1")
     np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
-    # B = 1 on a small matrix: auto keeps the f32 path (the quantize launch would cost more)
+    # B = 1 on a small matrix takes the same path: a row's products do not depend on the batch
     a1 = K.matvec(raw, qt, n_rows, n_cols, x[:1], variant="auto")
-    np.testing.assert_array_equal(cp.asnumpy(a1), cp.asnumpy(K.matvec(raw, qt, n_rows, n_cols, x[:1], variant="v1")))
+    np.testing.assert_array_equal(cp.asnumpy(a1), cp.asnumpy(a[:1]))
     with pytest.raises(ValueError):
         K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a", xq=cp.empty(K.matvec_workspace_bytes(2, n_cols) - 1, cp.uint8))
     with pytest.raises(ValueError):
@@ -350,6 +350,87 @@ def test_matvec_dp4a_capture_without_workspace_is_an_error(rng):
             s.end_capture()
 
 
+# ------------------------------------------------------------------------------ tensor-core matmul
+MM_TYPES = [QT.F16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("B", [1, 2, 7, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("qt", MM_TYPES, ids=lambda q: q.name)
+def test_mm(qt, B, big, rng):
+    """The tensor-core matmul to f32 accuracy at every tile count (B up to 64 rows of x), row
+    counts that are no multiple of a CTA's rows, and rows long enough for split-K (big)."""
+    n_rows = 300 if big else 37
+    n_cols = _cols(qt, big) if qt != QT.F16 else (4096 if big else 64)
+    assert K.mm_supported(qt, n_cols)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    x = rng.standard_normal((B, n_cols)).astype(np.float32)
+    out = nan_f32((B, n_rows))
+    assert K.mm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out) is out
+    ref = x.astype(np.float64) @ ref_w.T
+    assert relerr(out, ref) < 1e-5
+
+
+def test_mm_odd_q8_0_blocks_and_unsupported(rng):
+    """Q8_0 rows of an odd number of blocks take the v1 decoder; types mm does not decode say so."""
+    n_cols = 32 * 41
+    raw = random_weights(QT.Q8_0, 50, n_cols, rng)
+    x = rng.standard_normal((5, n_cols)).astype(np.float32)
+    out = K.mm(cp.asarray(raw), QT.Q8_0, 50, n_cols, cp.asarray(x))
+    assert relerr(out, x.astype(np.float64) @ reference_matrix(QT.Q8_0, raw, 50, n_cols).T) < 1e-5
+    assert not K.mm_supported(QT.BF16, 4096) and not K.mm_supported(QT.F16, 40)
+    with pytest.raises(ValueError, match="does not decode BF16"):
+        K.mm(cp.zeros(2 * 8 * 64, cp.uint8), QT.BF16, 8, 64, cp.zeros((2, 64), cp.float32))
+    with pytest.raises(ValueError, match="1..64 rows"):
+        K.mm(cp.asarray(raw), QT.Q8_0, 50, n_cols, cp.zeros((65, n_cols), cp.float32))
+
+
+def test_mm_split_k_deterministic_and_graph_replay(rng):
+    """With split-K (several CTAs per row tile, the last one adding the partial sums in order)
+    repeated calls are bit-identical, and a captured graph of them replays for new x exactly as
+    eager calls compute."""
+    B, n_rows, n_cols = 24, 96, 16384
+    assert tuning.DEFAULT.mm_launch(B, n_rows, n_cols // 32)[2] > 1  # split-K at this shape
+    raw = cp.asarray(random_weights(QT.Q4_K, n_rows, n_cols, rng))
+    x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
+    out = cp.empty((B, n_rows), cp.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    first = cp.asnumpy(K.mm(raw, QT.Q4_K, n_rows, n_cols, x, stream=s))
+    for _ in range(3):
+        np.testing.assert_array_equal(cp.asnumpy(K.mm(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)), first)
+    ref = cp.asnumpy(x).astype(np.float64) @ reference_matrix(QT.Q4_K, cp.asnumpy(raw), n_rows, n_cols).T
+    assert relerr(first, ref) < 1e-5
+    s.synchronize()
+    with s:
+        s.begin_capture()
+        try:
+            K.mm(raw, QT.Q4_K, n_rows, n_cols, x, out=out, stream=s)
+        finally:
+            graph = s.end_capture()
+    for _ in range(2):
+        x.set(rng.standard_normal((B, n_cols)).astype(np.float32), stream=s)
+        out.fill(cp.nan)
+        graph.launch(stream=s)
+        eager = K.mm(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)
+        s.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(eager))
+
+
+def test_gemm_takes_mm_and_matches_matvec(rng, monkeypatch):
+    """With exact activations gemm from mm_from_rows rows on takes the tensor-core matmul; its
+    rows equal the f32 matvec's of the same x to f32 rounding (no batch size moves a result
+    beyond the last bits)."""
+    monkeypatch.setenv(tuning.DP4A_ENV, "0")
+    qt, n_rows, n_cols = QT.Q6_K, 200, 2048
+    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    x = cp.asarray(rng.standard_normal((40, n_cols)).astype(np.float32))
+    batched = cp.asnumpy(K.gemm(raw, qt, n_rows, n_cols, x))
+    alone = np.stack([cp.asnumpy(K.matvec(raw, qt, n_rows, n_cols, x[i], variant="f32")) for i in range(40)])
+    scale = np.abs(alone).max()
+    assert np.abs(batched - alone).max() <= 1e-5 * scale
+
+
 # ------------------------------------------------------------------------------ dequantize / gemm / get_rows
 @pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
 def test_dequantize_f16(qt, rng):
@@ -375,26 +456,25 @@ def test_get_rows(qt, rng):
     assert relerr(out, ref) < 1e-6
 
 
-@pytest.mark.parametrize("chunked_max_t", [8, 32])
-@pytest.mark.parametrize("T", [3, 20, 37, 128])
+@pytest.mark.parametrize("dp4a", ["1", "0"], ids=["int8-x", "exact-x"])
+@pytest.mark.parametrize("T", [3, 20, 37, 64, 128])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
-def test_gemm(qt, T, chunked_max_t, rng, monkeypatch):
-    """Both paths beyond 8 rows: matvec over 8-row chunks (T <= the device's gemm_chunked_max_t)
-    and dequantize-to-f16 + cuBLAS."""
-    table = dataclasses.replace(K._tuning(), gemm_chunked_max_t=chunked_max_t)
-    monkeypatch.setattr(K, "_tuning", lambda: table)
+def test_gemm(qt, T, dp4a, rng, monkeypatch):
+    """Every path: with int8 activations dp4a matvec in 8-row chunks up to 64 rows; with exact
+    ones the tensor-core matmul (from the device's mm_from_rows) or f32 matvec chunks; beyond 64
+    rows dequantize-to-f16 + cuBLAS."""
+    monkeypatch.setenv(tuning.DP4A_ENV, dp4a)
     n_rows, n_cols = 300, _cols(qt, False) * 4
     raw = random_weights(qt, n_rows, n_cols, rng)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
     out = nan_f32((T, n_rows))
     K.gemm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    via_matvec = T <= max(K.MAX_MATVEC_B, chunked_max_t)
-    if via_matvec and K._use_dp4a(qt, "auto", min(T, K.MAX_MATVEC_B), raw.size):  # matvec's default variant: int8 x
+    if T <= K.MAX_MM_ROWS and K._use_dp4a(qt, "auto"):  # int8 x
         check_dp4a(out, x, ref_w)
         return
     ref = x.astype(np.float64) @ ref_w.T
-    assert relerr(out, ref) < (1e-5 if via_matvec else 2e-3)
+    assert relerr(out, ref) < (1e-5 if T <= K.MAX_MM_ROWS else 2e-3)
 
 
 # ------------------------------------------------------------------------------ layer ops

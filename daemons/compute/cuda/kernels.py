@@ -46,9 +46,14 @@ __all__ = [
     "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu", "argmax",
     "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
+    "mm", "mm_supported", "MAX_MM_ROWS", "MAX_GRAPH_ROWS",
 ]
 
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
+MAX_MM_ROWS = tuning.MAX_MM_ROWS
+# gemm of up to this many rows is one capturable launch sequence (mm, or matvec below
+# mm_min_rows) once the same call ran eagerly: passes of up to this many rows can be graphs
+MAX_GRAPH_ROWS = MAX_MM_ROWS
 # matvec variants: "v1", "v2" = the f32 path through that layout cut ("f32" = "v1"), "dp4a" =
 # the int8-activation path, "auto" = per tuning.py
 MATVEC_VARIANT = "auto"
@@ -139,6 +144,36 @@ def _quantize_x_kernel():
     return _module("quant.cu", ()).get_function("quantize_x_kernel")
 
 
+_MM_UNROLL = 2  # quad steps per lane per trip (mm_kernel's U)
+
+
+def _mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
+    """(cut, quad steps per row) the tensor-core matmul takes for rows of n_cols columns of q:
+    its first cut (QuantType.mm_cuts) whose block divides the row into whole quad steps (4
+    pieces); None when there is none."""
+    for cut, epb, lpb in q.mm_cuts:
+        if n_cols % epb == 0 and (n_cols // epb * lpb) % 4 == 0:
+            return cut, n_cols // epb * lpb // 4
+    return None
+
+
+def mm_supported(qtype, n_cols: int) -> bool:
+    """Whether the tensor-core matmul (``mm``) decodes this type at this row length."""
+    return _mm_cut(quant_type(qtype), n_cols) is not None
+
+
+def _mm_names(qt: int, cut: str) -> tuple[str, ...]:
+    return tuple(f"mm_kernel<{int(qt)},{_CUT_ID[cut]},{nt},{_MM_UNROLL}>" for nt in range(1, MAX_MM_ROWS // 8 + 1))
+
+
+def _mm_kernel(qt: int, cut: str, nt: int):
+    return _function("mm", (int(qt), cut, nt), lambda: _mm_names(qt, cut), nt - 1)
+
+
+def _mm_split_kernel():
+    return _module("quant.cu", ()).get_function("mm_split_x_kernel")
+
+
 def _deq_names(qt: int, cut: str) -> tuple[str, ...]:
     return tuple(f"deq_kernel<{int(qt)},{_CUT_ID[cut]},{o}>" for o in (0, 1))
 
@@ -172,6 +207,8 @@ def compile_all(qtypes=None) -> None:
             for nr, _, u in t.all_mvq_launches():
                 _mvq_kernel(q.qtype, 1, nr, u)
         _deq_kernel(q.qtype, t.deq_cut.get(q.qtype, "v1"), False)
+        for cut, _, _ in q.mm_cuts:
+            _mm_kernel(q.qtype, cut, 1)
     _quantize_x_kernel()
     _ops_kernel("rmsnorm_kernel")
 
@@ -247,7 +284,7 @@ def _mv_cut(q: QuantType, n_cols: int, variant, B: int) -> str:
     return "v1"
 
 
-def _use_dp4a(qtype, variant, B: int = 1, w_bytes: int = 1 << 62) -> bool:
+def _use_dp4a(qtype, variant) -> bool:
     q = quant_type(qtype)
     v = variant or MATVEC_VARIANT
     if v not in VARIANTS:
@@ -256,8 +293,7 @@ def _use_dp4a(qtype, variant, B: int = 1, w_bytes: int = 1 << 62) -> bool:
         if not q.dp4a:
             raise ValueError(f"the dp4a matvec variant does not exist for {q.name}")
         return True
-    return (v == "auto" and q.dp4a and tuning.dp4a_opt_in()
-            and (B > 1 or w_bytes >= _tuning().dp4a_min_bytes))
+    return v == "auto" and q.dp4a and tuning.dp4a_enabled()
 
 
 def matvec_workspace_bytes(B: int, n_cols: int) -> int:
@@ -271,31 +307,34 @@ def matvec_workspace(B: int = MAX_MATVEC_B, n_cols: int = 0):
     return cp.empty(matvec_workspace_bytes(B, n_cols), dtype=cp.uint8)
 
 
-class _XqScratch:
-    """Per-(device, size) dp4a workspaces kept for reuse: allocated on the first eager call of a
-    size, never reallocated (a captured CUDA graph keeps pointing at it)."""
+class _StreamScratch:
+    """Per-(device, stream, purpose, size) workspaces kept for reuse: allocated on the first eager
+    call of a size, never reallocated (a captured CUDA graph keeps pointing at them); one set per
+    stream, so calls on two streams never share one. ``zero``: allocated zeroed (the matmul's
+    tile counters, which every launch leaves at zero again)."""
 
     def __init__(self):
-        self.bufs: dict[tuple[int, int], cp.ndarray] = {}
+        self.bufs: dict[tuple, cp.ndarray] = {}
         self.lock = threading.Lock()
 
-    def get(self, nbytes: int) -> cp.ndarray:
-        key = (cp.cuda.runtime.getDevice(), nbytes)
+    def get(self, purpose: str, nbytes: int, zero: bool = False) -> cp.ndarray:
+        stream = cp.cuda.get_current_stream()
+        key = (cp.cuda.runtime.getDevice(), stream.ptr, purpose, nbytes)
         b = self.bufs.get(key)
         if b is None:
-            if cp.cuda.get_current_stream().is_capturing():
+            if stream.is_capturing():
                 raise RuntimeError(
-                    f"matvec (dp4a) needs a {nbytes}-byte activation workspace that does not exist yet, and the "
-                    "stream is capturing a CUDA graph: run the same call once eagerly before capture, or pass xq=")
+                    f"{purpose} needs a {nbytes}-byte workspace that does not exist yet, and the stream is capturing "
+                    "a CUDA graph: run the same call once eagerly before capture")
             with self.lock:
                 b = self.bufs.get(key)
                 if b is None:
-                    b = cp.empty(nbytes, dtype=cp.uint8)
+                    b = (cp.zeros if zero else cp.empty)(nbytes, dtype=cp.uint8)
                     self.bufs[key] = b
         return b
 
 
-_xq_scratch = _XqScratch()
+_stream_scratch = _StreamScratch()
 
 
 def _xq_views(ws, B: int, n_cols: int):
@@ -351,17 +390,16 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Exact up to f32 rounding for the
         dequantized int8 x; against the exact x the error is that of x's rounding, ~0.3-0.5%
         relative for Gaussian-like rows (each element is off by at most d/2 = max|x_group| / 254).
-      "auto": with NTX_MATVEC_DP4A=1 (tuning.dp4a_opt_in) dp4a where it exists (but not at B = 1
-        for weights under the device's dp4a_min_bytes), else v1 or v2 per the device's table
+      "auto": dp4a where it exists unless NTX_MATVEC_DP4A=0 (tuning.dp4a_enabled), else v1 or v2
+        per the device's table
         (tuning.py; on the H200 v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
     config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in
       {1, 2, 4}); default the device's launch table (tuning.py).
     xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
-      aligned; matvec_workspace makes one). Without it a per-(device, size) workspace is made on
-      first use and reused, so the call stays allocation-free after the first one of its size; a
-      CUDA graph capture needs that workspace to exist before capture (run the call once eagerly,
-      or pass xq=). The shared workspace is per device, not per stream: calls on different streams
-      that may overlap must pass their own xq.
+      aligned; matvec_workspace makes one). Without it a per-(device, stream, size) workspace is
+      made on first use and reused, so the call stays allocation-free after the first one of its
+      size; a CUDA graph capture needs that workspace to exist before capture (run the call once
+      eagerly, or pass xq=).
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
@@ -372,11 +410,11 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     grid_rows = n_rows
-    if _use_dp4a(q.qtype, variant, B, n_rows * rb):
+    if _use_dp4a(q.qtype, variant):
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
         kern = _mvq_kernel(q.qtype, B, nr, u)
         with _stream_ctx(stream):
-            ws = xq if xq is not None else _xq_scratch.get(matvec_workspace_bytes(B, n_cols))
+            ws = xq if xq is not None else _stream_scratch.get("matvec (dp4a) x", matvec_workspace_bytes(B, n_cols))
             xqv, ds = _quantize_launch(x, ws, B, n_cols)
             kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
                  (w_raw, xqv, ds, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
@@ -387,6 +425,49 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     grid = ((n_rows + nr - 1) // nr,)
     with _stream_ctx(stream):
         kern(grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
+    return out
+
+
+def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None):
+    """out[b, r] = sum_c W[r, c] * x[b, c] on the tensor cores, for x: f32 [B, n_cols] (or
+    [n_cols]), 1 <= B <= MAX_MM_ROWS; out: f32 [B, n_rows] (or [n_rows]). Weights are read once
+    for all B rows.
+
+    Exact up to f32 rounding, like the f32 matvec (quant.cu, "tensor-core matmul"): weights enter
+    the f16 products as their small integers, x as x_hi + x_lo (two f16 values), scales and mins
+    are applied in f32. So which of mm and matvec gemm takes for a batch size moves no result
+    beyond the last bits. For the types ``mm_supported`` names (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    Q4_K, Q5_K, Q6_K, F16). Workspaces (x split into f16 halves, split-K partial sums, tile
+    counters) are per (device, stream, size), made on a size's first eager call: a CUDA graph
+    capture needs that call to have run once eagerly first. config: (WR, WK, KS) instead of the
+    device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8.
+    """
+    q = quant_type(qtype)
+    rb = _check_weights(w_raw, q, n_rows, n_cols)
+    mm_cut = _mm_cut(q, n_cols)
+    if mm_cut is None:
+        raise ValueError(f"the tensor-core matmul does not decode {q.name} rows of {n_cols} columns; use gemm")
+    cut, n_steps = mm_cut
+    one_d = x.ndim == 1
+    x = _aligned_x(x, n_cols)
+    B = x.shape[0]
+    if not 1 <= B <= MAX_MM_ROWS:
+        raise ValueError(f"mm takes 1..{MAX_MM_ROWS} rows of x, got {B}; use gemm")
+    out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
+    wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_steps)
+    tiles = -(-n_rows // (16 * wr))
+    nt = -(-B // 8)
+    kern = _mm_kernel(q.qtype, cut, nt)
+    with _stream_ctx(stream):
+        xs = _stream_scratch.get("mm x halves", B * n_cols * 4)
+        n4 = B * n_cols // 4
+        _mm_split_kernel()(((n4 + 255) // 256,), (256,), (x, xs, np.int32(n4), np.int32(n_cols // 4), np.int32(B)))
+        part = counts = np.uint64(0)
+        if ks > 1:
+            part = _stream_scratch.get("mm partial sums", ks * B * n_rows * 4)
+            counts = _stream_scratch.get("mm tile counters", tiles * 4, zero=True)
+        kern((tiles, ks), (32 * wr * wk,), (w_raw, xs, out, part, counts, np.int32(n_rows), np.int32(n_cols),
+                                            np.int64(rb), np.int32(B), np.int32(wr)))
     return out
 
 
@@ -440,24 +521,29 @@ _scratch = _Scratch()
 def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
 
-    T <= gemm_chunked_max_t on a matrix of at most gemm_chunked_max_bytes (the device's table,
-    tuning.py): matvec (its default variant; see matvec) over chunks of up to 8 rows, each chunk
-    reading the weights once (ceil(T/8) reads of the quantized bytes). Otherwise
-    ``gemm_dequant``: whichever scripts/bench_gemm_paths.py measured faster.
+    T <= MAX_MM_ROWS, one capturable launch sequence (no cuBLAS, which cupy cannot capture):
+      int8 activations (the default where the type has a dp4a matvec): matvec in chunks of 8
+        rows, so every row gets the same products whatever the batch size;
+      exact activations (NTX_MATVEC_DP4A=0, or a type without dp4a): the tensor-core matmul
+        ``mm`` from the device's mm_from_rows(type) rows on (types it decodes), else f32 matvec
+        in chunks of 8 rows; both f32-exact, so the switch moves only the last bits.
+    More rows: ``gemm_dequant`` (an f16 copy of W and cuBLAS).
     """
-    qt = quant_type(qtype).qtype
+    q = quant_type(qtype)
+    qt = q.qtype
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
+    if T > MAX_MM_ROWS:
+        return gemm_dequant(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+    if not _use_dp4a(qt, None) and T >= _tuning().mm_from_rows(qt) and _mm_cut(q, n_cols) is not None:
+        return mm(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
     if T <= MAX_MATVEC_B:
         return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
-    t = _tuning()
-    if T <= t.gemm_chunked_max_t and w_raw.nbytes <= t.gemm_chunked_max_bytes:
-        out = _out(out, (T, n_rows), cp.float32)
-        for i in range(0, T, MAX_MATVEC_B):
-            j = min(i + MAX_MATVEC_B, T)
-            matvec(w_raw, qt, n_rows, n_cols, x[i:j], out[i:j], stream=stream)
-        return out
-    return gemm_dequant(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+    out = _out(out, (T, n_rows), cp.float32)
+    for i in range(0, T, MAX_MATVEC_B):
+        j = min(i + MAX_MATVEC_B, T)
+        matvec(w_raw, qt, n_rows, n_cols, x[i:j], out[i:j], stream=stream)
+    return out
 
 
 def gemm_dequant(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):

@@ -782,3 +782,282 @@ __global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, cons
     typedef MvDp4a<QT> P;
     matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, n_cols / 32}, out, n_rows, n_cols, row_bytes);
 }
+
+// ================================================================ tensor-core matmul ("mm")
+// out[b, row] = sum_c W[row, c] * x[b, c] for up to 64 activation rows, on the tensor cores
+// (mma.sync m16n8k16, f16 inputs, f32 accumulation), weights read once for all rows.
+//
+// Exact split, so that the result is the f32 matvec's up to f32 rounding (no batch size changes
+// a token through rounding): each weight is s * q - m with q a small integer (exact in f16) and
+// s, m per sub-block in f32; x is split into x_hi = f16(x) and x_lo = f16(x - x_hi) (mm_split_x,
+// x ~= x_hi + x_lo to ~2^-22). One mma step multiplies 16 rows by 16 columns: the product of q
+// with x_hi and x_lo starts from zero, is scaled by the row's s in f32, and the sub-block's min
+// term uses the same mma with q = 1 (the column sum of x). A step's 16 columns are the runs of
+// 4 consecutive columns of the 4 pieces (one per lane of a quad) of one sub-block: the dot
+// product does not care in which order the k index visits columns, as long as the weight
+// (A) and activation (B) fragments agree, and both are loaded at the lane's own columns.
+//
+// Fragment layout of mma.m16n8k16 (lane = 4 * gid + tig): A row gid holds k {2tig, 2tig+1}
+// (a0) and {2tig+8, 2tig+9} (a2), row gid+8 likewise (a1, a3); B column n = gid holds the same
+// k (b0, b1); C: (row gid, n 2tig, 2tig+1) = c0, c1, (row gid+8, ...) = c2, c3. A lane's run of
+// columns o..o+3 is k 2tig, 2tig+1, 2tig+8, 2tig+9.
+//
+// MmTraits<QT, CUT>: decode of one piece (QTraits<QT, CUT>'s layout and loads, NG = 1: two runs
+// of 4 columns) into the integers as f16 pairs a[0..1] (run 0), a[2..3] (run 1), their scales
+// s[run] and min terms m[run] (weight = s * q - m), and the runs' column offsets in the block.
+
+// bytes k0, k1 of v (values < 1024) minus `bias` as f16 pair: 0x64xx is the f16 1024 + xx
+__device__ __forceinline__ u32 h2_bytes(u32 v, u32 sel, u32 bias) {
+    const u32 p = __byte_perm(v, 0x64u, sel);
+    u32 r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(p), "r"(bias));
+    return r;
+}
+constexpr u32 SEL01 = 0x4140u, SEL23 = 0x4342u;  // byte_perm selectors: bytes 0,1 / 2,3 as f16 1024+b
+// f16 pair bias (1024 + off, 1024 + off)
+__host__ __device__ constexpr u32 h2_bias(int off) { return (0x6400u + (u32)off) * 0x10001u; }
+
+template <int QT, int CUT> struct MmTraits;
+template <> struct MmTraits<12, CUT_V2> {  // Q4_K: w = d*sc*q - dmin*m, q in [0, 16)
+    static constexpr bool HAS_MIN = true;
+    typedef QTraits<12, CUT_V2>::Raw Raw;
+    static __device__ __forceinline__ void decode(const Raw& r, int j, u32 (&a)[4], float (&s)[2], float (&m)[2], int (&o)[2]) {
+        const int c = j >> 3, idx = (2 * c) & 3;
+        u32 scw, mw;
+        k4_scales_packed(r.h.y, r.h.z, r.h.w, c >= 2, scw, mw);
+        const float d = h2f(r.h.x), dmin = h2f(r.h.x >> 16);
+        s[0] = d * bytef(scw, idx, 0.f); s[1] = d * bytef(scw, idx + 1, 0.f);
+        m[0] = dmin * bytef(mw, idx, 0.f); m[1] = dmin * bytef(mw, idx + 1, 0.f);
+        const u32 lo = r.q & 0x0F0F0F0Fu, hi = (r.q >> 4) & 0x0F0F0F0Fu;
+        a[0] = h2_bytes(lo, SEL01, h2_bias(0)); a[1] = h2_bytes(lo, SEL23, h2_bias(0));
+        a[2] = h2_bytes(hi, SEL01, h2_bias(0)); a[3] = h2_bytes(hi, SEL23, h2_bias(0));
+        o[0] = 64 * c + 4 * (j & 7); o[1] = o[0] + 32;
+    }
+};
+template <> struct MmTraits<13, CUT_V2> {  // Q5_K: Q4_K plus a fifth bit, q in [0, 32)
+    static constexpr bool HAS_MIN = true;
+    typedef QTraits<13, CUT_V2>::Raw Raw;
+    static __device__ __forceinline__ void decode(const Raw& r, int j, u32 (&a)[4], float (&s)[2], float (&m)[2], int (&o)[2]) {
+        const int c = j >> 3, idx = (2 * c) & 3;
+        u32 scw, mw;
+        k4_scales_packed(r.h.y, r.h.z, r.h.w, c >= 2, scw, mw);
+        const float d = h2f(r.h.x), dmin = h2f(r.h.x >> 16);
+        s[0] = d * bytef(scw, idx, 0.f); s[1] = d * bytef(scw, idx + 1, 0.f);
+        m[0] = dmin * bytef(mw, idx, 0.f); m[1] = dmin * bytef(mw, idx + 1, 0.f);
+        const u32 lo = (r.q & 0x0F0F0F0Fu) | (((r.qh >> (2 * c)) & 0x01010101u) << 4);
+        const u32 hi = ((r.q >> 4) & 0x0F0F0F0Fu) | (((r.qh >> (2 * c + 1)) & 0x01010101u) << 4);
+        a[0] = h2_bytes(lo, SEL01, h2_bias(0)); a[1] = h2_bytes(lo, SEL23, h2_bias(0));
+        a[2] = h2_bytes(hi, SEL01, h2_bias(0)); a[3] = h2_bytes(hi, SEL23, h2_bias(0));
+        o[0] = 64 * c + 4 * (j & 7); o[1] = o[0] + 32;
+    }
+};
+template <> struct MmTraits<14, CUT_V2> {  // Q6_K: w = d*sc*(q - 32), q in [0, 64)
+    static constexpr bool HAS_MIN = false;
+    typedef QTraits<14, CUT_V2>::Raw Raw;
+    static __device__ __forceinline__ void decode(const Raw& r, int j, u32 (&a)[4], float (&s)[2], float (&m)[2], int (&o)[2]) {
+        const int h = j >> 4, kk = (j >> 3) & 1, l = 4 * (j & 7);
+        const float d = h2f(r.d);
+        s[0] = d * (float)(signed char)(r.sc & 0xFFu); s[1] = d * (float)(signed char)((r.sc >> 8) & 0xFFu);
+        m[0] = m[1] = 0.f;
+        const u32 lo = (r.ql & 0x0F0F0F0Fu) | (((r.qh >> (2 * kk)) & 0x03030303u) << 4);
+        const u32 hi = ((r.ql >> 4) & 0x0F0F0F0Fu) | (((r.qh >> (2 * kk + 4)) & 0x03030303u) << 4);
+        a[0] = h2_bytes(lo, SEL01, h2_bias(32)); a[1] = h2_bytes(lo, SEL23, h2_bias(32));
+        a[2] = h2_bytes(hi, SEL01, h2_bias(32)); a[3] = h2_bytes(hi, SEL23, h2_bias(32));
+        o[0] = 128 * h + 32 * kk + l; o[1] = o[0] + 64;
+    }
+};
+template <int CUT> struct MmQ8_0 {  // Q8_0: w = d*q, q int8 (as q + 128 in [0, 256))
+    static constexpr bool HAS_MIN = false;
+    typedef typename QTraits<8, CUT>::Raw Raw;
+    static __device__ __forceinline__ void decode(const Raw& r, int j, u32 (&a)[4], float (&s)[2], float (&m)[2], int (&o)[2]) {
+        u32 qa, qb;
+        if constexpr (CUT == CUT_V2) {  // a pair of blocks: run 0 from the first, run 1 from the second
+            qa = r.q0; qb = r.q1; s[0] = h2f(r.d0); s[1] = h2f(r.d1); o[0] = 4 * j; o[1] = 32 + 4 * j;
+        } else {  // v1: piece j = columns 8j..8j+7 of one block
+            qa = r.q0; qb = r.q1; s[0] = s[1] = h2f(r.d); o[0] = 8 * j; o[1] = 8 * j + 4;
+        }
+        m[0] = m[1] = 0.f;
+        qa ^= 0x80808080u; qb ^= 0x80808080u;
+        a[0] = h2_bytes(qa, SEL01, h2_bias(128)); a[1] = h2_bytes(qa, SEL23, h2_bias(128));
+        a[2] = h2_bytes(qb, SEL01, h2_bias(128)); a[3] = h2_bytes(qb, SEL23, h2_bias(128));
+    }
+};
+template <> struct MmTraits<8, CUT_V2> : MmQ8_0<CUT_V2> {};
+template <> struct MmTraits<8, CUT_V1> : MmQ8_0<CUT_V1> {};
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 (v1, 4 pieces per block: a quad is one block, one scale):
+// piece j = columns 4j..4j+3 (low nibbles) and 16+4j.. (high); Q4_0/Q5_0: w = d*(q - 8 / 16),
+// Q4_1/Q5_1: w = d*q + m
+template <int QT> struct MmQ32 {
+    static constexpr bool HAS_M = (QT == 3 || QT == 7), Q5 = (QT == 6 || QT == 7);
+    static constexpr bool HAS_MIN = HAS_M;
+    static constexpr int OFF = HAS_M ? 0 : (Q5 ? 16 : 8);
+    typedef typename QTraits<QT, CUT_V1>::Raw Raw;
+    static __device__ __forceinline__ void decode(const Raw& r, int j, u32 (&a)[4], float (&s)[2], float (&m)[2], int (&o)[2]) {
+        u32 dm;
+        u32 lo = r.q & 0x0F0F0F0Fu, hi = (r.q >> 4) & 0x0F0F0F0Fu;
+        if constexpr (HAS_M) dm = r.dm; else dm = r.d;
+        if constexpr (Q5) {
+            lo |= q5_hbits(r.qh >> (4 * j));
+            hi |= q5_hbits(r.qh >> (16 + 4 * j));
+        }
+        s[0] = s[1] = h2f(dm);
+        m[0] = m[1] = HAS_M ? -h2f(dm >> 16) : 0.f;
+        a[0] = h2_bytes(lo, SEL01, h2_bias(OFF)); a[1] = h2_bytes(lo, SEL23, h2_bias(OFF));
+        a[2] = h2_bytes(hi, SEL01, h2_bias(OFF)); a[3] = h2_bytes(hi, SEL23, h2_bias(OFF));
+        o[0] = 4 * j; o[1] = 16 + 4 * j;
+    }
+};
+template <> struct MmTraits<2, CUT_V1> : MmQ32<2> {};
+template <> struct MmTraits<3, CUT_V1> : MmQ32<3> {};
+template <> struct MmTraits<6, CUT_V1> : MmQ32<6> {};
+template <> struct MmTraits<7, CUT_V1> : MmQ32<7> {};
+template <> struct MmTraits<1, CUT_V1> {  // F16: the weights are f16 already (exact), scale 1
+    static constexpr bool HAS_MIN = false;
+    typedef QTraits<1, CUT_V1>::Raw Raw;
+    static __device__ __forceinline__ void decode(const Raw& r, int j, u32 (&a)[4], float (&s)[2], float (&m)[2], int (&o)[2]) {
+        a[0] = r.v.x; a[1] = r.v.y; a[2] = r.v.z; a[3] = r.v.w;
+        s[0] = s[1] = 1.f; m[0] = m[1] = 0.f;
+        o[0] = 0; o[1] = 4;
+    }
+};
+
+// x [B, n_cols] f32 -> xs [n_cols / 4, B] of uint4 (x_hi of 4 columns as two f16 pairs, then
+// x_lo likewise), column groups outermost: the 8 x rows of one mma tile at one column group are
+// 128 contiguous bytes, so a warp's fragment load touches 4 cache lines, not 8; n4 = B * n_cols / 4.
+__device__ __forceinline__ u32 f2h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+extern "C" __global__ void __launch_bounds__(256) mm_split_x_kernel(const float4* __restrict__ x, uint4* __restrict__ xs,
+                                                                    int n4, int cols4, int B) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const int n = i / cols4, c4 = i % cols4;
+    const float4 v = __ldg(x + i);
+    const u32 h0 = f2h2(v.x, v.y), h1 = f2h2(v.z, v.w);
+    const float r0 = v.x - h2f(h0), r1 = v.y - h2f(h0 >> 16), r2 = v.z - h2f(h1), r3 = v.w - h2f(h1 >> 16);
+    xs[(long long)c4 * B + n] = make_uint4(h0, h1, f2h2(r0, r1), f2h2(r2, r3));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One CTA: WR warps side by side over rows (16 rows each), WK = warps / WR over the pieces of
+// those rows; gridDim.y = KS more splits of the pieces. Quad step q = pieces 4q..4q+3 of a row;
+// a warp takes the steps kpart, kpart + nparts, ... (nparts = KS * WK). Partial sums are reduced
+// over the CTA's WK warps in warp order; with KS > 1 each CTA writes its sums to part
+// [KS, B, n_rows] and the last CTA of a row tile to finish (tile_count) adds the KS partials in
+// order and resets the counter: the result does not depend on timing.
+// xs: mm_split_x_kernel of x [B, n_cols] ([n_cols / 4, B] uint4); out: [B, n_rows] f32; NT = ceil(B / 8) tiles of 8 rows of x.
+template <int QT, int CUT, int NT, int U>
+__global__ void __launch_bounds__(256) mm_kernel(const u8* __restrict__ w, const uint4* __restrict__ xs,
+                                                 float* __restrict__ out, float* __restrict__ part,
+                                                 int* __restrict__ tile_count, int n_rows, int n_cols,
+                                                 long long row_bytes, int B, int WR) {
+    typedef QTraits<QT, CUT> T;
+    typedef MmTraits<QT, CUT> M;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int row_a = blockIdx.x * 16 * WR + 16 * wr + gid;  // this lane's rows: row_a, row_a + 8
+    const u8* rpa = w + (long long)min(row_a, n_rows - 1) * row_bytes;
+    const u8* rpb = w + (long long)min(row_a + 8, n_rows - 1) * row_bytes;
+    const int nq = (n_cols / T::EPB) * T::LPB / 4;
+    const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
+    const uint4* xr[NT];  // this lane's activation row of each tile (n = 8 nt + gid, clamped), column group 0
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = xs + min(8 * nt + gid, B - 1);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    const u32 ONE = 0x3C003C00u;  // f16 pair (1, 1)
+    for (int q0 = kpart; q0 < nq; q0 += nparts * U) {
+        typename T::Raw ra[U], rb[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int q = q0 + u * nparts;
+            if (q < nq) {
+                const int p = 4 * q + tig, blk = p / T::LPB, j = p % T::LPB;
+                T::load(rpa + (long long)blk * T::BYTES, j, ra[u]);
+                T::load(rpb + (long long)blk * T::BYTES, j, rb[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int q = q0 + u * nparts;
+            if (q < nq) {
+                const int p = 4 * q + tig, blk = p / T::LPB, j = p % T::LPB;
+                u32 aa[4], ab[4];
+                float sa[2], ma[2], sb[2], mb[2];
+                int o[2];
+                M::decode(ra[u], j, aa, sa, ma, o);
+                M::decode(rb[u], j, ab, sb, mb, o);
+#pragma unroll
+                for (int run = 0; run < 2; run++) {
+                    const int c4 = (blk * T::EPB + o[run]) >> 2;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 xv = __ldg(xr[nt] + (long long)c4 * B);  // x_hi (x, y), x_lo (z, w)
+                        float c[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.x, xv.y);
+                        mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.z, xv.w);
+                        acc[nt][0] = fmaf(sa[run], c[0], acc[nt][0]);
+                        acc[nt][1] = fmaf(sa[run], c[1], acc[nt][1]);
+                        acc[nt][2] = fmaf(sb[run], c[2], acc[nt][2]);
+                        acc[nt][3] = fmaf(sb[run], c[3], acc[nt][3]);
+                        if (M::HAS_MIN) {  // column sums of x over the step: the same for every row
+                            float e[4] = {0.f, 0.f, 0.f, 0.f};
+                            mma16816(e, ONE, ONE, ONE, ONE, xv.x, xv.y);
+                            mma16816(e, ONE, ONE, ONE, ONE, xv.z, xv.w);
+                            acc[nt][0] = fmaf(-ma[run], e[0], acc[nt][0]);
+                            acc[nt][1] = fmaf(-ma[run], e[1], acc[nt][1]);
+                            acc[nt][2] = fmaf(-mb[run], e[2], acc[nt][2]);
+                            acc[nt][3] = fmaf(-mb[run], e[3], acc[nt][3]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    __shared__ float red[8][16][8 * NT];  // [warp][row in the warp's tile][x row]
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        red[warp][gid][8 * nt + 2 * tig] = acc[nt][0];
+        red[warp][gid][8 * nt + 2 * tig + 1] = acc[nt][1];
+        red[warp][gid + 8][8 * nt + 2 * tig] = acc[nt][2];
+        red[warp][gid + 8][8 * nt + 2 * tig + 1] = acc[nt][3];
+    }
+    __syncthreads();
+    const int KS = gridDim.y, n_entries = 16 * WR * B;
+    const int row0 = blockIdx.x * 16 * WR;
+    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
+        const int r = e % (16 * WR), n = e / (16 * WR);  // consecutive threads: consecutive rows
+        float s = 0.f;
+        for (int k = 0; k < WK; k++) s += red[k * WR + r / 16][r % 16][n];
+        const int row = row0 + r;
+        if (row < n_rows) {
+            if (KS == 1) out[(long long)n * n_rows + row] = s;
+            else part[((long long)blockIdx.y * B + n) * n_rows + row] = s;
+        }
+    }
+    if (KS == 1) return;
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
+        const int r = e % (16 * WR), n = e / (16 * WR), row = row0 + r;
+        if (row >= n_rows) continue;
+        float s = 0.f;
+        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
+        out[(long long)n * n_rows + row] = s;
+    }
+    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+}
