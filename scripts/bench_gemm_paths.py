@@ -87,6 +87,8 @@ def main() -> None:
                 paths = {"matvec_f32": chunked, "matvec_dp4a": lambda i: chunked(i, "dp4a")}
                 if K.mm_supported(qt, n_cols) and T <= K.MAX_MM_ROWS:
                     paths["mm"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out)
+                    if qt in K.MM_STAGED_TYPES:
+                        paths["mm_direct"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, staged=False)
                 if args.sweep_mm and "mm" in paths:
                     for wr in (1, 2, 4, 8):
                         for wk in (1, 2, 4, 8):

@@ -19,6 +19,9 @@
 #   may not know the options).
 # --status-demo: start the 70B as in (a), generate 40 tokens, and save `ntxctl status` (text and
 #   JSON) taken in the middle of the decode to $OUT/status-a.txt / status-a.json.
+# --first-requests: write the 70B-shaped Q4_K_M, start it at 24 GiB and time the first token of
+#   each new prompt shape sent after ready, then the same shapes again, and decode after a long
+#   prompt against a short one (scripts/bench_first_requests.py) into $OUT/first_requests.json.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # BASELINE=DIR (a copy of another revision's tree, e.g. `git archive REV | tar x -C .baseline`,
 #   carried): the decode and stream benchmarks run for that tree too, right after this one's, on
@@ -34,7 +37,7 @@ export PYTHONUNBUFFERED=1
 # whatever happens (a hang killed at the time limit included), bring the daemons' logs back
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
-QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; PYTEST_ARGS=()
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -45,6 +48,7 @@ for a in "$@"; do
     --stream-bench) STREAM=1 ;;
     --status-demo) STATUS_DEMO=1 ;;
     --only-copy) ONLY_COPY=1 ;;
+    --first-requests) FIRST=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
 done
@@ -140,6 +144,12 @@ if [ -n "${BASELINE:-}" ] && [ "$((DECODE + STREAM))" -gt 0 ]; then
   ( export PYTHONPATH="/tmp/nsbase:$SITE_PATH"
     [ "$DECODE" = 1 ] && decode_bench "$BASE" "$OUT/baseline-"
     [ "$STREAM" = 1 ] && stream_bench "${STREAM_OUT:-$OUT}/baseline" )
+fi
+if [ "$FIRST" = 1 ]; then
+  rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # room for the 42 GB 70B
+  synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  python3 "$REPO/scripts/bench_first_requests.py" "$MODELS/llama3-70b-Q4_K_M.gguf" --vram-budget 24GiB \
+    --out "$OUT/first_requests.json" 2>&1 | tee "$OUT/first_requests.log"
 fi
 if [ "$STATUS_DEMO" = 1 ]; then
   synth llama3-70b-Q4_K_M llama3-70b Q4_K_M

@@ -170,6 +170,18 @@ def _mm_kernel(qt: int, cut: str, nt: int):
     return _function("mm", (int(qt), cut, nt), lambda: _mm_names(qt, cut), nt - 1)
 
 
+# K-quants whose blocks mms_kernel stages through shared memory (quant.cu MmLoadS), cut v2
+MM_STAGED_TYPES = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+
+
+def _mms_names(qt: int) -> tuple[str, ...]:
+    return tuple(f"mms_kernel<{int(qt)},{nt}>" for nt in range(1, MAX_MM_ROWS // 8 + 1))
+
+
+def _mms_kernel(qt: int, nt: int):
+    return _function("mms", (int(qt), nt), lambda: _mms_names(qt), nt - 1)
+
+
 def _mm_split_kernel():
     return _module("quant.cu", ()).get_function("mm_split_x_kernel")
 
@@ -209,6 +221,8 @@ def compile_all(qtypes=None) -> None:
         _deq_kernel(q.qtype, t.deq_cut.get(q.qtype, "v1"), False)
         for cut, _, _ in q.mm_cuts:
             _mm_kernel(q.qtype, cut, 1)
+        if q.qtype in MM_STAGED_TYPES:
+            _mms_kernel(q.qtype, 1)
     _quantize_x_kernel()
     _ops_kernel("rmsnorm_kernel")
 
@@ -428,7 +442,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     return out
 
 
-def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None):
+def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, staged=None):
     """out[b, r] = sum_c W[r, c] * x[b, c] on the tensor cores, for x: f32 [B, n_cols] (or
     [n_cols]), 1 <= B <= MAX_MM_ROWS; out: f32 [B, n_rows] (or [n_rows]). Weights are read once
     for all B rows.
@@ -440,7 +454,8 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     Q4_K, Q5_K, Q6_K, F16). Workspaces (x split into f16 halves, split-K partial sums, tile
     counters) are per (device, stream, size), made on a size's first eager call: a CUDA graph
     capture needs that call to have run once eagerly first. config: (WR, WK, KS) instead of the
-    device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8.
+    device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8. staged: whether the K-quants
+    (MM_STAGED_TYPES) go through the shared-memory staged kernel (default: yes).
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
@@ -457,9 +472,14 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_steps)
     tiles = -(-n_rows // (16 * wr))
     nt = -(-B // 8)
-    kern = _mm_kernel(q.qtype, cut, nt)
+    if staged is None:
+        staged = True
+    if staged and q.qtype in MM_STAGED_TYPES and cut == "v2":
+        kern = _mms_kernel(q.qtype, nt)
+    else:
+        kern = _mm_kernel(q.qtype, cut, nt)
     with _stream_ctx(stream):
-        xs = _stream_scratch.get("mm x halves", B * n_cols * 4)
+        xs = _stream_scratch.get("mm x halves", B * n_cols * 4)  # [n_cols / 4, B] uint4
         n4 = B * n_cols // 4
         _mm_split_kernel()(((n4 + 255) // 256,), (256,), (x, xs, np.int32(n4), np.int32(n_cols // 4), np.int32(B)))
         part = counts = np.uint64(0)

@@ -946,12 +946,76 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One CTA: WR warps side by side over rows (16 rows each), WK = warps / WR over the pieces of
-// those rows; gridDim.y = KS more splits of the pieces. Quad step q = pieces 4q..4q+3 of a row;
-// a warp takes the steps kpart, kpart + nparts, ... (nparts = KS * WK). Partial sums are reduced
-// over the CTA's WK warps in warp order; with KS > 1 each CTA writes its sums to part
+// The min terms of a step (weight = s * q - m): the same mma with q = 1 gives the column sums
+// of x over the step's 16 columns (every row alike); the C entries (row gid / gid + 8) lose m
+// times them. Two more mma per step measured faster than loading precomputed sums (1.6x at 64
+// rows of Q4_K): those loads, 2 per tile, were latency the kernel could not hide.
+__device__ __forceinline__ void mm_min_terms(float (&a)[4], const uint4& xv, float ma, float mb) {
+    const u32 ONE = 0x3C003C00u;  // f16 pair (1, 1)
+    float e[4] = {0.f, 0.f, 0.f, 0.f};
+    mma16816(e, ONE, ONE, ONE, ONE, xv.x, xv.y);
+    mma16816(e, ONE, ONE, ONE, ONE, xv.z, xv.w);
+    a[0] = fmaf(-ma, e[0], a[0]);
+    a[1] = fmaf(-ma, e[1], a[1]);
+    a[2] = fmaf(-mb, e[2], a[2]);
+    a[3] = fmaf(-mb, e[3], a[3]);
+}
+
+// The end of both tensor-core kernels: each warp's accumulators (rows gid, gid + 8 of its 16-row
+// tile, x rows 8 nt + 2 tig, + 1) are summed over the CTA's WK warps in warp order through
+// red [8 warps][16 rows][8 NT x rows]; with KS = gridDim.y > 1 each CTA writes its sums to part
 // [KS, B, n_rows] and the last CTA of a row tile to finish (tile_count) adds the KS partials in
 // order and resets the counter: the result does not depend on timing.
+template <int NT>
+__device__ __forceinline__ void mm_epilogue(const float (&acc)[NT][4], float* red, float* __restrict__ out,
+                                            float* __restrict__ part, int* __restrict__ tile_count,
+                                            int n_rows, int B, int WR) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3, WK = nw / WR;
+    float* wred = red + warp * 16 * 8 * NT;  // [16][8 NT]
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        wred[gid * 8 * NT + 8 * nt + 2 * tig] = acc[nt][0];
+        wred[gid * 8 * NT + 8 * nt + 2 * tig + 1] = acc[nt][1];
+        wred[(gid + 8) * 8 * NT + 8 * nt + 2 * tig] = acc[nt][2];
+        wred[(gid + 8) * 8 * NT + 8 * nt + 2 * tig + 1] = acc[nt][3];
+    }
+    __syncthreads();
+    const int KS = gridDim.y, n_entries = 16 * WR * B;
+    const int row0 = blockIdx.x * 16 * WR;
+    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
+        const int r = e % (16 * WR), n = e / (16 * WR);  // consecutive threads: consecutive rows
+        float s = 0.f;
+        for (int k = 0; k < WK; k++) s += red[((k * WR + r / 16) * 16 + r % 16) * 8 * NT + n];
+        const int row = row0 + r;
+        if (row < n_rows) {
+            if (KS == 1) out[(long long)n * n_rows + row] = s;
+            else part[((long long)blockIdx.y * B + n) * n_rows + row] = s;
+        }
+    }
+    if (KS == 1) return;
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
+        const int r = e % (16 * WR), n = e / (16 * WR), row = row0 + r;
+        if (row >= n_rows) continue;
+        float s = 0.f;
+        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
+        out[(long long)n * n_rows + row] = s;
+    }
+    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+}
+
+// One CTA: WR warps side by side over rows (16 rows each), WK = warps / WR over the pieces of
+// those rows; gridDim.y = KS more splits of the pieces. Quad step q = pieces 4q..4q+3 of a row;
+// a warp takes the steps kpart, kpart + nparts, ... (nparts = KS * WK); mm_epilogue sums.
+// Every fragment load of weights touches 8 rows (8 cache lines for 128 bytes), which bounds it
+// (L1 wavefronts); mms_kernel stages whole blocks through shared memory for the K-quants.
 // xs: mm_split_x_kernel of x [B, n_cols] ([n_cols / 4, B] uint4); out: [B, n_rows] f32; NT = ceil(B / 8) tiles of 8 rows of x.
 template <int QT, int CUT, int NT, int U>
 __global__ void __launch_bounds__(256) mm_kernel(const u8* __restrict__ w, const uint4* __restrict__ xs,
@@ -974,7 +1038,6 @@ __global__ void __launch_bounds__(256) mm_kernel(const u8* __restrict__ w, const
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    const u32 ONE = 0x3C003C00u;  // f16 pair (1, 1)
     for (int q0 = kpart; q0 < nq; q0 += nparts * U) {
         typename T::Raw ra[U], rb[U];
 #pragma unroll
@@ -1009,55 +1072,136 @@ __global__ void __launch_bounds__(256) mm_kernel(const u8* __restrict__ w, const
                         acc[nt][1] = fmaf(sa[run], c[1], acc[nt][1]);
                         acc[nt][2] = fmaf(sb[run], c[2], acc[nt][2]);
                         acc[nt][3] = fmaf(sb[run], c[3], acc[nt][3]);
-                        if (M::HAS_MIN) {  // column sums of x over the step: the same for every row
-                            float e[4] = {0.f, 0.f, 0.f, 0.f};
-                            mma16816(e, ONE, ONE, ONE, ONE, xv.x, xv.y);
-                            mma16816(e, ONE, ONE, ONE, ONE, xv.z, xv.w);
-                            acc[nt][0] = fmaf(-ma[run], e[0], acc[nt][0]);
-                            acc[nt][1] = fmaf(-ma[run], e[1], acc[nt][1]);
-                            acc[nt][2] = fmaf(-mb[run], e[2], acc[nt][2]);
-                            acc[nt][3] = fmaf(-mb[run], e[3], acc[nt][3]);
-                        }
+                        if (M::HAS_MIN) mm_min_terms(acc[nt], xv, ma[run], mb[run]);
                     }
                 }
             }
         }
     }
-    __shared__ float red[8][16][8 * NT];  // [warp][row in the warp's tile][x row]
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        red[warp][gid][8 * nt + 2 * tig] = acc[nt][0];
-        red[warp][gid][8 * nt + 2 * tig + 1] = acc[nt][1];
-        red[warp][gid + 8][8 * nt + 2 * tig] = acc[nt][2];
-        red[warp][gid + 8][8 * nt + 2 * tig + 1] = acc[nt][3];
+    __shared__ float red[8 * 16 * 8 * NT];
+    mm_epilogue<NT>(acc, red, out, part, tile_count, n_rows, B, WR);
+}
+
+// ---------------------------------------------------------------- staged tensor-core matmul (mms)
+// mm_kernel for the 256-column K-quants (Q4_K, Q5_K, Q6_K, cut v2), with the weights staged
+// through shared memory: per block column, a warp copies its 16 rows' blocks (16 * BYTES bytes)
+// with coalesced 4-byte loads (32 lanes read 128 contiguous bytes of one row) into its stage,
+// prefetching the next block column into registers while it computes this one from the stage;
+// the fragments then come from shared memory (MmTraits::load_s), whose reads cost one wavefront
+// per 8 rows instead of eight. A block keeps its address modulo 4 in the stage (Q6_K blocks are
+// 2-byte aligned), so load_s reads the same layout as the global loads do.
+template <int QT> struct MmStage {
+    typedef QTraits<QT, CUT_V2> T;
+    static constexpr int MAXMIS = (T::BYTES % 4 == 0) ? 0 : 2;       // block start modulo 4
+    static constexpr int NWORDS = (T::BYTES + MAXMIS + 3) / 4;       // words that cover a block
+    static constexpr int SROW = ((NWORDS * 4 + 15) / 16) * 16;      // stage bytes per row
+    static constexpr int WPL = (16 * NWORDS + 31) / 32;              // staged words per lane
+};
+__device__ __forceinline__ u32 lds32a2(const u8* p) {  // a 2-byte-aligned word from shared memory
+    return (u32)*(const u16*)p | ((u32)*(const u16*)(p + 2) << 16);
+}
+template <int QT> struct MmLoadS;
+template <> struct MmLoadS<12> {
+    static __device__ __forceinline__ void load(const u8* blk, int j, QTraits<12, CUT_V2>::Raw& r) {
+        r.h = *(const uint4*)blk; r.q = *(const u32*)(blk + 16 + 4 * j);
     }
-    __syncthreads();
-    const int KS = gridDim.y, n_entries = 16 * WR * B;
-    const int row0 = blockIdx.x * 16 * WR;
-    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        const int r = e % (16 * WR), n = e / (16 * WR);  // consecutive threads: consecutive rows
-        float s = 0.f;
-        for (int k = 0; k < WK; k++) s += red[k * WR + r / 16][r % 16][n];
-        const int row = row0 + r;
-        if (row < n_rows) {
-            if (KS == 1) out[(long long)n * n_rows + row] = s;
-            else part[((long long)blockIdx.y * B + n) * n_rows + row] = s;
+};
+template <> struct MmLoadS<13> {
+    static __device__ __forceinline__ void load(const u8* blk, int j, QTraits<13, CUT_V2>::Raw& r) {
+        r.h = *(const uint4*)blk; r.qh = *(const u32*)(blk + 16 + 4 * (j & 7)); r.q = *(const u32*)(blk + 48 + 4 * j);
+    }
+};
+template <> struct MmLoadS<14> {
+    static __device__ __forceinline__ void load(const u8* blk, int j, QTraits<14, CUT_V2>::Raw& r) {
+        const int h = j >> 4, kk = (j >> 3) & 1, l = 4 * (j & 7);
+        r.ql = lds32a2(blk + 64 * h + 32 * kk + l);
+        r.qh = lds32a2(blk + 128 + 32 * h + l);
+        const u8* sp = blk + 192 + 8 * h + 2 * kk + (l >> 4);
+        r.sc = (u32)sp[0] | ((u32)sp[4] << 8);
+        r.d = (u32)*(const u16*)(blk + 208);
+    }
+};
+
+template <int QT, int NT>
+__global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, const uint4* __restrict__ xs,
+                                                  float* __restrict__ out, float* __restrict__ part,
+                                                  int* __restrict__ tile_count, int n_rows, int n_cols,
+                                                  long long row_bytes, int B, int WR) {
+    typedef QTraits<QT, CUT_V2> T;
+    typedef MmTraits<QT, CUT_V2> M;
+    typedef MmStage<QT> S;
+    constexpr int STAGE = 8 * 16 * S::SROW, RED = 8 * 16 * 8 * NT * 4;
+    __shared__ __align__(16) u8 smem[STAGE > RED ? STAGE : RED];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int row_t = blockIdx.x * 16 * WR + 16 * wr;  // the warp's first row
+    u8* stage = smem + warp * 16 * S::SROW;            // [16 rows][SROW]
+    const int nb = n_cols / T::EPB;
+    const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
+    const uint4* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = xs + min(8 * nt + gid, B - 1);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    // the row of staged word i of this lane (w = lane + 32 i: row w / NWORDS, word w % NWORDS)
+    auto row_ptr = [&](int r) { return w + (long long)min(row_t + r, n_rows - 1) * row_bytes; };
+    u32 pre[S::WPL];
+    auto fetch = [&](int blk) {
+#pragma unroll
+        for (int i = 0; i < S::WPL; i++) {
+            const int wi = lane + 32 * i;
+            if (wi < 16 * S::NWORDS) {
+                const int r = wi / S::NWORDS, k = wi % S::NWORDS;
+                const unsigned long long g = (unsigned long long)(row_ptr(r) + (long long)blk * T::BYTES);
+                pre[i] = __ldg((const u32*)(g & ~3ull) + k);
+            }
+        }
+    };
+    if (kpart < nb) fetch(kpart);
+    for (int blk = kpart; blk < nb; blk += nparts) {
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < S::WPL; i++) {
+            const int wi = lane + 32 * i;
+            if (wi < 16 * S::NWORDS) *(u32*)(stage + (wi / S::NWORDS) * S::SROW + 4 * (wi % S::NWORDS)) = pre[i];
+        }
+        __syncwarp();
+        if (blk + nparts < nb) fetch(blk + nparts);  // in flight while this block column computes
+        const int mis_a = (int)((unsigned long long)(row_ptr(gid) + (long long)blk * T::BYTES) & 3ull);
+        const int mis_b = (int)((unsigned long long)(row_ptr(gid + 8) + (long long)blk * T::BYTES) & 3ull);
+        const u8* sa = stage + gid * S::SROW + mis_a;
+        const u8* sb = stage + (gid + 8) * S::SROW + mis_b;
+#pragma unroll 2
+        for (int st = 0; st < T::LPB / 4; st++) {
+            const int j = 4 * st + tig;
+            typename T::Raw ra, rb;
+            MmLoadS<QT>::load(sa, j, ra);
+            MmLoadS<QT>::load(sb, j, rb);
+            u32 aa[4], ab[4];
+            float fa[2], ma[2], fb[2], mb[2];
+            int o[2];
+            M::decode(ra, j, aa, fa, ma, o);
+            M::decode(rb, j, ab, fb, mb, o);
+#pragma unroll
+            for (int run = 0; run < 2; run++) {
+                const int c4 = (blk * T::EPB + o[run]) >> 2;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 xv = __ldg(xr[nt] + (long long)c4 * B);
+                    float c[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.x, xv.y);
+                    mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.z, xv.w);
+                    acc[nt][0] = fmaf(fa[run], c[0], acc[nt][0]);
+                    acc[nt][1] = fmaf(fa[run], c[1], acc[nt][1]);
+                    acc[nt][2] = fmaf(fb[run], c[2], acc[nt][2]);
+                    acc[nt][3] = fmaf(fb[run], c[3], acc[nt][3]);
+                    if (M::HAS_MIN) mm_min_terms(acc[nt], xv, ma[run], mb[run]);
+                }
+            }
         }
     }
-    if (KS == 1) return;
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        const int r = e % (16 * WR), n = e / (16 * WR), row = row0 + r;
-        if (row >= n_rows) continue;
-        float s = 0.f;
-        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
-        out[(long long)n * n_rows + row] = s;
-    }
-    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+    __syncthreads();  // every warp is done with its stage: the reduction reuses the memory
+    mm_epilogue<NT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
 }

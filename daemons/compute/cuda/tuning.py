@@ -79,7 +79,7 @@ class KernelTuning:
         of n_steps quad steps (4 pieces each): a CTA of WR * WK warps, WR of them side by side
         over 16-row tiles and WK over each row's pieces, KS CTAs per row tile (enough CTAs to fill
         the device, each warp at least 4 quad steps)."""
-        wr, wk = 1, 8
+        wr, wk = 1, 4
         tiles = -(-n_rows // (16 * wr))
         ks = max(1, min(-(-self.mm_target_ctas // tiles), n_steps // (4 * wk), 16))
         return wr, wk, ks
@@ -117,19 +117,20 @@ class KernelTuning:
 #   1024x8192 Q4_K 0.11 ms vs 0.20; 8192x8192 Q4_K (38 MB) 0.14 vs 0.18; Q8_0 (71 MB) 0.15 vs 0.11;
 #   28672x8192 Q4_K 0.53 vs 0.34. cuBLAS cannot be called while cupy captures a graph, so every
 #   T <= MAX_MM_ROWS goes through matvec or mm (capturable), cuBLAS only beyond.
-# Tensor-core matmul (scripts/bench_gemm_paths.py --shapes 8b, graphs of 20 calls, ms):
-#   Q4_K 14336x4096 T = 1/4/8/16/32/64: f32 matvec 0.025/0.070/0.090/0.177/0.349/0.694,
-#   dp4a 0.014/0.023/0.031/0.060/0.119/0.236, mm 0.040/0.041/0.047/0.078-0.10/0.11-0.13/0.35;
-#   Q6_K 4096x14336: f32 0.038/0.053/0.064/0.137/0.273/0.546, dp4a 0.023/0.036/0.047/0.094/0.186/0.370,
-#   mm 0.059/0.060/0.062/0.073/0.133/0.45. Against the f32 matvec (the exact family) mm wins from
-#   4 rows on Q4_K and from 9 on Q6_K; 16-row CTAs with 8 warps over the pieces (WR 1, WK 8) were
-#   best or near it at every T in a sweep of (WR, WK, KS). mm is bound by L1 wavefronts: each
-#   fragment load touches 8 weight rows (8 cache lines for 128-512 bytes).
-# Dequantizers: 28672x8192 Q4_K to f16 + GEMM took 1.40 ms with cut v1 (8-byte stores scattered
-#   over four blocks) against 0.32 ms for Q6_K and Q8_0; the v2 cut writes consecutive 4-element
-#   runs from consecutive lanes, hence deq_cut v2 for Q4_K and Q5_K.
-# Attention splits (2048 warps, at most 64 splits) and rmsnorm's threads per row were set at
-# design time, not swept.
+# Tensor-core matmul (scripts/bench_gemm_paths.py --shapes 8b, graphs of 20 calls, ms at
+# T = 1/4/8/16/32/64 rows), the K-quants staged through shared memory, 4 warps over the pieces:
+#   Q4_K 14336x4096: f32 matvec 0.025/0.070/0.090/0.177/0.349/0.694, dp4a 0.014/0.023/0.031/0.060/
+#     0.119/0.236, mm 0.042/0.044/0.051/0.092/0.111/0.196 (8 warps; 4 warps at T = 16/32: 0.097/0.109)
+#   Q6_K 4096x14336: f32 0.038/0.053/0.064/0.137/0.275/0.548, dp4a 0.023/0.036/0.047/0.093/0.185/
+#     0.369, mm 0.037/0.040/0.047/0.066/0.102/0.249
+#   Q6_K 4096x4096: f32 0.012/0.017/0.021/0.041/0.080/0.165, mm 0.014/0.015/0.017/0.023/0.034/0.065
+# Against the f32 matvec (the exact family) mm wins from 3-4 rows on the K-quants (mm_min_rows),
+# from 9 assumed for the others (not timed). Sweeping (WR, WK, KS) at T = 16 and 32: 16-row CTAs
+# (WR 1) with 4 warps over the pieces, split-K only when the row tiles are under ~256 (1024-row
+# matrices: KS 4), best or within 10% everywhere. Staging the weights through shared memory
+# (coalesced 4-byte loads, one wavefront per 8 rows from the stage) beat direct fragment loads
+# by 10-40% on Q6_K, less on Q4_K; at 32-64 rows the legacy mma.sync path itself (4 per
+# fragment for the exact split with min terms) is the bound: ~28 cycles per mma per SM sub-partition.
 _MV_SMALL_B = (2, 4, 1)
 _MV_LARGE_B = (4, 4, 1)
 H200 = KernelTuning(
@@ -140,9 +141,9 @@ H200 = KernelTuning(
     mvq_launch_override={},
     v2_auto_types=frozenset({QT.Q4_K, QT.Q5_K, QT.Q8_0}),
     v2_auto_min_b=5,
-    mm_min_rows={QT.Q4_K: 4, QT.Q5_K: 4},
+    mm_min_rows={QT.Q4_K: 3, QT.Q5_K: 3, QT.Q6_K: 4},
     mm_min_rows_default=9,
-    mm_target_ctas=264,
+    mm_target_ctas=256,
     attn_target_warps=2048,
     attn_max_splits=64,
     rmsnorm_threads=((8192, 1024), (2048, 512), (0, 256)),
