@@ -108,7 +108,7 @@ def aggregate(reps: list[list[Sample]]) -> dict[str, Any]:
         k["share"] = round(share(k["total_us"]), 4)
         k["total_us"] = round(k["total_us"], 2)
     total_bytes = sum(weight_bytes.values())
-    return {"kernels_ms": round(kernels_us / 1e3, 4), "reps": len(reps),
+    return {"kernels_ms": round(kernels_us / 1e3, 4), "reps": len(reps), "ops_per_pass": len(order),
             "weight_bytes": total_bytes,
             "weight_gbps": round(total_bytes / kernels_us / 1e3, 1) if kernels_us > 0 else None,
             "ops": ops, "by_kind": kinds}
@@ -129,8 +129,8 @@ def format_profile(title: str, prof: dict[str, Any]) -> str:
     if prof.get("weight_gbps") is not None:
         lines.append(f"weights read at {prof['weight_gbps']:.0f} GB/s over the kernels' time")
     if prof.get("exposed_ops"):
-        lines.append(f"WARNING: in some pass {prof['exposed_ops']} operations were queued after the GPU reached "
-                     "them: their times may include idle time (raise --spin-ms)")
+        lines.append(f"WARNING: in some pass the GPU caught up with Python in {prof['exposed_ops']} of "
+                     f"{prof['ops_per_pass']} operations: their times may include idle time (raise --spin-ms)")
     lines.append(f"{'share':>7} {'total µs':>10} {'calls':>6} {'µs/call':>9} {'GB/s':>7}  operation")
     for op in prof["ops"]:
         gbps = f"{op['weight_gbps']:.0f}" if op["weight_gbps"] is not None else "-"
@@ -323,7 +323,8 @@ def profile_pass(model: LlamaModel, batch: StepBatch, picks: list[Pick], reps: i
 
 def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: float, ctx: int) -> dict[str, Any]:
     """Load ``path`` fully resident on the cuda backend and profile a decode pass per batch
-    size and one prefill pass of ``prompt_tokens`` (none when 0)."""
+    size and one prefill pass of ``prompt_tokens`` (none when 0); each pass's table is printed
+    as soon as it is measured."""
     import cupy as cp
 
     from ntx.daemons.compute.cuda import kernels as K
@@ -343,6 +344,8 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
         "copy_gbps": round(device_copy_gbps(), 1), "model": os.path.basename(path), "type": index.file_type,
         "layers": hp.n_layers, "max_context": max_ctx, "dp4a": tuning.dp4a_opt_in(), "spin_ms": spin_ms,
         "passes": {}}
+    print(f"device {report['device']}: device-to-device copy {report['copy_gbps']:.0f} GB/s (read + write); "
+          f"dp4a matvec {'on' if report['dp4a'] else 'off'}; KV cache of {max_ctx} positions", flush=True)
     backend = make_backend("cuda", index, max_seqs=max(batches, default=1), max_ctx=max_ctx)
     model = LlamaModel(index, backend)
     recorder = EventRecorder(backend.stream, spin_ms)
@@ -360,6 +363,7 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
         prof = profile_pass(model, batch, [Pick(1)] * B, reps, recorder, K.topk)
         prof.update(pass_kind="decode", rows=B, cached_tokens=DECODE_CACHED_TOKENS)
         report["passes"][f"decode_b{B}"] = prof
+        print_pass(report, prof)
         for s in seqs:
             backend.free_sequence(s)
     if prompt_tokens:
@@ -368,14 +372,18 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
         prof = profile_pass(model, prefill, [Pick(1)], reps, recorder, K.topk)
         prof.update(pass_kind="prefill", rows=prompt_tokens, cached_tokens=0)
         report["passes"][f"prefill_{prompt_tokens}"] = prof
+        print_pass(report, prof)
         backend.free_sequence(0)
     return report
 
 
-def pass_title(report: dict[str, Any], prof: dict[str, Any]) -> str:
-    what = (f"decode, {prof['rows']} rows of one token, {prof['cached_tokens']} positions cached"
+def print_pass(report: dict[str, Any], prof: dict[str, Any]) -> None:
+    what = (f"decode, batch {prof['rows']} (one token a row, {prof['cached_tokens']} positions cached)"
             if prof["pass_kind"] == "decode" else f"prefill of one {prof['rows']}-token prompt")
-    return f"{report['model']} ({report['type']}, {report['layers']} layers): {what}"
+    print()
+    print(format_profile(f"{report['model']} ({report['type']}, {report['layers']} layers): {what}", prof))
+    print(f"(Python queued a recorded pass in {prof['queued_ms']:.1f} ms while the GPU spun {report['spin_ms']:.0f} ms)",
+          flush=True)
 
 
 def main() -> None:
@@ -393,12 +401,6 @@ def main() -> None:
     if args.reps < 1 or args.prompt < 0 or args.spin_ms <= 0 or any(b < 1 for b in args.batch):
         ap.error("--reps and --batch must be at least 1, --prompt at least 0, --spin-ms positive")
     report = run(args.model, args.batch, args.prompt, args.reps, args.spin_ms, args.ctx)
-    print(f"device {report['device']}: device-to-device copy {report['copy_gbps']:.0f} GB/s (read + write); "
-          f"dp4a matvec {'on' if report['dp4a'] else 'off'}; KV cache of {report['max_context']} positions")
-    for prof in report["passes"].values():
-        print()
-        print(format_profile(pass_title(report, prof), prof))
-        print(f"(Python queued a recorded pass in {prof['queued_ms']:.1f} ms while the GPU spun {report['spin_ms']:.0f} ms)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
