@@ -5,11 +5,13 @@
 #
 # From the repo root on the device machine:
 #   bash scripts/device_check.sh [--quick] [--no-bench] [--no-tests] [--sanitize] [--decode-bench]
-#                                [--stream-bench] [--only-copy] [pytest args]
+#                                [--stream-bench] [--profile] [--only-copy] [pytest args]
 # --sanitize: first run the attention/KV/graph tests under compute-sanitizer memcheck.
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
 #   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it.
+# --profile: each operation's share of one decode pass (B=1 and B=8) and one 512-token prefill
+#   pass of the synthetic 8B Q4_K_M (scripts/profile_pass.py) into $OUT/profile.{json,txt}.
 # --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d; spec on request).
 # STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_BATCH, STREAM_SCENARIOS steer --stream-bench.
 #   BENCH_ARGS (e.g. "--spec-verify-passes 1" for spec, "--skip-layers 40-59" for skip) goes to
@@ -37,7 +39,7 @@ export PYTHONUNBUFFERED=1
 # whatever happens (a hang killed at the time limit included), bring the daemons' logs back
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
-QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; PYTEST_ARGS=()
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -45,6 +47,7 @@ for a in "$@"; do
     --no-tests) TESTS=0 ;;
     --sanitize) SANITIZE=1 ;;
     --decode-bench) DECODE=1 ;;
+    --profile) PROFILE=1 ;;
     --stream-bench) STREAM=1 ;;
     --status-demo) STATUS_DEMO=1 ;;
     --only-copy) ONLY_COPY=1 ;;
@@ -120,6 +123,11 @@ if [ "$DECODE" = 1 ]; then
   DECODE_MODELS=()
   for t in ${DECODE_TYPES:-Q4_K_M Q8_0 F16}; do synth "llama3-8b-$t" llama3-8b "$t"; DECODE_MODELS+=("$MODELS/llama3-8b-$t.gguf"); done
   decode_bench "$REPO" "$OUT/"
+fi
+if [ "$PROFILE" = 1 ]; then
+  synth llama3-8b-Q4_K_M llama3-8b Q4_K_M
+  python3 "$REPO/scripts/profile_pass.py" "$MODELS/llama3-8b-Q4_K_M.gguf" --batch 1 8 --prompt 512 \
+    --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.txt"
 fi
 if [ "$STREAM" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B
