@@ -342,7 +342,7 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
     report: dict[str, Any] = {
         "device": name.decode() if isinstance(name, bytes) else str(name),
         "copy_gbps": round(device_copy_gbps(), 1), "model": os.path.basename(path), "type": index.file_type,
-        "layers": hp.n_layers, "max_context": max_ctx, "dp4a": tuning.dp4a_opt_in(), "spin_ms": spin_ms,
+        "layers": hp.n_layers, "max_context": max_ctx, "dp4a": tuning.dp4a_enabled(), "spin_ms": spin_ms,
         "passes": {}}
     print(f"device {report['device']}: device-to-device copy {report['copy_gbps']:.0f} GB/s (read + write); "
           f"dp4a matvec {'on' if report['dp4a'] else 'off'}; KV cache of {max_ctx} positions", flush=True)

@@ -201,20 +201,34 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         }
         const int nk = min(32, L - tile * 32);
         const u16* vp = cv + kvbase + (long long)tile * 32 * HD + lane * EPL;
-        for (int jj = 0; jj < nk; jj++) {
-            float vf[EPL];
-            if (EPL == 4) {
-                const uint2 vv = __ldg((const uint2*)(vp + (long long)jj * HD));
-                vf[0] = h2f(vv.x); vf[1] = h2f(vv.x >> 16); vf[2] = h2f(vv.y); vf[3] = h2f(vv.y >> 16);
-            } else {
+        // keys in groups of 8, the group's V rows loaded before the first is used (one latency
+        // per group, not per key); a key past nk has p = 0 and adds exactly nothing
+        for (int j0 = 0; j0 < nk; j0 += 8) {
+            float vf[8][EPL];
 #pragma unroll
-                for (int e = 0; e < EPL; e++) vf[e] = h2f(__ldg(vp + (long long)jj * HD + e));
+            for (int u = 0; u < 8; u++) {
+                const int jj = j0 + u;
+                if (jj < nk) {
+                    if (EPL == 4) {
+                        const uint2 vv = __ldg((const uint2*)(vp + (long long)jj * HD));
+                        vf[u][0] = h2f(vv.x); vf[u][1] = h2f(vv.x >> 16); vf[u][2] = h2f(vv.y); vf[u][3] = h2f(vv.y >> 16);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < EPL; e++) vf[u][e] = h2f(__ldg(vp + (long long)jj * HD + e));
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) vf[u][e] = 0.f;
+                }
             }
 #pragma unroll
-            for (int h = 0; h < G; h++) {
-                const float pj = __shfl_sync(0xffffffffu, p[h], jj);
+            for (int u = 0; u < 8; u++) {
 #pragma unroll
-                for (int e = 0; e < EPL; e++) acc[h][e] = fmaf(pj, vf[e], acc[h][e]);
+                for (int h = 0; h < G; h++) {
+                    const float pj = __shfl_sync(0xffffffffu, p[h], j0 + u);
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) acc[h][e] = fmaf(pj, vf[u][e], acc[h][e]);
+                }
             }
         }
     }
