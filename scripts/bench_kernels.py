@@ -63,6 +63,8 @@ def precompile_specs():
             cfgs = mvq_default | ({(c[0], c[2]) for c in SWEEP + QUICK_SWEEP_DP4A} if q.qtype in benched else set())
             for nr, u in sorted(cfgs):
                 specs.append(("quant.cu", K._mvq_names(q.qtype, nr, u)))
+            for nr, u in sorted(mvq_default):
+                specs.append(("quant.cu", K._mvq2_names(q.qtype, nr, u)))
         for cut, _, _ in q.mm_cuts:  # the tensor-core matmul
             specs.append(("quant.cu", K._mm_names(q.qtype, cut)))
         if q.qtype in K.MM_STAGED_TYPES:

@@ -54,6 +54,7 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
             if q.dp4a:
                 for nr, u in sorted(mvq_cfgs):
                     out += [f"mvq_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
+                    out += [f"mvq2_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
             for cut, _, _ in q.mm_cuts:  # kernels._mm_names
                 out += [f"mm_kernel<{qt},{CUT_ID[cut]},{nt},2>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
             if q.name in ("Q4_K", "Q5_K", "Q6_K"):  # kernels._mms_names (MM_STAGED_TYPES)

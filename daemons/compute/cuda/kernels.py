@@ -55,9 +55,9 @@ MAX_MM_ROWS = tuning.MAX_MM_ROWS
 # mm_min_rows) once the same call ran eagerly: passes of up to this many rows can be graphs
 MAX_GRAPH_ROWS = MAX_MM_ROWS
 # matvec variants: "v1", "v2" = the f32 path through that layout cut ("f32" = "v1"), "dp4a" =
-# the int8-activation path, "auto" = per tuning.py
+# the int8-activation path, "i16" = activations in two int8 planes (15 bits), "auto" = per tuning.py
 MATVEC_VARIANT = "auto"
-VARIANTS = ("auto", "v1", "v2", "dp4a", "f32")
+VARIANTS = ("auto", "v1", "v2", "dp4a", "i16", "f32")
 # template argument of each layout cut (quant.cu CUT_V1, CUT_V2)
 _CUT_ID = {"v1": 1, "v2": 2}
 # elements per piece (EPB / LPB of quant.cu's QTraits<QT, CUT>) where it is not 8: the
@@ -144,6 +144,18 @@ def _quantize_x_kernel():
     return _module("quant.cu", ()).get_function("quantize_x_kernel")
 
 
+def _quantize_x2_kernel():
+    return _module("quant.cu", ()).get_function("quantize_x2_kernel")
+
+
+def _mvq2_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
+    return tuple(f"mvq2_kernel<{int(qt)},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+
+
+def _mvq2_kernel(qt: int, b: int, nr: int, u: int):
+    return _function("mvq2", (int(qt), b, nr, u), lambda: _mvq2_names(qt, nr, u), b - 1)
+
+
 _MM_UNROLL = 2  # quad steps per lane per trip (mm_kernel's U)
 
 
@@ -219,11 +231,15 @@ def compile_all(qtypes=None) -> None:
             for nr, _, u in t.all_mvq_launches():
                 _mvq_kernel(q.qtype, 1, nr, u)
         _deq_kernel(q.qtype, t.deq_cut.get(q.qtype, "v1"), False)
+        if q.dp4a:
+            for nr, _, u in t.all_mvq_launches():
+                _mvq2_kernel(q.qtype, 1, nr, u)
         for cut, _, _ in q.mm_cuts:
             _mm_kernel(q.qtype, cut, 1)
         if q.qtype in MM_STAGED_TYPES:
             _mms_kernel(q.qtype, 1)
     _quantize_x_kernel()
+    _quantize_x2_kernel()
     _ops_kernel("rmsnorm_kernel")
 
 
@@ -298,16 +314,27 @@ def _mv_cut(q: QuantType, n_cols: int, variant, B: int) -> str:
     return "v1"
 
 
-def _use_dp4a(qtype, variant) -> bool:
+def _activation_path(qtype, variant) -> str:
+    """Which activations matvec multiplies with: "dp4a" (int8), "i16" (two int8 planes) or "f32".
+    "auto": dp4a where the type has it and NTX_MATVEC_DP4A=1; else i16 where the type has a dp4a
+    product and the device's table says i16_auto; else f32."""
     q = quant_type(qtype)
     v = variant or MATVEC_VARIANT
     if v not in VARIANTS:
         raise ValueError(f"unknown matvec variant {v!r} (one of {', '.join(VARIANTS)})")
-    if v == "dp4a":
+    if v in ("dp4a", "i16"):
         if not q.dp4a:
-            raise ValueError(f"the dp4a matvec variant does not exist for {q.name}")
-        return True
-    return v == "auto" and q.dp4a and tuning.dp4a_enabled()
+            raise ValueError(f"the {v} matvec variant does not exist for {q.name}")
+        return v
+    if v != "auto" or not q.dp4a:
+        return "f32"
+    if tuning.dp4a_enabled():
+        return "dp4a"
+    return "i16" if _tuning().i16_auto else "f32"
+
+
+def _use_dp4a(qtype, variant) -> bool:
+    return _activation_path(qtype, variant) == "dp4a"
 
 
 def matvec_workspace_bytes(B: int, n_cols: int) -> int:
@@ -370,6 +397,21 @@ def _quantize_launch(x, ws, B: int, n_cols: int):
     return xq, ds
 
 
+def _plane_bytes(B: int, n_cols: int) -> int:
+    """One plane's workspace (matvec_workspace_bytes) rounded up to 256 bytes."""
+    return -(-matvec_workspace_bytes(B, n_cols) // 256) * 256
+
+
+def _quantize2_launch(x, ws, B: int, n_cols: int):
+    """quantize_x2_kernel into ws: plane 1 at 0, plane 2 at _plane_bytes (each as _xq_views)."""
+    off = _plane_bytes(B, n_cols)
+    xq, ds = _xq_views(ws[:off], B, n_cols)
+    xq2, ds2 = _xq_views(ws[off:], B, n_cols)
+    n4 = B * n_cols // 4
+    _quantize_x2_kernel()(((n4 + 255) // 256,), (256,), (x, xq, ds, xq2, ds2, np.int32(n4)))
+    return xq, ds, xq2, ds2
+
+
 def quantize_x(x, xq=None, *, stream=None):
     """The dp4a variant's activation quantization, exposed for tests and reuse: x f32 [B, n_cols]
     (n_cols a multiple of 32) -> (q int8 [B, n_cols], ds f32 [B, n_cols / 32, 2]) views into the
@@ -404,13 +446,17 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Exact up to f32 rounding for the
         dequantized int8 x; against the exact x the error is that of x's rounding, ~0.3-0.5%
         relative for Gaussian-like rows (each element is off by at most d/2 = max|x_group| / 254).
-      "auto": dp4a where it exists unless NTX_MATVEC_DP4A=0 (tuning.dp4a_enabled), else v1 or v2
-        per the device's table
-        (tuning.py; on the H200 v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
+      "i16": for the same types, x as two int8 planes, x ~= d * q1 + d2 * q2 (d2 = d / 254: the
+        second plane quantizes what the first leaves), each dotted with the weights as in dp4a:
+        every element within max|x_group| / 64516 (15 bits), ~2e-5 relative; one read of the
+        weights, two dp4a products per piece.
+      "auto": dp4a with NTX_MATVEC_DP4A=1 (tuning.dp4a_enabled) where it exists; else i16 where it
+        exists and the device's table says i16_auto; else v1 or v2 per the table (tuning.py; on
+        the H200 v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
     config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in
       {1, 2, 4}); default the device's launch table (tuning.py).
     xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
-      aligned; matvec_workspace makes one). Without it a per-(device, stream, size) workspace is
+      aligned; matvec_workspace makes one; the i16 variant does not take one). Without it a per-(device, stream, size) workspace is
       made on first use and reused, so the call stays allocation-free after the first one of its
       size; a CUDA graph capture needs that workspace to exist before capture (run the call once
       eagerly, or pass xq=).
@@ -424,7 +470,17 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     grid_rows = n_rows
-    if _use_dp4a(q.qtype, variant):
+    path = _activation_path(q.qtype, variant)
+    if path == "i16":
+        nr, nw, u = config or _tuning().mvq(q.qtype, B)
+        kern = _mvq2_kernel(q.qtype, B, nr, u)
+        with _stream_ctx(stream):
+            ws = _stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols))
+            xq1, ds1, xq2, ds2 = _quantize2_launch(x, ws, B, n_cols)
+            kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
+                 (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
+        return out
+    if path == "dp4a":
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
         kern = _mvq_kernel(q.qtype, B, nr, u)
         with _stream_ctx(stream):
@@ -544,9 +600,10 @@ def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     T <= MAX_MM_ROWS, one capturable launch sequence (no cuBLAS, which cupy cannot capture):
       int8 activations (the default where the type has a dp4a matvec): matvec in chunks of 8
         rows, so every row gets the same products whatever the batch size;
-      exact activations (NTX_MATVEC_DP4A=0, or a type without dp4a): the tensor-core matmul
-        ``mm`` from the device's mm_from_rows(type) rows on (types it decodes), else f32 matvec
-        in chunks of 8 rows; both f32-exact, so the switch moves only the last bits.
+      exact activations (the default, or a type without dp4a): the tensor-core matmul ``mm``
+        from the device's mm_from_rows(type) rows on (types it decodes, f32-exact), else matvec
+        in chunks of 8 rows (its "auto" variant: i16 where the type has it, within ~2e-5, else
+        f32).
     More rows: ``gemm_dequant`` (an f16 copy of W and cuBLAS).
     """
     q = quant_type(qtype)
@@ -740,6 +797,7 @@ def pack_tree_mask(visible, n_words: int):
 
 
 _ATTN_WARPS = 4  # warps per CTA of attn_split_kernel: n_splits is a multiple of it
+_ATTN_MAX_SPLITS = 256  # ops.cu ATTN_MAX_SPLITS: attn_combine_kernel's shared arrays
 
 
 def attention_splits(T: int, n_kv: int, max_ctx: int) -> int:
@@ -799,8 +857,8 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
     if T == 0:
         return out
     S = n_splits or attention_splits(T, n_kv, max_ctx)
-    if S % _ATTN_WARPS:
-        raise ValueError(f"n_splits={S} must be a multiple of {_ATTN_WARPS}")
+    if S % _ATTN_WARPS or S > _ATTN_MAX_SPLITS:
+        raise ValueError(f"n_splits={S} must be a multiple of {_ATTN_WARPS} up to {_ATTN_MAX_SPLITS}")
     if workspace is None:
         workspace = attention_workspace(T, H, hd, S)
     part_ml, part_acc = workspace

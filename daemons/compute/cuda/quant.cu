@@ -424,6 +424,45 @@ extern "C" __global__ void __launch_bounds__(256) quantize_x_kernel(const float*
     }
 }
 
+// quantize_x2_kernel: quantize_x_kernel's int8 plane (q1, d) and a second int8 plane of what it
+// leaves, r = x - d * q1 (|r| <= d / 2), with d2 = d / 254: x = d * q1 + d2 * q2 to within
+// d2 / 2 = max|x| / 64516 of its group ("i16": 15-bit activations, two dp4a products per piece).
+extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float* __restrict__ x,
+                                                                     u32* __restrict__ xq, float2* __restrict__ ds,
+                                                                     u32* __restrict__ xq2, float2* __restrict__ ds2,
+                                                                     int n4) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool ok = t < n4;
+    float4 v = ok ? __ldg((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f, d2 = d / 254.f;
+    const float id = amax > 0.f ? 127.f / amax : 0.f, id2 = amax > 0.f ? 254.f / d : 0.f;
+    const float xs[4] = {v.x, v.y, v.z, v.w};
+    int q[4], r[4], s = 0, s2 = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        q[k] = __float2int_rn(xs[k] * id);
+        r[k] = max(-127, min(127, __float2int_rn((xs[k] - d * (float)q[k]) * id2)));
+        s += q[k];
+        s2 += r[k];
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    }
+    if (ok) {
+        xq[t] = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) | ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
+        xq2[t] = (u32)(r[0] & 0xFF) | ((u32)(r[1] & 0xFF) << 8) | ((u32)(r[2] & 0xFF) << 16) | ((u32)(r[3] & 0xFF) << 24);
+        if ((t & 7) == 0) {
+            ds[t >> 3] = make_float2(d, d * (float)s);
+            ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
+        }
+    }
+}
+
 __device__ __forceinline__ int dp4(u32 a, u32 b, int c) { return __dp4a((int)a, (int)b, c); }
 // N words of bytes p .. p + 4N - 1 for a 2-byte-aligned p: aligned words stitched by a funnel
 // shift; the last two bytes come from a halfword load, made only when p is not 4-byte aligned.
@@ -761,6 +800,36 @@ template <int QT> struct MvDp4a : QDTraits<QT> {
                      act.ds + (long long)b * act.ngroups + (long long)blk * (T::EPB / 32), xv);
 #pragma unroll
             for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], xv);
+        }
+    }
+};
+
+// i16 product (quantize_x2_kernel's two planes): the piece's weights decoded once, each plane's
+// activations dotted with them as in the dp4a product, the two products added.
+template <int QT> struct MvDp4a2 : QDTraits<QT> {
+    typedef QDTraits<QT> T;
+    struct Act {
+        const u8* xq;        // plane 1: int8 [B, n_cols], (d, d * sum) [B, ngroups]
+        const float2* ds;
+        const u8* xq2;       // plane 2, likewise
+        const float2* ds2;
+        int ngroups;         // n_cols / 32
+    };
+    template <int B, int NR>
+    static __device__ __forceinline__ void accumulate(const typename T::Raw (&raw)[NR], int blk, int j,
+                                                      const Act& act, int n_cols, float (&acc)[NR][B]) {
+        typename T::Dec dec[NR];
+#pragma unroll
+        for (int r = 0; r < NR; r++) T::decode(raw[r], j, dec[r]);
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const long long xo = (long long)b * n_cols + (long long)blk * T::EPB;
+            const long long go = (long long)b * act.ngroups + (long long)blk * (T::EPB / 32);
+            typename T::XV x1, x2;
+            T::loadx(j, act.xq + xo, act.ds + go, x1);
+            T::loadx(j, act.xq2 + xo, act.ds2 + go, x2);
+#pragma unroll
+            for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], x1) + T::dot(dec[r], x2);
         }
     }
 };
@@ -1204,4 +1273,14 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
     }
     __syncthreads();  // every warp is done with its stage: the reduction reuses the memory
     mm_epilogue<NT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
+}
+
+// out[b, row] = sum_c W[row, c] * (d * q1 + d2 * q2)[b, c]; the planes from quantize_x2_kernel.
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) mvq2_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
+                                                   const float2* __restrict__ ds, const u8* __restrict__ xq2,
+                                                   const float2* __restrict__ ds2, float* __restrict__ out,
+                                                   int n_rows, int n_cols, long long row_bytes) {
+    typedef MvDp4a2<QT> P;
+    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes);
 }

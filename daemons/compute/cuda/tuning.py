@@ -53,6 +53,9 @@ class KernelTuning:
     mm_min_rows: dict[QT, int]
     mm_min_rows_default: int
     mm_target_ctas: int
+    # exact activations below mm's rows: matvec "auto" takes the i16 product (two int8 planes,
+    # ~2e-5 relative) where the type has a dp4a one, instead of f32
+    i16_auto: bool
     # attention key splits (attention_splits): aim for this many (query, kv-head, split) warps,
     # at most attn_max_splits splits
     attn_target_warps: int
@@ -144,6 +147,7 @@ H200 = KernelTuning(
     mm_min_rows={QT.Q4_K: 3, QT.Q5_K: 3, QT.Q6_K: 4},
     mm_min_rows_default=9,
     mm_target_ctas=256,
+    i16_auto=True,
     attn_target_warps=2048,
     attn_max_splits=64,
     rmsnorm_threads=((8192, 1024), (2048, 512), (0, 256)),
