@@ -1,6 +1,6 @@
 """Which path is fastest for T <= 64 rows of x against one quantized matrix: the tensor-core
-matmul (``kernels.mm``, weights read once), or matvec (f32, and the int8-activation dp4a variant)
-in chunks of 8 rows (weights read ceil(T/8) times)? It decides ``mm_min_rows`` and ``mm_launch``
+matmul (``kernels.mm``, weights read once), or matvec (f32, the int8-activation dp4a variant and
+the two-plane i16 one) in chunks of 8 rows (weights read ceil(T/8) times)? It decides ``mm_min_rows`` and ``mm_launch``
 of the device's entry in daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, the path beyond
 64 rows, is not a candidate: cupy cannot capture cuBLAS calls in a graph.) Each path is timed as
 a CUDA graph of 20 calls (no Python launch overhead) cycling over up to 8 copies of the matrix,
@@ -84,7 +84,8 @@ def main() -> None:
                         b = min(a + K.MAX_MATVEC_B, T)
                         K.matvec(w, qt, n_rows, n_cols, x[a:b], out=out[a:b], variant=variant)
 
-                paths = {"matvec_f32": chunked, "matvec_dp4a": lambda i: chunked(i, "dp4a")}
+                paths = {"matvec_f32": chunked, "matvec_dp4a": lambda i: chunked(i, "dp4a"),
+                         "matvec_i16": lambda i: chunked(i, "i16")}
                 if K.mm_supported(qt, n_cols) and T <= K.MAX_MM_ROWS:
                     paths["mm"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out)
                     if qt in K.MM_STAGED_TYPES:
