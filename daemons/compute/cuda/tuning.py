@@ -127,8 +127,14 @@ class KernelTuning:
 #   Q6_K 4096x14336: f32 0.038/0.053/0.064/0.137/0.275/0.548, dp4a 0.023/0.036/0.047/0.093/0.185/
 #     0.369, mm 0.037/0.040/0.047/0.066/0.102/0.249
 #   Q6_K 4096x4096: f32 0.012/0.017/0.021/0.041/0.080/0.165, mm 0.014/0.015/0.017/0.023/0.034/0.065
-# Against the f32 matvec (the exact family) mm wins from 3-4 rows on the K-quants (mm_min_rows),
-# from 9 assumed for the others (not timed). Sweeping (WR, WK, KS) at T = 16 and 32: 16-row CTAs
+# i16 matvec (two int8 planes) at T = 1/2/3/4/8, ms: Q4_K 14336x4096 0.016/0.023/0.027/0.033/0.055
+#   (f32 0.025/0.040/0.055/0.070/0.090, mm 0.043/0.044/0.045/0.045/0.047), 4096x4096 0.0078/0.010/
+#   0.011/0.014/0.020 (f32 0.0097, mm 0.021-0.022), 4096x14336 0.016/0.023/0.028/0.037/0.063 (mm
+#   0.060-0.066); Q6_K 4096x14336 0.030/0.042/0.045/0.063/0.079 (f32 0.038, mm 0.037/0.037/0.038/
+#   0.040/0.047), 4096x4096 0.012/0.015/0.017/0.020/0.026 (mm 0.014/0.014/0.015/0.015/0.017). So
+#   below mm: i16 (i16_auto), and mm from 6 rows on Q4_K/Q5_K, from 3 on Q6_K (mm_min_rows),
+#   from 9 assumed for the others (not timed). On 1024-row matrices i16 is 0.5-1 us slower than
+#   f32 at one row (0.0044 vs 0.0037 ms): taken anyway, one path for every size. Sweeping (WR, WK, KS) at T = 16 and 32: 16-row CTAs
 # (WR 1) with 4 warps over the pieces, split-K only when the row tiles are under ~256 (1024-row
 # matrices: KS 4), best or within 10% everywhere. Staging the weights through shared memory
 # (coalesced 4-byte loads, one wavefront per 8 rows from the stage) beat direct fragment loads
@@ -144,7 +150,7 @@ H200 = KernelTuning(
     mvq_launch_override={},
     v2_auto_types=frozenset({QT.Q4_K, QT.Q5_K, QT.Q8_0}),
     v2_auto_min_b=5,
-    mm_min_rows={QT.Q4_K: 3, QT.Q5_K: 3, QT.Q6_K: 4},
+    mm_min_rows={QT.Q4_K: 6, QT.Q5_K: 6, QT.Q6_K: 3},
     mm_min_rows_default=9,
     mm_target_ctas=256,
     i16_auto=True,
