@@ -27,8 +27,8 @@ each tree row's tree mask (the masked kernel: a graph of its own). After verific
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import cupy as cp
@@ -38,7 +38,8 @@ from gguf import GGMLQuantizationType as QT
 from ntx.daemons.compute.backend import Backend, CaptureRun, Pick, Picked, WarmUp, Workspace
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.cuda import kernels as K
-from ntx.daemons.compute.cuda.buckets import MAX_GRAPH_ROWS, PassRows, bucket_sizes, inert_rows, pass_rows, row_bucket, tree_chunks
+from ntx.daemons.compute.cuda.buckets import (MAX_GRAPH_ROWS, PassRows, bucket_sizes, inert_rows, pass_rows,
+                                              row_bucket, tree_chunks)
 from ntx.daemons.compute.cuda.memory import cuda_memory_costs
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
@@ -317,9 +318,12 @@ class CudaBackend(Backend):
                         eager_ops(work)
                     self._warm_head(work)
             self.stream.synchronize()
-        log(f"warm-up: {len(buckets)} row bucket(s) up to {buckets[-1] if buckets else 0} rows x "
-            f"{len(runs)} run(s){' with and without trees' if spec.trees else ''}: "
-            f"{len(self.graphs) - n_graphs} graph(s) recorded in {time.monotonic() - t:.2f} s")
+        trees_note = " with and without trees" if spec.trees else ""
+        if buckets:
+            log(f"warm-up: {len(buckets)} row bucket(s) up to {buckets[-1]} rows x {len(runs)} run(s){trees_note}: "
+                f"{len(self.graphs) - n_graphs} graph(s) recorded in {time.monotonic() - t:.2f} s")
+        else:
+            log(f"warm-up: graphs off, passes of 1 and 2 rows{trees_note} run eagerly in {time.monotonic() - t:.2f} s")
 
     # -- operations ----------------------------------------------------------------------------
     def embed(self, ws: _Work):
