@@ -222,7 +222,7 @@ class Backend(ABC):
         """Before the first request: compile every kernel and record every graph that a pass of
         ``spec`` can need, by running each of ``runs`` (the model's ``run_captured`` requests) on
         passes that touch no KV cache, and the head; ``eager_ops`` (operations that need no
-        weights, for layers that run outside ``runs``) once per kind of pass. One ``log`` line
+        weights, for layers that run outside ``runs``) eagerly on those passes. One ``log`` line
         per stage. Raises on failure. Default: nothing to build (the cpu backend)."""
 
     # -- operations (each writes ``out`` and returns it; shapes as in ``Workspace``) -------------

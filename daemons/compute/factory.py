@@ -14,10 +14,9 @@ from ntx.daemons.compute.backend import Backend, WarmUp, make_backend
 from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
 from ntx.daemons.compute.replay import ReplayDrafter, load_references
-from ntx.shared.errors import NtxError
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
 from ntx.daemons.compute.tokenizer import Tokenizer
-from ntx.shared.errors import ConfigError
+from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
 
 DEFAULT_CONTEXT = 4096  # positions per sequence when the caller names none (the model may allow more)

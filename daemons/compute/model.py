@@ -174,7 +174,8 @@ class LlamaModel:
                 for n, (first, end, resident) in enumerate(self.runs):
                     embed = n == 0
                     if resident:
-                        be.run_captured(("layers", first, end, embed), ws, partial(self._resident_run, first, end, embed, ws))
+                        key, run = self._capture_request(first, end, embed)
+                        be.run_captured(key, ws, partial(run, ws))
                     else:
                         if embed:
                             be.embed(ws)
@@ -199,7 +200,8 @@ class LlamaModel:
         with be.scope():
             ws = be.begin_pass(batch)
             for n, (first, end) in enumerate(_spans(layers)):
-                be.run_captured(("layers", first, end, n == 0), ws, partial(self._resident_run, first, end, n == 0, ws))
+                key, run = self._capture_request(first, end, n == 0)
+                be.run_captured(key, ws, partial(run, ws))
             return be.pick(ws, picks)
 
     def warm_up(self, spec: WarmUp, log: Callable[[str], None], draft_layers: Sequence[int] = (),
@@ -210,8 +212,8 @@ class LlamaModel:
         ``draft_layers`` (a self-draft) at up to ``draft_rows`` rows. Streamed layers run outside
         the warm passes: the operations they share with no resident layer (matrix types only
         they have; attention and the rest when no layer is resident) are built apart."""
-        runs: list[CaptureRun] = [(("layers", first, end, n == 0), partial(self._resident_run, first, end, n == 0))
-                                  for n, (first, end, resident) in enumerate(self.runs) if resident]
+        runs = [self._capture_request(first, end, n == 0)
+                for n, (first, end, resident) in enumerate(self.runs) if resident]
         eager_ops = None
         if self.streamed_layers:
             spec = replace(spec, compile_qtypes=spec.compile_qtypes | (self._qtypes(self.streamed_layers)
@@ -219,9 +221,14 @@ class LlamaModel:
             eager_ops = partial(self._weightless_ops, self.streamed_layers[0])
         self.backend.warm_up(runs, spec, log, eager_ops)
         if draft_layers:
-            spans = [(("layers", first, end, n == 0), partial(self._resident_run, first, end, n == 0))
-                     for n, (first, end) in enumerate(_spans(draft_layers))]
+            spans = [self._capture_request(first, end, n == 0) for n, (first, end) in enumerate(_spans(draft_layers))]
             self.backend.warm_up(spans, WarmUp(max_rows=draft_rows), log)
+
+    def _capture_request(self, first: int, end: int, embed: bool) -> CaptureRun:
+        """Resident layers [first, end) (the tokens embedded first when ``embed``) as a request
+        to the backend: its key (one recording per key) and the run, given the workspace. The one
+        place the key is made, so the warm-up records exactly what passes replay."""
+        return ("layers", first, end, embed), partial(self._resident_run, first, end, embed)
 
     def _qtypes(self, layers: Iterable[int]) -> frozenset[int]:
         """The GGUF types of the matrices of ``layers``."""
