@@ -60,6 +60,10 @@ def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatc
     assert calls[0][0] is eng.model
 
     calls.clear()
+    build_engine(tiny, "cpu", max_batch=3, max_context=64, prefill_chunk_tokens=600)
+    assert calls[0][1].eager_rows == (600, 128, 256, 512)  # the full chunk, and smaller last chunks
+
+    calls.clear()
     eng = build_engine(tiny, "cpu", max_batch=2, max_context=64, prefill_chunk_tokens=16, self_draft=[0],
                        draft_tokens=4)
     assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=16 + 2 * 5, trees=True, eager_rows=(16,)), (0,), 2)]

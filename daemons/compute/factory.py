@@ -94,17 +94,24 @@ def warm_up_engine(engine: EngineCore, log: Callable[[str], None]) -> float:
     spec = WarmUp(max_rows=engine.prefill_chunk_tokens + engine.max_batch * spec_rows,
                   # a chain needs no tree mask: only trees wider than one take the masked kernel
                   trees=engine.drafter is not None and engine.draft_tokens > 1 and engine.shape.width != 1,
-                  eager_rows=(engine.prefill_chunk_tokens,))
+                  eager_rows=_prompt_chunk_sizes(engine.prefill_chunk_tokens))
     try:
         engine.model.warm_up(spec, log, draft_layers=drafter.layers if isinstance(drafter, SelfDrafter) else (),
                              draft_rows=engine.max_batch)
         if isinstance(drafter, ModelDrafter):  # its prompt chunks are whatever it has not seen: any length
-            drafter.model.warm_up(WarmUp(max_rows=engine.max_context, eager_rows=(engine.prefill_chunk_tokens,)), log)
+            drafter.model.warm_up(WarmUp(max_rows=engine.max_context,
+                                         eager_rows=_prompt_chunk_sizes(engine.prefill_chunk_tokens)), log)
     except Exception as e:
         raise NtxError(f"warm-up failed: {type(e).__name__}: {e}") from e
     seconds = time.monotonic() - t0
     log(f"warm-up done in {seconds:.2f} s")
     return seconds
+
+
+def _prompt_chunk_sizes(prefill_chunk_tokens: int) -> tuple[int, ...]:
+    """Prompt chunk sizes to warm the eager path with: the full chunk and the powers of two from
+    128 below it (a prompt's last chunk is any size; cuBLAS picks its kernels by size)."""
+    return (prefill_chunk_tokens, *(n for n in (128 << k for k in range(20)) if n < prefill_chunk_tokens))
 
 
 def _drafter(target: LlamaModel, backend: str, self_draft: bool | Sequence[int], self_draft_skip: Sequence[int],

@@ -290,8 +290,9 @@ class CudaBackend(Backend):
                 f"in {time.monotonic() - t0:.2f} s")
         with self.stream:
             t = time.monotonic()
-            eager = sorted({r for r in spec.eager_rows if r > self.max_graph_rows})
-            for rows in eager:  # first: a later pass must not grow a buffer a graph points into
+            # largest first: smaller passes then reuse its freed memory (cupy's pool keeps it)
+            eager = sorted({r for r in spec.eager_rows if r > self.max_graph_rows}, reverse=True)
+            for rows in eager:  # before the graphs: a later pass must not grow a buffer a graph points into
                 work = self._inert_pass(rows, trees=False, keep=False)
                 for _, run in runs:
                     run(work)
