@@ -153,6 +153,10 @@ class Daemon:
     def serve(self) -> None:
         raise NotImplementedError
 
+    def ready_note(self) -> str:
+        """Words for the ready line on what the setup's time went to (compute: its warm-up)."""
+        return ""
+
     def close(self) -> None:
         """Release what this daemon holds (segments it created are unlinked by their owner)."""
 
@@ -161,7 +165,7 @@ class Daemon:
             config = self.handshake()
             t0 = time.monotonic()
             ready = self.setup(config)
-            self.say(f"gen {self.gen}: ready after {time.monotonic() - t0:.2f} s of setup")
+            self.say(f"gen {self.gen}: ready after {time.monotonic() - t0:.2f} s of setup{self.ready_note()}")
             self.send_control(ready)
             self.serve()
             self.say(f"gen {self.gen}: stopped")

@@ -22,7 +22,7 @@ import math
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -138,6 +138,23 @@ class Workspace:
             setattr(self, name, alloc((T, width)))
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """What a warm-up (``Backend.warm_up``) must build so that no request pays for it: the passes
+    of up to ``max_rows`` rows the engine can run, with token trees too when ``trees``
+    (speculation on), eager passes of each of ``eager_rows`` rows (prompt chunks above the
+    captured sizes), and the matrix kernels of ``compile_qtypes`` (types only streamed layers
+    have: they run eagerly, outside the warm passes)."""
+
+    max_rows: int
+    trees: bool = False
+    eager_rows: tuple[int, ...] = ()
+    compile_qtypes: frozenset[int] = frozenset()
+
+
+CaptureRun = tuple[Hashable, Callable[[Workspace], None]]  # a run_captured key and the run, given a workspace
+
+
 class Backend(ABC):
     """The operations of a Llama forward pass on one kind of device, and the memory it holds:
     global tensors, resident layers, KV caches, device slots for streamed layers, workspaces."""
@@ -199,6 +216,14 @@ class Backend(ABC):
 
     def sync(self) -> None:
         """Wait until the work queued so far is done (before a streamed slot is handed back)."""
+
+    def warm_up(self, runs: Sequence[CaptureRun], spec: WarmUp, log: Callable[[str], None],
+                eager_ops: Callable[[Workspace], None] | None = None) -> None:
+        """Before the first request: compile every kernel and record every graph that a pass of
+        ``spec`` can need, by running each of ``runs`` (the model's ``run_captured`` requests) on
+        passes that touch no KV cache, and the head; ``eager_ops`` (operations that need no
+        weights, for layers that run outside ``runs``) eagerly on those passes. One ``log`` line
+        per stage. Raises on failure. Default: nothing to build (the cpu backend)."""
 
     # -- operations (each writes ``out`` and returns it; shapes as in ``Workspace``) -------------
     @abstractmethod

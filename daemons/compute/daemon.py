@@ -16,7 +16,7 @@ import zmq
 
 from ntx.daemons.compute.backend import make_backend
 from ntx.daemons.compute.engine import EngineCore, Request, RequestError
-from ntx.daemons.compute.factory import build_engine
+from ntx.daemons.compute.factory import build_engine, warm_up_engine
 from ntx.daemons.compute.ring_stream import RingStream
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared import messages as m
@@ -73,11 +73,17 @@ class ComputeDaemon(Daemon):
             self_draft_skip=cfg["self_draft_skip"] or (),
             draft_model=cfg["draft_model"], draft_tokens=cfg["draft_tokens"], draft_width=cfg["draft_width"],
             draft_replay=cfg["draft_replay"], draft_replay_p_wrong=cfg["draft_replay_p_wrong"],
+            warm_up=False,
         )
+        # before ready: no request pays for compiling kernels or recording graphs
+        self.warm_up_s = warm_up_engine(self.engine, self.say)
         self.active = False
         self.draining_until_s: float | None = None
         self.recent_tokens: deque[tuple[float, int]] = deque()
         return m.Ready(device_slots=descriptors)
+
+    def ready_note(self) -> str:
+        return f" ({self.warm_up_s:.2f} s of it warm-up)"
 
     # -- control ------------------------------------------------------------------------------
     def handle_control(self, msg: m.Message) -> None:

@@ -7,15 +7,16 @@ build their engines here, so a model is sized, loaded and wired the same way eve
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterable, Sequence
 
-from ntx.daemons.compute.backend import Backend, make_backend
+from ntx.daemons.compute.backend import Backend, WarmUp, make_backend
 from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
 from ntx.daemons.compute.replay import ReplayDrafter, load_references
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
 from ntx.daemons.compute.tokenizer import Tokenizer
-from ntx.shared.errors import ConfigError
+from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
 
 DEFAULT_CONTEXT = 4096  # positions per sequence when the caller names none (the model may allow more)
@@ -39,6 +40,8 @@ def build_engine(
     draft_width: int | None = None,
     draft_replay: str | os.PathLike | None = None,
     draft_replay_p_wrong: float = 0.0,
+    warm_up: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> EngineCore:
     """An engine for ``model`` (an index or a GGUF path) on ``backend`` (a name, or a backend
     already made — the compute daemon makes its own first, to allocate the ring's slots).
@@ -55,7 +58,11 @@ def build_engine(
     ``draft_replay`` (benchmarks only, ``replay.py``): a file of recorded greedy continuations
     proposed (as chains) with each token made wrong with probability ``draft_replay_p_wrong``;
     the drafter chosen by the other keywords, if any, still runs first and its proposals are
-    discarded."""
+    discarded.
+
+    Before it returns, the engine is warmed up (``warm_up_engine``) unless ``warm_up`` is False
+    (the caller then does it, timed): every kernel and CUDA graph its passes can need is built,
+    so no request pays for it; ``log`` gets one line per stage."""
     index = model if isinstance(model, ModelIndex) else open_model(model)
     max_context = min(max_context or DEFAULT_CONTEXT, index.hparams.n_ctx_train)
     if isinstance(backend, str):
@@ -69,9 +76,42 @@ def build_engine(
     if draft_replay is not None:
         drafter = ReplayDrafter(load_references(draft_replay), draft_replay_p_wrong, index.hparams.n_vocab,
                                 inner=drafter)
-    return EngineCore(llama, Tokenizer.from_metadata(index.metadata), max_batch=max_batch,
-                      prefill_chunk_tokens=prefill_chunk_tokens, max_context=max_context,
-                      drafter=drafter, draft_tokens=draft_tokens, draft_width=draft_width)
+    engine = EngineCore(llama, Tokenizer.from_metadata(index.metadata), max_batch=max_batch,
+                        prefill_chunk_tokens=prefill_chunk_tokens, max_context=max_context,
+                        drafter=drafter, draft_tokens=draft_tokens, draft_width=draft_width)
+    if warm_up:
+        warm_up_engine(engine, log or (lambda line: None))
+    return engine
+
+
+def warm_up_engine(engine: EngineCore, log: Callable[[str], None]) -> float:
+    """Build every kernel and graph ``engine``'s passes can need (``LlamaModel.warm_up``), its
+    drafter's too; returns the seconds it took. The largest pass: a prompt chunk beside every
+    other sequence's decode row and draft tree. A failure raises ``NtxError`` with one line."""
+    t0 = time.monotonic()
+    drafter = engine.drafter.inner if isinstance(engine.drafter, ReplayDrafter) else engine.drafter
+    spec_rows = 1 + engine.draft_tokens if engine.drafter is not None else 1  # a decode row and its tree
+    spec = WarmUp(max_rows=engine.prefill_chunk_tokens + engine.max_batch * spec_rows,
+                  # a chain needs no tree mask: only trees wider than one take the masked kernel
+                  trees=engine.drafter is not None and engine.draft_tokens > 1 and engine.shape.width != 1,
+                  eager_rows=_prompt_chunk_sizes(engine.prefill_chunk_tokens))
+    try:
+        engine.model.warm_up(spec, log, draft_layers=drafter.layers if isinstance(drafter, SelfDrafter) else (),
+                             draft_rows=engine.max_batch)
+        if isinstance(drafter, ModelDrafter):  # its prompt chunks are whatever it has not seen: any length
+            drafter.model.warm_up(WarmUp(max_rows=engine.max_context,
+                                         eager_rows=_prompt_chunk_sizes(engine.prefill_chunk_tokens)), log)
+    except Exception as e:
+        raise NtxError(f"warm-up failed: {type(e).__name__}: {e}") from e
+    seconds = time.monotonic() - t0
+    log(f"warm-up done in {seconds:.2f} s")
+    return seconds
+
+
+def _prompt_chunk_sizes(prefill_chunk_tokens: int) -> tuple[int, ...]:
+    """Prompt chunk sizes to warm the eager path with: the full chunk and the powers of two from
+    128 below it (a prompt's last chunk is any size; cuBLAS picks its kernels by size)."""
+    return (prefill_chunk_tokens, *(n for n in (128 << k for k in range(20)) if n < prefill_chunk_tokens))
 
 
 def _drafter(target: LlamaModel, backend: str, self_draft: bool | Sequence[int], self_draft_skip: Sequence[int],

@@ -10,12 +10,13 @@ its passes; a stream that failed a pass says where numbering resumes (``abort_pa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Backend, Pick, Picked, Workspace, rope_divisors
+from ntx.daemons.compute.backend import Backend, CaptureRun, Pick, Picked, WarmUp, Workspace, rope_divisors
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
@@ -173,7 +174,8 @@ class LlamaModel:
                 for n, (first, end, resident) in enumerate(self.runs):
                     embed = n == 0
                     if resident:
-                        be.run_captured(("layers", first, end, embed), ws, partial(self._resident_run, first, end, embed, ws))
+                        key, run = self._capture_request(first, end, embed)
+                        be.run_captured(key, ws, partial(run, ws))
                     else:
                         if embed:
                             be.embed(ws)
@@ -198,8 +200,50 @@ class LlamaModel:
         with be.scope():
             ws = be.begin_pass(batch)
             for n, (first, end) in enumerate(_spans(layers)):
-                be.run_captured(("layers", first, end, n == 0), ws, partial(self._resident_run, first, end, n == 0, ws))
+                key, run = self._capture_request(first, end, n == 0)
+                be.run_captured(key, ws, partial(run, ws))
             return be.pick(ws, picks)
+
+    def warm_up(self, spec: WarmUp, log: Callable[[str], None], draft_layers: Sequence[int] = (),
+                draft_rows: int = 0) -> None:
+        """Have the backend build, before the first request, every kernel and graph this model's
+        passes can need (``Backend.warm_up``): each run of resident layers as ``forward`` asks
+        for it, on passes as ``spec`` describes, and ``draft_forward``'s spans of
+        ``draft_layers`` (a self-draft) at up to ``draft_rows`` rows. Streamed layers run outside
+        the warm passes: the operations they share with no resident layer (matrix types only
+        they have; attention and the rest when no layer is resident) are built apart."""
+        runs = [self._capture_request(first, end, n == 0)
+                for n, (first, end, resident) in enumerate(self.runs) if resident]
+        eager_ops = None
+        if self.streamed_layers:
+            spec = replace(spec, compile_qtypes=spec.compile_qtypes | (self._qtypes(self.streamed_layers)
+                                                                       - self._qtypes(self.resident)))
+            eager_ops = partial(self._weightless_ops, self.streamed_layers[0])
+        self.backend.warm_up(runs, spec, log, eager_ops)
+        if draft_layers:
+            spans = [self._capture_request(first, end, n == 0) for n, (first, end) in enumerate(_spans(draft_layers))]
+            self.backend.warm_up(spans, WarmUp(max_rows=draft_rows), log)
+
+    def _capture_request(self, first: int, end: int, embed: bool) -> CaptureRun:
+        """Resident layers [first, end) (the tokens embedded first when ``embed``) as a request
+        to the backend: its key (one recording per key) and the run, given the workspace. The one
+        place the key is made, so the warm-up records exactly what passes replay."""
+        return ("layers", first, end, embed), partial(self._resident_run, first, end, embed)
+
+    def _qtypes(self, layers: Iterable[int]) -> frozenset[int]:
+        """The GGUF types of the matrices of ``layers``."""
+        return frozenset(int(t.ggml_type) for i in layers for t in self.index.layers[i].tensors.values()
+                         if len(t.shape) == 2)
+
+    def _weightless_ops(self, layer_idx: int, ws: Workspace) -> None:
+        """The block's operations that take no weights, on layer ``layer_idx``'s cache (rows
+        that write or read no cache entry: the warm-up's)."""
+        be = self.backend
+        be.rope(ws.q, ws.k, ws)
+        be.kv_write(layer_idx, ws.k, ws.v, ws)
+        be.attention(layer_idx, ws.q, ws, out=ws.attn)
+        be.swiglu(ws.gate, ws.up, out=ws.act)
+        be.add(ws.x, ws.o, out=ws.x)
 
     def _resident_run(self, first: int, end: int, embed: bool, ws: Workspace) -> None:
         if embed:

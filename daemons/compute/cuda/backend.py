@@ -2,42 +2,49 @@
 
 Weights are used exactly as GGUF stores them: a resident layer is uploaded once (its slot-layout
 buffer, no repacking), a streamed layer is read straight from the device slot the dma daemon
-filled. Every matrix product dequantizes on the fly (``kernels.gemm``: matvec for up to 8 rows,
-dequantize-to-f16 + cuBLAS beyond).
+filled. Every matrix product dequantizes on the fly (``kernels.gemm`` chooses its path by rows).
 
 Launch overhead: one Python-launched kernel costs about 10 µs, as much as a small layer's whole
 work, so the model asks for its runs of resident layers to be captured (``run_captured``): one
-CUDA graph per run and number of rows T, recorded on the second call (the first compiles every
-kernel it needs) and replayed after. All buffers of a pass live in a per-T workspace and every
-position, length and cache slot is read from device memory, so one graph replays every decode
-step. Streamed layers run eagerly between graph segments: their slot changes from pass to pass.
+CUDA graph per run, row bucket and kind of pass (with or without token trees), replayed after.
+A pass of up to ``buckets.MAX_GRAPH_ROWS`` rows runs in the kept workspace of its row bucket,
+padded with inert rows (``buckets.py``): decode steps, prompt chunks and verify trees of every
+size below the limit share a few graphs. Every position, length, cache slot and tree mask is read
+from device memory, so one graph replays every pass of its bucket. Larger passes run eagerly at
+their own size. Streamed layers run eagerly between graph segments: their slot changes from pass
+to pass.
+
+No request pays for compiling or capturing: ``warm_up`` (before the daemon reports ready) runs
+every capture request on inert passes of every bucket, eagerly then captured, and the eager
+paths and the head once, so every kernel is compiled and every graph recorded up front.
 
 KV cache: per layer f16 [max_seqs, n_kv, max_ctx, hd]; a sequence owns one cache slot. A row's
 keys and values go to its cache position (``StepBatch.cache_positions``), which differs from its
 RoPE position only in a token tree. A pass with trees (speculative verification) hands attention
-each tree row's tree mask; such passes have chunks of several rows, so they are never captured.
-After verification ``kv_keep`` moves the accepted path down in every layer in one launch.
+each tree row's tree mask (the masked kernel: a graph of its own). After verification
+``kv_keep`` moves the accepted path down in every layer in one launch.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import cupy as cp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ntx.daemons.compute.backend import Backend, Pick, Picked, Workspace
+from ntx.daemons.compute.backend import Backend, CaptureRun, Pick, Picked, WarmUp, Workspace
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.cuda import kernels as K
+from ntx.daemons.compute.cuda.buckets import (MAX_GRAPH_ROWS, PassRows, bucket_sizes, inert_rows, pass_rows,
+                                              row_bucket, tree_chunks)
 from ntx.daemons.compute.cuda.memory import cuda_memory_costs
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
 from ntx.shared.plan import MemoryCosts
-
-_MAX_GRAPH_T = K.MAX_MATVEC_B
 
 
 @dataclass
@@ -49,38 +56,53 @@ class _Mat:
 
 
 class _Work(Workspace):
-    """Every buffer one pass of T rows needs, so that a pass allocates nothing (capturable), and
-    the rows' tokens, positions, cache slots and key counts on the device. ``tree_base`` and
-    ``tree_mask`` (kernels.attention's tree arguments) are set per pass, only for passes with
-    trees of more than one row; None otherwise."""
+    """Every buffer one pass of ``rows`` rows needs, so that a pass allocates nothing
+    (capturable), and the rows' tokens, positions, cache slots, key counts and tree masks on the
+    device. ``rows`` is the pass's bucket (its real rows first, inert ones after) or, above the
+    buckets, its own row count. ``has_trees``: attention takes ``tree_base``/``tree_mask`` this
+    pass; ``logit_rows``: the rows whose logits the head computes."""
 
-    def __init__(self, T: int, hp, n_splits: int) -> None:
-        self.tokens = cp.zeros(T, dtype=cp.int32)
-        self.positions = cp.zeros(T, dtype=cp.int32)  # RoPE positions
-        self.cache_positions = cp.zeros(T, dtype=cp.int32)  # where each row's K/V are stored
-        self.slots = cp.zeros(T, dtype=cp.int32)
-        self.kv_lens = cp.ones(T, dtype=cp.int32)  # cache_positions + 1
-        self.tree_base: Any = None  # int32 [T]: cache position of the row's tree root, -1 outside trees
-        self.tree_mask: Any = None  # uint32 [T, W]: bit i = the row sees its tree's row i
-        self.allocate(T, hp, lambda shape: cp.zeros(shape, dtype=cp.float32))
+    def __init__(self, rows: int, hp, n_splits: int) -> None:
+        self.rows = rows
+        self.tokens = cp.zeros(rows, dtype=cp.int32)
+        self.positions = cp.zeros(rows, dtype=cp.int32)  # RoPE positions
+        self.cache_positions = cp.zeros(rows, dtype=cp.int32)  # where each row's K/V are stored
+        self.slots = cp.zeros(rows, dtype=cp.int32)
+        self.kv_lens = cp.ones(rows, dtype=cp.int32)  # cache_positions + 1
+        self.tree_base = cp.full(rows, -1, dtype=cp.int32)  # cache position of the row's tree root, -1 outside trees
+        self.tree_mask = cp.zeros((rows, K.tree_mask_words(rows)), dtype=cp.uint32)  # bit i: the row sees its tree's row i
+        self.has_trees = False
+        self.logit_rows = np.zeros(0, dtype=np.int64)
+        self.allocate(rows, hp, lambda shape: cp.zeros(shape, dtype=cp.float32))
         self.n_splits = n_splits
-        self.attn_ws = K.attention_workspace(T, hp.n_head, hp.head_dim, n_splits)
+        self.attn_ws = K.attention_workspace(rows, hp.n_head, hp.head_dim, n_splits)
+
+    @property
+    def T(self) -> int:
+        return self.rows
+
+    def set_rows(self, host: PassRows, tree_mask: np.ndarray | None, stream) -> None:
+        """Copy a pass's rows (``buckets.PassRows``, ``rows`` long) and its tree mask (uint32
+        [rows, W], None without trees) into the device arrays the graphs read."""
+        for name in ("tokens", "positions", "cache_positions", "slots", "kv_lens", "tree_base"):
+            getattr(self, name).set(getattr(host, name), stream=stream)
+        if tree_mask is not None:
+            self.tree_mask.set(tree_mask, stream=stream)
+        self.has_trees = host.has_trees
 
 
-def _tree_rows(batch: StepBatch) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """kernels.attention's tree arguments for ``batch`` on the host: (tree_base int32 [T],
-    tree_mask uint32 [T, W]), or (None, None) when no chunk is a tree of more than one row (a
-    one-row tree sees the prefix and itself, as a plain row does)."""
-    trees = [(c, r0) for c, r0 in zip(batch.chunks, batch.row_starts) if c.parents is not None and c.n_tokens > 1]
+def _tree_mask(batch: StepBatch, rows: int) -> np.ndarray | None:
+    """kernels.attention's tree mask for ``batch`` padded to ``rows``: uint32 [rows, W] with W
+    for trees of up to ``rows`` rows, zero outside trees; None when the batch has no tree."""
+    trees = tree_chunks(batch)
     if not trees:
-        return None, None
-    n_words = K.tree_mask_words(max(c.n_tokens for c, _ in trees))
-    tree_base = np.full(batch.n_tokens, -1, dtype=np.int32)
-    tree_mask = np.zeros((batch.n_tokens, n_words), dtype=np.uint32)
-    for c, r0 in trees:
-        tree_base[r0 : r0 + c.n_tokens] = c.start_pos
-        tree_mask[r0 : r0 + c.n_tokens] = K.pack_tree_mask(c.visible(), n_words)
-    return tree_base, tree_mask
+        return None
+    n_words = K.tree_mask_words(rows)
+    mask = np.zeros((rows, n_words), dtype=np.uint32)
+    for i, r0 in trees:
+        c = batch.chunks[i]
+        mask[r0 : r0 + c.n_tokens] = K.pack_tree_mask(c.visible(), n_words)
+    return mask
 
 
 class CudaBackend(Backend):
@@ -96,13 +118,14 @@ class CudaBackend(Backend):
         self.max_ctx = min(max_ctx, hp.n_ctx_train)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.use_graphs = use_graphs
+        self.max_graph_rows = MAX_GRAPH_ROWS if use_graphs else 0  # passes up to this are bucketed and captured
         with self.stream:
             self.kv = [K.alloc_kv_cache(max_seqs, hp.n_head_kv, self.max_ctx, hp.head_dim) for _ in range(hp.n_layers)]
             self.kv_table = K.kv_cache_table(self.kv)  # every layer's cache addresses, for kv_keep
         self.free_cache_slots = list(range(max_seqs - 1, -1, -1))
         self.seq_slot: dict[int, int] = {}
-        self.works: dict[int, _Work] = {}
-        self.graphs: dict[tuple, Any] = {}
+        self.works: dict[int, _Work] = {}  # by bucket: the graphs point into them
+        self.graphs: dict[tuple, Any] = {}  # (run key, bucket rows, has_trees) -> cupy Graph
         self.ipc_slots: list[Any] = []
 
     @classmethod
@@ -182,47 +205,40 @@ class CudaBackend(Backend):
                   stream=self.stream)
 
     # -- one pass ------------------------------------------------------------------------------
-    def _work(self, T: int) -> _Work:
-        """Decode-sized workspaces are kept (graphs point into them); prefill-sized ones are made
-        per pass and go back to cupy's pool, so a stream of prompt lengths does not pile up."""
-        w = self.works.get(T)
+    def _work(self, rows: int, keep: bool) -> _Work:
+        """The workspace of ``rows`` rows: a bucket's is kept (graphs point into it), a larger
+        pass's is made per pass and goes back to cupy's pool, so a stream of prompt lengths does
+        not pile up."""
+        w = self.works.get(rows)
         if w is None:
             with self.stream:
-                w = _Work(T, self.hp, K.attention_splits(T, self.hp.n_head_kv, self.max_ctx))
-            if T <= _MAX_GRAPH_T:
-                self.works[T] = w
+                w = _Work(rows, self.hp, K.attention_splits(rows, self.hp.n_head_kv, self.max_ctx))
+            if keep:
+                self.works[rows] = w
         return w
 
     def begin_pass(self, batch: StepBatch) -> _Work:
         T = batch.n_tokens
-        work = self._work(T)
-        slots = np.empty(T, dtype=np.int32)
-        for c, r0 in zip(batch.chunks, batch.row_starts):
-            slots[r0 : r0 + c.n_tokens] = self.seq_slot[c.seq_id]
-        tree_base, tree_mask = _tree_rows(batch)
-        with self.stream:
-            work.tokens.set(batch.tokens, stream=self.stream)
-            work.positions.set(batch.positions, stream=self.stream)
-            work.cache_positions.set(batch.cache_positions, stream=self.stream)
-            work.kv_lens.set(batch.cache_positions + 1, stream=self.stream)
-            work.slots.set(slots, stream=self.stream)
-            work.tree_base = cp.asarray(tree_base) if tree_base is not None else None
-            work.tree_mask = cp.asarray(tree_mask) if tree_mask is not None else None
+        bucket = row_bucket(T, self.max_graph_rows)
+        work = self._work(bucket or T, keep=bucket is not None)
+        host = pass_rows(batch, [self.seq_slot[c.seq_id] for c in batch.chunks], work.rows)
+        work.set_rows(host, _tree_mask(batch, work.rows), self.stream)
         work.batch = batch
-        # decode steps of up to _MAX_GRAPH_T rows replay graphs; prompt chunks and trees run eagerly
-        work.capturable = self.use_graphs and T <= _MAX_GRAPH_T and all(c.n_tokens == 1 for c in batch.chunks)
+        work.logit_rows = batch.logit_rows
+        work.capturable = bucket is not None
         return work
 
     def scope(self):
         return self.stream
 
     def run_captured(self, key, ws: Workspace, run) -> None:
-        """Replay the graph of ``run`` for (key, T); record it on the first capturable call,
-        after one eager run that compiles every kernel it needs (and does this pass's work)."""
+        """Replay the graph of ``run`` for (key, bucket, trees or not); record it on the first
+        call, after one eager run that compiles every kernel it needs (and does this pass's
+        work). The warm-up makes that first call for every bucket before any request."""
         if not ws.capturable:
             run()
             return
-        key = (key, ws.T)
+        key = (key, ws.rows, ws.has_trees)
         g = self.graphs.get(key)
         if g is not None:
             g.launch(self.stream)
@@ -237,6 +253,78 @@ class CudaBackend(Backend):
             finally:
                 g = self.stream.end_capture()
         self.graphs[key] = g
+
+    # -- warm-up -------------------------------------------------------------------------------
+    def _inert_pass(self, rows: int, trees: bool, keep: bool) -> _Work:
+        """A pass of ``rows`` inert rows (no cache slot: nothing read or written in the KV cache),
+        every row a logit row; ``trees``: attention takes the masked kernel."""
+        work = self._work(rows, keep=keep)
+        host = inert_rows(rows)
+        host.has_trees = trees
+        work.set_rows(host, np.zeros(work.tree_mask.shape, dtype=np.uint32) if trees else None, self.stream)
+        work.logit_rows = np.arange(rows, dtype=np.int64)
+        work.capturable = keep
+        return work
+
+    def _warm_head(self, work: _Work) -> None:
+        """The head and every kind of device selection (top-k, log-normaliser, a gathered token,
+        a whole row; all logit rows or some) on ``work``'s rows: their kernels compiled."""
+        n = work.rows
+        picks = [Pick(1), Pick(40, lse=True, token=0), Pick(0)][:n] + [Pick(1)] * max(0, n - 3)
+        self.pick(work, picks)
+        if n > 1:
+            work.logit_rows = np.arange(1, n, dtype=np.int64)  # a subset: the gathered path
+            self.pick(work, [Pick(1)] * (n - 1))
+
+    def warm_up(self, runs: Sequence[CaptureRun], spec: WarmUp, log: Callable[[str], None],
+                eager_ops: Callable[[Workspace], None] | None = None) -> None:
+        """Compile and record, before the first request, what a pass of ``spec`` can need
+        (``Backend.warm_up``): for every bucket up to the engine's largest pass, each run eagerly
+        then captured, without and (``spec.trees``) with token trees, and the head; an eager pass
+        of each of ``spec.eager_rows`` (the >bucket path: cuBLAS and its kernels); the kernels
+        of streamed-only matrix types. Inert rows only: no KV cache entry is touched."""
+        t0 = time.monotonic()
+        if spec.compile_qtypes:
+            K.compile_all(sorted(spec.compile_qtypes))
+            log(f"warm-up: kernels of streamed-only types {sorted(spec.compile_qtypes)} compiled "
+                f"in {time.monotonic() - t0:.2f} s")
+        with self.stream:
+            t = time.monotonic()
+            # largest first: smaller passes then reuse its freed memory (cupy's pool keeps it)
+            eager = sorted({r for r in spec.eager_rows if r > self.max_graph_rows}, reverse=True)
+            for rows in eager:  # before the graphs: a later pass must not grow a buffer a graph points into
+                work = self._inert_pass(rows, trees=False, keep=False)
+                for _, run in runs:
+                    run(work)
+                if eager_ops is not None:
+                    eager_ops(work)
+                self._warm_head(work)
+            self.stream.synchronize()
+            if eager:
+                log(f"warm-up: {len(eager)} eager pass(es) of {', '.join(map(str, eager))} rows "
+                    f"in {time.monotonic() - t:.2f} s")
+            t = time.monotonic()
+            n_graphs = len(self.graphs)
+            top = row_bucket(min(spec.max_rows, self.max_graph_rows), self.max_graph_rows) if self.max_graph_rows else 0
+            buckets = [b for b in bucket_sizes(self.max_graph_rows) if b <= top]  # those the engine's passes reach
+            kinds = (False, True) if spec.trees else (False,)
+            for rows in buckets or [1, 2]:  # without graphs: one plain and one tree pass, eagerly
+                for trees in kinds:
+                    if trees and rows < 2:
+                        continue  # a one-row tree is a plain row
+                    work = self._inert_pass(rows, trees, keep=bool(buckets))
+                    for key, run in runs:
+                        self.run_captured(key, work, lambda run=run, work=work: run(work))
+                    if eager_ops is not None:
+                        eager_ops(work)
+                    self._warm_head(work)
+            self.stream.synchronize()
+        trees_note = " with and without trees" if spec.trees else ""
+        if buckets:
+            log(f"warm-up: {len(buckets)} row bucket(s) up to {buckets[-1]} rows x {len(runs)} run(s){trees_note}: "
+                f"{len(self.graphs) - n_graphs} graph(s) recorded in {time.monotonic() - t:.2f} s")
+        else:
+            log(f"warm-up: graphs off, passes of 1 and 2 rows{trees_note} run eagerly in {time.monotonic() - t:.2f} s")
 
     # -- operations ----------------------------------------------------------------------------
     def embed(self, ws: _Work):
@@ -266,9 +354,10 @@ class CudaBackend(Backend):
     def attention(self, layer_idx: int, q, ws: _Work, out):
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]
+        trees = ws.has_trees
         K.attention(q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
                     out=out.reshape(T, hp.n_head, hp.head_dim), n_splits=ws.n_splits, workspace=ws.attn_ws,
-                    tree_base=ws.tree_base, tree_mask=ws.tree_mask)
+                    tree_base=ws.tree_base if trees else None, tree_mask=ws.tree_mask if trees else None)
         return out
 
     def swiglu(self, gate, up, out):
@@ -279,22 +368,22 @@ class CudaBackend(Backend):
 
     # -- the head --------------------------------------------------------------------------------
     def _logits_dev(self, work: _Work):
-        """Final norm and head on the device: f32 [N, V] for ``batch.logit_rows``."""
+        """Final norm and head on the device: f32 [N, V] for ``work.logit_rows``."""
         hp = self.hp
-        rows = work.batch.logit_rows
+        rows = work.logit_rows
+        n = len(rows)
         with self.stream:
-            if len(rows) == work.T:
-                h_in = work.x
+            if np.array_equal(rows, np.arange(n)):
+                h_in = work.x[:n]  # the first rows (a prompt chunk, or every row): no gather
             else:
                 h_in = work.x[cp.asarray(rows)]
-            h = K.rmsnorm(cp.ascontiguousarray(h_in), self.out_norm, hp.rms_eps)  # h: [N, D]
-            n = h.shape[0]
+            h = K.rmsnorm(h_in, self.out_norm, hp.rms_eps)  # h: [N, D]
             out = cp.empty((n, self.head.n_rows), dtype=cp.float32)  # [N, V]
-            # The head is the largest matrix: read it once per 8 rows rather than dequantizing all
-            # of it to an f16 copy (1 GB for a 128k vocabulary at d=4096).
-            for i in range(0, n, K.MAX_MATVEC_B):
-                j = min(i + K.MAX_MATVEC_B, n)
-                K.matvec(self.head.raw, self.head.qtype, self.head.n_rows, self.head.n_cols, h[i:j], out=out[i:j])
+            # The head is the largest matrix: K.gemm reads it quantized for up to MAX_GRAPH_ROWS rows
+            # at once, never through an f16 copy of all of it (1 GB for a 128k vocabulary at d=4096).
+            for i in range(0, n, MAX_GRAPH_ROWS):
+                j = min(i + MAX_GRAPH_ROWS, n)
+                K.gemm(self.head.raw, self.head.qtype, self.head.n_rows, self.head.n_cols, h[i:j], out=out[i:j])
         return out
 
     def logits(self, ws: _Work) -> np.ndarray:

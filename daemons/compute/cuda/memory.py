@@ -7,19 +7,59 @@ the backend itself (``CudaBackend.memory_costs``) reports the same object.
 
 from __future__ import annotations
 
-from ntx.shared.gguf_index import ModelIndex
+from ntx.daemons.compute.cuda import tuning
+from ntx.daemons.compute.cuda.buckets import MAX_GRAPH_ROWS, bucket_sizes
+from ntx.shared.gguf_index import HParams, ModelIndex
 from ntx.shared.plan import MemoryCosts
 
 KV_ELEMENT_BYTES = 2  # the KV cache is f16 (kernels.alloc_kv_cache)
-ALLOCATOR_SLACK_BYTES = 256 << 20  # cuBLAS workspace, cupy's pool rounding, graph memory
+ALLOCATOR_SLACK_BYTES = 256 << 20  # cuBLAS workspace, cupy's pool rounding, loaded modules, graph memory
+POOL_UNIT_BYTES = 512  # cupy's memory pool hands out multiples of this
+ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its warps per CTA (kernels._ATTN_WARPS)
+
+
+def attention_splits(T: int, n_kv: int, max_ctx: int, t: tuning.KernelTuning = tuning.DEFAULT) -> int:
+    """The key splits attention uses for T query rows (``kernels.attention_splits``' rule, on
+    ``t``'s table): enough (row, kv-head, split) warps to fill the device, at most the table's
+    maximum and one split per 32-key tile, a multiple of 4."""
+    tiles = -(-max_ctx // 32)
+    s = -(-t.attn_target_warps // max(1, T * n_kv))
+    s = min(s, t.attn_max_splits, tiles)
+    return max(ATTN_SPLIT_STEP, -(-s // ATTN_SPLIT_STEP) * ATTN_SPLIT_STEP)
+
+
+def _pool_bytes(nbytes: int) -> int:
+    return -(-nbytes // POOL_UNIT_BYTES) * POOL_UNIT_BYTES
+
+
+def pass_workspace_bytes(hp: HParams, rows: int, max_ctx: int, n_splits: int | None = None) -> int:
+    """Device bytes of the cuda backend's workspace for a pass of ``rows`` rows (``backend._Work``):
+    the block's f32 buffers (``Workspace.allocate``), six int32 row arrays, the tree mask
+    (u32 [rows, ceil(rows / 32)]) and attention's split partials, each rounded to the pool's unit.
+    ``max_ctx``: the KV cache's positions (attention splits by it)."""
+    D, F, q, kv = hp.n_embd, hp.n_ff, hp.q_dim, hp.kv_dim
+    S = n_splits if n_splits is not None else attention_splits(rows, hp.n_head_kv, max_ctx)
+    buffers = [rows * w * 4 for w in (D, D, q, kv, kv, q, D, F, F, F)]  # x h q k v attn o gate up act
+    buffers += [rows * 4] * 6  # tokens, positions, cache_positions, slots, kv_lens, tree_base
+    buffers.append(rows * max(1, -(-rows // 32)) * 4)  # tree_mask
+    buffers += [rows * hp.n_head * S * 2 * 4, rows * hp.n_head * S * hp.head_dim * 4]  # attention partials
+    return sum(_pool_bytes(b) for b in buffers)
+
+
+def graph_workspaces_bytes(hp: HParams, max_ctx: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> int:
+    """The workspaces the backend keeps for its CUDA graphs: one per row bucket, all of them made
+    by the warm-up before the first request."""
+    return sum(pass_workspace_bytes(hp, rows, max_ctx) for rows in bucket_sizes(max_graph_rows))
 
 
 def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
     """Resident layers as their GGUF bytes; the KV cache of ``max_seqs`` sequences at full
-    context, reserved up front; a workspace for a prompt chunk of ``prefill_chunk_tokens`` rows
-    (hidden states, feed-forward, logits) plus the largest matrix dequantized to f16 (the GEMM
-    path of rows beyond the matvec's)."""
+    context, reserved up front; the kept workspace of every row bucket (graphs replay into
+    them); a workspace for a prompt chunk of ``prefill_chunk_tokens`` rows (hidden states,
+    feed-forward, logits) plus the largest matrix dequantized to f16 (the GEMM path of rows
+    beyond the graphs')."""
     hp = index.hparams
+    ctx = min(max_ctx, hp.n_ctx_train)
     largest = max(t.n_elements for layer in index.layers for t in layer.tensors.values())
     rows_bytes = prefill_chunk_tokens * (hp.n_embd * 4 + hp.n_ff * 8 + hp.n_vocab * 4)
     return MemoryCosts(
@@ -27,6 +67,6 @@ def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill
         layer_bytes=tuple(layer.nbytes for layer in index.layers),
         globals_bytes=index.global_bytes_total,
         kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * KV_ELEMENT_BYTES,
-        kv_tokens=min(max_ctx, hp.n_ctx_train) * max_seqs,
-        workspace_bytes=ALLOCATOR_SLACK_BYTES + largest * 2 + rows_bytes,
+        kv_tokens=ctx * max_seqs,
+        workspace_bytes=ALLOCATOR_SLACK_BYTES + largest * 2 + rows_bytes + graph_workspaces_bytes(hp, ctx),
     )

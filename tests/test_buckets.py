@@ -1,0 +1,118 @@
+"""Row buckets of the cuda backend, on the CPU: which bucket a pass runs at, that padding rows
+are inert and the real rows unchanged, and that the planner counts every bucket's kept workspace.
+The GPU side (graphs, tokens with padding) is tests/gpu/test_warm_up_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.cuda import buckets
+from ntx.daemons.compute.cuda.buckets import INERT_SLOT, bucket_sizes, inert_rows, pass_rows, row_bucket
+from ntx.daemons.compute.cuda.memory import (attention_splits, cuda_memory_costs, graph_workspaces_bytes,
+                                             pass_workspace_bytes)
+from ntx.shared.gguf_index import open_model
+
+try:
+    from .synth_models import write_tiny
+except ImportError:  # tests/ is not a package
+    from synth_models import write_tiny
+
+
+# ------------------------------------------------------------------------------ buckets
+def test_bucket_sizes():
+    assert bucket_sizes(64) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert bucket_sizes(8) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert bucket_sizes(5) == [1, 2, 3, 4, 5]
+    assert bucket_sizes(20) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 20]
+    assert bucket_sizes(0) == []
+
+
+@pytest.mark.parametrize("max_rows", [8, 20, 64])
+def test_row_bucket_is_the_smallest_bucket_that_holds_the_pass(max_rows):
+    sizes = bucket_sizes(max_rows)
+    for n in range(1, max_rows + 1):
+        assert row_bucket(n, max_rows) == min(b for b in sizes if b >= n), n
+    assert row_bucket(max_rows + 1, max_rows) is None
+    assert row_bucket(512, max_rows) is None
+
+
+def test_row_bucket_examples():
+    assert [row_bucket(n, 64) for n in (1, 7, 8, 9, 16, 17, 63, 64, 65)] == [1, 7, 8, 16, 16, 24, 64, 64, None]
+    assert row_bucket(3, 0) is None  # no graphs: every pass at its own size
+    with pytest.raises(ValueError):
+        row_bucket(0, 64)
+
+
+# ------------------------------------------------------------------------------ padding
+TREE = SeqChunk(2, 40, (7, 8, 9, 10), all_logits=True, parents=(-1, 0, 0, 1))
+
+
+def _mixed_batch() -> StepBatch:
+    """A prompt chunk, a decode row, a verify tree and a one-row tree (a plain row)."""
+    return StepBatch([SeqChunk(0, 0, (5, 6, 7)), SeqChunk(1, 9, (11,)), TREE,
+                      SeqChunk(3, 12, (4,), parents=(-1,))])
+
+
+def test_padding_keeps_the_real_rows_and_adds_inert_ones():
+    batch = _mixed_batch()
+    slots = [3, 0, 5, 1]
+    host = pass_rows(batch, slots, 16)
+    T = batch.n_tokens
+    assert T == 9
+    for name in ("tokens", "positions", "cache_positions", "slots", "kv_lens", "tree_base"):
+        a = getattr(host, name)
+        assert a.dtype == np.int32 and a.shape == (16,), name
+    # the real rows: what the batch says
+    np.testing.assert_array_equal(host.tokens[:T], batch.tokens)
+    np.testing.assert_array_equal(host.positions[:T], batch.positions)
+    np.testing.assert_array_equal(host.cache_positions[:T], batch.cache_positions)
+    np.testing.assert_array_equal(host.kv_lens[:T], batch.cache_positions + 1)
+    np.testing.assert_array_equal(host.slots[:T], [3, 3, 3, 0, 5, 5, 5, 5, 1])
+    # only the tree of several rows is a tree: its rows see their root's cache position
+    np.testing.assert_array_equal(host.tree_base[:T], [-1, -1, -1, -1, 40, 40, 40, 40, -1])
+    assert host.has_trees
+    # the padding: token 0 at position 0, no cache slot, one key, outside every tree
+    np.testing.assert_array_equal(host.tokens[T:], 0)
+    np.testing.assert_array_equal(host.positions[T:], 0)
+    np.testing.assert_array_equal(host.cache_positions[T:], 0)
+    np.testing.assert_array_equal(host.slots[T:], INERT_SLOT)
+    np.testing.assert_array_equal(host.kv_lens[T:], 1)
+    np.testing.assert_array_equal(host.tree_base[T:], -1)
+    # the logit rows are the batch's own (the head reads only those)
+    np.testing.assert_array_equal(batch.logit_rows, [2, 3, 4, 5, 6, 7, 8])
+
+
+def test_padding_to_the_pass_size_changes_nothing_and_no_trees_without_a_tree():
+    batch = StepBatch([SeqChunk(0, 3, (1,)), SeqChunk(1, 0, (2, 3))])
+    host = pass_rows(batch, [4, 2], batch.n_tokens)
+    np.testing.assert_array_equal(host.slots, [4, 2, 2])
+    assert not host.has_trees and np.all(host.tree_base == -1)
+    with pytest.raises(ValueError):
+        pass_rows(batch, [4, 2], 2)
+
+
+def test_inert_rows_touch_no_cache_slot():
+    host = inert_rows(5)
+    assert np.all(host.slots == INERT_SLOT) and np.all(host.kv_lens == 1) and not host.has_trees
+    assert np.all(host.tokens == 0) and np.all(host.tree_base == -1)
+
+
+# ------------------------------------------------------------------------------ memory
+def test_planner_counts_every_buckets_workspace(tmp_path):
+    index = open_model(write_tiny(tmp_path))
+    hp = index.hparams
+    sizes = dict(max_seqs=4, max_ctx=256, prefill_chunk_tokens=64)
+    ctx = min(256, hp.n_ctx_train)
+    kept = graph_workspaces_bytes(hp, ctx)
+    assert kept == sum(pass_workspace_bytes(hp, r, ctx) for r in bucket_sizes(buckets.MAX_GRAPH_ROWS))
+    # the f32 buffers of every bucket row alone are a lower bound
+    per_row = 4 * (3 * hp.n_embd + 2 * hp.q_dim + 2 * hp.kv_dim + 3 * hp.n_ff)
+    assert kept >= per_row * sum(bucket_sizes(buckets.MAX_GRAPH_ROWS))
+    assert graph_workspaces_bytes(hp, ctx, 64) > graph_workspaces_bytes(hp, ctx, 8) > 0
+    costs = cuda_memory_costs(index, **sizes)
+    assert costs.workspace_bytes >= kept + 64 * 4 * hp.n_vocab  # buckets + a prompt chunk's logits
+    for rows in (1, 8, 64, 512):
+        s = attention_splits(rows, hp.n_head_kv, ctx)
+        assert s % 4 == 0 and 4 <= s <= 64

@@ -1,0 +1,102 @@
+"""The warm-up, on the CPU: every engine is warmed up before it serves (the compute daemon
+before it says ready) with the shapes its passes can take, a failure is one clear line, and on
+the cpu backend it is a no-op. The GPU side (no graph recorded and no kernel compiled by a first
+request, tokens unchanged) is tests/gpu/test_warm_up_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ntx.ctl.instance import InstancePaths
+from ntx.daemons.compute.backend import Backend, WarmUp
+from ntx.daemons.compute.engine import Request
+from ntx.daemons.compute.factory import build_engine
+from ntx.daemons.compute.model import LlamaModel
+from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.errors import NtxError
+
+from .pipeline_util import running_pipeline, wait_for
+
+try:
+    from .synth_models import write_tiny
+except ImportError:  # tests/ is not a package
+    from synth_models import write_tiny
+
+
+# ------------------------------------------------------------------------------ warm-up
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny(tmp_path_factory.mktemp("warm"), type="Q8_0"))
+
+
+def _greedy(engine, prompt: list[int], n: int) -> list[int]:
+    engine.submit(Request("g", prompt, SamplingParams(temperature=0.0, max_tokens=n)))
+    while engine.has_work:
+        for ev in engine.step():
+            if ev["type"] == "done":
+                return ev["tokens"]
+    raise AssertionError("no done event")
+
+
+def test_warm_up_is_a_no_op_on_cpu(tiny):
+    lines: list[str] = []
+    warm = build_engine(tiny, "cpu", max_batch=2, max_context=64, log=lines.append)
+    cold = build_engine(tiny, "cpu", max_batch=2, max_context=64, warm_up=False)
+    assert len(lines) == 1 and lines[0].startswith("warm-up done in "), lines
+    assert warm.model.next_pass_id == 0  # no pass ran
+    assert _greedy(warm, [1, 2, 3, 4], 8) == _greedy(cold, [1, 2, 3, 4], 8)
+
+
+def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatch):
+    """What the warm-up is asked to cover: the largest pass (a prompt chunk beside every
+    sequence's decode row and tree), trees only when speculation may make them, the eager
+    prompt-chunk size, the self-draft's layers at one row per sequence, a draft model too."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(LlamaModel, "warm_up", lambda self, spec, log, draft_layers=(), draft_rows=0:
+                        calls.append((self, spec, tuple(draft_layers), draft_rows)))
+    eng = build_engine(tiny, "cpu", max_batch=3, max_context=64, prefill_chunk_tokens=32)
+    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=32 + 3, trees=False, eager_rows=(32,)), (), 3)]
+    assert calls[0][0] is eng.model
+
+    calls.clear()
+    build_engine(tiny, "cpu", max_batch=3, max_context=64, prefill_chunk_tokens=600)
+    assert calls[0][1].eager_rows == (600, 128, 256, 512)  # the full chunk, and smaller last chunks
+
+    calls.clear()
+    eng = build_engine(tiny, "cpu", max_batch=2, max_context=64, prefill_chunk_tokens=16, self_draft=[0],
+                       draft_tokens=4)
+    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=16 + 2 * 5, trees=True, eager_rows=(16,)), (0,), 2)]
+
+    calls.clear()
+    build_engine(tiny, "cpu", max_batch=2, max_context=64, self_draft=True, draft_tokens=4, draft_width=1)
+    assert calls[0][1].trees is False  # chains only: no tree mask ever
+
+    calls.clear()
+    eng = build_engine(tiny, "cpu", max_batch=2, max_context=64, prefill_chunk_tokens=16, draft_model=tiny)
+    assert len(calls) == 2 and calls[1][0] is eng.drafter.model
+    assert calls[1][1] == WarmUp(max_rows=64, eager_rows=(16,))
+
+
+def test_a_failing_warm_up_fails_the_build_with_one_line(tiny, monkeypatch):
+    def broken(self, runs, spec, log, eager_ops=None):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(Backend, "warm_up", broken)
+    with pytest.raises(NtxError, match=r"^warm-up failed: RuntimeError: no kernel image is available$"):
+        build_engine(tiny, "cpu", max_batch=2, max_context=64)
+
+
+def test_compute_daemon_warms_up_before_ready(tiny, run_dir):
+    """The compute daemon's log says the warm-up's time before its ready line, and the ready
+    line says how much of the setup it was."""
+    with running_pipeline(tiny, run_dir, name="warm") as p:
+        log = InstancePaths(p.name).log_dir / "compute.log"
+        text = wait_for(lambda: log.exists() and "ready after" in log.read_text() and log.read_text(), 30,
+                        "the compute daemon's ready line")
+        lines = text.splitlines()
+        warm = next(i for i, line in enumerate(lines) if "warm-up done in " in line)
+        ready = next(i for i, line in enumerate(lines) if "ready after" in line)
+        assert warm < ready
+        assert "s of it warm-up)" in lines[ready]
+        assert p.generate_greedy("hello", max_tokens=2)["finish_reason"] in ("length", "stop")
