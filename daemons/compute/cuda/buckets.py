@@ -22,12 +22,9 @@ import numpy as np
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.cuda import tuning
 
-# Passes of up to this many rows are padded to a bucket and replayed as CUDA graphs. Every launch
-# in them must be capturable and use no buffer that a later, larger call may reallocate:
-# kernels.gemm is that for up to tuning.MAX_GRAPH_ROWS rows (the tensor-core kernel, 64 rows in
-# one launch). Without it, gemm beyond the matvec's 8 rows goes through cuBLAS and a grow-only f16
-# scratch buffer that a longer prompt reallocates under a recorded graph, hence the fallback.
-MAX_GRAPH_ROWS: int = getattr(tuning, "MAX_GRAPH_ROWS", tuning.MAX_MATVEC_B)
+# Passes of up to this many rows are padded to a bucket and replayed as CUDA graphs: every launch
+# in them is capturable and uses no buffer a later, larger call may reallocate (tuning.py).
+MAX_GRAPH_ROWS: int = tuning.MAX_GRAPH_ROWS
 BUCKET_STEP_ROWS = 8  # bucket sizes above 8 rows: multiples of this
 
 INERT_SLOT = -1  # a cache slot no sequence has: kv_append writes nothing, attention reads nothing

@@ -51,9 +51,7 @@ __all__ = [
 
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
 MAX_MM_ROWS = tuning.MAX_MM_ROWS
-# gemm of up to this many rows is one capturable launch sequence (mm, or matvec below
-# mm_min_rows) once the same call ran eagerly: passes of up to this many rows can be graphs
-MAX_GRAPH_ROWS = MAX_MM_ROWS
+MAX_GRAPH_ROWS = tuning.MAX_GRAPH_ROWS  # gemm up to this many rows is capturable (tuning.py)
 # matvec variants: "v1", "v2" = the f32 path through that layout cut ("f32" = "v1"), "dp4a" =
 # the int8-activation path, "i16" = activations in two int8 planes (15 bits), "auto" = per tuning.py
 MATVEC_VARIANT = "auto"
@@ -796,7 +794,7 @@ def pack_tree_mask(visible, n_words: int):
     return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
 
 
-_ATTN_WARPS = 4  # warps per CTA of attn_split_kernel: n_splits is a multiple of it
+_ATTN_WARPS = tuning.ATTN_SPLIT_STEP  # warps per CTA of attn_split_kernel: n_splits is a multiple of it
 _ATTN_MAX_SPLITS = 256  # ops.cu ATTN_MAX_SPLITS: attn_combine_kernel's shared arrays
 
 
@@ -804,11 +802,7 @@ def attention_splits(T: int, n_kv: int, max_ctx: int) -> int:
     """Default number of key splits (a multiple of 4) for attention over T queries: enough
     (query, kv-head, split) warps to fill the device (its tuning entry), at most one split per
     32-key tile."""
-    t = _tuning()
-    tiles = -(-max_ctx // 32)
-    s = -(-t.attn_target_warps // max(1, T * n_kv))
-    s = min(s, t.attn_max_splits, tiles)
-    return max(_ATTN_WARPS, -(-s // _ATTN_WARPS) * _ATTN_WARPS)
+    return _tuning().attn_splits(T, n_kv, max_ctx)
 
 
 def attention_workspace(T: int, H: int, hd: int, n_splits: int):

@@ -15,17 +15,12 @@ from ntx.shared.plan import MemoryCosts
 KV_ELEMENT_BYTES = 2  # the KV cache is f16 (kernels.alloc_kv_cache)
 ALLOCATOR_SLACK_BYTES = 256 << 20  # cuBLAS workspace, cupy's pool rounding, loaded modules, graph memory
 POOL_UNIT_BYTES = 512  # cupy's memory pool hands out multiples of this
-ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its warps per CTA (kernels._ATTN_WARPS)
 
 
 def attention_splits(T: int, n_kv: int, max_ctx: int, t: tuning.KernelTuning = tuning.DEFAULT) -> int:
-    """The key splits attention uses for T query rows (``kernels.attention_splits``' rule, on
-    ``t``'s table): enough (row, kv-head, split) warps to fill the device, at most the table's
-    maximum and one split per 32-key tile, a multiple of 4."""
-    tiles = -(-max_ctx // 32)
-    s = -(-t.attn_target_warps // max(1, T * n_kv))
-    s = min(s, t.attn_max_splits, tiles)
-    return max(ATTN_SPLIT_STEP, -(-s // ATTN_SPLIT_STEP) * ATTN_SPLIT_STEP)
+    """The key splits attention uses for T query rows on ``t``'s table (tuning's rule, as
+    ``kernels.attention_splits`` takes it on the current device)."""
+    return t.attn_splits(T, n_kv, max_ctx)
 
 
 def _pool_bytes(nbytes: int) -> int:
@@ -46,6 +41,15 @@ def pass_workspace_bytes(hp: HParams, rows: int, max_ctx: int, n_splits: int | N
     return sum(_pool_bytes(b) for b in buffers)
 
 
+def matmul_scratch_bytes(hp: HParams, rows: int) -> int:
+    """The kernels' own per-size workspaces a pass of ``rows`` rows leaves behind (kernels.py
+    _stream_scratch: kept, a graph points at them): the tensor-core matmul's x split into f16
+    halves (4 bytes per element of x) for each row length it multiplies (D, the attention
+    output's q_dim, F), or the i16 matvec's two int8 planes with their scales below it."""
+    widths = {hp.n_embd, hp.q_dim, hp.n_ff}
+    return sum(_pool_bytes(rows * w * 4) for w in widths)
+
+
 def graph_workspaces_bytes(hp: HParams, max_ctx: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> int:
     """The workspaces the backend keeps for its CUDA graphs: one per row bucket, all of them made
     by the warm-up before the first request."""
@@ -55,7 +59,8 @@ def graph_workspaces_bytes(hp: HParams, max_ctx: int, max_graph_rows: int = MAX_
 def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
     """Resident layers as their GGUF bytes; the KV cache of ``max_seqs`` sequences at full
     context, reserved up front; the kept workspace of every row bucket (graphs replay into
-    them); a workspace for a prompt chunk of ``prefill_chunk_tokens`` rows (hidden states,
+    them) and the kernels' scratch of each bucket's row count (``matmul_scratch_bytes``); a
+    workspace for a prompt chunk of ``prefill_chunk_tokens`` rows (hidden states,
     feed-forward, logits) plus the largest matrix dequantized to f16 (the GEMM path of rows
     beyond the graphs')."""
     hp = index.hparams
@@ -68,5 +73,6 @@ def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill
         globals_bytes=index.global_bytes_total,
         kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * KV_ELEMENT_BYTES,
         kv_tokens=ctx * max_seqs,
-        workspace_bytes=ALLOCATOR_SLACK_BYTES + largest * 2 + rows_bytes + graph_workspaces_bytes(hp, ctx),
+        workspace_bytes=(ALLOCATOR_SLACK_BYTES + largest * 2 + rows_bytes + graph_workspaces_bytes(hp, ctx)
+                         + sum(matmul_scratch_bytes(hp, rows) for rows in bucket_sizes(MAX_GRAPH_ROWS))),
     )

@@ -22,10 +22,15 @@ from dataclasses import dataclass, field
 from gguf import GGMLQuantizationType as QT
 
 __all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "dp4a_enabled",
-           "DP4A_ENV", "MAX_MATVEC_B", "MAX_MM_ROWS"]
+           "DP4A_ENV", "MAX_MATVEC_B", "MAX_MM_ROWS", "MAX_GRAPH_ROWS"]
 
 MAX_MATVEC_B = 8  # activation rows one matvec launch takes (the kernels' B template range)
 MAX_MM_ROWS = 64  # activation rows one tensor-core matmul launch takes (8 per tile, NT <= 8)
+# kernels.gemm of up to this many rows is one capturable launch sequence (matvec or the
+# tensor-core matmul, workspaces made on the eager call and never reallocated; no cuBLAS):
+# passes of up to this many rows are padded to a row bucket and replayed as CUDA graphs
+MAX_GRAPH_ROWS = MAX_MM_ROWS
+ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its split kernel's warps per CTA
 DP4A_ENV = "NTX_MATVEC_DP4A"
 
 # (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4})
@@ -90,6 +95,15 @@ class KernelTuning:
     def mm_from_rows(self, qtype: QT) -> int:
         """Rows of x from which exact-activation gemm takes the tensor-core matmul for qtype."""
         return self.mm_min_rows.get(qtype, self.mm_min_rows_default)
+
+    def attn_splits(self, T: int, n_kv: int, max_ctx: int) -> int:
+        """Key splits of attention over T query rows: enough (row, kv-head, split) warps to fill
+        the device (attn_target_warps), at most attn_max_splits and one split per 32-key tile,
+        a multiple of ATTN_SPLIT_STEP (the split kernel's warps per CTA)."""
+        tiles = -(-max_ctx // 32)
+        s = -(-self.attn_target_warps // max(1, T * n_kv))
+        s = min(s, self.attn_max_splits, tiles)
+        return max(ATTN_SPLIT_STEP, -(-s // ATTN_SPLIT_STEP) * ATTN_SPLIT_STEP)
 
     def all_mv_launches(self) -> set[MatvecLaunch]:
         return set(self.mv_launch.values()) | set(self.mv_launch_override.values())
