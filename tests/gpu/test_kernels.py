@@ -301,7 +301,7 @@ def test_matvec_dp4a_auto_and_errors(rng):
     raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
     x = cp.asarray(rng.standard_normal((2, n_cols)).astype(np.float32))
     a = K.matvec(raw, qt, n_rows, n_cols, x, variant="auto")
-    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if tuning.dp4a_enabled() else "v1")
+    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if tuning.dp4a_enabled() else "i16")
     np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
     # B = 1 on a small matrix takes the same path: a row's products do not depend on the batch
     a1 = K.matvec(raw, qt, n_rows, n_cols, x[:1], variant="auto")
