@@ -17,8 +17,11 @@ takes, per query row, the cache position of its tree's row 0 and a bit mask over
 (``pack_tree_mask``); ``kv_move`` then moves the accepted path's keys and values down to the
 prefix in every layer at once.
 
-Which launch configuration, layout cut and path each call takes is looked up per device in
-tuning.py, with the measurements behind each choice. Tensor types come from
+Matrix products by rows of x (``gemm`` chooses): ``matvec`` (f32, i16 or dp4a activations, up to
+8 rows per launch), the tensor-core ``mm`` (up to 64 rows, exact to f32 rounding), and
+``gemm_dequant`` (an f16 copy and cuBLAS) beyond. Which launch configuration, layout cut and
+path each call takes is looked up per device in tuning.py, with the measurements behind each
+choice. Tensor types come from
 ntx.shared.quant_types (gguf's GGMLQuantizationType; block sizes from gguf's own table).
 
 Shapes: T tokens, B sequences (or tokens of a decode batch), H query heads, n_kv kv heads
@@ -454,10 +457,10 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in
       {1, 2, 4}); default the device's launch table (tuning.py).
     xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
-      aligned; matvec_workspace makes one; the i16 variant does not take one). Without it a per-(device, stream, size) workspace is
-      made on first use and reused, so the call stays allocation-free after the first one of its
-      size; a CUDA graph capture needs that workspace to exist before capture (run the call once
-      eagerly, or pass xq=).
+      aligned; matvec_workspace makes one; the i16 variant does not take one). Without it a
+      per-(device, stream, size) workspace is made on first use and reused, so the call stays
+      allocation-free after the first one of its size; a CUDA graph capture needs that workspace
+      to exist before capture (run the call once eagerly, or pass xq=).
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
