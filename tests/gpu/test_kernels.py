@@ -379,16 +379,14 @@ def test_matvec_dp4a_capture_without_workspace_is_an_error(rng):
 MM_TYPES = [QT.F16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "direct"])
 @pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
 @pytest.mark.parametrize("B", [1, 2, 7, 8, 9, 16, 17, 33, 64])
-@pytest.mark.parametrize("qt", MM_TYPES, ids=lambda q: q.name)
-def test_mm(qt, B, big, staged, rng):
+@pytest.mark.parametrize("qt,staged", [(q, True) for q in MM_TYPES] + [(q, False) for q in (QT.Q4_K, QT.Q5_K, QT.Q6_K)],
+                         ids=lambda v: v.name if isinstance(v, QT) else ("default" if v else "direct"))
+def test_mm(qt, staged, B, big, rng):
     """The tensor-core matmul to f32 accuracy at every tile count (B up to 64 rows of x), row
     counts that are no multiple of a CTA's rows, and rows long enough for split-K (big); the
-    K-quants both through the shared-memory stage and read directly."""
-    if not staged and qt not in K.MM_STAGED_TYPES:
-        pytest.skip("only the K-quants have a staged kernel")
+    K-quants both through the shared-memory stage (the default) and read directly."""
     n_rows = 300 if big else 37
     n_cols = _cols(qt, big) if qt != QT.F16 else (4096 if big else 64)
     assert K.mm_supported(qt, n_cols)
