@@ -499,7 +499,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     return out
 
 
-def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, staged=None):
+def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, staged: bool = True):
     """out[b, r] = sum_c W[r, c] * x[b, c] on the tensor cores, for x: f32 [B, n_cols] (or
     [n_cols]), 1 <= B <= MAX_MM_ROWS; out: f32 [B, n_rows] (or [n_rows]). Weights are read once
     for all B rows.
@@ -512,7 +512,7 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     counters) are per (device, stream, size), made on a size's first eager call: a CUDA graph
     capture needs that call to have run once eagerly first. config: (WR, WK, KS) instead of the
     device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8. staged: whether the K-quants
-    (MM_STAGED_TYPES) go through the shared-memory staged kernel (default: yes).
+    (MM_STAGED_TYPES) go through the shared-memory staged kernel (default), else read directly.
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
@@ -529,8 +529,6 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_steps)
     tiles = -(-n_rows // (16 * wr))
     nt = -(-B // 8)
-    if staged is None:
-        staged = True
     if staged and q.qtype in MM_STAGED_TYPES and cut == "v2":
         kern = _mms_kernel(q.qtype, nt)
     else:
