@@ -67,7 +67,7 @@ def precompile_specs():
                 specs.append(("quant.cu", K._mvq2_names(q.qtype, nr, u)))
         for cut, _, _ in q.mm_cuts:  # the tensor-core matmul
             specs.append(("quant.cu", K._mm_names(q.qtype, cut)))
-        if q.qtype in K.MM_STAGED_TYPES:
+        if q.mm_staged:
             specs.append(("quant.cu", K._mms_names(q.qtype)))
     specs.append(("quant.cu", ()))  # quantize_x_kernel, mm_split_x_kernel
     specs.append(("ops.cu", ()))

@@ -56,8 +56,9 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
                     out += [f"mvq_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
                     out += [f"mvq2_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
             for cut, _, _ in q.mm_cuts:  # kernels._mm_names
-                out += [f"mm_kernel<{qt},{CUT_ID[cut]},{nt},2>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
-            if q.name in ("Q4_K", "Q5_K", "Q6_K"):  # kernels._mms_names (MM_STAGED_TYPES)
+                out += [f"mm_kernel<{qt},{CUT_ID[cut]},{nt},{tuning.MM_UNROLL}>"
+                        for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
+            if q.mm_staged:  # kernels._mms_names
                 out += [f"mms_kernel<{qt},{nt}>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
         return out
     if fname == "ops.cu":  # each attention variant plain and with a tree mask (kernels._attn_names)

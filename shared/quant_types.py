@@ -31,6 +31,7 @@ class QuantType:
     dp4a: bool = False  # an int8-activation (dp4a) matvec exists for this type
     # tensor-core matmul: cut -> (columns, pieces) of its block (quant.cu QTraits EPB, LPB)
     mm_cuts: tuple[tuple[str, int, int], ...] = ()
+    mm_staged: bool = False  # mms_kernel stages its v2 blocks through shared memory (quant.cu MmLoadS)
 
     @property
     def name(self) -> str:
@@ -62,9 +63,9 @@ QUANT_TYPES: dict[QT, QuantType] = {
         QuantType(QT.Q5_1, 32, 4, dp4a=True, mm_cuts=(("v1", 32, 4),)),
         # Q8_0's v2 block is a pair of blocks: rows of an odd number of blocks take v1
         QuantType(QT.Q8_0, 32, 2, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 64, 8), ("v1", 32, 4))),
-        QuantType(QT.Q4_K, 256, 16, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),)),
-        QuantType(QT.Q5_K, 256, 16, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),)),
-        QuantType(QT.Q6_K, 256, 2, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),)),
+        QuantType(QT.Q4_K, 256, 16, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),), mm_staged=True),
+        QuantType(QT.Q5_K, 256, 16, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),), mm_staged=True),
+        QuantType(QT.Q6_K, 256, 2, cuts=("v1", "v2"), dp4a=True, mm_cuts=(("v2", 256, 32),), mm_staged=True),
     )
 }
 SUPPORTED_TYPES = frozenset(QUANT_TYPES)

@@ -49,12 +49,11 @@ __all__ = [
     "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu", "argmax",
     "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
-    "mm", "mm_supported", "MAX_MM_ROWS", "MAX_GRAPH_ROWS",
+    "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES",
 ]
 
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
 MAX_MM_ROWS = tuning.MAX_MM_ROWS
-MAX_GRAPH_ROWS = tuning.MAX_GRAPH_ROWS  # gemm up to this many rows is capturable (tuning.py)
 # matvec variants: "v1", "v2" = the f32 path through that layout cut ("f32" = "v1"), "dp4a" =
 # the int8-activation path, "i16" = activations in two int8 planes (15 bits), "auto" = per tuning.py
 MATVEC_VARIANT = "auto"
@@ -157,9 +156,6 @@ def _mvq2_kernel(qt: int, b: int, nr: int, u: int):
     return _function("mvq2", (int(qt), b, nr, u), lambda: _mvq2_names(qt, nr, u), b - 1)
 
 
-_MM_UNROLL = 2  # quad steps per lane per trip (mm_kernel's U)
-
-
 def _mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
     """(cut, quad steps per row) the tensor-core matmul takes for rows of n_cols columns of q:
     its first cut (QuantType.mm_cuts) whose block divides the row into whole quad steps (4
@@ -176,15 +172,15 @@ def mm_supported(qtype, n_cols: int) -> bool:
 
 
 def _mm_names(qt: int, cut: str) -> tuple[str, ...]:
-    return tuple(f"mm_kernel<{int(qt)},{_CUT_ID[cut]},{nt},{_MM_UNROLL}>" for nt in range(1, MAX_MM_ROWS // 8 + 1))
+    return tuple(f"mm_kernel<{int(qt)},{_CUT_ID[cut]},{nt},{tuning.MM_UNROLL}>" for nt in range(1, MAX_MM_ROWS // 8 + 1))
 
 
 def _mm_kernel(qt: int, cut: str, nt: int):
     return _function("mm", (int(qt), cut, nt), lambda: _mm_names(qt, cut), nt - 1)
 
 
-# K-quants whose blocks mms_kernel stages through shared memory (quant.cu MmLoadS), cut v2
-MM_STAGED_TYPES = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+# the types whose blocks mms_kernel stages through shared memory (QuantType.mm_staged), cut v2
+MM_STAGED_TYPES = frozenset(q.qtype for q in QUANT_TYPES.values() if q.mm_staged)
 
 
 def _mms_names(qt: int) -> tuple[str, ...]:
@@ -237,7 +233,7 @@ def compile_all(qtypes=None) -> None:
                 _mvq2_kernel(q.qtype, 1, nr, u)
         for cut, _, _ in q.mm_cuts:
             _mm_kernel(q.qtype, cut, 1)
-        if q.qtype in MM_STAGED_TYPES:
+        if q.mm_staged:
             _mms_kernel(q.qtype, 1)
     _quantize_x_kernel()
     _quantize_x2_kernel()
@@ -529,7 +525,7 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_steps)
     tiles = -(-n_rows // (16 * wr))
     nt = -(-B // 8)
-    if staged and q.qtype in MM_STAGED_TYPES and cut == "v2":
+    if staged and q.mm_staged and cut == "v2":
         kern = _mms_kernel(q.qtype, nt)
     else:
         kern = _mm_kernel(q.qtype, cut, nt)

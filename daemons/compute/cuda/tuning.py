@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from gguf import GGMLQuantizationType as QT
 
 __all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "dp4a_enabled",
-           "DP4A_ENV", "MAX_MATVEC_B", "MAX_MM_ROWS", "MAX_GRAPH_ROWS"]
+           "DP4A_ENV", "MAX_MATVEC_B", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS"]
 
 MAX_MATVEC_B = 8  # activation rows one matvec launch takes (the kernels' B template range)
 MAX_MM_ROWS = 64  # activation rows one tensor-core matmul launch takes (8 per tile, NT <= 8)
+MM_UNROLL = 2  # quad steps per lane per trip of the unstaged tensor-core matmul (mm_kernel's U)
 # kernels.gemm of up to this many rows is one capturable launch sequence (matvec or the
 # tensor-core matmul, workspaces made on the eager call and never reallocated; no cuBLAS):
 # passes of up to this many rows are padded to a row bucket and replayed as CUDA graphs
