@@ -1,12 +1,13 @@
 """Which path is fastest for T <= 64 rows of x against one quantized matrix: the tensor-core
-matmul (``kernels.mm``, weights read once), or matvec (f32, the int8-activation dp4a variant and
+matmul (``kernels.mm``, weights read once), the int8 tensor-core matmul (``kernels.mmq``, the
+K-quants), or matvec (f32, the int8-activation dp4a variant and
 the two-plane i16 one) in chunks of 8 rows (weights read ceil(T/8) times)? It decides ``mm_min_rows`` and ``mm_launch``
 of the device's entry in daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, the path beyond
 64 rows, is not a candidate: cupy cannot capture cuBLAS calls in a graph.) Each path is timed as
 a CUDA graph of 20 calls (no Python launch overhead) cycling over up to 8 copies of the matrix,
 so small matrices are not read from L2.
 
-    python3 scripts/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--out gemm_paths.json]
+    python3 scripts/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--paths mm,mmq,matvec_i16] [--out gemm_paths.json]
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--ts", default="1,2,3,4,8,9,16,24,32,48,64")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep-mm", action="store_true", help="time the tensor-core matmul at every (WR, WK, KS)")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq); default all")
     args = ap.parse_args()
     from gguf import GGMLQuantizationType as QT
 
@@ -90,6 +93,11 @@ def main() -> None:
                     paths["mm"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out)
                     if qt in K.MM_STAGED_TYPES:
                         paths["mm_direct"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, staged=False)
+                if K.mmq_supported(qt, n_cols) and T <= K.MAX_MM_ROWS:
+                    paths["mmq"] = lambda i: K.mmq(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out)
+                if args.paths:
+                    keep = set(args.paths.split(","))
+                    paths = {k: v for k, v in paths.items() if k in keep}
                 if args.sweep_mm and "mm" in paths:
                     for wr in (1, 2, 4, 8):
                         for wk in (1, 2, 4, 8):

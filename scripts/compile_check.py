@@ -60,6 +60,7 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
                         for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
             if q.mm_staged:  # kernels._mms_names
                 out += [f"mms_kernel<{qt},{nt}>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
+                out += [f"mmq_kernel<{qt},{nt}>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]  # _mmq_names
         return out
     if fname == "ops.cu":  # each attention variant plain and with a tree mask (kernels._attn_names)
         return [f"{k}<{g},{hd}>" for g in (1, 2, 3, 4, 8) for hd in (64, 128, 256) if g * hd <= 2048

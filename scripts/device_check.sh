@@ -24,6 +24,8 @@
 # --first-requests: write the 70B-shaped Q4_K_M, start it at 24 GiB and time the first token of
 #   each new prompt shape sent after ready, then the same shapes again, and decode after a long
 #   prompt against a short one (scripts/bench_first_requests.py) into $OUT/first_requests.json.
+# --gemm-paths: time each matrix-product path per matrix (scripts/bench_gemm_paths.py, GEMM_ARGS
+#   passed to it) into $OUT/gemm_paths.{json,log}.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # BASELINE=DIR (a copy of another revision's tree, e.g. `git archive REV | tar x -C .baseline`,
 #   carried): the decode and stream benchmarks run for that tree too, right after this one's, on
@@ -39,7 +41,7 @@ export PYTHONUNBUFFERED=1
 # whatever happens (a hang killed at the time limit included), bring the daemons' logs back
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
-QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; PYTEST_ARGS=()
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -52,6 +54,7 @@ for a in "$@"; do
     --status-demo) STATUS_DEMO=1 ;;
     --only-copy) ONLY_COPY=1 ;;
     --first-requests) FIRST=1 ;;
+    --gemm-paths) GEMM=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
 done
@@ -105,6 +108,10 @@ if [ "$TESTS" = 1 ]; then
 fi
 if [ "$BENCH" = 1 ]; then
   python3 "$REPO/scripts/bench_kernels.py" $QUICK --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm,mmq") go to it as they are
+  read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"
+  python3 "$REPO/scripts/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
 fi
 synth() {  # synth NAME PRESET TYPE: write ~/models/NAME.gguf once
   [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" -q 2>&1 | tail -2

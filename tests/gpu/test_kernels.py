@@ -272,6 +272,13 @@ def test_matvec_i16(qt, B, big, rng):
     x[:, ::97] *= 30.0
     out = nan_f32((B, n_rows))
     assert K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, variant="i16") is out
+    check_i16(out, x, ref_w)
+
+
+def check_i16(out, x, ref_w):
+    """Every output within the two-plane rounding bound of the exact product (each x element
+    within max|x_group| / 64516 of its own), ~2e-5 relative in norm."""
+    B, n_cols = x.shape
     exact = x.astype(np.float64) @ ref_w.T
     amax = np.abs(x.astype(np.float64)).reshape(B, n_cols // 32, 32).max(axis=2)
     step = np.repeat(amax / 64516.0, 32, axis=1)  # [B, n_cols]: d2 / 2
@@ -413,49 +420,96 @@ def test_mm_odd_q8_0_blocks_and_unsupported(rng):
         K.mm(cp.asarray(raw), QT.Q8_0, 50, n_cols, cp.zeros((65, n_cols), cp.float32))
 
 
-def test_mm_split_k_deterministic_and_graph_replay(rng):
+@pytest.mark.parametrize("kind", ["mm", "mmq"])
+def test_mm_split_k_deterministic_and_graph_replay(kind, rng):
     """With split-K (several CTAs per row tile, the last one adding the partial sums in order)
     repeated calls are bit-identical, and a captured graph of them replays for new x exactly as
     eager calls compute."""
+    mul = getattr(K, kind)
     B, n_rows, n_cols = 24, 96, 16384
     assert tuning.DEFAULT.mm_launch(B, n_rows, n_cols // 32)[2] > 1  # split-K at this shape
     raw = cp.asarray(random_weights(QT.Q4_K, n_rows, n_cols, rng))
     x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
     out = cp.empty((B, n_rows), cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
-    first = cp.asnumpy(K.mm(raw, QT.Q4_K, n_rows, n_cols, x, stream=s))
+    first = cp.asnumpy(mul(raw, QT.Q4_K, n_rows, n_cols, x, stream=s))
     for _ in range(3):
-        np.testing.assert_array_equal(cp.asnumpy(K.mm(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)), first)
+        np.testing.assert_array_equal(cp.asnumpy(mul(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)), first)
     ref = cp.asnumpy(x).astype(np.float64) @ reference_matrix(QT.Q4_K, cp.asnumpy(raw), n_rows, n_cols).T
-    assert relerr(first, ref) < 1e-5
+    assert relerr(first, ref) < (1e-5 if kind == "mm" else 1e-4)
     s.synchronize()
     with s:
         s.begin_capture()
         try:
-            K.mm(raw, QT.Q4_K, n_rows, n_cols, x, out=out, stream=s)
+            mul(raw, QT.Q4_K, n_rows, n_cols, x, out=out, stream=s)
         finally:
             graph = s.end_capture()
     for _ in range(2):
         x.set(rng.standard_normal((B, n_cols)).astype(np.float32), stream=s)
         out.fill(cp.nan)
         graph.launch(stream=s)
-        eager = K.mm(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)
+        eager = mul(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)
         s.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(eager))
 
 
 def test_gemm_takes_mm_and_matches_matvec(rng, monkeypatch):
-    """With exact activations gemm from mm_from_rows rows on takes the tensor-core matmul; its
-    rows equal the f32 matvec's of the same x to f32 rounding (no batch size moves a result
-    beyond the last bits)."""
+    """With exact activations gemm from mm_from_rows rows on takes the tensor-core matmul for the
+    types mmq does not decode; its rows equal the f32 matvec's of the same x to f32 rounding (no
+    batch size moves a result beyond the last bits)."""
     monkeypatch.setenv(tuning.DP4A_ENV, "0")
-    qt, n_rows, n_cols = QT.Q6_K, 200, 2048
+    qt, n_rows, n_cols = QT.Q8_0, 200, 2048
+    assert qt not in K.MMQ_TYPES
     raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
     x = cp.asarray(rng.standard_normal((40, n_cols)).astype(np.float32))
     batched = cp.asnumpy(K.gemm(raw, qt, n_rows, n_cols, x))
     alone = np.stack([cp.asnumpy(K.matvec(raw, qt, n_rows, n_cols, x[i], variant="f32")) for i in range(40)])
     scale = np.abs(alone).max()
     assert np.abs(batched - alone).max() <= 1e-5 * scale
+
+
+MMQ_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("B", [1, 2, 7, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("qt", MMQ_TYPES, ids=lambda q: q.name)
+def test_mmq(qt, B, big, rng):
+    """The int8 tensor-core matmul at every tile count, row counts that are no multiple of a
+    tile, rows long enough for split-K (big): within the two-plane rounding bound of the exact
+    product, and equal to the i16 matvec of the same x up to f32 rounding (same activations)."""
+    n_rows = 300 if big else 37
+    n_cols = 4096 if big else 256
+    assert K.mmq_supported(qt, n_cols)
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    x = rng.standard_normal((B, n_cols)).astype(np.float32)
+    x[:, ::97] *= 30.0
+    out = nan_f32((B, n_rows))
+    assert K.mmq(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out) is out
+    check_i16(out, x, ref_w)
+    i16 = np.concatenate([cp.asnumpy(K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x[i:i + 8]),
+                                              variant="i16")) for i in range(0, B, 8)])
+    assert np.abs(cp.asnumpy(out) - i16).max() <= 4e-6 * np.abs(i16).max()
+
+
+def test_mmq_unsupported_and_gemm_routing(rng, monkeypatch):
+    """mmq names what it does not decode; gemm takes it for the K-quants from mmq_from_rows rows
+    on (the i16 matvec below), matching the i16 matvec row by row."""
+    monkeypatch.setenv(tuning.DP4A_ENV, "0")
+    assert not K.mmq_supported(QT.Q8_0, 4096) and not K.mmq_supported(QT.Q4_K, 128 * 3)
+    with pytest.raises(ValueError, match="does not decode Q8_0"):
+        K.mmq(cp.zeros(34 * 8 * 2, cp.uint8), QT.Q8_0, 8, 64, cp.zeros((2, 64), cp.float32))
+    qt, n_rows, n_cols = QT.Q4_K, 200, 2048
+    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    with pytest.raises(ValueError, match="1..64 rows"):
+        K.mmq(raw, qt, n_rows, n_cols, cp.zeros((65, n_cols), cp.float32))
+    x = cp.asarray(rng.standard_normal((40, n_cols)).astype(np.float32))
+    assert K._tuning().mmq_auto and K._tuning().mmq_from_rows(qt) <= 40
+    batched = cp.asnumpy(K.gemm(raw, qt, n_rows, n_cols, x))
+    np.testing.assert_array_equal(batched, cp.asnumpy(K.mmq(raw, qt, n_rows, n_cols, x)))
+    alone = np.stack([cp.asnumpy(K.matvec(raw, qt, n_rows, n_cols, x[i], variant="i16")) for i in range(40)])
+    assert np.abs(batched - alone).max() <= 4e-6 * np.abs(alone).max()
 
 
 # ------------------------------------------------------------------------------ dequantize / gemm / get_rows
@@ -501,8 +555,9 @@ def test_gemm(qt, T, dp4a, rng, monkeypatch):
         check_dp4a(out, x, ref_w)
         return
     ref = x.astype(np.float64) @ ref_w.T
-    via_mm = K.mm_supported(qt, n_cols) and T >= K._tuning().mm_from_rows(qt)
-    i16 = T <= K.MAX_MM_ROWS and not via_mm and K._activation_path(qt, "auto") == "i16"
+    via_mmq = K._tuning().mmq_auto and K.mmq_supported(qt, n_cols)  # i16 activations from its rows on, i16 below
+    via_mm = not via_mmq and K.mm_supported(qt, n_cols) and T >= K._tuning().mm_from_rows(qt)
+    i16 = T <= K.MAX_MM_ROWS and (via_mmq or not via_mm and K._activation_path(qt, "auto") == "i16")
     assert relerr(out, ref) < (1e-4 if i16 else 1e-5 if T <= K.MAX_MM_ROWS else 2e-3)
 
 

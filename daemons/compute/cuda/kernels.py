@@ -49,7 +49,8 @@ __all__ = [
     "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu", "argmax",
     "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
-    "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES",
+    "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
+    "mmq_workspace_bytes",
 ]
 
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
@@ -191,6 +192,23 @@ def _mms_kernel(qt: int, nt: int):
     return _function("mms", (int(qt), nt), lambda: _mms_names(qt), nt - 1)
 
 
+# the types the int8 tensor-core matmul (mmq_kernel) decodes: the staged K-quants, rows of whole
+# 256-column blocks
+MMQ_TYPES = MM_STAGED_TYPES
+
+
+def _mmq_names(qt: int) -> tuple[str, ...]:
+    return tuple(f"mmq_kernel<{int(qt)},{nt}>" for nt in range(1, MAX_MM_ROWS // 8 + 1))
+
+
+def _mmq_kernel(qt: int, nt: int):
+    return _function("mmq", (int(qt), nt), lambda: _mmq_names(qt), nt - 1)
+
+
+def _quantize_mmq_kernel():
+    return _module("quant.cu", ()).get_function("quantize_mmq_kernel")
+
+
 def _mm_split_kernel():
     return _module("quant.cu", ()).get_function("mm_split_x_kernel")
 
@@ -235,8 +253,10 @@ def compile_all(qtypes=None) -> None:
             _mm_kernel(q.qtype, cut, 1)
         if q.mm_staged:
             _mms_kernel(q.qtype, 1)
+            _mmq_kernel(q.qtype, 1)
     _quantize_x_kernel()
     _quantize_x2_kernel()
+    _quantize_mmq_kernel()
     _ops_kernel("rmsnorm_kernel")
 
 
@@ -542,6 +562,61 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     return out
 
 
+def mmq_supported(qtype, n_cols: int) -> bool:
+    """Whether the int8 tensor-core matmul (``mmq``) decodes this type at this row length."""
+    return quant_type(qtype).qtype in MMQ_TYPES and n_cols % 256 == 0
+
+
+def mmq_workspace_bytes(B: int, n_cols: int) -> int:
+    """Bytes of mmq's activation workspace for x [B, n_cols]: the rows padded to Bp = 8 *
+    ceil(B / 8); both int8 planes (2 bytes per element) and (d2, sum) per group of 32 (8 bytes)."""
+    bp = 8 * -(-B // 8)
+    return bp * n_cols * 2 + bp * (n_cols // 32) * 8
+
+
+def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None):
+    """out[b, r] = sum_c W[r, c] * x[b, c] on the int8 tensor cores, for x: f32 [B, n_cols] (or
+    [n_cols]), 1 <= B <= MAX_MM_ROWS; out: f32 [B, n_rows] (or [n_rows]). Weights are read once
+    for all B rows.
+
+    x enters as the i16 matvec's two int8 planes (quant.cu quant2_group: every element within
+    max|x_group| / 64516, ~2e-5 relative), the weights as their integers, every integer sum
+    exact, scales applied in f32: the i16 matvec's activations at tensor-core speed, so the two
+    paths gemm takes below and above mmq's rows see the same x. For MMQ_TYPES (Q4_K, Q5_K,
+    Q6_K) with n_cols a multiple of 256. Workspaces (quantized x, split-K partial sums, tile
+    counters) are per (device, stream, size), made on a size's first eager call: a CUDA graph
+    capture needs that call to have run once eagerly first. config: (WR, WK, KS) instead of the
+    device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8.
+    """
+    q = quant_type(qtype)
+    rb = _check_weights(w_raw, q, n_rows, n_cols)
+    if not mmq_supported(q.qtype, n_cols):
+        raise ValueError(f"the int8 tensor-core matmul does not decode {q.name} rows of {n_cols} columns; use gemm")
+    one_d = x.ndim == 1
+    x = _aligned_x(x, n_cols)
+    B = x.shape[0]
+    if not 1 <= B <= MAX_MM_ROWS:
+        raise ValueError(f"mmq takes 1..{MAX_MM_ROWS} rows of x, got {B}; use gemm")
+    out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
+    wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_cols // 256 * 8)
+    tiles = -(-n_rows // (16 * wr))
+    nt = -(-B // 8)
+    bp = 8 * nt
+    with _stream_ctx(stream):
+        ws = _stream_scratch.get("mmq x planes", mmq_workspace_bytes(B, n_cols))
+        xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
+        n4 = bp * n_cols // 4
+        _quantize_mmq_kernel()(((n4 + 255) // 256,), (256,), (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
+        part = counts = np.uint64(0)
+        if ks > 1:
+            part = _stream_scratch.get("mm partial sums", ks * B * n_rows * 4)
+            counts = _stream_scratch.get("mm tile counters", tiles * 4, zero=True)
+        _mmq_kernel(q.qtype, nt)((tiles, ks), (32 * wr * wk,), (
+            w_raw, xq, xd, out, part, counts, np.int32(n_rows), np.int32(n_cols), np.int64(rb), np.int32(B),
+            np.int32(wr)))
+    return out
+
+
 def _deq_launch(w_raw, q: QuantType, n_src_rows: int, n_cols: int, ids, out, n_out_rows: int, out_f32: bool, stream):
     rb = _check_weights(w_raw, q, n_src_rows, n_cols)
     cut = _tuning().deq_cut.get(q.qtype, "v1")
@@ -595,10 +670,12 @@ def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     T <= MAX_MM_ROWS, one capturable launch sequence (no cuBLAS, which cupy cannot capture):
       int8 activations (the default where the type has a dp4a matvec): matvec in chunks of 8
         rows, so every row gets the same products whatever the batch size;
-      exact activations (the default, or a type without dp4a): the tensor-core matmul ``mm``
-        from the device's mm_from_rows(type) rows on (types it decodes, f32-exact), else matvec
-        in chunks of 8 rows (its "auto" variant: i16 where the type has it, within ~2e-5, else
-        f32).
+      otherwise, for the K-quants (MMQ_TYPES, with the device's mmq_auto): the int8 tensor-core
+        matmul ``mmq`` from the device's mmq_from_rows(type) rows on (the i16 activations, ~2e-5),
+        else the i16 matvec in chunks of 8 rows;
+      the other types: the tensor-core matmul ``mm`` from the device's mm_from_rows(type) rows
+        on (types it decodes, f32-exact), else matvec in chunks of 8 rows (its "auto" variant:
+        i16 where the type has it, within ~2e-5, else f32).
     More rows: ``gemm_dequant`` (an f16 copy of W and cuBLAS).
     """
     q = quant_type(qtype)
@@ -607,8 +684,12 @@ def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     T = x.shape[0]
     if T > MAX_MM_ROWS:
         return gemm_dequant(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
-    if not _use_dp4a(qt, None) and T >= _tuning().mm_from_rows(qt) and _mm_cut(q, n_cols) is not None:
-        return mm(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+    if not _use_dp4a(qt, None):
+        if _tuning().mmq_auto and mmq_supported(qt, n_cols):
+            if T >= _tuning().mmq_from_rows(qt):
+                return mmq(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+        elif T >= _tuning().mm_from_rows(qt) and _mm_cut(q, n_cols) is not None:
+            return mm(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
     if T <= MAX_MATVEC_B:
         return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
     out = _out(out, (T, n_rows), cp.float32)

@@ -43,11 +43,14 @@ def pass_workspace_bytes(hp: HParams, rows: int, max_ctx: int, n_splits: int | N
 
 def matmul_scratch_bytes(hp: HParams, rows: int) -> int:
     """The kernels' own per-size workspaces a pass of ``rows`` rows leaves behind (kernels.py
-    _stream_scratch: kept, a graph points at them): the tensor-core matmul's x split into f16
-    halves (4 bytes per element of x) for each row length it multiplies (D, the attention
-    output's q_dim, F), or the i16 matvec's two int8 planes with their scales below it."""
+    _stream_scratch: kept, a graph points at them), for each row length multiplied (D, the
+    attention output's q_dim, F): the tensor-core matmul's x split into f16 halves (4 bytes per
+    element of x), and the int8 tensor-core matmul's two int8 planes of x padded to 8 rows (2
+    bytes per element and 8 per group of 32: kernels.mmq_workspace_bytes; a model of K-quants
+    and other types uses both), or the i16 matvec's planes below them (smaller)."""
     widths = {hp.n_embd, hp.q_dim, hp.n_ff}
-    return sum(_pool_bytes(rows * w * 4) for w in widths)
+    bp = 8 * -(-rows // 8)
+    return sum(_pool_bytes(rows * w * 4) + _pool_bytes(bp * w * 2 + bp * (w // 32) * 8) for w in widths)
 
 
 def graph_workspaces_bytes(hp: HParams, max_ctx: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> int:

@@ -424,23 +424,27 @@ extern "C" __global__ void __launch_bounds__(256) quantize_x_kernel(const float*
     }
 }
 
-// quantize_x2_kernel: quantize_x_kernel's int8 plane (q1, d) and a second int8 plane of what it
-// leaves, r = x - d * q1 (|r| <= d / 2), with d2 = d / 254: x = d * q1 + d2 * q2 to within
-// d2 / 2 = max|x| / 64516 of its group ("i16": 15-bit activations, two dp4a products per piece).
-extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float* __restrict__ x,
-                                                                     u32* __restrict__ xq, float2* __restrict__ ds,
-                                                                     u32* __restrict__ xq2, float2* __restrict__ ds2,
-                                                                     int n4) {
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    const bool ok = t < n4;
-    float4 v = ok ? __ldg((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+// four int8 values as one word, element 0 in the low byte
+__device__ __forceinline__ u32 pack_bytes(const int (&q)[4]) {
+    return (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) | ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
+}
+
+// The i16 activations of one group of 32 columns, held by 8 consecutive lanes (a float4 v each):
+// quantize_x_kernel's int8 plane (q, d = max|x| / 127) and a second int8 plane of what it
+// leaves, r = x - d * q (|r| <= d / 2), with d2 = d / 254: x = d * q + d2 * r to within
+// d2 / 2 = max|x| / 64516 of its group ("i16": 15-bit activations). s, s2: the group's sums of
+// q and r (every lane gets them). Shared by the i16 matvec's and mmq's quantizers, so that both
+// products see the same activations.
+__device__ __forceinline__ void quant2_group(const float4& v, int (&q)[4], int (&r)[4], float& d, float& d2,
+                                             int& s, int& s2) {
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.f, d2 = d / 254.f;
+    d = amax / 127.f;
+    d2 = d / 254.f;
     const float id = amax > 0.f ? 127.f / amax : 0.f, id2 = amax > 0.f ? 254.f / d : 0.f;
     const float xs[4] = {v.x, v.y, v.z, v.w};
-    int q[4], r[4], s = 0, s2 = 0;
+    s = s2 = 0;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         q[k] = __float2int_rn(xs[k] * id);
@@ -453,9 +457,23 @@ extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float
         s += __shfl_xor_sync(0xffffffffu, s, o);
         s2 += __shfl_xor_sync(0xffffffffu, s2, o);
     }
+}
+
+// quantize_x2_kernel: quant2_group's two planes, each laid out as quantize_x_kernel's (q int8
+// [B, n_cols], (d, d * sum) per group); n4 = B * n_cols / 4.
+extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float* __restrict__ x,
+                                                                     u32* __restrict__ xq, float2* __restrict__ ds,
+                                                                     u32* __restrict__ xq2, float2* __restrict__ ds2,
+                                                                     int n4) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool ok = t < n4;
+    const float4 v = ok ? __ldg((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+    int q[4], r[4], s, s2;
+    float d, d2;
+    quant2_group(v, q, r, d, d2, s, s2);
     if (ok) {
-        xq[t] = (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) | ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
-        xq2[t] = (u32)(r[0] & 0xFF) | ((u32)(r[1] & 0xFF) << 8) | ((u32)(r[2] & 0xFF) << 16) | ((u32)(r[3] & 0xFF) << 24);
+        xq[t] = pack_bytes(q);
+        xq2[t] = pack_bytes(r);
         if ((t & 7) == 0) {
             ds[t >> 3] = make_float2(d, d * (float)s);
             ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
@@ -1191,32 +1209,19 @@ template <> struct MmLoadS<14> {
     }
 };
 
-template <int QT, int NT>
-__global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, const uint4* __restrict__ xs,
-                                                  float* __restrict__ out, float* __restrict__ part,
-                                                  int* __restrict__ tile_count, int n_rows, int n_cols,
-                                                  long long row_bytes, int B, int WR) {
+// The block-column walk both staged kernels share: the warp's 16 rows (from row_t) go through
+// block columns kpart, kpart + nparts, ... < nb; each column's 16 blocks are copied into `stage`
+// ([16 rows][SROW], coalesced 4-byte loads) while the next column's loads are in flight, and
+// body(blk, sa, sb) computes from the stage: sa, sb are the staged blocks of the lane's rows
+// gid and gid + 8, each at its global address modulo 4 (so 2-byte-aligned layouts read alike).
+template <int QT, class Body>
+__device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_rows, long long row_bytes, int row_t,
+                                               int kpart, int nparts, int nb, u8* stage, Body&& body) {
     typedef QTraits<QT, CUT_V2> T;
-    typedef MmTraits<QT, CUT_V2> M;
     typedef MmStage<QT> S;
-    constexpr int STAGE = 8 * 16 * S::SROW, RED = 8 * 16 * 8 * NT * 4;
-    __shared__ __align__(16) u8 smem[STAGE > RED ? STAGE : RED];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
-    const int gid = lane >> 2, tig = lane & 3;
-    const int row_t = blockIdx.x * 16 * WR + 16 * wr;  // the warp's first row
-    u8* stage = smem + warp * 16 * S::SROW;            // [16 rows][SROW]
-    const int nb = n_cols / T::EPB;
-    const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
-    const uint4* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) xr[nt] = xs + min(8 * nt + gid, B - 1);
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    // the row of staged word i of this lane (w = lane + 32 i: row w / NWORDS, word w % NWORDS)
+    const int lane = threadIdx.x & 31, gid = lane >> 2;
     auto row_ptr = [&](int r) { return w + (long long)min(row_t + r, n_rows - 1) * row_bytes; };
-    u32 pre[S::WPL];
+    u32 pre[S::WPL];  // staged word i of this lane: w = lane + 32 i, row w / NWORDS, word w % NWORDS
     auto fetch = [&](int blk) {
 #pragma unroll
         for (int i = 0; i < S::WPL; i++) {
@@ -1240,8 +1245,32 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
         if (blk + nparts < nb) fetch(blk + nparts);  // in flight while this block column computes
         const int mis_a = (int)((unsigned long long)(row_ptr(gid) + (long long)blk * T::BYTES) & 3ull);
         const int mis_b = (int)((unsigned long long)(row_ptr(gid + 8) + (long long)blk * T::BYTES) & 3ull);
-        const u8* sa = stage + gid * S::SROW + mis_a;
-        const u8* sb = stage + (gid + 8) * S::SROW + mis_b;
+        body(blk, (const u8*)(stage + gid * S::SROW + mis_a), (const u8*)(stage + (gid + 8) * S::SROW + mis_b));
+    }
+}
+
+template <int QT, int NT>
+__global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, const uint4* __restrict__ xs,
+                                                  float* __restrict__ out, float* __restrict__ part,
+                                                  int* __restrict__ tile_count, int n_rows, int n_cols,
+                                                  long long row_bytes, int B, int WR) {
+    typedef QTraits<QT, CUT_V2> T;
+    typedef MmTraits<QT, CUT_V2> M;
+    typedef MmStage<QT> S;
+    constexpr int STAGE = 8 * 16 * S::SROW, RED = 8 * 16 * 8 * NT * 4;
+    __shared__ __align__(16) u8 smem[STAGE > RED ? STAGE : RED];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
+    const uint4* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) xr[nt] = xs + min(8 * nt + gid, B - 1);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    mm_staged_walk<QT>(w, n_rows, row_bytes, blockIdx.x * 16 * WR + 16 * wr, kpart, nparts, n_cols / T::EPB,
+                       smem + warp * 16 * S::SROW, [&](int blk, const u8* sa, const u8* sb) {
 #pragma unroll 2
         for (int st = 0; st < T::LPB / 4; st++) {
             const int j = 4 * st + tig;
@@ -1270,7 +1299,200 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
                 }
             }
         }
+    });
+    __syncthreads();  // every warp is done with its stage: the reduction reuses the memory
+    mm_epilogue<NT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
+}
+
+// ---------------------------------------------------------------- int8 tensor-core matmul (mmq)
+// out[b, row] = sum_c W[row, c] * x[b, c] for up to 64 rows of x on the int8 tensor cores
+// (mma.sync m16n8k32 / m16n8k16 .s8, exact int32 sums), for the K-quants (staged as in mms).
+// x enters as the i16 matvec's two int8 planes (quantize_x2_kernel's arithmetic): per group of
+// 32 columns x ~= d * q1 + d2 * q2 with d2 = d / 254, so x ~= d2 * (254 q1 + q2) within
+// max|x_group| / 64516 (~2e-5 relative), the same activations as the i16 matvec below mm's rows.
+// The weights enter as their integers (Q4_K/Q5_K q, Q6_K q - 32), one mma per plane per
+// sub-block; sub-block scales and mins, and x's group scale d2 and group sum, apply in f32.
+// So mmq is ~4x fewer tensor-core instructions than mm's exact f16 split (2 per 32 columns
+// instead of 8 with the min terms), at the i16 matvec's precision.
+//
+// The int32 sums start from MMQ_BIAS, the f32 1.5 * 2^23 read as an integer: a sum s with
+// |s| < 2^22 then reads as the float 1.5 * 2^23 + s, and one FADD gives s exactly (no I2F, a
+// quarter-rate conversion that would bound the kernel). Per plane |s| <= 32 * 32 * 127 < 2^22.
+//
+// Fragments (lane = 4 gid + tig): m16n8k32 A regs (row gid, k 4tig..+3), (row gid+8, same k),
+// (row gid, k 16+4tig..+3), (row gid+8, same); B (k 4tig..+3, col gid), (k 16+4tig..+3, col
+// gid); C (row gid, col 2tig, 2tig+1), (row gid+8, ...). m16n8k16: A (row gid, k 4tig..+3),
+// (row gid+8, same); B (k 4tig..+3, col gid). The k index is the element's position in the
+// sub-block (Q4_K/Q5_K: 32, Q6_K: 16).
+//
+// x layout (quantize_mmq_kernel), Bp = 8 * NT rows (rows from B on are zero): xq [groups][Bp][4]
+// uint4, entry (g, n, tig) = plane 1 at k 4tig..+3 and 16+4tig..+3 of group g, then plane 2
+// likewise: the B fragments of both planes in one 16-byte load, 512 contiguous bytes a warp;
+// xd [groups][Bp] float2 (d2, group sum of the dequantized x): a lane's C columns 2tig, 2tig+1
+// are one float4.
+#define MMQ_BIAS 0x4B400000
+#define MMQ_BIAS_F 12582912.0f
+__device__ __forceinline__ float mmq_f(int c) { return __int_as_float(c) - MMQ_BIAS_F; }
+__device__ __forceinline__ void mma_s8_k32(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    c[0] = c[1] = c[2] = c[3] = MMQ_BIAS;
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_s8_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    c[0] = c[1] = c[2] = c[3] = MMQ_BIAS;
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+// 254 * (plane-1 sum) + (plane-2 sum) of one mma pair, as f32 (x = d2 * that per group)
+__device__ __forceinline__ float mmq_t(int c1, int c2) { return fmaf(254.f, mmq_f(c1), mmq_f(c2)); }
+
+// x [B, n_cols] f32 -> xq, xd above; one thread per float4 of the Bp padded rows (n4 = Bp * n_cols
+// / 4), 8 threads per group, the arithmetic of quantize_x2_kernel (quant2_group).
+extern "C" __global__ void __launch_bounds__(256) quantize_mmq_kernel(const float* __restrict__ x, u32* __restrict__ xq,
+                                                                      float2* __restrict__ xd, int n_cols, int B,
+                                                                      int Bp) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int cols4 = n_cols >> 2, n4 = Bp * cols4;
+    const int n = t / cols4, c4 = t % cols4;
+    const bool ok = t < n4, real = ok && n < B;  // n4 is a multiple of 8: a group is all in or all out
+    const float4 v = real ? __ldg((const float4*)x + (long long)n * cols4 + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    int q[4], r[4], s, s2;
+    float d, d2;
+    quant2_group(v, q, r, d, d2, s, s2);
+    if (!ok) return;
+    const int g = c4 >> 3, k = c4 & 7;  // elements 4k..4k+3 of group g
+    u32* e = xq + ((long long)g * Bp + n) * 16 + 4 * (k & 3) + (k >> 2);  // entry (g, n, tig = k & 3)
+    e[0] = pack_bytes(q);
+    e[2] = pack_bytes(r);
+    if (k == 0) xd[(long long)g * Bp + n] = make_float2(d2, fmaf(d, (float)s, d2 * (float)s2));
+}
+
+// The A fragments of the K-quants, read from a staged block p for the lane's row.
+// Q4_K / Q5_K chunk c (sub-blocks 2c, 2c+1): qs bytes [32c, 32c+32) hold element l of sub-block
+// 2c (low nibble) and 2c+1 (high); Q5_K's fifth bit of element l of sub-block is is bit is of
+// qh[l]. lo, hi: the (k 4tig..+3, k 16+4tig..+3) words of sub-blocks 2c and 2c+1.
+template <int QT>
+__device__ __forceinline__ void mmq_k45_chunk(const u8* p, int c, int tig, u32 (&lo)[2], u32 (&hi)[2]) {
+    constexpr int QS = QT == 12 ? 16 : 48;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const u32 wq = *(const u32*)(p + QS + 32 * c + 16 * i + 4 * tig);
+        lo[i] = wq & 0x0F0F0F0Fu;
+        hi[i] = (wq >> 4) & 0x0F0F0F0Fu;
+        if (QT == 13) {
+            const u32 qh = *(const u32*)(p + 16 + 16 * i + 4 * tig);
+            lo[i] |= ((qh >> (2 * c)) & 0x01010101u) << 4;
+            hi[i] |= ((qh >> (2 * c + 1)) & 0x01010101u) << 4;
+        }
     }
+}
+// sub-block scales s and mins m (weight = s * q - m) of chunk c's two sub-blocks from the header h
+__device__ __forceinline__ void mmq_k45_scales(const uint4& h, int c, float (&s)[2], float (&m)[2]) {
+    u32 scw, mw;
+    k4_scales_packed(h.y, h.z, h.w, c >= 2, scw, mw);
+    const int idx = (2 * c) & 3;
+    const float d = h2f(h.x), dmin = h2f(h.x >> 16);
+    s[0] = d * bytef(scw, idx, 0.f); s[1] = d * bytef(scw, idx + 1, 0.f);
+    m[0] = dmin * bytef(mw, idx, 0.f); m[1] = dmin * bytef(mw, idx + 1, 0.f);
+}
+// Q6_K sub-block (h, kind, half) = elements 128h + 32 kind + 16 half + (0..15), scale
+// sc[8h + 2 kind + half]: the lane's word (k 4tig..+3) as int8 q - 32
+__device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int half, int tig) {
+    const int l = 16 * half + 4 * tig;
+    const u32 ql = lds32a2(p + 64 * h + 32 * (kind & 1) + l);
+    const u32 qh = lds32a2(p + 128 + 32 * h + l);
+    const u32 nib = (kind >= 2 ? (ql >> 4) : ql) & 0x0F0F0F0Fu;
+    return sub32_bytes(nib | (((qh >> (2 * kind)) & 0x03030303u) << 4));
+}
+
+// One CTA: WR warps side by side over 16-row tiles, WK = warps / WR over the block columns;
+// gridDim.y = KS more splits of the block columns (mm_launch, as mm); mm_epilogue sums.
+// xq, xd: quantize_mmq_kernel of x with Bp = 8 NT; out: [B, n_rows] f32.
+template <int QT, int NT>
+__global__ void __launch_bounds__(256) mmq_kernel(const u8* __restrict__ w, const uint4* __restrict__ xq,
+                                                  const float2* __restrict__ xd, float* __restrict__ out,
+                                                  float* __restrict__ part, int* __restrict__ tile_count, int n_rows,
+                                                  int n_cols, long long row_bytes, int B, int WR) {
+    typedef MmStage<QT> S;
+    constexpr int Bp = 8 * NT;
+    constexpr int STAGE = 8 * 16 * S::SROW, RED = 8 * 16 * 8 * NT * 4;
+    __shared__ __align__(16) u8 smem[STAGE > RED ? STAGE : RED];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
+    const uint4* xql = xq + gid * 4 + tig;                     // + (g Bp + 8 nt) * 4: entry (g, 8 nt + gid, tig)
+    const float4* xdl = (const float4*)xd + tig;                // + g Bp / 2 + 4 nt: (d2, sum) of rows 8 nt + 2 tig, + 1
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    mm_staged_walk<QT>(w, n_rows, row_bytes, blockIdx.x * 16 * WR + 16 * wr, kpart, nparts, n_cols / 256,
+                       smem + warp * 16 * S::SROW, [&](int blk, const u8* pa, const u8* pb) {
+        if constexpr (QT == 12 || QT == 13) {
+            const uint4 ha = *(const uint4*)pa, hb = *(const uint4*)pb;
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                u32 loa[2], hia[2], lob[2], hib[2];
+                mmq_k45_chunk<QT>(pa, c, tig, loa, hia);
+                mmq_k45_chunk<QT>(pb, c, tig, lob, hib);
+                float sa[2], ma[2], sb[2], mb[2];
+                mmq_k45_scales(ha, c, sa, ma);
+                mmq_k45_scales(hb, c, sb, mb);
+#pragma unroll
+                for (int sub = 0; sub < 2; sub++) {
+                    const u32 a0 = sub ? hia[0] : loa[0], a1 = sub ? hib[0] : lob[0];
+                    const u32 a2 = sub ? hia[1] : loa[1], a3 = sub ? hib[1] : lob[1];
+                    const long long g = (long long)blk * 8 + 2 * c + sub;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 xv = __ldg(xql + (g * Bp + 8 * nt) * 4);
+                        const float4 dd = __ldg(xdl + g * (Bp / 2) + 4 * nt);  // (d2, sum) of columns 2tig, 2tig+1
+                        int c1[4], c2[4];
+                        mma_s8_k32(c1, a0, a1, a2, a3, xv.x, xv.y);
+                        mma_s8_k32(c2, a0, a1, a2, a3, xv.z, xv.w);
+                        acc[nt][0] = fmaf(sa[sub] * dd.x, mmq_t(c1[0], c2[0]), fmaf(-ma[sub], dd.y, acc[nt][0]));
+                        acc[nt][1] = fmaf(sa[sub] * dd.z, mmq_t(c1[1], c2[1]), fmaf(-ma[sub], dd.w, acc[nt][1]));
+                        acc[nt][2] = fmaf(sb[sub] * dd.x, mmq_t(c1[2], c2[2]), fmaf(-mb[sub], dd.y, acc[nt][2]));
+                        acc[nt][3] = fmaf(sb[sub] * dd.z, mmq_t(c1[3], c2[3]), fmaf(-mb[sub], dd.w, acc[nt][3]));
+                    }
+                }
+            }
+        } else {  // Q6_K: weight = d * sc * (q - 32), sub-blocks of 16, two per group of 32
+            const float da = h2f((u32)*(const u16*)(pa + 208)), db = h2f((u32)*(const u16*)(pb + 208));
+#pragma unroll 2
+            for (int gi = 0; gi < 8; gi++) {  // group gi of the block: h = gi / 4, kind = gi % 4
+                const int h = gi >> 2, kind = gi & 3;
+                u32 a[2][2];    // [half][row gid, gid + 8]
+                float s[2][2];  // [half][row gid, gid + 8]
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    a[half][0] = mmq_q6_word(pa, h, kind, half, tig);
+                    a[half][1] = mmq_q6_word(pb, h, kind, half, tig);
+                    s[half][0] = da * (float)(signed char)pa[192 + 8 * h + 2 * kind + half];
+                    s[half][1] = db * (float)(signed char)pb[192 + 8 * h + 2 * kind + half];
+                }
+                const long long g = (long long)blk * 8 + gi;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 xv = __ldg(xql + (g * Bp + 8 * nt) * 4);
+                    const float4 dd = __ldg(xdl + g * (Bp / 2) + 4 * nt);
+                    int c10[4], c20[4], c11[4], c21[4];
+                    mma_s8_k16(c10, a[0][0], a[0][1], xv.x);
+                    mma_s8_k16(c20, a[0][0], a[0][1], xv.z);
+                    mma_s8_k16(c11, a[1][0], a[1][1], xv.y);
+                    mma_s8_k16(c21, a[1][0], a[1][1], xv.w);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int r = i >> 1;  // C entries 0, 1: row gid; 2, 3: row gid + 8
+                        const float u = fmaf(s[0][r], mmq_t(c10[i], c20[i]), s[1][r] * mmq_t(c11[i], c21[i]));
+                        acc[nt][i] = fmaf((i & 1) ? dd.z : dd.x, u, acc[nt][i]);
+                    }
+                }
+            }
+        }
+    });
     __syncthreads();  // every warp is done with its stage: the reduction reuses the memory
     mm_epilogue<NT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
 }

@@ -59,6 +59,12 @@ class KernelTuning:
     mm_min_rows: dict[QT, int]
     mm_min_rows_default: int
     mm_target_ctas: int
+    # the K-quants (kernels.MMQ_TYPES): with mmq_auto, gemm takes the int8 tensor-core matmul
+    # (quant.cu mmq_kernel, i16 activations) from mmq_min_rows[type] rows (else
+    # mmq_min_rows_default) instead of mm, the i16 matvec below; mm's launch rule (mm_launch)
+    mmq_auto: bool
+    mmq_min_rows: dict[QT, int]
+    mmq_min_rows_default: int
     # exact activations below mm's rows: matvec "auto" takes the i16 product (two int8 planes,
     # ~2e-5 relative) where the type has a dp4a one, instead of f32
     i16_auto: bool
@@ -96,6 +102,10 @@ class KernelTuning:
     def mm_from_rows(self, qtype: QT) -> int:
         """Rows of x from which exact-activation gemm takes the tensor-core matmul for qtype."""
         return self.mm_min_rows.get(qtype, self.mm_min_rows_default)
+
+    def mmq_from_rows(self, qtype: QT) -> int:
+        """Rows of x from which gemm takes the int8 tensor-core matmul for qtype (with mmq_auto)."""
+        return self.mmq_min_rows.get(qtype, self.mmq_min_rows_default)
 
     def attn_splits(self, T: int, n_kv: int, max_ctx: int) -> int:
         """Key splits of attention over T query rows: enough (row, kv-head, split) warps to fill
@@ -168,6 +178,9 @@ H200 = KernelTuning(
     mm_min_rows={QT.Q4_K: 6, QT.Q5_K: 6, QT.Q6_K: 3},
     mm_min_rows_default=9,
     mm_target_ctas=256,
+    mmq_auto=True,
+    mmq_min_rows={},
+    mmq_min_rows_default=3,
     i16_auto=True,
     attn_target_warps=2048,
     attn_max_splits=64,
