@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
     ap.add_argument("--ts", default="1,2,3,4,8,9,16,24,32,48,64")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep-mm", action="store_true", help="time the tensor-core matmul at every (WR, WK, KS)")
+    ap.add_argument("--sweep-mm", action="store_true",
+                    help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS)")
     ap.add_argument("--paths", default=None,
                     help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq); default all")
     args = ap.parse_args()
@@ -98,13 +99,15 @@ def main() -> None:
                 if args.paths:
                     keep = set(args.paths.split(","))
                     paths = {k: v for k, v in paths.items() if k in keep}
-                if args.sweep_mm and "mm" in paths:
-                    for wr in (1, 2, 4, 8):
-                        for wk in (1, 2, 4, 8):
-                            for ks in (1, 2, 4, 8):
-                                if wr * wk <= 8 and 16 * wr >= T // 2:
-                                    paths[f"mm_{wr}_{wk}_{ks}"] = (lambda c: lambda i: K.mm(
-                                        ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))((wr, wk, ks))
+                for kind in ("mm", "mmq"):
+                    if args.sweep_mm and kind in paths:
+                        fn = getattr(K, kind)
+                        for wr in (1, 2, 4, 8):
+                            for wk in (1, 2, 4, 8):
+                                for ks in (1, 2, 4, 8):
+                                    if wr * wk <= 8 and (kind == "mmq" or 16 * wr >= T // 2):
+                                        paths[f"{kind}_{wr}_{wk}_{ks}"] = (lambda f, c: lambda i: f(
+                                            ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))(fn, (wr, wk, ks))
                 row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes}
                 for name, fn in paths.items():
                     ms = _time_ms(fn, stream)
@@ -114,6 +117,9 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             ws.clear()
             cp.get_default_memory_pool().free_all_blocks()
+    for key, f in sorted(K._functions.items(), key=str):  # registers, spills: what bounds occupancy
+        print(f"kernel {key[1:]}: {f.num_regs} registers, {f.local_size_bytes} B local (spills), "
+              f"{f.shared_size_bytes} B static shared", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"copy_gbps": round(copy_gbps, 1), "rows": rows}, f, indent=1)

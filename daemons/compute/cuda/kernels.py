@@ -192,6 +192,27 @@ def _mms_kernel(qt: int, nt: int):
     return _function("mms", (int(qt), nt), lambda: _mms_names(qt), nt - 1)
 
 
+MM_STAGES = 4  # quant.cu MM_STAGES: block columns in flight per warp of the staged kernels
+_DEFAULT_SMEM_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting in
+
+
+def _staged_smem_bytes(q: QuantType, warps: int, nt: int) -> int:
+    """Dynamic shared memory of mms_kernel / mmq_kernel: each warp's MM_STAGES stages of 16 rows
+    (quant.cu MmStage: a block plus its misalignment, in words, rounded up to 16 bytes), or the
+    epilogue's reduction (warps x 16 rows x 8 NT floats), whichever is larger."""
+    mis = 0 if q.block_bytes % 4 == 0 else 2
+    srow = -(-(-(-(q.block_bytes + mis) // 4) * 4) // 16) * 16
+    return max(warps * MM_STAGES * 16 * srow, warps * 16 * 8 * nt * 4)
+
+
+def _launch_staged(kern, grid, warps: int, smem: int, args) -> None:
+    """Launch a staged kernel with `smem` bytes of dynamic shared memory, opting the kernel in
+    beyond the default 48 KiB once (a per-function attribute)."""
+    if smem > _DEFAULT_SMEM_LIMIT and kern.max_dynamic_shared_size_bytes < smem:
+        kern.max_dynamic_shared_size_bytes = smem
+    kern(grid, (32 * warps,), args, shared_mem=smem)
+
+
 # the types the int8 tensor-core matmul (mmq_kernel) decodes: the staged K-quants, rows of whole
 # 256-column blocks
 MMQ_TYPES = MM_STAGED_TYPES
@@ -545,10 +566,8 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_steps)
     tiles = -(-n_rows // (16 * wr))
     nt = -(-B // 8)
-    if staged and q.mm_staged and cut == "v2":
-        kern = _mms_kernel(q.qtype, nt)
-    else:
-        kern = _mm_kernel(q.qtype, cut, nt)
+    staged = staged and q.mm_staged and cut == "v2"
+    kern = _mms_kernel(q.qtype, nt) if staged else _mm_kernel(q.qtype, cut, nt)
     with _stream_ctx(stream):
         xs = _stream_scratch.get("mm x halves", B * n_cols * 4)  # [n_cols / 4, B] uint4
         n4 = B * n_cols // 4
@@ -557,8 +576,11 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
         if ks > 1:
             part = _stream_scratch.get("mm partial sums", ks * B * n_rows * 4)
             counts = _stream_scratch.get("mm tile counters", tiles * 4, zero=True)
-        kern((tiles, ks), (32 * wr * wk,), (w_raw, xs, out, part, counts, np.int32(n_rows), np.int32(n_cols),
-                                            np.int64(rb), np.int32(B), np.int32(wr)))
+        args = (w_raw, xs, out, part, counts, np.int32(n_rows), np.int32(n_cols), np.int64(rb), np.int32(B), np.int32(wr))
+        if staged:
+            _launch_staged(kern, (tiles, ks), wr * wk, _staged_smem_bytes(q, wr * wk, nt), args)
+        else:
+            kern((tiles, ks), (32 * wr * wk,), args)
     return out
 
 
@@ -611,7 +633,7 @@ def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, con
         if ks > 1:
             part = _stream_scratch.get("mm partial sums", ks * B * n_rows * 4)
             counts = _stream_scratch.get("mm tile counters", tiles * 4, zero=True)
-        _mmq_kernel(q.qtype, nt)((tiles, ks), (32 * wr * wk,), (
+        _launch_staged(_mmq_kernel(q.qtype, nt), (tiles, ks), wr * wk, _staged_smem_bytes(q, wr * wk, nt), (
             w_raw, xq, xd, out, part, counts, np.int32(n_rows), np.int32(n_cols), np.int64(rb), np.int32(B),
             np.int32(wr)))
     return out

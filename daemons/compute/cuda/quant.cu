@@ -1209,44 +1209,66 @@ template <> struct MmLoadS<14> {
     }
 };
 
+// 4-byte asynchronous copy global -> shared (cp.async, sm_80+): no register holds the data, so
+// several block columns can be in flight per warp at no register cost
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gsrc) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gsrc) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// stages per warp of the staged walk (block columns in flight); kernels.MM_STAGES mirrors it to
+// size the dynamic shared memory
+#define MM_STAGES 4
+
 // The block-column walk both staged kernels share: the warp's 16 rows (from row_t) go through
-// block columns kpart, kpart + nparts, ... < nb; each column's 16 blocks are copied into `stage`
-// ([16 rows][SROW], coalesced 4-byte loads) while the next column's loads are in flight, and
-// body(blk, sa, sb) computes from the stage: sa, sb are the staged blocks of the lane's rows
-// gid and gid + 8, each at its global address modulo 4 (so 2-byte-aligned layouts read alike).
+// block columns kpart, kpart + nparts, ... < nb. Each column's 16 blocks are copied (coalesced
+// 4-byte cp.async: 32 lanes, 128 contiguous bytes of one row) into one of MM_STAGES stages
+// ([16 rows][SROW] each, at `stage`), MM_STAGES - 1 columns ahead of the one computed, and
+// body(blk, sa, sb) computes from the stage: sa, sb are the staged blocks of the lane's rows gid
+// and gid + 8, each at its global address modulo 4 (so 2-byte-aligned layouts read alike).
 template <int QT, class Body>
 __device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_rows, long long row_bytes, int row_t,
                                                int kpart, int nparts, int nb, u8* stage, Body&& body) {
     typedef QTraits<QT, CUT_V2> T;
     typedef MmStage<QT> S;
+    constexpr int NS = MM_STAGES, STAGE_BYTES = 16 * S::SROW;
     const int lane = threadIdx.x & 31, gid = lane >> 2;
     auto row_ptr = [&](int r) { return w + (long long)min(row_t + r, n_rows - 1) * row_bytes; };
-    u32 pre[S::WPL];  // staged word i of this lane: w = lane + 32 i, row w / NWORDS, word w % NWORDS
-    auto fetch = [&](int blk) {
+    // staged word i of this lane: w = lane + 32 i, row w / NWORDS, word w % NWORDS
+    auto issue = [&](int blk, int slot) {
+        if (blk < nb) {
 #pragma unroll
-        for (int i = 0; i < S::WPL; i++) {
-            const int wi = lane + 32 * i;
-            if (wi < 16 * S::NWORDS) {
-                const int r = wi / S::NWORDS, k = wi % S::NWORDS;
-                const unsigned long long g = (unsigned long long)(row_ptr(r) + (long long)blk * T::BYTES);
-                pre[i] = __ldg((const u32*)(g & ~3ull) + k);
+            for (int i = 0; i < S::WPL; i++) {
+                const int wi = lane + 32 * i;
+                if (wi < 16 * S::NWORDS) {
+                    const int r = wi / S::NWORDS, k = wi % S::NWORDS;
+                    const unsigned long long g = (unsigned long long)(row_ptr(r) + (long long)blk * T::BYTES);
+                    cp_async4(stage + slot * STAGE_BYTES + r * S::SROW + 4 * k, (const u32*)(g & ~3ull) + k);
+                }
             }
         }
+        cp_async_commit();  // a group per column, empty past the end: the wait below counts groups
     };
-    if (kpart < nb) fetch(kpart);
-    for (int blk = kpart; blk < nb; blk += nparts) {
-        __syncwarp();
 #pragma unroll
-        for (int i = 0; i < S::WPL; i++) {
-            const int wi = lane + 32 * i;
-            if (wi < 16 * S::NWORDS) *(u32*)(stage + (wi / S::NWORDS) * S::SROW + 4 * (wi % S::NWORDS)) = pre[i];
-        }
-        __syncwarp();
-        if (blk + nparts < nb) fetch(blk + nparts);  // in flight while this block column computes
+    for (int s = 0; s < NS - 1; s++) issue(kpart + s * nparts, s);
+    int slot = 0;
+    for (int blk = kpart; blk < nb; blk += nparts) {
+        // the stage the previous column used (every lane is past it: __syncwarp below) takes the
+        // column NS - 1 ahead; then this column's group is the oldest of NS pending
+        issue(blk + (NS - 1) * nparts, slot == 0 ? NS - 1 : slot - 1);
+        cp_async_wait<NS - 1>();
+        __syncwarp();  // every lane's copies of this column have landed
         const int mis_a = (int)((unsigned long long)(row_ptr(gid) + (long long)blk * T::BYTES) & 3ull);
         const int mis_b = (int)((unsigned long long)(row_ptr(gid + 8) + (long long)blk * T::BYTES) & 3ull);
-        body(blk, (const u8*)(stage + gid * S::SROW + mis_a), (const u8*)(stage + (gid + 8) * S::SROW + mis_b));
+        const u8* st = stage + slot * STAGE_BYTES;
+        body(blk, st + gid * S::SROW + mis_a, st + (gid + 8) * S::SROW + mis_b);
+        __syncwarp();
+        slot = slot == NS - 1 ? 0 : slot + 1;
     }
+    cp_async_wait<0>();
 }
 
 template <int QT, int NT>
@@ -1257,8 +1279,7 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
     typedef QTraits<QT, CUT_V2> T;
     typedef MmTraits<QT, CUT_V2> M;
     typedef MmStage<QT> S;
-    constexpr int STAGE = 8 * 16 * S::SROW, RED = 8 * 16 * 8 * NT * 4;
-    __shared__ __align__(16) u8 smem[STAGE > RED ? STAGE : RED];
+    extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 * 8 NT * 4)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
     const int gid = lane >> 2, tig = lane & 3;
@@ -1270,7 +1291,7 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     mm_staged_walk<QT>(w, n_rows, row_bytes, blockIdx.x * 16 * WR + 16 * wr, kpart, nparts, n_cols / T::EPB,
-                       smem + warp * 16 * S::SROW, [&](int blk, const u8* sa, const u8* sb) {
+                       smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* sa, const u8* sb) {
 #pragma unroll 2
         for (int st = 0; st < T::LPB / 4; st++) {
             const int j = 4 * st + tig;
@@ -1417,8 +1438,7 @@ __global__ void __launch_bounds__(256) mmq_kernel(const u8* __restrict__ w, cons
                                                   int n_cols, long long row_bytes, int B, int WR) {
     typedef MmStage<QT> S;
     constexpr int Bp = 8 * NT;
-    constexpr int STAGE = 8 * 16 * S::SROW, RED = 8 * 16 * 8 * NT * 4;
-    __shared__ __align__(16) u8 smem[STAGE > RED ? STAGE : RED];
+    extern __shared__ __align__(16) u8 smem[];  // as mms_kernel's
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
     const int gid = lane >> 2, tig = lane & 3;
@@ -1429,11 +1449,11 @@ __global__ void __launch_bounds__(256) mmq_kernel(const u8* __restrict__ w, cons
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     mm_staged_walk<QT>(w, n_rows, row_bytes, blockIdx.x * 16 * WR + 16 * wr, kpart, nparts, n_cols / 256,
-                       smem + warp * 16 * S::SROW, [&](int blk, const u8* pa, const u8* pb) {
+                       smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* pa, const u8* pb) {
         if constexpr (QT == 12 || QT == 13) {
             const uint4 ha = *(const uint4*)pa, hb = *(const uint4*)pb;
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
+#pragma unroll 1
+            for (int c = 0; c < 4; c++) {  // not unrolled: hoisting every chunk's loads cost 2x the registers
                 u32 loa[2], hia[2], lob[2], hib[2];
                 mmq_k45_chunk<QT>(pa, c, tig, loa, hia);
                 mmq_k45_chunk<QT>(pb, c, tig, lob, hib);
@@ -1461,7 +1481,7 @@ __global__ void __launch_bounds__(256) mmq_kernel(const u8* __restrict__ w, cons
             }
         } else {  // Q6_K: weight = d * sc * (q - 32), sub-blocks of 16, two per group of 32
             const float da = h2f((u32)*(const u16*)(pa + 208)), db = h2f((u32)*(const u16*)(pb + 208));
-#pragma unroll 2
+#pragma unroll 1
             for (int gi = 0; gi < 8; gi++) {  // group gi of the block: h = gi / 4, kind = gi % 4
                 const int h = gi >> 2, kind = gi & 3;
                 u32 a[2][2];    // [half][row gid, gid + 8]
