@@ -204,6 +204,13 @@ class ProfiledBackend:
         label, nbytes = self.matrices[id(w)]
         return self._timed(label, nbytes, self.inner.matmul, w, x, out)
 
+    def matmuls(self, x, products) -> None:
+        """The products of one x as the backend runs them (x quantized once): one timed
+        operation, labelled with every matrix."""
+        labels = [self.matrices[id(w)] for w, _ in products]
+        label = "matmul " + " + ".join(lbl.removeprefix("matmul ") for lbl, _ in labels)
+        self._timed(label, sum(n for _, n in labels), self.inner.matmuls, x, products)
+
     def rope(self, q, k, ws) -> None:
         self._timed("rope", 0, self.inner.rope, q, k, ws)
 

@@ -243,6 +243,12 @@ class Backend(ABC):
     def matmul(self, w: Any, x: Any, out: Any) -> Any:
         """out = x @ w.T with w the layer's matrix [N, K] as stored. x: [T, K] -> out: [T, N]"""
 
+    def matmuls(self, x: Any, products: Sequence[tuple[Any, Any]]) -> None:
+        """out = x @ w.T for each (w, out) of ``products``, all of the same x [T, K] (a layer's
+        q, k and v; its gate and up). A GPU backend quantizes x once for all of them."""
+        for w, out in products:
+            self.matmul(w, x, out=out)
+
     @abstractmethod
     def rope(self, q: Any, k: Any, ws: Workspace) -> None:
         """Rotate q [T, H*hd] and k [T, Hkv*hd] in place at the rows' positions."""

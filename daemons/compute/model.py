@@ -31,16 +31,13 @@ def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) 
         x = x + W_down · (silu(W_gate · norm(x)) * W_up · norm(x))
     """
     ops.rms_norm(ws.x, w["attn_norm"], out=ws.h)  # h: [T, D]
-    ops.matmul(w["attn_q"], ws.h, out=ws.q)  # q: [T, H*hd]
-    ops.matmul(w["attn_k"], ws.h, out=ws.k)  # k: [T, Hkv*hd]
-    ops.matmul(w["attn_v"], ws.h, out=ws.v)  # v: [T, Hkv*hd]
+    ops.matmuls(ws.h, ((w["attn_q"], ws.q), (w["attn_k"], ws.k), (w["attn_v"], ws.v)))  # q: [T, H*hd], k, v: [T, Hkv*hd]
     ops.rope(ws.q, ws.k, ws)
     ops.kv_write(layer_idx, ws.k, ws.v, ws)
     ops.attention(layer_idx, ws.q, ws, out=ws.attn)  # attn: [T, H*hd]
     ops.matmul(w["attn_output"], ws.attn, out=ws.o)  # o: [T, D]
     ops.add_rms_norm(ws.x, ws.o, w["ffn_norm"], out=ws.h)  # x += o; h = norm(x)
-    ops.matmul(w["ffn_gate"], ws.h, out=ws.gate)  # gate: [T, F]
-    ops.matmul(w["ffn_up"], ws.h, out=ws.up)  # up: [T, F]
+    ops.matmuls(ws.h, ((w["ffn_gate"], ws.gate), (w["ffn_up"], ws.up)))  # gate, up: [T, F]
     ops.swiglu(ws.gate, ws.up, out=ws.act)  # act: [T, F]
     ops.matmul(w["ffn_down"], ws.act, out=ws.o)  # o: [T, D]
     ops.add(ws.x, ws.o, out=ws.x)

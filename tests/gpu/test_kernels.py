@@ -979,3 +979,20 @@ def test_graph_replay_matches_eager(rng):
         assert np.all(np.isfinite(cp.asnumpy(gb["logits"])))
     # the graph really used the new positions: attention at 200 differs from at 11
     assert not np.array_equal(cp.asnumpy(gb["ck"][2, :, 200]), ck0[2, :, 200])
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 16, 40, 64])
+def test_gemm_group_equals_gemm_each(T, rng, monkeypatch):
+    """gemm_group (x quantized once for the matrices that take the same quantized x) gives each
+    product exactly as gemm alone does, for a mix of types (Q4_K and Q6_K share mmq's or the i16
+    matvec's planes; Q8_0 takes its own path)."""
+    monkeypatch.setenv(tuning.DP4A_ENV, "0")
+    n_cols = 512
+    specs = [(QT.Q4_K, 96), (QT.Q6_K, 32), (QT.Q8_0, 64), (QT.Q4_K, 200)]
+    raws = [cp.asarray(random_weights(qt, n, n_cols, rng)) for qt, n in specs]
+    x = cp.asarray(rng.standard_normal((T, n_cols)).astype(np.float32))
+    outs = [nan_f32((T, n)) for _, n in specs]
+    got = K.gemm_group(x, [(raw, qt, n, n_cols, out) for raw, (qt, n), out in zip(raws, specs, outs)])
+    assert all(g is o for g, o in zip(got, outs))
+    for raw, (qt, n), out in zip(raws, specs, outs):
+        np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(K.gemm(raw, qt, n, n_cols, x)))

@@ -340,6 +340,9 @@ class CudaBackend(Backend):
     def matmul(self, w: _Mat, x, out):
         return K.gemm(w.raw, w.qtype, w.n_rows, w.n_cols, x, out=out)
 
+    def matmuls(self, x, products) -> None:
+        K.gemm_group(x, [(w.raw, w.qtype, w.n_rows, w.n_cols, out) for w, out in products])
+
     def rope(self, q, k, ws: _Work) -> None:
         hp, T = self.hp, ws.T
         K.rope_inplace(q.reshape(T, hp.n_head, hp.head_dim), ws.positions, hp.rope_dim, hp.rope_base, self.freq_factors)

@@ -50,7 +50,7 @@ __all__ = [
     "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
-    "mmq_workspace_bytes",
+    "mmq_workspace_bytes", "mmq_quantize", "i16_quantize", "gemm_group",
 ]
 
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
@@ -450,6 +450,16 @@ def _quantize2_launch(x, ws, B: int, n_cols: int):
     return xq, ds, xq2, ds2
 
 
+def i16_quantize(x, *, stream=None):
+    """The i16 matvec's activations for x [B, n_cols] (B <= MAX_MATVEC_B, 16-byte aligned):
+    quantize_x2_kernel into the stream's scratch; pass them as matvec(..., planes=) to every
+    matrix that multiplies this x."""
+    B, n_cols = x.shape
+    with _stream_ctx(stream):
+        ws = _stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols))
+        return _quantize2_launch(x, ws, B, n_cols)
+
+
 def quantize_x(x, xq=None, *, stream=None):
     """The dp4a variant's activation quantization, exposed for tests and reuse: x f32 [B, n_cols]
     (n_cols a multiple of 32) -> (q int8 [B, n_cols], ds f32 [B, n_cols / 32, 2]) views into the
@@ -469,7 +479,8 @@ def quantize_x(x, xq=None, *, stream=None):
     return q.view(cp.int8).reshape(B, n_cols), ds.view(cp.float32).reshape(B, n_cols // 32, 2)
 
 
-def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None, xq=None):
+def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None, xq=None,
+           planes=None):
     """out[b, r] = sum_c W[r, c] * x[b, c].
 
     w_raw: uint8 GGUF bytes of W [n_rows, n_cols]; x: f32 [B, n_cols] (or [n_cols]), B <= 8;
@@ -498,6 +509,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
       per-(device, stream, size) workspace is made on first use and reused, so the call stays
       allocation-free after the first one of its size; a CUDA graph capture needs that workspace
       to exist before capture (run the call once eagerly, or pass xq=).
+    planes: the i16 variant's quantized x (``i16_quantize`` of this x), to quantize x once for
+      several matrices (``gemm_group``); then x is not read.
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
@@ -513,8 +526,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
         kern = _mvq2_kernel(q.qtype, B, nr, u)
         with _stream_ctx(stream):
-            ws = _stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols))
-            xq1, ds1, xq2, ds2 = _quantize2_launch(x, ws, B, n_cols)
+            xq1, ds1, xq2, ds2 = planes if planes is not None else i16_quantize(x)
             kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
                  (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
         return out
@@ -596,7 +608,21 @@ def mmq_workspace_bytes(B: int, n_cols: int) -> int:
     return bp * n_cols * 2 + bp * (n_cols // 32) * 8
 
 
-def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None):
+def mmq_quantize(x, *, stream=None):
+    """mmq's activations for x [B, n_cols] (B <= MAX_MM_ROWS, 16-byte aligned): (xq, xd) of
+    quantize_mmq_kernel in the stream's scratch; pass them as mmq(..., planes=) to every matrix
+    that multiplies this x."""
+    B, n_cols = x.shape
+    bp = 8 * -(-B // 8)
+    with _stream_ctx(stream):
+        ws = _stream_scratch.get("mmq x planes", mmq_workspace_bytes(B, n_cols))
+        xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
+        n4 = bp * n_cols // 4
+        _quantize_mmq_kernel()(((n4 + 255) // 256,), (256,), (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
+    return xq, xd
+
+
+def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, planes=None):
     """out[b, r] = sum_c W[r, c] * x[b, c] on the int8 tensor cores, for x: f32 [B, n_cols] (or
     [n_cols]), 1 <= B <= MAX_MM_ROWS; out: f32 [B, n_rows] (or [n_rows]). Weights are read once
     for all B rows.
@@ -608,7 +634,8 @@ def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, con
     Q6_K) with n_cols a multiple of 256. Workspaces (quantized x, split-K partial sums, tile
     counters) are per (device, stream, size), made on a size's first eager call: a CUDA graph
     capture needs that call to have run once eagerly first. config: (WR, WK, KS) instead of the
-    device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8.
+    device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8. planes: ``mmq_quantize`` of
+    this x, to quantize x once for several matrices (``gemm_group``); then x is not read.
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
@@ -623,12 +650,8 @@ def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, con
     wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_cols // 256 * 8)
     tiles = -(-n_rows // (16 * wr))
     nt = -(-B // 8)
-    bp = 8 * nt
     with _stream_ctx(stream):
-        ws = _stream_scratch.get("mmq x planes", mmq_workspace_bytes(B, n_cols))
-        xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
-        n4 = bp * n_cols // 4
-        _quantize_mmq_kernel()(((n4 + 255) // 256,), (256,), (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
+        xq, xd = planes if planes is not None else mmq_quantize(x)
         part = counts = np.uint64(0)
         if ks > 1:
             part = _stream_scratch.get("mm partial sums", ks * B * n_rows * 4)
@@ -704,14 +727,13 @@ def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     qt = q.qtype
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
-    if T > MAX_MM_ROWS:
+    path = _gemm_path(q, n_cols, T)
+    if path == "dequant":
         return gemm_dequant(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
-    if not _use_dp4a(qt, None):
-        if _tuning().mmq_auto and mmq_supported(qt, n_cols):
-            if T >= _tuning().mmq_from_rows(qt):
-                return mmq(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
-        elif T >= _tuning().mm_from_rows(qt) and _mm_cut(q, n_cols) is not None:
-            return mm(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+    if path == "mmq":
+        return mmq(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
+    if path == "mm":
+        return mm(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
     if T <= MAX_MATVEC_B:
         return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
     out = _out(out, (T, n_rows), cp.float32)
@@ -719,6 +741,50 @@ def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
         j = min(i + MAX_MATVEC_B, T)
         matvec(w_raw, qt, n_rows, n_cols, x[i:j], out[i:j], stream=stream)
     return out
+
+
+def _gemm_path(q: QuantType, n_cols: int, T: int) -> str:
+    """Which path gemm takes for T rows of x against q rows of n_cols: "dequant" (beyond
+    MAX_MM_ROWS), "mmq", "mm", "i16" (one i16 matvec launch), or "matvec" (matvec in chunks of
+    MAX_MATVEC_B rows, its "auto" variant)."""
+    qt = q.qtype
+    if T > MAX_MM_ROWS:
+        return "dequant"
+    if not _use_dp4a(qt, None):
+        if _tuning().mmq_auto and mmq_supported(qt, n_cols):
+            if T >= _tuning().mmq_from_rows(qt):
+                return "mmq"
+        elif T >= _tuning().mm_from_rows(qt) and _mm_cut(q, n_cols) is not None:
+            return "mm"
+    if T <= MAX_MATVEC_B and _activation_path(qt, None) == "i16":
+        return "i16"
+    return "matvec"
+
+
+def gemm_group(x, parts, *, stream=None):
+    """The products of one x [T, K] with several matrices (a layer's q, k and v; its gate and
+    up): each as ``gemm`` computes it, with x quantized once for all the products that take the
+    same quantized x (mmq's planes, or the i16 matvec's) instead of once per matrix. parts:
+    (w_raw, qtype, n_rows, n_cols, out) per matrix, n_cols = K for all; returns the outs."""
+    x = _aligned_x(x, parts[0][3])
+    T = x.shape[0]
+    shared: dict[str, Any] = {}
+    outs = []
+    for w_raw, qtype, n_rows, n_cols, out in parts:
+        q = quant_type(qtype)
+        path = _gemm_path(q, n_cols, T)
+        if path == "mmq":
+            if "mmq" not in shared:
+                shared["mmq"] = mmq_quantize(x, stream=stream)
+            outs.append(mmq(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream, planes=shared["mmq"]))
+        elif path == "i16":
+            if "i16" not in shared:
+                shared["i16"] = i16_quantize(x, stream=stream)
+            outs.append(matvec(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream, variant="i16",
+                               planes=shared["i16"]))
+        else:
+            outs.append(gemm(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream))
+    return outs
 
 
 def gemm_dequant(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):

@@ -1221,7 +1221,9 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // stages per warp of the staged walk (block columns in flight); kernels.MM_STAGES mirrors it to
 // size the dynamic shared memory
+#ifndef MM_STAGES
 #define MM_STAGES 4
+#endif
 
 // The block-column walk both staged kernels share: the warp's 16 rows (from row_t) go through
 // block columns kpart, kpart + nparts, ... < nb. Each column's 16 blocks are copied (coalesced
@@ -1258,13 +1260,19 @@ __device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_r
     for (int blk = kpart; blk < nb; blk += nparts) {
         // the stage the previous column used (every lane is past it: __syncwarp below) takes the
         // column NS - 1 ahead; then this column's group is the oldest of NS pending
+#ifndef MM_EXP_NO_LOAD
         issue(blk + (NS - 1) * nparts, slot == 0 ? NS - 1 : slot - 1);
+#endif
         cp_async_wait<NS - 1>();
         __syncwarp();  // every lane's copies of this column have landed
         const int mis_a = (int)((unsigned long long)(row_ptr(gid) + (long long)blk * T::BYTES) & 3ull);
         const int mis_b = (int)((unsigned long long)(row_ptr(gid + 8) + (long long)blk * T::BYTES) & 3ull);
         const u8* st = stage + slot * STAGE_BYTES;
+#ifndef MM_EXP_NO_COMPUTE
         body(blk, st + gid * S::SROW + mis_a, st + (gid + 8) * S::SROW + mis_b);
+#else
+        if (st[gid * S::SROW + mis_a] == 0xFF && blk < 0) body(blk, st, st);
+#endif
         __syncwarp();
         slot = slot == NS - 1 ? 0 : slot + 1;
     }
@@ -1354,17 +1362,19 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
 #define MMQ_BIAS 0x4B400000
 #define MMQ_BIAS_F 12582912.0f
 __device__ __forceinline__ float mmq_f(int c) { return __int_as_float(c) - MMQ_BIAS_F; }
+// c = A B + MMQ_BIAS: the bias goes in as the C operand (one register for all four), not as
+// accumulators set before the mma (four register moves per mma)
 __device__ __forceinline__ void mma_s8_k32(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    c[0] = c[1] = c[2] = c[3] = MMQ_BIAS;
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    const int bias = MMQ_BIAS;
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(bias));
 }
 __device__ __forceinline__ void mma_s8_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
-    c[0] = c[1] = c[2] = c[3] = MMQ_BIAS;
-    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0));
+    const int bias = MMQ_BIAS;
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(bias));
 }
 // 254 * (plane-1 sum) + (plane-2 sum) of one mma pair, as f32 (x = d2 * that per group)
 __device__ __forceinline__ float mmq_t(int c1, int c2) { return fmaf(254.f, mmq_f(c1), mmq_f(c2)); }
@@ -1431,8 +1441,14 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 // One CTA: WR warps side by side over 16-row tiles, WK = warps / WR over the block columns;
 // gridDim.y = KS more splits of the block columns (mm_launch, as mm); mm_epilogue sums.
 // xq, xd: quantize_mmq_kernel of x with Bp = 8 NT; out: [B, n_rows] f32.
+#ifndef MMQ_UNROLL
+#define MMQ_UNROLL 4  // chunks (Q4_K/Q5_K: all 4) or groups (Q6_K: 4 of 8) unrolled per trip
+#endif
+#ifndef MMQ_MIN_BLOCKS
+#define MMQ_MIN_BLOCKS 1  // __launch_bounds__ minimum CTAs of 256 threads per SM (2 caps registers at 128)
+#endif
 template <int QT, int NT>
-__global__ void __launch_bounds__(256) mmq_kernel(const u8* __restrict__ w, const uint4* __restrict__ xq,
+__global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __restrict__ w, const uint4* __restrict__ xq,
                                                   const float2* __restrict__ xd, float* __restrict__ out,
                                                   float* __restrict__ part, int* __restrict__ tile_count, int n_rows,
                                                   int n_cols, long long row_bytes, int B, int WR) {
@@ -1452,8 +1468,8 @@ __global__ void __launch_bounds__(256) mmq_kernel(const u8* __restrict__ w, cons
                        smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* pa, const u8* pb) {
         if constexpr (QT == 12 || QT == 13) {
             const uint4 ha = *(const uint4*)pa, hb = *(const uint4*)pb;
-#pragma unroll 1
-            for (int c = 0; c < 4; c++) {  // not unrolled: hoisting every chunk's loads cost 2x the registers
+#pragma unroll MMQ_UNROLL
+            for (int c = 0; c < 4; c++) {
                 u32 loa[2], hia[2], lob[2], hib[2];
                 mmq_k45_chunk<QT>(pa, c, tig, loa, hia);
                 mmq_k45_chunk<QT>(pb, c, tig, lob, hib);
@@ -1481,7 +1497,7 @@ __global__ void __launch_bounds__(256) mmq_kernel(const u8* __restrict__ w, cons
             }
         } else {  // Q6_K: weight = d * sc * (q - 32), sub-blocks of 16, two per group of 32
             const float da = h2f((u32)*(const u16*)(pa + 208)), db = h2f((u32)*(const u16*)(pb + 208));
-#pragma unroll 1
+#pragma unroll MMQ_UNROLL
             for (int gi = 0; gi < 8; gi++) {  // group gi of the block: h = gi / 4, kind = gi % 4
                 const int h = gi >> 2, kind = gi & 3;
                 u32 a[2][2];    // [half][row gid, gid + 8]
