@@ -13,6 +13,7 @@ so small matrices are not read from L2.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import cupy as cp
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--ts", default="1,2,3,4,8,9,16,24,32,48,64")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep-mm", action="store_true",
-                    help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS)")
+                    help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS[, MT])")
     ap.add_argument("--paths", default=None,
                     help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq); default all")
     args = ap.parse_args()
@@ -99,15 +100,18 @@ def main() -> None:
                 if args.paths:
                     keep = set(args.paths.split(","))
                     paths = {k: v for k, v in paths.items() if k in keep}
-                for kind in ("mm", "mmq"):
-                    if args.sweep_mm and kind in paths:
-                        fn = getattr(K, kind)
-                        for wr in (1, 2, 4, 8):
-                            for wk in (1, 2, 4, 8):
-                                for ks in (1, 2, 4, 8):
-                                    if wr * wk <= 8 and (kind == "mmq" or 16 * wr >= T // 2):
-                                        paths[f"{kind}_{wr}_{wk}_{ks}"] = (lambda f, c: lambda i: f(
-                                            ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))(fn, (wr, wk, ks))
+                if args.sweep_mm and "mm" in paths:
+                    for wr in (1, 2, 4, 8):
+                        for wk in (1, 2, 4, 8):
+                            for ks in (1, 2, 4, 8):
+                                if wr * wk <= 8 and 16 * wr >= T // 2:
+                                    paths[f"mm_{wr}_{wk}_{ks}"] = (lambda c: lambda i: K.mm(
+                                        ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))((wr, wk, ks))
+                if args.sweep_mm and "mmq" in paths:
+                    for wr, wk, ks, mt in itertools.product((1, 2), (2, 4, 8), (1, 2, 4), (1, 2)):
+                        if wr * wk <= 8:
+                            paths[f"mmq_{wr}_{wk}_{ks}_{mt}"] = (lambda c: lambda i: K.mmq(
+                                ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))((wr, wk, ks, mt))
                 row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes}
                 for name, fn in paths.items():
                     ms = _time_ms(fn, stream)

@@ -69,7 +69,8 @@ def precompile_specs():
             specs.append(("quant.cu", K._mm_names(q.qtype, cut)))
         if q.mm_staged:
             specs.append(("quant.cu", K._mms_names(q.qtype)))
-            specs.append(("quant.cu", K._mmq_names(q.qtype)))  # the int8 tensor-core matmul
+            for mt in tuning.MMQ_TILES_PER_WARP:  # the int8 tensor-core matmul
+                specs.append(("quant.cu", K._mmq_names(q.qtype, mt)))
     specs.append(("quant.cu", ()))  # quantize_x_kernel, mm_split_x_kernel
     specs.append(("ops.cu", ()))
     for g in (1, 3, 4, 8):

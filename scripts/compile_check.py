@@ -60,7 +60,8 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
                         for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
             if q.mm_staged:  # kernels._mms_names
                 out += [f"mms_kernel<{qt},{nt}>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]
-                out += [f"mmq_kernel<{qt},{nt}>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]  # _mmq_names
+                out += [f"mmq_kernel<{qt},{nt},{mt}>" for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)
+                        for mt in tuning.MMQ_TILES_PER_WARP]  # _mmq_names
         return out
     if fname == "ops.cu":  # each attention variant plain and with a tree mask (kernels._attn_names)
         return [f"{k}<{g},{hd}>" for g in (1, 2, 3, 4, 8) for hd in (64, 128, 256) if g * hd <= 2048

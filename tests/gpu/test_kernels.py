@@ -427,7 +427,8 @@ def test_mm_split_k_deterministic_and_graph_replay(kind, rng):
     eager calls compute."""
     mul = getattr(K, kind)
     B, n_rows, n_cols = 24, 96, 16384
-    assert tuning.DEFAULT.mm_launch(B, n_rows, n_cols // 32)[2] > 1  # split-K at this shape
+    launch = tuning.DEFAULT.mm_launch if kind == "mm" else tuning.DEFAULT.mmq_launch
+    assert launch(B, n_rows, n_cols // 32)[2] > 1  # split-K at this shape
     raw = cp.asarray(random_weights(QT.Q4_K, n_rows, n_cols, rng))
     x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
     out = cp.empty((B, n_rows), cp.float32)
@@ -471,13 +472,15 @@ def test_gemm_takes_mm_and_matches_matvec(rng, monkeypatch):
 MMQ_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
+@pytest.mark.parametrize("mt", tuning.MMQ_TILES_PER_WARP)
 @pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
 @pytest.mark.parametrize("B", [1, 2, 7, 8, 9, 16, 17, 33, 64])
 @pytest.mark.parametrize("qt", MMQ_TYPES, ids=lambda q: q.name)
-def test_mmq(qt, B, big, rng):
-    """The int8 tensor-core matmul at every tile count, row counts that are no multiple of a
-    tile, rows long enough for split-K (big): within the two-plane rounding bound of the exact
-    product, and equal to the i16 matvec of the same x up to f32 rounding (same activations)."""
+def test_mmq(qt, B, big, mt, rng):
+    """The int8 tensor-core matmul at every tile count, one or two 16-row tiles per warp, row
+    counts that are no multiple of a tile, rows long enough for split-K (big): within the
+    two-plane rounding bound of the exact product, and equal to the i16 matvec of the same x up
+    to f32 rounding (same activations)."""
     n_rows = 300 if big else 37
     n_cols = 4096 if big else 256
     assert K.mmq_supported(qt, n_cols)
@@ -486,7 +489,8 @@ def test_mmq(qt, B, big, rng):
     x = rng.standard_normal((B, n_cols)).astype(np.float32)
     x[:, ::97] *= 30.0
     out = nan_f32((B, n_rows))
-    assert K.mmq(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out) is out
+    wr, wk, ks, _ = tuning.DEFAULT.mmq_launch(B, n_rows, n_cols // 32)
+    assert K.mmq(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=(wr, wk, ks, mt)) is out
     check_i16(out, x, ref_w)
     i16 = np.concatenate([cp.asnumpy(K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x[i:i + 8]),
                                               variant="i16")) for i in range(0, B, 8)])

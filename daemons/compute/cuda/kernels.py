@@ -196,13 +196,13 @@ MM_STAGES = 4  # quant.cu MM_STAGES: block columns in flight per warp of the sta
 _DEFAULT_SMEM_LIMIT = 48 << 10  # dynamic shared memory a kernel gets without opting in
 
 
-def _staged_smem_bytes(q: QuantType, warps: int, nt: int) -> int:
-    """Dynamic shared memory of mms_kernel / mmq_kernel: each warp's MM_STAGES stages of 16 rows
-    (quant.cu MmStage: a block plus its misalignment, in words, rounded up to 16 bytes), or the
-    epilogue's reduction (warps x 16 rows x 8 NT floats), whichever is larger."""
+def _staged_smem_bytes(q: QuantType, warps: int, nt: int, mt: int = 1) -> int:
+    """Dynamic shared memory of mms_kernel / mmq_kernel: each warp's MM_STAGES / MT stages of
+    16 MT rows (quant.cu MmStage: a block plus its misalignment, in words, rounded up to 16
+    bytes), or the epilogue's reduction (warps x 16 MT rows x 8 NT floats), whichever is larger."""
     mis = 0 if q.block_bytes % 4 == 0 else 2
     srow = -(-(-(-(q.block_bytes + mis) // 4) * 4) // 16) * 16
-    return max(warps * MM_STAGES * 16 * srow, warps * 16 * 8 * nt * 4)
+    return max(warps * MM_STAGES * 16 * srow, warps * 16 * mt * 8 * nt * 4)
 
 
 def _launch_staged(kern, grid, warps: int, smem: int, args) -> None:
@@ -218,12 +218,12 @@ def _launch_staged(kern, grid, warps: int, smem: int, args) -> None:
 MMQ_TYPES = MM_STAGED_TYPES
 
 
-def _mmq_names(qt: int) -> tuple[str, ...]:
-    return tuple(f"mmq_kernel<{int(qt)},{nt}>" for nt in range(1, MAX_MM_ROWS // 8 + 1))
+def _mmq_names(qt: int, mt: int) -> tuple[str, ...]:
+    return tuple(f"mmq_kernel<{int(qt)},{nt},{mt}>" for nt in range(1, MAX_MM_ROWS // 8 + 1))
 
 
-def _mmq_kernel(qt: int, nt: int):
-    return _function("mmq", (int(qt), nt), lambda: _mmq_names(qt), nt - 1)
+def _mmq_kernel(qt: int, nt: int, mt: int = 1):
+    return _function("mmq", (int(qt), nt, mt), lambda: _mmq_names(qt, mt), nt - 1)
 
 
 def _quantize_mmq_kernel():
@@ -274,7 +274,8 @@ def compile_all(qtypes=None) -> None:
             _mm_kernel(q.qtype, cut, 1)
         if q.mm_staged:
             _mms_kernel(q.qtype, 1)
-            _mmq_kernel(q.qtype, 1)
+            for mt in tuning.MMQ_TILES_PER_WARP:
+                _mmq_kernel(q.qtype, 1, mt)
     _quantize_x_kernel()
     _quantize_x2_kernel()
     _quantize_mmq_kernel()
@@ -633,8 +634,9 @@ def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, con
     paths gemm takes below and above mmq's rows see the same x. For MMQ_TYPES (Q4_K, Q5_K,
     Q6_K) with n_cols a multiple of 256. Workspaces (quantized x, split-K partial sums, tile
     counters) are per (device, stream, size), made on a size's first eager call: a CUDA graph
-    capture needs that call to have run once eagerly first. config: (WR, WK, KS) instead of the
-    device's choice (tuning.KernelTuning.mm_launch), WR * WK <= 8. planes: ``mmq_quantize`` of
+    capture needs that call to have run once eagerly first. config: (WR, WK, KS, MT) instead of
+    the device's choice (tuning.KernelTuning.mmq_launch): WR * WK <= 8 warps, MT in (1, 2) tiles
+    of 16 rows per warp (each x fragment serves MT tiles). planes: ``mmq_quantize`` of
     this x, to quantize x once for several matrices (``gemm_group``); then x is not read.
     """
     q = quant_type(qtype)
@@ -647,8 +649,8 @@ def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, con
     if not 1 <= B <= MAX_MM_ROWS:
         raise ValueError(f"mmq takes 1..{MAX_MM_ROWS} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
-    wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_cols // 256 * 8)
-    tiles = -(-n_rows // (16 * wr))
+    wr, wk, ks, mt = config or _tuning().mmq_launch(B, n_rows, n_cols // 256 * 8)
+    tiles = -(-n_rows // (16 * mt * wr))
     nt = -(-B // 8)
     with _stream_ctx(stream):
         xq, xd = planes if planes is not None else mmq_quantize(x)
@@ -656,7 +658,7 @@ def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, con
         if ks > 1:
             part = _stream_scratch.get("mm partial sums", ks * B * n_rows * 4)
             counts = _stream_scratch.get("mm tile counters", tiles * 4, zero=True)
-        _launch_staged(_mmq_kernel(q.qtype, nt), (tiles, ks), wr * wk, _staged_smem_bytes(q, wr * wk, nt), (
+        _launch_staged(_mmq_kernel(q.qtype, nt, mt), (tiles, ks), wr * wk, _staged_smem_bytes(q, wr * wk, nt, mt), (
             w_raw, xq, xd, out, part, counts, np.int32(n_rows), np.int32(n_cols), np.int64(rb), np.int32(B),
             np.int32(wr)))
     return out
@@ -1088,15 +1090,28 @@ def apply_repetition_penalty(logits, history, penalty, *, stream=None):
     return logits
 
 
-def _topk_chunks(V: int, k: int) -> int:
-    """Chunks topk splits a row of V into (1: none): the largest divisor of V up to 64 that
-    leaves chunks of at least max(k, 2048) entries. One CTA scans a row several times, so a
-    128k vocabulary row took 234 us on the H200; 32 chunks run side by side, then one CTA picks
-    the top k of their 32 k candidates."""
-    for c in range(64, 1, -1):
+def _topk_chunks(V: int, k: int, B: int = 1) -> int:
+    """Chunks topk splits each of B rows of V into (1: none): the largest divisor of V up to
+    64 that leaves chunks of at least max(k, 2048) entries, and keeps B x chunks CTAs within
+    about two per SM (one wave). One CTA scans a row several times, so a 128k vocabulary row
+    took 234 us on the H200; its chunks run side by side, then one CTA picks the top k of their
+    candidates. 32 rows of 48 chunks were 1536 CTAs of 1024 threads, several waves: 220 us."""
+    cap = max(1, min(64, 2 * _sm_count() // max(1, B)))
+    for c in range(cap, 1, -1):
         if V % c == 0 and V // c >= max(k, 2048):
             return c
     return 1
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count() -> int:
+    """Streaming multiprocessors of the current device (cached)."""
+    dev = cp.cuda.runtime.getDevice()
+    if dev not in _SM_COUNTS:
+        _SM_COUNTS[dev] = cp.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]
+    return _SM_COUNTS[dev]
 
 
 def topk(logits, k: int, values=None, ids=None, *, stream=None):
@@ -1113,7 +1128,7 @@ def topk(logits, k: int, values=None, ids=None, *, stream=None):
     if not B:
         return values, ids
     kern = _ops_kernel("topk_kernel")
-    C = _topk_chunks(V, k)
+    C = _topk_chunks(V, k, B)
     with _stream_ctx(stream):
         if C == 1:
             kern((B,), (1024,), (lg, values, ids, np.int32(V), np.int32(k)))

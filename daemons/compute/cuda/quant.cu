@@ -1053,27 +1053,31 @@ __device__ __forceinline__ void mm_min_terms(float (&a)[4], const uint4& xv, flo
 // red [8 warps][16 rows][8 NT x rows]; with KS = gridDim.y > 1 each CTA writes its sums to part
 // [KS, B, n_rows] and the last CTA of a row tile to finish (tile_count) adds the KS partials in
 // order and resets the counter: the result does not depend on timing.
-template <int NT>
-__device__ __forceinline__ void mm_epilogue(const float (&acc)[NT][4], float* red, float* __restrict__ out,
+template <int NT, int MT = 1>
+__device__ __forceinline__ void mm_epilogue(const float (&acc)[MT][NT][4], float* red, float* __restrict__ out,
                                             float* __restrict__ part, int* __restrict__ tile_count,
                                             int n_rows, int B, int WR) {
+    constexpr int R = 16 * MT;  // rows per warp: MT tiles of 16
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int gid = lane >> 2, tig = lane & 3, WK = nw / WR;
-    float* wred = red + warp * 16 * 8 * NT;  // [16][8 NT]
+    float* wred = red + warp * R * 8 * NT;  // [R][8 NT]
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        wred[gid * 8 * NT + 8 * nt + 2 * tig] = acc[nt][0];
-        wred[gid * 8 * NT + 8 * nt + 2 * tig + 1] = acc[nt][1];
-        wred[(gid + 8) * 8 * NT + 8 * nt + 2 * tig] = acc[nt][2];
-        wred[(gid + 8) * 8 * NT + 8 * nt + 2 * tig + 1] = acc[nt][3];
-    }
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int ra = 16 * mt + gid;
+            wred[ra * 8 * NT + 8 * nt + 2 * tig] = acc[mt][nt][0];
+            wred[ra * 8 * NT + 8 * nt + 2 * tig + 1] = acc[mt][nt][1];
+            wred[(ra + 8) * 8 * NT + 8 * nt + 2 * tig] = acc[mt][nt][2];
+            wred[(ra + 8) * 8 * NT + 8 * nt + 2 * tig + 1] = acc[mt][nt][3];
+        }
     __syncthreads();
-    const int KS = gridDim.y, n_entries = 16 * WR * B;
-    const int row0 = blockIdx.x * 16 * WR;
+    const int KS = gridDim.y, n_entries = R * WR * B;
+    const int row0 = blockIdx.x * R * WR;
     for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        const int r = e % (16 * WR), n = e / (16 * WR);  // consecutive threads: consecutive rows
+        const int r = e % (R * WR), n = e / (R * WR);  // consecutive threads: consecutive rows
         float s = 0.f;
-        for (int k = 0; k < WK; k++) s += red[((k * WR + r / 16) * 16 + r % 16) * 8 * NT + n];
+        for (int k = 0; k < WK; k++) s += red[((k * WR + r / R) * R + r % R) * 8 * NT + n];
         const int row = row0 + r;
         if (row < n_rows) {
             if (KS == 1) out[(long long)n * n_rows + row] = s;
@@ -1089,13 +1093,21 @@ __device__ __forceinline__ void mm_epilogue(const float (&acc)[NT][4], float* re
     if (!is_last) return;
     __threadfence();
     for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        const int r = e % (16 * WR), n = e / (16 * WR), row = row0 + r;
+        const int r = e % (R * WR), n = e / (R * WR), row = row0 + r;
         if (row >= n_rows) continue;
         float s = 0.f;
         for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
         out[(long long)n * n_rows + row] = s;
     }
     if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+}
+
+// mm_epilogue for kernels whose warps hold one 16-row tile
+template <int NT>
+__device__ __forceinline__ void mm_epilogue(const float (&acc)[NT][4], float* red, float* __restrict__ out,
+                                            float* __restrict__ part, int* __restrict__ tile_count,
+                                            int n_rows, int B, int WR) {
+    mm_epilogue<NT, 1>(reinterpret_cast<const float(&)[1][NT][4]>(acc), red, out, part, tile_count, n_rows, B, WR);
 }
 
 // One CTA: WR warps side by side over rows (16 rows each), WK = warps / WR over the pieces of
@@ -1225,27 +1237,29 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 #define MM_STAGES 4
 #endif
 
-// The block-column walk both staged kernels share: the warp's 16 rows (from row_t) go through
-// block columns kpart, kpart + nparts, ... < nb. Each column's 16 blocks are copied (coalesced
-// 4-byte cp.async: 32 lanes, 128 contiguous bytes of one row) into one of MM_STAGES stages
-// ([16 rows][SROW] each, at `stage`), MM_STAGES - 1 columns ahead of the one computed, and
-// body(blk, sa, sb) computes from the stage: sa, sb are the staged blocks of the lane's rows gid
-// and gid + 8, each at its global address modulo 4 (so 2-byte-aligned layouts read alike).
-template <int QT, class Body>
+// The block-column walk both staged kernels share: the warp's 16 MT rows (from row_t) go through
+// block columns kpart, kpart + nparts, ... < nb. Each column's blocks are copied (coalesced
+// 4-byte cp.async: 32 lanes, 128 contiguous bytes of a row) into one of MM_STAGES / MT stages
+// ([16 MT rows][SROW] each, at `stage`: the bytes in flight are the same for every MT), a few
+// columns ahead of the one computed, and body(blk, rows) computes from the stage: rows[i] is
+// the staged block of the lane's row gid + 8 i (i < 2 MT), at its global address modulo 4 (so
+// 2-byte-aligned layouts read alike).
+template <int QT, int MT, class Body>
 __device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_rows, long long row_bytes, int row_t,
                                                int kpart, int nparts, int nb, u8* stage, Body&& body) {
     typedef QTraits<QT, CUT_V2> T;
     typedef MmStage<QT> S;
-    constexpr int NS = MM_STAGES, STAGE_BYTES = 16 * S::SROW;
+    constexpr int R = 16 * MT, NS = MM_STAGES / MT, STAGE_BYTES = R * S::SROW, WPL = (R * S::NWORDS + 31) / 32;
+    static_assert(NS >= 2, "the walk needs two stages");
     const int lane = threadIdx.x & 31, gid = lane >> 2;
     auto row_ptr = [&](int r) { return w + (long long)min(row_t + r, n_rows - 1) * row_bytes; };
     // staged word i of this lane: w = lane + 32 i, row w / NWORDS, word w % NWORDS
     auto issue = [&](int blk, int slot) {
         if (blk < nb) {
 #pragma unroll
-            for (int i = 0; i < S::WPL; i++) {
+            for (int i = 0; i < WPL; i++) {
                 const int wi = lane + 32 * i;
-                if (wi < 16 * S::NWORDS) {
+                if (wi < R * S::NWORDS) {
                     const int r = wi / S::NWORDS, k = wi % S::NWORDS;
                     const unsigned long long g = (unsigned long long)(row_ptr(r) + (long long)blk * T::BYTES);
                     cp_async4(stage + slot * STAGE_BYTES + r * S::SROW + 4 * k, (const u32*)(g & ~3ull) + k);
@@ -1265,13 +1279,17 @@ __device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_r
 #endif
         cp_async_wait<NS - 1>();
         __syncwarp();  // every lane's copies of this column have landed
-        const int mis_a = (int)((unsigned long long)(row_ptr(gid) + (long long)blk * T::BYTES) & 3ull);
-        const int mis_b = (int)((unsigned long long)(row_ptr(gid + 8) + (long long)blk * T::BYTES) & 3ull);
         const u8* st = stage + slot * STAGE_BYTES;
+        const u8* rows[2 * MT];
+#pragma unroll
+        for (int i = 0; i < 2 * MT; i++) {
+            const int mis = (int)((unsigned long long)(row_ptr(gid + 8 * i) + (long long)blk * T::BYTES) & 3ull);
+            rows[i] = st + (gid + 8 * i) * S::SROW + mis;
+        }
 #ifndef MM_EXP_NO_COMPUTE
-        body(blk, st + gid * S::SROW + mis_a, st + (gid + 8) * S::SROW + mis_b);
+        body(blk, rows);
 #else
-        if (st[gid * S::SROW + mis_a] == 0xFF && blk < 0) body(blk, st, st);
+        if (rows[0][0] == 0xFF && blk < 0) body(blk, rows);
 #endif
         __syncwarp();
         slot = slot == NS - 1 ? 0 : slot + 1;
@@ -1298,8 +1316,10 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    mm_staged_walk<QT>(w, n_rows, row_bytes, blockIdx.x * 16 * WR + 16 * wr, kpart, nparts, n_cols / T::EPB,
-                       smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* sa, const u8* sb) {
+    mm_staged_walk<QT, 1>(w, n_rows, row_bytes, blockIdx.x * 16 * WR + 16 * wr, kpart, nparts, n_cols / T::EPB,
+                          smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* const (&rows)[2]) {
+        const u8* sa = rows[0];
+        const u8* sb = rows[1];
 #pragma unroll 2
         for (int st = 0; st < T::LPB / 4; st++) {
             const int j = 4 * st + tig;
@@ -1447,90 +1467,107 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 #ifndef MMQ_MIN_BLOCKS
 #define MMQ_MIN_BLOCKS 1  // __launch_bounds__ minimum CTAs of 256 threads per SM (2 caps registers at 128)
 #endif
-template <int QT, int NT>
+template <int QT, int NT, int MT>
 __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __restrict__ w, const uint4* __restrict__ xq,
                                                   const float2* __restrict__ xd, float* __restrict__ out,
                                                   float* __restrict__ part, int* __restrict__ tile_count, int n_rows,
                                                   int n_cols, long long row_bytes, int B, int WR) {
     typedef MmStage<QT> S;
     constexpr int Bp = 8 * NT;
-    extern __shared__ __align__(16) u8 smem[];  // as mms_kernel's
+    extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 MT * 8 NT * 4)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
     const int gid = lane >> 2, tig = lane & 3;
     const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
     const uint4* xql = xq + gid * 4 + tig;                     // + (g Bp + 8 nt) * 4: entry (g, 8 nt + gid, tig)
     const float4* xdl = (const float4*)xd + tig;                // + g Bp / 2 + 4 nt: (d2, sum) of rows 8 nt + 2 tig, + 1
-    float acc[NT][4];
+    float acc[MT][NT][4];  // [m-tile][n-tile][C entry]: each x fragment serves the warp's MT tiles of 16 rows
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    mm_staged_walk<QT>(w, n_rows, row_bytes, blockIdx.x * 16 * WR + 16 * wr, kpart, nparts, n_cols / 256,
-                       smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* pa, const u8* pb) {
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    mm_staged_walk<QT, MT>(w, n_rows, row_bytes, blockIdx.x * 16 * MT * WR + 16 * MT * wr, kpart, nparts, n_cols / 256,
+                           smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* const (&rows)[2 * MT]) {
         if constexpr (QT == 12 || QT == 13) {
-            const uint4 ha = *(const uint4*)pa, hb = *(const uint4*)pb;
+            uint4 hd[2 * MT];  // headers of the lane's rows gid + 8 i
+#pragma unroll
+            for (int i = 0; i < 2 * MT; i++) hd[i] = *(const uint4*)rows[i];
 #pragma unroll MMQ_UNROLL
             for (int c = 0; c < 4; c++) {
-                u32 loa[2], hia[2], lob[2], hib[2];
-                mmq_k45_chunk<QT>(pa, c, tig, loa, hia);
-                mmq_k45_chunk<QT>(pb, c, tig, lob, hib);
-                float sa[2], ma[2], sb[2], mb[2];
-                mmq_k45_scales(ha, c, sa, ma);
-                mmq_k45_scales(hb, c, sb, mb);
+                u32 lo[2 * MT][2], hi[2 * MT][2];
+                float sc[2 * MT][2], mn[2 * MT][2];
+#pragma unroll
+                for (int i = 0; i < 2 * MT; i++) {
+                    mmq_k45_chunk<QT>(rows[i], c, tig, lo[i], hi[i]);
+                    mmq_k45_scales(hd[i], c, sc[i], mn[i]);
+                }
 #pragma unroll
                 for (int sub = 0; sub < 2; sub++) {
-                    const u32 a0 = sub ? hia[0] : loa[0], a1 = sub ? hib[0] : lob[0];
-                    const u32 a2 = sub ? hia[1] : loa[1], a3 = sub ? hib[1] : lob[1];
                     const long long g = (long long)blk * 8 + 2 * c + sub;
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
                         const uint4 xv = __ldg(xql + (g * Bp + 8 * nt) * 4);
                         const float4 dd = __ldg(xdl + g * (Bp / 2) + 4 * nt);  // (d2, sum) of columns 2tig, 2tig+1
-                        int c1[4], c2[4];
-                        mma_s8_k32(c1, a0, a1, a2, a3, xv.x, xv.y);
-                        mma_s8_k32(c2, a0, a1, a2, a3, xv.z, xv.w);
-                        acc[nt][0] = fmaf(sa[sub] * dd.x, mmq_t(c1[0], c2[0]), fmaf(-ma[sub], dd.y, acc[nt][0]));
-                        acc[nt][1] = fmaf(sa[sub] * dd.z, mmq_t(c1[1], c2[1]), fmaf(-ma[sub], dd.w, acc[nt][1]));
-                        acc[nt][2] = fmaf(sb[sub] * dd.x, mmq_t(c1[2], c2[2]), fmaf(-mb[sub], dd.y, acc[nt][2]));
-                        acc[nt][3] = fmaf(sb[sub] * dd.z, mmq_t(c1[3], c2[3]), fmaf(-mb[sub], dd.w, acc[nt][3]));
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++) {
+                            const int ia = 2 * mt, ib = 2 * mt + 1;  // rows 16 mt + gid, + 8
+                            const u32(&qa)[2] = sub ? hi[ia] : lo[ia];
+                            const u32(&qb)[2] = sub ? hi[ib] : lo[ib];
+                            int c1[4], c2[4];
+                            mma_s8_k32(c1, qa[0], qb[0], qa[1], qb[1], xv.x, xv.y);
+                            mma_s8_k32(c2, qa[0], qb[0], qa[1], qb[1], xv.z, xv.w);
+                            float* ac = acc[mt][nt];
+                            const float sa = sc[ia][sub], ma = mn[ia][sub], sb = sc[ib][sub], mb = mn[ib][sub];
+                            ac[0] = fmaf(sa * dd.x, mmq_t(c1[0], c2[0]), fmaf(-ma, dd.y, ac[0]));
+                            ac[1] = fmaf(sa * dd.z, mmq_t(c1[1], c2[1]), fmaf(-ma, dd.w, ac[1]));
+                            ac[2] = fmaf(sb * dd.x, mmq_t(c1[2], c2[2]), fmaf(-mb, dd.y, ac[2]));
+                            ac[3] = fmaf(sb * dd.z, mmq_t(c1[3], c2[3]), fmaf(-mb, dd.w, ac[3]));
+                        }
                     }
                 }
             }
         } else {  // Q6_K: weight = d * sc * (q - 32), sub-blocks of 16, two per group of 32
-            const float da = h2f((u32)*(const u16*)(pa + 208)), db = h2f((u32)*(const u16*)(pb + 208));
+            float dq[2 * MT];
+#pragma unroll
+            for (int i = 0; i < 2 * MT; i++) dq[i] = h2f((u32)*(const u16*)(rows[i] + 208));
 #pragma unroll MMQ_UNROLL
             for (int gi = 0; gi < 8; gi++) {  // group gi of the block: h = gi / 4, kind = gi % 4
                 const int h = gi >> 2, kind = gi & 3;
-                u32 a[2][2];    // [half][row gid, gid + 8]
-                float s[2][2];  // [half][row gid, gid + 8]
+                u32 a[2 * MT][2];    // [row gid + 8 i][half]
+                float s[2 * MT][2];  // likewise
 #pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    a[half][0] = mmq_q6_word(pa, h, kind, half, tig);
-                    a[half][1] = mmq_q6_word(pb, h, kind, half, tig);
-                    s[half][0] = da * (float)(signed char)pa[192 + 8 * h + 2 * kind + half];
-                    s[half][1] = db * (float)(signed char)pb[192 + 8 * h + 2 * kind + half];
-                }
+                for (int i = 0; i < 2 * MT; i++)
+#pragma unroll
+                    for (int half = 0; half < 2; half++) {
+                        a[i][half] = mmq_q6_word(rows[i], h, kind, half, tig);
+                        s[i][half] = dq[i] * (float)(signed char)rows[i][192 + 8 * h + 2 * kind + half];
+                    }
                 const long long g = (long long)blk * 8 + gi;
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const uint4 xv = __ldg(xql + (g * Bp + 8 * nt) * 4);
                     const float4 dd = __ldg(xdl + g * (Bp / 2) + 4 * nt);
-                    int c10[4], c20[4], c11[4], c21[4];
-                    mma_s8_k16(c10, a[0][0], a[0][1], xv.x);
-                    mma_s8_k16(c20, a[0][0], a[0][1], xv.z);
-                    mma_s8_k16(c11, a[1][0], a[1][1], xv.y);
-                    mma_s8_k16(c21, a[1][0], a[1][1], xv.w);
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const int r = i >> 1;  // C entries 0, 1: row gid; 2, 3: row gid + 8
-                        const float u = fmaf(s[0][r], mmq_t(c10[i], c20[i]), s[1][r] * mmq_t(c11[i], c21[i]));
-                        acc[nt][i] = fmaf((i & 1) ? dd.z : dd.x, u, acc[nt][i]);
+                    for (int mt = 0; mt < MT; mt++) {
+                        const int ia = 2 * mt, ib = 2 * mt + 1;
+                        int c10[4], c20[4], c11[4], c21[4];
+                        mma_s8_k16(c10, a[ia][0], a[ib][0], xv.x);
+                        mma_s8_k16(c20, a[ia][0], a[ib][0], xv.z);
+                        mma_s8_k16(c11, a[ia][1], a[ib][1], xv.y);
+                        mma_s8_k16(c21, a[ia][1], a[ib][1], xv.w);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int i = e < 2 ? ia : ib;  // C entries 0, 1: row gid; 2, 3: row gid + 8
+                            const float u = fmaf(s[i][0], mmq_t(c10[e], c20[e]), s[i][1] * mmq_t(c11[e], c21[e]));
+                            acc[mt][nt][e] = fmaf((e & 1) ? dd.z : dd.x, u, acc[mt][nt][e]);
+                        }
                     }
                 }
             }
         }
     });
     __syncthreads();  // every warp is done with its stage: the reduction reuses the memory
-    mm_epilogue<NT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
+    mm_epilogue<NT, MT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
 }
 
 // out[b, row] = sum_c W[row, c] * (d * q1 + d2 * q2)[b, c]; the planes from quantize_x2_kernel.

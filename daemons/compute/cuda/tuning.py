@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from gguf import GGMLQuantizationType as QT
 
 __all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "dp4a_enabled",
-           "DP4A_ENV", "MAX_MATVEC_B", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS"]
+           "DP4A_ENV", "MAX_MATVEC_B", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
+           "MMQ_TILES_PER_WARP"]
 
 MAX_MATVEC_B = 8  # activation rows one matvec launch takes (the kernels' B template range)
 MAX_MM_ROWS = 64  # activation rows one tensor-core matmul launch takes (8 per tile, NT <= 8)
 MM_UNROLL = 2  # quad steps per lane per trip of the unstaged tensor-core matmul (mm_kernel's U)
+MMQ_TILES_PER_WARP = (1, 2)  # 16-row tiles one warp of the int8 tensor-core matmul takes (mmq_kernel's MT)
 # kernels.gemm of up to this many rows is one capturable launch sequence (matvec or the
 # tensor-core matmul, workspaces made on the eager call and never reallocated; no cuBLAS):
 # passes of up to this many rows are padded to a row bucket and replayed as CUDA graphs
@@ -65,6 +67,9 @@ class KernelTuning:
     mmq_auto: bool
     mmq_min_rows: dict[QT, int]
     mmq_min_rows_default: int
+    # mmq from this many rows of x: two 16-row tiles per warp (each x fragment loaded once for
+    # both), one below
+    mmq_two_tiles_from_rows: int
     # exact activations below mm's rows: matvec "auto" takes the i16 product (two int8 planes,
     # ~2e-5 relative) where the type has a dp4a one, instead of f32
     i16_auto: bool
@@ -102,6 +107,15 @@ class KernelTuning:
     def mm_from_rows(self, qtype: QT) -> int:
         """Rows of x from which exact-activation gemm takes the tensor-core matmul for qtype."""
         return self.mm_min_rows.get(qtype, self.mm_min_rows_default)
+
+    def mmq_launch(self, B: int, n_rows: int, n_steps: int) -> tuple[int, int, int, int]:
+        """(WR, WK, KS, MT) of the int8 tensor-core matmul: mm_launch's rule over tiles of 16 MT
+        rows, MT = 2 from mmq_two_tiles_from_rows rows of x."""
+        mt = 2 if B >= self.mmq_two_tiles_from_rows else 1
+        wr, wk, _ = self.mm_launch(B, n_rows, n_steps)
+        tiles = -(-n_rows // (16 * mt * wr))
+        ks = max(1, min(-(-self.mm_target_ctas // tiles), n_steps // (4 * wk), 16))
+        return wr, wk, ks, mt
 
     def mmq_from_rows(self, qtype: QT) -> int:
         """Rows of x from which gemm takes the int8 tensor-core matmul for qtype (with mmq_auto)."""
@@ -181,6 +195,7 @@ H200 = KernelTuning(
     mmq_auto=True,
     mmq_min_rows={},
     mmq_min_rows_default=3,
+    mmq_two_tiles_from_rows=9,
     i16_auto=True,
     attn_target_warps=2048,
     attn_max_splits=64,
