@@ -45,9 +45,9 @@ from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbyte
 
 __all__ = [
     "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
-    "rmsnorm", "rope_inplace", "alloc_kv_cache", "kv_append", "kv_cache_table", "kv_move", "attention",
-    "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu", "argmax",
-    "apply_repetition_penalty", "topk", "compile_all",
+    "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "kv_cache_table",
+    "kv_move", "attention", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
+    "argmax", "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES",
 ]
@@ -428,6 +428,13 @@ def quantize_x(x, xq=None, *, stream=None):
     return q.view(cp.int8).reshape(B, n_cols), ds.view(cp.float32).reshape(B, n_cols // 32, 2)
 
 
+def _check_mv_config(config) -> None:
+    nr, nw, u = config
+    if nr not in tuning.MV_ROWS_PER_CTA or not 1 <= nw <= tuning.MV_MAX_WARPS or u not in tuning.MV_UNROLLS:
+        raise ValueError(f"matvec config {tuple(config)}: rows per CTA in {tuning.MV_ROWS_PER_CTA}, warps per CTA "
+                         f"1..{tuning.MV_MAX_WARPS}, pieces per trip in {tuning.MV_UNROLLS}")
+
+
 def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None, xq=None):
     """out[b, r] = sum_c W[r, c] * x[b, c].
 
@@ -450,8 +457,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
       "auto": dp4a with NTX_MATVEC_DP4A=1 (tuning.dp4a_enabled) where it exists; else i16 where it
         exists and the device's table says i16_auto; else v1 or v2 per the table (tuning.py; on
         the H200 v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
-    config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in
-      {1, 2, 4}); default the device's launch table (tuning.py).
+    config: optional (rows per CTA in {1, 2, 4, 8}, warps per CTA <= 8, pieces per lane per trip in
+      {1, 2, 4}; tuning.MatvecLaunch); default the device's launch table (tuning.py).
     xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
       aligned; matvec_workspace makes one; the i16 variant does not take one). Without it a
       per-(device, stream, size) workspace is made on first use and reused, so the call stays
@@ -466,6 +473,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     if not 1 <= B <= MAX_MATVEC_B:
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
+    if config is not None:
+        _check_mv_config(config)
     grid_rows = n_rows
     path = _activation_path(q.qtype, variant)
     if path == "i16":
@@ -676,27 +685,100 @@ def rmsnorm(x, w, eps: float, *, residual=None, out=None, stream=None):
     return out
 
 
-def rope_inplace(x, positions, rope_dim: int, base: float, freq_factors=None, *, stream=None):
-    """Rotary embedding in place, llama.cpp NORMAL mode (the GGUF llama layout): rotate adjacent
-    pairs (x[2i], x[2i+1]), i < rope_dim/2, by theta = pos * base^(-2i/rope_dim) / freq_factors[i].
-    x: f32 [T, H, hd]; positions: int32 [T] on the device; freq_factors: f32 [rope_dim/2] or None.
-    Dimensions from rope_dim on are left untouched."""
-    _check_f32("x", x)
+_ROPE_THREADS, _ROPE_PER_THREAD = 256, 4  # ops.cu ROPE_THREADS, ROPE_PER_THREAD
+
+
+class _RopeFreqs:
+    """Per-(device, rope_dim, base, freq_factors) device copies of the pairs' angular speeds
+    (``rope_inv_freq``), made on the first eager call and kept: a captured CUDA graph keeps
+    pointing at them, and the capture itself must allocate nothing. A cached entry holds the
+    freq_factors array it was made from, so its address names that array for the cache's life
+    (its values are read once: change them in place and the cache does not see it)."""
+
+    def __init__(self):
+        self.arrays: dict[tuple, tuple[Any, Any]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, rope_dim: int, base: float, freq_factors):
+        ff_key = None if freq_factors is None else (freq_factors.data.ptr, freq_factors.size)
+        key = (cp.cuda.runtime.getDevice(), int(rope_dim), float(base), ff_key)
+        hit = self.arrays.get(key)
+        if hit is not None:
+            return hit[0]
+        if cp.cuda.get_current_stream().is_capturing():
+            raise RuntimeError("rope's frequency table for this (rope_dim, base, freq_factors) does not exist yet, and the "
+                               "stream is capturing a CUDA graph: run the same call once eagerly before capture")
+        with self.lock:
+            hit = self.arrays.get(key)
+            if hit is None:
+                ff = None if freq_factors is None else cp.asnumpy(freq_factors)
+                inv = cp.asarray(rope_inv_freq(rope_dim, base, ff))
+                cp.cuda.get_current_stream().synchronize()  # the copy is done before any stream reads it
+                hit = self.arrays[key] = (inv, freq_factors)
+        return hit[0]
+
+
+_rope_freqs = _RopeFreqs()
+
+
+def rope_inv_freq(rope_dim: int, base: float, freq_factors=None) -> np.ndarray:
+    """The angular speed of each rotated pair, f64 [rope_dim/2] on the host:
+    base^(-2i/rope_dim) / freq_factors[i] (numpy freq_factors f32 [rope_dim/2] or None), as the
+    CPU reference (cpu_backend.rope_inv_freq) makes it."""
+    inv = float(base) ** (-np.arange(rope_dim // 2, dtype=np.float64) * 2.0 / rope_dim)
+    if freq_factors is not None:
+        inv = inv / np.asarray(freq_factors, dtype=np.float32).astype(np.float64)
+    return inv
+
+
+def _rope_check(name: str, x, positions, rope_dim: int):
+    _check_f32(name, x)
     if x.ndim != 3:
-        raise ValueError("x must be [T, H, hd]")
-    T, H, hd = x.shape
+        raise ValueError(f"{name} must be [T, H, hd]")
+    if x.data.ptr % 8:
+        raise ValueError(f"{name} must start on an 8-byte boundary (pairs are read as float2)")
+    T, _, hd = x.shape
     _check_i32("positions", positions, T)
     if rope_dim % 2 or not 0 < rope_dim <= hd:
         raise ValueError(f"rope_dim={rope_dim} must be even and in (0, hd={hd}]")
+
+
+def rope_qk_inplace(q, k, positions, rope_dim: int, base: float, freq_factors=None, *, stream=None):
+    """Rotary embedding of q and k in place in one launch, llama.cpp NORMAL mode (the GGUF llama
+    layout): rotate adjacent pairs (x[2i], x[2i+1]), i < rope_dim/2, by
+    theta = pos * base^(-2i/rope_dim) / freq_factors[i], angle and sine/cosine in f64.
+    q: f32 [T, Hq, hd]; k: f32 [T, Hk, hd] (same T and hd) or None; positions: int32 [T] on the
+    device; freq_factors: f32 [rope_dim/2] on the device or None. Dimensions from rope_dim on are
+    left untouched. The pairs' speeds are made once per (rope_dim, base, freq_factors) on the
+    host in f64 (``rope_inv_freq``) and kept on the device: the first call of each must be eager
+    (not under graph capture)."""
+    _rope_check("q", q, positions, rope_dim)
+    T, Hq, hd = q.shape
+    Hk = 0
+    if k is not None:
+        _rope_check("k", k, positions, rope_dim)
+        if k.shape[0] != T or k.shape[2] != hd:
+            raise ValueError(f"k {k.shape} and q {q.shape} differ in T or hd")
+        Hk = k.shape[1]
     if freq_factors is not None:
         _check_f32("freq_factors", freq_factors, (rope_dim // 2,))
-    total = T * H * (rope_dim // 2)
-    if total == 0:
-        return x
+    half = rope_dim // 2
+    n_pairs = (Hq + Hk) * half
+    if T == 0 or n_pairs == 0:
+        return q, k
     with _stream_ctx(stream):
-        _ops_kernel("rope_kernel")((min((total + 255) // 256, 1 << 16),), (256,), (
-            x, positions, _ptr_or_null(freq_factors), np.int32(T), np.int32(H), np.int32(hd),
-            np.int32(rope_dim), np.float64(base)))
+        inv = _rope_freqs.get(rope_dim, base, freq_factors)
+        per_cta = _ROPE_THREADS * _ROPE_PER_THREAD
+        _ops_kernel("rope_kernel")((T, -(-n_pairs // per_cta)), (_ROPE_THREADS,), (
+            q, _ptr_or_null(k), positions, inv, np.int32(Hq), np.int32(Hk), np.int32(hd), np.int32(rope_dim)),
+            shared_mem=half * 8)
+    return q, k
+
+
+def rope_inplace(x, positions, rope_dim: int, base: float, freq_factors=None, *, stream=None):
+    """Rotary embedding of one tensor in place (``rope_qk_inplace`` with k = None).
+    x: f32 [T, H, hd]; positions: int32 [T] on the device; freq_factors: f32 [rope_dim/2] or None."""
+    rope_qk_inplace(x, None, positions, rope_dim, base, freq_factors, stream=stream)
     return x
 
 
@@ -863,8 +945,10 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
         args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     with _stream_ctx(stream):
         _attn_kernel(G, hd, tree)((S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), args, shared_mem=smem)
+        # the combine reads only the splits the row's length uses (kv_lens, slots as above)
         _ops_kernel("attn_combine_kernel")((H, T), (min(hd, 256),), (
-            part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd)))
+            part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd), slots, kv_lens, np.int32(n_slots),
+            np.int32(max_ctx)))
     return out
 
 

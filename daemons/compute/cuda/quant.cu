@@ -686,7 +686,7 @@ template <> struct QDTraits<7> : QD32<7> {};
 //   P::accumulate<B, NR>(raw, blk, j, act, n_cols, acc)
 //                                               acc[r][b] += piece j of block blk of row r times
 //                                               the matching activations of row b, for all r, b
-// One CTA per NR rows; its warps split each row's pieces; every lane handles U pieces per trip
+// One CTA per NR rows (NR in {1, 2, 4, 8}); its warps split each row's pieces; every lane handles U pieces per trip
 // with all weight loads issued before the first use. Each lane's partial sums are reduced over
 // the warp (warp_sum), then over the CTA's warps in warp order, so a result does not depend on
 // timing.
@@ -735,10 +735,10 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
             if (lane == 0) red[warp][r * B + b] = v;
         }
     __syncthreads();
-    if (threadIdx.x < NR * B) {
-        const int r = threadIdx.x / B, b = threadIdx.x % B;
+    for (int o = threadIdx.x; o < NR * B; o += blockDim.x) {  // NR * B may exceed the CTA (8 x 8, 2 warps)
+        const int r = o / B, b = o % B;
         float s = 0.f;
-        for (int i = 0; i < nw; i++) s += red[i][threadIdx.x];
+        for (int i = 0; i < nw; i++) s += red[i][o];
         const int row = row0 + r;
         if (row < n_rows) out[(long long)b * n_rows + row] = s;
     }
