@@ -6,11 +6,12 @@ of the device's entry in daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, t
 a CUDA graph of 20 calls (no Python launch overhead) cycling over up to 8 copies of the matrix,
 so small matrices are not read from L2.
 
---sweep-mv times the i16 matvec alone (variant "i16", its quantize-x launch included) at every
-launch configuration (rows per CTA, warps per CTA, pieces per trip) = MV_SWEEP for each B of
---ts up to 8 (default 1..8), printing weight bytes per second beside the device's copy
-bandwidth and the best configuration per (type, shape, B) beside the device table's own
-(tuning.py mvq_launch): the figures behind the H200's mvq_launch.
+--sweep-mv times the i16 matvec alone (its quantize-x launch included), as "i16" (x read from
+global memory by every CTA) and "i16s" (x staged in shared memory once per CTA, CTAs looping over
+row groups), at every launch configuration (rows per CTA, warps per CTA, pieces per trip) =
+MV_SWEEP for each B of --ts up to 8 (default 1..8), printing weight bytes per second beside the
+device's copy bandwidth and the best configuration per (type, shape, B) beside the device
+table's own (tuning.py mvq_launch): the figures behind the H200's mvq_launch.
 
     python3 scripts/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--out gemm_paths.json]
     python3 scripts/bench_gemm_paths.py --sweep-mv [--shapes 8b] [--types Q4_K,Q6_K] [--out mv_sweep.json]
@@ -72,9 +73,9 @@ def _weight_copies(qt: int, n_rows: int, n_cols: int, rng) -> tuple[list, int]:
 
 
 def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
-    """The i16 matvec at every MV_SWEEP configuration for each B (<= 8) of --ts: one row per
-    (type, shape, B) with each configuration's ms and GB/s (weight bytes / time), the best, and
-    the device table's choice."""
+    """The i16 and i16s matvecs at every MV_SWEEP configuration for each B (<= 8) of --ts: one
+    row per (type, shape, B) with each (variant, configuration)'s ms and GB/s (weight bytes /
+    time), keyed "i16_2_4_1" / "i16s_8_4_1", the best, and the device table's choice (i16)."""
     from gguf import GGMLQuantizationType as QT
 
     table = K._tuning()
@@ -93,14 +94,15 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
                 out = cp.empty((B, n_rows), dtype=cp.float32)
                 default = tuple(table.mvq(QT(qt), B))
                 cfgs = {}
-                for cfg in MV_SWEEP:
-                    ms = _time_ms(lambda i, c=cfg: K.matvec(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out,
-                                                            variant="i16", config=c), stream)
-                    cfgs["_".join(map(str, cfg))] = None if ms is None else {
-                        "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)}
+                for variant in ("i16", "i16s"):
+                    for cfg in MV_SWEEP:
+                        ms = _time_ms(lambda i, c=cfg, v=variant: K.matvec(ws[i % len(ws)], qt, n_rows, n_cols, x,
+                                                                            out=out, variant=v, config=c), stream)
+                        cfgs["_".join(map(str, (variant, *cfg)))] = None if ms is None else {
+                            "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)}
                 timed = {k: v for k, v in cfgs.items() if v is not None}
                 best = min(timed, key=lambda k: timed[k]["ms"]) if timed else None
-                dkey = "_".join(map(str, default))
+                dkey = "_".join(map(str, ("i16", *default)))
                 row = {"type": tname, "shape": [n_rows, n_cols], "B": B, "weight_bytes": nbytes,
                        "copy_gbps": round(copy_gbps, 1), "default": list(default), "best": best, "configs": cfgs}
                 rows.append(row)
@@ -109,7 +111,9 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
                 btxt = f"{b['gbps']:6.0f} GB/s ({100 * b['gbps'] / copy_gbps:4.1f}%) {best}" if b else "n/a"
                 print(f"{tname} {n_rows}x{n_cols} B={B}: table {dkey} {dtxt}  best {btxt}  "
                       f"(copy {copy_gbps:.0f} GB/s)", flush=True)
-                print("   " + "  ".join(f"{k} {v['gbps']:.0f}" for k, v in timed.items()), flush=True)
+                for variant in ("i16", "i16s"):
+                    print(f"   {variant:4s} " + "  ".join(f"{k.split('_', 1)[1]} {v['gbps']:.0f}" for k, v in timed.items()
+                                                      if k.split("_", 1)[0] == variant), flush=True)
             ws.clear()
             cp.get_default_memory_pool().free_all_blocks()
     return rows

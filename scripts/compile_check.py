@@ -4,8 +4,9 @@
 Compiles each .cu exactly as kernels.py does (headers inlined by sources.kernel_source) and
 instantiates the templates kernels.py uses: for every supported type (shared/quant_types.py)
 and each of its layout cuts, the f32 matvec at every launch configuration of every device entry
-in tuning.py, the dp4a and i16 matvecs where the type has them (i16 also at 8 rows per CTA,
-which scripts/bench_gemm_paths.py --sweep-mv launches), the dequantizers, and the attention
+in tuning.py, the dp4a and i16 matvecs where the type has them (i16 and its x-staged variant
+also at 8 rows per CTA, which scripts/bench_gemm_paths.py --sweep-mv launches), the
+dequantizers, and the attention
 variants (plain and tree-masked; the extern "C" kernels, kv_move among them, need no
 instantiation). Prints NVRTC's log: errors, warnings, and with --sass-info (an sm_90 cubin through
 ptxas) registers, stack and spills per kernel. Exit status 1 on any compile error.
@@ -60,6 +61,7 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
                     out += [f"mvq_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
                 for nr, u in sorted(mvq_cfgs | I16_WIDE):
                     out += [f"mvq2_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
+                    out += [f"mvq2s_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
             for cut, _, _ in q.mm_cuts:  # kernels._mm_names
                 out += [f"mm_kernel<{qt},{CUT_ID[cut]},{nt},{tuning.MM_UNROLL}>"
                         for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]

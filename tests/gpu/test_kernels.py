@@ -288,7 +288,8 @@ def test_matvec_i16_rows_per_cta(qt, nw, u, rng):
     """The i16 matvec at every rows-per-CTA of the sweep (8 rows: 64 accumulators at B = 8, more
     than a 2-warp CTA has threads for the final reduction), 203 rows (a partial last CTA): the
     rows per CTA decide only which CTA reads a row, never the order of its additions (the lanes'
-    pieces follow warps and pieces per trip), so every NR gives the same bits."""
+    pieces follow warps and pieces per trip), so every NR gives the same bits; so does i16s (x
+    from a shared-memory stage, each CTA several row groups in turn)."""
     n_rows, n_cols = 203, _cols(qt, True)
     raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
     ref_w = reference_matrix(qt, cp.asnumpy(raw), n_rows, n_cols)
@@ -302,8 +303,32 @@ def test_matvec_i16_rows_per_cta(qt, nw, u, rng):
         assert relerr(outs[0], x.astype(np.float64) @ ref_w.T) < 1e-4, B
         for nr, o in zip(tuning.MV_ROWS_PER_CTA[1:], outs[1:]):
             np.testing.assert_array_equal(o, outs[0], err_msg=f"B={B} rows per CTA {nr}")
+        for nr in tuning.MV_ROWS_PER_CTA:  # x staged in shared memory, CTAs looping over row groups
+            out = nan_f32((B, n_rows))
+            K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), out=out, config=(nr, nw, u), variant="i16s")
+            np.testing.assert_array_equal(cp.asnumpy(out), outs[0], err_msg=f"i16s B={B} rows per CTA {nr}")
     with pytest.raises(ValueError, match="rows per CTA"):
         K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), config=(3, nw, u), variant="i16")
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_matvec_i16s_loops_over_row_groups(qt, rng):
+    """More row groups than the device holds CTAs (5003 rows, one or eight a CTA): each i16s CTA
+    computes several groups in turn, and every row comes out as the one-group-a-CTA i16 makes it;
+    a stage too large for one CTA is an error that names i16."""
+    n_rows, n_cols = 5003, 4096
+    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    for B in (1, 8):
+        x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
+        for nr, nw, u in ((1, 8, 1), (8, 4, 2)):
+            ref = K.matvec(raw, qt, n_rows, n_cols, x, config=(nr, nw, u), variant="i16")
+            out = nan_f32((B, n_rows))
+            K.matvec(raw, qt, n_rows, n_cols, x, out=out, config=(nr, nw, u), variant="i16s")
+            np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(ref), err_msg=f"B={B} {(nr, nw, u)}")
+    wide = 65536  # 8 rows of x: 1.3 MB of stage
+    with pytest.raises(ValueError, match="use i16"):
+        K.matvec(cp.asarray(random_weights(qt, 8, wide, rng)), qt, 8, wide,
+                 cp.zeros((8, wide), cp.float32), variant="i16s")
 
 
 @pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2), (4, 2))] + [(8, 2, 1)])

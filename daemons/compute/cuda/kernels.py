@@ -55,9 +55,11 @@ __all__ = [
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
 MAX_MM_ROWS = tuning.MAX_MM_ROWS
 # matvec variants: "v1", "v2" = the f32 path through that layout cut ("f32" = "v1"), "dp4a" =
-# the int8-activation path, "i16" = activations in two int8 planes (15 bits), "auto" = per tuning.py
+# the int8-activation path, "i16" = activations in two int8 planes (15 bits), "i16s" = the same
+# product with x staged in shared memory once per CTA (opt-in, measured by bench_gemm_paths.py
+# --sweep-mv), "auto" = per tuning.py
 MATVEC_VARIANT = "auto"
-VARIANTS = ("auto", "v1", "v2", "dp4a", "i16", "f32")
+VARIANTS = ("auto", "v1", "v2", "dp4a", "i16", "i16s", "f32")
 # template argument of each layout cut (quant.cu CUT_V1, CUT_V2)
 _CUT_ID = {"v1": 1, "v2": 2}
 # elements per piece (EPB / LPB of quant.cu's QTraits<QT, CUT>) where it is not 8: the
@@ -154,6 +156,45 @@ def _mvq2_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
 
 def _mvq2_kernel(qt: int, b: int, nr: int, u: int):
     return _function("mvq2", (int(qt), b, nr, u), lambda: _mvq2_names(qt, nr, u), b - 1)
+
+
+def _mvq2s_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
+    return tuple(f"mvq2s_kernel<{int(qt)},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+
+
+def _mvq2s_kernel(qt: int, b: int, nr: int, u: int):
+    return _function("mvq2s", (int(qt), b, nr, u), lambda: _mvq2s_names(qt, nr, u), b - 1)
+
+
+def i16s_stage_bytes(B: int, n_cols: int) -> int:
+    """Shared memory of mvq2s_kernel's activation stage for x [B, n_cols]: both int8 planes and
+    both (d, d * sum) arrays."""
+    return 2 * B * n_cols + 2 * B * (n_cols // 32) * 8
+
+
+_i16s_max_ctas: dict[tuple, int] = {}
+
+
+def _i16s_grid(kern, qt: int, B: int, nr: int, nw: int, u: int, n_rows: int, stage: int) -> int:
+    """CTAs of an i16s launch: as many as the device holds at once with this stage (occupancy of
+    the compiled kernel times the SMs), at most one per row group. Raises the kernel's dynamic
+    shared memory limit past the default 48 KiB where the stage needs it; a stage over the
+    device's opt-in limit (227 KiB on the H200) is an error (use "i16")."""
+    from cupy_backends.cuda.api import driver
+
+    dev = cp.cuda.runtime.getDevice()
+    key = (dev, int(qt), B, nr, nw, u, stage)
+    max_ctas = _i16s_max_ctas.get(key)
+    if max_ctas is None:
+        rt = cp.cuda.runtime
+        optin = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)
+        if stage > optin:
+            raise ValueError(f"the i16s matvec stages {stage} bytes of x, over the device's {optin} per CTA; use i16")
+        if stage > 48 * 1024:
+            driver.funcSetAttribute(kern.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, stage)
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.ptr, 32 * nw, stage)
+        max_ctas = _i16s_max_ctas[key] = max(1, per_sm) * rt.getDeviceProperties(dev)["multiProcessorCount"]
+    return min(-(-n_rows // nr), max_ctas)
 
 
 def _mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
@@ -319,7 +360,7 @@ def _activation_path(qtype, variant) -> str:
     v = variant or MATVEC_VARIANT
     if v not in VARIANTS:
         raise ValueError(f"unknown matvec variant {v!r} (one of {', '.join(VARIANTS)})")
-    if v in ("dp4a", "i16"):
+    if v in ("dp4a", "i16", "i16s"):
         if not q.dp4a:
             raise ValueError(f"the {v} matvec variant does not exist for {q.name}")
         return v
@@ -454,6 +495,9 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         second plane quantizes what the first leaves), each dotted with the weights as in dp4a:
         every element within max|x_group| / 64516 (15 bits), ~2e-5 relative; one read of the
         weights, two dp4a products per piece.
+      "i16s": "i16" with x staged in shared memory once per CTA (both planes, 2.5 * B * n_cols
+        bytes, at most the device's per-CTA limit) and as many CTAs as fit at once, each looping
+        over its row groups; the same bits as "i16" at the same warps and pieces per trip.
       "auto": dp4a with NTX_MATVEC_DP4A=1 (tuning.dp4a_enabled) where it exists; else i16 where it
         exists and the device's table says i16_auto; else v1 or v2 per the table (tuning.py; on
         the H200 v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
@@ -477,14 +521,20 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         _check_mv_config(config)
     grid_rows = n_rows
     path = _activation_path(q.qtype, variant)
-    if path == "i16":
+    if path in ("i16", "i16s"):
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
-        kern = _mvq2_kernel(q.qtype, B, nr, u)
+        if path == "i16":
+            kern = _mvq2_kernel(q.qtype, B, nr, u)
+            grid, smem = (grid_rows + nr - 1) // nr, 0
+        else:
+            kern = _mvq2s_kernel(q.qtype, B, nr, u)
+            smem = i16s_stage_bytes(B, n_cols)
+            grid = _i16s_grid(kern, q.qtype, B, nr, nw, u, n_rows, smem)
         with _stream_ctx(stream):
             ws = _stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols))
             xq1, ds1, xq2, ds2 = _quantize2_launch(x, ws, B, n_cols)
-            kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
-                 (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
+            args = (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb))
+            kern((grid,), (32 * nw,), args, shared_mem=smem)
         return out
     if path == "dp4a":
         nr, nw, u = config or _tuning().mvq(q.qtype, B)

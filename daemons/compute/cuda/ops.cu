@@ -52,9 +52,10 @@ extern "C" __global__ void rmsnorm_kernel(const float* __restrict__ x, const flo
 // i < half = rope_dim/2 by theta = pos * inv_freq[i], inv_freq[i] = base^(-2i/rope_dim) /
 // freq_factors[i] made once on the host in f64 (kernels.rope_inv_freq). The angle and its sine
 // and cosine are formed in f64 so large positions keep full f32 accuracy: once per (token, pair)
-// in shared memory, not once per head (an f64 pow and sincos per element made this launch ~8 us
-// at one token, and most of a prefill's rope). grid (T, ceil((Hq + Hk) * half / ROPE_PAIRS_PER_CTA)),
-// block ROPE_THREADS, dynamic shared memory half * 8 bytes.
+// in shared memory, not once per head (an f64 pow and sincos per element, in two launches, took
+// ~8.6 us a layer at one token on the H200). grid (T, ceil((Hq + Hk) * half / (ROPE_THREADS *
+// ROPE_PER_THREAD))), block ROPE_THREADS, dynamic shared memory half * 8 bytes; pairs are read
+// as float2 (q, k 8-byte aligned).
 #define ROPE_THREADS 256
 #define ROPE_PER_THREAD 4
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(float* __restrict__ q, float* __restrict__ k,
