@@ -744,12 +744,12 @@ def test_attention_prefill_causal(n_splits, rng):
     assert relerr(out, attn_ref(q, ck_h, cv_h, slots, pos + 1, n_kv)) < 1e-5
 
 
-@pytest.mark.parametrize("G,hd", [(4, 128), (1, 64), (8, 256)])
+@pytest.mark.parametrize("G,hd", [(4, 128), (1, 64), (8, 256), (2, 96)])
 def test_attention_short_rows_many_splits(G, hd, rng):
     """Decode rows of a few keys in a cache sized for 4096 (64 splits, as the 8B decodes): only
     the splits that own a tile run and only those are merged. Lengths around the 32-key tile,
     one past max_ctx (clamped), a bad slot (output 0); the workspace starts as NaN, so a merged
-    split that was never written would show."""
+    split that was never written would show. hd 96: a lane's 3 V elements loaded one by one."""
     n_slots, n_kv, max_ctx = 3, 2, 4096
     ck, cv = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
     lens = np.array([1, 2, 31, 32, 33, 64, 65, 100, 4096, 5000, 7], dtype=np.int32)

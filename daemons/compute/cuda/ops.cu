@@ -170,10 +170,11 @@ __device__ __forceinline__ int attn_row_len(const int* __restrict__ slots, const
 // splits of S that own a tile of 32 keys of a row of L keys
 __device__ __forceinline__ int attn_used_splits(int L, int S) { return L <= 0 ? 0 : min(S, (L + 31) >> 5); }
 
-// V rows of one lane's EPL head-dim elements as raw f16 bits: VW 32-bit words a key, loaded as
-// one u16 / u32 / uint2 / uint4.
+// V rows of one lane's EPL head-dim elements as raw f16 bits: VW 32-bit words a key (element e
+// in the low or high half of word e / 2), loaded as one u32 / uint2 / uint4 where EPL is 2 / 4 /
+// 8 (the lane's elements then aligned to their width), else one u16 at a time.
 template <int EPL> struct AttnV {
-    static constexpr int VW = EPL >= 2 ? EPL / 2 : 1;
+    static constexpr int VW = (EPL + 1) / 2;
     static __device__ __forceinline__ void load(const u16* p, u32 (&r)[VW]) {
         if constexpr (EPL == 8) {
             const uint4 v = __ldg((const uint4*)p);
@@ -184,12 +185,13 @@ template <int EPL> struct AttnV {
         } else if constexpr (EPL == 2) {
             r[0] = __ldg((const u32*)p);
         } else {
-            r[0] = (u32)__ldg(p);
+#pragma unroll
+            for (int w = 0; w < VW; w++) r[w] = 0u;
+#pragma unroll
+            for (int e = 0; e < EPL; e++) r[e >> 1] |= (u32)__ldg(p + e) << (16 * (e & 1));
         }
     }
-    static __device__ __forceinline__ float elem(const u32 (&r)[VW], int e) {
-        return EPL == 1 ? h2f(r[0]) : h2f(r[e >> 1] >> (16 * (e & 1)));
-    }
+    static __device__ __forceinline__ float elem(const u32 (&r)[VW], int e) { return h2f(r[e >> 1] >> (16 * (e & 1))); }
 };
 
 template <int G, int HD, bool TREE>
@@ -199,8 +201,8 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                                                 float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
                                                 float scale, float* qs_all, const int* __restrict__ tree_base,
                                                 const u32* __restrict__ tree_mask, int mask_words) {
-    constexpr int EPL = HD / 32;          // head-dim elements per lane in the V phase
-    constexpr int KC = HD / 8 < 16 ? HD / 8 : 16;  // uint4 of a key loaded before its FMAs
+    constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
+    constexpr int KC = HD / 8 <= 16 ? HD / 8 : HD / 16;  // uint4 of a key in flight at once (1 or 2 rounds)
     typedef AttnV<EPL> V;
     constexpr int VG = V::VW * 32 <= 64 ? 32 : 16;  // keys whose V rows are loaded at once (<= 64 words)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpc = blockDim.x >> 5;
