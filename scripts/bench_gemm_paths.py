@@ -7,7 +7,15 @@ of the device's entry in daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, t
 a CUDA graph of 20 calls (no Python launch overhead) cycling over up to 8 copies of the matrix,
 so small matrices are not read from L2.
 
+--sweep-mv times the i16 matvec alone (its quantize-x launch included), as "i16" (x read from
+global memory by every CTA) and "i16s" (x staged in shared memory once per CTA, CTAs looping over
+row groups), at every launch configuration (rows per CTA, warps per CTA, pieces per trip) =
+MV_SWEEP for each B of --ts up to 8 (default 1..8), printing weight bytes per second beside the
+device's copy bandwidth and the best configuration per (type, shape, B) beside the device
+table's own (tuning.py mvq_launch): the figures behind the H200's mvq_launch.
+
     python3 scripts/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--paths mm,mmq,matvec_i16] [--out gemm_paths.json]
+    python3 scripts/bench_gemm_paths.py --sweep-mv [--shapes 8b] [--types Q4_K,Q6_K] [--out mv_sweep.json]
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import cupy as cp
 import numpy as np
 
 from ntx.daemons.compute.cuda import kernels as K
+from ntx.daemons.compute.cuda import tuning
 from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
 from ntx.shared.quant_types import quant_type, tensor_nbytes
 from synth_gguf import make_blocks  # scripts/synth_gguf, next to this script
@@ -27,6 +36,8 @@ from synth_gguf import make_blocks  # scripts/synth_gguf, next to this script
 SHAPES = {"70b": [(28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)],  # ffn up, q/o, down, k/v
           "8b": [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096)]}
 ITERS = 20
+# (rows per CTA, warps per CTA, pieces per trip) of the i16 matvec sweep
+MV_SWEEP = [(nr, nw, u) for nr in tuning.MV_ROWS_PER_CTA for nw in (2, 4, 8) for u in (1, 2)]
 
 
 def _time_ms(fn, stream) -> float | None:
@@ -54,31 +65,95 @@ def _time_ms(fn, stream) -> float | None:
         return None
 
 
+def _weight_copies(qt: int, n_rows: int, n_cols: int, rng) -> tuple[list, int]:
+    """Up to 8 device copies of a random [n_rows, n_cols] matrix of qt, enough to cycle through
+    >= 256 MB (L2-cold), and its bytes."""
+    nbytes = tensor_nbytes(qt, (n_rows, n_cols))
+    n_copies = max(1, -(-(256 << 20) // nbytes))
+    nblocks = n_rows * n_cols // quant_type(qt).block_elems
+    return [cp.asarray(make_blocks(qt, nblocks, 0.02, rng).reshape(-1)) for _ in range(min(n_copies, 8))], nbytes
+
+
+def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
+    """The i16 and i16s matvecs at every MV_SWEEP configuration for each B (<= 8) of --ts: one
+    row per (type, shape, B) with each (variant, configuration)'s ms and GB/s (weight bytes /
+    time), keyed "i16_2_4_1" / "i16s_8_4_1", the best, and the device table's choice (i16)."""
+    from gguf import GGMLQuantizationType as QT
+
+    table = K._tuning()
+    bs = [b for b in (int(t) for t in args.ts.split(",")) if 1 <= b <= K.MAX_MATVEC_B] if args.ts_given else \
+        list(range(1, K.MAX_MATVEC_B + 1))
+    rows = []
+    for tname in args.types.split(","):
+        qt = int(QT[tname])
+        if not quant_type(qt).dp4a:
+            print(f"{tname}: no i16 matvec, skipped", flush=True)
+            continue
+        for n_rows, n_cols in SHAPES[args.shapes]:
+            ws, nbytes = _weight_copies(qt, n_rows, n_cols, rng)
+            for B in bs:
+                x = cp.asarray(rng.standard_normal((B, n_cols), dtype=np.float32))
+                out = cp.empty((B, n_rows), dtype=cp.float32)
+                default = tuple(table.mvq(QT(qt), B))
+                cfgs = {}
+                for variant in ("i16", "i16s"):
+                    for cfg in MV_SWEEP:
+                        ms = _time_ms(lambda i, c=cfg, v=variant: K.matvec(ws[i % len(ws)], qt, n_rows, n_cols, x,
+                                                                            out=out, variant=v, config=c), stream)
+                        cfgs["_".join(map(str, (variant, *cfg)))] = None if ms is None else {
+                            "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)}
+                timed = {k: v for k, v in cfgs.items() if v is not None}
+                best = min(timed, key=lambda k: timed[k]["ms"]) if timed else None
+                dkey = "_".join(map(str, ("i16", *default)))
+                row = {"type": tname, "shape": [n_rows, n_cols], "B": B, "weight_bytes": nbytes,
+                       "copy_gbps": round(copy_gbps, 1), "default": list(default), "best": best, "configs": cfgs}
+                rows.append(row)
+                d, b = cfgs.get(dkey), timed.get(best) if best else None
+                dtxt = f"{d['gbps']:6.0f} GB/s ({100 * d['gbps'] / copy_gbps:4.1f}%)" if d else "   n/a"
+                btxt = f"{b['gbps']:6.0f} GB/s ({100 * b['gbps'] / copy_gbps:4.1f}%) {best}" if b else "n/a"
+                print(f"{tname} {n_rows}x{n_cols} B={B}: table {dkey} {dtxt}  best {btxt}  "
+                      f"(copy {copy_gbps:.0f} GB/s)", flush=True)
+                for variant in ("i16", "i16s"):
+                    print(f"   {variant:4s} " + "  ".join(f"{k.split('_', 1)[1]} {v['gbps']:.0f}" for k, v in timed.items()
+                                                      if k.split("_", 1)[0] == variant), flush=True)
+            ws.clear()
+            cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="8b")
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
-    ap.add_argument("--ts", default="1,2,3,4,8,9,16,24,32,48,64")
+    ap.add_argument("--ts", default=None, help="rows of x (default 1,2,3,4,8,9,16,24,32,48,64; --sweep-mv: 1..8)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep-mm", action="store_true",
                     help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS[, MT])")
     ap.add_argument("--paths", default=None,
                     help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq); default all")
+    ap.add_argument("--sweep-mv", action="store_true",
+                    help="time only the i16 matvec at every (rows per CTA, warps, pieces per trip), B <= 8")
     args = ap.parse_args()
+    args.ts_given = args.ts is not None
+    if args.ts is None:
+        args.ts = "1,2,3,4,8,9,16,24,32,48,64"
     from gguf import GGMLQuantizationType as QT
 
     rng = np.random.default_rng(0)
     stream = cp.cuda.Stream(non_blocking=True)
     copy_gbps = device_copy_gbps()
     print(f"device-to-device copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    if args.sweep_mv:
+        rows = sweep_mv(args, stream, copy_gbps, rng)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"copy_gbps": round(copy_gbps, 1), "mode": "sweep-mv", "rows": rows}, f, indent=1)
+        return
     rows = []
     for tname in args.types.split(","):
         qt = int(QT[tname])
         for n_rows, n_cols in SHAPES[args.shapes]:
-            nbytes = tensor_nbytes(qt, (n_rows, n_cols))
-            n_copies = max(1, -(-(256 << 20) // nbytes))  # cycle through >= 256 MB: L2-cold
-            nblocks = n_rows * n_cols // quant_type(qt).block_elems
-            ws = [cp.asarray(make_blocks(qt, nblocks, 0.02, rng).reshape(-1)) for _ in range(min(n_copies, 8))]
+            ws, nbytes = _weight_copies(qt, n_rows, n_cols, rng)  # cycle through >= 256 MB: L2-cold
             for T in [int(t) for t in args.ts.split(",")]:
                 x = cp.asarray(rng.standard_normal((T, n_cols), dtype=np.float32))
                 out = cp.empty((T, n_rows), dtype=cp.float32)

@@ -10,6 +10,7 @@ the 50 MB L2 cannot serve them, timed with CUDA events. Prints a table with % of
 and writes JSON. The figures behind each launch choice are kept in daemons/compute/cuda/tuning.py.
 
     python scripts/bench_kernels.py [--out bench.json] [--quick]
+    python scripts/bench_kernels.py --attention [--out attn.json]   # decode attention and rope only
     python scripts/bench_kernels.py --precompile --jobs 16   # fill cupy's kernel cache in parallel
 """
 
@@ -200,24 +201,30 @@ def bench_matvec(cp, K, quick: bool):
     return results
 
 
-def bench_other(cp, K):
+def bench_attention(cp, K):
+    """Decode attention and rope, 8B-shaped (32 heads, n_kv 8, G 4, hd 128), in a KV cache of
+    4096 positions (the splits sized for it, as the engine runs): 1 and 8 sequences at 64, 512
+    and 4096 cached keys, a causal 512-token prefill; rope of q and k in one launch for 1 and 512
+    tokens."""
     res = {}
-    # attention decode: 1 and 8 sequences, 8B-shaped (n_kv 8, G 4, hd 128), 4096 keys each
-    n_kv, G, hd, L = 8, 4, 128, 4096
+    n_kv, G, hd, max_ctx = 8, 4, 128, 4096
     for T in (1, 8):
-        ck, cv = K.alloc_kv_cache(T, n_kv, L, hd)
+        ck, cv = K.alloc_kv_cache(T, n_kv, max_ctx, hd)
         ck[...] = cp.random.standard_normal(ck.shape, dtype=cp.float32).astype(cp.float16)
         cv[...] = cp.random.standard_normal(cv.shape, dtype=cp.float32).astype(cp.float16)
         q = cp.random.standard_normal((T, n_kv * G, hd), dtype=cp.float32)
         slots = cp.arange(T, dtype=cp.int32)
-        lens = cp.full(T, L, dtype=cp.int32)
-        S = K.attention_splits(T, n_kv, L)
+        S = K.attention_splits(T, n_kv, max_ctx)
         ws = K.attention_workspace(T, n_kv * G, hd, S)
         out = cp.empty_like(q)
-        t = time_graph(cp, [lambda s: K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)] * 20, 20)
-        kvb = 2 * T * n_kv * L * hd * 2
-        res[f"attention_decode_T{T}_L{L}"] = {"us": t * 1e6, "kv_gbps": kvb / t / 1e9, "n_splits": S}
-        print(f"  attention decode T={T} L={L}: {t * 1e6:.1f} us, KV read {kvb / t / 1e9:.0f} GB/s (splits {S})")
+        for L in (64, 512, max_ctx):
+            lens = cp.full(T, L, dtype=cp.int32)
+            t = time_graph(cp, [lambda s: K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws,
+                                                      stream=s)] * 20, 20)
+            kvb = 2 * T * n_kv * L * hd * 2
+            res[f"attention_decode_T{T}_L{L}"] = {"us": t * 1e6, "kv_gbps": kvb / t / 1e9, "n_splits": S}
+            print(f"  attention decode T={T} L={L} (cache {max_ctx}): {t * 1e6:.1f} us, KV read {kvb / t / 1e9:.0f} GB/s "
+                  f"(splits {S})")
         del ck, cv
     # prefill attention: 512 queries, causal, after 0 cached
     T = 512
@@ -232,6 +239,19 @@ def bench_other(cp, K):
     flops = 4 * n_kv * G * hd * (T * (T + 1) / 2)
     res["attention_prefill_T512"] = {"us": t * 1e6, "tflops": flops / t / 1e12}
     print(f"  attention prefill T=512 causal: {t * 1e6:.1f} us ({flops / t / 1e12:.2f} TFLOP/s)")
+    for T in (1, 512):
+        q = cp.random.standard_normal((T, n_kv * G, hd), dtype=cp.float32)
+        k = cp.random.standard_normal((T, n_kv, hd), dtype=cp.float32)
+        pos = cp.arange(T, dtype=cp.int32)
+        ff = cp.random.uniform(1.0, 8.0, hd // 2, dtype=cp.float32)
+        t = time_graph(cp, [lambda s: K.rope_qk_inplace(q, k, pos, hd, 500000.0, ff, stream=s)] * 20, 20)
+        res[f"rope_qk_T{T}"] = {"us": t * 1e6}
+        print(f"  rope q+k T={T} (32 + 8 heads, hd {hd}): {t * 1e6:.1f} us")
+    return res
+
+
+def bench_other(cp, K):
+    res = bench_attention(cp, K)
     # dequantize Q4_K 14336x4096 to f16, and gemm T=512
     qt = QT.Q4_K
     raw = random_raw(cp, K, qt, 14336, 4096, np.random.default_rng(1))
@@ -272,6 +292,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--attention", action="store_true", help="only decode attention and rope (bench_attention)")
     a = ap.parse_args()
     if a.precompile:
         precompile(a.jobs)
@@ -286,6 +307,13 @@ def main() -> int:
     copy_bw = device_copy_gbps() * 1e9
     print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     t0 = time.perf_counter()
+    if a.attention:
+        res = {"device": dev, "copy_gbps": copy_bw / 1e9, "attention": bench_attention(cp, K),
+               "seconds": time.perf_counter() - t0}
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print("wrote", a.out)
+        return 0
     mv = bench_matvec(cp, K, a.quick)
     other = bench_other(cp, K)
     copy_bw2 = device_copy_gbps() * 1e9

@@ -4,7 +4,9 @@
 Compiles each .cu exactly as kernels.py does (headers inlined by sources.kernel_source) and
 instantiates the templates kernels.py uses: for every supported type (shared/quant_types.py)
 and each of its layout cuts, the f32 matvec at every launch configuration of every device entry
-in tuning.py, the dp4a matvec where the type has one, the dequantizers, and the attention
+in tuning.py, the dp4a and i16 matvecs where the type has them (i16 and its x-staged variant
+also at 8 rows per CTA, which scripts/bench_gemm_paths.py --sweep-mv launches), the
+dequantizers, and the attention
 variants (plain and tree-masked; the extern "C" kernels, kv_move among them, need no
 instantiation). Prints NVRTC's log: errors, warnings, and with --sass-info (an sm_90 cubin through
 ptxas) registers, stack and spills per kernel. Exit status 1 on any compile error.
@@ -26,6 +28,9 @@ from ntx.shared.quant_types import QUANT_TYPES
 
 CUT_ID = {"v1": 1, "v2": 2}  # quant.cu CUT_V1, CUT_V2 (kernels.py _CUT_ID)
 BATCH_SIZES = range(1, tuning.MAX_MATVEC_B + 1)
+# the i16 matvec's widest CTAs (8 rows: the most accumulators, NR * B = 64), always compiled:
+# scripts/bench_gemm_paths.py --sweep-mv launches them
+I16_WIDE = {(max(tuning.MV_ROWS_PER_CTA), u) for u in (1, 2)}
 
 
 def _launch_cuts(all_configs: bool) -> tuple[set, set]:
@@ -33,7 +38,7 @@ def _launch_cuts(all_configs: bool) -> tuple[set, set]:
     launches (the warps per CTA are a launch argument, not a template one); all_configs: every
     pair the kernels allow."""
     if all_configs:
-        every = {(nr, u) for nr in (1, 2, 4) for u in (1, 2)}
+        every = {(nr, u) for nr in tuning.MV_ROWS_PER_CTA for u in (1, 2)}
         return every, every
     mv = {(nr, u) for t in tuning.TUNINGS.values() for nr, _, u in t.all_mv_launches()}
     mvq = {(nr, u) for t in tuning.TUNINGS.values() for nr, _, u in t.all_mvq_launches()}
@@ -54,7 +59,9 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
             if q.dp4a:
                 for nr, u in sorted(mvq_cfgs):
                     out += [f"mvq_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
+                for nr, u in sorted(mvq_cfgs | I16_WIDE):
                     out += [f"mvq2_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
+                    out += [f"mvq2s_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
             for cut, _, _ in q.mm_cuts:  # kernels._mm_names
                 out += [f"mm_kernel<{qt},{CUT_ID[cut]},{nt},{tuning.MM_UNROLL}>"
                         for nt in range(1, tuning.MAX_MM_ROWS // 8 + 1)]

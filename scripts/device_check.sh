@@ -6,7 +6,7 @@
 # From the repo root on the device machine:
 #   bash scripts/device_check.sh [--quick] [--no-bench] [--no-tests] [--sanitize] [--decode-bench]
 #                                [--stream-bench] [--profile] [--only-copy] [pytest args]
-# --sanitize: first run the attention/KV/graph tests under compute-sanitizer memcheck.
+# --sanitize: first run the attention/KV/graph/rope/i16s tests under compute-sanitizer memcheck.
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
 #   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it.
@@ -99,7 +99,7 @@ PYTEST=(python3 -c "import sys, ntx.daemons.compute.cuda.kernels, pytest; sys.ex
 rc=0
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   timeout 240 compute-sanitizer --tool memcheck --print-limit 5 "${PYTEST[@]}" "$REPO/tests/gpu" -q -x -p no:cacheprovider \
-    -k "attention or kv_append or graph" 2>&1 | tail -40 | tee "$OUT/sanitizer.log"
+    -k "attention or kv_append or graph or rope or i16s" 2>&1 | tail -40 | tee "$OUT/sanitizer.log"
 fi
 if [ "$TESTS" = 1 ]; then
   "${PYTEST[@]}" "$REPO/tests/gpu" -q -p no:cacheprovider --timeout 600 --junitxml="$OUT/tests.xml" \

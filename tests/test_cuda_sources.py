@@ -47,9 +47,9 @@ def test_tuning_entries_by_device_name():
         for B in range(1, tuning.MAX_MATVEC_B + 1):
             for q in QUANT_TYPES:
                 nr, nw, u = t.mv(q, B)
-                assert nr in (1, 2, 4) and 1 <= nw <= 8 and u in (1, 2, 4)
+                assert nr in tuning.MV_ROWS_PER_CTA and 1 <= nw <= tuning.MV_MAX_WARPS and u in tuning.MV_UNROLLS
                 nr, nw, u = t.mvq(q, B)
-                assert nr in (1, 2, 4) and 1 <= nw <= 8 and u in (1, 2, 4)
+                assert nr in tuning.MV_ROWS_PER_CTA and 1 <= nw <= tuning.MV_MAX_WARPS and u in tuning.MV_UNROLLS
         assert all("v2" in QUANT_TYPES[q].cuts for q in t.v2_auto_types)
         assert all(cut in QUANT_TYPES[q].cuts for q, cut in t.deq_cut.items())
         for D in (1, 2048, 4096, 1 << 20):  # rmsnorm_kernel: a multiple of 32 threads, <= 1024

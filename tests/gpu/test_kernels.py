@@ -123,7 +123,7 @@ def test_matvec(qt, B, big, rng):
     assert relerr(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2))])
+@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2))] + [(8, 2, 1)])
 @pytest.mark.parametrize("qt,variant", [(QT.Q4_K, "v1"), (QT.Q4_K, "v2"), (QT.Q5_K, "v2"), (QT.Q6_K, "v1"), (QT.Q6_K, "v2"),
                                         (QT.Q8_0, "v1"), (QT.Q8_0, "v2"), (QT.F16, "v1")],
                          ids=lambda v: v.name if isinstance(v, QT) else v)
@@ -289,7 +289,56 @@ def check_i16(out, x, ref_w):
     assert relerr(out, exact) < 1e-4
 
 
-@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2), (4, 2))])
+@pytest.mark.parametrize("nw,u", [(2, 1), (4, 2), (8, 1)])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda q: q.name)
+def test_matvec_i16_rows_per_cta(qt, nw, u, rng):
+    """The i16 matvec at every rows-per-CTA of the sweep (8 rows: 64 accumulators at B = 8, more
+    than a 2-warp CTA has threads for the final reduction), 203 rows (a partial last CTA): the
+    rows per CTA decide only which CTA reads a row, never the order of its additions (the lanes'
+    pieces follow warps and pieces per trip), so every NR gives the same bits; so does i16s (x
+    from a shared-memory stage, each CTA several row groups in turn)."""
+    n_rows, n_cols = 203, _cols(qt, True)
+    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    ref_w = reference_matrix(qt, cp.asnumpy(raw), n_rows, n_cols)
+    for B in (1, 3, 8):
+        x = rng.standard_normal((B, n_cols)).astype(np.float32)
+        outs = []
+        for nr in tuning.MV_ROWS_PER_CTA:
+            out = nan_f32((B, n_rows))
+            K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), out=out, config=(nr, nw, u), variant="i16")
+            outs.append(cp.asnumpy(out))
+        assert relerr(outs[0], x.astype(np.float64) @ ref_w.T) < 1e-4, B
+        for nr, o in zip(tuning.MV_ROWS_PER_CTA[1:], outs[1:]):
+            np.testing.assert_array_equal(o, outs[0], err_msg=f"B={B} rows per CTA {nr}")
+        for nr in tuning.MV_ROWS_PER_CTA:  # x staged in shared memory, CTAs looping over row groups
+            out = nan_f32((B, n_rows))
+            K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), out=out, config=(nr, nw, u), variant="i16s")
+            np.testing.assert_array_equal(cp.asnumpy(out), outs[0], err_msg=f"i16s B={B} rows per CTA {nr}")
+    with pytest.raises(ValueError, match="rows per CTA"):
+        K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), config=(3, nw, u), variant="i16")
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_matvec_i16s_loops_over_row_groups(qt, rng):
+    """More row groups than the device holds CTAs (5003 rows, one or eight a CTA): each i16s CTA
+    computes several groups in turn, and every row comes out as the one-group-a-CTA i16 makes it;
+    a stage too large for one CTA is an error that names i16."""
+    n_rows, n_cols = 5003, 4096
+    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    for B in (1, 8):
+        x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
+        for nr, nw, u in ((1, 8, 1), (8, 4, 2)):
+            ref = K.matvec(raw, qt, n_rows, n_cols, x, config=(nr, nw, u), variant="i16")
+            out = nan_f32((B, n_rows))
+            K.matvec(raw, qt, n_rows, n_cols, x, out=out, config=(nr, nw, u), variant="i16s")
+            np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(ref), err_msg=f"B={B} {(nr, nw, u)}")
+    wide = 65536  # 8 rows of x: 1.3 MB of stage
+    with pytest.raises(ValueError, match="use i16"):
+        K.matvec(cp.asarray(random_weights(qt, 8, wide, rng)), qt, 8, wide,
+                 cp.zeros((8, wide), cp.float32), variant="i16s")
+
+
+@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2), (4, 2))] + [(8, 2, 1)])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda q: q.name)
 def test_matvec_dp4a_configs(qt, config, rng):
     """Every dp4a launch configuration the benchmark may pick gives the same product."""
@@ -615,6 +664,57 @@ def test_rope(hd, rope_dim, with_ff, rng):
         np.testing.assert_array_equal(cp.asnumpy(xd)[..., rope_dim:], x[..., rope_dim:])
 
 
+@pytest.mark.parametrize("with_ff", [False, True])
+def test_rope_qk_one_launch(with_ff, rng):
+    """q and k (8B-shaped: 32 and 8 heads) rotated in one launch, as the backend does: over
+    several CTAs per token (40 heads * 64 pairs > one CTA's 1024 pairs) and many tokens."""
+    T, Hq, Hk, hd, base = 70, 32, 8, 128, 500000.0
+    q = rng.standard_normal((T, Hq, hd)).astype(np.float32)
+    k = rng.standard_normal((T, Hk, hd)).astype(np.float32)
+    pos = np.concatenate([[0, 1, 131071], rng.integers(0, 131072, size=T - 3)]).astype(np.int32)
+    ff = rng.uniform(1.0, 8.0, size=hd // 2).astype(np.float32) if with_ff else None
+    qd, kd = cp.asarray(q), cp.asarray(k)
+    ffd = None if ff is None else cp.asarray(ff)
+    K.rope_qk_inplace(qd, kd, cp.asarray(pos), hd, base, ffd)
+    assert relerr(qd, rope_ref(q, pos, hd, base, ff)) < 1e-5
+    assert relerr(kd, rope_ref(k, pos, hd, base, ff)) < 1e-5
+    # the same through two single launches: the same bits (one table, one formula)
+    q1, k1 = cp.asarray(q), cp.asarray(k)
+    K.rope_inplace(q1, cp.asarray(pos), hd, base, ffd)
+    K.rope_inplace(k1, cp.asarray(pos), hd, base, ffd)
+    np.testing.assert_array_equal(cp.asnumpy(q1), cp.asnumpy(qd))
+    np.testing.assert_array_equal(cp.asnumpy(k1), cp.asnumpy(kd))
+    np.testing.assert_array_equal(K.rope_inv_freq(hd, base, ff)[:3], base ** (-np.arange(3) * 2.0 / hd)
+                                  / (1.0 if ff is None else ff[:3].astype(np.float64)))
+
+
+def test_rope_table_made_before_capture(rng):
+    """The frequency table is made on a call's first eager run: capturing a call whose table
+    does not exist yet is an error that says so, not an allocation inside the graph."""
+    x = cp.asarray(rng.standard_normal((2, 4, 64)).astype(np.float32))
+    pos = cp.asarray(np.array([3, 9], dtype=np.int32))
+    s = cp.cuda.Stream(non_blocking=True)
+    base = 12345.678  # a base no other test uses
+    with s:
+        s.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="eagerly before capture"):
+                K.rope_inplace(x, pos, 64, base)
+        finally:
+            s.end_capture()
+    ref = rope_ref(cp.asnumpy(x), np.array([3, 9]), 64, base, None)
+    K.rope_inplace(x, pos, 64, base, stream=s)  # eager: makes the table
+    with s:
+        s.begin_capture()
+        K.rope_inplace(x, pos, 64, base, stream=s)
+        g = s.end_capture()
+    s.synchronize()
+    assert relerr(x, ref) < 1e-5
+    g.launch(s)
+    s.synchronize()
+    assert relerr(x, rope_ref(ref, np.array([3, 9]), 64, base, None)) < 1e-5
+
+
 def test_swiglu(rng):
     g = (rng.standard_normal((7, 14336)) * 3).astype(np.float32)
     u = rng.standard_normal((7, 14336)).astype(np.float32)
@@ -701,6 +801,63 @@ def test_attention_prefill_causal(n_splits, rng):
     ck_h[slot, :, p0:p0 + T] = k.transpose(1, 0, 2).astype(np.float16)
     cv_h[slot, :, p0:p0 + T] = v.transpose(1, 0, 2).astype(np.float16)
     assert relerr(out, attn_ref(q, ck_h, cv_h, slots, pos + 1, n_kv)) < 1e-5
+
+
+@pytest.mark.parametrize("G,hd", [(4, 128), (1, 64), (8, 256), (2, 96)])
+def test_attention_short_rows_many_splits(G, hd, rng):
+    """Decode rows of a few keys in a cache sized for 4096 (64 splits, as the 8B decodes): only
+    the splits that own a tile run and only those are merged. Lengths around the 32-key tile,
+    one past max_ctx (clamped), a bad slot (output 0); the workspace starts as NaN, so a merged
+    split that was never written would show. hd 96: a lane's 3 V elements loaded one by one."""
+    n_slots, n_kv, max_ctx = 3, 2, 4096
+    ck, cv = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
+    lens = np.array([1, 2, 31, 32, 33, 64, 65, 100, 4096, 5000, 7], dtype=np.int32)
+    slots = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2, 1, 3], dtype=np.int32)  # 3: outside the cache
+    T, H = lens.size, n_kv * G
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    S = 64
+    ws = (cp.full(T * H * S * 2, cp.nan, cp.float32), cp.full(T * H * S * hd, cp.nan, cp.float32))
+    out = nan_f32((T, H, hd))
+    args = (cp.asarray(q), cp.asarray(ck), cp.asarray(cv), cp.asarray(slots), cp.asarray(lens))
+    K.attention(*args, out=out, n_splits=S, workspace=ws)
+    good = slots < n_slots
+    ref = attn_ref(q[good], ck, cv, slots[good], np.minimum(lens[good], max_ctx), n_kv)
+    assert relerr(out[cp.asarray(good)], ref) < 1e-5
+    assert float(cp.abs(out[cp.asarray(~good)]).max()) == 0.0
+    # rows of up to 128 keys: split s holds tile s whether there are 4 splits or 64, so the
+    # partials, and the merge of the used ones, are the same to the bit
+    short = cp.asarray(lens <= 128)
+    out4 = K.attention(*args, n_splits=4)
+    np.testing.assert_array_equal(cp.asnumpy(out4[short]), cp.asnumpy(out[short]))
+
+
+def test_attention_graph_replay_across_lengths(rng):
+    """One captured decode attention (64 splits) replayed as the row grows from 1 key to past
+    several tiles: each replay merges only the splits its length uses, and matches eager."""
+    n_slots, n_kv, max_ctx, hd, G = 2, 2, 4096, 128, 4
+    ck, cv = (cp.asarray(a) for a in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    T, H = 2, n_kv * G
+    q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
+    slots = cp.asarray(np.array([1, 0], dtype=np.int32))
+    lens = cp.asarray(np.array([1, 1], dtype=np.int32))
+    S = 64
+    ws = K.attention_workspace(T, H, hd, S)
+    out = nan_f32((T, H, hd))
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)  # compile
+    s.synchronize()
+    with s:
+        s.begin_capture()
+        K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)
+        g = s.end_capture()
+    for L in ([1, 2], [64, 33], [65, 300], [2048, 4096], [3, 1]):
+        lens.set(np.array(L, dtype=np.int32), stream=s)
+        g.launch(s)
+        s.synchronize()
+        eager = K.attention(q, ck, cv, slots, lens, n_splits=S, stream=s)
+        s.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(eager), err_msg=f"lengths {L}")
 
 
 def test_attention_empty_length_is_zero(rng):
@@ -946,8 +1103,7 @@ def test_graph_replay_matches_eager(rng):
         K.matvec(wk, QT.Q4_K, n_kv * hd, D, b["h"], out=b["k"], stream=s)
         K.matvec(wv, QT.Q6_K, n_kv * hd, D, b["h"], out=b["v"], stream=s)
         q3, k3, v3 = b["q"].reshape(B, H, hd), b["k"].reshape(B, n_kv, hd), b["v"].reshape(B, n_kv, hd)
-        K.rope_inplace(q3, positions, hd, 10000.0, stream=s)
-        K.rope_inplace(k3, positions, hd, 10000.0, stream=s)
+        K.rope_qk_inplace(q3, k3, positions, hd, 10000.0, stream=s)
         K.kv_append(k3, v3, b["ck"], b["cv"], slots, positions, stream=s)
         K.attention(q3, b["ck"], b["cv"], slots, kv_lens, out=b["att"], n_splits=S, workspace=b["ws"], stream=s)
         K.matvec(wo, QT.Q4_K, D, H * hd, b["att"].reshape(B, H * hd), out=b["o"], stream=s)

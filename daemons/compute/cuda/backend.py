@@ -345,8 +345,8 @@ class CudaBackend(Backend):
 
     def rope(self, q, k, ws: _Work) -> None:
         hp, T = self.hp, ws.T
-        K.rope_inplace(q.reshape(T, hp.n_head, hp.head_dim), ws.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
-        K.rope_inplace(k.reshape(T, hp.n_head_kv, hp.head_dim), ws.positions, hp.rope_dim, hp.rope_base, self.freq_factors)
+        K.rope_qk_inplace(q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim), ws.positions,
+                          hp.rope_dim, hp.rope_base, self.freq_factors)  # one launch for both
 
     def kv_write(self, layer_idx: int, k, v, ws: _Work) -> None:
         hp, T = self.hp, ws.T

@@ -45,9 +45,9 @@ from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbyte
 
 __all__ = [
     "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
-    "rmsnorm", "rope_inplace", "alloc_kv_cache", "kv_append", "kv_cache_table", "kv_move", "attention",
-    "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu", "argmax",
-    "apply_repetition_penalty", "topk", "compile_all",
+    "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "kv_cache_table",
+    "kv_move", "attention", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
+    "argmax", "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
     "mmq_workspace_bytes", "mmq_quantize", "i16_quantize", "gemm_group",
@@ -56,9 +56,11 @@ __all__ = [
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
 MAX_MM_ROWS = tuning.MAX_MM_ROWS
 # matvec variants: "v1", "v2" = the f32 path through that layout cut ("f32" = "v1"), "dp4a" =
-# the int8-activation path, "i16" = activations in two int8 planes (15 bits), "auto" = per tuning.py
+# the int8-activation path, "i16" = activations in two int8 planes (15 bits), "i16s" = the same
+# product with x staged in shared memory once per CTA (opt-in, measured by bench_gemm_paths.py
+# --sweep-mv), "auto" = per tuning.py
 MATVEC_VARIANT = "auto"
-VARIANTS = ("auto", "v1", "v2", "dp4a", "i16", "f32")
+VARIANTS = ("auto", "v1", "v2", "dp4a", "i16", "i16s", "f32")
 # template argument of each layout cut (quant.cu CUT_V1, CUT_V2)
 _CUT_ID = {"v1": 1, "v2": 2}
 # elements per piece (EPB / LPB of quant.cu's QTraits<QT, CUT>) where it is not 8: the
@@ -155,6 +157,45 @@ def _mvq2_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
 
 def _mvq2_kernel(qt: int, b: int, nr: int, u: int):
     return _function("mvq2", (int(qt), b, nr, u), lambda: _mvq2_names(qt, nr, u), b - 1)
+
+
+def _mvq2s_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
+    return tuple(f"mvq2s_kernel<{int(qt)},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+
+
+def _mvq2s_kernel(qt: int, b: int, nr: int, u: int):
+    return _function("mvq2s", (int(qt), b, nr, u), lambda: _mvq2s_names(qt, nr, u), b - 1)
+
+
+def i16s_stage_bytes(B: int, n_cols: int) -> int:
+    """Shared memory of mvq2s_kernel's activation stage for x [B, n_cols]: both int8 planes and
+    both (d, d * sum) arrays."""
+    return 2 * B * n_cols + 2 * B * (n_cols // 32) * 8
+
+
+_i16s_max_ctas: dict[tuple, int] = {}
+
+
+def _i16s_grid(kern, qt: int, B: int, nr: int, nw: int, u: int, n_rows: int, stage: int) -> int:
+    """CTAs of an i16s launch: as many as the device holds at once with this stage (occupancy of
+    the compiled kernel times the SMs), at most one per row group. Raises the kernel's dynamic
+    shared memory limit past the default 48 KiB where the stage needs it; a stage over the
+    device's opt-in limit (227 KiB on the H200) is an error (use "i16")."""
+    from cupy_backends.cuda.api import driver
+
+    dev = cp.cuda.runtime.getDevice()
+    key = (dev, int(qt), B, nr, nw, u, stage)
+    max_ctas = _i16s_max_ctas.get(key)
+    if max_ctas is None:
+        rt = cp.cuda.runtime
+        optin = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)
+        if stage > optin:
+            raise ValueError(f"the i16s matvec stages {stage} bytes of x, over the device's {optin} per CTA; use i16")
+        if stage > 48 * 1024:
+            driver.funcSetAttribute(kern.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, stage)
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.ptr, 32 * nw, stage)
+        max_ctas = _i16s_max_ctas[key] = max(1, per_sm) * rt.getDeviceProperties(dev)["multiProcessorCount"]
+    return min(-(-n_rows // nr), max_ctas)
 
 
 def _mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
@@ -361,7 +402,7 @@ def _activation_path(qtype, variant) -> str:
     v = variant or MATVEC_VARIANT
     if v not in VARIANTS:
         raise ValueError(f"unknown matvec variant {v!r} (one of {', '.join(VARIANTS)})")
-    if v in ("dp4a", "i16"):
+    if v in ("dp4a", "i16", "i16s"):
         if not q.dp4a:
             raise ValueError(f"the {v} matvec variant does not exist for {q.name}")
         return v
@@ -480,6 +521,13 @@ def quantize_x(x, xq=None, *, stream=None):
     return q.view(cp.int8).reshape(B, n_cols), ds.view(cp.float32).reshape(B, n_cols // 32, 2)
 
 
+def _check_mv_config(config) -> None:
+    nr, nw, u = config
+    if nr not in tuning.MV_ROWS_PER_CTA or not 1 <= nw <= tuning.MV_MAX_WARPS or u not in tuning.MV_UNROLLS:
+        raise ValueError(f"matvec config {tuple(config)}: rows per CTA in {tuning.MV_ROWS_PER_CTA}, warps per CTA "
+                         f"1..{tuning.MV_MAX_WARPS}, pieces per trip in {tuning.MV_UNROLLS}")
+
+
 def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None, xq=None,
            planes=None):
     """out[b, r] = sum_c W[r, c] * x[b, c].
@@ -500,11 +548,14 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         second plane quantizes what the first leaves), each dotted with the weights as in dp4a:
         every element within max|x_group| / 64516 (15 bits), ~2e-5 relative; one read of the
         weights, two dp4a products per piece.
+      "i16s": "i16" with x staged in shared memory once per CTA (both planes, 2.5 * B * n_cols
+        bytes, at most the device's per-CTA limit) and as many CTAs as fit at once, each looping
+        over its row groups; the same bits as "i16" at the same warps and pieces per trip.
       "auto": dp4a with NTX_MATVEC_DP4A=1 (tuning.dp4a_enabled) where it exists; else i16 where it
         exists and the device's table says i16_auto; else v1 or v2 per the table (tuning.py; on
         the H200 v2 at B >= 5 for Q4_K, Q5_K, Q8_0).
-    config: optional (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in
-      {1, 2, 4}); default the device's launch table (tuning.py).
+    config: optional (rows per CTA in {1, 2, 4, 8}, warps per CTA <= 8, pieces per lane per trip in
+      {1, 2, 4}; tuning.MatvecLaunch); default the device's launch table (tuning.py).
     xq: the dp4a variant's workspace (uint8, >= matvec_workspace_bytes(B, n_cols), 256-byte
       aligned; matvec_workspace makes one; the i16 variant does not take one). Without it a
       per-(device, stream, size) workspace is made on first use and reused, so the call stays
@@ -521,15 +572,23 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     if not 1 <= B <= MAX_MATVEC_B:
         raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
     out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
+    if config is not None:
+        _check_mv_config(config)
     grid_rows = n_rows
     path = _activation_path(q.qtype, variant)
-    if path == "i16":
+    if path in ("i16", "i16s"):
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
-        kern = _mvq2_kernel(q.qtype, B, nr, u)
+        if path == "i16":
+            kern = _mvq2_kernel(q.qtype, B, nr, u)
+            grid, smem = (grid_rows + nr - 1) // nr, 0
+        else:
+            kern = _mvq2s_kernel(q.qtype, B, nr, u)
+            smem = i16s_stage_bytes(B, n_cols)
+            grid = _i16s_grid(kern, q.qtype, B, nr, nw, u, n_rows, smem)
         with _stream_ctx(stream):
             xq1, ds1, xq2, ds2 = planes if planes is not None else i16_quantize(x)
-            kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
-                 (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
+            args = (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb))
+            kern((grid,), (32 * nw,), args, shared_mem=smem)
         return out
     if path == "dp4a":
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
@@ -847,27 +906,100 @@ def rmsnorm(x, w, eps: float, *, residual=None, out=None, stream=None):
     return out
 
 
-def rope_inplace(x, positions, rope_dim: int, base: float, freq_factors=None, *, stream=None):
-    """Rotary embedding in place, llama.cpp NORMAL mode (the GGUF llama layout): rotate adjacent
-    pairs (x[2i], x[2i+1]), i < rope_dim/2, by theta = pos * base^(-2i/rope_dim) / freq_factors[i].
-    x: f32 [T, H, hd]; positions: int32 [T] on the device; freq_factors: f32 [rope_dim/2] or None.
-    Dimensions from rope_dim on are left untouched."""
-    _check_f32("x", x)
+_ROPE_THREADS, _ROPE_PER_THREAD = 256, 4  # ops.cu ROPE_THREADS, ROPE_PER_THREAD
+
+
+class _RopeFreqs:
+    """Per-(device, rope_dim, base, freq_factors) device copies of the pairs' angular speeds
+    (``rope_inv_freq``), made on the first eager call and kept: a captured CUDA graph keeps
+    pointing at them, and the capture itself must allocate nothing. A cached entry holds the
+    freq_factors array it was made from, so its address names that array for the cache's life
+    (its values are read once: change them in place and the cache does not see it)."""
+
+    def __init__(self):
+        self.arrays: dict[tuple, tuple[Any, Any]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, rope_dim: int, base: float, freq_factors):
+        ff_key = None if freq_factors is None else (freq_factors.data.ptr, freq_factors.size)
+        key = (cp.cuda.runtime.getDevice(), int(rope_dim), float(base), ff_key)
+        hit = self.arrays.get(key)
+        if hit is not None:
+            return hit[0]
+        if cp.cuda.get_current_stream().is_capturing():
+            raise RuntimeError("rope's frequency table for this (rope_dim, base, freq_factors) does not exist yet, and the "
+                               "stream is capturing a CUDA graph: run the same call once eagerly before capture")
+        with self.lock:
+            hit = self.arrays.get(key)
+            if hit is None:
+                ff = None if freq_factors is None else cp.asnumpy(freq_factors)
+                inv = cp.asarray(rope_inv_freq(rope_dim, base, ff))
+                cp.cuda.get_current_stream().synchronize()  # the copy is done before any stream reads it
+                hit = self.arrays[key] = (inv, freq_factors)
+        return hit[0]
+
+
+_rope_freqs = _RopeFreqs()
+
+
+def rope_inv_freq(rope_dim: int, base: float, freq_factors=None) -> np.ndarray:
+    """The angular speed of each rotated pair, f64 [rope_dim/2] on the host:
+    base^(-2i/rope_dim) / freq_factors[i] (numpy freq_factors f32 [rope_dim/2] or None), as the
+    CPU reference (cpu_backend.rope_inv_freq) makes it."""
+    inv = float(base) ** (-np.arange(rope_dim // 2, dtype=np.float64) * 2.0 / rope_dim)
+    if freq_factors is not None:
+        inv = inv / np.asarray(freq_factors, dtype=np.float32).astype(np.float64)
+    return inv
+
+
+def _rope_check(name: str, x, positions, rope_dim: int):
+    _check_f32(name, x)
     if x.ndim != 3:
-        raise ValueError("x must be [T, H, hd]")
-    T, H, hd = x.shape
+        raise ValueError(f"{name} must be [T, H, hd]")
+    if x.data.ptr % 8:
+        raise ValueError(f"{name} must start on an 8-byte boundary (pairs are read as float2)")
+    T, _, hd = x.shape
     _check_i32("positions", positions, T)
     if rope_dim % 2 or not 0 < rope_dim <= hd:
         raise ValueError(f"rope_dim={rope_dim} must be even and in (0, hd={hd}]")
+
+
+def rope_qk_inplace(q, k, positions, rope_dim: int, base: float, freq_factors=None, *, stream=None):
+    """Rotary embedding of q and k in place in one launch, llama.cpp NORMAL mode (the GGUF llama
+    layout): rotate adjacent pairs (x[2i], x[2i+1]), i < rope_dim/2, by
+    theta = pos * base^(-2i/rope_dim) / freq_factors[i], angle and sine/cosine in f64.
+    q: f32 [T, Hq, hd]; k: f32 [T, Hk, hd] (same T and hd) or None; positions: int32 [T] on the
+    device; freq_factors: f32 [rope_dim/2] on the device or None. Dimensions from rope_dim on are
+    left untouched. The pairs' speeds are made once per (rope_dim, base, freq_factors) on the
+    host in f64 (``rope_inv_freq``) and kept on the device: the first call of each must be eager
+    (not under graph capture)."""
+    _rope_check("q", q, positions, rope_dim)
+    T, Hq, hd = q.shape
+    Hk = 0
+    if k is not None:
+        _rope_check("k", k, positions, rope_dim)
+        if k.shape[0] != T or k.shape[2] != hd:
+            raise ValueError(f"k {k.shape} and q {q.shape} differ in T or hd")
+        Hk = k.shape[1]
     if freq_factors is not None:
         _check_f32("freq_factors", freq_factors, (rope_dim // 2,))
-    total = T * H * (rope_dim // 2)
-    if total == 0:
-        return x
+    half = rope_dim // 2
+    n_pairs = (Hq + Hk) * half
+    if T == 0 or n_pairs == 0:
+        return q, k
     with _stream_ctx(stream):
-        _ops_kernel("rope_kernel")((min((total + 255) // 256, 1 << 16),), (256,), (
-            x, positions, _ptr_or_null(freq_factors), np.int32(T), np.int32(H), np.int32(hd),
-            np.int32(rope_dim), np.float64(base)))
+        inv = _rope_freqs.get(rope_dim, base, freq_factors)
+        per_cta = _ROPE_THREADS * _ROPE_PER_THREAD
+        _ops_kernel("rope_kernel")((T, -(-n_pairs // per_cta)), (_ROPE_THREADS,), (
+            q, _ptr_or_null(k), positions, inv, np.int32(Hq), np.int32(Hk), np.int32(hd), np.int32(rope_dim)),
+            shared_mem=half * 8)
+    return q, k
+
+
+def rope_inplace(x, positions, rope_dim: int, base: float, freq_factors=None, *, stream=None):
+    """Rotary embedding of one tensor in place (``rope_qk_inplace`` with k = None).
+    x: f32 [T, H, hd]; positions: int32 [T] on the device; freq_factors: f32 [rope_dim/2] or None."""
+    rope_qk_inplace(x, None, positions, rope_dim, base, freq_factors, stream=stream)
     return x
 
 
@@ -1034,8 +1166,10 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
         args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     with _stream_ctx(stream):
         _attn_kernel(G, hd, tree)((S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), args, shared_mem=smem)
+        # the combine reads only the splits the row's length uses (kv_lens, slots as above)
         _ops_kernel("attn_combine_kernel")((H, T), (min(hd, 256),), (
-            part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd)))
+            part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd), slots, kv_lens, np.int32(n_slots),
+            np.int32(max_ctx)))
     return out
 
 

@@ -47,29 +47,54 @@ extern "C" __global__ void rmsnorm_kernel(const float* __restrict__ x, const flo
 }
 
 // ------------------------------------------------------------------------------- rope
-// x: [T, H, hd] f32 in place; positions: [T] int32; llama.cpp NORMAL mode: rotate adjacent pairs
-// (x[2i], x[2i+1]) for i < rope_dim/2 by theta = pos * base^(-2i/rope_dim) / freq_factors[i].
-// The angle is formed in double precision so large positions keep full f32 accuracy.
-extern "C" __global__ void rope_kernel(float* __restrict__ x, const int* __restrict__ positions,
-                                       const float* __restrict__ freq_factors, int T, int H, int hd,
-                                       int rope_dim, double base) {
-    const int half = rope_dim / 2;
-    const long long total = (long long)T * H * half;
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(idx % half);
-        const long long th = idx / half;  // t * H + h
-        const int t = (int)(th / H);
-        double inv = pow(base, -2.0 * (double)i / (double)rope_dim);
-        if (freq_factors) inv /= (double)freq_factors[i];
-        const double theta = (double)positions[t] * inv;
-        double s, c;
-        sincos(theta, &s, &c);
-        float* p = x + th * hd + 2 * i;
-        const float x0 = p[0], x1 = p[1];
-        const float cf = (float)c, sf = (float)s;
-        p[0] = x0 * cf - x1 * sf;
-        p[1] = x0 * sf + x1 * cf;
+// q: [T, Hq, hd], k: [T, Hk, hd] f32 in place (k may be null with Hk = 0: one launch for both);
+// positions: [T] int32; llama.cpp NORMAL mode: rotate adjacent pairs (x[2i], x[2i+1]) for
+// i < half = rope_dim/2 by theta = pos * inv_freq[i], inv_freq[i] = base^(-2i/rope_dim) /
+// freq_factors[i] made once on the host in f64 (kernels.rope_inv_freq). The angle and its sine
+// and cosine are formed in f64 so large positions keep full f32 accuracy: once per (token, pair)
+// in shared memory, not once per head (an f64 pow and sincos per element, in two launches, took
+// ~8.6 us a layer at one token on the H200). grid (T, ceil((Hq + Hk) * half / (ROPE_THREADS *
+// ROPE_PER_THREAD))), block ROPE_THREADS, dynamic shared memory half * 8 bytes; pairs are read
+// as float2 (q, k 8-byte aligned).
+#define ROPE_THREADS 256
+#define ROPE_PER_THREAD 4
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(float* __restrict__ q, float* __restrict__ k,
+                                                                       const int* __restrict__ positions,
+                                                                       const double* __restrict__ inv_freq, int Hq,
+                                                                       int Hk, int hd, int rope_dim) {
+    extern __shared__ float2 cs[];  // (cos, sin) of pair i at this token
+    const int half = rope_dim / 2, t = blockIdx.x;
+    const double pos = (double)positions[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double sn, c;
+        sincos(pos * inv_freq[i], &sn, &c);
+        cs[i] = make_float2((float)c, (float)sn);
+    }
+    __syncthreads();
+    const int n_pairs = (Hq + Hk) * half;
+    const int j0 = blockIdx.y * (ROPE_THREADS * ROPE_PER_THREAD) + threadIdx.x;
+    float2* pp[ROPE_PER_THREAD];
+    float2 xv[ROPE_PER_THREAD];
+    int ii[ROPE_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_THREAD; r++) {  // every load issued before the first store
+        const int j = j0 + r * ROPE_THREADS;
+        pp[r] = nullptr;
+        if (j < n_pairs) {
+            const int h = j / half, i = j - h * half;
+            float* row = h < Hq ? q + ((long long)t * Hq + h) * hd : k + ((long long)t * Hk + (h - Hq)) * hd;
+            pp[r] = (float2*)(row + 2 * i);
+            ii[r] = i;
+            xv[r] = *pp[r];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_THREAD; r++) {
+        if (pp[r] != nullptr) {
+            const float2 cf = cs[ii[r]];
+            const float x0 = xv[r].x, x1 = xv[r].y;
+            *pp[r] = make_float2(x0 * cf.x - x1 * cf.y, x0 * cf.y + x1 * cf.x);
+        }
     }
 }
 
@@ -121,8 +146,54 @@ extern "C" __global__ void kv_move_kernel(u16* const* __restrict__ caches, const
 // Split-K ("flash decoding"): warp s of the S = gridDim.x * warps_per_cta splits of (t, kv-head g)
 // handles key tiles s, s+S, ... of 32 keys with an online softmax in f32 and writes its partial
 // (m, l, acc) to part_ml [T, H, S, 2] / part_acc [T, H, S, HD]; attn_combine merges them.
+// The cost follows the row's length L, not the S the launch was sized for (max_ctx): only the
+// first attn_used_splits(L, S) = min(S, ceil(L / 32)) splits own a tile; the others return at
+// once and write nothing, and attn_combine reads only the used ones (an unused split would have
+// written m = -inf, which weighs nothing in the merge, so the result is the same to the bit).
 // Within a tile each lane scores one key (q of the G heads in shared memory), then the lanes
-// split the head dimension to accumulate p * v over the tile's keys.
+// split the head dimension to accumulate p * v over the tile's keys. Latency, not bandwidth,
+// bounds a short row, so each phase issues its loads before the arithmetic that uses them: a
+// lane's whole key (up to 16 uint4) at once, then the tile's V rows in groups of up to 32 keys
+// (kept as f16 bits, converted at use). Additions run in the same order as one load at a time.
+
+// The row's key count as every attention kernel sees it: kv_lens[t] clamped to max_ctx, 0 for
+// a slot outside [0, n_slots) (attend to nothing, output 0).
+__device__ __forceinline__ int attn_row_len(const int* __restrict__ slots, const int* __restrict__ kv_lens, int t,
+                                            int n_slots, int max_ctx, int* slot_out) {
+    const int slot = slots[t];
+    int L = kv_lens[t];
+    if (L > max_ctx) L = max_ctx;
+    if (slot < 0 || slot >= n_slots) { *slot_out = 0; return 0; }
+    *slot_out = slot;
+    return L;
+}
+// splits of S that own a tile of 32 keys of a row of L keys
+__device__ __forceinline__ int attn_used_splits(int L, int S) { return L <= 0 ? 0 : min(S, (L + 31) >> 5); }
+
+// V rows of one lane's EPL head-dim elements as raw f16 bits: VW 32-bit words a key (element e
+// in the low or high half of word e / 2), loaded as one u32 / uint2 / uint4 where EPL is 2 / 4 /
+// 8 (the lane's elements then aligned to their width), else one u16 at a time.
+template <int EPL> struct AttnV {
+    static constexpr int VW = (EPL + 1) / 2;
+    static __device__ __forceinline__ void load(const u16* p, u32 (&r)[VW]) {
+        if constexpr (EPL == 8) {
+            const uint4 v = __ldg((const uint4*)p);
+            r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+        } else if constexpr (EPL == 4) {
+            const uint2 v = __ldg((const uint2*)p);
+            r[0] = v.x; r[1] = v.y;
+        } else if constexpr (EPL == 2) {
+            r[0] = __ldg((const u32*)p);
+        } else {
+#pragma unroll
+            for (int w = 0; w < VW; w++) r[w] = 0u;
+#pragma unroll
+            for (int e = 0; e < EPL; e++) r[e >> 1] |= (u32)__ldg(p + e) << (16 * (e & 1));
+        }
+    }
+    static __device__ __forceinline__ float elem(const u32 (&r)[VW], int e) { return h2f(r[e >> 1] >> (16 * (e & 1))); }
+};
+
 template <int G, int HD, bool TREE>
 __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ ck,
                                                 const u16* __restrict__ cv, const int* __restrict__ slots,
@@ -131,17 +202,19 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                                                 float scale, float* qs_all, const int* __restrict__ tree_base,
                                                 const u32* __restrict__ tree_mask, int mask_words) {
     constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
+    constexpr int KC = HD / 8 <= 16 ? HD / 8 : HD / 16;  // uint4 of a key in flight at once (1 or 2 rounds)
+    typedef AttnV<EPL> V;
+    constexpr int VG = V::VW * 32 <= 64 ? 32 : 16;  // keys whose V rows are loaded at once (<= 64 words)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpc = blockDim.x >> 5;
     const int S = gridDim.x * wpc, s = blockIdx.x * wpc + warp;
     const int g = blockIdx.y, t = blockIdx.z;
     const int H = n_kv * G;
+    int slot;
+    const int L = attn_row_len(slots, kv_lens, t, n_slots, max_ctx, &slot);
+    if (s >= attn_used_splits(L, S)) return;  // no tile: attn_combine does not read this split
     float* qs = qs_all + warp * G * HD;
     for (int i = lane; i < G * HD; i += 32) qs[i] = q[((long long)t * H + g * G) * HD + i] * scale;
     __syncwarp();
-    int slot = slots[t];
-    int L = kv_lens[t];
-    if (L > max_ctx) L = max_ctx;
-    if (slot < 0 || slot >= n_slots) { slot = 0; L = 0; }  // bad slot: attend to nothing (output 0)
     const long long kvbase = ((long long)slot * n_kv + g) * max_ctx * HD;
     int base = -1;  // TREE: cache position of the tree's row 0 (-1: a plain causal row)
     const u32* row_mask = nullptr;  // TREE: the row's visibility bits over the tree's rows
@@ -170,21 +243,41 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         for (int h = 0; h < G; h++) sc[h] = 0.f;
         if (valid) {
             const uint4* kp = (const uint4*)(ck + kvbase + (long long)key * HD);
-#pragma unroll 4
-            for (int c = 0; c < HD / 8; c++) {
-                const uint4 kv = __ldg(kp + c);
-                float kf[8];
-                kf[0] = h2f(kv.x); kf[1] = h2f(kv.x >> 16); kf[2] = h2f(kv.y); kf[3] = h2f(kv.y >> 16);
-                kf[4] = h2f(kv.z); kf[5] = h2f(kv.z >> 16); kf[6] = h2f(kv.w); kf[7] = h2f(kv.w >> 16);
 #pragma unroll
-                for (int h = 0; h < G; h++) {
-                    const float4 qa = *(const float4*)(qs + h * HD + 8 * c);
-                    const float4 qb = *(const float4*)(qs + h * HD + 8 * c + 4);
-                    float a = sc[h];
-                    a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a); a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
-                    a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a); a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
-                    sc[h] = a;
+            for (int c0 = 0; c0 < HD / 8; c0 += KC) {
+                uint4 kr[KC];  // the key's next KC * 8 elements, every load in flight at once
+#pragma unroll
+                for (int c = 0; c < KC; c++) kr[c] = __ldg(kp + c0 + c);
+#pragma unroll
+                for (int c = 0; c < KC; c++) {
+                    const uint4 kv = kr[c];
+                    float kf[8];
+                    kf[0] = h2f(kv.x); kf[1] = h2f(kv.x >> 16); kf[2] = h2f(kv.y); kf[3] = h2f(kv.y >> 16);
+                    kf[4] = h2f(kv.z); kf[5] = h2f(kv.z >> 16); kf[6] = h2f(kv.w); kf[7] = h2f(kv.w >> 16);
+#pragma unroll
+                    for (int h = 0; h < G; h++) {
+                        const float4 qa = *(const float4*)(qs + h * HD + 8 * (c0 + c));
+                        const float4 qb = *(const float4*)(qs + h * HD + 8 * (c0 + c) + 4);
+                        float a = sc[h];
+                        a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a); a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
+                        a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a); a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
+                        sc[h] = a;
+                    }
                 }
+            }
+        }
+        const int nk = min(32, L - tile * 32);
+        const u16* vp = cv + kvbase + (long long)tile * 32 * HD + lane * EPL;
+        // the first group's V rows are loaded here, before the softmax's shuffles, so their
+        // latency overlaps them; a key past nk is not loaded (zero) and has p = 0
+        u32 vr[VG][V::VW];
+#pragma unroll
+        for (int u = 0; u < VG; u++) {
+            if (u < nk) {
+                V::load(vp + (long long)u * HD, vr[u]);
+            } else {
+#pragma unroll
+                for (int w = 0; w < V::VW; w++) vr[u][w] = 0u;
             }
         }
         float p[G];
@@ -199,35 +292,32 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             for (int e = 0; e < EPL; e++) acc[h][e] *= corr;
             m[h] = mn;
         }
-        const int nk = min(32, L - tile * 32);
-        const u16* vp = cv + kvbase + (long long)tile * 32 * HD + lane * EPL;
-        // keys in groups of 8, the group's V rows loaded before the first is used (one latency
-        // per group, not per key); a key past nk has p = 0 and adds exactly nothing
-        for (int j0 = 0; j0 < nk; j0 += 8) {
-            float vf[8][EPL];
+        // keys in groups of VG, each group's V rows loaded before the first is used (one
+        // latency per group, not per key); a key past nk adds exactly nothing (p = 0, v = 0)
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const int jj = j0 + u;
-                if (jj < nk) {
-                    if (EPL == 4) {
-                        const uint2 vv = __ldg((const uint2*)(vp + (long long)jj * HD));
-                        vf[u][0] = h2f(vv.x); vf[u][1] = h2f(vv.x >> 16); vf[u][2] = h2f(vv.y); vf[u][3] = h2f(vv.y >> 16);
+        for (int j0 = 0; j0 < 32; j0 += VG) {
+            if (j0 >= nk) break;
+            if (j0 > 0) {
+#pragma unroll
+                for (int u = 0; u < VG; u++) {
+                    if (j0 + u < nk) {
+                        V::load(vp + (long long)(j0 + u) * HD, vr[u]);
                     } else {
 #pragma unroll
-                        for (int e = 0; e < EPL; e++) vf[u][e] = h2f(__ldg(vp + (long long)jj * HD + e));
+                        for (int w = 0; w < V::VW; w++) vr[u][w] = 0u;
                     }
-                } else {
-#pragma unroll
-                    for (int e = 0; e < EPL; e++) vf[u][e] = 0.f;
                 }
             }
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
+            for (int u = 0; u < VG; u++) {
+                float vf[EPL];
+#pragma unroll
+                for (int e = 0; e < EPL; e++) vf[e] = V::elem(vr[u], e);
 #pragma unroll
                 for (int h = 0; h < G; h++) {
                     const float pj = __shfl_sync(0xffffffffu, p[h], j0 + u);
 #pragma unroll
-                    for (int e = 0; e < EPL; e++) acc[h][e] = fmaf(pj, vf[u][e], acc[h][e]);
+                    for (int e = 0; e < EPL; e++) acc[h][e] = fmaf(pj, vf[e], acc[h][e]);
                 }
             }
         }
@@ -264,20 +354,26 @@ __global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* __res
                                  tree_base, tree_mask, mask_words);
 }
 
-// out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. grid (H, T), block min(HD, 256),
-// S <= ATTN_MAX_SPLITS. The splits' (m, l) are read into shared memory by all threads at once and
-// their weights e^(m_s - M) made there once, so the per-element sum issues its loads of acc
-// without a dependent load per split (three serial loops over 64 splits took ~20 us per layer);
-// every sum runs in split order as before, so the result is the same to the bit.
+// out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the row's used splits
+// (attn_used_splits: the split kernel wrote only those; L from the same slots / kv_lens).
+// grid (H, T), block min(HD, 256), S <= ATTN_MAX_SPLITS. The splits' (m, l) are read into shared
+// memory by all threads at once and their weights e^(m_s - M) made there once, so the
+// per-element sum issues its loads of acc without a dependent load per split (three serial
+// loops over 64 splits took ~20 us per layer); every sum runs in split order, so the result is
+// the same to the bit as merging all S splits (the unused ones had m = -inf and weighed nothing).
 #define ATTN_MAX_SPLITS 256
 extern "C" __global__ void attn_combine_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                                               float* __restrict__ out, int H, int S, int hd) {
+                                               float* __restrict__ out, int H, int S, int hd,
+                                               const int* __restrict__ slots, const int* __restrict__ kv_lens,
+                                               int n_slots, int max_ctx) {
     __shared__ float w_s[ATTN_MAX_SPLITS];  // e^(m_s - M); -1 for a split that saw no key
     __shared__ float l_s[ATTN_MAX_SPLITS];
     __shared__ float s_den;
     const int h = blockIdx.x, t = blockIdx.y;
+    int slot;
+    const int n_used = attn_used_splits(attn_row_len(slots, kv_lens, t, n_slots, max_ctx, &slot), S);
     const long long o = ((long long)t * H + h) * S;
-    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+    for (int s = threadIdx.x; s < n_used; s += blockDim.x) {
         const float2 ml = *(const float2*)(part_ml + 2 * (o + s));
         w_s[s] = ml.x;
         l_s[s] = ml.y;
@@ -285,9 +381,9 @@ extern "C" __global__ void attn_combine_kernel(const float* __restrict__ part_ml
     __syncthreads();
     if (threadIdx.x == 0) {
         float M = NEG_INF;
-        for (int s = 0; s < S; s++) M = fmaxf(M, w_s[s]);
+        for (int s = 0; s < n_used; s++) M = fmaxf(M, w_s[s]);
         float den = 0.f;
-        for (int s = 0; s < S; s++) {
+        for (int s = 0; s < n_used; s++) {
             const float ms = w_s[s];
             if (ms != NEG_INF) {
                 const float wv = __expf(ms - M);
@@ -304,7 +400,7 @@ extern "C" __global__ void attn_combine_kernel(const float* __restrict__ part_ml
     for (int e = threadIdx.x; e < hd; e += blockDim.x) {
         float num = 0.f;
 #pragma unroll 8
-        for (int s = 0; s < S; s++) {
+        for (int s = 0; s < n_used; s++) {
             const float wv = w_s[s];
             const float a = __ldg(part_acc + (o + s) * hd + e);
             if (wv >= 0.f) num += wv * a;

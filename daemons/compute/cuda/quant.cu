@@ -500,6 +500,21 @@ __device__ __forceinline__ void ld_words_a2(const u8* p, u32 (&r)[N]) {
 // per-byte q - 32 for bytes q in [0, 64), as int8 (no borrow between bytes)
 __device__ __forceinline__ u32 sub32_bytes(u32 q) { return ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u; }
 
+// Where a dp4a product reads its activations from: LdG global memory through the read-only path
+// (every kernel but one), LdS the CTA's shared-memory stage (mvq2s_kernel; generic pointers).
+struct LdG {
+    static __device__ __forceinline__ uint4 u128(const u8* p) { return __ldg((const uint4*)p); }
+    static __device__ __forceinline__ uint2 u64(const u8* p) { return __ldg((const uint2*)p); }
+    static __device__ __forceinline__ float2 f2(const float2* p) { return __ldg(p); }
+    static __device__ __forceinline__ float f(const float* p) { return __ldg(p); }
+};
+struct LdS {
+    static __device__ __forceinline__ uint4 u128(const u8* p) { return *(const uint4*)p; }
+    static __device__ __forceinline__ uint2 u64(const u8* p) { return *(const uint2*)p; }
+    static __device__ __forceinline__ float2 f2(const float2* p) { return *p; }
+    static __device__ __forceinline__ float f(const float* p) { return *p; }
+};
+
 template <int QT> struct QDTraits;
 
 // ---------------------------------------------------------------- Q4_K / Q5_K (dp4a)
@@ -540,12 +555,13 @@ template <int QT> struct QDK45 {
         }
     }
     // xq, ds: this block's activations of one batch row
+    template <class LD = LdG>
     static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
         const int c = j >> 1, p = 16 * (j & 1);
-        v.a = ld128(xq + 64 * c + p);
-        v.b = ld128(xq + 64 * c + 32 + p);
-        v.g0 = __ldg(ds + 2 * c);
-        v.g1 = __ldg(ds + 2 * c + 1);
+        v.a = LD::u128(xq + 64 * c + p);
+        v.b = LD::u128(xq + 64 * c + 32 + p);
+        v.g0 = LD::f2(ds + 2 * c);
+        v.g1 = LD::f2(ds + 2 * c + 1);
     }
     static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
         int s0 = dp4(e.lo[0], v.a.x, 0), s1 = dp4(e.hi[0], v.b.x, 0);
@@ -593,12 +609,13 @@ template <> struct QDTraits<14> {
             }
         }
     }
+    template <class LD = LdG>
     static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
         const int h = j >> 2, l0 = 8 * (j & 3);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            v.x[k] = __ldg((const uint2*)(xq + 128 * h + 32 * k + l0));
-            v.g[k] = __ldg((const float*)(ds + 4 * h + k));
+            v.x[k] = LD::u64(xq + 128 * h + 32 * k + l0);
+            v.g[k] = LD::f((const float*)(ds + 4 * h + k));
         }
     }
     static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
@@ -628,9 +645,10 @@ template <> struct QDTraits<8> {
         for (int i = 0; i < 4; i++) e.q[i] = r.q[i];
         e.d = h2f(r.d);
     }
+    template <class LD = LdG>
     static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
-        v.a = ld128(xq + 16 * j);
-        v.dx = __ldg((const float*)ds);
+        v.a = LD::u128(xq + 16 * j);
+        v.dx = LD::f((const float*)ds);
     }
     static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
         const int s = dp4(e.q[3], v.a.w, dp4(e.q[2], v.a.z, dp4(e.q[1], v.a.y, dp4(e.q[0], v.a.x, 0))));
@@ -676,10 +694,11 @@ template <int QT> struct QD32 {
             }
         }
     }
+    template <class LD = LdG>
     static __device__ __forceinline__ void loadx(int j, const u8* xq, const float2* ds, XV& v) {
-        v.a = ld128(xq);
-        v.b = ld128(xq + 16);
-        v.g = __ldg(ds);
+        v.a = LD::u128(xq);
+        v.b = LD::u128(xq + 16);
+        v.g = LD::f2(ds);
     }
     static __device__ __forceinline__ float dot(const Dec& e, const XV& v) {
         int s = 0;
@@ -704,16 +723,16 @@ template <> struct QDTraits<7> : QD32<7> {};
 //   P::accumulate<B, NR>(raw, blk, j, act, n_cols, acc)
 //                                               acc[r][b] += piece j of block blk of row r times
 //                                               the matching activations of row b, for all r, b
-// One CTA per NR rows; its warps split each row's pieces; every lane handles U pieces per trip
+// A CTA computes NR rows from row0 (NR in {1, 2, 4, 8}: one group per CTA, or several in turn
+// with mvq2s_kernel); its warps split each row's pieces; every lane handles U pieces per trip
 // with all weight loads issued before the first use. Each lane's partial sums are reduced over
 // the warp (warp_sum), then over the CTA's warps in warp order, so a result does not depend on
-// timing.
+// timing, nor on NR (which lane takes which piece depends only on the warps and U).
 template <class P, int B, int NR, int U>
 __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const typename P::Act& act,
                                             float* __restrict__ out, int n_rows, int n_cols,
-                                            long long row_bytes) {
+                                            long long row_bytes, int row0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int row0 = blockIdx.x * NR;
     const int npieces = (n_cols / P::EPB) * P::LPB;
     float acc[NR][B];
 #pragma unroll
@@ -753,10 +772,10 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
             if (lane == 0) red[warp][r * B + b] = v;
         }
     __syncthreads();
-    if (threadIdx.x < NR * B) {
-        const int r = threadIdx.x / B, b = threadIdx.x % B;
+    for (int o = threadIdx.x; o < NR * B; o += blockDim.x) {  // NR * B may exceed the CTA (8 x 8, 2 warps)
+        const int r = o / B, b = o % B;
         float s = 0.f;
-        for (int i = 0; i < nw; i++) s += red[i][threadIdx.x];
+        for (int i = 0; i < nw; i++) s += red[i][o];
         const int row = row0 + r;
         if (row < n_rows) out[(long long)b * n_rows + row] = s;
     }
@@ -824,7 +843,7 @@ template <int QT> struct MvDp4a : QDTraits<QT> {
 
 // i16 product (quantize_x2_kernel's two planes): the piece's weights decoded once, each plane's
 // activations dotted with them as in the dp4a product, the two products added.
-template <int QT> struct MvDp4a2 : QDTraits<QT> {
+template <int QT, class LD = LdG> struct MvDp4a2 : QDTraits<QT> {
     typedef QDTraits<QT> T;
     struct Act {
         const u8* xq;        // plane 1: int8 [B, n_cols], (d, d * sum) [B, ngroups]
@@ -844,8 +863,8 @@ template <int QT> struct MvDp4a2 : QDTraits<QT> {
             const long long xo = (long long)b * n_cols + (long long)blk * T::EPB;
             const long long go = (long long)b * act.ngroups + (long long)blk * (T::EPB / 32);
             typename T::XV x1, x2;
-            T::loadx(j, act.xq + xo, act.ds + go, x1);
-            T::loadx(j, act.xq2 + xo, act.ds2 + go, x2);
+            T::template loadx<LD>(j, act.xq + xo, act.ds + go, x1);
+            T::template loadx<LD>(j, act.xq2 + xo, act.ds2 + go, x2);
 #pragma unroll
             for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], x1) + T::dot(dec[r], x2);
         }
@@ -858,7 +877,7 @@ __global__ void __launch_bounds__(256) mv_kernel(const u8* __restrict__ w, const
                                                  float* __restrict__ out, int n_rows, int n_cols,
                                                  long long row_bytes) {
     typedef MvF32<QT, CUT> P;
-    matvec_rows<P, B, NR, U>(w, typename P::Act{x}, out, n_rows, n_cols, row_bytes);
+    matvec_rows<P, B, NR, U>(w, typename P::Act{x}, out, n_rows, n_cols, row_bytes, blockIdx.x * NR);
 }
 
 // out[b, row] = sum_c W[row, c] * dequant(xq)[b, c]; xq, ds: quantize_x_kernel's output for x.
@@ -867,7 +886,7 @@ __global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, cons
                                                   const float2* __restrict__ ds, float* __restrict__ out,
                                                   int n_rows, int n_cols, long long row_bytes) {
     typedef MvDp4a<QT> P;
-    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, n_cols / 32}, out, n_rows, n_cols, row_bytes);
+    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, n_cols / 32}, out, n_rows, n_cols, row_bytes, blockIdx.x * NR);
 }
 
 // ================================================================ tensor-core matmul ("mm")
@@ -1577,5 +1596,40 @@ __global__ void __launch_bounds__(256) mvq2_kernel(const u8* __restrict__ w, con
                                                    const float2* __restrict__ ds2, float* __restrict__ out,
                                                    int n_rows, int n_cols, long long row_bytes) {
     typedef MvDp4a2<QT> P;
-    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes);
+    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes,
+                             blockIdx.x * NR);
+}
+
+// mvq2_kernel with the activations staged in shared memory once per CTA (B * n_cols * 2.5 bytes:
+// both int8 planes, then both (d, d * sum) arrays) and each CTA looping over row groups NR rows
+// apart (grid: as many CTAs as fit on the device at once, or fewer): x crosses from L2 once per
+// CTA instead of once per NR rows, and every piece reads it from the stage. Within a row group
+// the additions are mvq2_kernel's, in its order: the same bits.
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) mvq2s_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
+                                                    const float2* __restrict__ ds, const u8* __restrict__ xq2,
+                                                    const float2* __restrict__ ds2, float* __restrict__ out,
+                                                    int n_rows, int n_cols, long long row_bytes) {
+    extern __shared__ uint4 stage[];
+    const int ng = n_cols / 32;
+    const int n16 = B * n_cols / 16;  // uint4 of one plane (n_cols is a multiple of 32)
+    uint4* sq = stage;
+    uint4* sq2 = stage + n16;
+    float2* sds = (float2*)(stage + 2 * n16);
+    float2* sds2 = sds + B * ng;
+    for (int i = threadIdx.x; i < n16; i += blockDim.x) {
+        sq[i] = __ldg((const uint4*)xq + i);
+        sq2[i] = __ldg((const uint4*)xq2 + i);
+    }
+    for (int i = threadIdx.x; i < B * ng; i += blockDim.x) {
+        sds[i] = __ldg(ds + i);
+        sds2[i] = __ldg(ds2 + i);
+    }
+    __syncthreads();
+    typedef MvDp4a2<QT, LdS> P;
+    const typename P::Act act{(const u8*)sq, sds, (const u8*)sq2, sds2, ng};
+    for (int row0 = blockIdx.x * NR; row0 < n_rows; row0 += gridDim.x * NR) {
+        matvec_rows<P, B, NR, U>(w, act, out, n_rows, n_cols, row_bytes, row0);
+        __syncthreads();  // the next group writes the reduction's shared partials again
+    }
 }

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from gguf import GGMLQuantizationType as QT
 
 __all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "dp4a_enabled",
-           "DP4A_ENV", "MAX_MATVEC_B", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
-           "MMQ_TILES_PER_WARP"]
+           "DP4A_ENV", "MAX_MATVEC_B", "MV_ROWS_PER_CTA", "MV_MAX_WARPS", "MV_UNROLLS", "MAX_MM_ROWS", "MM_UNROLL",
+           "MAX_GRAPH_ROWS", "MMQ_TILES_PER_WARP"]
 
 MAX_MATVEC_B = 8  # activation rows one matvec launch takes (the kernels' B template range)
 MAX_MM_ROWS = 64  # activation rows one tensor-core matmul launch takes (8 per tile, NT <= 8)
@@ -36,7 +36,14 @@ MAX_GRAPH_ROWS = MAX_MM_ROWS
 ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its split kernel's warps per CTA
 DP4A_ENV = "NTX_MATVEC_DP4A"
 
-# (rows per CTA in {1, 2, 4}, warps per CTA <= 8, pieces per lane per trip in {1, 2, 4})
+# (rows per CTA, warps per CTA, pieces per lane per trip) of a matvec launch, each from these:
+# rows per CTA are a template argument (quant.cu matvec_rows NR: every CTA reads all of x once for
+# its NR rows, so more rows per CTA cut the activations' L1/L2 traffic, at the cost of registers:
+# NR * B accumulators), warps per CTA a launch one (its reduction keeps 8 warps' partials), pieces
+# per trip a template one (U: loads in flight per lane)
+MV_ROWS_PER_CTA = (1, 2, 4, 8)
+MV_MAX_WARPS = 8
+MV_UNROLLS = (1, 2, 4)
 MatvecLaunch = tuple[int, int, int]
 
 
