@@ -315,8 +315,7 @@ def compile_all(qtypes=None) -> None:
             _mm_kernel(q.qtype, cut, 1)
         if q.mm_staged:
             _mms_kernel(q.qtype, 1)
-            for mt in tuning.MMQ_TILES_PER_WARP:
-                _mmq_kernel(q.qtype, 1, mt)
+            _mmq_kernel(q.qtype, 1, 1)  # the default launch's; two tiles per warp compile on first use
     _quantize_x_kernel()
     _quantize_x2_kernel()
     _quantize_mmq_kernel()

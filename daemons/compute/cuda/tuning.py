@@ -75,8 +75,9 @@ class KernelTuning:
     mmq_min_rows: dict[QT, int]
     mmq_min_rows_default: int
     # mmq from this many rows of x: two 16-row tiles per warp (each x fragment loaded once for
-    # both), one below
+    # both), one below; mmq_launch aims for mmq_target_warps warps per matrix
     mmq_two_tiles_from_rows: int
+    mmq_target_warps: int
     # exact activations below mm's rows: matvec "auto" takes the i16 product (two int8 planes,
     # ~2e-5 relative) where the type has a dp4a one, instead of f32
     i16_auto: bool
@@ -116,13 +117,19 @@ class KernelTuning:
         return self.mm_min_rows.get(qtype, self.mm_min_rows_default)
 
     def mmq_launch(self, B: int, n_rows: int, n_steps: int) -> tuple[int, int, int, int]:
-        """(WR, WK, KS, MT) of the int8 tensor-core matmul: mm_launch's rule over tiles of 16 MT
-        rows, MT = 2 from mmq_two_tiles_from_rows rows of x."""
+        """(WR, WK, KS, MT) of the int8 tensor-core matmul for n_steps sub-blocks of 32 columns
+        per row: one warp per 16 MT rows side by side (WR = 1, MT = 2 from
+        mmq_two_tiles_from_rows rows of x), WK warps (2..8, a power of two) and KS CTAs over the
+        256-column block columns, so that about mmq_target_warps warps share the matrix (each
+        with at least one block column)."""
         mt = 2 if B >= self.mmq_two_tiles_from_rows else 1
-        wr, wk, _ = self.mm_launch(B, n_rows, n_steps)
-        tiles = -(-n_rows // (16 * mt * wr))
-        ks = max(1, min(-(-self.mm_target_ctas // tiles), n_steps // (4 * wk), 16))
-        return wr, wk, ks, mt
+        tiles = -(-n_rows // (16 * mt))
+        blocks = max(1, n_steps // 8)
+        wk = 2
+        while wk < 8 and tiles * wk < self.mmq_target_warps and 2 * wk <= blocks:
+            wk *= 2
+        ks = max(1, min(-(-self.mmq_target_warps // (tiles * wk)), blocks // wk, 16))
+        return 1, wk, ks, mt
 
     def mmq_from_rows(self, qtype: QT) -> int:
         """Rows of x from which gemm takes the int8 tensor-core matmul for qtype (with mmq_auto)."""
@@ -186,6 +193,19 @@ class KernelTuning:
 # (coalesced 4-byte loads, one wavefront per 8 rows from the stage) beat direct fragment loads
 # by 10-40% on Q6_K, less on Q4_K; at 32-64 rows the legacy mma.sync path itself (4 per
 # fragment for the exact split with min terms) is the bound: ~28 cycles per mma per SM sub-partition.
+# Int8 tensor-core matmul (mmq, scripts/bench_gemm_paths.py --paths mmq --sweep-mm, graphs of 20
+# calls, 2026-12-01): it beats the i16 matvec from 3 rows (Q4_K 14336x4096 at T = 1/2/3/4/8:
+# i16 0.016/0.023/0.027/0.033/0.054 ms, mmq 0.026-0.031 flat; 4096x14336 i16 0.028 at T = 3,
+# mmq 0.026; Q6_K 4096x14336 i16 0.045 at T = 3, mmq 0.039): mmq_min_rows 3. Against mm at
+# T = 16/32/64: Q4_K 14336x4096 0.097/0.109/0.207 -> 0.033/0.053/0.087, Q6_K 4096x14336
+# 0.067/0.102/0.244 -> 0.049/0.067/0.099. Launch: the best (WK, KS) put about 1000-1800 warps on a
+# matrix: 14336 rows WK 2 (0.0529 ms at T = 32 vs 0.0584 with WK 4), 4096 rows WK 4, 1024 rows
+# WK 8 KS 2 (0.0111 vs 0.0179): mmq_target_warps. Two 16-row tiles per warp (MT 2, x fragments
+# shared) gained at T <= 16 on 14336 rows only (0.0259 vs 0.0289 at T = 8) and lost elsewhere
+# (Q6_K 4096x14336 at T = 64: 0.179 vs 0.099; 255 registers, spills): off (mmq_two_tiles_from_rows).
+# The kernel is issue- and latency-bound, not DRAM-bound (with the loads removed, Q4_K
+# 14336x4096 at T = 1 still takes 0.022 of 0.026 ms): ~30 instructions per mma pair for the
+# two-plane activations' f32 epilogue.
 _MV_SMALL_B = (2, 4, 1)
 _MV_LARGE_B = (4, 4, 1)
 H200 = KernelTuning(
@@ -202,7 +222,8 @@ H200 = KernelTuning(
     mmq_auto=True,
     mmq_min_rows={},
     mmq_min_rows_default=3,
-    mmq_two_tiles_from_rows=9,
+    mmq_two_tiles_from_rows=MAX_MM_ROWS + 1,  # never: see the measurements above
+    mmq_target_warps=1024,
     i16_auto=True,
     attn_target_warps=2048,
     attn_max_splits=64,
