@@ -191,9 +191,9 @@ def _i16s_grid(kern, qt: int, B: int, nr: int, nw: int, u: int, n_rows: int, sta
         optin = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)
         if stage > optin:
             raise ValueError(f"the i16s matvec stages {stage} bytes of x, over the device's {optin} per CTA; use i16")
-        if stage > 48 * 1024:
-            driver.funcSetAttribute(kern.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, stage)
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.ptr, 32 * nw, stage)
+        if stage > _DEFAULT_SMEM_LIMIT and kern.max_dynamic_shared_size_bytes < stage:
+            kern.max_dynamic_shared_size_bytes = stage
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kern.kernel.ptr, 32 * nw, stage)
         max_ctas = _i16s_max_ctas[key] = max(1, per_sm) * rt.getDeviceProperties(dev)["multiProcessorCount"]
     return min(-(-n_rows // nr), max_ctas)
 

@@ -213,7 +213,12 @@ H200 = KernelTuning(
     mv_launch={B: _MV_SMALL_B if B <= 4 else _MV_LARGE_B for B in range(1, MAX_MATVEC_B + 1)},
     mv_launch_override={(QT.F16, 1): (2, 8, 1)},
     mvq_launch={B: _MV_SMALL_B if B <= 4 else _MV_LARGE_B for B in range(1, MAX_MATVEC_B + 1)},
-    mvq_launch_override={},
+    # scripts/bench_gemm_paths.py --sweep-mv --ts 1 (graphs, copy 4184 GB/s, 2026-12-01), i16 at B=1,
+    # ms for (2, 4, 1) -> the override: Q4_K 14336x4096 0.0165 -> 0.0145, 4096x14336 0.0160 -> 0.0137,
+    # 4096x4096 0.0079 -> 0.0074, 1024x4096 0.0044 -> 0.0046 (weighted by a Llama-3-8B pass: -9%);
+    # Q6_K 4096x14336 0.0303 -> 0.0251, 14336x4096 0.0260 -> 0.0246, 1024x4096 0.0053 -> 0.0060.
+    # dp4a shares the table (not timed with these).
+    mvq_launch_override={(QT.Q4_K, 1): (8, 4, 1), (QT.Q6_K, 1): (4, 2, 2)},
     v2_auto_types=frozenset({QT.Q4_K, QT.Q5_K, QT.Q8_0}),
     v2_auto_min_b=5,
     mm_min_rows={QT.Q4_K: 6, QT.Q5_K: 6, QT.Q6_K: 3},
