@@ -1293,9 +1293,7 @@ __device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_r
     for (int blk = kpart; blk < nb; blk += nparts) {
         // the stage the previous column used (every lane is past it: __syncwarp below) takes the
         // column NS - 1 ahead; then this column's group is the oldest of NS pending
-#ifndef MM_EXP_NO_LOAD
         issue(blk + (NS - 1) * nparts, slot == 0 ? NS - 1 : slot - 1);
-#endif
         cp_async_wait<NS - 1>();
         __syncwarp();  // every lane's copies of this column have landed
         const u8* st = stage + slot * STAGE_BYTES;
@@ -1305,11 +1303,7 @@ __device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_r
             const int mis = (int)((unsigned long long)(row_ptr(gid + 8 * i) + (long long)blk * T::BYTES) & 3ull);
             rows[i] = st + (gid + 8 * i) * S::SROW + mis;
         }
-#ifndef MM_EXP_NO_COMPUTE
         body(blk, rows);
-#else
-        if (rows[0][0] == 0xFF && blk < 0) body(blk, rows);
-#endif
         __syncwarp();
         slot = slot == NS - 1 ? 0 : slot + 1;
     }

@@ -205,7 +205,10 @@ class KernelTuning:
 # (Q6_K 4096x14336 at T = 64: 0.179 vs 0.099; 255 registers, spills): off (mmq_two_tiles_from_rows).
 # The kernel is issue- and latency-bound, not DRAM-bound (with the loads removed, Q4_K
 # 14336x4096 at T = 1 still takes 0.022 of 0.026 ms): ~30 instructions per mma pair for the
-# two-plane activations' f32 epilogue.
+# two-plane activations' f32 epilogue. quant.cu's compile-time knobs were timed the same way:
+# MMQ_UNROLL 4 (chunks unrolled) against 1 and 2: Q6_K 4096x14336 at T = 8 0.039 vs 0.053 ms;
+# MMQ_MIN_BLOCKS 1 against 2 (128 registers): 2 is 20% faster on Q4_K 14336x4096 at T <= 16 but
+# 2x slower on Q6_K 4096x14336 (spills); MM_STAGES 4 against 2 and 3: within 3%.
 _MV_SMALL_B = (2, 4, 1)
 _MV_LARGE_B = (4, 4, 1)
 H200 = KernelTuning(
