@@ -197,7 +197,7 @@ class KernelTuning:
 # calls, 2026-12-01): it beats the i16 matvec from 3 rows (Q4_K 14336x4096 at T = 1/2/3/4/8:
 # i16 0.016/0.023/0.027/0.033/0.054 ms, mmq 0.026-0.031 flat; 4096x14336 i16 0.028 at T = 3,
 # mmq 0.026; Q6_K 4096x14336 i16 0.045 at T = 3, mmq 0.039): mmq_min_rows 3. Against mm at
-# T = 16/32/64: Q4_K 14336x4096 0.097/0.109/0.207 -> 0.033/0.053/0.087, Q6_K 4096x14336
+# T = 16/32/64: Q4_K 14336x4096 0.097/0.109/0.207 -> 0.039/0.053/0.087, Q6_K 4096x14336
 # 0.067/0.102/0.244 -> 0.049/0.067/0.099. Launch: the best (WK, KS) put about 1000-1800 warps on a
 # matrix: 14336 rows WK 2 (0.0529 ms at T = 32 vs 0.0584 with WK 4), 4096 rows WK 4, 1024 rows
 # WK 8 KS 2 (0.0111 vs 0.0179): mmq_target_warps. Two 16-row tiles per warp (MT 2, x fragments
