@@ -1368,10 +1368,11 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
 
 // ---------------------------------------------------------------- int8 tensor-core matmul (mmq)
 // out[b, row] = sum_c W[row, c] * x[b, c] for up to 64 rows of x on the int8 tensor cores
-// (mma.sync m16n8k32 / m16n8k16 .s8, exact int32 sums), for the K-quants (staged as in mms).
-// x enters as the i16 matvec's two int8 planes (quantize_x2_kernel's arithmetic): per group of
-// 32 columns x ~= d * q1 + d2 * q2 with d2 = d / 254, so x ~= d2 * (254 q1 + q2) within
-// max|x_group| / 64516 (~2e-5 relative), the same activations as the i16 matvec below mm's rows.
+// (mma.sync m16n8k32 / m16n8k16 .s8, exact int32 sums), for the K-quants, whose blocks come
+// through mm_staged_walk's cp.async stages as in mms; each warp takes MT tiles of 16 rows.
+// x enters as the i16 matvec's two int8 planes (quant2_group's arithmetic): per group of 32
+// columns x ~= d * q1 + d2 * q2 with d2 = d / 254, so x ~= d2 * (254 q1 + q2) within
+// max|x_group| / 64516 (~2e-5 relative), the same activations as the i16 matvec below mmq's rows.
 // The weights enter as their integers (Q4_K/Q5_K q, Q6_K q - 32), one mma per plane per
 // sub-block; sub-block scales and mins, and x's group scale d2 and group sum, apply in f32.
 // So mmq is ~4x fewer tensor-core instructions than mm's exact f16 split (2 per 32 columns

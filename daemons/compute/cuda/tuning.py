@@ -70,7 +70,7 @@ class KernelTuning:
     mm_target_ctas: int
     # the K-quants (kernels.MMQ_TYPES): with mmq_auto, gemm takes the int8 tensor-core matmul
     # (quant.cu mmq_kernel, i16 activations) from mmq_min_rows[type] rows (else
-    # mmq_min_rows_default) instead of mm, the i16 matvec below; mm's launch rule (mm_launch)
+    # mmq_min_rows_default) instead of mm, the i16 matvec below; its launch is mmq_launch
     mmq_auto: bool
     mmq_min_rows: dict[QT, int]
     mmq_min_rows_default: int
