@@ -54,3 +54,34 @@ def test_tuning_entries_by_device_name():
         assert all(cut in QUANT_TYPES[q].cuts for q, cut in t.deq_cut.items())
         for D in (1, 2048, 4096, 1 << 20):  # rmsnorm_kernel: a multiple of 32 threads, <= 1024
             assert t.rmsnorm_block(D) % 32 == 0 and t.rmsnorm_block(D) <= 1024
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096),
+                                           (128256, 4096), (1024, 8192), (37, 256), (96, 16384)])
+@pytest.mark.parametrize("B", [3, 8, 32, 64])
+def test_mmq_launch_fills_the_device_within_the_row(B, n_rows, n_cols):
+    """The int8 tensor-core matmul's launch: one warp per 16-row tile side by side, 2..8 warps
+    (a power of two) and KS CTAs over the block columns, every warp with at least one 256-column
+    block column, and about mmq_target_warps warps on a matrix unless its row is too short."""
+    t = tuning.H200
+    wr, wk, ks, mt = t.mmq_launch(B, n_rows, n_cols // 32)
+    blocks = n_cols // 256
+    assert wr == 1 and mt in tuning.MMQ_TILES_PER_WARP and wk in (2, 4, 8) and 1 <= ks <= 16
+    assert wk * ks <= max(2, blocks)  # a row of one block column still gets the smallest launch
+    tiles = -(-n_rows // (16 * mt))
+    if tiles * 8 * 16 >= t.mmq_target_warps and blocks >= 16:
+        assert tiles * wk * ks >= t.mmq_target_warps // 2
+
+
+def test_mmq_scratch_is_counted_for_the_planner():
+    """memory.matmul_scratch_bytes holds mmq's two int8 planes of x padded to 8 rows beside mm's
+    f16 halves (the planner must not give that memory to layers)."""
+    from types import SimpleNamespace
+
+    from ntx.daemons.compute.cuda.memory import matmul_scratch_bytes
+
+    hp = SimpleNamespace(n_embd=4096, q_dim=4096, n_ff=14336)  # the widths a layer's products take
+    rows = 3  # padded to 8 rows for mmq
+    mm_halves = rows * (4096 + 14336) * 4
+    mmq_planes = 8 * (4096 + 14336) * 2 + 8 * (4096 + 14336) // 32 * 8
+    assert matmul_scratch_bytes(hp, rows) >= mm_halves + mmq_planes
