@@ -380,6 +380,17 @@ def _aligned_x(x, n_cols: int):
     return x
 
 
+def _rows_and_out(x, out, n_rows: int, n_cols: int, max_rows: int, name: str):
+    """A product's x as [B, n_cols] (16-byte aligned, 1 <= B <= max_rows rows, else a clear
+    error naming ``name``) and its out: [B, n_rows], or [n_rows] for a 1-D x."""
+    one_d = x.ndim == 1
+    x = _aligned_x(x, n_cols)
+    B = x.shape[0]
+    if not 1 <= B <= max_rows:
+        raise ValueError(f"{name} takes 1..{max_rows} rows of x, got {B}; use gemm")
+    return x, _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
+
+
 # ------------------------------------------------------------------------------ GEMV / GEMM
 def _mv_cut(q: QuantType, n_cols: int, variant, B: int) -> str:
     """The layout cut the f32 matvec takes: "v2" when asked for (or by "auto" per the device's
@@ -565,12 +576,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
-    one_d = x.ndim == 1
-    x = _aligned_x(x, n_cols)
+    x, out = _rows_and_out(x, out, n_rows, n_cols, MAX_MATVEC_B, "matvec")
     B = x.shape[0]
-    if not 1 <= B <= MAX_MATVEC_B:
-        raise ValueError(f"matvec takes 1..{MAX_MATVEC_B} rows of x, got {B}; use gemm")
-    out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     if config is not None:
         _check_mv_config(config)
     grid_rows = n_rows
@@ -628,12 +635,8 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     if mm_cut is None:
         raise ValueError(f"the tensor-core matmul does not decode {q.name} rows of {n_cols} columns; use gemm")
     cut, n_steps = mm_cut
-    one_d = x.ndim == 1
-    x = _aligned_x(x, n_cols)
+    x, out = _rows_and_out(x, out, n_rows, n_cols, MAX_MM_ROWS, "mm")
     B = x.shape[0]
-    if not 1 <= B <= MAX_MM_ROWS:
-        raise ValueError(f"mm takes 1..{MAX_MM_ROWS} rows of x, got {B}; use gemm")
-    out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     wr, wk, ks = config or _tuning().mm_launch(B, n_rows, n_steps)
     tiles = -(-n_rows // (16 * wr))
     nt = -(-B // 8)
@@ -701,12 +704,8 @@ def mmq(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, con
     rb = _check_weights(w_raw, q, n_rows, n_cols)
     if not mmq_supported(q.qtype, n_cols):
         raise ValueError(f"the int8 tensor-core matmul does not decode {q.name} rows of {n_cols} columns; use gemm")
-    one_d = x.ndim == 1
-    x = _aligned_x(x, n_cols)
+    x, out = _rows_and_out(x, out, n_rows, n_cols, MAX_MM_ROWS, "mmq")
     B = x.shape[0]
-    if not 1 <= B <= MAX_MM_ROWS:
-        raise ValueError(f"mmq takes 1..{MAX_MM_ROWS} rows of x, got {B}; use gemm")
-    out = _out(out, (n_rows,) if one_d else (B, n_rows), cp.float32)
     wr, wk, ks, mt = config or _tuning().mmq_launch(B, n_rows, n_cols // 256 * 8)
     tiles = -(-n_rows // (16 * mt * wr))
     nt = -(-B // 8)

@@ -814,41 +814,16 @@ template <int QT, int CUT> struct MvF32 : QTraits<QT, CUT> {
     }
 };
 
-// int8 product (xq, ds from quantize_x_kernel): the piece's weights are decoded to integers once
-// for all B rows, each row's int8 activation piece is loaded once for all NR rows, and dot()
-// applies the scales per sub-block.
-template <int QT> struct MvDp4a : QDTraits<QT> {
-    typedef QDTraits<QT> T;
-    struct Act {
-        const u8* xq;       // int8 [B, n_cols]
-        const float2* ds;   // (d, d * sum) [B, ngroups]
-        int ngroups;        // n_cols / 32
-    };
-    template <int B, int NR>
-    static __device__ __forceinline__ void accumulate(const typename T::Raw (&raw)[NR], int blk, int j,
-                                                      const Act& act, int n_cols, float (&acc)[NR][B]) {
-        typename T::Dec dec[NR];
-#pragma unroll
-        for (int r = 0; r < NR; r++) T::decode(raw[r], j, dec[r]);
-#pragma unroll
-        for (int b = 0; b < B; b++) {
-            typename T::XV xv;
-            T::loadx(j, act.xq + (long long)b * n_cols + (long long)blk * T::EPB,
-                     act.ds + (long long)b * act.ngroups + (long long)blk * (T::EPB / 32), xv);
-#pragma unroll
-            for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], xv);
-        }
-    }
-};
-
-// i16 product (quantize_x2_kernel's two planes): the piece's weights decoded once, each plane's
-// activations dotted with them as in the dp4a product, the two products added.
-template <int QT, class LD = LdG> struct MvDp4a2 : QDTraits<QT> {
+// int8 products, NP planes of activations: NP = 1, dp4a (xq, ds from quantize_x_kernel); NP = 2,
+// i16 (quantize_x2_kernel's two planes, x ~= d * q1 + d2 * q2). The piece's weights are decoded
+// to integers once for all B rows, each row's activation piece (per plane) is loaded once for
+// all NR rows, and dot() applies the scales per sub-block; the planes' products are added.
+template <int QT, int NP, class LD = LdG> struct MvDp4aP : QDTraits<QT> {
     typedef QDTraits<QT> T;
     struct Act {
         const u8* xq;        // plane 1: int8 [B, n_cols], (d, d * sum) [B, ngroups]
         const float2* ds;
-        const u8* xq2;       // plane 2, likewise
+        const u8* xq2;       // plane 2 (NP = 2), likewise
         const float2* ds2;
         int ngroups;         // n_cols / 32
     };
@@ -862,11 +837,17 @@ template <int QT, class LD = LdG> struct MvDp4a2 : QDTraits<QT> {
         for (int b = 0; b < B; b++) {
             const long long xo = (long long)b * n_cols + (long long)blk * T::EPB;
             const long long go = (long long)b * act.ngroups + (long long)blk * (T::EPB / 32);
-            typename T::XV x1, x2;
+            typename T::XV x1;
             T::template loadx<LD>(j, act.xq + xo, act.ds + go, x1);
-            T::template loadx<LD>(j, act.xq2 + xo, act.ds2 + go, x2);
+            if constexpr (NP == 1) {
 #pragma unroll
-            for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], x1) + T::dot(dec[r], x2);
+                for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], x1);
+            } else {
+                typename T::XV x2;
+                T::template loadx<LD>(j, act.xq2 + xo, act.ds2 + go, x2);
+#pragma unroll
+                for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], x1) + T::dot(dec[r], x2);
+            }
         }
     }
 };
@@ -885,8 +866,8 @@ template <int QT, int B, int NR, int U>
 __global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
                                                   const float2* __restrict__ ds, float* __restrict__ out,
                                                   int n_rows, int n_cols, long long row_bytes) {
-    typedef MvDp4a<QT> P;
-    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, n_cols / 32}, out, n_rows, n_cols, row_bytes, blockIdx.x * NR);
+    typedef MvDp4aP<QT, 1> P;
+    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, nullptr, nullptr, n_cols / 32}, out, n_rows, n_cols, row_bytes, blockIdx.x * NR);
 }
 
 // ================================================================ tensor-core matmul ("mm")
@@ -1590,7 +1571,7 @@ __global__ void __launch_bounds__(256) mvq2_kernel(const u8* __restrict__ w, con
                                                    const float2* __restrict__ ds, const u8* __restrict__ xq2,
                                                    const float2* __restrict__ ds2, float* __restrict__ out,
                                                    int n_rows, int n_cols, long long row_bytes) {
-    typedef MvDp4a2<QT> P;
+    typedef MvDp4aP<QT, 2> P;
     matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes,
                              blockIdx.x * NR);
 }
@@ -1621,7 +1602,7 @@ __global__ void __launch_bounds__(256) mvq2s_kernel(const u8* __restrict__ w, co
         sds2[i] = __ldg(ds2 + i);
     }
     __syncthreads();
-    typedef MvDp4a2<QT, LdS> P;
+    typedef MvDp4aP<QT, 2, LdS> P;
     const typename P::Act act{(const u8*)sq, sds, (const u8*)sq2, sds2, ng};
     for (int row0 = blockIdx.x * NR; row0 < n_rows; row0 += gridDim.x * NR) {
         matvec_rows<P, B, NR, U>(w, act, out, n_rows, n_cols, row_bytes, row0);
