@@ -29,3 +29,39 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Programmatic dependent launch (sm_90 and later; kernels.py launches with the attribute where
+// the device has it, see kernels._launch). A kernel so launched may begin while the kernel before
+// it in the stream is still running, so that its CTAs are resident and its constant inputs
+// (weights) in flight when that kernel ends, instead of paying a launch and a ramp after it:
+// in a decode pass of ~600 small kernels these gaps were a fifth of the pass. The contract, for
+// every kernel in ops.cu and quant.cu:
+//   pdl_trigger()  the next kernel may launch now (its CTAs take the slots this kernel's CTAs
+//                  free, and wait); it takes effect once every CTA has triggered or exited, that
+//                  is once this kernel's last CTA is resident, so it never delays this kernel.
+//   pdl_wait()     before the first access to memory that earlier work in the stream writes or
+//                  reads (activations, caches, partial sums, outputs); it returns once the
+//                  previous kernel has completed and its writes are visible to this grid (that
+//                  kernel waited likewise, so all earlier work has). A no-op when launched
+//                  without the attribute. Before it a kernel reads only the weights, which no
+//                  kernel of a pass writes.
+// In-stream memory is read with coherent loads (plain, or __ldca), never __ldg / ld.global.nc,
+// and its pointers are not `const __restrict__` (which lets the compiler use ld.global.nc on its
+// own): ptxas moves non-coherent loads, "read-only for the kernel's lifetime", above the wait.
+// It did in the first GPU run with PDL (the f32 matvec's loads of x were issued before the wait,
+// and the SmolLM2 and synthetic decode logits were wrong); scripts/pdl_check.py checks the SASS.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// the usual start of a kernel: let the next one launch, then wait for the previous one
+__device__ __forceinline__ void pdl_enter() {
+    pdl_trigger();
+    pdl_wait();
+}

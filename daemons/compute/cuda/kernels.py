@@ -31,7 +31,9 @@ Shapes: T tokens, B sequences (or tokens of a decode batch), H query heads, n_kv
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import os
 import threading
 from typing import Any
 
@@ -50,7 +52,7 @@ __all__ = [
     "argmax", "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
-    "mmq_workspace_bytes", "mmq_quantize", "i16_quantize", "gemm_group",
+    "mmq_workspace_bytes", "mmq_quantize", "i16_quantize", "gemm_group", "pdl_enabled", "set_programmatic_launch",
 ]
 
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
@@ -110,6 +112,98 @@ def _module(fname: str, names: tuple[str, ...]) -> cp.RawModule:
                 mod.compile()
                 _modules[key] = mod
     return mod
+
+
+# ------------------------------------------------------------------------------ launching
+# Every kernel of ops.cu and quant.cu is launched through _launch. Where the device has
+# programmatic dependent launch (compute capability 9.0 and later) it goes through the driver's
+# cuLaunchKernelEx with the programmatic-stream-serialization attribute, which cupy's launcher
+# does not expose: the kernel may then start while the previous kernel in the stream finishes
+# (its CTAs resident, a matvec's first weights in flight), and waits in pdl_wait (common.cuh)
+# before it touches what earlier work wrote. Graph capture records the overlap as programmatic
+# edges. NTX_PDL=0 turns it off (cupy's launcher, plain stream order) for comparison.
+_PDL_ATTRIBUTE = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+# numpy scalar type -> the C type the kernel's parameter has
+_C_SCALARS = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
+              np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+_pdl_by_device: dict[int, Any] = {}  # device -> cuLaunchKernelEx, or None where it is not used
+_pdl_wanted: bool | None = None  # set_programmatic_launch; None: NTX_PDL (default on)
+
+
+def set_programmatic_launch(on: bool | None) -> None:
+    """Use programmatic launch where the device has it (True), never (False), or as NTX_PDL says
+    (None, the default). For comparisons (tests, benchmarks); graphs captured before keep the
+    launches they were captured with."""
+    global _pdl_wanted
+    _pdl_wanted = on
+    _pdl_by_device.clear()
+
+
+def _pdl_launcher(dev: int):
+    """cuLaunchKernelEx where programmatic launch is used on device `dev`, else None."""
+    if dev in _pdl_by_device:
+        return _pdl_by_device[dev]
+    fn = None
+    major = cp.cuda.runtime.getDeviceProperties(dev)["major"]
+    wanted = _pdl_wanted if _pdl_wanted is not None else os.environ.get("NTX_PDL", "1") != "0"
+    if wanted and major >= 9:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernelEx
+        except (OSError, AttributeError):  # a driver older than CUDA 12.0
+            fn = None
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                           ctypes.c_void_p]
+    _pdl_by_device[dev] = fn
+    return fn
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels on the current device are launched with programmatic dependent launch."""
+    return _pdl_launcher(cp.cuda.runtime.getDevice()) is not None
+
+
+def _c_arg(a):
+    if isinstance(a, cp.ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    ctype = _C_SCALARS.get(type(a))
+    if ctype is None:
+        raise TypeError(f"kernel argument of type {type(a).__name__}: pass a cupy array or a sized numpy scalar")
+    return ctype(a.item())
+
+
+def _launch(kern, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    """Launch `kern` (a cupy RawKernel of a compiled module) on the current stream; see above."""
+    launch_ex = _pdl_launcher(cp.cuda.runtime.getDevice())
+    if launch_ex is None:
+        kern(grid, block, args, shared_mem=shared_mem)
+        return
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    b = tuple(block) + (1,) * (3 - len(block))
+    attr = _LaunchAttribute(id=_PDL_ATTRIBUTE)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, cp.cuda.get_current_stream().ptr,
+                           ctypes.pointer(attr), 1)
+    c_args = [_c_arg(a) for a in args]
+    params = (ctypes.c_void_p * len(c_args))(*[ctypes.addressof(c) for c in c_args])
+    status = launch_ex(ctypes.byref(config), kern.kernel.ptr, params, None)
+    if status != 0:
+        raise cp.cuda.driver.CUDADriverError(status)
 
 
 def _mv_names(qt: int, cut: str, nr: int, u: int) -> tuple[str, ...]:
@@ -251,7 +345,7 @@ def _launch_staged(kern, grid, warps: int, smem: int, args) -> None:
     beyond the default 48 KiB once (a per-function attribute)."""
     if smem > _DEFAULT_SMEM_LIMIT and kern.max_dynamic_shared_size_bytes < smem:
         kern.max_dynamic_shared_size_bytes = smem
-    kern(grid, (32 * warps,), args, shared_mem=smem)
+    _launch(kern, grid, (32 * warps,), args, shared_mem=smem)
 
 
 # the types the int8 tensor-core matmul (mmq_kernel) decodes: the staged K-quants, rows of whole
@@ -483,7 +577,7 @@ def _xq_views(ws, B: int, n_cols: int):
 def _quantize_launch(x, ws, B: int, n_cols: int):
     xq, ds = _xq_views(ws, B, n_cols)
     n4 = B * n_cols // 4
-    _quantize_x_kernel()(((n4 + 255) // 256,), (256,), (x, xq, ds, np.int32(n4)))
+    _launch(_quantize_x_kernel(), ((n4 + 255) // 256,), (256,), (x, xq, ds, np.int32(n4)))
     return xq, ds
 
 
@@ -498,7 +592,7 @@ def _quantize2_launch(x, ws, B: int, n_cols: int):
     xq, ds = _xq_views(ws[:off], B, n_cols)
     xq2, ds2 = _xq_views(ws[off:], B, n_cols)
     n4 = B * n_cols // 4
-    _quantize_x2_kernel()(((n4 + 255) // 256,), (256,), (x, xq, ds, xq2, ds2, np.int32(n4)))
+    _launch(_quantize_x2_kernel(), ((n4 + 255) // 256,), (256,), (x, xq, ds, xq2, ds2, np.int32(n4)))
     return xq, ds, xq2, ds2
 
 
@@ -594,7 +688,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         with _stream_ctx(stream):
             xq1, ds1, xq2, ds2 = planes if planes is not None else i16_quantize(x)
             args = (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb))
-            kern((grid,), (32 * nw,), args, shared_mem=smem)
+            _launch(kern, (grid,), (32 * nw,), args, shared_mem=smem)
         return out
     if path == "dp4a":
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
@@ -602,7 +696,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         with _stream_ctx(stream):
             ws = xq if xq is not None else _stream_scratch.get("matvec (dp4a) x", matvec_workspace_bytes(B, n_cols))
             xqv, ds = _quantize_launch(x, ws, B, n_cols)
-            kern(((grid_rows + nr - 1) // nr,), (32 * nw,),
+            _launch(kern, ((grid_rows + nr - 1) // nr,), (32 * nw,),
                  (w_raw, xqv, ds, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
         return out
     nr, nw, u = config or _tuning().mv(q.qtype, B)
@@ -610,7 +704,7 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
     kern = _mv_kernel(q.qtype, _mv_cut(q, n_cols, "v1" if v == "f32" else v, B), B, nr, u)
     grid = ((n_rows + nr - 1) // nr,)
     with _stream_ctx(stream):
-        kern(grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
+        _launch(kern, grid, (32 * nw,), (w_raw, x, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb)))
     return out
 
 
@@ -645,7 +739,7 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
     with _stream_ctx(stream):
         xs = _stream_scratch.get("mm x halves", B * n_cols * 4)  # [n_cols / 4, B] uint4
         n4 = B * n_cols // 4
-        _mm_split_kernel()(((n4 + 255) // 256,), (256,), (x, xs, np.int32(n4), np.int32(n_cols // 4), np.int32(B)))
+        _launch(_mm_split_kernel(), ((n4 + 255) // 256,), (256,), (x, xs, np.int32(n4), np.int32(n_cols // 4), np.int32(B)))
         part = counts = np.uint64(0)
         if ks > 1:
             part = _stream_scratch.get("mm partial sums", ks * B * n_rows * 4)
@@ -654,7 +748,7 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
         if staged:
             _launch_staged(kern, (tiles, ks), wr * wk, _staged_smem_bytes(q, wr * wk, nt), args)
         else:
-            kern((tiles, ks), (32 * wr * wk,), args)
+            _launch(kern, (tiles, ks), (32 * wr * wk,), args)
     return out
 
 
@@ -680,7 +774,7 @@ def mmq_quantize(x, *, stream=None):
         ws = _stream_scratch.get("mmq x planes", mmq_workspace_bytes(B, n_cols))
         xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
         n4 = bp * n_cols // 4
-        _quantize_mmq_kernel()(((n4 + 255) // 256,), (256,), (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
+        _launch(_quantize_mmq_kernel(), ((n4 + 255) // 256,), (256,), (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
     return xq, xd
 
 
@@ -729,7 +823,7 @@ def _deq_launch(w_raw, q: QuantType, n_src_rows: int, n_cols: int, ids, out, n_o
         return out
     blocks = min((total + 255) // 256, 1 << 20)
     with _stream_ctx(stream):
-        _deq_kernel(q.qtype, cut, out_f32)((blocks,), (256,), (
+        _launch(_deq_kernel(q.qtype, cut, out_f32), (blocks,), (256,), (
             w_raw, _ptr_or_null(ids), out, np.int32(n_out_rows), np.int32(n_cols), np.int64(rb), np.int32(n_src_rows)))
     return out
 
@@ -900,7 +994,7 @@ def rmsnorm(x, w, eps: float, *, residual=None, out=None, stream=None):
         return out
     block = _tuning().rmsnorm_block(D)
     with _stream_ctx(stream):
-        _ops_kernel("rmsnorm_kernel")((T,), (block,), (x, w, out, _ptr_or_null(residual), np.int32(D), np.float32(eps)))
+        _launch(_ops_kernel("rmsnorm_kernel"), (T,), (block,), (x, w, out, _ptr_or_null(residual), np.int32(D), np.float32(eps)))
     return out
 
 
@@ -988,7 +1082,7 @@ def rope_qk_inplace(q, k, positions, rope_dim: int, base: float, freq_factors=No
     with _stream_ctx(stream):
         inv = _rope_freqs.get(rope_dim, base, freq_factors)
         per_cta = _ROPE_THREADS * _ROPE_PER_THREAD
-        _ops_kernel("rope_kernel")((T, -(-n_pairs // per_cta)), (_ROPE_THREADS,), (
+        _launch(_ops_kernel("rope_kernel"), (T, -(-n_pairs // per_cta)), (_ROPE_THREADS,), (
             q, _ptr_or_null(k), positions, inv, np.int32(Hq), np.int32(Hk), np.int32(hd), np.int32(rope_dim)),
             shared_mem=half * 8)
     return q, k
@@ -1031,7 +1125,7 @@ def kv_append(k, v, cache_k, cache_v, slots, positions, *, stream=None):
     if total == 0:
         return
     with _stream_ctx(stream):
-        _ops_kernel("kv_append_kernel")((min((total + 255) // 256, 1 << 16),), (256,), (
+        _launch(_ops_kernel("kv_append_kernel"), (min((total + 255) // 256, 1 << 16),), (256,), (
             k, v, cache_k, cache_v, slots, positions, np.int32(T), np.int32(n_kv), np.int32(hd),
             np.int32(max_ctx), np.int32(n_slots)))
 
@@ -1071,7 +1165,7 @@ def kv_move(caches, slot: int, src_positions, dst_positions, *, table=None, stre
         raise ValueError(f"table must be kv_cache_table(caches): uint64 [{2 * len(caches)}]")
     with _stream_ctx(stream):
         moves = cp.asarray(np.stack([src, dst]).astype(np.int32))  # [2, n]: sources, destinations
-        _ops_kernel("kv_move_kernel")((n_kv, 2 * len(caches)), (min(hd, 256),), (
+        _launch(_ops_kernel("kv_move_kernel"), (n_kv, 2 * len(caches)), (min(hd, 256),), (
             table, moves[0], moves[1], np.int32(src.size), np.int32(slot), np.int32(n_kv), np.int32(max_ctx),
             np.int32(hd)))
 
@@ -1163,9 +1257,9 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
     if tree:
         args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     with _stream_ctx(stream):
-        _attn_kernel(G, hd, tree)((S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), args, shared_mem=smem)
+        _launch(_attn_kernel(G, hd, tree), (S // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), args, shared_mem=smem)
         # the combine reads only the splits the row's length uses (kv_lens, slots as above)
-        _ops_kernel("attn_combine_kernel")((H, T), (min(hd, 256),), (
+        _launch(_ops_kernel("attn_combine_kernel"), (H, T), (min(hd, 256),), (
             part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd), slots, kv_lens, np.int32(n_slots),
             np.int32(max_ctx)))
     return out
@@ -1179,7 +1273,7 @@ def swiglu(gate, up, out=None, *, stream=None):
     n = gate.size
     if n:
         with _stream_ctx(stream):
-            _ops_kernel("swiglu_kernel")((min((n + 255) // 256, 1 << 16),), (256,), (gate, up, out, np.int64(n)))
+            _launch(_ops_kernel("swiglu_kernel"), (min((n + 255) // 256, 1 << 16),), (256,), (gate, up, out, np.int64(n)))
     return out
 
 
@@ -1196,7 +1290,7 @@ def argmax(logits, out=None, *, stream=None):
     out = _out(out, (B,), cp.int32)
     if B:
         with _stream_ctx(stream):
-            _ops_kernel("argmax_kernel")((B,), (1024,), (lg, out, np.int32(V)))
+            _launch(_ops_kernel("argmax_kernel"), (B,), (1024,), (lg, out, np.int32(V)))
     return out
 
 
@@ -1217,7 +1311,7 @@ def apply_repetition_penalty(logits, history, penalty, *, stream=None):
         pen_arr, penalty = penalty, 1.0
     if B and history.shape[1]:
         with _stream_ctx(stream):
-            _ops_kernel("rep_penalty_kernel")((B,), (256,), (
+            _launch(_ops_kernel("rep_penalty_kernel"), (B,), (256,), (
                 lg, history, np.int32(V), np.int32(history.shape[1]), np.float32(penalty), _ptr_or_null(pen_arr)))
     return logits
 
@@ -1263,14 +1357,14 @@ def topk(logits, k: int, values=None, ids=None, *, stream=None):
     C = _topk_chunks(V, k, B)
     with _stream_ctx(stream):
         if C == 1:
-            kern((B,), (1024,), (lg, values, ids, np.int32(V), np.int32(k)))
+            _launch(kern, (B,), (1024,), (lg, values, ids, np.int32(V), np.int32(k)))
             return values, ids
         n = V // C
         cand_v = cp.empty((B * C, k), dtype=cp.float32)
         cand_i = cp.empty((B * C, k), dtype=cp.int32)
-        kern((B * C,), (1024,), (lg, cand_v, cand_i, np.int32(n), np.int32(k)))  # rows of [B * C, n]
+        _launch(kern, (B * C,), (1024,), (lg, cand_v, cand_i, np.int32(n), np.int32(k)))  # rows of [B * C, n]
         cand_i += (cp.arange(B * C, dtype=cp.int32) % C * n)[:, None]  # chunk ids -> row ids
         pos = cp.empty((B, k), dtype=cp.int32)
-        kern((B,), (1024,), (cand_v, values, pos, np.int32(C * k), np.int32(k)))
+        _launch(kern, (B,), (1024,), (cand_v, values, pos, np.int32(C * k), np.int32(k)))
         ids[...] = cp.take_along_axis(cand_i.reshape(B, C * k), pos, axis=1)
     return values, ids

@@ -29,9 +29,10 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // ------------------------------------------------------------------------------- rmsnorm
 // x: [T, D], w: [D], out: [T, D]. If residual != 0: residual += x (in place), and the norm is
 // taken of the updated residual (the fused "h = h + delta; y = norm(h) * w" of a decoder layer).
-extern "C" __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w,
+extern "C" __global__ void rmsnorm_kernel(const float* x, const float* __restrict__ w,
                                           float* __restrict__ out, float* __restrict__ residual,
                                           int D, float eps) {
+    pdl_enter();
     __shared__ float sh[32];
     const long long base = (long long)blockIdx.x * D;
     float ss = 0.f;
@@ -59,9 +60,10 @@ extern "C" __global__ void rmsnorm_kernel(const float* __restrict__ x, const flo
 #define ROPE_THREADS 256
 #define ROPE_PER_THREAD 4
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(float* __restrict__ q, float* __restrict__ k,
-                                                                       const int* __restrict__ positions,
+                                                                       const int* positions,
                                                                        const double* __restrict__ inv_freq, int Hq,
                                                                        int Hk, int hd, int rope_dim) {
+    pdl_enter();
     extern __shared__ float2 cs[];  // (cos, sin) of pair i at this token
     const int half = rope_dim / 2, t = blockIdx.x;
     const double pos = (double)positions[t];
@@ -101,10 +103,11 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(float* __
 // ------------------------------------------------------------------------------- kv append
 // k, v: [T, n_kv, hd] f32 -> cache[slots[t], :, positions[t], :] (f16). Out-of-range slot or
 // position: the token is skipped.
-extern "C" __global__ void kv_append_kernel(const float* __restrict__ k, const float* __restrict__ v,
+extern "C" __global__ void kv_append_kernel(const float* k, const float* v,
                                             u16* __restrict__ ck, u16* __restrict__ cv,
-                                            const int* __restrict__ slots, const int* __restrict__ positions,
+                                            const int* slots, const int* positions,
                                             int T, int n_kv, int hd, int max_ctx, int n_slots) {
+    pdl_enter();
     const long long total = (long long)T * n_kv * hd;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (long long)gridDim.x * blockDim.x) {
@@ -126,9 +129,10 @@ extern "C" __global__ void kv_append_kernel(const float* __restrict__ k, const f
 // caches of one shape. grid (n_kv, 2 * n_layers), block hd: each thread moves element e of one
 // (layer, k|v, kv-head) through every move in order, so with dst[i] < src[i] and both
 // increasing (dst[i] may be src[j] of an earlier j, never of a later one) it moves in place.
-extern "C" __global__ void kv_move_kernel(u16* const* __restrict__ caches, const int* __restrict__ src,
-                                          const int* __restrict__ dst, int n_moves, int slot, int n_kv,
+extern "C" __global__ void kv_move_kernel(u16* const* caches, const int* src,
+                                          const int* dst, int n_moves, int slot, int n_kv,
                                           int max_ctx, int hd) {
+    pdl_enter();
     u16* c = caches[blockIdx.y] + ((long long)slot * n_kv + blockIdx.x) * max_ctx * hd;
     for (int e = threadIdx.x; e < hd; e += blockDim.x)
         for (int i = 0; i < n_moves; i++) c[(long long)dst[i] * hd + e] = c[(long long)src[i] * hd + e];
@@ -158,7 +162,7 @@ extern "C" __global__ void kv_move_kernel(u16* const* __restrict__ caches, const
 
 // The row's key count as every attention kernel sees it: kv_lens[t] clamped to max_ctx, 0 for
 // a slot outside [0, n_slots) (attend to nothing, output 0).
-__device__ __forceinline__ int attn_row_len(const int* __restrict__ slots, const int* __restrict__ kv_lens, int t,
+__device__ __forceinline__ int attn_row_len(const int* slots, const int* kv_lens, int t,
                                             int n_slots, int max_ctx, int* slot_out) {
     const int slot = slots[t];
     int L = kv_lens[t];
@@ -177,30 +181,30 @@ template <int EPL> struct AttnV {
     static constexpr int VW = (EPL + 1) / 2;
     static __device__ __forceinline__ void load(const u16* p, u32 (&r)[VW]) {
         if constexpr (EPL == 8) {
-            const uint4 v = __ldg((const uint4*)p);
+            const uint4 v = __ldca((const uint4*)p);
             r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
         } else if constexpr (EPL == 4) {
-            const uint2 v = __ldg((const uint2*)p);
+            const uint2 v = __ldca((const uint2*)p);
             r[0] = v.x; r[1] = v.y;
         } else if constexpr (EPL == 2) {
-            r[0] = __ldg((const u32*)p);
+            r[0] = __ldca((const u32*)p);
         } else {
 #pragma unroll
             for (int w = 0; w < VW; w++) r[w] = 0u;
 #pragma unroll
-            for (int e = 0; e < EPL; e++) r[e >> 1] |= (u32)__ldg(p + e) << (16 * (e & 1));
+            for (int e = 0; e < EPL; e++) r[e >> 1] |= (u32)__ldca(p + e) << (16 * (e & 1));
         }
     }
     static __device__ __forceinline__ float elem(const u32 (&r)[VW], int e) { return h2f(r[e >> 1] >> (16 * (e & 1))); }
 };
 
 template <int G, int HD, bool TREE>
-__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ ck,
-                                                const u16* __restrict__ cv, const int* __restrict__ slots,
-                                                const int* __restrict__ kv_lens, float* __restrict__ part_ml,
+__device__ __forceinline__ void attn_split_body(const float* q, const u16* ck,
+                                                const u16* cv, const int* slots,
+                                                const int* kv_lens, float* __restrict__ part_ml,
                                                 float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
-                                                float scale, float* qs_all, const int* __restrict__ tree_base,
-                                                const u32* __restrict__ tree_mask, int mask_words) {
+                                                float scale, float* qs_all, const int* tree_base,
+                                                const u32* tree_mask, int mask_words) {
     constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
     constexpr int KC = HD / 8 <= 16 ? HD / 8 : HD / 16;  // uint4 of a key in flight at once (1 or 2 rounds)
     typedef AttnV<EPL> V;
@@ -235,7 +239,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         if constexpr (TREE) {
             const int i = key - base;  // the key's row in the tree
             if (valid && base >= 0 && i >= 0)
-                valid = i < 32 * mask_words && ((__ldg(row_mask + (i >> 5)) >> (i & 31)) & 1u);
+                valid = i < 32 * mask_words && ((__ldca(row_mask + (i >> 5)) >> (i & 31)) & 1u);
             if (__ballot_sync(0xffffffffu, valid) == 0u) continue;  // a tile of siblings' keys only
         }
         float sc[G];
@@ -247,7 +251,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             for (int c0 = 0; c0 < HD / 8; c0 += KC) {
                 uint4 kr[KC];  // the key's next KC * 8 elements, every load in flight at once
 #pragma unroll
-                for (int c = 0; c < KC; c++) kr[c] = __ldg(kp + c0 + c);
+                for (int c = 0; c < KC; c++) kr[c] = __ldca(kp + c0 + c);
 #pragma unroll
                 for (int c = 0; c < KC; c++) {
                     const uint4 kv = kr[c];
@@ -332,23 +336,25 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
 }
 
 template <int G, int HD>
-__global__ void __launch_bounds__(128) attn_split_kernel(const float* __restrict__ q, const u16* __restrict__ ck,
-                                                         const u16* __restrict__ cv, const int* __restrict__ slots,
-                                                         const int* __restrict__ kv_lens, float* __restrict__ part_ml,
+__global__ void __launch_bounds__(128) attn_split_kernel(const float* q, const u16* ck,
+                                                         const u16* cv, const int* slots,
+                                                         const int* kv_lens, float* __restrict__ part_ml,
                                                          float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
                                                          float scale) {
+    pdl_enter();
     extern __shared__ float qs_all[];
     attn_split_body<G, HD, false>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all,
                                   nullptr, nullptr, 0);
 }
 
 template <int G, int HD>
-__global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* __restrict__ q, const u16* __restrict__ ck,
-                                                              const u16* __restrict__ cv, const int* __restrict__ slots,
-                                                              const int* __restrict__ kv_lens, float* __restrict__ part_ml,
+__global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* q, const u16* ck,
+                                                              const u16* cv, const int* slots,
+                                                              const int* kv_lens, float* __restrict__ part_ml,
                                                               float* __restrict__ part_acc, int n_slots, int n_kv,
-                                                              int max_ctx, float scale, const int* __restrict__ tree_base,
-                                                              const u32* __restrict__ tree_mask, int mask_words) {
+                                                              int max_ctx, float scale, const int* tree_base,
+                                                              const u32* tree_mask, int mask_words) {
+    pdl_enter();
     extern __shared__ float qs_all[];
     attn_split_body<G, HD, true>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all,
                                  tree_base, tree_mask, mask_words);
@@ -362,10 +368,11 @@ __global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* __res
 // loops over 64 splits took ~20 us per layer); every sum runs in split order, so the result is
 // the same to the bit as merging all S splits (the unused ones had m = -inf and weighed nothing).
 #define ATTN_MAX_SPLITS 256
-extern "C" __global__ void attn_combine_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+extern "C" __global__ void attn_combine_kernel(const float* part_ml, const float* part_acc,
                                                float* __restrict__ out, int H, int S, int hd,
-                                               const int* __restrict__ slots, const int* __restrict__ kv_lens,
+                                               const int* slots, const int* kv_lens,
                                                int n_slots, int max_ctx) {
+    pdl_enter();
     __shared__ float w_s[ATTN_MAX_SPLITS];  // e^(m_s - M); -1 for a split that saw no key
     __shared__ float l_s[ATTN_MAX_SPLITS];
     __shared__ float s_den;
@@ -402,7 +409,7 @@ extern "C" __global__ void attn_combine_kernel(const float* __restrict__ part_ml
 #pragma unroll 8
         for (int s = 0; s < n_used; s++) {
             const float wv = w_s[s];
-            const float a = __ldg(part_acc + (o + s) * hd + e);
+            const float a = __ldca(part_acc + (o + s) * hd + e);
             if (wv >= 0.f) num += wv * a;
         }
         out[((long long)t * H + h) * hd + e] = den > 0.f ? num / den : 0.f;
@@ -410,8 +417,9 @@ extern "C" __global__ void attn_combine_kernel(const float* __restrict__ part_ml
 }
 
 // ------------------------------------------------------------------------------- swiglu
-extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+extern "C" __global__ void swiglu_kernel(const float* gate, const float* up,
                                          float* __restrict__ out, long long n) {
+    pdl_enter();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float g = gate[i];
         out[i] = g / (1.f + __expf(-g)) * up[i];
@@ -420,7 +428,8 @@ extern "C" __global__ void swiglu_kernel(const float* __restrict__ gate, const f
 
 // ------------------------------------------------------------------------------- argmax
 // logits [B, V] -> out [B] int32; ties go to the lowest id; NaN never wins.
-extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int* __restrict__ out, int V) {
+extern "C" __global__ void argmax_kernel(const float* logits, int* __restrict__ out, int V) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* row = logits + (long long)blockIdx.x * V;
@@ -456,8 +465,9 @@ extern "C" __global__ void argmax_kernel(const float* __restrict__ logits, int* 
 // logits [B, V] in place; history [B, n_hist] int32 (entries < 0 or >= V are padding). Each
 // distinct id of row b is penalized once (llama.cpp rule): logit > 0 -> logit / p, else logit * p,
 // with p = penalties ? penalties[b] : penalty.
-extern "C" __global__ void rep_penalty_kernel(float* __restrict__ logits, const int* __restrict__ history,
-                                              int V, int n_hist, float penalty, const float* __restrict__ penalties) {
+extern "C" __global__ void rep_penalty_kernel(float* __restrict__ logits, const int* history,
+                                              int V, int n_hist, float penalty, const float* penalties) {
+    pdl_enter();
     const int b = blockIdx.x;
     const int* hist = history + (long long)b * n_hist;
     const float p = penalties ? penalties[b] : penalty;
@@ -483,8 +493,9 @@ __device__ __forceinline__ u32 fkey(float v) {
     const u32 b = __float_as_uint(v);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
-extern "C" __global__ void __launch_bounds__(1024) topk_kernel(const float* __restrict__ logits, float* __restrict__ values,
+extern "C" __global__ void __launch_bounds__(1024) topk_kernel(const float* logits, float* __restrict__ values,
                                                                int* __restrict__ ids, int V, int k) {
+    pdl_enter();
     __shared__ int hist[256];
     __shared__ u64 cand[256];
     __shared__ u32 s_prefix, s_mask;

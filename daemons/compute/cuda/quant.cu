@@ -347,9 +347,10 @@ template <> struct QTraits<8, CUT_V2> {
 // Dequantize rows: out[i, :] = W[ids ? ids[i] : i, :] as f16 (OUT_F32 = 0) or f32 (OUT_F32 = 1).
 // out: [n_out_rows, n_cols]. A row id outside [0, n_src_rows) gives a row of NaN.
 template <int QT, int CUT, int OUT_F32>
-__global__ void __launch_bounds__(256) deq_kernel(const u8* __restrict__ w, const int* __restrict__ ids,
+__global__ void __launch_bounds__(256) deq_kernel(const u8* __restrict__ w, const int* ids,
                                                   void* __restrict__ out, int n_out_rows, int n_cols,
                                                   long long row_bytes, int n_src_rows) {
+    pdl_enter();
     typedef QTraits<QT, CUT> T;
     const int npieces = (n_cols / T::EPB) * T::LPB;
     const long long total = (long long)n_out_rows * npieces;
@@ -402,12 +403,13 @@ __global__ void __launch_bounds__(256) deq_kernel(const u8* __restrict__ w, cons
 // holds at least one byte of the block, so no read leaves the tensor's (4-byte-aligned) allocation.
 
 // quantize_x_kernel: 8 threads per group of 32 (a float4 each); n4 = B * n_cols / 4.
-extern "C" __global__ void __launch_bounds__(256) quantize_x_kernel(const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) quantize_x_kernel(const float* x,
                                                                     u32* __restrict__ xq,
                                                                     float2* __restrict__ ds, int n4) {
+    pdl_enter();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     const bool ok = t < n4;  // n4 is a multiple of 8: a group is all in or all out
-    float4 v = ok ? __ldg((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 v = ok ? __ldca((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -461,13 +463,14 @@ __device__ __forceinline__ void quant2_group(const float4& v, int (&q)[4], int (
 
 // quantize_x2_kernel: quant2_group's two planes, each laid out as quantize_x_kernel's (q int8
 // [B, n_cols], (d, d * sum) per group); n4 = B * n_cols / 4.
-extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float* x,
                                                                      u32* __restrict__ xq, float2* __restrict__ ds,
                                                                      u32* __restrict__ xq2, float2* __restrict__ ds2,
                                                                      int n4) {
+    pdl_enter();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     const bool ok = t < n4;
-    const float4 v = ok ? __ldg((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 v = ok ? __ldca((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
     int q[4], r[4], s, s2;
     float d, d2;
     quant2_group(v, q, r, d, d2, s, s2);
@@ -503,10 +506,10 @@ __device__ __forceinline__ u32 sub32_bytes(u32 q) { return ((q | 0x80808080u) - 
 // Where a dp4a product reads its activations from: LdG global memory through the read-only path
 // (every kernel but one), LdS the CTA's shared-memory stage (mvq2s_kernel; generic pointers).
 struct LdG {
-    static __device__ __forceinline__ uint4 u128(const u8* p) { return __ldg((const uint4*)p); }
-    static __device__ __forceinline__ uint2 u64(const u8* p) { return __ldg((const uint2*)p); }
-    static __device__ __forceinline__ float2 f2(const float2* p) { return __ldg(p); }
-    static __device__ __forceinline__ float f(const float* p) { return __ldg(p); }
+    static __device__ __forceinline__ uint4 u128(const u8* p) { return __ldca((const uint4*)p); }
+    static __device__ __forceinline__ uint2 u64(const u8* p) { return __ldca((const uint2*)p); }
+    static __device__ __forceinline__ float2 f2(const float2* p) { return __ldca(p); }
+    static __device__ __forceinline__ float f(const float* p) { return __ldca(p); }
 };
 struct LdS {
     static __device__ __forceinline__ uint4 u128(const u8* p) { return *(const uint4*)p; }
@@ -743,6 +746,10 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
 #pragma unroll
     for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
     const int stride = nw * 32;
+    // programmatic launch (common.cuh): the first trip's weight loads are issued before the wait
+    // for the activations, the weights being constant while the pass runs
+    pdl_trigger();
+    bool waited = false;
     for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
         typename P::Raw raw[U][NR];
 #pragma unroll
@@ -754,6 +761,10 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
                 for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
             }
         }
+        if (!waited) {
+            pdl_wait();
+            waited = true;
+        }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int p = p0 + u * stride;
@@ -763,6 +774,7 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
             }
         }
     }
+    if (!waited) pdl_wait();  // a lane with no piece still writes out (through red)
     __shared__ float red[8][NR * B];
 #pragma unroll
     for (int r = 0; r < NR; r++)
@@ -798,8 +810,8 @@ template <int QT, int CUT> struct MvF32 : QTraits<QT, CUT> {
             for (int r = 0; r < NR; r++) T::decode(raw[r], j, g, wv[r], o0, o1);
 #pragma unroll
             for (int b = 0; b < B; b++) {
-                const float4 xa = __ldg((const float4*)(xb + (long long)b * n_cols + o0));
-                const float4 xc = __ldg((const float4*)(xb + (long long)b * n_cols + o1));
+                const float4 xa = __ldca((const float4*)(xb + (long long)b * n_cols + o0));
+                const float4 xc = __ldca((const float4*)(xb + (long long)b * n_cols + o1));
 #pragma unroll
                 for (int r = 0; r < NR; r++) {
                     float s = acc[r][b];
@@ -854,7 +866,7 @@ template <int QT, int NP, class LD = LdG> struct MvDp4aP : QDTraits<QT> {
 
 // x: [B, n_cols] f32, out: [B, n_rows] f32; weights of type QT read through layout cut CUT.
 template <int QT, int CUT, int B, int NR, int U>
-__global__ void __launch_bounds__(256) mv_kernel(const u8* __restrict__ w, const float* __restrict__ x,
+__global__ void __launch_bounds__(256) mv_kernel(const u8* __restrict__ w, const float* x,
                                                  float* __restrict__ out, int n_rows, int n_cols,
                                                  long long row_bytes) {
     typedef MvF32<QT, CUT> P;
@@ -863,8 +875,8 @@ __global__ void __launch_bounds__(256) mv_kernel(const u8* __restrict__ w, const
 
 // out[b, row] = sum_c W[row, c] * dequant(xq)[b, c]; xq, ds: quantize_x_kernel's output for x.
 template <int QT, int B, int NR, int U>
-__global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
-                                                  const float2* __restrict__ ds, float* __restrict__ out,
+__global__ void __launch_bounds__(256) mvq_kernel(const u8* __restrict__ w, const u8* xq,
+                                                  const float2* ds, float* __restrict__ out,
                                                   int n_rows, int n_cols, long long row_bytes) {
     typedef MvDp4aP<QT, 1> P;
     matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, nullptr, nullptr, n_cols / 32}, out, n_rows, n_cols, row_bytes, blockIdx.x * NR);
@@ -1016,12 +1028,13 @@ __device__ __forceinline__ u32 f2h2(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-extern "C" __global__ void __launch_bounds__(256) mm_split_x_kernel(const float4* __restrict__ x, uint4* __restrict__ xs,
+extern "C" __global__ void __launch_bounds__(256) mm_split_x_kernel(const float4* x, uint4* __restrict__ xs,
                                                                     int n4, int cols4, int B) {
+    pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n4) return;
     const int n = i / cols4, c4 = i % cols4;
-    const float4 v = __ldg(x + i);
+    const float4 v = __ldca(x + i);
     const u32 h0 = f2h2(v.x, v.y), h1 = f2h2(v.z, v.w);
     const float r0 = v.x - h2f(h0), r1 = v.y - h2f(h0 >> 16), r2 = v.z - h2f(h1), r3 = v.w - h2f(h1 >> 16);
     xs[(long long)c4 * B + n] = make_uint4(h0, h1, f2h2(r0, r1), f2h2(r2, r3));
@@ -1117,10 +1130,11 @@ __device__ __forceinline__ void mm_epilogue(const float (&acc)[NT][4], float* re
 // (L1 wavefronts); mms_kernel stages whole blocks through shared memory for the K-quants.
 // xs: mm_split_x_kernel of x [B, n_cols] ([n_cols / 4, B] uint4); out: [B, n_rows] f32; NT = ceil(B / 8) tiles of 8 rows of x.
 template <int QT, int CUT, int NT, int U>
-__global__ void __launch_bounds__(256) mm_kernel(const u8* __restrict__ w, const uint4* __restrict__ xs,
+__global__ void __launch_bounds__(256) mm_kernel(const u8* __restrict__ w, const uint4* xs,
                                                  float* __restrict__ out, float* __restrict__ part,
                                                  int* __restrict__ tile_count, int n_rows, int n_cols,
                                                  long long row_bytes, int B, int WR) {
+    pdl_enter();
     typedef QTraits<QT, CUT> T;
     typedef MmTraits<QT, CUT> M;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -1163,7 +1177,7 @@ __global__ void __launch_bounds__(256) mm_kernel(const u8* __restrict__ w, const
                     const int c4 = (blk * T::EPB + o[run]) >> 2;
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
-                        const uint4 xv = __ldg(xr[nt] + (long long)c4 * B);  // x_hi (x, y), x_lo (z, w)
+                        const uint4 xv = __ldca(xr[nt] + (long long)c4 * B);  // x_hi (x, y), x_lo (z, w)
                         float c[4] = {0.f, 0.f, 0.f, 0.f};
                         mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.x, xv.y);
                         mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.z, xv.w);
@@ -1292,10 +1306,11 @@ __device__ __forceinline__ void mm_staged_walk(const u8* __restrict__ w, int n_r
 }
 
 template <int QT, int NT>
-__global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, const uint4* __restrict__ xs,
+__global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, const uint4* xs,
                                                   float* __restrict__ out, float* __restrict__ part,
                                                   int* __restrict__ tile_count, int n_rows, int n_cols,
                                                   long long row_bytes, int B, int WR) {
+    pdl_enter();
     typedef QTraits<QT, CUT_V2> T;
     typedef MmTraits<QT, CUT_V2> M;
     typedef MmStage<QT> S;
@@ -1330,7 +1345,7 @@ __global__ void __launch_bounds__(256) mms_kernel(const u8* __restrict__ w, cons
                 const int c4 = (blk * T::EPB + o[run]) >> 2;
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const uint4 xv = __ldg(xr[nt] + (long long)c4 * B);
+                    const uint4 xv = __ldca(xr[nt] + (long long)c4 * B);
                     float c[4] = {0.f, 0.f, 0.f, 0.f};
                     mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.x, xv.y);
                     mma16816(c, aa[2 * run], ab[2 * run], aa[2 * run + 1], ab[2 * run + 1], xv.z, xv.w);
@@ -1396,14 +1411,15 @@ __device__ __forceinline__ float mmq_t(int c1, int c2) { return fmaf(254.f, mmq_
 
 // x [B, n_cols] f32 -> xq, xd above; one thread per float4 of the Bp padded rows (n4 = Bp * n_cols
 // / 4), 8 threads per group, the arithmetic of quantize_x2_kernel (quant2_group).
-extern "C" __global__ void __launch_bounds__(256) quantize_mmq_kernel(const float* __restrict__ x, u32* __restrict__ xq,
+extern "C" __global__ void __launch_bounds__(256) quantize_mmq_kernel(const float* x, u32* __restrict__ xq,
                                                                       float2* __restrict__ xd, int n_cols, int B,
                                                                       int Bp) {
+    pdl_enter();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     const int cols4 = n_cols >> 2, n4 = Bp * cols4;
     const int n = t / cols4, c4 = t % cols4;
     const bool ok = t < n4, real = ok && n < B;  // n4 is a multiple of 8: a group is all in or all out
-    const float4 v = real ? __ldg((const float4*)x + (long long)n * cols4 + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 v = real ? __ldca((const float4*)x + (long long)n * cols4 + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
     int q[4], r[4], s, s2;
     float d, d2;
     quant2_group(v, q, r, d, d2, s, s2);
@@ -1463,10 +1479,11 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 #define MMQ_MIN_BLOCKS 1  // __launch_bounds__ minimum CTAs of 256 threads per SM (2 caps registers at 128)
 #endif
 template <int QT, int NT, int MT>
-__global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __restrict__ w, const uint4* __restrict__ xq,
-                                                  const float2* __restrict__ xd, float* __restrict__ out,
+__global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __restrict__ w, const uint4* xq,
+                                                  const float2* xd, float* __restrict__ out,
                                                   float* __restrict__ part, int* __restrict__ tile_count, int n_rows,
                                                   int n_cols, long long row_bytes, int B, int WR) {
+    pdl_enter();
     typedef MmStage<QT> S;
     constexpr int Bp = 8 * NT;
     extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 MT * 8 NT * 4)
@@ -1501,8 +1518,8 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
                     const long long g = (long long)blk * 8 + 2 * c + sub;
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
-                        const uint4 xv = __ldg(xql + (g * Bp + 8 * nt) * 4);
-                        const float4 dd = __ldg(xdl + g * (Bp / 2) + 4 * nt);  // (d2, sum) of columns 2tig, 2tig+1
+                        const uint4 xv = __ldca(xql + (g * Bp + 8 * nt) * 4);
+                        const float4 dd = __ldca(xdl + g * (Bp / 2) + 4 * nt);  // (d2, sum) of columns 2tig, 2tig+1
 #pragma unroll
                         for (int mt = 0; mt < MT; mt++) {
                             const int ia = 2 * mt, ib = 2 * mt + 1;  // rows 16 mt + gid, + 8
@@ -1540,8 +1557,8 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
                 const long long g = (long long)blk * 8 + gi;
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const uint4 xv = __ldg(xql + (g * Bp + 8 * nt) * 4);
-                    const float4 dd = __ldg(xdl + g * (Bp / 2) + 4 * nt);
+                    const uint4 xv = __ldca(xql + (g * Bp + 8 * nt) * 4);
+                    const float4 dd = __ldca(xdl + g * (Bp / 2) + 4 * nt);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
                         const int ia = 2 * mt, ib = 2 * mt + 1;
@@ -1567,9 +1584,9 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
 
 // out[b, row] = sum_c W[row, c] * (d * q1 + d2 * q2)[b, c]; the planes from quantize_x2_kernel.
 template <int QT, int B, int NR, int U>
-__global__ void __launch_bounds__(256) mvq2_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
-                                                   const float2* __restrict__ ds, const u8* __restrict__ xq2,
-                                                   const float2* __restrict__ ds2, float* __restrict__ out,
+__global__ void __launch_bounds__(256) mvq2_kernel(const u8* __restrict__ w, const u8* xq,
+                                                   const float2* ds, const u8* xq2,
+                                                   const float2* ds2, float* __restrict__ out,
                                                    int n_rows, int n_cols, long long row_bytes) {
     typedef MvDp4aP<QT, 2> P;
     matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes,
@@ -1582,10 +1599,11 @@ __global__ void __launch_bounds__(256) mvq2_kernel(const u8* __restrict__ w, con
 // CTA instead of once per NR rows, and every piece reads it from the stage. Within a row group
 // the additions are mvq2_kernel's, in its order: the same bits.
 template <int QT, int B, int NR, int U>
-__global__ void __launch_bounds__(256) mvq2s_kernel(const u8* __restrict__ w, const u8* __restrict__ xq,
-                                                    const float2* __restrict__ ds, const u8* __restrict__ xq2,
-                                                    const float2* __restrict__ ds2, float* __restrict__ out,
+__global__ void __launch_bounds__(256) mvq2s_kernel(const u8* __restrict__ w, const u8* xq,
+                                                    const float2* ds, const u8* xq2,
+                                                    const float2* ds2, float* __restrict__ out,
                                                     int n_rows, int n_cols, long long row_bytes) {
+    pdl_enter();
     extern __shared__ uint4 stage[];
     const int ng = n_cols / 32;
     const int n16 = B * n_cols / 16;  // uint4 of one plane (n_cols is a multiple of 32)
@@ -1594,12 +1612,12 @@ __global__ void __launch_bounds__(256) mvq2s_kernel(const u8* __restrict__ w, co
     float2* sds = (float2*)(stage + 2 * n16);
     float2* sds2 = sds + B * ng;
     for (int i = threadIdx.x; i < n16; i += blockDim.x) {
-        sq[i] = __ldg((const uint4*)xq + i);
-        sq2[i] = __ldg((const uint4*)xq2 + i);
+        sq[i] = __ldca((const uint4*)xq + i);
+        sq2[i] = __ldca((const uint4*)xq2 + i);
     }
     for (int i = threadIdx.x; i < B * ng; i += blockDim.x) {
-        sds[i] = __ldg(ds + i);
-        sds2[i] = __ldg(ds2 + i);
+        sds[i] = __ldca(ds + i);
+        sds2[i] = __ldca(ds2 + i);
     }
     __syncthreads();
     typedef MvDp4aP<QT, 2, LdS> P;
