@@ -61,6 +61,7 @@ def names_for(fname: str, all_configs: bool) -> list[str]:
                     out += [f"mvq_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
                 for nr, u in sorted(mvq_cfgs | I16_WIDE):
                     out += [f"mvq2_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
+                    out += [f"mvq2g_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
                     out += [f"mvq2s_kernel<{qt},{b},{nr},{u}>" for b in BATCH_SIZES]
             for cut, _, _ in q.mm_cuts:  # kernels._mm_names
                 out += [f"mm_kernel<{qt},{CUT_ID[cut]},{nt},{tuning.MM_UNROLL}>"

@@ -211,6 +211,23 @@ class ProfiledBackend:
         label = "matmul " + " + ".join(lbl.removeprefix("matmul ") for lbl, _ in labels)
         self._timed(label, sum(n for _, n in labels), self.inner.matmuls, x, products)
 
+    def norm_matmuls(self, x, w, h, products, delta=None) -> None:
+        """The norm and the products of its output as the backend runs them (the i16 planes made
+        in the norm's kernel): one timed operation."""
+        labels = [self.matrices[id(m)] for m, _ in products]
+        norm = "rms_norm" if delta is None else "add_rms_norm"
+        label = "matmul " + " + ".join(lbl.removeprefix("matmul ") for lbl, _ in labels) + f" with its {norm}"
+        self._timed(label, sum(n for _, n in labels), self.inner.norm_matmuls, x, w, h, products, delta)
+
+    def swiglu_matmul_add(self, gate, up, act, w, out, tmp):
+        label, nbytes = self.matrices[id(w)]
+        return self._timed(label + " with its swiglu + add", nbytes, self.inner.swiglu_matmul_add, gate, up, act,
+                           w, out, tmp)
+
+    def matmul_add(self, w, x, out, tmp):
+        label, nbytes = self.matrices[id(w)]
+        return self._timed(label + " + add", nbytes, self.inner.matmul_add, w, x, out, tmp)
+
     def rope(self, q, k, ws) -> None:
         self._timed("rope", 0, self.inner.rope, q, k, ws)
 

@@ -111,16 +111,19 @@ def test_profiled_pass_records_every_operation_of_the_model(tmp_path):
     assert model.backend is backend  # handed back
     assert recorder.begun == 4  # one warm-up pass, then the 3 recorded
     labels = [label for label, _ in recorder.labels]
-    # the products of one x (q, k, v; gate, up) are one operation: the backend quantizes x once
-    layer = ["rms_norm", "matmul attn_q", "rope", "kv_write", "attention", "matmul attn_output", "add_rms_norm",
-             "matmul ffn_gate", "swiglu", "matmul ffn_down", "add"]
+    # a norm and the products of its output (q, k, v; gate, up) are one operation: the backend
+    # quantizes x once, in the norm's kernel; the down projection adds into x in its own
+    layer = ["matmul attn_q", "rope", "kv_write", "attention", "matmul attn_output", "matmul ffn_gate",
+             "matmul ffn_down"]
     assert len(labels) == 1 + hp.n_layers * len(layer) + 2
     assert labels[0] == "embed" and labels[-1] == "topk" and labels[-2].startswith("head rmsnorm+matvec ")
-    assert [" ".join(lb.split()[:2]) if lb.startswith("matmul") else lb for lb in labels[1:12]] == layer
+    assert [" ".join(lb.split()[:2]) if lb.startswith("matmul") else lb for lb in labels[1:8]] == layer
     ts = index.layers[0].tensors
     qkv_label = "matmul " + " + ".join(f"{n} {ts[n].type_name} [{ts[n].shape[0]}x{ts[n].shape[1]}]"
-                                       for n in ("attn_q", "attn_k", "attn_v"))
+                                       for n in ("attn_q", "attn_k", "attn_v")) + " with its rms_norm"
     assert qkv_label in labels
+    assert any(lb.endswith(" with its add_rms_norm") for lb in labels)
+    assert any(lb.startswith("matmul ffn_down") and lb.endswith(" with its swiglu + add") for lb in labels)
     qkv = [op for op in prof["ops"] if op["op"].startswith("matmul attn_q")]  # one label per layer's types
     assert sum(op["calls"] for op in qkv) == hp.n_layers and sum(op["total_us"] for op in qkv) == hp.n_layers
     assert prof["engine_pass"] == "eager" and prof["engine_pass_ms"] > 0 and prof["reps"] == 3

@@ -249,6 +249,29 @@ class Backend(ABC):
         for w, out in products:
             self.matmul(w, x, out=out)
 
+    def norm_matmuls(self, x: Any, w: Any, h: Any, products: Sequence[tuple[Any, Any]], delta: Any = None) -> None:
+        """h = rms_norm(x, w) (with delta: x += delta first, as ``add_rms_norm``), then
+        ``matmuls(h, products)``: a layer's norm and the products of its output, one operation
+        so that a GPU backend can quantize h for the products in the norm's own kernel."""
+        if delta is None:
+            self.rms_norm(x, w, out=h)
+        else:
+            self.add_rms_norm(x, delta, w, out=h)
+        self.matmuls(h, products)
+
+    def swiglu_matmul_add(self, gate: Any, up: Any, act: Any, w: Any, out: Any, tmp: Any) -> Any:
+        """act = swiglu(gate, up), then ``matmul_add(w, act, out, tmp)``: a layer's feed-forward
+        output into the residual, one operation so that a GPU backend can quantize act for the
+        product in the swiglu's own kernel."""
+        self.swiglu(gate, up, out=act)
+        return self.matmul_add(w, act, out, tmp)
+
+    def matmul_add(self, w: Any, x: Any, out: Any, tmp: Any) -> Any:
+        """out += x @ w.T (the residual add of a layer's last product; tmp, of out's shape, may
+        hold the product on the way: a GPU backend adds in the product's own kernel)."""
+        self.matmul(w, x, out=tmp)
+        return self.add(out, tmp, out=out)
+
     @abstractmethod
     def rope(self, q: Any, k: Any, ws: Workspace) -> None:
         """Rotate q [T, H*hd] and k [T, Hkv*hd] in place at the rows' positions."""

@@ -30,17 +30,16 @@ def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) 
         x = x + W_o · attention(rope(W_q · norm(x)), cache ∪ rope(W_k · norm(x)), W_v · norm(x))
         x = x + W_down · (silu(W_gate · norm(x)) * W_up · norm(x))
     """
-    ops.rms_norm(ws.x, w["attn_norm"], out=ws.h)  # h: [T, D]
-    ops.matmuls(ws.h, ((w["attn_q"], ws.q), (w["attn_k"], ws.k), (w["attn_v"], ws.v)))  # q: [T, H*hd], k, v: [T, Hkv*hd]
+    # h = norm(x) [T, D]; q = h W_q^T [T, H*hd], k, v [T, Hkv*hd]
+    ops.norm_matmuls(ws.x, w["attn_norm"], ws.h, ((w["attn_q"], ws.q), (w["attn_k"], ws.k), (w["attn_v"], ws.v)))
     ops.rope(ws.q, ws.k, ws)
     ops.kv_write(layer_idx, ws.k, ws.v, ws)
     ops.attention(layer_idx, ws.q, ws, out=ws.attn)  # attn: [T, H*hd]
     ops.matmul(w["attn_output"], ws.attn, out=ws.o)  # o: [T, D]
-    ops.add_rms_norm(ws.x, ws.o, w["ffn_norm"], out=ws.h)  # x += o; h = norm(x)
-    ops.matmuls(ws.h, ((w["ffn_gate"], ws.gate), (w["ffn_up"], ws.up)))  # gate, up: [T, F]
-    ops.swiglu(ws.gate, ws.up, out=ws.act)  # act: [T, F]
-    ops.matmul(w["ffn_down"], ws.act, out=ws.o)  # o: [T, D]
-    ops.add(ws.x, ws.o, out=ws.x)
+    # x += o; h = norm(x); gate, up = h W_gate^T, h W_up^T [T, F]
+    ops.norm_matmuls(ws.x, w["ffn_norm"], ws.h, ((w["ffn_gate"], ws.gate), (w["ffn_up"], ws.up)), delta=ws.o)
+    # act = silu(gate) * up [T, F]; x += act W_down^T
+    ops.swiglu_matmul_add(ws.gate, ws.up, ws.act, w["ffn_down"], ws.x, tmp=ws.o)
 
 
 class LayerStream(Protocol):

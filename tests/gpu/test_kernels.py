@@ -1150,7 +1150,8 @@ def test_gemm_group_equals_gemm_each(T, rng, monkeypatch):
     matvec's planes; Q8_0 takes its own path)."""
     monkeypatch.setenv(tuning.DP4A_ENV, "0")
     n_cols = 512
-    specs = [(QT.Q4_K, 96), (QT.Q6_K, 32), (QT.Q8_0, 64), (QT.Q4_K, 200)]
+    # three Q4_K: one mvq2g_kernel launch of three segments where the path is the i16 matvec
+    specs = [(QT.Q4_K, 96), (QT.Q6_K, 32), (QT.Q8_0, 64), (QT.Q4_K, 200), (QT.Q4_K, 40), (QT.Q6_K, 16)]
     raws = [cp.asarray(random_weights(qt, n, n_cols, rng)) for qt, n in specs]
     x = cp.asarray(rng.standard_normal((T, n_cols)).astype(np.float32))
     outs = [nan_f32((T, n)) for _, n in specs]
@@ -1158,3 +1159,90 @@ def test_gemm_group_equals_gemm_each(T, rng, monkeypatch):
     assert all(g is o for g, o in zip(got, outs))
     for raw, (qt, n), out in zip(raws, specs, outs):
         np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(K.gemm(raw, qt, n, n_cols, x)))
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 8])
+def test_rmsnorm_i16_is_rmsnorm_then_i16_quantize(T, rng):
+    """The fused norm (rmsnorm_q2_kernel) writes the norm and its i16 planes with the same bits
+    as rmsnorm and then quantize_x2_kernel, with and without the residual add."""
+    D = 2048
+    x = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+    w = cp.asarray(rng.standard_normal(D).astype(np.float32))
+    res0 = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+    for residual in (None, res0):
+        r_got = None if residual is None else residual.copy()
+        h = nan_f32((T, D))
+        planes = [cp.asnumpy(p) for p in K.rmsnorm_i16(x, w, 1e-5, residual=r_got, out=h)]  # the scratch is reused
+        r_want = None if residual is None else residual.copy()
+        h_want = K.rmsnorm(x, w, 1e-5, residual=r_want)
+        want = [cp.asnumpy(p) for p in K.i16_quantize(h_want)]
+        np.testing.assert_array_equal(cp.asnumpy(h), cp.asnumpy(h_want))
+        if residual is not None:
+            np.testing.assert_array_equal(cp.asnumpy(r_got), cp.asnumpy(r_want))
+        for g, e in zip(planes, want):
+            np.testing.assert_array_equal(g, e)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_norm_gemm_group_equals_norm_then_gemm(T, rng, monkeypatch):
+    """norm_gemm_group (the planes made in the norm's kernel where the group takes the i16 matvec,
+    products of one type in one launch) gives the norm, the residual and every product with the
+    bits of rmsnorm and then gemm of each matrix."""
+    monkeypatch.setenv(tuning.DP4A_ENV, "0")
+    D = 512
+    specs = [(QT.Q4_K, 96), (QT.Q4_K, 64), (QT.Q6_K, 32)]
+    raws = [cp.asarray(random_weights(qt, n, D, rng)) for qt, n in specs]
+    x = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+    w = cp.asarray(rng.standard_normal(D).astype(np.float32))
+    res0 = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+    for residual in (None, res0):
+        r_want = None if residual is None else residual.copy()
+        h_want = K.rmsnorm(x, w, 1e-5, residual=r_want)
+        want = [cp.asnumpy(K.gemm(raw, qt, n, D, h_want)) for raw, (qt, n) in zip(raws, specs)]
+        r_got = None if residual is None else residual.copy()
+        h = nan_f32((T, D))
+        outs = [nan_f32((T, n)) for _, n in specs]
+        K.norm_gemm_group(x, w, 1e-5, h, [(raw, qt, n, D, o) for raw, (qt, n), o in zip(raws, specs, outs)],
+                          residual=r_got)
+        np.testing.assert_array_equal(cp.asnumpy(h), cp.asnumpy(h_want))
+        if residual is not None:
+            np.testing.assert_array_equal(cp.asnumpy(r_got), cp.asnumpy(r_want))
+        for o, e in zip(outs, want):
+            np.testing.assert_array_equal(cp.asnumpy(o), e)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 70])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.F16])
+def test_gemm_accumulate_is_gemm_then_add(T, qt, rng, monkeypatch):
+    """gemm(accumulate=True): out += x W^T with the bits of the product and a separate add, on
+    every path (the i16 matvec's epilogue; mmq, mm, matvec and cuBLAS through a scratch)."""
+    monkeypatch.setenv(tuning.DP4A_ENV, "0")
+    n, D = 96, 512
+    raw = cp.asarray(random_weights(qt, n, D, rng))
+    x = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+    y0 = cp.asarray(rng.standard_normal((T, n)).astype(np.float32))
+    want = cp.asnumpy(y0 + K.gemm(raw, qt, n, D, x))
+    got = y0.copy()
+    assert K.gemm(raw, qt, n, D, x, out=got, accumulate=True) is got
+    np.testing.assert_array_equal(cp.asnumpy(got), want)
+    added = K.add(y0, y0)
+    np.testing.assert_array_equal(cp.asnumpy(added), cp.asnumpy(y0 + y0))
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_swiglu_gemm_add_equals_swiglu_then_gemm_add(T, rng, monkeypatch):
+    """swiglu_gemm_add (act's i16 planes made in the swiglu's kernel where the product takes the
+    i16 matvec) gives act and out += act W^T with the bits of swiglu, gemm and add."""
+    monkeypatch.setenv(tuning.DP4A_ENV, "0")
+    n, F = 96, 1024
+    for qt in (QT.Q4_K, QT.Q6_K, QT.F16):
+        raw = cp.asarray(random_weights(qt, n, F, rng))
+        gate = cp.asarray(rng.standard_normal((T, F)).astype(np.float32))
+        up = cp.asarray(rng.standard_normal((T, F)).astype(np.float32))
+        y0 = cp.asarray(rng.standard_normal((T, n)).astype(np.float32))
+        act_want = K.swiglu(gate, up)
+        want = cp.asnumpy(y0 + K.gemm(raw, qt, n, F, act_want))
+        act, got = nan_f32((T, F)), y0.copy()
+        K.swiglu_gemm_add(gate, up, act, raw, qt, n, F, got)
+        np.testing.assert_array_equal(cp.asnumpy(act), cp.asnumpy(act_want))
+        np.testing.assert_array_equal(cp.asnumpy(got), want)

@@ -11,7 +11,7 @@ import profile_pass as pp  # noqa: E402  (scripts/, on sys.path through tests/co
 import synth_gguf as sg  # noqa: E402
 
 N_LAYERS = 4
-OPS_PER_LAYER = 11  # llama_block's backend calls (q, k, v one call; gate, up one)
+OPS_PER_LAYER = 7  # llama_block's backend calls (the norms with their products, swiglu with the down product)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import cupy as cp
+import cupyx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -64,12 +65,17 @@ class _Work(Workspace):
 
     def __init__(self, rows: int, hp, n_splits: int) -> None:
         self.rows = rows
-        self.tokens = cp.zeros(rows, dtype=cp.int32)
-        self.positions = cp.zeros(rows, dtype=cp.int32)  # RoPE positions
-        self.cache_positions = cp.zeros(rows, dtype=cp.int32)  # where each row's K/V are stored
-        self.slots = cp.zeros(rows, dtype=cp.int32)
-        self.kv_lens = cp.ones(rows, dtype=cp.int32)  # cache_positions + 1
-        self.tree_base = cp.full(rows, -1, dtype=cp.int32)  # cache position of the row's tree root, -1 outside trees
+        # the rows' int32 fields, one device array (and one pinned host twin) so that a pass
+        # copies them in one transfer: six pageable copies took ~50 µs of every decode step
+        self._fields_dev = cp.zeros((len(_ROW_FIELDS), rows), dtype=cp.int32)
+        self._fields_host = cupyx.empty_pinned((len(_ROW_FIELDS), rows), dtype=np.int32)
+        self._fields_copied = None  # the event after the last copy: the host twin is free again
+        (self.tokens, self.positions,  # RoPE positions
+         self.cache_positions,  # where each row's K/V are stored
+         self.slots, self.kv_lens,  # kv_lens: cache_positions + 1
+         self.tree_base) = self._fields_dev  # cache position of the row's tree root, -1 outside trees
+        self.kv_lens.fill(1)
+        self.tree_base.fill(-1)
         self.tree_mask = cp.zeros((rows, K.tree_mask_words(rows)), dtype=cp.uint32)  # bit i: the row sees its tree's row i
         self.has_trees = False
         self.logit_rows = np.zeros(0, dtype=np.int64)
@@ -84,11 +90,18 @@ class _Work(Workspace):
     def set_rows(self, host: PassRows, tree_mask: np.ndarray | None, stream) -> None:
         """Copy a pass's rows (``buckets.PassRows``, ``rows`` long) and its tree mask (uint32
         [rows, W], None without trees) into the device arrays the graphs read."""
-        for name in ("tokens", "positions", "cache_positions", "slots", "kv_lens", "tree_base"):
-            getattr(self, name).set(getattr(host, name), stream=stream)
+        if self._fields_copied is not None:
+            self._fields_copied.synchronize()  # (long done: the pass that read them has ended)
+        for i, name in enumerate(_ROW_FIELDS):
+            self._fields_host[i] = getattr(host, name)
+        self._fields_dev.set(self._fields_host, stream=stream)
+        self._fields_copied = stream.record()
         if tree_mask is not None:
             self.tree_mask.set(tree_mask, stream=stream)
         self.has_trees = host.has_trees
+
+
+_ROW_FIELDS = ("tokens", "positions", "cache_positions", "slots", "kv_lens", "tree_base")  # buckets.PassRows
 
 
 def _tree_mask(batch: StepBatch, rows: int) -> np.ndarray | None:
@@ -343,6 +356,19 @@ class CudaBackend(Backend):
     def matmuls(self, x, products) -> None:
         K.gemm_group(x, [(w.raw, w.qtype, w.n_rows, w.n_cols, out) for w, out in products])
 
+    def norm_matmuls(self, x, w, h, products, delta=None) -> None:
+        parts = [(m.raw, m.qtype, m.n_rows, m.n_cols, out) for m, out in products]
+        if delta is None:
+            K.norm_gemm_group(x, w, self.hp.rms_eps, h, parts)
+        else:  # x += delta; h = norm(x)
+            K.norm_gemm_group(delta, w, self.hp.rms_eps, h, parts, residual=x)
+
+    def swiglu_matmul_add(self, gate, up, act, w: _Mat, out, tmp):
+        return K.swiglu_gemm_add(gate, up, act, w.raw, w.qtype, w.n_rows, w.n_cols, out)
+
+    def matmul_add(self, w: _Mat, x, out, tmp):
+        return K.gemm(w.raw, w.qtype, w.n_rows, w.n_cols, x, out=out, accumulate=True)
+
     def rope(self, q, k, ws: _Work) -> None:
         hp, T = self.hp, ws.T
         K.rope_qk_inplace(q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim), ws.positions,
@@ -367,7 +393,7 @@ class CudaBackend(Backend):
         return K.swiglu(gate, up, out=out)
 
     def add(self, x, y, out):
-        return cp.add(x, y, out=out)
+        return K.add(x, y, out=out)
 
     # -- the head --------------------------------------------------------------------------------
     def _logits_dev(self, work: _Work):

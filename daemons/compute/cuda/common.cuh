@@ -30,6 +30,17 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// block-wide sum; every thread gets the result. blockDim.x multiple of 32, <= 1024.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? sh[lane] : 0.f;
+    return warp_sum(t);
+}
+
 // Programmatic dependent launch (sm_90 and later; kernels.py launches with the attribute where
 // the device has it, see kernels._launch). A kernel so launched may begin while the kernel before
 // it in the stream is still running, so that its CTAs are resident and its constant inputs

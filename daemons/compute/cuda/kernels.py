@@ -53,6 +53,7 @@ __all__ = [
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
     "mmq_workspace_bytes", "mmq_quantize", "i16_quantize", "gemm_group", "pdl_enabled", "set_programmatic_launch",
+    "norm_gemm_group", "rmsnorm_i16", "add", "swiglu_gemm_add",
 ]
 
 MAX_MATVEC_B = tuning.MAX_MATVEC_B
@@ -187,9 +188,20 @@ def _c_arg(a):
     return ctype(a.item())
 
 
-def _launch(kern, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-    """Launch `kern` (a cupy RawKernel of a compiled module) on the current stream; see above."""
-    launch_ex = _pdl_launcher(cp.cuda.runtime.getDevice())
+# The tensor-core matmuls (mm, mms, mmq) are launched plainly, after the previous kernel has
+# ended, unless NTX_PDL_MM=1. Launched early, a matmul's CTAs are placed on whichever SMs the
+# kernels before it free first, and its one wave of CTAs (8-64 rows) then balances worse: in one
+# run on the H200 (docs/decode-final2-h200.json, docs/decode-pdl-mm-h200.json) SmolLM2 at 32 rows
+# took 4.54 ms a pass plain and 5.21 early, the 8B Q4_K_M 9.80 and 10.03 (8 rows: 5.58, 5.64;
+# 1 row, where no matmul runs, the same within noise). They still trigger their successor early
+# and call pdl_wait (a no-op in a plain launch).
+_PDL_MATMUL = os.environ.get("NTX_PDL_MM", "0") == "1"
+
+
+def _launch(kern, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, programmatic: bool = True) -> None:
+    """Launch `kern` (a cupy RawKernel of a compiled module) on the current stream; see above.
+    programmatic=False: a plain launch even where programmatic launch is on."""
+    launch_ex = _pdl_launcher(cp.cuda.runtime.getDevice()) if programmatic else None
     if launch_ex is None:
         kern(grid, block, args, shared_mem=shared_mem)
         return
@@ -245,12 +257,23 @@ def _quantize_x2_kernel():
     return _module("quant.cu", ()).get_function("quantize_x2_kernel")
 
 
+def _quantize_kernel(name: str):
+    """An extern "C" kernel of quant.cu (its module without template instantiations)."""
+    return _module("quant.cu", ()).get_function(name)
+
+
 def _mvq2_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
-    return tuple(f"mvq2_kernel<{int(qt)},{b},{nr},{u}>" for b in range(1, MAX_MATVEC_B + 1))
+    """mvq2_kernel for B = 1..MAX_MATVEC_B, then mvq2g_kernel likewise (one module for both)."""
+    return tuple(f"{k}<{int(qt)},{b},{nr},{u}>" for k in ("mvq2_kernel", "mvq2g_kernel")
+                 for b in range(1, MAX_MATVEC_B + 1))
 
 
 def _mvq2_kernel(qt: int, b: int, nr: int, u: int):
     return _function("mvq2", (int(qt), b, nr, u), lambda: _mvq2_names(qt, nr, u), b - 1)
+
+
+def _mvq2g_kernel(qt: int, b: int, nr: int, u: int):
+    return _function("mvq2g", (int(qt), b, nr, u), lambda: _mvq2_names(qt, nr, u), MAX_MATVEC_B + b - 1)
 
 
 def _mvq2s_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
@@ -345,7 +368,7 @@ def _launch_staged(kern, grid, warps: int, smem: int, args) -> None:
     beyond the default 48 KiB once (a per-function attribute)."""
     if smem > _DEFAULT_SMEM_LIMIT and kern.max_dynamic_shared_size_bytes < smem:
         kern.max_dynamic_shared_size_bytes = smem
-    _launch(kern, grid, (32 * warps,), args, shared_mem=smem)
+    _launch(kern, grid, (32 * warps,), args, shared_mem=smem, programmatic=_PDL_MATMUL)
 
 
 # the types the int8 tensor-core matmul (mmq_kernel) decodes: the staged K-quants, rows of whole
@@ -586,11 +609,21 @@ def _plane_bytes(B: int, n_cols: int) -> int:
     return -(-matvec_workspace_bytes(B, n_cols) // 256) * 256
 
 
-def _quantize2_launch(x, ws, B: int, n_cols: int):
-    """quantize_x2_kernel into ws: plane 1 at 0, plane 2 at _plane_bytes (each as _xq_views)."""
+def _plane_views(ws, B: int, n_cols: int):
+    """(xq, ds, xq2, ds2): plane 1 at 0 of ws, plane 2 at _plane_bytes (each as _xq_views)."""
     off = _plane_bytes(B, n_cols)
-    xq, ds = _xq_views(ws[:off], B, n_cols)
-    xq2, ds2 = _xq_views(ws[off:], B, n_cols)
+    return (*_xq_views(ws[:off], B, n_cols), *_xq_views(ws[off:], B, n_cols))
+
+
+def _i16_planes(B: int, n_cols: int):
+    """The current stream's i16 activation planes for x [B, n_cols] (its scratch, reused: each
+    quantization's products run before the next one in the stream)."""
+    return _plane_views(_stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols)), B, n_cols)
+
+
+def _quantize2_launch(x, ws, B: int, n_cols: int):
+    """quantize_x2_kernel into ws (_plane_views)."""
+    xq, ds, xq2, ds2 = _plane_views(ws, B, n_cols)
     n4 = B * n_cols // 4
     _launch(_quantize_x2_kernel(), ((n4 + 255) // 256,), (256,), (x, xq, ds, xq2, ds2, np.int32(n4)))
     return xq, ds, xq2, ds2
@@ -633,7 +666,7 @@ def _check_mv_config(config) -> None:
 
 
 def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, config=None, variant=None, xq=None,
-           planes=None):
+           planes=None, accumulate: bool = False):
     """out[b, r] = sum_c W[r, c] * x[b, c].
 
     w_raw: uint8 GGUF bytes of W [n_rows, n_cols]; x: f32 [B, n_cols] (or [n_cols]), B <= 8;
@@ -667,6 +700,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
       to exist before capture (run the call once eagerly, or pass xq=).
     planes: the i16 variant's quantized x (``i16_quantize`` of this x), to quantize x once for
       several matrices (``gemm_group``); then x is not read.
+    accumulate: out += the product instead of out = (the i16 variant only: a layer's residual
+      add fused into its last product; ``gemm`` does it for every path).
     """
     q = quant_type(qtype)
     rb = _check_weights(w_raw, q, n_rows, n_cols)
@@ -676,6 +711,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         _check_mv_config(config)
     grid_rows = n_rows
     path = _activation_path(q.qtype, variant)
+    if accumulate and path != "i16":
+        raise ValueError(f"matvec accumulates only on the i16 path, not {path}; use gemm(accumulate=True)")
     if path in ("i16", "i16s"):
         nr, nw, u = config or _tuning().mvq(q.qtype, B)
         if path == "i16":
@@ -688,6 +725,8 @@ def matvec(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, 
         with _stream_ctx(stream):
             xq1, ds1, xq2, ds2 = planes if planes is not None else i16_quantize(x)
             args = (w_raw, xq1, ds1, xq2, ds2, out, np.int32(n_rows), np.int32(n_cols), np.int64(rb))
+            if path == "i16":
+                args += (np.int32(accumulate),)
             _launch(kern, (grid,), (32 * nw,), args, shared_mem=smem)
         return out
     if path == "dp4a":
@@ -748,7 +787,7 @@ def mm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, conf
         if staged:
             _launch_staged(kern, (tiles, ks), wr * wk, _staged_smem_bytes(q, wr * wk, nt), args)
         else:
-            _launch(kern, (tiles, ks), (32 * wr * wk,), args)
+            _launch(kern, (tiles, ks), (32 * wr * wk,), args, programmatic=_PDL_MATMUL)
     return out
 
 
@@ -862,8 +901,10 @@ class _Scratch:
 _scratch = _Scratch()
 
 
-def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
-    """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T.
+def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None, accumulate: bool = False):
+    """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T (accumulate: out += x @ W.T, the same f32
+    addition as a separate add: in the i16 matvec's epilogue, else through a scratch product and
+    ``add``).
 
     T <= MAX_MM_ROWS, one capturable launch sequence (no cuBLAS, which cupy cannot capture):
       int8 activations (the default where the type has a dp4a matvec): matvec in chunks of 8
@@ -881,6 +922,14 @@ def gemm(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
     x = _aligned_x(x, n_cols)
     T = x.shape[0]
     path = _gemm_path(q, n_cols, T)
+    if accumulate:
+        _check_f32("out", out, (T, n_rows))
+        if path == "i16":
+            return matvec(w_raw, qt, n_rows, n_cols, x, out, stream=stream, accumulate=True)
+        with _stream_ctx(stream):
+            tmp = _stream_scratch.get("gemm accumulate", T * n_rows * 4).view(cp.float32).reshape(T, n_rows)
+            gemm(w_raw, qt, n_rows, n_cols, x, tmp, stream=stream)
+            return add(out, tmp, out=out, stream=stream)
     if path == "dequant":
         return gemm_dequant(w_raw, qt, n_rows, n_cols, x, out, stream=stream)
     if path == "mmq":
@@ -914,30 +963,111 @@ def _gemm_path(q: QuantType, n_cols: int, T: int) -> str:
     return "matvec"
 
 
-def gemm_group(x, parts, *, stream=None):
+def gemm_group(x, parts, *, stream=None, i16_planes=None):
     """The products of one x [T, K] with several matrices (a layer's q, k and v; its gate and
     up): each as ``gemm`` computes it, with x quantized once for all the products that take the
-    same quantized x (mmq's planes, or the i16 matvec's) instead of once per matrix. parts:
-    (w_raw, qtype, n_rows, n_cols, out) per matrix, n_cols = K for all; returns the outs."""
+    same quantized x (mmq's planes, or the i16 matvec's) instead of once per matrix, and the i16
+    products of one type in one launch (mvq2g_kernel, up to three matrices). parts:
+    (w_raw, qtype, n_rows, n_cols, out) per matrix, n_cols = K for all; returns the outs.
+    i16_planes: x's i16 planes, made already (``rmsnorm_i16``)."""
     x = _aligned_x(x, parts[0][3])
     T = x.shape[0]
-    shared: dict[str, Any] = {}
-    outs = []
-    for w_raw, qtype, n_rows, n_cols, out in parts:
+    shared: dict[str, Any] = {} if i16_planes is None else {"i16": i16_planes}
+    outs: list[Any] = [None] * len(parts)
+    i16_by_type: dict[int, list[int]] = {}
+    for i, (w_raw, qtype, n_rows, n_cols, out) in enumerate(parts):
         q = quant_type(qtype)
         path = _gemm_path(q, n_cols, T)
         if path == "mmq":
             if "mmq" not in shared:
                 shared["mmq"] = mmq_quantize(x, stream=stream)
-            outs.append(mmq(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream, planes=shared["mmq"]))
+            outs[i] = mmq(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream, planes=shared["mmq"])
         elif path == "i16":
-            if "i16" not in shared:
-                shared["i16"] = i16_quantize(x, stream=stream)
-            outs.append(matvec(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream, variant="i16",
-                               planes=shared["i16"]))
+            i16_by_type.setdefault(int(q.qtype), []).append(i)
         else:
-            outs.append(gemm(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream))
+            outs[i] = gemm(w_raw, q.qtype, n_rows, n_cols, x, out, stream=stream)
+    for members in i16_by_type.values():
+        if "i16" not in shared:
+            shared["i16"] = i16_quantize(x, stream=stream)
+        for c in range(0, len(members), 3):
+            chunk = members[c:c + 3]
+            if len(chunk) == 1:
+                w_raw, qtype, n_rows, n_cols, out = parts[chunk[0]]
+                outs[chunk[0]] = matvec(w_raw, qtype, n_rows, n_cols, x, out, stream=stream, variant="i16",
+                                        planes=shared["i16"])
+            else:
+                got = _matvec_i16_segments(x, [parts[i] for i in chunk], shared["i16"], stream)
+                for i, o in zip(chunk, got):
+                    outs[i] = o
     return outs
+
+
+def _matvec_i16_segments(x, parts, planes, stream):
+    """The i16 products of x with two or three matrices of one type in one mvq2g_kernel launch,
+    each matrix's rows as matvec's i16 variant computes them (the same launch shape)."""
+    B = x.shape[0]
+    q = quant_type(parts[0][1])
+    nr, nw, u = _tuning().mvq(q.qtype, B)
+    ws, outs, rows, rbs, ends = [], [], [], [], []
+    for w_raw, _, n_rows, n_cols, out in parts:
+        rbs.append(_check_weights(w_raw, q, n_rows, n_cols))
+        _, out = _rows_and_out(x, out, n_rows, n_cols, MAX_MATVEC_B, "matvec")
+        ws.append(w_raw)
+        outs.append(out)
+        rows.append(n_rows)
+        ends.append((ends[-1] if ends else 0) + -(-n_rows // nr))
+    while len(ws) < 3:  # an unused third segment: no CTA reaches it
+        ws.append(ws[0]), outs.append(outs[0]), rows.append(0), rbs.append(0), ends.append(ends[-1])
+    xq1, ds1, xq2, ds2 = planes
+    args = (*ws, *outs, *(np.int32(r) for r in rows), np.int32(ends[0]), np.int32(ends[1]),
+            *(np.int64(rb) for rb in rbs), xq1, ds1, xq2, ds2, np.int32(parts[0][3]))
+    with _stream_ctx(stream):
+        _launch(_mvq2g_kernel(q.qtype, B, nr, u), (ends[2],), (32 * nw,), args)
+    return outs[:len(parts)]
+
+
+def norm_gemm_group(x, w, eps: float, h, parts, *, residual=None, stream=None):
+    """h = rmsnorm(x, w) (with residual: residual += x first and h its norm, as ``rmsnorm``),
+    then ``gemm_group(h, parts)``: where the group takes the i16 matvec, the norm's kernel also
+    writes h's i16 planes (rmsnorm_q2_kernel), one launch fewer than a norm and a quantization."""
+    T, D = h.shape
+    if _i16_norm_ok(x, w, h, residual, parts):
+        planes = rmsnorm_i16(x, w, eps, residual=residual, out=h, stream=stream)
+        return gemm_group(h, parts, stream=stream, i16_planes=planes)
+    rmsnorm(x, w, eps, residual=residual, out=h, stream=stream)
+    return gemm_group(h, parts, stream=stream)
+
+
+def swiglu_gemm_add(gate, up, act, w_raw, qtype, n_rows: int, n_cols: int, out, *, stream=None):
+    """act = silu(gate) * up [T, F], then out += act @ W.T (``gemm(accumulate=True)``): where that
+    takes the i16 matvec, the swiglu kernel also writes act's planes (swiglu_q2_kernel), one
+    launch fewer than a swiglu and a quantization, with the same bits."""
+    _check_f32("gate", gate)
+    _check_f32("up", up, gate.shape)
+    act = _out(act, gate.shape, cp.float32)
+    T, F = gate.shape
+    q = quant_type(qtype)
+    fused = (F % 32 == 0 and T <= MAX_MATVEC_B and _gemm_path(q, n_cols, T) == "i16"
+             and all(a.data.ptr % 16 == 0 for a in (gate, up, act)))
+    if not fused:
+        swiglu(gate, up, out=act, stream=stream)
+        return gemm(w_raw, q.qtype, n_rows, n_cols, act, out, stream=stream, accumulate=True)
+    _check_f32("out", out, (T, n_rows))
+    n4 = T * F // 4
+    with _stream_ctx(stream):
+        planes = _i16_planes(T, F)
+        _launch(_quantize_kernel("swiglu_q2_kernel"), ((n4 + 255) // 256,), (256,),
+                (gate, up, act, *planes, np.int32(n4)))
+        return matvec(w_raw, q.qtype, n_rows, n_cols, act, out, stream=stream, variant="i16", planes=planes,
+                      accumulate=True)
+
+
+def _i16_norm_ok(x, w, h, residual, parts) -> bool:
+    T, D = h.shape
+    if D % 32 or T > MAX_MATVEC_B or not any(_gemm_path(quant_type(p[1]), p[3], T) == "i16" for p in parts):
+        return False
+    arrays = [a for a in (x, w, h, residual) if a is not None]
+    return all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays)
 
 
 def gemm_dequant(w_raw, qtype, n_rows: int, n_cols: int, x, out=None, *, stream=None):
@@ -995,6 +1125,39 @@ def rmsnorm(x, w, eps: float, *, residual=None, out=None, stream=None):
     block = _tuning().rmsnorm_block(D)
     with _stream_ctx(stream):
         _launch(_ops_kernel("rmsnorm_kernel"), (T,), (block,), (x, w, out, _ptr_or_null(residual), np.int32(D), np.float32(eps)))
+    return out
+
+
+def rmsnorm_i16(x, w, eps: float, *, residual=None, out=None, stream=None):
+    """``rmsnorm`` that also quantizes its output for the i16 matvec in the same launch
+    (rmsnorm_q2_kernel): returns the planes (as ``i16_quantize`` of out would, the same bits),
+    in the stream's scratch. x [T, D] with T <= MAX_MATVEC_B, D a multiple of 32, every array
+    16-byte aligned."""
+    _check_f32("x", x)
+    _check_f32("w", w)
+    T, D = x.shape
+    if w.size != D or D % 32 or T > MAX_MATVEC_B:
+        raise ValueError(f"rmsnorm_i16 takes x [T <= {MAX_MATVEC_B}, D % 32 == 0] and w [D]; got {x.shape}, {w.shape}")
+    if residual is not None:
+        _check_f32("residual", residual, x.shape)
+    out = _out(out, x.shape, cp.float32)
+    block = _tuning().rmsnorm_block(D)
+    with _stream_ctx(stream):
+        planes = _i16_planes(T, D)
+        _launch(_quantize_kernel("rmsnorm_q2_kernel"), (T,), (block,),
+                (x, w, out, _ptr_or_null(residual), *planes, np.int32(D), np.float32(eps)))
+    return planes
+
+
+def add(x, y, out=None, *, stream=None):
+    """out = x + y, elementwise (f32, one shape; out may be x or y)."""
+    _check_f32("x", x)
+    _check_f32("y", y, x.shape)
+    out = _out(out, x.shape, cp.float32)
+    n = x.size
+    if n:
+        with _stream_ctx(stream):
+            _launch(_ops_kernel("add_kernel"), (min((n + 255) // 256, 1 << 16),), (256,), (x, y, out, np.int64(n)))
     return out
 
 

@@ -15,16 +15,6 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-// block-wide sum; every thread gets the result. blockDim.x multiple of 32, <= 1024.
-__device__ __forceinline__ float block_sum(float v, float* sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    float t = lane < nw ? sh[lane] : 0.f;
-    return warp_sum(t);
-}
 
 // ------------------------------------------------------------------------------- rmsnorm
 // x: [T, D], w: [D], out: [T, D]. If residual != 0: residual += x (in place), and the norm is
@@ -414,6 +404,15 @@ extern "C" __global__ void attn_combine_kernel(const float* part_ml, const float
         }
         out[((long long)t * H + h) * hd + e] = den > 0.f ? num / den : 0.f;
     }
+}
+
+// ------------------------------------------------------------------------------- add
+// out = x + y elementwise (out may be x or y): the residual add, with programmatic launch
+// (cupy's own elementwise kernel has none, and broke the pass's chain of early launches).
+extern "C" __global__ void add_kernel(const float* x, const float* y, float* out, long long n) {
+    pdl_enter();
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = x[i] + y[i];
 }
 
 // ------------------------------------------------------------------------------- swiglu

@@ -734,7 +734,7 @@ template <> struct QDTraits<7> : QD32<7> {};
 template <class P, int B, int NR, int U>
 __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const typename P::Act& act,
                                             float* __restrict__ out, int n_rows, int n_cols,
-                                            long long row_bytes, int row0) {
+                                            long long row_bytes, int row0, bool accumulate = false) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int npieces = (n_cols / P::EPB) * P::LPB;
     float acc[NR][B];
@@ -789,7 +789,10 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
         float s = 0.f;
         for (int i = 0; i < nw; i++) s += red[i][o];
         const int row = row0 + r;
-        if (row < n_rows) out[(long long)b * n_rows + row] = s;
+        if (row < n_rows) {
+            float* o = out + (long long)b * n_rows + row;
+            *o = accumulate ? *o + s : s;
+        }
     }
 }
 
@@ -1582,15 +1585,116 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
     mm_epilogue<NT, MT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
 }
 
-// out[b, row] = sum_c W[row, c] * (d * q1 + d2 * q2)[b, c]; the planes from quantize_x2_kernel.
+// out[b, row] = sum_c W[row, c] * (d * q1 + d2 * q2)[b, c]; the planes from quantize_x2_kernel
+// (or rmsnorm_q2_kernel). acc != 0: out[b, row] += the sum instead (the residual add of a layer's
+// last product, fused: the same f32 addition the separate add made).
 template <int QT, int B, int NR, int U>
 __global__ void __launch_bounds__(256) mvq2_kernel(const u8* __restrict__ w, const u8* xq,
                                                    const float2* ds, const u8* xq2,
-                                                   const float2* ds2, float* __restrict__ out,
-                                                   int n_rows, int n_cols, long long row_bytes) {
+                                                   const float2* ds2, float* out,
+                                                   int n_rows, int n_cols, long long row_bytes, int acc) {
     typedef MvDp4aP<QT, 2> P;
     matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes,
-                             blockIdx.x * NR);
+                             blockIdx.x * NR, acc != 0);
+}
+
+// mvq2_kernel over up to three matrices of one type that multiply the same x (a layer's q and k,
+// or gate and up: gemm_group), in one launch: CTAs [0, end0) take matrix 0's row groups,
+// [end0, end1) matrix 1's, the rest matrix 2's. One launch instead of three, and the small
+// matrices' few CTAs (k, v: 1024 rows, 128 CTAs) share the GPU with the large one's. Each
+// matrix's rows get mvq2_kernel's sums, in its order: the same bits.
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) mvq2g_kernel(const u8* __restrict__ w0, const u8* __restrict__ w1,
+                                                    const u8* __restrict__ w2, float* out0, float* out1,
+                                                    float* out2, int rows0, int rows1, int rows2, int end0,
+                                                    int end1, long long rb0, long long rb1, long long rb2,
+                                                    const u8* xq, const float2* ds, const u8* xq2,
+                                                    const float2* ds2, int n_cols) {
+    typedef MvDp4aP<QT, 2> P;
+    const int b = blockIdx.x;
+    const u8* w = b < end0 ? w0 : b < end1 ? w1 : w2;
+    float* out = b < end0 ? out0 : b < end1 ? out1 : out2;
+    const int n_rows = b < end0 ? rows0 : b < end1 ? rows1 : rows2;
+    const long long rb = b < end0 ? rb0 : b < end1 ? rb1 : rb2;
+    const int row0 = (b < end0 ? b : b < end1 ? b - end0 : b - end1) * NR;
+    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, rb, row0);
+}
+
+// swiglu_kernel (ops.cu) and then quantize_x2_kernel of its output, in one launch: out =
+// silu(gate) * up as f32 and as the i16 planes (quantize_x2_kernel's layout), each element the
+// same expression, so the bits of the two kernels. n4 = T * F / 4 (F a multiple of 32), one
+// float4 a thread; gate, up, out 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(256) swiglu_q2_kernel(const float* gate, const float* up, float* out,
+                                                                   u32* xq, float2* ds, u32* xq2, float2* ds2,
+                                                                   int n4) {
+    pdl_enter();
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool ok = t < n4;  // n4 is a multiple of 8: a group is all in or all out
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (ok) {
+        const float4 g = *((const float4*)gate + t), u = *((const float4*)up + t);
+        v = make_float4(g.x / (1.f + __expf(-g.x)) * u.x, g.y / (1.f + __expf(-g.y)) * u.y,
+                        g.z / (1.f + __expf(-g.z)) * u.z, g.w / (1.f + __expf(-g.w)) * u.w);
+        *((float4*)out + t) = v;
+    }
+    int q[4], r[4], s, s2;
+    float d, d2;
+    quant2_group(v, q, r, d, d2, s, s2);
+    if (ok) {
+        xq[t] = pack_bytes(q);
+        xq2[t] = pack_bytes(r);
+        if ((t & 7) == 0) {
+            ds[t >> 3] = make_float2(d, d * (float)s);
+            ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
+        }
+    }
+}
+
+// rmsnorm_kernel (ops.cu) and then quantize_x2_kernel of its output, in one launch: out = the
+// norm of x (or of residual += x), written as f32 and as the i16 matvec's two planes, laid out
+// as quantize_x2_kernel lays them. The sum of squares is rmsnorm_kernel's (same threads, same
+// order) and each output element the same product, so out and the planes are the bits the two
+// kernels made. grid T rows, block a multiple of 32 (<= 1024); D a multiple of 32; x, out,
+// residual and w 16-byte aligned.
+extern "C" __global__ void rmsnorm_q2_kernel(const float* x, const float* __restrict__ w, float* out,
+                                             float* residual, u32* xq, float2* ds, u32* xq2, float2* ds2,
+                                             int D, float eps) {
+    pdl_enter();
+    __shared__ float sh[32];
+    const long long base = (long long)blockIdx.x * D;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float v = x[base + i];
+        if (residual) { v += residual[base + i]; residual[base + i] = v; }
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, sh);  // its barriers also make this CTA's residual writes visible to all its threads
+    const float r = rsqrtf(ss / (float)D + eps);
+    const float* src = residual ? residual : x;
+    const int D4 = D >> 2;
+    for (int i0 = 0; i0 < D4; i0 += blockDim.x) {  // every thread every trip: quant2_group's shuffles
+        const int i4 = i0 + threadIdx.x;
+        const bool ok = i4 < D4;  // D4 is a multiple of 8: a group is all in or all out
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (ok) {
+            const float4 a = *(const float4*)(src + base + 4 * i4);
+            const float4 g = *(const float4*)(w + 4 * i4);
+            v = make_float4(a.x * r * g.x, a.y * r * g.y, a.z * r * g.z, a.w * r * g.w);
+            *(float4*)(out + base + 4 * i4) = v;
+        }
+        int q[4], rq[4], s, s2;
+        float d, d2;
+        quant2_group(v, q, rq, d, d2, s, s2);
+        if (ok) {
+            const long long t = (long long)blockIdx.x * D4 + i4;
+            xq[t] = pack_bytes(q);
+            xq2[t] = pack_bytes(rq);
+            if ((i4 & 7) == 0) {
+                ds[t >> 3] = make_float2(d, d * (float)s);
+                ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
+            }
+        }
+    }
 }
 
 // mvq2_kernel with the activations staged in shared memory once per CTA (B * n_cols * 2.5 bytes:
