@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-import cupy as cp  # noqa: E402
+cp = pytest.importorskip("cupy")
 
 from ntx.ctl.local import build_local_engine  # noqa: E402
 from ntx.daemons.compute.batch import SeqChunk, StepBatch  # noqa: E402

@@ -40,6 +40,20 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     float t = lane < nw ? sh[lane] : 0.f;
     return warp_sum(t);
 }
+// 1 / rms of row x[base .. base + D) (residual != 0: of residual += x, written back), the row's
+// CTA all calling it: rmsnorm_kernel's and rmsnorm_q2_kernel's one sum of squares, so both give
+// the same bits. Its barriers make the CTA's residual writes visible to all its threads.
+__device__ __forceinline__ float rms_scale(const float* x, float* residual, long long base, int D, float eps) {
+    __shared__ float sh[32];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float v = x[base + i];
+        if (residual) { v += residual[base + i]; residual[base + i] = v; }
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, sh);
+    return rsqrtf(ss / (float)D + eps);
+}
 
 // Programmatic dependent launch (sm_90 and later; kernels.py launches with the attribute where
 // the device has it, see kernels._launch). A kernel so launched may begin while the kernel before

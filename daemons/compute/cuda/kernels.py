@@ -1149,16 +1149,21 @@ def rmsnorm_i16(x, w, eps: float, *, residual=None, out=None, stream=None):
     return planes
 
 
-def add(x, y, out=None, *, stream=None):
-    """out = x + y, elementwise (f32, one shape; out may be x or y)."""
-    _check_f32("x", x)
-    _check_f32("y", y, x.shape)
-    out = _out(out, x.shape, cp.float32)
-    n = x.size
+def _elementwise2(kernel: str, names: tuple[str, str], a, b, out, stream):
+    """out = kernel(a, b), elementwise over f32 arrays of one shape (ops.cu's grid-stride form)."""
+    _check_f32(names[0], a)
+    _check_f32(names[1], b, a.shape)
+    out = _out(out, a.shape, cp.float32)
+    n = a.size
     if n:
         with _stream_ctx(stream):
-            _launch(_ops_kernel("add_kernel"), (min((n + 255) // 256, 1 << 16),), (256,), (x, y, out, np.int64(n)))
+            _launch(_ops_kernel(kernel), (min((n + 255) // 256, 1 << 16),), (256,), (a, b, out, np.int64(n)))
     return out
+
+
+def add(x, y, out=None, *, stream=None):
+    """out = x + y, elementwise (f32, one shape; out may be x or y)."""
+    return _elementwise2("add_kernel", ("x", "y"), x, y, out, stream)
 
 
 _ROPE_THREADS, _ROPE_PER_THREAD = 256, 4  # ops.cu ROPE_THREADS, ROPE_PER_THREAD
@@ -1430,14 +1435,7 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
 
 def swiglu(gate, up, out=None, *, stream=None):
     """silu(gate) * up, elementwise; gate, up: f32 [T, F]."""
-    _check_f32("gate", gate)
-    _check_f32("up", up, gate.shape)
-    out = _out(out, gate.shape, cp.float32)
-    n = gate.size
-    if n:
-        with _stream_ctx(stream):
-            _launch(_ops_kernel("swiglu_kernel"), (min((n + 255) // 256, 1 << 16),), (256,), (gate, up, out, np.int64(n)))
-    return out
+    return _elementwise2("swiglu_kernel", ("gate", "up"), gate, up, out, stream)
 
 
 # ------------------------------------------------------------------------------ sampling

@@ -23,16 +23,8 @@ extern "C" __global__ void rmsnorm_kernel(const float* x, const float* __restric
                                           float* __restrict__ out, float* __restrict__ residual,
                                           int D, float eps) {
     pdl_enter();
-    __shared__ float sh[32];
     const long long base = (long long)blockIdx.x * D;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        float v = x[base + i];
-        if (residual) { v += residual[base + i]; residual[base + i] = v; }
-        ss = fmaf(v, v, ss);
-    }
-    ss = block_sum(ss, sh);
-    const float r = rsqrtf(ss / (float)D + eps);
+    const float r = rms_scale(x, residual, base, D, eps);
     const float* src = residual ? residual : x;
     for (int i = threadIdx.x; i < D; i += blockDim.x) out[base + i] = src[base + i] * r * w[i];
 }

@@ -461,16 +461,11 @@ __device__ __forceinline__ void quant2_group(const float4& v, int (&q)[4], int (
     }
 }
 
-// quantize_x2_kernel: quant2_group's two planes, each laid out as quantize_x_kernel's (q int8
-// [B, n_cols], (d, d * sum) per group); n4 = B * n_cols / 4.
-extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float* x,
-                                                                     u32* __restrict__ xq, float2* __restrict__ ds,
-                                                                     u32* __restrict__ xq2, float2* __restrict__ ds2,
-                                                                     int n4) {
-    pdl_enter();
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    const bool ok = t < n4;
-    const float4 v = ok ? __ldca((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+// quant2_group of v (float4 t of x) stored as quantize_x2_kernel lays the planes out. Every lane
+// of the warp calls it (the group's shuffles); ok: whether t is a real float4 of x (a group is
+// all in or all out).
+__device__ __forceinline__ void quant2_store(const float4& v, bool ok, long long t, u32* xq, float2* ds, u32* xq2,
+                                             float2* ds2) {
     int q[4], r[4], s, s2;
     float d, d2;
     quant2_group(v, q, r, d, d2, s, s2);
@@ -482,6 +477,19 @@ extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float
             ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
         }
     }
+}
+
+// quantize_x2_kernel: quant2_group's two planes, each laid out as quantize_x_kernel's (q int8
+// [B, n_cols], (d, d * sum) per group); n4 = B * n_cols / 4.
+extern "C" __global__ void __launch_bounds__(256) quantize_x2_kernel(const float* x,
+                                                                     u32* __restrict__ xq, float2* __restrict__ ds,
+                                                                     u32* __restrict__ xq2, float2* __restrict__ ds2,
+                                                                     int n4) {
+    pdl_enter();
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool ok = t < n4;
+    const float4 v = ok ? __ldca((const float4*)x + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+    quant2_store(v, ok, t, xq, ds, xq2, ds2);
 }
 
 __device__ __forceinline__ int dp4(u32 a, u32 b, int c) { return __dp4a((int)a, (int)b, c); }
@@ -1637,17 +1645,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_q2_kernel(const float* 
                         g.z / (1.f + __expf(-g.z)) * u.z, g.w / (1.f + __expf(-g.w)) * u.w);
         *((float4*)out + t) = v;
     }
-    int q[4], r[4], s, s2;
-    float d, d2;
-    quant2_group(v, q, r, d, d2, s, s2);
-    if (ok) {
-        xq[t] = pack_bytes(q);
-        xq2[t] = pack_bytes(r);
-        if ((t & 7) == 0) {
-            ds[t >> 3] = make_float2(d, d * (float)s);
-            ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
-        }
-    }
+    quant2_store(v, ok, t, xq, ds, xq2, ds2);
 }
 
 // rmsnorm_kernel (ops.cu) and then quantize_x2_kernel of its output, in one launch: out = the
@@ -1660,16 +1658,8 @@ extern "C" __global__ void rmsnorm_q2_kernel(const float* x, const float* __rest
                                              float* residual, u32* xq, float2* ds, u32* xq2, float2* ds2,
                                              int D, float eps) {
     pdl_enter();
-    __shared__ float sh[32];
     const long long base = (long long)blockIdx.x * D;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        float v = x[base + i];
-        if (residual) { v += residual[base + i]; residual[base + i] = v; }
-        ss = fmaf(v, v, ss);
-    }
-    ss = block_sum(ss, sh);  // its barriers also make this CTA's residual writes visible to all its threads
-    const float r = rsqrtf(ss / (float)D + eps);
+    const float r = rms_scale(x, residual, base, D, eps);
     const float* src = residual ? residual : x;
     const int D4 = D >> 2;
     for (int i0 = 0; i0 < D4; i0 += blockDim.x) {  // every thread every trip: quant2_group's shuffles
@@ -1682,18 +1672,7 @@ extern "C" __global__ void rmsnorm_q2_kernel(const float* x, const float* __rest
             v = make_float4(a.x * r * g.x, a.y * r * g.y, a.z * r * g.z, a.w * r * g.w);
             *(float4*)(out + base + 4 * i4) = v;
         }
-        int q[4], rq[4], s, s2;
-        float d, d2;
-        quant2_group(v, q, rq, d, d2, s, s2);
-        if (ok) {
-            const long long t = (long long)blockIdx.x * D4 + i4;
-            xq[t] = pack_bytes(q);
-            xq2[t] = pack_bytes(rq);
-            if ((i4 & 7) == 0) {
-                ds[t >> 3] = make_float2(d, d * (float)s);
-                ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
-            }
-        }
+        quant2_store(v, ok, (long long)blockIdx.x * D4 + i4, xq, ds, xq2, ds2);  // D4 % 8 == 0: groups align
     }
 }
 
