@@ -609,24 +609,13 @@ def _plane_bytes(B: int, n_cols: int) -> int:
     return -(-matvec_workspace_bytes(B, n_cols) // 256) * 256
 
 
-def _plane_views(ws, B: int, n_cols: int):
-    """(xq, ds, xq2, ds2): plane 1 at 0 of ws, plane 2 at _plane_bytes (each as _xq_views)."""
+def _i16_planes(B: int, n_cols: int):
+    """The current stream's i16 activation planes for x [B, n_cols], (xq, ds, xq2, ds2): plane 1
+    at 0 of the stream's scratch, plane 2 at _plane_bytes (each as _xq_views). One scratch,
+    reused: each quantization's products run before the next one in the stream."""
+    ws = _stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols))
     off = _plane_bytes(B, n_cols)
     return (*_xq_views(ws[:off], B, n_cols), *_xq_views(ws[off:], B, n_cols))
-
-
-def _i16_planes(B: int, n_cols: int):
-    """The current stream's i16 activation planes for x [B, n_cols] (its scratch, reused: each
-    quantization's products run before the next one in the stream)."""
-    return _plane_views(_stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols)), B, n_cols)
-
-
-def _quantize2_launch(x, ws, B: int, n_cols: int):
-    """quantize_x2_kernel into ws (_plane_views)."""
-    xq, ds, xq2, ds2 = _plane_views(ws, B, n_cols)
-    n4 = B * n_cols // 4
-    _launch(_quantize_x2_kernel(), ((n4 + 255) // 256,), (256,), (x, xq, ds, xq2, ds2, np.int32(n4)))
-    return xq, ds, xq2, ds2
 
 
 def i16_quantize(x, *, stream=None):
@@ -634,9 +623,11 @@ def i16_quantize(x, *, stream=None):
     quantize_x2_kernel into the stream's scratch; pass them as matvec(..., planes=) to every
     matrix that multiplies this x."""
     B, n_cols = x.shape
+    n4 = B * n_cols // 4
     with _stream_ctx(stream):
-        ws = _stream_scratch.get("matvec (i16) x", 2 * _plane_bytes(B, n_cols))
-        return _quantize2_launch(x, ws, B, n_cols)
+        planes = _i16_planes(B, n_cols)
+        _launch(_quantize_x2_kernel(), ((n4 + 255) // 256,), (256,), (x, *planes, np.int32(n4)))
+        return planes
 
 
 def quantize_x(x, xq=None, *, stream=None):
@@ -1016,8 +1007,12 @@ def _matvec_i16_segments(x, parts, planes, stream):
         outs.append(out)
         rows.append(n_rows)
         ends.append((ends[-1] if ends else 0) + -(-n_rows // nr))
-    while len(ws) < 3:  # an unused third segment: no CTA reaches it
-        ws.append(ws[0]), outs.append(outs[0]), rows.append(0), rbs.append(0), ends.append(ends[-1])
+    if len(ws) == 2:  # an unused third segment: no CTA reaches it
+        ws.append(ws[0])
+        outs.append(outs[0])
+        rows.append(0)
+        rbs.append(0)
+        ends.append(ends[-1])
     xq1, ds1, xq2, ds2 = planes
     args = (*ws, *outs, *(np.int32(r) for r in rows), np.int32(ends[0]), np.int32(ends[1]),
             *(np.int64(rb) for rb in rbs), xq1, ds1, xq2, ds2, np.int32(parts[0][3]))
@@ -1030,7 +1025,6 @@ def norm_gemm_group(x, w, eps: float, h, parts, *, residual=None, stream=None):
     """h = rmsnorm(x, w) (with residual: residual += x first and h its norm, as ``rmsnorm``),
     then ``gemm_group(h, parts)``: where the group takes the i16 matvec, the norm's kernel also
     writes h's i16 planes (rmsnorm_q2_kernel), one launch fewer than a norm and a quantization."""
-    T, D = h.shape
     if _i16_norm_ok(x, w, h, residual, parts):
         planes = rmsnorm_i16(x, w, eps, residual=residual, out=h, stream=stream)
         return gemm_group(h, parts, stream=stream, i16_planes=planes)
