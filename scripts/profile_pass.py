@@ -224,10 +224,6 @@ class ProfiledBackend:
         return self._timed(label + " with its swiglu + add", nbytes, self.inner.swiglu_matmul_add, gate, up, act,
                            w, out, tmp)
 
-    def matmul_add(self, w, x, out, tmp):
-        label, nbytes = self.matrices[id(w)]
-        return self._timed(label + " + add", nbytes, self.inner.matmul_add, w, x, out, tmp)
-
     def rope(self, q, k, ws) -> None:
         self._timed("rope", 0, self.inner.rope, q, k, ws)
 

@@ -260,16 +260,12 @@ class Backend(ABC):
         self.matmuls(h, products)
 
     def swiglu_matmul_add(self, gate: Any, up: Any, act: Any, w: Any, out: Any, tmp: Any) -> Any:
-        """act = swiglu(gate, up), then ``matmul_add(w, act, out, tmp)``: a layer's feed-forward
-        output into the residual, one operation so that a GPU backend can quantize act for the
-        product in the swiglu's own kernel."""
+        """act = swiglu(gate, up), then out += act @ w.T: a layer's feed-forward output into the
+        residual, one operation so that a GPU backend can quantize act for the product in the
+        swiglu's own kernel and add in the product's. tmp, of out's shape, may hold the product
+        on the way."""
         self.swiglu(gate, up, out=act)
-        return self.matmul_add(w, act, out, tmp)
-
-    def matmul_add(self, w: Any, x: Any, out: Any, tmp: Any) -> Any:
-        """out += x @ w.T (the residual add of a layer's last product; tmp, of out's shape, may
-        hold the product on the way: a GPU backend adds in the product's own kernel)."""
-        self.matmul(w, x, out=tmp)
+        self.matmul(w, act, out=tmp)
         return self.add(out, tmp, out=out)
 
     @abstractmethod

@@ -366,9 +366,6 @@ class CudaBackend(Backend):
     def swiglu_matmul_add(self, gate, up, act, w: _Mat, out, tmp):
         return K.swiglu_gemm_add(gate, up, act, w.raw, w.qtype, w.n_rows, w.n_cols, out)
 
-    def matmul_add(self, w: _Mat, x, out, tmp):
-        return K.gemm(w.raw, w.qtype, w.n_rows, w.n_cols, x, out=out, accumulate=True)
-
     def rope(self, q, k, ws: _Work) -> None:
         hp, T = self.hp, ws.T
         K.rope_qk_inplace(q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim), ws.positions,
