@@ -7,15 +7,16 @@ of the device's entry in daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, t
 a CUDA graph of 20 calls (no Python launch overhead) cycling over up to 8 copies of the matrix,
 so small matrices are not read from L2.
 
---sweep-mv times the i16 matvec alone (its quantize-x launch included), as "i16" (x read from
+--sweep-mv times the matvec alone (its quantize-x launch included), as "i16" (x read from
 global memory by every CTA) and "i16s" (x staged in shared memory once per CTA, CTAs looping over
-row groups), at every launch configuration (rows per CTA, warps per CTA, pieces per trip) =
-MV_SWEEP for each B of --ts up to 8 (default 1..8), printing weight bytes per second beside the
-device's copy bandwidth and the best configuration per (type, shape, B) beside the device
-table's own (tuning.py mvq_launch): the figures behind the H200's mvq_launch.
+row groups), and with --mv-variants also the f32 matvec's cuts "v1" and "v2", at every launch
+configuration (rows per CTA, warps per CTA, pieces per trip) = MV_SWEEP for each B of --ts up
+to 8 (default 1..8), printing weight bytes per second beside the device's copy bandwidth and
+the best configuration per (type, shape, B) beside the device table's own (tuning.py
+mvq_launch): the figures behind the H200's mvq_launch.
 
     python3 scripts/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--paths mm,mmq,matvec_i16] [--out gemm_paths.json]
-    python3 scripts/bench_gemm_paths.py --sweep-mv [--shapes 8b] [--types Q4_K,Q6_K] [--out mv_sweep.json]
+    python3 scripts/bench_gemm_paths.py --sweep-mv [--shapes 8b] [--types Q4_K,Q6_K] [--mv-variants i16,v2] [--out mv_sweep.json]
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ SHAPES = {"70b": [(28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)],  # 
           "8b": [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096)]}
 ITERS = 20
 # (rows per CTA, warps per CTA, pieces per trip) of the i16 matvec sweep
-MV_SWEEP = [(nr, nw, u) for nr in tuning.MV_ROWS_PER_CTA for nw in (2, 4, 8) for u in (1, 2)]
+MV_SWEEP = [(nr, nw, u) for nr in tuning.MV_ROWS_PER_CTA for nw in (2, 4, 8) for u in tuning.MV_UNROLLS]
+MV_VARIANTS = ("i16", "i16s", "v1", "v2")  # --mv-variants: the matvec variants --sweep-mv may time
 
 
 def _time_ms(fn, stream) -> float | None:
@@ -75,12 +77,17 @@ def _weight_copies(qt: int, n_rows: int, n_cols: int, rng) -> tuple[list, int]:
 
 
 def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
-    """The i16 and i16s matvecs at every MV_SWEEP configuration for each B (<= 8) of --ts: one
-    row per (type, shape, B) with each (variant, configuration)'s ms and GB/s (weight bytes /
-    time), keyed "i16_2_4_1" / "i16s_8_4_1", the best, and the device table's choice (i16)."""
+    """The matvec variants of --mv-variants (default i16, i16s; v1, v2: the f32 matvec's cuts) at
+    every MV_SWEEP configuration for each B (<= 8) of --ts: one row per (type, shape, B) with
+    each (variant, configuration)'s ms and GB/s (weight bytes / time), keyed "i16_2_4_1" /
+    "v2_8_4_1", the best, and the device table's choice (i16)."""
     from gguf import GGMLQuantizationType as QT
 
     table = K._tuning()
+    variants = args.mv_variants.split(",")
+    unknown = set(variants) - set(MV_VARIANTS)
+    if unknown:
+        raise SystemExit(f"--mv-variants: unknown {sorted(unknown)}; choose from {', '.join(MV_VARIANTS)}")
     bs = [b for b in (int(t) for t in args.ts.split(",")) if 1 <= b <= K.MAX_MATVEC_B] if args.ts_given else \
         list(range(1, K.MAX_MATVEC_B + 1))
     rows = []
@@ -96,7 +103,9 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
                 out = cp.empty((B, n_rows), dtype=cp.float32)
                 default = tuple(table.mvq(QT(qt), B))
                 cfgs = {}
-                for variant in ("i16", "i16s"):
+                for variant in variants:
+                    if variant == "v2" and "v2" not in quant_type(qt).cuts:
+                        continue
                     for cfg in MV_SWEEP:
                         ms = _time_ms(lambda i, c=cfg, v=variant: K.matvec(ws[i % len(ws)], qt, n_rows, n_cols, x,
                                                                             out=out, variant=v, config=c), stream)
@@ -113,7 +122,7 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
                 btxt = f"{b['gbps']:6.0f} GB/s ({100 * b['gbps'] / copy_gbps:4.1f}%) {best}" if b else "n/a"
                 print(f"{tname} {n_rows}x{n_cols} B={B}: table {dkey} {dtxt}  best {btxt}  "
                       f"(copy {copy_gbps:.0f} GB/s)", flush=True)
-                for variant in ("i16", "i16s"):
+                for variant in variants:
                     print(f"   {variant:4s} " + "  ".join(f"{k.split('_', 1)[1]} {v['gbps']:.0f}" for k, v in timed.items()
                                                       if k.split("_", 1)[0] == variant), flush=True)
             ws.clear()
@@ -132,7 +141,9 @@ def main() -> None:
     ap.add_argument("--paths", default=None,
                     help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq); default all")
     ap.add_argument("--sweep-mv", action="store_true",
-                    help="time only the i16 matvec at every (rows per CTA, warps, pieces per trip), B <= 8")
+                    help="time only the matvec (--mv-variants) at every (rows per CTA, warps, pieces per trip), B <= 8")
+    ap.add_argument("--mv-variants", default="i16,i16s",
+                    help=f"--sweep-mv's variants, comma-separated from {','.join(MV_VARIANTS)} (v1, v2: f32 matvec cuts)")
     args = ap.parse_args()
     args.ts_given = args.ts is not None
     if args.ts is None:

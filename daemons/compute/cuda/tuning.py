@@ -220,8 +220,13 @@ H200 = KernelTuning(
     # ms for (2, 4, 1) -> the override: Q4_K 14336x4096 0.0165 -> 0.0145, 4096x14336 0.0160 -> 0.0137,
     # 4096x4096 0.0079 -> 0.0074, 1024x4096 0.0044 -> 0.0046 (weighted by a Llama-3-8B pass: -9%);
     # Q6_K 4096x14336 0.0303 -> 0.0251, 14336x4096 0.0260 -> 0.0246, 1024x4096 0.0053 -> 0.0060.
+    # Q8_0 (--sweep-mv --types Q8_0 --ts 1 --mv-variants i16,v1,v2, copy 4186 GB/s, 2026-12-01, sixth
+    # session): 14336x4096 0.0194 -> 0.0179, 4096x4096 0.0084 -> 0.0072, 4096x14336 0.0218 -> 0.0189,
+    # 1024x4096 0.0038 -> 0.0029 (weighted by a Llama-3-8B layer: 0.0850 -> 0.0749 ms, -12%; the
+    # best single shape's pick, (4, 4, 1) on 14336x4096, loses on the others). The f32 matvec's
+    # best cut is 1.4-1.5x slower on the three large shapes (v1 0.0269 / 0.0089 / 0.0267 ms).
     # dp4a shares the table (not timed with these).
-    mvq_launch_override={(QT.Q4_K, 1): (8, 4, 1), (QT.Q6_K, 1): (4, 2, 2)},
+    mvq_launch_override={(QT.Q4_K, 1): (8, 4, 1), (QT.Q6_K, 1): (4, 2, 2), (QT.Q8_0, 1): (4, 8, 1)},
     v2_auto_types=frozenset({QT.Q4_K, QT.Q5_K, QT.Q8_0}),
     v2_auto_min_b=5,
     mm_min_rows={QT.Q4_K: 6, QT.Q5_K: 6, QT.Q6_K: 3},
