@@ -11,7 +11,8 @@
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
 #   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it.
 # --profile: each operation's share of one decode pass (B=1 and B=8, or PROFILE_BATCH) and one 512-token prefill
-#   pass of the synthetic 8B Q4_K_M (scripts/profile_pass.py) into $OUT/profile.{json,txt}.
+#   pass of the synthetic 8B Q4_K_M (PROFILE_TYPE: another make_gguf type) (scripts/profile_pass.py)
+#   into $OUT/profile.{json,txt}.
 # --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d; spec on request).
 # STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_BATCH, STREAM_SCENARIOS steer --stream-bench.
 #   BENCH_ARGS (e.g. "--spec-verify-passes 1" for spec, "--skip-layers 40-59" for skip) goes to
@@ -132,8 +133,8 @@ if [ "$DECODE" = 1 ]; then
   decode_bench "$REPO" "$OUT/"
 fi
 if [ "$PROFILE" = 1 ]; then
-  synth llama3-8b-Q4_K_M llama3-8b Q4_K_M
-  python3 "$REPO/scripts/profile_pass.py" "$MODELS/llama3-8b-Q4_K_M.gguf" --batch ${PROFILE_BATCH:-1 8} --prompt 512 \
+  synth "llama3-8b-${PROFILE_TYPE:-Q4_K_M}" llama3-8b "${PROFILE_TYPE:-Q4_K_M}"
+  python3 "$REPO/scripts/profile_pass.py" "$MODELS/llama3-8b-${PROFILE_TYPE:-Q4_K_M}.gguf" --batch ${PROFILE_BATCH:-1 8} --prompt 512 \
     --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.txt"
 fi
 if [ "$STREAM" = 1 ]; then

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Pick, make_backend
+from ntx.daemons.compute.backend import PendingPicks, Pick, make_backend
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.factory import DEFAULT_CONTEXT
 from ntx.daemons.compute.model import LlamaModel
@@ -158,9 +158,9 @@ class ProfiledBackend:
     ``recorder.mark(label, weight_bytes)``). Everything else goes to ``inner`` unchanged, except
     that nothing is captured: the pass runs eagerly, operation by operation.
 
-    The head runs as the cuda backend's ``pick`` runs it on the device, in two parts: final norm
-    and head matvec (``inner._logits_dev``), then ``topk`` of the largest k asked; the picks are
-    not copied to the host (the profiled pass's result is not used) and ``pick`` returns None.
+    The head runs as the cuda backend's ``pick_launch`` runs it on the device, in two parts: final
+    norm and head matvec (``inner._logits_dev``), then ``topk`` of the largest k asked; the picks
+    are not copied to the host (the profiled pass's result is not used): no rows come back.
     ``topk`` is the device selection function (``kernels.topk``)."""
 
     def __init__(self, inner: Any, recorder: Any, model: LlamaModel, topk: Callable) -> None:
@@ -239,11 +239,12 @@ class ProfiledBackend:
     def add(self, x, y, out):
         return self._timed("add", 0, self.inner.add, x, y, out)
 
-    def pick(self, ws, picks: list[Pick]) -> None:
+    def pick_launch(self, ws, picks: list[Pick]) -> PendingPicks:
         logits = self._timed(self.head_label, self.head_bytes, self.inner._logits_dev, ws)  # [N, V]
         k = max(p.k for p in picks)
         if k > 0:
             self._timed("topk", 0, self.topk, logits, min(k, logits.shape[1]))
+        return PendingPicks([])  # nothing comes back: the profiled pass's result is not used
 
 
 class EventRecorder:

@@ -59,6 +59,21 @@ class Picked:
     token_val: float | None = None
 
 
+class PendingPicks:
+    """A pass's ``Picked`` rows on their way to the host: ``result()`` waits for them. ``top1``:
+    each logit row's best token id [N] where the backend keeps it (a device array on a GPU),
+    for ``feed_tokens`` to hand to the next pass before the host has seen it; None when some
+    row asked for a whole row (no top-1 was selected). This default has its rows already."""
+
+    def __init__(self, picked: list[Picked]) -> None:
+        self._picked = picked
+        self.top1 = None if any(p.ids is None or not len(p.ids) for p in picked) else \
+            np.array([int(p.ids[0]) for p in picked], dtype=np.int64)
+
+    def result(self) -> list[Picked]:
+        return self._picked
+
+
 def top_entries(row: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest entries of ``row`` [V], best first, ties to the lower id."""
     n = row.shape[0]
@@ -160,6 +175,9 @@ class Backend(ABC):
     global tensors, resident layers, KV caches, device slots for streamed layers, workspaces."""
 
     name: str = "?"
+    # Whether ``pick_launch`` returns before the pass has run (a device with its own queue): the
+    # engine then queues greedy decode one pass ahead of the host (EngineCore's run_ahead).
+    queues_passes: bool = False
 
     def __init__(self, index: ModelIndex) -> None:
         self.index = index
@@ -307,6 +325,20 @@ class Backend(ABC):
         (one Pick per logit row). A GPU backend selects on the device and copies k entries
         instead of the vocabulary; this default takes the host logits."""
         return pick_on_host(self.logits(ws), picks)
+
+    def pick_launch(self, ws: Workspace, picks: list[Pick]) -> PendingPicks:
+        """``pick`` without waiting: the head and the selection queued, their rows coming back
+        as ``PendingPicks.result()``. A GPU backend returns while the pass still runs, so the
+        host can queue the next pass meanwhile (``LlamaModel.launch`` with ``feed``); this
+        default picks at once."""
+        return PendingPicks(self.pick(ws, picks))
+
+    def feed_tokens(self, ws: Workspace, top1: Any) -> None:
+        """The pass's tokens (one per row, ``ws``'s first rows) become ``top1`` [T], a previous
+        pass's ``PendingPicks.top1``: greedy decode's next tokens, handed over where they are
+        (on a GPU, without a round trip through the host). Called after ``begin_pass``, before
+        the pass's first operation."""
+        ws.tokens = np.asarray(top1, dtype=np.int64)[: ws.T]
 
 
 def backend_class(name: str) -> type[Backend]:

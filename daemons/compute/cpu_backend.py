@@ -68,6 +68,7 @@ class _CpuWorkspace(Workspace):
 
     def __init__(self, batch: StepBatch, hp) -> None:
         self.batch = batch
+        self.tokens = np.asarray(batch.tokens, dtype=np.int64)  # [T]; Backend.feed_tokens replaces it
         self.allocate(batch.n_tokens, hp, lambda shape: np.empty(shape, dtype=np.float32))
 
 
@@ -144,7 +145,7 @@ class CpuBackend(Backend):
         return _CpuWorkspace(batch, self.hp)
 
     def embed(self, ws: Workspace) -> np.ndarray:
-        ws.x[...] = self.tok_embd[ws.batch.tokens]  # x: [T, D]
+        ws.x[...] = self.tok_embd[ws.tokens]  # x: [T, D]
         return ws.x
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:

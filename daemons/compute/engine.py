@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Pick, Picked, log_normaliser
+from ntx.daemons.compute.backend import PendingPicks, Pick, Picked, log_normaliser
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
@@ -96,7 +96,27 @@ class _Seq:
         return self.n_prefilled < len(self.req.prompt_tokens)
 
 
+@dataclass
+class _Ahead:
+    """A greedy decode pass queued before the host had seen the tokens it decodes from: fed, on
+    the device, the top-1 ids of the pass before it (``LlamaModel.launch`` with ``feed``)."""
+
+    pending: PendingPicks
+    batch: StepBatch
+    seqs: list[_Seq]
+    last_pass: tuple[int, int, int]  # EngineCore.last_pass once it is taken
+
+
 class EngineCore:
+    """Requests in, one pass per ``step()``, events out (the module's docstring says how).
+
+    ``run_ahead`` (default: where the backend queues passes, ``Backend.queues_passes``): while
+    every running sequence decodes greedily, alone on its row, step() queues the next pass, fed
+    the current pass's top-1 tokens on the device, before it waits for the current one, so the
+    GPU never idles while the host samples, detokenises and sends. Tokens are the same either
+    way: a greedy row's token is its top-1; a pass queued for a sequence that then stops is
+    thrown away (its KV entry lies beyond the sequence's end, rewritten before it is ever read)."""
+
     def __init__(
         self,
         model: LlamaModel,
@@ -108,8 +128,12 @@ class EngineCore:
         drafter: Drafter | None = None,
         draft_tokens: int = 4,
         draft_width: int | None = None,
+        run_ahead: bool | None = None,
     ) -> None:
         self.model = model
+        self.run_ahead = model.backend.queues_passes if run_ahead is None else run_ahead
+        self._ahead: _Ahead | None = None
+        self.passes_fed = 0  # passes queued ahead, fed on the device (run_ahead)
         self.drafter = drafter
         if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise NtxError(f"--draft-tokens {draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
@@ -208,6 +232,7 @@ class EngineCore:
         return []
 
     def cancel_all(self, reason: str = "cancelled") -> list[dict]:
+        self._drop_ahead()
         out = [self._finish(s, reason) for s in list(self.running) + list(self.waiting)]
         self.running.clear()
         self.waiting.clear()
@@ -215,7 +240,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to serve, or a queued pass to take back (one more step)."""
+        return bool(self.waiting or self.running or self._ahead)
 
     @property
     def active_ids(self) -> list[str]:
@@ -256,25 +282,48 @@ class EngineCore:
 
     def step(self) -> list[dict]:
         """Run one pass; return the events it produced."""
+        if self._ahead is not None:
+            return self._step_ahead()
         self._admit()
         if not self.running:
             return []
         self._propose_drafts()
         batch, seqs = self._plan()
         # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill
-        self.last_pass = (self.model.next_pass_id, batch.n_tokens,
-                          sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
+        last_pass = (self.model.next_pass_id, batch.n_tokens,
+                     sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
         t0 = time.monotonic()
         try:
-            picked = self.model.forward(batch, picks=self._picks(batch, seqs))  # one per logit row
+            pending = self.model.launch(batch, self._picks(batch, seqs))  # one per logit row
+            self._queue_ahead(pending, batch, seqs)
+            picked = pending.result()
         except NtxError as e:
             # A layer of this pass never arrived: the sequences in it have half-written KV
             # caches, so they end with an error; everyone else goes on with the next pass.
             return [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
+        self.last_pass = last_pass
         if any(s.draft for s in seqs):
             self.shape.observe_times(verify_s=time.monotonic() - t0)
+        return self._take(batch, seqs, picked)
+
+    def _step_ahead(self) -> list[dict]:
+        """The step of a queued pass: queue the one after it where the same sequences still
+        decode, then wait for this one's rows and take them."""
+        ahead, self._ahead = self._ahead, None
+        self._queue_ahead(ahead.pending, ahead.batch, ahead.seqs)
+        picked = ahead.pending.result()
+        self.last_pass = ahead.last_pass
+        return self._take(ahead.batch, ahead.seqs, picked)
+
+    def _take(self, batch: StepBatch, seqs: list[_Seq], picked: list[Picked]) -> list[dict]:
+        """Advance each sequence of a finished pass by its rows ``picked``; sequences that ended
+        while the pass ran (a queued pass: cancelled, or stopped by the pass before) are
+        skipped. A queued next pass that was fed a token the host did not take is dropped."""
+        live = {id(s) for s in self.running}
         events: list[dict] = []
         for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):
+            if id(s) not in live:
+                continue
             pk = picked[rows]  # [n] Picked
             if s.prefilling:
                 if s.req.prompt_logprobs:
@@ -286,7 +335,41 @@ class EngineCore:
                 events.extend(self._verify(s, pk) if s.draft else self._advance(s, pk[-1]))
             except NumericalError as e:  # this request's numbers broke; the others go on
                 events.append(self._fail(s, "numerical_error", str(e)))
+        if self._ahead is not None and self._ahead.seqs is seqs:
+            fed = [int(p.ids[0]) for p in picked]  # what the queued pass was fed
+            live = {id(s) for s in self.running}
+            if any(id(s) in live and s.next_token != t for s, t in zip(seqs, fed)):
+                self._drop_ahead()  # (greedy rows take their top-1: never, short of a bug)
         return events
+
+    def _queue_ahead(self, pending: PendingPicks, batch: StepBatch, seqs: list[_Seq]) -> None:
+        """Queue the pass after ``batch`` (``pending``, not yet taken), fed its top-1 tokens on the
+        device, when that is the pass the next step would run: ``run_ahead``, no drafter, the
+        running sequences exactly ``seqs``, none with a request waiting for its room, each on one
+        greedy row (no repetition penalty) and sure to need a token after the pending one."""
+        if not self.run_ahead or self.drafter is not None or not self.model.can_feed or pending.top1 is None:
+            return
+        if self.waiting and len(self.running) < self.max_batch:
+            return
+        if len(self.running) != len(seqs) or any(a is not b for a, b in zip(self.running, seqs)):
+            return
+        for s, chunk in zip(seqs, batch.chunks):
+            p = s.req.params
+            if s.prefilling or s.draft or chunk.n_tokens != 1 or p.temperature != 0 or p.repetition_penalty != 1.0:
+                return
+            # the pending pass yields token len(generated)+1, the queued one the one after it
+            if len(s.generated) + 1 >= p.max_tokens or len(s.req.prompt_tokens) + len(s.generated) + 1 >= self.max_context:
+                return
+        nxt = StepBatch([SeqChunk(c.seq_id, c.start_pos + 1, (0,)) for c in batch.chunks])  # tokens: fed
+        last_pass = (self.model.next_pass_id, nxt.n_tokens, 0)
+        self._ahead = _Ahead(self.model.launch(nxt, self._picks(nxt, seqs), feed=pending), nxt, seqs, last_pass)
+        self.passes_fed += 1
+
+    def _drop_ahead(self) -> None:
+        """Forget the queued pass (after it ran: its host buffers are written until then)."""
+        if self._ahead is not None:
+            self._ahead.pending.result()
+            self._ahead = None
 
     # -- speculation ---------------------------------------------------------------------------
     def _capacity(self, s: _Seq) -> int:

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Backend, CaptureRun, Pick, Picked, WarmUp, Workspace, rope_divisors
+from ntx.daemons.compute.backend import (Backend, CaptureRun, PendingPicks, Pick, Picked, WarmUp, Workspace,
+                                        rope_divisors)
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
@@ -155,15 +156,43 @@ class LlamaModel:
                 progress(i)
         self.next_pass_id = 0  # the one pass counter: the engine, the ring and the clocks read it
 
+    @property
+    def can_feed(self) -> bool:
+        """Whether ``launch`` takes ``feed``: every layer resident. A streamed layer's pass waits
+        on the ring from the host, so a pass queued behind it would overlap nothing."""
+        return self.stream is None
+
     def forward(self, batch: StepBatch, picks: list[Pick] | None = None) -> np.ndarray | list[Picked]:
         """Run one pass; returns logits [N_out, V] for ``batch.logit_rows``, or with ``picks``
         (one per logit row) what each row was asked for (``Backend.pick``). A streamed layer
         that cannot be delivered raises ``NtxError`` after the stream gave the pass up."""
+        if picks is None:
+            return self._pass(batch, None, self.backend.logits)
+        return self.launch(batch, picks).result()
+
+    def launch(self, batch: StepBatch, picks: list[Pick], feed: PendingPicks | None = None) -> PendingPicks:
+        """``forward`` with picks, returning once the pass is queued (``Backend.pick_launch``):
+        on a GPU the host may queue the next pass while this one runs. ``feed``: a previous,
+        maybe unfinished pass whose top-1 ids become this pass's tokens, one per row, on the
+        device (greedy decode one pass ahead of the host); the batch's own tokens are then
+        placeholders. Only where ``can_feed``, on single-token chunks."""
+        if feed is not None:
+            if not self.can_feed:
+                raise ValueError("launch(feed=...) needs every layer resident")
+            if feed.top1 is None or len(feed.top1) != batch.n_tokens or len(batch.chunks) != batch.n_tokens:
+                raise ValueError("launch(feed=...): one single-token chunk per row of the feeding pass")
+        return self._pass(batch, feed, lambda ws: self.backend.pick_launch(ws, picks))
+
+    def _pass(self, batch: StepBatch, feed: PendingPicks | None, finish: Callable[[Workspace], Any]) -> Any:
+        """One numbered pass of ``batch`` (``feed``: see ``launch``), then ``finish(ws)`` on its
+        workspace: the head and what comes back of it."""
         pass_id = self.next_pass_id
         self.next_pass_id += 1
         be = self.backend
         with be.scope():
             ws = be.begin_pass(batch)
+            if feed is not None:
+                be.feed_tokens(ws, feed.top1)
             if self.stream:
                 self.stream.begin_pass(pass_id)
             try:
@@ -183,9 +212,7 @@ class LlamaModel:
                 raise
             if self.stream:
                 self.stream.end_pass(pass_id)
-            if picks is not None:
-                return be.pick(ws, picks)
-            return be.logits(ws)
+            return finish(ws)
 
     def draft_forward(self, batch: StepBatch, layers: Sequence[int], picks: list[Pick]) -> list[Picked]:
         """A pass through resident ``layers`` alone (in order; the others skipped) and the head:

@@ -126,6 +126,36 @@ def test_batched_decode_equals_alone_and_graphs_replay():
     assert eng.model.backend.graphs, "decode steps should have been captured in a CUDA graph"
 
 
+def test_run_ahead_decodes_the_tokens_of_one_pass_at_a_time():
+    """Greedy passes queued one ahead, fed the previous pass's top-1 on the device (the default
+    on cuda), give the tokens of passes run one at a time; a request that ends on its stop
+    token while a pass holding its row is queued, and a cancel, leave the others unchanged."""
+    model = _smollm2()
+    eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=256)
+    assert eng.run_ahead
+    eos_prompt = eng.prompt_tokens(prompt="Reply with one word: yes or no. Is water wet?")
+    prompts = {"a": [504, 3575, 282, 4649, 314], "b": [1780, 314, 216, 34], "eos": eos_prompt}
+    out = {}
+    for ahead in (False, True):
+        eng.run_ahead = ahead
+        fed0 = eng.passes_fed
+        for rid, p in prompts.items():
+            eng.submit(Request(f"{rid}-{ahead}", p, SamplingParams(temperature=0.0, max_tokens=24)))
+        done, steps = {}, 0
+        while eng.has_work:
+            events = eng.cancel(f"b-{ahead}") if steps == 6 else []  # its done event
+            for ev in events + eng.step():
+                if ev["type"] == "done":
+                    done[ev["id"].rsplit("-", 1)[0]] = (ev["tokens"], ev["finish_reason"])
+            steps += 1
+        out[ahead] = done
+        assert (eng.passes_fed > fed0) == ahead
+    assert out[True] == out[False]
+    assert out[True]["eos"][1] == "stop" and out[True]["a"][1] == "length"
+    assert out[True]["b"][1] == "cancelled"
+    assert eng.model.backend.seq_slot == {}  # every KV cache slot went back
+
+
 def test_streamed_layers_in_process_match_resident():
     """Layers that are not resident (read per pass into a device buffer) give the same tokens."""
     model = _smollm2()

@@ -36,7 +36,7 @@ import cupyx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ntx.daemons.compute.backend import Backend, CaptureRun, Pick, Picked, WarmUp, Workspace
+from ntx.daemons.compute.backend import Backend, CaptureRun, PendingPicks, Pick, Picked, WarmUp, Workspace
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.cuda import kernels as K
 from ntx.daemons.compute.cuda.buckets import (MAX_GRAPH_ROWS, PassRows, bucket_sizes, inert_rows, pass_rows,
@@ -123,6 +123,7 @@ class CudaBackend(Backend):
     up front for ``max_seqs`` sequences of ``max_ctx`` positions, graphs of resident runs."""
 
     name = "cuda"
+    queues_passes = True
 
     def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, use_graphs: bool = True) -> None:
         super().__init__(index)
@@ -419,39 +420,83 @@ class CudaBackend(Backend):
         return host
 
     def pick(self, ws: _Work, picks: list[Pick]) -> list[Picked]:
+        return self.pick_launch(ws, picks).result()
+
+    def pick_launch(self, ws: _Work, picks: list[Pick]) -> _PendingPicks:
         """Selection on the device: one top-k kernel over the rows that want candidates (k the
         largest asked), a log-normaliser where asked, and only those k entries (and whole rows
-        where k == 0) cross to the host: a decode step copies a few bytes, not [N, V] floats."""
+        where k == 0) cross to the host, into pinned buffers, without waiting: a decode step
+        copies a few bytes, not [N, V] floats, and the host may queue the next pass meanwhile."""
         lg = self._logits_dev(ws)  # [N, V]
         n, V = lg.shape
-        result: list[Picked] = [Picked() for _ in range(n)]
         cand = [i for i, p in enumerate(picks) if p.k > 0]
         full = [i for i, p in enumerate(picks) if p.k == 0]
         tok_rows = [j for j, i in enumerate(cand) if picks[i].token is not None]  # rows of ``cand``
-        tok_vals = None
+        got: dict[str, np.ndarray] = {}
+        top1 = None
         with self.stream:
             if cand:
                 k = min(max(picks[i].k for i in cand), V)
                 sub = lg if len(cand) == n else lg[cp.asarray(cand)]
                 vals_d, ids_d = K.topk(cp.ascontiguousarray(sub), k)  # [C, k] each
+                if len(cand) == n:
+                    top1 = ids_d[:, 0]  # [N]: the next tokens of greedy rows, for feed_tokens
                 lse_rows = [j for j, i in enumerate(cand) if picks[i].lse]
-                lse_d = None
+                _to_host(got, "vals", vals_d, self.stream)
+                _to_host(got, "ids", ids_d, self.stream)
                 if lse_rows:
                     m = vals_d[:, :1]  # the row maxima: the top-1 values, [C, 1]
-                    lse_d = cp.log(cp.exp(sub - m).sum(axis=1)) + m[:, 0]  # [C]
-                vals = cp.asnumpy(vals_d, stream=self.stream)
-                ids = cp.asnumpy(ids_d, stream=self.stream)
-                lse = cp.asnumpy(lse_d, stream=self.stream) if lse_d is not None else None
+                    _to_host(got, "lse", cp.log(cp.exp(sub - m).sum(axis=1)) + m[:, 0], self.stream)  # [C]
                 if tok_rows:  # the asked tokens' logits, gathered on the device: [len(tok_rows)]
                     tok_ids = cp.asarray([picks[cand[j]].token for j in tok_rows])
-                    tok_vals = cp.asnumpy(sub[cp.asarray(tok_rows), tok_ids], stream=self.stream)
-            rows_full = cp.asnumpy(lg[cp.asarray(full)], stream=self.stream) if full else None
-        self.stream.synchronize()
-        tok_val = dict(zip(tok_rows, tok_vals.tolist())) if tok_rows else {}
-        for j, i in enumerate(cand):
+                    _to_host(got, "tok_vals", sub[cp.asarray(tok_rows), tok_ids], self.stream)
+            if full:
+                _to_host(got, "rows", lg[cp.asarray(full)], self.stream)
+            done = self.stream.record()
+        return _PendingPicks(picks, n, cand, full, tok_rows, got, done, top1)
+
+    def feed_tokens(self, ws: _Work, top1) -> None:
+        """ws.tokens[:n] = top1 [n] on the pass stream, after ``begin_pass``'s copy of the rows:
+        the previous pass's top-1 ids never visit the host before this pass reads them."""
+        n = int(top1.shape[0])
+        if n > ws.rows:
+            raise ValueError(f"feed_tokens: {n} tokens for a pass of {ws.rows} rows")
+        with self.stream:
+            ws.tokens[:n] = top1
+
+
+def _to_host(got: dict, name: str, a, stream) -> None:
+    """got[name] = a pinned host twin of device array ``a``, its copy queued on ``stream``."""
+    a = cp.ascontiguousarray(a)
+    host = cupyx.empty_pinned(a.shape, dtype=a.dtype)
+    a.get(stream=stream, out=host, blocking=False)
+    got[name] = host
+
+
+class _PendingPicks(PendingPicks):
+    """``CudaBackend.pick_launch``'s rows in flight: the pinned buffers their copies go to and
+    the event after the last one; ``result()`` waits for it and builds the ``Picked`` rows."""
+
+    def __init__(self, picks: list[Pick], n: int, cand: list[int], full: list[int], tok_rows: list[int],
+                 got: dict[str, np.ndarray], done, top1) -> None:
+        self._picks, self._n, self._cand, self._full, self._tok_rows = picks, n, cand, full, tok_rows
+        self._got, self._done = got, done
+        self.top1 = top1
+        self._result: list[Picked] | None = None
+
+    def result(self) -> list[Picked]:
+        if self._result is not None:
+            return self._result
+        self._done.synchronize()
+        got, picks = self._got, self._picks
+        result: list[Picked] = [Picked() for _ in range(self._n)]
+        tok_val = dict(zip(self._tok_rows, got["tok_vals"].tolist())) if self._tok_rows else {}
+        for j, i in enumerate(self._cand):
             kk = picks[i].k
-            result[i] = Picked(ids=ids[j, :kk].astype(np.int64), vals=vals[j, :kk].astype(np.float64),
-                               lse=float(lse[j]) if picks[i].lse else None, token_val=tok_val.get(j))
-        for j, i in enumerate(full):
-            result[i] = Picked(row=rows_full[j])
+            result[i] = Picked(ids=got["ids"][j, :kk].astype(np.int64), vals=got["vals"][j, :kk].astype(np.float64),
+                               lse=float(got["lse"][j]) if picks[i].lse else None, token_val=tok_val.get(j))
+        for j, i in enumerate(self._full):
+            result[i] = Picked(row=np.array(got["rows"][j]))  # a copy: the pinned buffer goes back to the pool
+        self._result = result
+        self._got = {}
         return result
