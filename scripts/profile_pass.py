@@ -224,11 +224,8 @@ class ProfiledBackend:
         return self._timed(label + " with its swiglu + add", nbytes, self.inner.swiglu_matmul_add, gate, up, act,
                            w, out, tmp)
 
-    def rope(self, q, k, ws) -> None:
-        self._timed("rope", 0, self.inner.rope, q, k, ws)
-
-    def kv_write(self, layer_idx, k, v, ws) -> None:
-        self._timed("kv_write", 0, self.inner.kv_write, layer_idx, k, v, ws)
+    def rope_kv_write(self, layer_idx, q, k, v, ws) -> None:
+        self._timed("rope+kv_write", 0, self.inner.rope_kv_write, layer_idx, q, k, v, ws)
 
     def attention(self, layer_idx, q, ws, out):
         return self._timed("attention", 0, self.inner.attention, layer_idx, q, ws, out)

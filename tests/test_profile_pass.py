@@ -112,12 +112,13 @@ def test_profiled_pass_records_every_operation_of_the_model(tmp_path):
     assert recorder.begun == 4  # one warm-up pass, then the 3 recorded
     labels = [label for label, _ in recorder.labels]
     # a norm and the products of its output (q, k, v; gate, up) are one operation: the backend
-    # quantizes x once, in the norm's kernel; the down projection adds into x in its own
-    layer = ["matmul attn_q", "rope", "kv_write", "attention", "matmul attn_output", "matmul ffn_gate",
+    # quantizes x once, in the norm's kernel; the down projection adds into x in its own; the
+    # rotation stores the keys
+    layer = ["matmul attn_q", "rope+kv_write", "attention", "matmul attn_output", "matmul ffn_gate",
              "matmul ffn_down"]
     assert len(labels) == 1 + hp.n_layers * len(layer) + 2
     assert labels[0] == "embed" and labels[-1] == "topk" and labels[-2].startswith("head rmsnorm+matvec ")
-    assert [" ".join(lb.split()[:2]) if lb.startswith("matmul") else lb for lb in labels[1:8]] == layer
+    assert [" ".join(lb.split()[:2]) if lb.startswith("matmul") else lb for lb in labels[1:1 + len(layer)]] == layer
     ts = index.layers[0].tensors
     qkv_label = "matmul " + " + ".join(f"{n} {ts[n].type_name} [{ts[n].shape[0]}x{ts[n].shape[1]}]"
                                        for n in ("attn_q", "attn_k", "attn_v")) + " with its rms_norm"

@@ -286,6 +286,12 @@ class Backend(ABC):
         self.matmul(w, act, out=tmp)
         return self.add(out, tmp, out=out)
 
+    def rope_kv_write(self, layer_idx: int, q: Any, k: Any, v: Any, ws: Workspace) -> None:
+        """``rope(q, k)`` then ``kv_write(k, v)``: one operation so that a GPU backend can store
+        the rotated keys in the rotation's own kernel (a launch fewer per layer)."""
+        self.rope(q, k, ws)
+        self.kv_write(layer_idx, k, v, ws)
+
     @abstractmethod
     def rope(self, q: Any, k: Any, ws: Workspace) -> None:
         """Rotate q [T, H*hd] and k [T, Hkv*hd] in place at the rows' positions."""

@@ -33,8 +33,7 @@ def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) 
     """
     # h = norm(x) [T, D]; q = h W_q^T [T, H*hd], k, v [T, Hkv*hd]
     ops.norm_matmuls(ws.x, w["attn_norm"], ws.h, ((w["attn_q"], ws.q), (w["attn_k"], ws.k), (w["attn_v"], ws.v)))
-    ops.rope(ws.q, ws.k, ws)
-    ops.kv_write(layer_idx, ws.k, ws.v, ws)
+    ops.rope_kv_write(layer_idx, ws.q, ws.k, ws.v, ws)  # q, k rotated; k, v into the cache
     ops.attention(layer_idx, ws.q, ws, out=ws.attn)  # attn: [T, H*hd]
     ops.matmul(w["attn_output"], ws.attn, out=ws.o)  # o: [T, D]
     # x += o; h = norm(x); gate, up = h W_gate^T, h W_up^T [T, F]
@@ -262,8 +261,7 @@ class LlamaModel:
         """The block's operations that take no weights, on layer ``layer_idx``'s cache (rows
         that write or read no cache entry: the warm-up's)."""
         be = self.backend
-        be.rope(ws.q, ws.k, ws)
-        be.kv_write(layer_idx, ws.k, ws.v, ws)
+        be.rope_kv_write(layer_idx, ws.q, ws.k, ws.v, ws)
         be.attention(layer_idx, ws.q, ws, out=ws.attn)
         be.swiglu(ws.gate, ws.up, out=ws.act)
         be.add(ws.x, ws.o, out=ws.x)

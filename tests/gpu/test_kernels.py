@@ -764,6 +764,34 @@ def test_kv_append(rng):
     np.testing.assert_array_equal(cv_h, exp_v)
 
 
+@pytest.mark.parametrize("rope_dim,with_ff", [(128, False), (128, True), (64, False)])
+def test_rope_kv_append_equals_rope_then_append(rope_dim, with_ff, rng):
+    """The fused rotation and cache store (one launch per layer) gives the bits of rope_qk_inplace
+    then kv_append: q and k rotated alike, k and v stored at the cache positions (which differ
+    from the RoPE positions in a tree), rows of an out-of-range slot or position not stored."""
+    n_slots, Hq, n_kv, max_ctx, hd, base = 4, 32, 8, 64, 128, 500000.0
+    T = 37  # several CTAs per token (32 * 64 + 8 * 64 pairs), a ragged tail
+    q = rng.standard_normal((T, Hq, hd)).astype(np.float32)
+    k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    pos = rng.integers(0, 131072, size=T).astype(np.int32)
+    slots = rng.integers(0, n_slots, size=T).astype(np.int32)
+    cpos = rng.permutation(max_ctx)[:T].astype(np.int32)
+    slots[3], cpos[5], slots[7] = -1, max_ctx, n_slots  # not stored
+    ff = cp.asarray(rng.uniform(1.0, 8.0, size=rope_dim // 2).astype(np.float32)) if with_ff else None
+    dev = [cp.asarray(a) for a in (q, k, v, pos, slots, cpos)]
+    ref_q, ref_k, ref_v = (cp.asarray(a) for a in (q, k, v))
+    ref_ck, ref_cv = K.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    K.rope_qk_inplace(ref_q, ref_k, dev[3], rope_dim, base, ff)
+    K.kv_append(ref_k, ref_v, ref_ck, ref_cv, dev[4], dev[5])
+    ck, cv = K.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    K.rope_kv_append(dev[0], dev[1], dev[2], ck, cv, dev[3], dev[4], dev[5], rope_dim, base, ff)
+    for got, want in ((dev[0], ref_q), (dev[1], ref_k), (dev[2], ref_v), (ck, ref_ck), (cv, ref_cv)):
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
+    assert int(cp.count_nonzero(ck)) == (T - 3) * n_kv * hd  # 34 rows stored, every element nonzero
+    assert relerr(dev[0], rope_ref(q, pos, rope_dim, base, None if ff is None else cp.asnumpy(ff))) < 1e-5
+
+
 def _random_cache(rng, n_slots, n_kv, max_ctx, hd):
     ck = rng.standard_normal((n_slots, n_kv, max_ctx, hd)).astype(np.float16)
     cv = rng.standard_normal((n_slots, n_kv, max_ctx, hd)).astype(np.float16)

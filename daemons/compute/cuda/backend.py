@@ -378,6 +378,13 @@ class CudaBackend(Backend):
         K.kv_append(k.reshape(T, hp.n_head_kv, hp.head_dim), v.reshape(T, hp.n_head_kv, hp.head_dim),
                     ck, cv, ws.slots, ws.cache_positions)
 
+    def rope_kv_write(self, layer_idx: int, q, k, v, ws: _Work) -> None:
+        hp, T = self.hp, ws.T
+        ck, cv = self.kv[layer_idx]
+        K.rope_kv_append(q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim),
+                         v.reshape(T, hp.n_head_kv, hp.head_dim), ck, cv, ws.positions, ws.slots,
+                         ws.cache_positions, hp.rope_dim, hp.rope_base, self.freq_factors)
+
     def attention(self, layer_idx: int, q, ws: _Work, out):
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]

@@ -47,7 +47,7 @@ from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbyte
 
 __all__ = [
     "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
-    "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "kv_cache_table",
+    "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "rope_kv_append", "kv_cache_table",
     "kv_move", "attention", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
     "argmax", "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
@@ -1290,6 +1290,37 @@ def kv_append(k, v, cache_k, cache_v, slots, positions, *, stream=None):
         _launch(_ops_kernel("kv_append_kernel"), (min((total + 255) // 256, 1 << 16),), (256,), (
             k, v, cache_k, cache_v, slots, positions, np.int32(T), np.int32(n_kv), np.int32(hd),
             np.int32(max_ctx), np.int32(n_slots)))
+
+
+def rope_kv_append(q, k, v, cache_k, cache_v, positions, slots, cache_positions, rope_dim: int, base: float,
+                   freq_factors=None, *, stream=None):
+    """``rope_qk_inplace(q, k, positions, ...)`` then ``kv_append(k, v, cache_k, cache_v, slots,
+    cache_positions)`` in one launch, with the same results bit for bit: a decoder layer's
+    rotation and cache store. q: f32 [T, Hq, hd]; k, v: f32 [T, n_kv, hd]; positions (RoPE),
+    slots, cache_positions: int32 [T] on the device; caches as ``kv_append`` takes them."""
+    n_slots, n_kv, max_ctx, hd = _check_cache(cache_k, cache_v)
+    _rope_check("q", q, positions, rope_dim)
+    T, Hq, _ = q.shape
+    _rope_check("k", k, positions, rope_dim)
+    _check_f32("k", k, (T, n_kv, hd))
+    _check_f32("v", v, (T, n_kv, hd))
+    if q.shape[2] != hd:
+        raise ValueError(f"q {q.shape} and the cache's head dim {hd} differ")
+    if v.data.ptr % 8:
+        raise ValueError("v must start on an 8-byte boundary (pairs are read as float2)")
+    _check_i32("slots", slots, T)
+    _check_i32("cache_positions", cache_positions, T)
+    if freq_factors is not None:
+        _check_f32("freq_factors", freq_factors, (rope_dim // 2,))
+    n_units = Hq * (rope_dim // 2) + n_kv * (hd // 2)
+    if T == 0:
+        return
+    with _stream_ctx(stream):
+        inv = _rope_freqs.get(rope_dim, base, freq_factors)
+        per_cta = _ROPE_THREADS * _ROPE_PER_THREAD
+        _launch(_ops_kernel("rope_kv_kernel"), (T, -(-n_units // per_cta)), (_ROPE_THREADS,), (
+            q, k, v, cache_k, cache_v, positions, slots, cache_positions, inv, np.int32(Hq), np.int32(n_kv),
+            np.int32(hd), np.int32(rope_dim), np.int32(max_ctx), np.int32(n_slots)), shared_mem=(rope_dim // 2) * 8)
 
 
 def kv_cache_table(caches):

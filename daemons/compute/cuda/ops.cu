@@ -82,6 +82,72 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(float* __
     }
 }
 
+// ------------------------------------------------------------------------------- rope + kv append
+// A decoder layer's rope and kv_append in one launch: q rotated in place as rope_kernel does;
+// k rotated in place too and, with v beside it, stored to cache[slots[t], :, cache_positions[t],
+// :] (f16) as kv_append_kernel stores it (an out-of-range slot or position: not stored). One
+// launch fewer per layer: at one token a launch is a good part of either kernel's time. Units
+// per token: Hq * half q pairs, then Hk * hd / 2 (k pair, v pair) couples (the k pair rotated
+// where its index is below half). grid (T, ceil(units / (ROPE_THREADS * ROPE_PER_THREAD))),
+// block ROPE_THREADS, dynamic shared memory half * 8 bytes; q, k, v 8-byte aligned.
+extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kv_kernel(
+    float* __restrict__ q, float* __restrict__ k, const float* __restrict__ v, u32* __restrict__ ck,
+    u32* __restrict__ cv, const int* positions, const int* slots, const int* cache_positions,
+    const double* __restrict__ inv_freq, int Hq, int Hk, int hd, int rope_dim, int max_ctx, int n_slots) {
+    pdl_enter();
+    extern __shared__ float2 cs[];  // (cos, sin) of pair i at this token
+    const int half = rope_dim / 2, hp = hd / 2, t = blockIdx.x;
+    const double pos = (double)positions[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double sn, c;
+        sincos(pos * inv_freq[i], &sn, &c);
+        cs[i] = make_float2((float)c, (float)sn);
+    }
+    __syncthreads();
+    const int slot = slots[t], cpos = cache_positions[t];
+    const bool store = slot >= 0 && slot < n_slots && cpos >= 0 && cpos < max_ctx;
+    const int n_q = Hq * half, n_units = n_q + Hk * hp;
+    const int j0 = blockIdx.y * (ROPE_THREADS * ROPE_PER_THREAD) + threadIdx.x;
+    float2* pp[ROPE_PER_THREAD];  // the pair rotated in place (a q or k pair)
+    float2 xv[ROPE_PER_THREAD], vv[ROPE_PER_THREAD];
+    int ii[ROPE_PER_THREAD];     // pair index within the head
+    long long dst[ROPE_PER_THREAD];  // the k/v pair's word in the cache; -1: a q pair, or not stored
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_THREAD; r++) {  // every load issued before the first store
+        const int j = j0 + r * ROPE_THREADS;
+        pp[r] = nullptr;
+        dst[r] = -1;
+        if (j < n_q) {
+            const int h = j / half, i = j - h * half;
+            pp[r] = (float2*)(q + ((long long)t * Hq + h) * hd + 2 * i);
+            ii[r] = i;
+            xv[r] = *pp[r];
+        } else if (j < n_units) {
+            const int u = j - n_q, g = u / hp, i = u - g * hp;
+            const long long src = ((long long)t * Hk + g) * hd + 2 * i;
+            pp[r] = (float2*)(k + src);
+            ii[r] = i;
+            xv[r] = *pp[r];
+            vv[r] = *(const float2*)(v + src);
+            if (store) dst[r] = ((((long long)slot * Hk + g) * max_ctx + cpos) * hd + 2 * i) >> 1;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROPE_PER_THREAD; r++) {
+        if (pp[r] == nullptr) continue;
+        float2 y = xv[r];
+        if (ii[r] < half) {
+            const float2 cf = cs[ii[r]];
+            y = make_float2(xv[r].x * cf.x - xv[r].y * cf.y, xv[r].x * cf.y + xv[r].y * cf.x);
+            *pp[r] = y;
+        }
+        if (dst[r] >= 0) {  // element 2i in the low half: the cache's little-endian f16 pair
+            ck[dst[r]] = (u32)f2h(y.x) | ((u32)f2h(y.y) << 16);
+            cv[dst[r]] = (u32)f2h(vv[r].x) | ((u32)f2h(vv[r].y) << 16);
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------- kv append
 // k, v: [T, n_kv, hd] f32 -> cache[slots[t], :, positions[t], :] (f16). Out-of-range slot or
 // position: the token is skipped.
