@@ -230,6 +230,11 @@ class ProfiledBackend:
     def attention(self, layer_idx, q, ws, out):
         return self._timed("attention", 0, self.inner.attention, layer_idx, q, ws, out)
 
+    def attention_matmul(self, layer_idx, q, ws, attn, w, out):
+        label, nbytes = self.matrices[id(w)]
+        return self._timed(label + " with its attention", nbytes, self.inner.attention_matmul, layer_idx, q, ws,
+                           attn, w, out)
+
     def swiglu(self, gate, up, out):
         return self._timed("swiglu", 0, self.inner.swiglu, gate, up, out)
 

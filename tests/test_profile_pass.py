@@ -113,8 +113,8 @@ def test_profiled_pass_records_every_operation_of_the_model(tmp_path):
     labels = [label for label, _ in recorder.labels]
     # a norm and the products of its output (q, k, v; gate, up) are one operation: the backend
     # quantizes x once, in the norm's kernel; the down projection adds into x in its own; the
-    # rotation stores the keys
-    layer = ["matmul attn_q", "rope+kv_write", "attention", "matmul attn_output", "matmul ffn_gate",
+    # rotation stores the keys; the attention quantizes its output for W_o
+    layer = ["matmul attn_q", "rope+kv_write", "matmul attn_output", "matmul ffn_gate",
              "matmul ffn_down"]
     assert len(labels) == 1 + hp.n_layers * len(layer) + 2
     assert labels[0] == "embed" and labels[-1] == "topk" and labels[-2].startswith("head rmsnorm+matvec ")
@@ -125,6 +125,7 @@ def test_profiled_pass_records_every_operation_of_the_model(tmp_path):
     assert qkv_label in labels
     assert any(lb.endswith(" with its add_rms_norm") for lb in labels)
     assert any(lb.startswith("matmul ffn_down") and lb.endswith(" with its swiglu + add") for lb in labels)
+    assert any(lb.startswith("matmul attn_output") and lb.endswith(" with its attention") for lb in labels)
     qkv = [op for op in prof["ops"] if op["op"].startswith("matmul attn_q")]  # one label per layer's types
     assert sum(op["calls"] for op in qkv) == hp.n_layers and sum(op["total_us"] for op in qkv) == hp.n_layers
     assert prof["engine_pass"] == "eager" and prof["engine_pass_ms"] > 0 and prof["reps"] == 3

@@ -292,6 +292,12 @@ class Backend(ABC):
         self.rope(q, k, ws)
         self.kv_write(layer_idx, k, v, ws)
 
+    def attention_matmul(self, layer_idx: int, q: Any, ws: Workspace, attn: Any, w: Any, out: Any) -> Any:
+        """attn = ``attention(q)``, then out = attn @ w.T: one operation so that a GPU backend can
+        quantize the attention output for the product in the attention's own kernel."""
+        self.attention(layer_idx, q, ws, out=attn)
+        return self.matmul(w, attn, out=out)
+
     @abstractmethod
     def rope(self, q: Any, k: Any, ws: Workspace) -> None:
         """Rotate q [T, H*hd] and k [T, Hkv*hd] in place at the rows' positions."""

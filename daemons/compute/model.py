@@ -34,8 +34,8 @@ def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) 
     # h = norm(x) [T, D]; q = h W_q^T [T, H*hd], k, v [T, Hkv*hd]
     ops.norm_matmuls(ws.x, w["attn_norm"], ws.h, ((w["attn_q"], ws.q), (w["attn_k"], ws.k), (w["attn_v"], ws.v)))
     ops.rope_kv_write(layer_idx, ws.q, ws.k, ws.v, ws)  # q, k rotated; k, v into the cache
-    ops.attention(layer_idx, ws.q, ws, out=ws.attn)  # attn: [T, H*hd]
-    ops.matmul(w["attn_output"], ws.attn, out=ws.o)  # o: [T, D]
+    # attn = attention(q) [T, H*hd]; o = attn W_o^T [T, D]
+    ops.attention_matmul(layer_idx, ws.q, ws, ws.attn, w["attn_output"], out=ws.o)
     # x += o; h = norm(x); gate, up = h W_gate^T, h W_up^T [T, F]
     ops.norm_matmuls(ws.x, w["ffn_norm"], ws.h, ((w["ffn_gate"], ws.gate), (w["ffn_up"], ws.up)), delta=ws.o)
     # act = silu(gate) * up [T, F]; x += act W_down^T

@@ -1274,3 +1274,47 @@ def test_swiglu_gemm_add_equals_swiglu_then_gemm_add(T, rng, monkeypatch):
         K.swiglu_gemm_add(gate, up, act, raw, qt, n, F, got)
         np.testing.assert_array_equal(cp.asnumpy(act), cp.asnumpy(act_want))
         np.testing.assert_array_equal(cp.asnumpy(got), want)
+
+
+@pytest.mark.parametrize("G,hd", [(4, 128), (1, 64), (2, 96), (8, 256)])
+def test_attention_planes_are_i16_quantize_of_its_output(G, hd, rng):
+    """The combine kernel's planes (attention(planes=...)) have the bits of i16_quantize of the
+    attention's output, for head dims of one warp's float4s and more (256) or fewer (64, 96)."""
+    n_slots, n_kv, max_ctx = 3, 2, 512
+    ck, cv = (cp.asarray(c) for c in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    lens = np.array([1, 40, 512], dtype=np.int32)
+    slots = np.array([2, 0, 1], dtype=np.int32)
+    T, H = lens.size, n_kv * G
+    q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
+    want_out = K.attention(q, ck, cv, cp.asarray(slots), cp.asarray(lens))
+    want = [cp.asnumpy(p) for p in K.i16_quantize(want_out.reshape(T, H * hd))]
+    planes = K._i16_planes(T, H * hd)
+    for p in planes:
+        p.fill(0xFF)  # every entry written, none left over from i16_quantize
+    out = nan_f32((T, H, hd))
+    K.attention(q, ck, cv, cp.asarray(slots), cp.asarray(lens), out=out, planes=planes)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want_out))
+    for g, e in zip(planes, want):
+        np.testing.assert_array_equal(cp.asnumpy(g), e)
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 9])
+def test_attention_gemm_equals_attention_then_gemm(T, rng, monkeypatch):
+    """attention_gemm (the planes made in the combine kernel where the product takes the i16
+    matvec; T = 9: the unfused path) gives the attention output and its product with the bits
+    of attention and then gemm."""
+    monkeypatch.setenv(tuning.DP4A_ENV, "0")
+    n_slots, n_kv, G, hd, max_ctx, n = 2, 2, 4, 128, 256, 96
+    ck, cv = (cp.asarray(c) for c in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    lens = cp.asarray(rng.integers(1, max_ctx + 1, size=T).astype(np.int32))
+    slots = cp.asarray(rng.integers(0, n_slots, size=T).astype(np.int32))
+    H = n_kv * G
+    q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
+    for qt in (QT.Q8_0, QT.Q4_K, QT.F16):
+        raw = cp.asarray(random_weights(qt, n, H * hd, rng))
+        attn_want = K.attention(q, ck, cv, slots, lens)
+        want = cp.asnumpy(K.gemm(raw, qt, n, H * hd, attn_want.reshape(T, H * hd)))
+        attn, got = nan_f32((T, H, hd)), nan_f32((T, n))
+        assert K.attention_gemm(q, ck, cv, slots, lens, attn, raw, qt, n, H * hd, got) is got
+        np.testing.assert_array_equal(cp.asnumpy(attn), cp.asnumpy(attn_want))
+        np.testing.assert_array_equal(cp.asnumpy(got), want)

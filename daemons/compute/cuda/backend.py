@@ -394,6 +394,15 @@ class CudaBackend(Backend):
                     tree_base=ws.tree_base if trees else None, tree_mask=ws.tree_mask if trees else None)
         return out
 
+    def attention_matmul(self, layer_idx: int, q, ws: _Work, attn, w: _Mat, out):
+        hp, T = self.hp, ws.T
+        ck, cv = self.kv[layer_idx]
+        trees = ws.has_trees
+        return K.attention_gemm(q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
+                                attn.reshape(T, hp.n_head, hp.head_dim), w.raw, w.qtype, w.n_rows, w.n_cols, out,
+                                n_splits=ws.n_splits, workspace=ws.attn_ws,
+                                tree_base=ws.tree_base if trees else None, tree_mask=ws.tree_mask if trees else None)
+
     def swiglu(self, gate, up, out):
         return K.swiglu(gate, up, out=out)
 

@@ -90,3 +90,57 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_trigger();
     pdl_wait();
 }
+
+// ------------------------------------------------------------------------------- i16 planes
+// four int8 values as one word, element 0 in the low byte
+__device__ __forceinline__ u32 pack_bytes(const int (&q)[4]) {
+    return (u32)(q[0] & 0xFF) | ((u32)(q[1] & 0xFF) << 8) | ((u32)(q[2] & 0xFF) << 16) | ((u32)(q[3] & 0xFF) << 24);
+}
+
+// The i16 activations of one group of 32 columns, held by 8 consecutive lanes (a float4 v each):
+// quantize_x_kernel's int8 plane (q, d = max|x| / 127) and a second int8 plane of what it
+// leaves, r = x - d * q (|r| <= d / 2), with d2 = d / 254: x = d * q + d2 * r to within
+// d2 / 2 = max|x| / 64516 of its group ("i16": 15-bit activations). s, s2: the group's sums of
+// q and r (every lane gets them). Shared by the i16 matvec's and mmq's quantizers, so that both
+// products see the same activations.
+__device__ __forceinline__ void quant2_group(const float4& v, int (&q)[4], int (&r)[4], float& d, float& d2,
+                                             int& s, int& s2) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    d = amax / 127.f;
+    d2 = d / 254.f;
+    const float id = amax > 0.f ? 127.f / amax : 0.f, id2 = amax > 0.f ? 254.f / d : 0.f;
+    const float xs[4] = {v.x, v.y, v.z, v.w};
+    s = s2 = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        q[k] = __float2int_rn(xs[k] * id);
+        r[k] = max(-127, min(127, __float2int_rn((xs[k] - d * (float)q[k]) * id2)));
+        s += q[k];
+        s2 += r[k];
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    }
+}
+
+// quant2_group of v (float4 t of x) stored as quantize_x2_kernel lays the planes out. Every lane
+// of the warp calls it (the group's shuffles); ok: whether t is a real float4 of x (a group is
+// all in or all out).
+__device__ __forceinline__ void quant2_store(const float4& v, bool ok, long long t, u32* xq, float2* ds, u32* xq2,
+                                             float2* ds2) {
+    int q[4], r[4], s, s2;
+    float d, d2;
+    quant2_group(v, q, r, d, d2, s, s2);
+    if (ok) {
+        xq[t] = pack_bytes(q);
+        xq2[t] = pack_bytes(r);
+        if ((t & 7) == 0) {
+            ds[t >> 3] = make_float2(d, d * (float)s);
+            ds2[t >> 3] = make_float2(d2, d2 * (float)s2);
+        }
+    }
+}

@@ -47,8 +47,8 @@ from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbyte
 
 __all__ = [
     "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
-    "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "rope_kv_append", "kv_cache_table",
-    "kv_move", "attention", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
+    "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "rope_kv_append",
+    "kv_cache_table", "kv_move", "attention", "attention_gemm", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
     "argmax", "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
@@ -1396,7 +1396,7 @@ def attention_workspace(T: int, H: int, hd: int, n_splits: int):
 
 
 def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, workspace=None, scale=None,
-              tree_base=None, tree_mask=None, stream=None):
+              tree_base=None, tree_mask=None, planes=None, stream=None):
     """Grouped-query attention over the f16 KV cache, softmax in f32.
 
     q: f32 [T, H, hd] (RoPE applied), H = n_kv * group; query t (head h) attends to positions
@@ -1413,6 +1413,8 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
                them the kernel has no mask code at all (a separate instantiation).
     out: f32 [T, H, hd]. n_splits: key splits (multiple of 4; default attention_splits); pass the
     same n_splits and a workspace (attention_workspace) to make the call allocation-free.
+    planes: ``_i16_planes(T, H * hd)``, written with out's i16 activations (``i16_quantize`` of
+    out as [T, H * hd], the same bits) by the combine kernel: see ``attention_gemm``.
     """
     n_slots, n_kv, max_ctx, hd = _check_cache(cache_k, cache_v)
     _check_f32("q", q)
@@ -1454,8 +1456,30 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
         # the combine reads only the splits the row's length uses (kv_lens, slots as above)
         _launch(_ops_kernel("attn_combine_kernel"), (H, T), (min(hd, 256),), (
             part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd), slots, kv_lens, np.int32(n_slots),
-            np.int32(max_ctx)))
+            np.int32(max_ctx), *(planes if planes is not None else (np.uint64(0),) * 4)))
     return out
+
+
+def attention_gemm(q, cache_k, cache_v, slots, kv_lens, attn, w_raw, qtype, n_rows: int, n_cols: int, out, *,
+                   n_splits=None, workspace=None, tree_base=None, tree_mask=None, stream=None):
+    """attn = attention(q, ...) [T, H, hd], then out = attn @ W.T [T, n_rows] (n_cols = H * hd):
+    where that product takes the i16 matvec, attention's combine kernel also writes attn's planes,
+    one launch fewer than an attention and a quantization, with the same bits."""
+    T, H, hd = q.shape
+    if n_cols != H * hd:
+        raise ValueError(f"attention_gemm: W has {n_cols} columns for an attention output of {H}x{hd}")
+    attn = _out(attn, (T, H, hd), cp.float32)
+    qt = quant_type(qtype)
+    fused = (n_cols % 32 == 0 and T <= MAX_MATVEC_B and _gemm_path(qt, n_cols, T) == "i16"
+             and attn.data.ptr % 16 == 0)
+    with _stream_ctx(stream):
+        planes = _i16_planes(T, n_cols) if fused else None
+        attention(q, cache_k, cache_v, slots, kv_lens, attn, n_splits=n_splits, workspace=workspace,
+                  tree_base=tree_base, tree_mask=tree_mask, planes=planes)
+        x = attn.reshape(T, n_cols)
+        if not fused:
+            return gemm(w_raw, qt.qtype, n_rows, n_cols, x, out)
+        return matvec(w_raw, qt.qtype, n_rows, n_cols, x, out, variant="i16", planes=planes)
 
 
 def swiglu(gate, up, out=None, *, stream=None):

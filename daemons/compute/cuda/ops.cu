@@ -415,14 +415,21 @@ __global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* q, co
 // per-element sum issues its loads of acc without a dependent load per split (three serial
 // loops over 64 splits took ~20 us per layer); every sum runs in split order, so the result is
 // the same to the bit as merging all S splits (the unused ones had m = -inf and weighed nothing).
+// xq != null: also out's i16 planes (xq, ds, xq2, ds2 as quantize_x2_kernel lays them out for
+// out as [T, H * hd]), so that the attention output's product needs no quantizing launch; the
+// same bits as quantize_x2_kernel of out (quant2_store over the same floats).
 #define ATTN_MAX_SPLITS 256
+#define ATTN_MAX_HD 256
 extern "C" __global__ void attn_combine_kernel(const float* part_ml, const float* part_acc,
                                                float* __restrict__ out, int H, int S, int hd,
                                                const int* slots, const int* kv_lens,
-                                               int n_slots, int max_ctx) {
+                                               int n_slots, int max_ctx, u32* __restrict__ xq,
+                                               float2* __restrict__ ds, u32* __restrict__ xq2,
+                                               float2* __restrict__ ds2) {
     pdl_enter();
     __shared__ float w_s[ATTN_MAX_SPLITS];  // e^(m_s - M); -1 for a split that saw no key
     __shared__ float l_s[ATTN_MAX_SPLITS];
+    __shared__ __align__(16) float o_s[ATTN_MAX_HD];  // the row's output, for the planes
     __shared__ float s_den;
     const int h = blockIdx.x, t = blockIdx.y;
     int slot;
@@ -460,7 +467,17 @@ extern "C" __global__ void attn_combine_kernel(const float* part_ml, const float
             const float a = __ldca(part_acc + (o + s) * hd + e);
             if (wv >= 0.f) num += wv * a;
         }
-        out[((long long)t * H + h) * hd + e] = den > 0.f ? num / den : 0.f;
+        const float o = den > 0.f ? num / den : 0.f;
+        out[((long long)t * H + h) * hd + e] = o;
+        o_s[e] = o;
+    }
+    if (xq == nullptr) return;
+    __syncthreads();
+    const int i4 = threadIdx.x, n4 = hd / 4;  // float4 i4 of the row; hd % 32 == 0: groups align
+    if ((i4 & ~31) < n4) {  // whole warps: quant2_group's shuffles span 8 lanes
+        const bool ok = i4 < n4;
+        const float4 v = ok ? *(const float4*)(o_s + 4 * i4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        quant2_store(v, ok, ((long long)t * H + h) * n4 + i4, xq, ds, xq2, ds2);
     }
 }
 
