@@ -141,14 +141,16 @@ def format_profile(title: str, prof: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ recording
-def matrix_labels(model: LlamaModel) -> dict[int, tuple[str, int]]:
+def matrix_labels(model: LlamaModel) -> dict[int, tuple[str, int, int, int]]:
     """Each resident weight matrix the backend made (by object identity, as ``matmul`` gets
-    it) -> (its operation label, its bytes): ``matmul attn_q Q4_K [4096x4096]``."""
+    it) -> (its operation label, its bytes, its GGUF type, its columns): ``matmul attn_q Q4_K
+    [4096x4096]``."""
     labels = {}
     for i, weights in model.resident.items():
         for name, t in model.index.layers[i].tensors.items():
             if len(t.shape) == 2:
-                labels[id(weights[name])] = (f"matmul {name} {t.type_name} [{t.shape[0]}x{t.shape[1]}]", t.nbytes)
+                labels[id(weights[name])] = (f"matmul {name} {t.type_name} [{t.shape[0]}x{t.shape[1]}]", t.nbytes,
+                                             int(t.ggml_type), int(t.shape[1]))
     return labels
 
 
@@ -161,12 +163,15 @@ class ProfiledBackend:
     The head runs as the cuda backend's ``pick_launch`` runs it on the device, in two parts: final
     norm and head matvec (``inner._logits_dev``), then ``topk`` of the largest k asked; the picks
     are not copied to the host (the profiled pass's result is not used): no rows come back.
-    ``topk`` is the device selection function (``kernels.topk``)."""
+    ``topk`` is the device selection function (``kernels.topk``); ``fused_attention`` tells
+    whether the backend runs a pass's attention and W_o product as one operation."""
 
-    def __init__(self, inner: Any, recorder: Any, model: LlamaModel, topk: Callable) -> None:
+    def __init__(self, inner: Any, recorder: Any, model: LlamaModel, topk: Callable,
+                 fused_attention: Callable[[int, int, int], bool]) -> None:
         self.inner = inner
         self.recorder = recorder
         self.topk = topk
+        self.fused_attention = fused_attention  # (rows, W_o's type, its columns): kernels.attention_gemm_fuses
         self.matrices = matrix_labels(model)
         g = model.index.globals
         head = g.get("output", g["token_embd"])
@@ -201,26 +206,26 @@ class ProfiledBackend:
         return self._timed("add_rms_norm", 0, self.inner.add_rms_norm, x, delta, w, out)
 
     def matmul(self, w, x, out):
-        label, nbytes = self.matrices[id(w)]
+        label, nbytes = self.matrices[id(w)][:2]
         return self._timed(label, nbytes, self.inner.matmul, w, x, out)
 
     def matmuls(self, x, products) -> None:
         """The products of one x as the backend runs them (x quantized once): one timed
         operation, labelled with every matrix."""
-        labels = [self.matrices[id(w)] for w, _ in products]
+        labels = [self.matrices[id(w)][:2] for w, _ in products]
         label = "matmul " + " + ".join(lbl.removeprefix("matmul ") for lbl, _ in labels)
         self._timed(label, sum(n for _, n in labels), self.inner.matmuls, x, products)
 
     def norm_matmuls(self, x, w, h, products, delta=None) -> None:
         """The norm and the products of its output as the backend runs them (the i16 planes made
         in the norm's kernel): one timed operation."""
-        labels = [self.matrices[id(m)] for m, _ in products]
+        labels = [self.matrices[id(m)][:2] for m, _ in products]
         norm = "rms_norm" if delta is None else "add_rms_norm"
         label = "matmul " + " + ".join(lbl.removeprefix("matmul ") for lbl, _ in labels) + f" with its {norm}"
         self._timed(label, sum(n for _, n in labels), self.inner.norm_matmuls, x, w, h, products, delta)
 
     def swiglu_matmul_add(self, gate, up, act, w, out, tmp):
-        label, nbytes = self.matrices[id(w)]
+        label, nbytes = self.matrices[id(w)][:2]
         return self._timed(label + " with its swiglu + add", nbytes, self.inner.swiglu_matmul_add, gate, up, act,
                            w, out, tmp)
 
@@ -231,7 +236,13 @@ class ProfiledBackend:
         return self._timed("attention", 0, self.inner.attention, layer_idx, q, ws, out)
 
     def attention_matmul(self, layer_idx, q, ws, attn, w, out):
-        label, nbytes = self.matrices[id(w)]
+        """One timed operation where the backend fuses the two (``fused_attention``), else the
+        attention and the product apart, as the backend then runs them: a prefill's attention
+        is a large share of its pass, and stays visible."""
+        label, nbytes, qtype, n_cols = self.matrices[id(w)]
+        if not self.fused_attention(ws.T, qtype, n_cols):
+            self.attention(layer_idx, q, ws, out=attn)
+            return self.matmul(w, attn, out=out)
         return self._timed(label + " with its attention", nbytes, self.inner.attention_matmul, layer_idx, q, ws,
                            attn, w, out)
 
@@ -319,12 +330,12 @@ def engine_pass_ms(model: LlamaModel, batch: StepBatch, picks: list[Pick], reps:
 
 
 def profile_pass(model: LlamaModel, batch: StepBatch, picks: list[Pick], reps: int, recorder: Any,
-                 topk: Callable) -> dict[str, Any]:
+                 topk: Callable, fused_attention: Callable[[int, int, int], bool]) -> dict[str, Any]:
     """``reps`` passes of ``batch`` recorded by ``recorder`` (``EventRecorder``; after one
     unrecorded pass) and aggregated, beside the same pass as the engine runs it."""
     engine_ms = engine_pass_ms(model, batch, picks, reps)
     inner = model.backend
-    profiled = ProfiledBackend(inner, recorder, model, topk)
+    profiled = ProfiledBackend(inner, recorder, model, topk, fused_attention)
     recorded, exposed, queued_s = [], 0, []
     model.backend = profiled
     try:
@@ -383,7 +394,7 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
             backend.alloc_sequence(s, max_ctx)
             model.forward(StepBatch([SeqChunk(s, 0, tokens(DECODE_CACHED_TOKENS))]), [Pick(1)])
         batch = StepBatch([SeqChunk(s, DECODE_CACHED_TOKENS, tokens(1)) for s in seqs])
-        prof = profile_pass(model, batch, [Pick(1)] * B, reps, recorder, K.topk)
+        prof = profile_pass(model, batch, [Pick(1)] * B, reps, recorder, K.topk, K.attention_gemm_fuses)
         prof.update(pass_kind="decode", rows=B, cached_tokens=DECODE_CACHED_TOKENS)
         report["passes"][f"decode_b{B}"] = prof
         print_pass(report, prof)
@@ -392,7 +403,7 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
     if prompt_tokens:
         backend.alloc_sequence(0, max_ctx)
         prefill = StepBatch([SeqChunk(0, 0, tokens(prompt_tokens))])
-        prof = profile_pass(model, prefill, [Pick(1)], reps, recorder, K.topk)
+        prof = profile_pass(model, prefill, [Pick(1)], reps, recorder, K.topk, K.attention_gemm_fuses)
         prof.update(pass_kind="prefill", rows=prompt_tokens, cached_tokens=0)
         report["passes"][f"prefill_{prompt_tokens}"] = prof
         print_pass(report, prof)

@@ -98,6 +98,11 @@ def _top(logits, k):
     return np.argsort(-logits, axis=1)[:, :k]
 
 
+def _fuses(T, qtype, n_cols):
+    """kernels.attention_gemm_fuses's row rule: up to 8 rows the attention and W_o are one op."""
+    return T <= 8
+
+
 def test_profiled_pass_records_every_operation_of_the_model(tmp_path):
     index = open_model(write_tiny(tmp_path))
     hp = index.hparams
@@ -107,7 +112,7 @@ def test_profiled_pass_records_every_operation_of_the_model(tmp_path):
         backend.alloc_sequence(s, 16)
     batch = StepBatch([SeqChunk(1, 0, (5,)), SeqChunk(2, 0, (7,))])
     recorder = _ListRecorder()
-    prof = pp.profile_pass(model, batch, [Pick(1)] * 2, reps=3, recorder=recorder, topk=_top)
+    prof = pp.profile_pass(model, batch, [Pick(1)] * 2, reps=3, recorder=recorder, topk=_top, fused_attention=_fuses)
     assert model.backend is backend  # handed back
     assert recorder.begun == 4  # one warm-up pass, then the 3 recorded
     labels = [label for label, _ in recorder.labels]
@@ -130,3 +135,10 @@ def test_profiled_pass_records_every_operation_of_the_model(tmp_path):
     assert sum(op["calls"] for op in qkv) == hp.n_layers and sum(op["total_us"] for op in qkv) == hp.n_layers
     assert prof["engine_pass"] == "eager" and prof["engine_pass_ms"] > 0 and prof["reps"] == 3
     assert prof["kernels_ms"] == pytest.approx(len(labels) / 1e3)
+    # a prefill of 9 rows: the backend runs the attention and W_o apart, and so does the profile
+    backend.alloc_sequence(3, 16)
+    pp.profile_pass(model, StepBatch([SeqChunk(3, 0, tuple(range(9)))]), [Pick(1)], reps=1, recorder=recorder,
+                    topk=_top, fused_attention=_fuses)
+    labels = [label for label, _ in recorder.labels]
+    assert labels.count("attention") == hp.n_layers and not any(lb.endswith(" with its attention") for lb in labels)
+    assert labels.index("attention") + 1 == next(i for i, lb in enumerate(labels) if lb.startswith("matmul attn_output"))

@@ -48,7 +48,7 @@ from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbyte
 __all__ = [
     "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
     "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "rope_kv_append",
-    "kv_cache_table", "kv_move", "attention", "attention_gemm", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
+    "kv_cache_table", "kv_move", "attention", "attention_gemm", "attention_gemm_fuses", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
     "argmax", "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
@@ -1460,6 +1460,12 @@ def attention(q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, w
     return out
 
 
+def attention_gemm_fuses(T: int, qtype, n_cols: int) -> bool:
+    """Whether ``attention_gemm`` of T rows by a W of this type and n_cols columns is one fused
+    operation (the product takes the i16 matvec) rather than an attention and then a gemm."""
+    return n_cols % 32 == 0 and T <= MAX_MATVEC_B and _gemm_path(quant_type(qtype), n_cols, T) == "i16"
+
+
 def attention_gemm(q, cache_k, cache_v, slots, kv_lens, attn, w_raw, qtype, n_rows: int, n_cols: int, out, *,
                    n_splits=None, workspace=None, tree_base=None, tree_mask=None, stream=None):
     """attn = attention(q, ...) [T, H, hd], then out = attn @ W.T [T, n_rows] (n_cols = H * hd):
@@ -1470,8 +1476,7 @@ def attention_gemm(q, cache_k, cache_v, slots, kv_lens, attn, w_raw, qtype, n_ro
         raise ValueError(f"attention_gemm: W has {n_cols} columns for an attention output of {H}x{hd}")
     attn = _out(attn, (T, H, hd), cp.float32)
     qt = quant_type(qtype)
-    fused = (n_cols % 32 == 0 and T <= MAX_MATVEC_B and _gemm_path(qt, n_cols, T) == "i16"
-             and attn.data.ptr % 16 == 0)
+    fused = attention_gemm_fuses(T, qtype, n_cols) and attn.data.ptr % 16 == 0
     with _stream_ctx(stream):
         planes = _i16_planes(T, n_cols) if fused else None
         attention(q, cache_k, cache_v, slots, kv_lens, attn, n_splits=n_splits, workspace=workspace,
