@@ -48,7 +48,8 @@ from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type, row_nbyte
 __all__ = [
     "row_bytes", "matvec", "dequantize_f16", "get_rows", "gemm", "gemm_dequant",
     "rmsnorm", "rope_inplace", "rope_qk_inplace", "rope_inv_freq", "alloc_kv_cache", "kv_append", "rope_kv_append",
-    "kv_cache_table", "kv_move", "attention", "attention_gemm", "attention_gemm_fuses", "attention_splits", "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
+    "kv_cache_table", "kv_move", "attention", "attention_gemm", "attention_gemm_fuses", "attention_splits",
+    "attention_workspace", "tree_mask_words", "pack_tree_mask", "swiglu",
     "argmax", "apply_repetition_penalty", "topk", "compile_all",
     "MAX_MATVEC_B", "matvec_workspace", "matvec_workspace_bytes", "quantize_x", "MATVEC_VARIANT", "VARIANTS",
     "mm", "mm_supported", "MAX_MM_ROWS", "MM_STAGED_TYPES", "mmq", "mmq_supported", "MMQ_TYPES",
