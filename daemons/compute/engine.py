@@ -28,8 +28,7 @@ from ntx.daemons.compute.sampler import NumericalError, Sampler, SamplingParams,
 from ntx.daemons.compute.speculation import MAX_DRAFT_TOKENS, Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
 from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
 from ntx.shared.errors import NtxError
-
-MAX_LOGPROBS = 20
+from ntx.shared.sampling_fields import MAX_LOGPROBS
 
 
 class RequestError(NtxError):
