@@ -173,11 +173,12 @@ class LocalScorer:
 
     def score_all(self, chunks: list[list[int]]) -> Iterator[np.ndarray]:
         from ntx.daemons.compute.factory import build_engine
+        from ntx.shared.config import EngineOptions
 
         ctx = len(chunks[0])
         n_seq = max(1, ROWS_PER_PASS // ctx)  # chunks side by side in one pass, as llama.cpp's n_seq
-        self.model = build_engine(self.index, self.backend, max_batch=n_seq, max_context=ctx,
-                                  prefill_chunk_tokens=ctx, skip_layers=self.skip_layers).model
+        options = EngineOptions(max_batch=n_seq, ctx=ctx, prefill_chunk_tokens=ctx, skip_layers=self.skip_layers)
+        self.model = build_engine(self.index, self.backend, options).model
         for i in range(0, len(chunks), n_seq):
             yield from self._score(chunks[i:i + n_seq])
 
