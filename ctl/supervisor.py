@@ -517,6 +517,7 @@ class Supervisor:
         st = {
             "instance": self.cfg.name, "state": self.state, "reason": self.reason, "gen": self.gen,
             "model": self.cfg.model, "backend": self.cfg.backend, "listen": self.cfg.listen,
+            "kernels": self.cfg.kernel_options.describe(),
             "uptime_s": round(now - self.started_s, 3), "restarts": self.restarts,
             "supervisor_pid": os.getpid(), "log_dir": str(self.paths.log_dir),
             "http": self.cfg.http if self.gateway else None,
