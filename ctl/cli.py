@@ -783,7 +783,7 @@ def _counts(text: str, what: str) -> tuple[int, ...]:
 
 
 @app.command()
-@record_options("skip_layers", prefix="in-process: ")
+@record_options("skip_layers", "kernels", prefix="in-process: ")
 def perplexity(
     file: str = typer.Argument(..., help="text file (UTF-8)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
@@ -794,7 +794,7 @@ def perplexity(
     listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
-    given: dict | None = None,  # --skip-layers, from @record_options
+    given: dict | None = None,  # --skip-layers and --kernels, from @record_options
 ) -> None:
     """Perplexity over FILE by llama-perplexity's method (chunks of --ctx tokens, second halves
     scored): the running value per chunk, then PPL ± its standard error. Through a running
@@ -809,8 +809,8 @@ def perplexity(
         scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
     else:
         model_path = _model_path(model)
-        skip = read_record(given, model_path).get("skip_layers")
-        scorer = ppl.LocalScorer(model_path, _choose_backend(backend), skip)
+        values = read_record(given, model_path)
+        scorer = ppl.LocalScorer(model_path, _choose_backend(backend), values.get("skip_layers"), values["kernels"])
     bar = Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                    TimeElapsedColumn(), console=Console(stderr=True))
     task = None
