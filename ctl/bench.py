@@ -29,18 +29,19 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ntx.ctl import instance
+from ntx.ctl.bench_options import SpecOptions
 from ntx.ctl.client import Client
 from ntx.daemons.compute.backend import plan_for
 from ntx.daemons.compute.model import FileLayerStream
 from ntx.daemons.compute.replay import write_references
-from ntx.shared.config import MAX_DRAFT_TOKENS, EngineOptions, InstanceConfig, format_bytes
+from ntx.shared.config import EngineOptions, InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.plan import RAM, SKIPPED, STORAGE, VRAM, layer_ranges
@@ -48,7 +49,6 @@ from ntx.shared.stats import bottleneck, combine, summarize
 
 GB = 1e9
 PROMPT = "The history of the transistor begins"
-BENCH_CTX = 512  # positions per sequence in (a), (b), (c), (d), check and skip: PROMPT and the generated tokens fit
 
 
 # ------------------------------------------------------------------------------ limits
@@ -279,53 +279,6 @@ ACCEPT_GOAL_TOKENS_PER_S = 12.0  # at acceptance length ACCEPT_GOAL_LENGTH, batc
 ACCEPT_GOAL_LENGTH = 6.0
 ALL_WRONG_GOAL_RATIO = 0.9  # every draft wrong: at least 0.9x plain
 SPEC_PROMPT_POSITIONS = 64  # room for PROMPT's tokens in the spec runs' context
-
-
-@dataclass(frozen=True)
-class SpecOptions:
-    """The spec scenario's knobs (``ntxctl bench --spec-*``); small values keep a CPU run short.
-
-    ``verify_draft_tokens``: the chain lengths K timed, each for ``verify_passes`` verify passes
-    after one warm-up pass; ``accept_draft_tokens`` K and ``accept_length`` the expected accepted
-    tokens per pass of the controlled-acceptance run, ``accept_tokens`` the tokens it generates;
-    ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid); ``batch`` > 1:
-    the controlled-acceptance runs again with that many concurrent requests, beside plain."""
-
-    verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
-    verify_passes: int = 2
-    accept_draft_tokens: int = 8
-    accept_length: float = 6.0
-    accept_tokens: int = 64
-    draft_model: str | None = None
-    batch: int = 1
-
-    def validate(self) -> SpecOptions:
-        for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
-                         ("--spec-accept-draft-tokens", (self.accept_draft_tokens,))):
-            if not ks or not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
-                raise ConfigError(f"{flag} {','.join(map(str, ks))}: each from 1 to {MAX_DRAFT_TOKENS}")
-        if self.verify_passes < 1:
-            raise ConfigError(f"--spec-verify-passes {self.verify_passes}: at least 1")
-        if not 0 <= self.accept_length <= self.accept_draft_tokens:
-            raise ConfigError(f"--spec-accept-length {self.accept_length}: from 0 to --spec-accept-draft-tokens "
-                              f"({self.accept_draft_tokens})")
-        if self.accept_tokens < 2:
-            raise ConfigError(f"--spec-tokens {self.accept_tokens}: at least 2")
-        if self.batch < 1:
-            raise ConfigError(f"--spec-batch {self.batch}: at least 1")
-        return self
-
-    def verify_tokens(self, k: int) -> int:
-        """max_tokens of a timed chain run: the prefill's token, then ``verify_passes`` passes that
-        each draft k tokens and, every one right, yield k + 1 (a pass drafts only what max_tokens
-        leaves room for, so fewer would shorten the last chains)."""
-        return 1 + self.verify_passes * (k + 1)
-
-    @property
-    def reference_tokens(self) -> int:
-        """The greedy continuation the plain run must record: what the longest run replays."""
-        return max([self.verify_tokens(k) for k in self.verify_draft_tokens]
-                   + [self.accept_tokens, self.accept_draft_tokens + 2])
 
 
 def p_wrong_for_acceptance(draft_tokens: int, length: float) -> float:

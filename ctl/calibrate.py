@@ -109,7 +109,7 @@ def layer_similarity(model, chunks: list[list[int]], on_chunk: Callable[[int], N
     return cos_sum / n_rows
 
 
-def calibrate(model_path: str, text_path: str | Path, ctx: int = 512, *,
+def calibrate(model_path: str, text_path: str | Path, ctx: int, *,
               on_start: Callable[[int], None] | None = None,
               on_chunk: Callable[[int], None] | None = None) -> SkipProfile:
     """The skip profile of ``model_path`` over the text file (in-process, cpu)."""

@@ -16,6 +16,7 @@ from typing import Any, Optional, get_args, get_type_hints
 
 import typer
 
+from ntx.ctl.bench_options import BENCH_CTX, SpecOptions
 from ntx.shared.config import (DEFAULT_LISTEN, LISTEN_ENV, EngineOptions, InstanceConfig, cli_option, parse_layers,
                                parse_size)
 from ntx.shared.errors import ConfigError, NtxError
@@ -738,18 +739,21 @@ def bench(
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
     listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
-    spec_verify_draft_tokens: str = typer.Option("1,8,32,128,512", "--spec-verify-draft-tokens",
+    spec_verify_draft_tokens: str = typer.Option(",".join(map(str, SpecOptions.verify_draft_tokens)),
+                                                 "--spec-verify-draft-tokens",
                                                  help="spec: chain lengths whose verify pass is timed"),
-    spec_verify_passes: int = typer.Option(2, "--spec-verify-passes", help="spec: timed verify passes per chain length"),
-    spec_accept_draft_tokens: int = typer.Option(8, "--spec-accept-draft-tokens",
+    spec_verify_passes: int = typer.Option(SpecOptions.verify_passes, "--spec-verify-passes",
+                                           help="spec: timed verify passes per chain length"),
+    spec_accept_draft_tokens: int = typer.Option(SpecOptions.accept_draft_tokens, "--spec-accept-draft-tokens",
                                                  help="spec: tokens drafted per pass at controlled acceptance"),
-    spec_accept_length: float = typer.Option(6.0, "--spec-accept-length",
+    spec_accept_length: float = typer.Option(SpecOptions.accept_length, "--spec-accept-length",
                                              help="spec: expected accepted tokens per pass (sets the replay's p)"),
-    spec_tokens: int = typer.Option(64, "--spec-tokens", help="spec: tokens generated per controlled-acceptance run"),
+    spec_tokens: int = typer.Option(SpecOptions.accept_tokens, "--spec-tokens",
+                                    help="spec: tokens generated per controlled-acceptance run"),
     draft_model: Optional[str] = typer.Option(None, "--draft-model",
                                               help="spec: run this draft model behind the replay (its cost paid)"),
-    spec_batch: int = typer.Option(1, "--spec-batch", help="spec: also run the controlled-acceptance cases with this "
-                                   "many concurrent requests, beside plain"),
+    spec_batch: int = typer.Option(SpecOptions.batch, "--spec-batch", help="spec: also run the controlled-acceptance "
+                                   "cases with this many concurrent requests, beside plain"),
     given: dict | None = None,  # the instance options above, from @record_options
 ) -> None:
     """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident,
@@ -757,7 +761,7 @@ def bench(
     figure printed next to the limit measured in the same run."""
     from pathlib import Path
 
-    from ntx.ctl.bench import BENCH_CTX, SpecOptions, run_bench
+    from ntx.ctl.bench import run_bench
 
     model_path = os.path.abspath(_model_path(model))
     values = read_record(given, model_path)
@@ -782,12 +786,15 @@ def _counts(text: str, what: str) -> tuple[int, ...]:
         _fail(f"{what} {text!r}: expected whole numbers separated by commas (example: 1,8,32)")
 
 
+CHUNK_TOKENS = 512  # perplexity's and calibrate's --ctx, as llama-perplexity's
+
+
 @app.command()
 @record_options("skip_layers", "kernels", prefix="in-process: ")
 def perplexity(
     file: str = typer.Argument(..., help="text file (UTF-8)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
-    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk; the second half of each is scored"),
+    ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk; the second half of each is scored"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
     name: str = _name_option(),
@@ -840,7 +847,7 @@ def perplexity(
 def calibrate(
     file: str = typer.Argument(..., help="calibration text file (UTF-8)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
-    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
+    ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk"),
     out: str = typer.Option("skip-profile.json", "--out", help="where the skip profile is written"),
     threshold: float = typer.Option(0.98, "--threshold", help="report the layers at this similarity or more"),
 ) -> None:
