@@ -29,18 +29,19 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ntx.ctl import instance
+from ntx.ctl.bench_options import SpecOptions
 from ntx.ctl.client import Client
 from ntx.daemons.compute.backend import plan_for
 from ntx.daemons.compute.model import FileLayerStream
 from ntx.daemons.compute.replay import write_references
-from ntx.shared.config import MAX_DRAFT_TOKENS, InstanceConfig, format_bytes
+from ntx.shared.config import EngineOptions, InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.plan import RAM, SKIPPED, STORAGE, VRAM, layer_ranges
@@ -225,8 +226,11 @@ class _MmapPageableStream(FileLayerStream):
         return self.buf
 
 
-def run_in_process(label: str, model: str, backend: str, resident: list[int] | None, tokens: int, batch: int,
+def run_in_process(label: str, model: str, base: InstanceConfig, resident: list[int] | None, tokens: int, batch: int,
                    naive: bool) -> dict[str, Any]:
+    """One scenario in this process: ``model`` on ``base``'s backend with its context and kernels,
+    ``resident`` layers resident (None: all), the others read from the file every pass (through
+    an mmap of it when ``naive``)."""
     from ntx.daemons.compute.engine import Request
     from ntx.daemons.compute.factory import build_engine
     from ntx.daemons.compute.sampler import SamplingParams
@@ -234,7 +238,8 @@ def run_in_process(label: str, model: str, backend: str, resident: list[int] | N
     index = open_model(model)
     stream = _MmapPageableStream(index) if naive else None
     t0 = time.perf_counter()
-    eng = build_engine(index, backend, resident_layers=resident, stream=stream, max_batch=max(batch, 1), max_context=512)
+    options = EngineOptions(max_batch=max(batch, 1), ctx=base.ctx, kernels=base.kernels)
+    eng = build_engine(index, base.backend, options, resident_layers=resident, stream=stream)
     load_s = time.perf_counter() - t0
     ids = eng.prompt_tokens(prompt=PROMPT, raw=True)
     if not naive:  # compile kernels and capture the decode graphs before timing
@@ -274,53 +279,6 @@ ACCEPT_GOAL_TOKENS_PER_S = 12.0  # at acceptance length ACCEPT_GOAL_LENGTH, batc
 ACCEPT_GOAL_LENGTH = 6.0
 ALL_WRONG_GOAL_RATIO = 0.9  # every draft wrong: at least 0.9x plain
 SPEC_PROMPT_POSITIONS = 64  # room for PROMPT's tokens in the spec runs' context
-
-
-@dataclass(frozen=True)
-class SpecOptions:
-    """The spec scenario's knobs (``ntxctl bench --spec-*``); small values keep a CPU run short.
-
-    ``verify_draft_tokens``: the chain lengths K timed, each for ``verify_passes`` verify passes
-    after one warm-up pass; ``accept_draft_tokens`` K and ``accept_length`` the expected accepted
-    tokens per pass of the controlled-acceptance run, ``accept_tokens`` the tokens it generates;
-    ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid); ``batch`` > 1:
-    the controlled-acceptance runs again with that many concurrent requests, beside plain."""
-
-    verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
-    verify_passes: int = 2
-    accept_draft_tokens: int = 8
-    accept_length: float = 6.0
-    accept_tokens: int = 64
-    draft_model: str | None = None
-    batch: int = 1
-
-    def validate(self) -> SpecOptions:
-        for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
-                         ("--spec-accept-draft-tokens", (self.accept_draft_tokens,))):
-            if not ks or not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
-                raise ConfigError(f"{flag} {','.join(map(str, ks))}: each from 1 to {MAX_DRAFT_TOKENS}")
-        if self.verify_passes < 1:
-            raise ConfigError(f"--spec-verify-passes {self.verify_passes}: at least 1")
-        if not 0 <= self.accept_length <= self.accept_draft_tokens:
-            raise ConfigError(f"--spec-accept-length {self.accept_length}: from 0 to --spec-accept-draft-tokens "
-                              f"({self.accept_draft_tokens})")
-        if self.accept_tokens < 2:
-            raise ConfigError(f"--spec-tokens {self.accept_tokens}: at least 2")
-        if self.batch < 1:
-            raise ConfigError(f"--spec-batch {self.batch}: at least 1")
-        return self
-
-    def verify_tokens(self, k: int) -> int:
-        """max_tokens of a timed chain run: the prefill's token, then ``verify_passes`` passes that
-        each draft k tokens and, every one right, yield k + 1 (a pass drafts only what max_tokens
-        leaves room for, so fewer would shorten the last chains)."""
-        return 1 + self.verify_passes * (k + 1)
-
-    @property
-    def reference_tokens(self) -> int:
-        """The greedy continuation the plain run must record: what the longest run replays."""
-        return max([self.verify_tokens(k) for k in self.verify_draft_tokens]
-                   + [self.accept_tokens, self.accept_draft_tokens + 2])
 
 
 def p_wrong_for_acceptance(draft_tokens: int, length: float) -> float:
@@ -437,8 +395,7 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         raise ConfigError(f"bench spec: its runs need {positions} positions but {index.name} holds "
                           f"{index.hparams.n_ctx_train}: fewer --spec-verify-passes or shorter chains")
     rows = max(base.prefill_chunk_tokens, max(opts.verify_draft_tokens) + 1, opts.accept_draft_tokens + 1)
-    plain_cfg = InstanceConfig(**{**base.to_dict(), "max_batch": 1, "max_context": positions,
-                                  "prefill_chunk_tokens": rows}).validate()
+    plain_cfg = replace(base, max_batch=1, ctx=positions, prefill_chunk_tokens=rows).validate()
     link_gbps = _link_gbps(limits)
     replay_path = (out_dir / "replay.json").resolve()
     entry.update(drafter="replay", replay_file=str(replay_path))
@@ -465,9 +422,8 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
             "runs that need more replay what there is")
 
     def replay_cfg(k: int, p_wrong: float, draft_model: str | None = None) -> InstanceConfig:
-        return InstanceConfig(**{**plain_cfg.to_dict(), "draft_tokens": k, "draft_width": 1,  # chains of k
-                                 "draft_replay": str(replay_path),
-                                 "draft_replay_p_wrong": p_wrong, "draft_model": draft_model}).validate()
+        return replace(plain_cfg, draft_tokens=k, draft_width=1,  # chains of k
+                       draft_replay=str(replay_path), draft_replay_p=p_wrong, draft_model=draft_model).validate()
 
     # (ii) verify-pass time per chain length, every draft right
     for k in opts.verify_draft_tokens:
@@ -540,7 +496,7 @@ def _spec_batch(entry: dict[str, Any], plain_cfg: InstanceConfig, replay_cfg, in
     plain_tps = None
     for case, p_wrong in runs:
         cfg = plain_cfg if p_wrong is None else replay_cfg(k, p_wrong, draft_model)
-        cfg = InstanceConfig(**{**cfg.to_dict(), "max_batch": batch}).validate()
+        cfg = replace(cfg, max_batch=batch).validate()
         plan = plan_for(index, cfg)
         instance.start(cfg, plan)
         try:
@@ -665,21 +621,19 @@ def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
 
 
 def run_bench(
-    model: str, *, backend: str, vram_budget: int | None, gpu_layers: int | None, ram_budget: int | None,
-    tokens: int, batch: int, scenarios: list[str], resident_model: str | None, out_dir: Path, listen: str, log=print,
-    spec: SpecOptions | None = None, skip_layers: list[int] | None = None, placement: str = "spread",
+    base: InstanceConfig, *, tokens: int, batch: int, scenarios: list[str], resident_model: str | None, out_dir: Path,
+    log=print, spec: SpecOptions | None = None, skip_layers: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Run the chosen scenarios; write bench.json (and bench.png) into ``out_dir``. ``spec``:
-    the spec scenario's options (its defaults when None); ``skip_layers``: what the skip
-    scenario, (a) without those layers, leaves out."""
+    """Run the chosen scenarios; write bench.json (and bench.png) into ``out_dir``. ``base``: (a)'s
+    instance (its model, backend, budgets, placement, kernels, address; ``batch`` sequences at
+    most), which the other scenarios vary; ``spec``: the spec scenario's options (its defaults when
+    None); ``skip_layers``: what the skip scenario, (a) without those layers, leaves out."""
     if "skip" in scenarios and not skip_layers:
         raise ConfigError("the skip scenario needs --skip-layers (a list, a calibrate profile, or PROFILE:N)")
     spec_opts = (spec or SpecOptions()).validate() if "spec" in scenarios else None
     out_dir.mkdir(parents=True, exist_ok=True)
+    model, backend = base.model, base.backend
     index = open_model(model)
-    base = InstanceConfig(model=os.path.abspath(model), name="bench", backend=backend, listen=listen,
-                          vram_budget=vram_budget, ram_budget=ram_budget, max_vram_layers=gpu_layers,
-                          placement=placement, max_batch=max(batch, 1), max_context=512).validate()
     plan_a = plan_for(index, base)
     log(f"model {index.name}: {index.file_type}, {index.hparams.n_layers} layers, "
         f"{format_bytes(index.layer_bytes_total)} of layers; backend {backend}")
@@ -708,17 +662,17 @@ def run_bench(
         if sc == "a":
             results["a"] = run_pipeline("a", base, index, tokens, batch, log)
         elif sc == "skip":
-            cfg_skip = InstanceConfig(**{**base.to_dict(), "skip_layers": skip_layers})
+            cfg_skip = replace(base, skip_layers=skip_layers)
             results["skip"] = run_pipeline("skip", cfg_skip, index, tokens, batch, log)
         elif sc == "b":
-            cfg_b = InstanceConfig(**{**base.to_dict(), "ram_budget": 0})
+            cfg_b = replace(base, ram_budget=0)
             results["b"] = run_pipeline("b", cfg_b, index, tokens, batch, log)
         elif sc == "c":
-            results["c"] = run_in_process("c", model, backend, plan_a.layers_on(VRAM), tokens, batch, naive=True)
+            results["c"] = run_in_process("c", model, base, plan_a.layers_on(VRAM), tokens, batch, naive=True)
         elif sc == "d" and resident_model:
-            results["d"] = run_in_process("d", resident_model, backend, None, tokens, batch, naive=False)
+            results["d"] = run_in_process("d", resident_model, base, None, tokens, batch, naive=False)
         elif sc == "check":
-            results["check"] = run_in_process("check", model, backend, None, tokens, 1, naive=False)
+            results["check"] = run_in_process("check", model, base, None, tokens, 1, naive=False)
         else:
             continue
         r = results[sc]

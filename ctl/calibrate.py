@@ -109,11 +109,12 @@ def layer_similarity(model, chunks: list[list[int]], on_chunk: Callable[[int], N
     return cos_sum / n_rows
 
 
-def calibrate(model_path: str, text_path: str | Path, ctx: int = 512, *,
+def calibrate(model_path: str, text_path: str | Path, ctx: int, *,
               on_start: Callable[[int], None] | None = None,
               on_chunk: Callable[[int], None] | None = None) -> SkipProfile:
     """The skip profile of ``model_path`` over the text file (in-process, cpu)."""
     from ntx.daemons.compute.factory import build_engine
+    from ntx.shared.config import EngineOptions
     from ntx.shared.gguf_index import open_model
 
     text = read_text(text_path)
@@ -123,7 +124,7 @@ def calibrate(model_path: str, text_path: str | Path, ctx: int = 512, *,
                         max_ctx=index.hparams.n_ctx_train, source=str(text_path))
     if on_start:
         on_start(len(chunks))
-    model = build_engine(index, "cpu", max_batch=1, max_context=ctx, prefill_chunk_tokens=ctx).model
+    model = build_engine(index, "cpu", EngineOptions(max_batch=1, ctx=ctx, prefill_chunk_tokens=ctx)).model
     sim = layer_similarity(model, chunks, on_chunk)
     return SkipProfile(model=str(model_path), n_layers=index.hparams.n_layers, text=str(text_path), ctx=ctx,
                        n_tokens=len(chunks) * ctx, similarity=[round(float(s), 6) for s in sim])

@@ -12,11 +12,14 @@ import os
 import sys
 import time
 from inspect import Parameter, Signature, signature  # (the module name is taken: `ntxctl inspect`)
-from typing import Optional
+from typing import Any, Optional, get_args, get_type_hints
 
 import typer
 
-from ntx.shared.errors import NtxError
+from ntx.ctl.bench_options import BENCH_CTX, SpecOptions
+from ntx.shared.config import (DEFAULT_LISTEN, LISTEN_ENV, EngineOptions, InstanceConfig, cli_option, parse_layers,
+                               parse_size)
+from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.sampling_fields import SAMPLING_FIELDS, to_wire
 
 app = typer.Typer(
@@ -24,14 +27,11 @@ app = typer.Typer(
     help="ntx: run Llama-family GGUF models larger than the GPU by streaming layers through daemons.",
 )
 
-DEFAULT_LISTEN = "tcp://127.0.0.1:5555"
-# One way to name an instance, for every command: --name (or NTX_NAME); its client address is
-# found from the name. --listen (or NTX_LISTEN) gives an address directly and wins.
-NAME_ENV, LISTEN_ENV, API_KEY_ENV = "NTX_NAME", "NTX_LISTEN", "NTX_API_KEY"
+API_KEY_ENV = "NTX_API_KEY"
 
 
 def _name_option():
-    return typer.Option("default", "--name", envvar=NAME_ENV, help="instance name")
+    return _record_option("name")[1]
 
 
 def _listen_option(help_text: str = "address of a running pipeline (default: the named instance's)"):
@@ -150,6 +150,148 @@ def sampling_options(**defaults):
     return decorate
 
 
+_RECORD_FIELDS = {f.name: f for f in InstanceConfig.options()}
+_FIELD_TYPES = get_type_hints(InstanceConfig)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _record_option(name: str, help_text: str | None = None, prefix: str = "") -> tuple[Any, Any]:
+    """(annotation, typer.Option) of the record's field ``name`` (``CliOption``): its flag, the
+    type the command line reads (text where the field has a reader), default and help."""
+    f = _RECORD_FIELDS[name]
+    spec = cli_option(f)
+    if spec.read is not None:
+        annotation: Any = Optional[str]
+    else:
+        annotation = _FIELD_TYPES[name]
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        if inner and len(inner) < len(get_args(annotation)):  # X | None: typer wants Optional[X]
+            annotation = Optional[inner[0]]
+    flags = [_flag(name)] + ([spec.short] if spec.short else [])
+    return annotation, typer.Option(spec.default_text(f), *flags, envvar=spec.envvar,
+                                    help=prefix + (help_text or spec.help))
+
+
+def record_options(*names: str, help: dict[str, str] | None = None, prefix: str = "", first: bool = False):
+    """Give a command one option per field of the configuration record (``InstanceConfig``,
+    whose fields are the options: ``CliOption``) named in ``names``, every one when none are,
+    with ``help`` replacing a field's help for this command and ``prefix`` before each. The
+    command gets the values given as one ``given`` dict by field name, still as the command line
+    read them (``read_record`` makes them the record's values). An option's deprecated flags
+    (``CliOption.deprecated``) still work, hidden, and warn. ``first``: ``--help`` lists them
+    before the command's own options."""
+    chosen = [f for f in InstanceConfig.options() if not names or f.name in names]
+    if names and len(chosen) != len(names):
+        raise TypeError(f"no record options {sorted(set(names) - {f.name for f in chosen})}")
+    help = help or {}
+
+    def params() -> list[Parameter]:
+        out = []
+        for f in chosen:
+            annotation, option = _record_option(f.name, help.get(f.name), prefix)
+            out.append(Parameter(f.name, Parameter.KEYWORD_ONLY, annotation=annotation, default=option))
+            for old in cli_option(f).deprecated:
+                out.append(Parameter(_deprecated_param(f.name, old), Parameter.KEYWORD_ONLY,
+                                     annotation=Optional[annotation], default=typer.Option(None, old, hidden=True)))
+        return out
+
+    def decorate(command):
+        own = [p for n, p in signature(command, eval_str=True).parameters.items() if n != "given"]
+
+        @functools.wraps(command)
+        def wrapper(**kw):
+            given = {f.name: kw.pop(f.name) for f in chosen}
+            for f in chosen:
+                for old in cli_option(f).deprecated:
+                    value = kw.pop(_deprecated_param(f.name, old))
+                    if value is not None:
+                        typer.echo(f"ntxctl: warning: {old} is deprecated: use {_flag(f.name)}", err=True)
+                        given[f.name] = value
+            return command(**kw, given=given)
+
+        if first:  # typer passes every value by keyword
+            wrapper.__signature__ = Signature(params() + [p.replace(kind=Parameter.KEYWORD_ONLY) for p in own])
+        else:
+            wrapper.__signature__ = Signature(own + params())
+        return wrapper
+
+    return decorate
+
+
+def _deprecated_param(name: str, old_flag: str) -> str:
+    return f"{name}__as_{old_flag.lstrip('-').replace('-', '_')}"
+
+
+class _ReadContext:
+    """What readers of option texts may need: the model whose layers a layer option names
+    (opened, and the default model pulled, only when one is read)."""
+
+    def __init__(self, model: str | None) -> None:
+        self.model = model
+
+    @functools.cached_property
+    def n_layers(self) -> int:
+        from ntx.shared.gguf_index import open_model
+
+        return open_model(_model_path(self.model)).hparams.n_layers
+
+
+def _read_auto_or_count(text: str, flag: str, _: _ReadContext) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"{flag} {text!r}: give auto or a whole number")
+    return int(text)
+
+
+def _read_all_or_layers(text: str, flag: str, _: _ReadContext) -> bool | list[int]:
+    return True if text == "all" else parse_layers(text, flag)
+
+
+def _read_layers_or_profile(text: str, flag: str, ctx: _ReadContext) -> list[int]:
+    from ntx.ctl.calibrate import skip_layers
+
+    return skip_layers(text, ctx.n_layers, flag)
+
+
+def _read_replay_file(text: str, flag: str, _: _ReadContext) -> str:
+    """``--draft-replay``'s file, read here first so that a bad one is one line, not a failed daemon."""
+    from ntx.daemons.compute.replay import load_references
+
+    load_references(text)
+    return os.path.abspath(text)
+
+
+# CliOption.read -> how an option's text becomes the record's value
+_READERS = {
+    "size": lambda text, flag, ctx: parse_size(text, flag),
+    "path": lambda text, flag, ctx: os.path.abspath(text),
+    "backend": lambda text, flag, ctx: _choose_backend(text),
+    "auto_or_count": _read_auto_or_count,
+    "all_or_layers": _read_all_or_layers,
+    "layers_or_profile": _read_layers_or_profile,
+    "replay_file": _read_replay_file,
+}
+
+
+def read_record(given: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    """The record's values of the options ``given`` (``record_options``): each text read by its
+    field's reader; an option left unset (None) keeps the record's default. ``model``: the GGUF
+    whose layers the layer options name (None: the default model)."""
+    ctx = _ReadContext(model)
+    out = {}
+    for name, value in given.items():
+        read = cli_option(_RECORD_FIELDS[name]).read
+        if read is None:
+            out[name] = value
+        elif value is not None:
+            out[name] = _READERS[read](value, _flag(name), ctx)
+    return out
+
+
 _JSON_KEYS = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
 
 
@@ -199,12 +341,12 @@ def _local_events(engine):
         yield from engine.step()
 
 
-def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, drafting: dict) -> None:
+def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, options: EngineOptions) -> None:
     from ntx.ctl.local import build_local_engine
     from ntx.daemons.compute.engine import Request
 
     t0 = time.monotonic()
-    engine = build_local_engine(model_path, progress=True, **drafting)
+    engine = build_local_engine(model_path, progress=True, options=options)
     load_s = time.monotonic() - t0
     ids = engine.prompt_tokens(prompt=prompt, raw=raw)
     engine.submit(Request(id="cli", prompt_tokens=ids, params=params, stream=not as_json, speculative=speculative))
@@ -216,6 +358,7 @@ def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool,
 
 @app.command()
 @sampling_options()
+@record_options("draft_model", "self_draft", "self_draft_skip", "draft_tokens", "draft_width", prefix="in-process: ")
 def generate(
     prompt: str = typer.Argument(..., help="the prompt (a user message, or raw text with --raw)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
@@ -226,17 +369,12 @@ def generate(
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
     speculative: bool = typer.Option(True, "--speculative/--no-speculative",
                                      help="draft and verify when the engine has a drafter"),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="in-process: draft with this small GGUF (same vocabulary)"),
-    self_draft: Optional[str] = typer.Option(None, "--self-draft", help="in-process: draft with these layers of the model (e.g. 0-9, or all)"),
-    self_draft_skip: Optional[str] = typer.Option(None, "--self-draft-skip", help="in-process: draft without these layers "
-                                                  "(a list, a calibrate profile, or PROFILE:N, its N most similar)"),
-    draft_tokens: int = typer.Option(4, "--draft-tokens", help="in-process: tokens drafted per pass (1-512)"),
-    draft_width: str = typer.Option("auto", "--draft-width", help="in-process: the draft tree's width, or auto"),
+    given: dict | None = None,  # the drafting options, from @record_options
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Generate text: through a running pipeline if one listens, else in this process (CPU).
     Ctrl-C cancels the request in the pipeline."""
-    drafting = _drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)
+    drafting = EngineOptions(**read_record(given, model))
     if not local:
         listen = _pipeline_address(name, listen)
         served = _served_model(listen)
@@ -250,29 +388,6 @@ def generate(
             err=True,
         )
     _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
-
-
-def _drafting(draft_model: str | None, self_draft: str | None, draft_tokens: int, draft_width: str,
-              self_draft_skip: str | None = None, model: str | None = None) -> dict:
-    """``build_engine``'s drafter keywords from the CLI's (``--self-draft all`` or a layer list,
-    ``--self-draft-skip`` as ``--skip-layers`` reads it, ``--draft-width auto`` or a number)."""
-    from ntx.shared.config import parse_layers
-
-    if draft_width != "auto" and not draft_width.isdigit():
-        _fail(f"--draft-width {draft_width!r}: give auto or a whole number")
-    out: dict = {"draft_tokens": draft_tokens, "draft_width": None if draft_width == "auto" else int(draft_width)}
-    if draft_model:
-        out["draft_model"] = os.path.abspath(draft_model)
-    if self_draft:
-        out["self_draft"] = True if self_draft == "all" else parse_layers(self_draft, "--self-draft")
-    if self_draft_skip:
-        from ntx.ctl.calibrate import skip_layers
-        from ntx.shared.gguf_index import open_model
-
-        n_layers = open_model(_model_path(model)).hparams.n_layers
-        out["self_draft_skip"] = skip_layers(self_draft_skip, n_layers, "--self-draft-skip")
-        out.setdefault("self_draft", True)
-    return out
 
 
 def _served_model(listen: str) -> str | None:
@@ -296,21 +411,6 @@ def _check_same_model(model: str | None, served: str, listen: str) -> None:
 
 class Cancelled(Exception):
     """Ctrl-C during a request: it was cancelled in the pipeline."""
-
-
-PLACEMENT_HELP = ("where resident layers sit when not all fit: spread (evenly over the model, so streamed copies "
-                  "overlap resident compute) or first")
-SKIP_LAYERS_HELP = ("never run, read nor copy these layers: a list (20-27,29), a calibrate profile (its layers at "
-                    "cos >= 0.98), or PROFILE:N (its N most similar layers)")
-
-
-def _skip_layers(spec: str | None, n_layers: int) -> list[int] | None:
-    """``--skip-layers``'s layers, or None without the option."""
-    if spec is None:
-        return None
-    from ntx.ctl.calibrate import skip_layers
-
-    return skip_layers(spec, n_layers) or None
 
 
 def _stream_remote(client, as_json: bool, **request) -> dict:
@@ -381,102 +481,53 @@ def chat(
             messages.append({"role": "assistant", "content": done.get("text", "")})
 
 
-@app.command()
-def start(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
-    name: str = _name_option(),
-    backend: str = typer.Option("auto", "--backend", help="cuda, cpu or auto (cuda when a GPU and cupy are present)"),
-    listen: str = typer.Option(DEFAULT_LISTEN, "--listen", envvar=LISTEN_ENV,
-                               help="client address (ZeroMQ ROUTER)"),
-    slots: int = typer.Option(2, "--slots", help="ring slots per side (2 = double buffering)"),
-    vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="e.g. 24GiB (default: free device memory)"),
-    ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="pinned RAM for layers, e.g. 64GiB"),
-    gpu_layers: Optional[int] = typer.Option(None, "--gpu-layers", help="at most this many resident layers"),
-    placement: str = typer.Option("spread", "--placement", help=PLACEMENT_HELP),
-    io: str = typer.Option("auto", "--io", help="storage reads: auto, direct, buffered or mmap"),
-    max_batch: int = typer.Option(16, "--max-batch", help="sequences advanced per pass"),
-    ctx: int = typer.Option(4096, "--ctx", help="context length per sequence"),
-    plan_only: bool = typer.Option(False, "--plan-only", help="print the tier plan and start nothing"),
-    timeout: float = typer.Option(120.0, "--timeout", help="seconds each daemon may take to get ready"),
-    max_restarts: int = typer.Option(3, "--max-restarts", help="restarts within 5 minutes before giving up"),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="draft with this small GGUF (same vocabulary), resident"),
-    self_draft: Optional[str] = typer.Option(None, "--self-draft", help="draft with resident layers of the model: all, or a list (0-9,12)"),
-    self_draft_skip: Optional[str] = typer.Option(None, "--self-draft-skip", help="draft without these layers: a list, "
-                                                  "a calibrate profile, or PROFILE:N (its N most similar layers)"),
-    draft_tokens: int = typer.Option(4, "--draft-tokens", help="tokens drafted per sequence and pass (1-512)"),
-    draft_width: str = typer.Option("auto", "--draft-width", help="the draft tree's width (1 = a chain), or auto: "
-                                    "chosen from measured acceptance"),
-    draft_replay: Optional[str] = typer.Option(
-        None, "--draft-replay", help="for benchmarks: draft a recorded greedy continuation (JSON from `ntxctl bench "
-        "--scenarios spec`); the drafter named otherwise runs and is ignored"),
-    draft_replay_p: float = typer.Option(0.0, "--draft-replay-p", help="for benchmarks: probability that each "
-                                         "replayed draft token is made wrong"),
-    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help=SKIP_LAYERS_HELP),
-    http: Optional[str] = typer.Option(None, "--http", help="also serve OpenAI's API, /metrics, /health and a live "
-                                       "status page on HOST:PORT (example: 127.0.0.1:8080)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, help="the Bearer token HTTP clients "
-                                          "must send; required to serve --http beyond loopback"),
-    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error: info logs one line "
-                                  "per request (supervisor.log), the gateway logs at this level"),
-    curve_server_key: Optional[str] = typer.Option(None, "--curve-server-key", help="CURVE: the server's secret key "
-                                                   "file (`ntxctl keygen`); required when --listen is not loopback"),
-    curve_clients: Optional[str] = typer.Option(None, "--curve-clients", help="CURVE: folder of the public key "
-                                                "files (NAME.key) of the clients let in"),
-) -> None:
-    """Start the pipeline (supervisor + reader, dma and compute daemons) in the background; logs
-    go to the folder `ntxctl status` names."""
-    _launch(foreground=False, **locals())
+def _launch_command(foreground: bool):
+    """``start`` (foreground False: a detached supervisor) or ``serve`` (this process becomes the
+    supervisor): one function, so the two take the same options (the record's, @record_options)."""
+
+    @record_options(first=True)
+    def command(
+        plan_only: bool = typer.Option(False, "--plan-only", help="print the tier plan and start nothing"),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, help="the Bearer token HTTP "
+                                              "clients must send; required to serve --http beyond loopback"),
+        given: dict | None = None,
+    ) -> None:
+        _launch(foreground, given, plan_only=plan_only, api_key=api_key)
+
+    return command
 
 
-def serve(**options) -> None:
-    """Run the pipeline in the foreground until SIGTERM (graceful) or Ctrl-C (cancels requests),
-    logging to stderr: for systemd units and containers. Takes start's options."""
-    _launch(foreground=True, **options)
+app.command("start", help="Start the pipeline (supervisor + reader, dma and compute daemons) in the background; logs "
+            "go to the folder `ntxctl status` names.")(_launch_command(foreground=False))
+app.command("serve", help="Run the pipeline in the foreground until SIGTERM (graceful) or Ctrl-C (cancels requests), "
+            "logging to stderr: for systemd units and containers. Takes start's options.")(_launch_command(foreground=True))
 
 
-serve.__signature__ = signature(start, eval_str=True)
-app.command()(serve)
-
-
-def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budget, ram_budget, gpu_layers, placement, io,
-            max_batch, ctx, plan_only, timeout, max_restarts, draft_model, self_draft, self_draft_skip, draft_tokens,
-            draft_width, draft_replay, draft_replay_p, skip_layers, http, api_key, log_level, curve_server_key,
-            curve_clients) -> None:
+def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key: str | None) -> None:
     """``start`` (a detached supervisor) and ``serve`` (this process becomes the supervisor)."""
     from ntx.ctl import instance
-    from ntx.shared.config import InstanceConfig, parse_size
     from ntx.shared.gguf_index import open_model
     from ntx.daemons.compute.backend import plan_for
 
-    model_path = os.path.abspath(_model_path(model))
+    model_path = os.path.abspath(_model_path(given["model"]))
     index = open_model(model_path)
-    cfg = InstanceConfig(
-        model=model_path, name=name, backend=_choose_backend(backend), listen=listen, slots=slots,
-        vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget is not None else None,
-        ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget is not None else None,
-        max_vram_layers=gpu_layers, placement=placement, io_mode=io, max_batch=max_batch, max_context=ctx,
-        handshake_timeout_s=timeout, max_restarts=max_restarts,
-        **_instance_drafting(_drafting(draft_model, self_draft, draft_tokens, draft_width, self_draft_skip, model)),
-        draft_replay=_replay_path(draft_replay), draft_replay_p_wrong=draft_replay_p,
-        skip_layers=_skip_layers(skip_layers, index.hparams.n_layers), http=http, log_level=log_level,
-        curve_server_key=os.path.abspath(curve_server_key) if curve_server_key else None,
-        curve_clients=os.path.abspath(curve_clients) if curve_clients else None,
-    ).validate()
-    instance.refuse_running(name)  # said as such, not as its port being in use
-    _check_http(http, api_key)
-    _check_port_free(listen, "--listen")
-    cfg.max_context = min(cfg.max_context, index.hparams.n_ctx_train)
+    cfg = InstanceConfig(**read_record({**given, "model": model_path}, model_path)).validate()
+    instance.refuse_running(cfg.name)  # said as such, not as its port being in use
+    _check_http(cfg.http, api_key)
+    _check_port_free(cfg.listen, "--listen")
+    cfg = cfg.for_model(index.hparams.n_ctx_train)
     plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
     for line in plan.describe():
         typer.echo(f"  {line}")
+    typer.echo(f"  kernels {cfg.kernel_options.describe()}")
     if plan_only:
         return
     if api_key:  # to the gateway through the environment, never through files or the config
         os.environ[API_KEY_ENV] = api_key
     if foreground:
         cfg_file = instance.prepare_run(cfg, plan)
-        instance.InstancePaths(name).pid_file.write_text(f"{os.getpid()}\n")
+        instance.InstancePaths(cfg.name).pid_file.write_text(f"{os.getpid()}\n")
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file), "--foreground"])
 
@@ -486,9 +537,9 @@ def _launch(foreground: bool, *, model, name, backend, listen, slots, vram_budge
 
     st = instance.start(cfg, plan, on_progress=progress)
     pids = ", ".join(f"{n} {d['pid']}" for n, d in st["daemons"].items())
-    typer.echo(f"instance {name!r} ready on {listen} (supervisor {st['supervisor_pid']}; {pids})")
-    if http:
-        _wait_for_gateway(name, http)
+    typer.echo(f"instance {cfg.name!r} ready on {cfg.listen} (supervisor {st['supervisor_pid']}; {pids})")
+    if cfg.http:
+        _wait_for_gateway(cfg.name, cfg.http)
     typer.echo(f"logs: {st['log_dir']}")
 
 
@@ -557,25 +608,6 @@ def _wait_for_gateway(name: str, http: str, timeout_s: float = 30.0) -> None:
     typer.echo(f"HTTP on http://{http}/v1 (OpenAI API), /metrics, /health; status page http://{http}/")
 
 
-def _instance_drafting(drafting: dict) -> dict:
-    """``_drafting``'s keywords as InstanceConfig fields."""
-    self_draft = drafting.get("self_draft", False)
-    return {"draft_model": drafting.get("draft_model"), "self_draft": self_draft is not False,
-            "self_draft_layers": None if self_draft in (True, False) else self_draft,
-            "self_draft_skip": drafting.get("self_draft_skip"),
-            "draft_tokens": drafting["draft_tokens"], "draft_width": drafting["draft_width"]}
-
-
-def _replay_path(path: str | None) -> str | None:
-    """``--draft-replay``'s file, read here first so that a bad one is one line, not a failed daemon."""
-    if path is None:
-        return None
-    from ntx.daemons.compute.replay import load_references
-
-    load_references(path)
-    return os.path.abspath(path)
-
-
 def _choose_backend(backend: str) -> str:
     if backend in ("cpu", "cuda"):
         if backend == "cuda":
@@ -584,7 +616,7 @@ def _choose_backend(backend: str) -> str:
             require_cuda()
         return backend
     if backend != "auto":
-        _fail(f"--backend {backend!r}: choose cuda, cpu or auto")
+        raise ConfigError(f"--backend {backend!r}: choose cuda, cpu or auto")
     from ntx.daemons.compute.cuda_check import cuda_problem
 
     return "cuda" if cuda_problem() is None else "cpu"
@@ -696,52 +728,50 @@ def _duration(seconds: float) -> str:
 
 
 @app.command()
+@record_options("backend", "vram_budget", "ram_budget", "gpu_layers", "placement", "skip_layers", "kernels", help={
+    "vram_budget": "for (a), (b), (c): e.g. 24GiB", "ram_budget": "for (a); (b) uses 0",
+    "skip_layers": "skip: (a) without these layers: a list, a calibrate profile, or PROFILE:N"})
 def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="the streamed model (e.g. a 70B-shape GGUF)"),
-    backend: str = typer.Option("auto", "--backend"),
-    vram_budget: Optional[str] = typer.Option(None, "--vram-budget", help="for (a), (b), (c): e.g. 24GiB"),
-    gpu_layers: Optional[int] = typer.Option(None, "--gpu-layers"),
-    placement: str = typer.Option("spread", "--placement", help=PLACEMENT_HELP),
-    ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="for (a); (b) uses 0"),
     tokens: int = typer.Option(8, "--tokens", help="tokens generated per request"),
     batch: int = typer.Option(1, "--batch", help="concurrent requests"),
     scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check,spec,skip"),
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
     listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
-    spec_verify_draft_tokens: str = typer.Option("1,8,32,128,512", "--spec-verify-draft-tokens",
+    spec_verify_draft_tokens: str = typer.Option(",".join(map(str, SpecOptions.verify_draft_tokens)),
+                                                 "--spec-verify-draft-tokens",
                                                  help="spec: chain lengths whose verify pass is timed"),
-    spec_verify_passes: int = typer.Option(2, "--spec-verify-passes", help="spec: timed verify passes per chain length"),
-    spec_accept_draft_tokens: int = typer.Option(8, "--spec-accept-draft-tokens",
+    spec_verify_passes: int = typer.Option(SpecOptions.verify_passes, "--spec-verify-passes",
+                                           help="spec: timed verify passes per chain length"),
+    spec_accept_draft_tokens: int = typer.Option(SpecOptions.accept_draft_tokens, "--spec-accept-draft-tokens",
                                                  help="spec: tokens drafted per pass at controlled acceptance"),
-    spec_accept_length: float = typer.Option(6.0, "--spec-accept-length",
+    spec_accept_length: float = typer.Option(SpecOptions.accept_length, "--spec-accept-length",
                                              help="spec: expected accepted tokens per pass (sets the replay's p)"),
-    spec_tokens: int = typer.Option(64, "--spec-tokens", help="spec: tokens generated per controlled-acceptance run"),
+    spec_tokens: int = typer.Option(SpecOptions.accept_tokens, "--spec-tokens",
+                                    help="spec: tokens generated per controlled-acceptance run"),
     draft_model: Optional[str] = typer.Option(None, "--draft-model",
                                               help="spec: run this draft model behind the replay (its cost paid)"),
-    spec_batch: int = typer.Option(1, "--spec-batch", help="spec: also run the controlled-acceptance cases with this "
-                                   "many concurrent requests, beside plain"),
-    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="skip: (a) without these layers: a list, "
-                                              "a calibrate profile, or PROFILE:N"),
+    spec_batch: int = typer.Option(SpecOptions.batch, "--spec-batch", help="spec: also run the controlled-acceptance "
+                                   "cases with this many concurrent requests, beside plain"),
+    given: dict | None = None,  # the instance options above, from @record_options
 ) -> None:
     """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident,
     (spec) speculative decoding with the replay drafter, (skip) (a) with --skip-layers; every
     figure printed next to the limit measured in the same run."""
     from pathlib import Path
 
-    from ntx.ctl.bench import SpecOptions, run_bench
-    from ntx.shared.config import parse_size
-
-    from ntx.shared.gguf_index import open_model
+    from ntx.ctl.bench import run_bench
 
     model_path = os.path.abspath(_model_path(model))
+    values = read_record(given, model_path)
+    skip_layers = values.pop("skip_layers", None)
+    base = InstanceConfig(model=model_path, name="bench", listen=listen, max_batch=max(batch, 1), ctx=BENCH_CTX,
+                          **values).validate()
     run_bench(
-        model_path, backend=_choose_backend(backend), placement=placement,
-        skip_layers=_skip_layers(skip_layers, open_model(model_path).hparams.n_layers),
-        vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget else None, gpu_layers=gpu_layers,
-        ram_budget=parse_size(ram_budget, "--ram-budget") if ram_budget else None, tokens=tokens, batch=batch,
+        base, skip_layers=skip_layers, tokens=tokens, batch=batch,
         scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,
-        out_dir=Path(out), listen=listen, log=lambda s: typer.echo(s),
+        out_dir=Path(out), log=lambda s: typer.echo(s),
         spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
                          spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens, draft_model,
                          spec_batch),
@@ -756,20 +786,22 @@ def _counts(text: str, what: str) -> tuple[int, ...]:
         _fail(f"{what} {text!r}: expected whole numbers separated by commas (example: 1,8,32)")
 
 
+CHUNK_TOKENS = 512  # perplexity's and calibrate's --ctx, as llama-perplexity's
+
+
 @app.command()
+@record_options("skip_layers", "kernels", prefix="in-process: ")
 def perplexity(
     file: str = typer.Argument(..., help="text file (UTF-8)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
-    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk; the second half of each is scored"),
+    ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk; the second half of each is scored"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
     name: str = _name_option(),
     listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
-    skip_layers: Optional[str] = typer.Option(
-        None, "--skip-layers",
-        help="in-process: skip these layers (0-3,7), a profile's at cos >= 0.98 (PROFILE), or its N most similar (PROFILE:N)"),
+    given: dict | None = None,  # --skip-layers and --kernels, from @record_options
 ) -> None:
     """Perplexity over FILE by llama-perplexity's method (chunks of --ctx tokens, second halves
     scored): the running value per chunk, then PPL ± its standard error. Through a running
@@ -780,15 +812,12 @@ def perplexity(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     listen = _pipeline_address(name, listen)
-    if skip_layers is None and not local and pipeline_available(listen):
+    if given["skip_layers"] is None and not local and pipeline_available(listen):
         scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
     else:
-        from ntx.ctl.calibrate import skip_layers as parse_skip
-        from ntx.shared.gguf_index import open_model
-
         model_path = _model_path(model)
-        skip = parse_skip(skip_layers, open_model(model_path).hparams.n_layers) if skip_layers else None
-        scorer = ppl.LocalScorer(model_path, _choose_backend(backend), skip)
+        values = read_record(given, model_path)
+        scorer = ppl.LocalScorer(model_path, _choose_backend(backend), values.get("skip_layers"), values["kernels"])
     bar = Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                    TimeElapsedColumn(), console=Console(stderr=True))
     task = None
@@ -818,7 +847,7 @@ def perplexity(
 def calibrate(
     file: str = typer.Argument(..., help="calibration text file (UTF-8)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
-    ctx: int = typer.Option(512, "--ctx", help="tokens per chunk"),
+    ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk"),
     out: str = typer.Option("skip-profile.json", "--out", help="where the skip profile is written"),
     threshold: float = typer.Option(0.98, "--threshold", help="report the layers at this similarity or more"),
 ) -> None:

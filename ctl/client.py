@@ -25,9 +25,9 @@ import zmq
 import zmq.auth
 
 from ntx.shared import messages as m
+from ntx.shared.config import DEFAULT_LISTEN
 from ntx.shared.errors import NtxError
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_EVENT_TIMEOUT_S = 600.0
 
 
@@ -54,7 +54,7 @@ def _use_curve(sock: zmq.Socket, server_key: str, client_key: str) -> None:
 
 
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, event_timeout_s: float = DEFAULT_EVENT_TIMEOUT_S,
+    def __init__(self, address: str = DEFAULT_LISTEN, event_timeout_s: float = DEFAULT_EVENT_TIMEOUT_S,
                  server_key: str | None = None, client_key: str | None = None) -> None:
         self.address = address
         self.event_timeout_s = event_timeout_s
@@ -198,7 +198,7 @@ class Client:
         return self.next_event(rid, timeout_s)["status"]
 
 
-def pipeline_available(address: str = DEFAULT_ADDRESS, timeout_s: float = 0.5) -> bool:
+def pipeline_available(address: str = DEFAULT_LISTEN, timeout_s: float = 0.5) -> bool:
     """Whether a pipeline answers a status request at ``address``."""
     try:
         with Client(address) as c:

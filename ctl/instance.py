@@ -113,7 +113,7 @@ def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progr
     )
     log.close()
     write_private(paths.pid_file, f"{proc.pid}\n")
-    wait_s = wait_s if wait_s is not None else cfg.handshake_timeout_s * 3 + 10
+    wait_s = wait_s if wait_s is not None else cfg.timeout * 3 + 10
     deadline = time.monotonic() + wait_s
     last_state = None
     while time.monotonic() < deadline:

@@ -159,7 +159,8 @@ class LocalScorer:
     then the scored half with every row's logits (the first half's logits are never needed).
     The model loads on the first chunk, after the text was found usable."""
 
-    def __init__(self, model_path: str, backend: str = "cpu", skip_layers: list[int] | None = None) -> None:
+    def __init__(self, model_path: str, backend: str = "cpu", skip_layers: list[int] | None = None,
+                 kernels: str = "") -> None:
         from ntx.shared.gguf_index import open_model
 
         self.model_path = model_path
@@ -168,16 +169,19 @@ class LocalScorer:
         self.max_ctx = self.index.hparams.n_ctx_train
         self.backend = backend
         self.skip_layers = sorted(skip_layers or [])
+        self.kernels = kernels  # the cuda kernels' switches (--kernels)
         self.name = f"in-process ({backend})" + (f", layers {self.skip_layers} skipped" if self.skip_layers else "")
         self.model = None
 
     def score_all(self, chunks: list[list[int]]) -> Iterator[np.ndarray]:
         from ntx.daemons.compute.factory import build_engine
+        from ntx.shared.config import EngineOptions
 
         ctx = len(chunks[0])
         n_seq = max(1, ROWS_PER_PASS // ctx)  # chunks side by side in one pass, as llama.cpp's n_seq
-        self.model = build_engine(self.index, self.backend, max_batch=n_seq, max_context=ctx,
-                                  prefill_chunk_tokens=ctx, skip_layers=self.skip_layers).model
+        options = EngineOptions(max_batch=n_seq, ctx=ctx, prefill_chunk_tokens=ctx, skip_layers=self.skip_layers,
+                                kernels=self.kernels)
+        self.model = build_engine(self.index, self.backend, options).model
         for i in range(0, len(chunks), n_seq):
             yield from self._score(chunks[i:i + n_seq])
 

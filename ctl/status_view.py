@@ -37,6 +37,8 @@ def render_status(st: dict[str, Any], renderable: bool = False):
     head.append(st["state"], style=state_style)
     head.append(f"  gen {st['gen']}  restarts {st['restarts']}  up {st['uptime_s']:.0f}s  {st['backend']}  {st['listen']}\n")
     head.append(f"model {st['model']}\n")
+    if st.get("kernels"):
+        head.append(f"kernels {st['kernels']}\n")
     if st.get("http"):
         head.append(f"http  http://{st['http']}/v1 (OpenAI API) · status page http://{st['http']}/\n")
     head.append(f"logs  {st.get('log_dir') or InstancePaths(st['instance']).log_dir}\n")

@@ -112,7 +112,7 @@ class Supervisor:
         self.control.setsockopt(zmq.SNDTIMEO, int(CONTROL_SEND_TIMEOUT_S * 1000))
         self.control.bind(self.paths.control)
         self.front = ClientFront(self.ctx, cfg, on_gone=self.connection_gone, on_slow=self.connection_slow)
-        self.limits = RequestLimits(max_context=cfg.max_context, max_batch=cfg.max_batch)
+        self.limits = RequestLimits(max_context=cfg.ctx, max_batch=cfg.max_batch)
         self.gen = 0
         self.state = "starting"
         self.reason: str | None = None
@@ -307,8 +307,8 @@ class Supervisor:
             if code is not None:
                 self.pipeline_failed(f"{d.name} daemon (pid {d.proc.pid}) {_exit_description(code)}")
                 return
-            if d.state != "ready" and time.monotonic() - d.started_s > self.cfg.handshake_timeout_s:
-                self.pipeline_failed(f"{d.name} daemon was not ready within {self.cfg.handshake_timeout_s:.0f} s")
+            if d.state != "ready" and time.monotonic() - d.started_s > self.cfg.timeout:
+                self.pipeline_failed(f"{d.name} daemon was not ready within {self.cfg.timeout:.0f} s")
                 return
 
     # -- messages from daemons and ntxctl --------------------------------------------------
@@ -517,6 +517,7 @@ class Supervisor:
         st = {
             "instance": self.cfg.name, "state": self.state, "reason": self.reason, "gen": self.gen,
             "model": self.cfg.model, "backend": self.cfg.backend, "listen": self.cfg.listen,
+            "kernels": self.cfg.kernel_options.describe(),
             "uptime_s": round(now - self.started_s, 3), "restarts": self.restarts,
             "supervisor_pid": os.getpid(), "log_dir": str(self.paths.log_dir),
             "http": self.cfg.http if self.gateway else None,

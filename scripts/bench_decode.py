@@ -26,11 +26,12 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
 from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.config import EngineOptions
 
 
 def bench_model(path: str, tokens: int, batches: list[int]) -> dict:
     t0 = time.monotonic()
-    eng = build_local_engine(path, backend="cuda", max_batch=max(batches), max_context=tokens + 64)
+    eng = build_local_engine(path, backend="cuda", options=EngineOptions(max_batch=max(batches), ctx=tokens + 64))
     load_s = time.monotonic() - t0
     m = eng.model
     idx = m.index

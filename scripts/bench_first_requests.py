@@ -60,7 +60,7 @@ def main() -> int:
     index = open_model(args.model)
     cfg = InstanceConfig(model=os.path.abspath(args.model), name=f"first-{os.getpid()}", backend=args.backend,
                          listen=args.listen, vram_budget=parse_size(args.vram_budget, "--vram-budget") if args.backend == "cuda" else None, max_batch=1,
-                         max_context=args.ctx).validate()
+                         ctx=args.ctx).validate()
     plan = plan_for(index, cfg)
     print("plan: " + "; ".join(plan.describe()[:3]), flush=True)
     t0 = time.perf_counter()

@@ -42,8 +42,8 @@ import numpy as np
 
 from ntx.daemons.compute.backend import PendingPicks, Pick, make_backend
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
-from ntx.daemons.compute.factory import DEFAULT_CONTEXT
 from ntx.daemons.compute.model import LlamaModel
+from ntx.shared.config import EngineOptions
 from ntx.shared.gguf_index import open_model
 
 DECODE_CACHED_TOKENS = 64  # positions every decoding row already has in its KV cache
@@ -428,8 +428,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20, help="recorded passes of each kind; medians (default 20)")
     ap.add_argument("--spin-ms", type=float, default=200.0,
                     help="how long the GPU is held while Python queues a pass (default 200)")
-    ap.add_argument("--ctx", type=int, default=DEFAULT_CONTEXT,
-                    help=f"positions per sequence the KV cache holds, as the engine's --ctx (default {DEFAULT_CONTEXT})")
+    ap.add_argument("--ctx", type=int, default=EngineOptions().ctx,
+                    help=f"positions per sequence the KV cache holds, as the engine's --ctx (default {EngineOptions().ctx})")
     ap.add_argument("--out", default=None, help="write the profile as JSON here")
     args = ap.parse_args()
     if args.reps < 1 or args.prompt < 0 or args.spin_ms <= 0 or any(b < 1 for b in args.batch):

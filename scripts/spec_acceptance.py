@@ -21,7 +21,7 @@ from ntx.ctl.models import ensure_default_model
 from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.sampler import SamplingParams
-from ntx.shared.config import parse_layers
+from ntx.shared.config import EngineOptions, parse_layers
 
 
 def _generate(engine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     model = a.model or str(ensure_default_model())
-    plain = build_engine(model, a.backend, max_batch=a.prompts, max_context=a.prompt_tokens + a.tokens + 16)
+    plain = build_engine(model, a.backend, EngineOptions(max_batch=a.prompts, ctx=a.prompt_tokens + a.tokens + 16))
     ids = plain.tokenizer.encode(open(a.text, encoding="utf-8").read())
     step = max(a.prompt_tokens, (len(ids) - a.prompt_tokens) // a.prompts)
     prompts = [ids[i * step : i * step + a.prompt_tokens] for i in range(a.prompts)]
@@ -60,9 +60,9 @@ def main() -> int:
     rows = []
     for layers in a.self_draft:
         for width in a.widths:
-            eng = build_engine(model, a.backend, max_batch=a.prompts, max_context=a.prompt_tokens + a.tokens + 16,
-                               self_draft=parse_layers(layers, "--self-draft"), draft_tokens=a.draft_tokens,
-                               draft_width=None if width == "auto" else int(width))
+            eng = build_engine(model, a.backend, EngineOptions(
+                max_batch=a.prompts, ctx=a.prompt_tokens + a.tokens + 16, self_draft=parse_layers(layers, "--self-draft"),
+                draft_tokens=a.draft_tokens, draft_width=None if width == "auto" else int(width)))
             got, secs = _generate(eng, prompts, a.tokens)
             r = eng.spec.report()
             row = {"self_draft": layers, "width": width, "draft_tokens": a.draft_tokens, **r,

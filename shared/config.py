@@ -13,11 +13,12 @@ import ipaddress
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ntx.shared.errors import ConfigError
+from ntx.shared.kernel_options import KernelOptions
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -129,78 +130,203 @@ class InstancePaths:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+DEFAULT_LISTEN = "tcp://127.0.0.1:5555"  # an instance's client address when none is given
+# One way to name an instance, for every command: --name (or NTX_NAME); its client address is
+# found from the name. --listen (or NTX_LISTEN) gives an address directly and wins.
+NAME_ENV, LISTEN_ENV = "NTX_NAME", "NTX_LISTEN"
 MAX_DRAFT_TOKENS = 512
 LOG_LEVELS = ("debug", "info", "warning", "error")
+BACKENDS = ("cuda", "cpu")
+IO_MODES = ("auto", "direct", "buffered", "mmap")
+PLACEMENTS = ("spread", "first")  # shared/plan.py's _resident_layers says what each means
+MIN_RING_SLOTS, MAX_RING_SLOTS = 2, 64
+MIN_CTX = 16  # an instance's smallest --ctx
+
+_AS_FIELD = object()  # CliOption.cli_default: the field's own default
 
 
-@dataclass
-class InstanceConfig:
-    """What ``ntxctl start`` asked for; travels to every daemon inside its ``config`` message."""
+@dataclass(frozen=True)
+class CliOption:
+    """How a field of the configuration record is an option of ``ntxctl`` (``start``, ``serve``,
+    and the commands that take some of them): its flag is ``--`` and the field's name with ``-``
+    for ``_``, its default the field's, and ``ctl/cli.py`` builds the option from this.
 
-    model: str
-    name: str = "default"
-    backend: str = "cpu"
-    listen: str = "tcp://127.0.0.1:5555"
-    slots: int = 2
-    vram_budget: int | None = None  # bytes; None = from free device memory
-    ram_budget: int | None = None  # bytes; None = from available RAM
-    max_vram_layers: int | None = None  # cap on resident layers (like llama.cpp's -ngl)
-    placement: str = "spread"  # resident layers spread over the model, or the first ones (shared/plan.py)
-    skip_layers: list[int] | None = None  # never run, read nor copied (``--skip-layers``; ctl/calibrate.py)
-    io_mode: str = "auto"
-    max_batch: int = 16
-    max_context: int = 4096
-    prefill_chunk_tokens: int = 512
-    handshake_timeout_s: float = 120.0
-    max_restarts: int = 3
-    read_queue_depth: int = 4
-    read_chunk_bytes: int = 8 << 20
+    ``read``: how the option's text becomes the field's value, where it is not the field's own
+    type (``ctl/cli.py``'s readers: ``size``, ``path``, ``backend``, ``auto_or_count``,
+    ``all_or_layers``, ``layers_or_profile``, ``replay_file``); ``cli_default``: the text the
+    command line shows for the field's default, where that is not the default itself (``auto``
+    for a width of None); ``deprecated``: older flags, hidden, that still work and warn."""
+
+    help: str
+    read: str | None = None
+    cli_default: Any = _AS_FIELD
+    short: str | None = None
+    envvar: str | None = None
+    deprecated: tuple[str, ...] = ()
+
+    def default_text(self, f: Field) -> Any:
+        """The option's default as the command line holds it: None (not given) for a field that
+        is read from text, unless ``cli_default`` says otherwise."""
+        if self.cli_default is not _AS_FIELD:
+            return self.cli_default
+        return None if self.read is not None or f.default is MISSING else f.default
+
+
+def _option(default: Any = MISSING, help: str = "", **kw: Any) -> Any:
+    """A record field that is also an ntxctl option (``CliOption``)."""
+    return field(default=default, metadata={"cli": CliOption(help, **kw)})
+
+
+def _inner(default: Any) -> Any:
+    """A record field that is no option: benchmarks and tests set it, the command line keeps its default."""
+    return field(default=default)
+
+
+def cli_option(f: Field) -> CliOption | None:
+    """``f``'s ``CliOption``, or None for a field that is no option."""
+    return f.metadata.get("cli")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """What shapes an engine: its batch and context, the layers it never runs, its kernels and its
+    drafter. ``daemons/compute/factory.build_engine`` builds every engine from one of these (the
+    compute daemon from the instance's ``InstanceConfig``, which is one; ``generate --local``,
+    perplexity, calibrate, the benchmarks and the tests from their own). Each field is the
+    ``ntxctl`` option of the same name (``CliOption``), with its default and rule here only."""
+
+    max_batch: int = _option(16, "sequences advanced per pass")
+    ctx: int = _option(4096, "context length per sequence (at most the model's trained context)")
+    prefill_chunk_tokens: int = _inner(512)  # prompt tokens per pass: the workspace's rows
+    skip_layers: list[int] | None = _option(None, "never run, read nor copy these layers: a list (20-27,29), a calibrate "
+                                            "profile (its layers at cos >= 0.98), or PROFILE:N (its N most similar "
+                                            "layers)", read="layers_or_profile")
+    kernels: str = _option("", "cuda kernel switches, NAME=on|off separated by commas "
+                           f"(default {KernelOptions().describe()})")
     # speculative decoding (daemons/compute/speculation.py): one drafter at most
-    draft_model: str | None = None  # a small GGUF of the target's vocabulary, resident
-    self_draft: bool = False  # draft with the target's resident layers
-    self_draft_layers: list[int] | None = None  # those of them to use (None: all)
-    self_draft_skip: list[int] | None = None  # and without these (e.g. a calibrate profile's most similar)
-    draft_tokens: int = 4  # drafted per sequence and pass (the tree's node budget)
-    draft_width: int | None = None  # the tree's width; None: chosen from measured acceptance
+    draft_model: str | None = _option(None, "draft with this small GGUF (same vocabulary), resident", read="path")
+    self_draft: bool | list[int] = _option(False, "draft with resident layers of the model: all, or a list (0-9,12)",
+                                           read="all_or_layers")  # True: every resident layer
+    self_draft_skip: list[int] | None = _option(None, "draft without these layers: a list, a calibrate profile, or "
+                                                "PROFILE:N (its N most similar layers)", read="layers_or_profile")
+    draft_tokens: int = _option(4, f"tokens drafted per sequence and pass (1-{MAX_DRAFT_TOKENS})")
+    draft_width: int | None = _option(None, "the draft tree's width (1 = a chain), or auto: chosen from measured "
+                                      "acceptance", read="auto_or_count", cli_default="auto")
     # benchmarks only (daemons/compute/replay.py): recorded greedy continuations as the draft,
     # each token made wrong with this probability; the drafter above, if any, runs and is ignored
-    draft_replay: str | None = None
-    draft_replay_p_wrong: float = 0.0
-    # the HTTP gateway (ctl/gateway): HOST:PORT, or None for none; its key travels in the
-    # environment (NTX_API_KEY), never in this config, which every daemon receives
-    http: str | None = None
-    log_level: str = "info"  # the supervisor's request lines and the gateway's log (LOG_LEVELS)
-    # CURVE on the client socket (ctl/front.py), required when other machines can reach --listen
-    curve_server_key: str | None = None  # the server's secret key file (`ntxctl keygen`)
-    curve_clients: str | None = None  # folder of the public key files of the clients let in
+    draft_replay: str | None = _option(None, "for benchmarks: draft a recorded greedy continuation (JSON from "
+                                       "`ntxctl bench --scenarios spec`); the drafter named otherwise runs and is "
+                                       "ignored", read="replay_file")
+    draft_replay_p: float = _option(0.0, "for benchmarks: probability that each replayed draft token is made wrong")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def drafts_itself(self) -> bool:
+        """Whether the drafter is the model's own resident layers (``--self-draft``, or implied by
+        ``--self-draft-skip``)."""
+        return self.self_draft is not False or self.self_draft_skip is not None
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> InstanceConfig:
-        return cls(**d)
+    @property
+    def self_draft_layers(self) -> list[int] | None:
+        """The resident layers a self-draft uses, before ``self_draft_skip``; None: all of them."""
+        return None if self.self_draft in (True, False) else list(self.self_draft)
 
-    def validate(self) -> InstanceConfig:
-        check_name(self.name)
-        if self.backend not in ("cpu", "cuda"):
-            raise ConfigError(f"--backend {self.backend!r}: choose cuda or cpu")
-        if not 2 <= self.slots <= 64:
-            raise ConfigError(f"--slots {self.slots}: need between 2 and 64 slots")
-        if self.io_mode not in ("auto", "direct", "buffered", "mmap"):
-            raise ConfigError(f"--io {self.io_mode!r}: choose auto, direct, buffered or mmap")
+    @property
+    def kernel_options(self) -> KernelOptions:
+        return KernelOptions.parse(self.kernels)
+
+    def for_model(self, n_ctx_train: int) -> Self:
+        """These options with ``ctx`` at most the model's trained context."""
+        return self if self.ctx <= n_ctx_train else replace(self, ctx=n_ctx_train)
+
+    def validate(self) -> Self:
+        """Raise ConfigError (one line naming the option and the fix) unless every value can be
+        honoured; returns self. Subclasses add their own rules."""
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch {self.max_batch}: must be at least 1")
-        if self.max_context < 16:
-            raise ConfigError(f"--ctx {self.max_context}: must be at least 16")
-        if self.draft_model is not None and self.self_draft:
+        self.kernel_options  # noqa: B018 - parsed for its ConfigError
+        if self.draft_model is not None and self.drafts_itself:
             raise ConfigError("choose one drafter: --self-draft or --draft-model, not both")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"--draft-tokens {self.draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
         if self.draft_width is not None and not 1 <= self.draft_width <= self.draft_tokens:
             raise ConfigError(f"--draft-width {self.draft_width}: choose auto or 1 to --draft-tokens ({self.draft_tokens})")
-        if not 0.0 <= self.draft_replay_p_wrong <= 1.0:
-            raise ConfigError(f"--draft-replay-p {self.draft_replay_p_wrong}: a probability, from 0 to 1")
+        if not 0.0 <= self.draft_replay_p <= 1.0:
+            raise ConfigError(f"--draft-replay-p {self.draft_replay_p}: a probability, from 0 to 1")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        """The record ``to_dict`` wrote, every key present and none other: the two ends of the
+        wire are one version of ntx, so a difference is a clear error, never a silent default."""
+        names = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(d) - names), sorted(names - set(d))
+        if unknown or missing:
+            raise ConfigError(f"{cls.__name__}: " + "; ".join(
+                f"{what} {', '.join(keys)}" for what, keys in (("unknown keys", unknown), ("missing keys", missing)) if keys)
+                + ": written by another version of ntx; restart the instance with this one")
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceConfig(EngineOptions):
+    """What ``ntxctl start`` (or ``serve``) asked for: every option of those commands is a field
+    of the same name (``CliOption``), the engine's among them (``EngineOptions``). Written to the
+    instance's run folder, read by the supervisor, and sent to every daemon inside its ``config``
+    message (``to_dict`` / ``from_dict``)."""
+
+    model: str = _option(help="GGUF file (default: SmolLM2-135M, pulled on first use)", read="path", short="-m")
+    name: str = _option("default", "instance name", envvar=NAME_ENV)
+    backend: str = _option("cpu", "cuda, cpu or auto (cuda when a GPU and cupy are present)", read="backend",
+                           cli_default="auto")
+    listen: str = _option(DEFAULT_LISTEN, "client address (ZeroMQ ROUTER)", envvar=LISTEN_ENV)
+    ring_slots: int = _option(2, "ring slots per side (2 = double buffering)", deprecated=("--slots",))
+    vram_budget: int | None = _option(None, "e.g. 24GiB (default: free device memory)", read="size")  # bytes
+    ram_budget: int | None = _option(None, "pinned RAM for layers, e.g. 64GiB", read="size")  # bytes; None: from available RAM
+    gpu_layers: int | None = _option(None, "at most this many resident layers")  # like llama.cpp's -ngl
+    placement: str = _option("spread", "where resident layers sit when not all fit: spread (evenly over the model, "
+                             "so streamed copies overlap resident compute) or first")
+    io: str = _option("auto", "storage reads: auto, direct, buffered or mmap")
+    timeout: float = _option(120.0, "seconds each daemon may take to get ready")
+    max_restarts: int = _option(3, "restarts within 5 minutes before giving up")
+    # the HTTP gateway (ctl/gateway): HOST:PORT, or None for none; its key travels in the
+    # environment (NTX_API_KEY), never in this record, which every daemon receives
+    http: str | None = _option(None, "also serve OpenAI's API, /metrics, /health and a live status page on "
+                               "HOST:PORT (example: 127.0.0.1:8080)")
+    log_level: str = _option("info", "debug, info, warning or error: info logs one line per request "
+                             "(supervisor.log), the gateway logs at this level")
+    # CURVE on the client socket (ctl/front.py), required when other machines can reach --listen
+    curve_server_key: str | None = _option(None, "CURVE: the server's secret key file (`ntxctl keygen`); required "
+                                           "when --listen is not loopback", read="path")
+    curve_clients: str | None = _option(None, "CURVE: folder of the public key files (NAME.key) of the clients "
+                                        "let in", read="path")
+    read_queue_depth: int = _inner(4)  # the reader's reads in flight per file
+    read_chunk_bytes: int = _inner(8 << 20)  # the reader's largest single read
+
+    @classmethod
+    def options(cls) -> list[Field]:
+        """The fields that are ntxctl options, in the order ``--help`` lists them: the instance's
+        own, then the engine's."""
+        own = [f for f in fields(cls) if f.name in cls.__annotations__]
+        return [f for f in own + [f for f in fields(EngineOptions)] if cli_option(f) is not None]
+
+    def validate(self) -> Self:
+        super().validate()
+        check_name(self.name)
+        if self.ctx < MIN_CTX:
+            raise ConfigError(f"--ctx {self.ctx}: must be at least {MIN_CTX}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend {self.backend!r}: choose {' or '.join(BACKENDS)}")
+        if not MIN_RING_SLOTS <= self.ring_slots <= MAX_RING_SLOTS:
+            raise ConfigError(f"--ring-slots {self.ring_slots}: need between {MIN_RING_SLOTS} and {MAX_RING_SLOTS} slots")
+        if self.gpu_layers is not None and self.gpu_layers < 0:
+            raise ConfigError(f"--gpu-layers {self.gpu_layers}: must be 0 or more")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--placement {self.placement!r}: choose {' or '.join(PLACEMENTS)}")
+        if self.io not in IO_MODES:
+            raise ConfigError(f"--io {self.io!r}: choose {', '.join(IO_MODES[:-1])} or {IO_MODES[-1]}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if self.log_level not in LOG_LEVELS:

@@ -166,9 +166,6 @@ def _free_device_bytes() -> int:
     raise ConfigError("cannot tell the GPU's free memory (no nvidia-smi): give --vram-budget")
 
 
-PLACEMENTS = ("spread", "first")
-
-
 def _resident_layers(kept: list[int], max_count: int, layer_costs: tuple[int, ...], avail_bytes: int,
                      placement: str) -> list[int]:
     """Which of the ``kept`` layers stay resident when not all of them fit in ``avail_bytes``.
@@ -196,9 +193,10 @@ def _resident_layers(kept: list[int], max_count: int, layer_costs: tuple[int, ..
 def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft: MemoryCosts | None = None) -> Plan:
     """Place every layer of ``index`` on a tier under ``cfg``'s budgets, with the memory the
     backend says it needs (``costs``) and, first, a draft model's whole footprint (``draft``).
-    ``cfg.skip_layers`` are placed nowhere (tier ``skipped``); the cap ``max_vram_layers``
+    ``cfg.skip_layers`` are placed nowhere (tier ``skipped``); the cap ``cfg.gpu_layers``
     counts the layers that run; ``cfg.placement`` says where the resident ones sit
-    (``_resident_layers``)."""
+    (``_resident_layers``). ``cfg`` is validated (``InstanceConfig.validate``); the rules here
+    are those that need the model."""
     backend = cfg.backend
     vram_default, ram_default = (None, None)
     if cfg.vram_budget is None or cfg.ram_budget is None:
@@ -213,8 +211,6 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     layer_costs = costs.layer_bytes
     n = hp.n_layers
     skip = set(cfg.skip_layers or ())
-    if cfg.placement not in PLACEMENTS:
-        raise ConfigError(f"--placement {cfg.placement!r}: choose {' or '.join(PLACEMENTS)}")
     bad = sorted(i for i in skip if not 0 <= i < n)
     if bad:
         raise ConfigError(f"--skip-layers {bad}: the model has layers 0-{n - 1}")
@@ -230,18 +226,18 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
             f"{with_draft} alone need {format_bytes(vram_budget - avail)}; raise it, or shrink the KV cache "
             f"({format_bytes(kv_bytes)} for {costs.kv_tokens} positions) with a smaller --ctx or --max-batch"
         )
-    max_vram_layers = len(kept) if cfg.max_vram_layers is None else min(cfg.max_vram_layers, len(kept))
+    max_vram_layers = len(kept) if cfg.gpu_layers is None else min(cfg.gpu_layers, len(kept))
     tiers = [SKIPPED if i in skip else STORAGE for i in range(n)]
     device_slots_total = 0
     if max_vram_layers == len(kept) and sum(layer_costs[i] for i in kept) <= avail:
         for i in kept:
             tiers[i] = VRAM
     else:
-        device_slots_total = cfg.slots * slot_bytes
+        device_slots_total = cfg.ring_slots * slot_bytes
         avail -= device_slots_total
         if avail < 0:
             raise ConfigError(
-                f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.slots} device slots of "
+                f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.ring_slots} device slots of "
                 f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}; raise it, or free room "
                 f"with a smaller --ctx or --max-batch (KV cache {format_bytes(kv_bytes)})"
             )
@@ -255,7 +251,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         for i in rest:
             tiers[i] = RAM
     else:
-        host_slots_total = cfg.slots * slot_bytes
+        host_slots_total = cfg.ring_slots * slot_bytes
         ram_avail = ram_budget - host_slots_total
         used = 0
         for i in rest:
@@ -268,7 +264,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         return sum(index.layers[i].nbytes for i in range(n) if tiers[i] == tier)
 
     return Plan(
-        tiers=tuple(tiers), backend=backend, memory_name=costs.memory_name, n_slots=cfg.slots, slot_bytes=slot_bytes,
+        tiers=tuple(tiers), backend=backend, memory_name=costs.memory_name, n_slots=cfg.ring_slots, slot_bytes=slot_bytes,
         vram_budget=vram_budget, ram_budget=ram_budget, globals_bytes=globals_bytes,
         kv_bytes=kv_bytes, kv_tokens=costs.kv_tokens, workspace_bytes=workspace, draft_bytes=draft_bytes,
         device_slot_bytes_total=device_slots_total, host_slot_bytes_total=host_slots_total,

@@ -72,6 +72,9 @@ class SamplingField:
 # every client of the pipeline a hundredfold (docs/RELIABILITY.md)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# the most log-probability alternatives a request may ask per token (logprobs, prompt_logprobs;
+# the OpenAI API's top_logprobs)
+MAX_LOGPROBS = 20
 
 SAMPLING_FIELDS: tuple[SamplingField, ...] = (
     SamplingField(

@@ -20,6 +20,7 @@ from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.backend import Picked
 from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import NumericalError, Sampler, SamplingParams
+from ntx.shared.config import EngineOptions
 
 from .pipeline_util import running_pipeline
 
@@ -109,7 +110,7 @@ def test_a_nan_draft_model_drafts_nothing_and_the_target_answers_alone(nan_model
     target = write_tiny(tmp_path, "target.gguf")  # the same shape and vocabulary as nan_model
     tokens = []
     for kw in ({"draft_model": str(nan_model)}, {}):
-        engine = build_local_engine(str(target), **kw)
+        engine = build_local_engine(str(target), options=EngineOptions(**kw))
         engine.submit(Request(id="a", prompt_tokens=[1, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=6)))
         events = []
         while engine.has_work:

@@ -28,7 +28,7 @@ def test_everything_fits_no_slots_reserved(index):
 
 
 def test_all_storage_reserves_both_rings(index):
-    p = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, max_vram_layers=0, slots=3))
+    p = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, gpu_layers=0, ring_slots=3))
     assert p.tiers == (STORAGE,) * 30
     assert p.device_slot_bytes_total == 3 * p.slot_bytes == p.host_slot_bytes_total
     assert p.streamed_bytes_per_pass == index.layer_bytes_total
@@ -51,7 +51,7 @@ def test_layers_fill_vram_then_ram_then_storage_in_order(index):
     assert p.layers_on(RAM) == streamed[:10] and p.layers_on(STORAGE) == streamed[10:]
     assert "7 layers 2,6,10,15,19,23,27" in "\n".join(p.describe())
     with pytest.raises(ConfigError, match="--placement 'middle': choose spread or first"):
-        plan_for(index, _cfg(placement="middle", **budgets))
+        _cfg(placement="middle", **budgets).validate()
 
 
 def test_each_backend_reports_its_costs(index):
@@ -65,7 +65,7 @@ def test_each_backend_reports_its_costs(index):
     assert cuda.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 2 and cuda.kv_tokens == 8 * 1024
     assert cpu.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 4 and cpu.kv_tokens == 4 * 1024
     assert cuda.globals_bytes == index.global_bytes_total and cpu.globals_bytes > cuda.globals_bytes
-    plan = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, max_batch=8, max_context=1024))
+    plan = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, max_batch=8, ctx=1024))
     assert (plan.kv_bytes, plan.workspace_bytes, plan.globals_bytes) == (cuda.kv_bytes, cuda.workspace_bytes, cuda.globals_bytes)
     assert plan.memory_name == "VRAM" and "reserved in VRAM" in "\n".join(plan.describe())
 
@@ -80,9 +80,9 @@ def test_budget_too_small_is_one_clear_line(index):
 
 def test_describe_names_every_tier(index):
     lines = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=parse_size("20MiB"),
-                                  max_vram_layers=5, placement="first")).describe()
+                                  gpu_layers=5, placement="first")).describe()
     text = "\n".join(lines)
     assert "vram" in text and "ram" in text and "storage" in text and "0-4" in text
     # a long spread set is shown by its span (status's JSON lists every layer's tier)
-    text = "\n".join(plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, max_vram_layers=14)).describe())
+    text = "\n".join(plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, gpu_layers=14)).describe())
     assert "14 layers    within 1-28" in text

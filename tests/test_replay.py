@@ -14,6 +14,7 @@ from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.replay import ReplayDrafter, load_references, write_references
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.daemons.compute.speculation import DraftRequest, ModelDrafter
+from ntx.shared.config import EngineOptions
 from ntx.shared.errors import ConfigError
 
 try:
@@ -81,7 +82,7 @@ def test_replay_files_round_trip_and_bad_ones_are_one_clear_line(tmp_path):
     with pytest.raises(ConfigError, match="--draft-replay .*missing"):
         load_references(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="--draft-replay-p 1.5"):
-        ReplayDrafter([REF], 1.5, n_vocab=10)
+        EngineOptions(draft_replay_p=1.5).validate()
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +102,14 @@ def _generate(engine, prompt, max_tokens) -> dict:
 
 def test_greedy_output_through_replay_is_the_plain_output_at_any_p(tiny, tmp_path):
     prompt = [5, 300, 37, 400, 12]
-    want = _generate(build_engine(tiny, max_context=128), prompt, 24)
+    want = _generate(build_engine(tiny, options=EngineOptions(ctx=128)), prompt, 24)
     path = tmp_path / "replay.json"
     write_references(path, [want["prompt_tokens"] + want["tokens"]])
     n = len(want["tokens"])
     assert n == 24  # no stop token came early
     for p in (0.0, 0.5, 1.0):
-        eng = build_engine(tiny, max_context=128, draft_replay=path, draft_replay_p_wrong=p, draft_tokens=4, draft_width=1)
+        eng = build_engine(tiny, options=EngineOptions(ctx=128, draft_replay=path, draft_replay_p=p, draft_tokens=4,
+                                                       draft_width=1))
         got = _generate(eng, prompt, 24)
         assert got["tokens"] == want["tokens"], p
         spec = got["speculation"]
@@ -124,11 +126,11 @@ def test_replay_runs_the_drafter_it_wraps_and_ignores_its_proposals(tiny, tmp_pa
     """The tiny model as its own draft would accept everything; behind a replay at p = 1 nothing
     is accepted, yet the draft model ran on the sequence (its cache held it)."""
     prompt = [5, 300, 37, 400, 12]
-    want = _generate(build_engine(tiny, max_context=128), prompt, 12)
+    want = _generate(build_engine(tiny, options=EngineOptions(ctx=128)), prompt, 12)
     path = tmp_path / "replay.json"
     write_references(path, [want["prompt_tokens"] + want["tokens"]])
-    eng = build_engine(tiny, max_context=128, draft_model=tiny, draft_replay=path, draft_replay_p_wrong=1.0,
-                       draft_tokens=3)
+    eng = build_engine(tiny, options=EngineOptions(ctx=128, draft_model=tiny, draft_replay=path, draft_replay_p=1.0,
+                                                   draft_tokens=3))
     assert isinstance(eng.drafter, ReplayDrafter) and isinstance(eng.drafter.inner, ModelDrafter)
     inner = eng.drafter.inner
     calls = []
@@ -160,7 +162,7 @@ def test_a_pipeline_started_with_a_replay_drafts_it_and_says_replay(tiny, tmp_pa
     """Through the daemons (one layer resident, three streamed): the file reaches compute, every
     replayed draft is accepted at p = 0, and status and ``ntxctl status`` name the drafter replay."""
     text = "The history of the transistor begins"
-    plain = build_engine(tiny, max_context=128)
+    plain = build_engine(tiny, options=EngineOptions(ctx=128))
     want = _generate(plain, plain.prompt_tokens(prompt=text, raw=True), 9)
     path = tmp_path / "replay.json"
     write_references(path, [want["prompt_tokens"] + want["tokens"]])

@@ -12,13 +12,14 @@ from ntx.daemons.compute.backend import Pick
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.engine import EngineCore, Request
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.config import EngineOptions
 
 FRANCE_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path) -> EngineCore:
-    return build_local_engine(str(smollm2_path), max_batch=4)
+    return build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4))
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.model import FileLayerStream, LlamaModel
 from ntx.daemons.compute.sampler import SamplingParams
-from ntx.shared.config import InstanceConfig
+from ntx.shared.config import EngineOptions, InstanceConfig
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.plan import RAM, SKIPPED, STORAGE, VRAM
@@ -35,9 +35,9 @@ def _plan(index, **kw):
 
 
 def test_plan_places_skipped_layers_nowhere_and_moves_the_rest_up(index):
-    plain = _plan(index, max_vram_layers=10, ram_budget=30 << 20, placement="first")
+    plain = _plan(index, gpu_layers=10, ram_budget=30 << 20, placement="first")
     skip = [3, 15, 27]
-    plan = _plan(index, max_vram_layers=10, ram_budget=30 << 20, skip_layers=skip, placement="first")
+    plan = _plan(index, gpu_layers=10, ram_budget=30 << 20, skip_layers=skip, placement="first")
     assert plan.layers_on(SKIPPED) == skip
     # ten layers still run resident: the first ten that are not skipped
     assert plan.layers_on(VRAM) == [i for i in range(30) if i not in skip][:10]
@@ -48,7 +48,7 @@ def test_plan_places_skipped_layers_nowhere_and_moves_the_rest_up(index):
         == plan.skipped_layer_bytes
     text = "\n".join(plan.describe())
     assert "skipped" in text and "3,15,27" in text and "never read, copied nor run" in text
-    spread = _plan(index, max_vram_layers=10, ram_budget=30 << 20, skip_layers=skip)
+    spread = _plan(index, gpu_layers=10, ram_budget=30 << 20, skip_layers=skip)
     assert len(spread.layers_on(VRAM)) == 10 and not set(skip) & set(spread.layers_on(VRAM))
 
 
@@ -128,7 +128,7 @@ def test_pipeline_never_reads_nor_copies_a_skipped_layer(smollm2_path, tmp_path)
     the in-process engine with the same skip set."""
     skip = [3, 15, 27]
     prompt, n = "The capital of France is", 6
-    want = _greedy(build_local_engine(str(smollm2_path), skip_layers=skip), prompt, n)
+    want = _greedy(build_local_engine(str(smollm2_path), options=EngineOptions(skip_layers=skip)), prompt, n)
     with running_pipeline(str(smollm2_path), tmp_path, "--gpu-layers", "10", "--ram-budget", "30MiB",
                           "--skip-layers", "3,15,27", name="skip") as p:
         st = p.status()

@@ -16,6 +16,7 @@ from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.sampler import Sampler, SamplingParams
 from ntx.daemons.compute.speculation import DraftTree, verify_tree
+from ntx.shared.config import EngineOptions
 from ntx.shared.errors import ConfigError, NtxError
 
 try:
@@ -41,7 +42,7 @@ def _run(engine, requests: list[tuple[str, list[int], dict]]) -> dict[str, dict]
 
 @pytest.fixture(scope="module")
 def plain(smollm2_path):
-    return build_engine(smollm2_path, max_context=256, max_batch=4)
+    return build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4))
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,8 @@ def prompts(plain):
 
 def test_a_model_as_its_own_draft_accepts_every_token_and_changes_nothing(smollm2_path, plain, prompts):
     want = _run(plain, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
-                        draft_width=1)
+    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
+                                                            draft_width=1))
     got = _run(spec, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
     # every drafted token accepted. How deep each pass drafts, or whether it drafts at all, is the
@@ -69,8 +70,8 @@ def test_a_model_as_its_own_draft_accepts_every_token_and_changes_nothing(smollm
 def test_greedy_output_is_identical_with_every_drafter_in_a_batch(smollm2_path, plain, prompts, drafter, width):
     reqs = [(f"r{i}", p, dict(GREEDY, max_tokens=20)) for i, p in enumerate(prompts)]
     want = _run(plain, [(r, p, dict(f)) for r, p, f in reqs])
-    kw = dict(self_draft=range(0, 15)) if drafter == "self-half" else dict(draft_model=smollm2_path)
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_tokens=6, draft_width=width, **kw)
+    kw = dict(self_draft=list(range(0, 15))) if drafter == "self-half" else dict(draft_model=smollm2_path)
+    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_tokens=6, draft_width=width, **kw))
     reqs[2][2]["speculative"] = False  # one request opts out, in the same batch
     got = _run(spec, reqs)
     for rid in want:
@@ -82,22 +83,23 @@ def test_greedy_output_is_identical_with_every_drafter_in_a_batch(smollm2_path, 
 
 
 def test_max_tokens_context_and_stop_strings_end_where_they_would(smollm2_path, plain, prompts):
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=8,
-                        draft_width=2)
+    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=8,
+                                                            draft_width=2))
     for fields in (dict(GREEDY, max_tokens=5), dict(GREEDY, max_tokens=30, stop=[" the"])):
         want = _run(plain, [("x", prompts[0], dict(fields))])["x"]
         got = _run(spec, [("x", prompts[0], dict(fields))])["x"]
         assert (got["tokens"], got["text"], got["finish_reason"]) == (want["tokens"], want["text"], want["finish_reason"])
-    short_plain = build_engine(smollm2_path, max_context=len(prompts[1]) + 9)
-    short_spec = build_engine(smollm2_path, max_context=len(prompts[1]) + 9, draft_model=smollm2_path, draft_tokens=8)
+    short_plain = build_engine(smollm2_path, options=EngineOptions(ctx=len(prompts[1]) + 9))
+    short_spec = build_engine(smollm2_path, options=EngineOptions(ctx=len(prompts[1]) + 9, draft_model=smollm2_path,
+                                                                  draft_tokens=8))
     want = _run(short_plain, [("c", prompts[1], dict(GREEDY, max_tokens=100))])["c"]
     got = _run(short_spec, [("c", prompts[1], dict(GREEDY, max_tokens=100))])["c"]
     assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"] == "length"
 
 
 def test_cancel_between_verify_passes_frees_the_draft_and_the_next_request_is_unaffected(smollm2_path, plain, prompts):
-    spec = build_engine(smollm2_path, max_context=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
-                        draft_width=1)
+    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
+                                                            draft_width=1))
     drafter = spec.drafter
     spec.submit(Request("long", prompts[2], SamplingParams(**GREEDY, max_tokens=200)))
     while spec.spec.passes < 2:
@@ -113,13 +115,13 @@ def test_cancel_between_verify_passes_frees_the_draft_and_the_next_request_is_un
 def test_bad_drafters_are_one_clear_line(smollm2_path, tmp_path):
     other = write_tiny(tmp_path)  # a 512-token vocabulary
     with pytest.raises(ConfigError, match="vocabulary has 512 tokens.*same tokenizer"):
-        build_engine(smollm2_path, draft_model=other)
+        build_engine(smollm2_path, options=EngineOptions(draft_model=other))
     with pytest.raises(ConfigError, match="not both"):
-        build_engine(smollm2_path, draft_model=smollm2_path, self_draft=True)
+        build_engine(smollm2_path, options=EngineOptions(draft_model=smollm2_path, self_draft=True))
     with pytest.raises(ConfigError, match="not resident"):
-        build_engine(smollm2_path, resident_layers=range(10), self_draft=[0, 12])
+        build_engine(smollm2_path, options=EngineOptions(self_draft=[0, 12]), resident_layers=range(10))
     with pytest.raises(NtxError, match="--draft-tokens 0"):
-        build_engine(smollm2_path, self_draft=True, draft_tokens=0)
+        build_engine(smollm2_path, options=EngineOptions(self_draft=True, draft_tokens=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def test_sampling_with_a_self_draft_keeps_the_models_distribution(tmp_path):
     against 1,500 seeded requests with speculation: a chi-square test at p = 0.001."""
     model = write_tiny(tmp_path, type="Q8_0")
     fields = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, max_tokens=3)
-    spec = build_engine(model, max_context=64, max_batch=8, self_draft=[0], draft_tokens=1)
+    spec = build_engine(model, options=EngineOptions(ctx=64, max_batch=8, self_draft=[0], draft_tokens=1))
     prompt = [5, 300, 37, 400]
     m = spec.model
     probe = Sampler(SamplingParams(**fields))
@@ -333,7 +335,8 @@ def test_the_tree_shape_stops_drafting_when_no_draft_is_accepted_and_keeps_probi
 def test_a_self_draft_without_the_most_similar_layers(smollm2_path, plain, prompts):
     """--self-draft-skip: every resident layer but the given ones drafts; output unchanged."""
     want = _run(plain, [("k", prompts[1], dict(GREEDY, max_tokens=12))])["k"]
-    spec = build_engine(smollm2_path, max_context=256, self_draft=True, self_draft_skip=[13, 14], draft_tokens=4)
+    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, self_draft=True, self_draft_skip=[13, 14],
+                                                            draft_tokens=4))
     assert spec.drafter.layers == [i for i in range(30) if i not in (13, 14)]
     got = _run(spec, [("k", prompts[1], dict(GREEDY, max_tokens=12))])["k"]
     assert got["tokens"] == want["tokens"] and got["speculation"]["verify_passes"] > 0

@@ -14,6 +14,7 @@ from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.config import EngineOptions
 from ntx.shared.errors import NtxError
 
 from .pipeline_util import running_pipeline, wait_for
@@ -41,8 +42,8 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
 
 def test_warm_up_is_a_no_op_on_cpu(tiny):
     lines: list[str] = []
-    warm = build_engine(tiny, "cpu", max_batch=2, max_context=64, log=lines.append)
-    cold = build_engine(tiny, "cpu", max_batch=2, max_context=64, warm_up=False)
+    warm = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64), log=lines.append)
+    cold = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64), warm_up=False)
     assert len(lines) == 1 and lines[0].startswith("warm-up done in "), lines
     assert warm.model.next_pass_id == 0  # no pass ran
     assert _greedy(warm, [1, 2, 3, 4], 8) == _greedy(cold, [1, 2, 3, 4], 8)
@@ -55,25 +56,25 @@ def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatc
     calls: list[tuple] = []
     monkeypatch.setattr(LlamaModel, "warm_up", lambda self, spec, log, draft_layers=(), draft_rows=0:
                         calls.append((self, spec, tuple(draft_layers), draft_rows)))
-    eng = build_engine(tiny, "cpu", max_batch=3, max_context=64, prefill_chunk_tokens=32)
+    eng = build_engine(tiny, "cpu", EngineOptions(max_batch=3, ctx=64, prefill_chunk_tokens=32))
     assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=32 + 3, trees=False, eager_rows=(32,)), (), 3)]
     assert calls[0][0] is eng.model
 
     calls.clear()
-    build_engine(tiny, "cpu", max_batch=3, max_context=64, prefill_chunk_tokens=600)
+    build_engine(tiny, "cpu", EngineOptions(max_batch=3, ctx=64, prefill_chunk_tokens=600))
     assert calls[0][1].eager_rows == (600, 128, 256, 512)  # the full chunk, and smaller last chunks
 
     calls.clear()
-    eng = build_engine(tiny, "cpu", max_batch=2, max_context=64, prefill_chunk_tokens=16, self_draft=[0],
-                       draft_tokens=4)
+    eng = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, prefill_chunk_tokens=16, self_draft=[0],
+                                                  draft_tokens=4))
     assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=16 + 2 * 5, trees=True, eager_rows=(16,)), (0,), 2)]
 
     calls.clear()
-    build_engine(tiny, "cpu", max_batch=2, max_context=64, self_draft=True, draft_tokens=4, draft_width=1)
+    build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, self_draft=True, draft_tokens=4, draft_width=1))
     assert calls[0][1].trees is False  # chains only: no tree mask ever
 
     calls.clear()
-    eng = build_engine(tiny, "cpu", max_batch=2, max_context=64, prefill_chunk_tokens=16, draft_model=tiny)
+    eng = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, prefill_chunk_tokens=16, draft_model=tiny))
     assert len(calls) == 2 and calls[1][0] is eng.drafter.model
     assert calls[1][1] == WarmUp(max_rows=64, eager_rows=(16,))
 
@@ -84,7 +85,7 @@ def test_a_failing_warm_up_fails_the_build_with_one_line(tiny, monkeypatch):
 
     monkeypatch.setattr(Backend, "warm_up", broken)
     with pytest.raises(NtxError, match=r"^warm-up failed: RuntimeError: no kernel image is available$"):
-        build_engine(tiny, "cpu", max_batch=2, max_context=64)
+        build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64))
 
 
 def test_compute_daemon_warms_up_before_ready(tiny, run_dir):

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ntx.shared.sampling_fields import MAX_LOGPROBS
+
 # OpenAI name -> ntx wire name; the values are checked by the pipeline (shared/sampling_fields).
 SAMPLING_MAP = {
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "max_tokens": "max_tokens",
@@ -20,7 +22,6 @@ SAMPLING_MAP = {
     # llama-server's extensions, same meaning
     "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
 }
-MAX_TOP_LOGPROBS = 20
 # Fields that ask for something ntx does not do: refused while they hold anything but these.
 UNSUPPORTED = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
@@ -96,8 +97,8 @@ class Parsed:
 
 
 def _logprobs_k(n: Any, param: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
-        raise ApiError(400, f"{param} must be an integer from 0 to {MAX_TOP_LOGPROBS}", param=param)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(400, f"{param} must be an integer from 0 to {MAX_LOGPROBS}", param=param)
     return n
 
 

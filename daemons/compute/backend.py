@@ -29,6 +29,7 @@ import numpy as np
 from ntx.daemons.compute.batch import StepBatch
 from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex, open_model
 from ntx.shared.config import InstanceConfig
+from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.plan import MemoryCosts, Plan, make_plan
 
 MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the whole row is copied
@@ -385,16 +386,18 @@ def memory_costs(name: str, index: ModelIndex, *, max_seqs: int, max_ctx: int, p
 def plan_for(index: ModelIndex, cfg: InstanceConfig) -> Plan:
     """The tier plan of an instance: ``cfg``'s budgets against what its backend reports it holds
     (for the model, and for the draft model first when there is one)."""
-    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.max_context, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
     draft = None
     if cfg.draft_model:
         draft = memory_costs(cfg.backend, open_model(cfg.draft_model), **sizes)
     return make_plan(index, cfg, memory_costs(cfg.backend, index, **sizes), draft)
 
 
-def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096) -> Backend:
+def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096,
+                 kernels: KernelOptions | None = None) -> Backend:
     """The backend called ``name``, sized for ``max_seqs`` sequences of up to ``max_ctx``
-    positions (the cuda backend reserves its KV cache up front)."""
+    positions (the cuda backend reserves its KV cache up front); ``kernels``: the cuda kernels'
+    switches (None: their defaults; the cpu backend has none)."""
     cls = backend_class(name)
     if name == "cuda":
         return cls(index, max_seqs=max_seqs, max_ctx=max_ctx)

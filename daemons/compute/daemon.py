@@ -14,16 +14,16 @@ from typing import Any
 
 import zmq
 
-from ntx.daemons.compute.backend import make_backend
 from ntx.daemons.compute.engine import EngineCore, Request, RequestError
-from ntx.daemons.compute.factory import build_engine, warm_up_engine
+from ntx.daemons.compute.factory import backend_for, build_engine, warm_up_engine
 from ntx.daemons.compute.ring_stream import RingStream
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared import messages as m
+from ntx.shared.config import InstanceConfig
 from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
-from ntx.shared.plan import SKIPPED, VRAM, Plan
+from ntx.shared.plan import VRAM, Plan
 from ntx.shared.sampling_fields import from_wire
 from ntx.shared.stats import StageClock
 
@@ -45,11 +45,11 @@ class ComputeDaemon(Daemon):
     name = "compute"
 
     def setup(self, config: m.Config) -> m.Ready:
-        cfg = config.instance
+        cfg = InstanceConfig.from_dict(config.instance)
         self.cfg = cfg
-        self.index = open_model(cfg["model"])
+        self.index = open_model(cfg.model)
         self.plan = Plan.from_dict(config.plan)
-        self.backend = make_backend(cfg["backend"], self.index, max_seqs=cfg["max_batch"], max_ctx=cfg["max_context"])
+        self.backend = backend_for(cfg.backend, self.index, cfg)
         self.clock = StageClock("compute")
         streamed = self.plan.streamed_layers
         descriptors: list[Any] = []
@@ -65,16 +65,9 @@ class ComputeDaemon(Daemon):
                 self.ring, slot_bufs, streamed, {i: self.index.layers[i].nbytes for i in streamed},
                 self.clock, on_wait=self._on_wait, before_release=self.backend.sync,
             )
-        self.engine: EngineCore = build_engine(
-            self.index, self.backend, resident_layers=self.plan.layers_on(VRAM), stream=stream,
-            skip_layers=self.plan.layers_on(SKIPPED),
-            max_batch=cfg["max_batch"], max_context=cfg["max_context"], prefill_chunk_tokens=cfg["prefill_chunk_tokens"],
-            self_draft=(cfg["self_draft_layers"] or True) if cfg["self_draft"] else False,
-            self_draft_skip=cfg["self_draft_skip"] or (),
-            draft_model=cfg["draft_model"], draft_tokens=cfg["draft_tokens"], draft_width=cfg["draft_width"],
-            draft_replay=cfg["draft_replay"], draft_replay_p_wrong=cfg["draft_replay_p_wrong"],
-            warm_up=False,
-        )
+        # the plan's skipped layers are cfg.skip_layers (make_plan)
+        self.engine: EngineCore = build_engine(self.index, self.backend, cfg, resident_layers=self.plan.layers_on(VRAM),
+                                               stream=stream, warm_up=False)
         # before ready: no request pays for compiling kernels or recording graphs
         self.warm_up_s = warm_up_engine(self.engine, self.say)
         self.active = False

@@ -25,11 +25,10 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import NumericalError, Sampler, SamplingParams, StopMatcher, logprobs_topk
-from ntx.daemons.compute.speculation import MAX_DRAFT_TOKENS, Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
+from ntx.daemons.compute.speculation import Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
 from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
 from ntx.shared.errors import NtxError
-
-MAX_LOGPROBS = 20
+from ntx.shared.sampling_fields import MAX_LOGPROBS
 
 
 class RequestError(NtxError):
@@ -135,8 +134,6 @@ class EngineCore:
         self._ahead: _Ahead | None = None
         self.passes_fed = 0  # passes queued ahead, fed on the device (run_ahead)
         self.drafter = drafter
-        if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
-            raise NtxError(f"--draft-tokens {draft_tokens}: choose 1 to {MAX_DRAFT_TOKENS}")
         self.draft_tokens = draft_tokens
         self.shape = TreeShape(draft_tokens, draft_width)  # None: the width is chosen as it measures
         self.spec = SpecCounts()  # over every request

@@ -59,8 +59,6 @@ class ReplayDrafter(Drafter):
 
     def __init__(self, references: Sequence[Sequence[int]], p_wrong: float, n_vocab: int, *, seed: int = 0,
                  inner: Drafter | None = None) -> None:
-        if not 0.0 <= p_wrong <= 1.0:
-            raise ConfigError(f"--draft-replay-p {p_wrong}: a probability, from 0 to 1")
         if n_vocab < 2:
             raise ConfigError("a replay drafter needs a vocabulary of at least 2 tokens to make a token wrong")
         self.references = [tuple(r) for r in references]

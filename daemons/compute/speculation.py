@@ -39,12 +39,11 @@ from ntx.daemons.compute.backend import Pick, Picked
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import Sampler
-from ntx.shared.config import MAX_DRAFT_TOKENS
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import ModelIndex
 
-__all__ = ["MAX_DRAFT_TOKENS", "DraftTree", "DraftRequest", "Drafter", "PassDrafter", "SelfDrafter", "ModelDrafter",
-           "TreeShape", "check_same_vocabulary", "verify_tree"]
+__all__ = ["DraftTree", "DraftRequest", "Drafter", "PassDrafter", "SelfDrafter", "ModelDrafter", "TreeShape",
+           "check_same_vocabulary", "verify_tree"]
 
 
 @dataclass

@@ -27,6 +27,7 @@ import zmq
 from ntx.daemons.dma.copier import make_copier
 from ntx.daemons.dma.ring_state import RingState
 from ntx.shared import messages as m
+from ntx.shared.config import InstanceConfig
 from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.gguf_index import open_model
 from ntx.shared.layer_bytes import read_layer_into
@@ -39,12 +40,12 @@ class DmaDaemon(Daemon):
     name = "dma"
 
     def setup(self, config: m.Config) -> m.Ready:
-        cfg = config.instance
-        self.index = open_model(cfg["model"])
+        cfg = InstanceConfig.from_dict(config.instance)
+        self.index = open_model(cfg.model)
         self.plan = Plan.from_dict(config.plan)
         names = config.shm_names
         self.owned: list[ShmSegment] = []
-        self.copier = make_copier(cfg["backend"], config.device_slots)
+        self.copier = make_copier(cfg.backend, config.device_slots)
         self.n_dev_slots = len(config.device_slots)
 
         # pinned-RAM tier: every RAM layer in slot layout, loaded once; slot_bytes is whole

@@ -17,6 +17,7 @@ import zmq
 
 from ntx.daemons.reader.io import SpanReader
 from ntx.shared import messages as m
+from ntx.shared.config import InstanceConfig
 from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
@@ -28,12 +29,12 @@ class ReaderDaemon(Daemon):
     name = "reader"
 
     def setup(self, config: m.Config) -> m.Ready:
-        cfg = config.instance
-        self.index = open_model(cfg["model"])
+        cfg = InstanceConfig.from_dict(config.instance)
+        self.index = open_model(cfg.model)
         self.slots = [ShmSegment.open(name) for name in config.host_slots]
         self.slot_arrays = [s.array() for s in self.slots]
         self.readers = {
-            p: SpanReader(p, mode=cfg["io_mode"], chunk_bytes=cfg["read_chunk_bytes"], queue_depth=cfg["read_queue_depth"])
+            p: SpanReader(p, mode=cfg.io, chunk_bytes=cfg.read_chunk_bytes, queue_depth=cfg.read_queue_depth)
             for p in self.index.paths
         }
         first = next(iter(self.readers.values()))

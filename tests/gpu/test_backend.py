@@ -21,6 +21,7 @@ from ntx.daemons.compute.backend import Pick, pick_on_host  # noqa: E402
 from ntx.daemons.compute.batch import SeqChunk, StepBatch  # noqa: E402
 from ntx.daemons.compute.engine import Request  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
+from ntx.shared.config import EngineOptions  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"]
@@ -56,7 +57,7 @@ def _logits_both(model: str, prompt: list[int], decode_steps: int):
     """Logits of a prefill (all positions) and of decode steps, on cpu and cuda."""
     outs = []
     for backend in ("cpu", "cuda"):
-        eng = build_local_engine(model, backend=backend, max_batch=4, max_context=256)
+        eng = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256))
         m = eng.model
         m.backend.alloc_sequence(0, 256)
         pre = m.forward(StepBatch([SeqChunk(0, 0, tuple(prompt), all_logits=True)]))
@@ -71,7 +72,7 @@ def _logits_both(model: str, prompt: list[int], decode_steps: int):
 
 
 def _greedy(model: str, backend: str, prompt_ids: list[int], n: int, **kw) -> list[int]:
-    eng = build_local_engine(model, backend=backend, max_batch=4, max_context=512, **kw)
+    eng = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=512), **kw)
     eng.submit(Request("g", list(prompt_ids), SamplingParams(temperature=0.0, max_tokens=n)))
     while eng.has_work:
         for ev in eng.step():
@@ -111,7 +112,7 @@ def test_synthetic_rope_freqs_untied_greedy(synth_dir):
 def test_batched_decode_equals_alone_and_graphs_replay():
     """Two sequences decoding in one pass (graph-captured) equal each run alone, step after step."""
     model = _smollm2()
-    eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=256)
+    eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
     # 4 tokens each: the shared prefill pass (T = 8) and the decode passes take the same matvec path
     prompts = [[504, 3575, 282, 4649], [1780, 314, 216, 34]]
     alone = [_greedy(model, "cuda", p, 12) for p in prompts]
@@ -131,7 +132,7 @@ def test_run_ahead_decodes_the_tokens_of_one_pass_at_a_time():
     on cuda), give the tokens of passes run one at a time; a request that ends on its stop
     token while a pass holding its row is queued, and a cancel, leave the others unchanged."""
     model = _smollm2()
-    eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=256)
+    eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
     assert eng.run_ahead
     eos_prompt = eng.prompt_tokens(prompt="Reply with one word: yes or no. Is water wet?")
     prompts = {"a": [504, 3575, 282, 4649, 314], "b": [1780, 314, 216, 34], "eos": eos_prompt}
@@ -167,7 +168,7 @@ def test_device_pick_equals_selection_from_copied_logits(synth_dir):
     """Sampling on the GPU, kernel level: the device-side top-k and log-normaliser give exactly
     the ids and values that selecting from the copied [N, V] logits gives, for every kind of row
     in one batch (scored prompt rows with their actual token's value, a sampler's top-40, greedy top-1, a whole row)."""
-    eng = build_local_engine(_synth(synth_dir, "Q8_0"), backend="cuda", max_batch=4, max_context=256)
+    eng = build_local_engine(_synth(synth_dir, "Q8_0"), backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
     m = eng.model
     for sid in range(3):
         m.backend.alloc_sequence(sid, 256)
@@ -195,7 +196,7 @@ def test_engine_samples_on_device_as_from_full_logits(synth_dir):
     model = _synth(synth_dir, "Q4_K")
     runs = []
     for device_pick in (True, False):
-        eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=256)
+        eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
         b = eng.model.backend
         if not device_pick:
             b.pick = lambda ws, picks, b=b: pick_on_host(b.logits(ws), picks)
@@ -237,7 +238,7 @@ def test_tree_verify_logits_match_cpu(synth_dir):
     model = _synth(synth_dir, "Q8_0")
     outs = []
     for backend in ("cpu", "cuda"):
-        m = build_local_engine(model, backend=backend, max_batch=4, max_context=256).model
+        m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).model
         for sid in range(3):
             m.backend.alloc_sequence(sid, 256)
         m.forward(StepBatch([SeqChunk(0, 0, PROMPT), SeqChunk(1, 0, PROMPT[:4]), SeqChunk(2, 0, PROMPT[2:])]))
@@ -257,7 +258,7 @@ def test_kv_keep_path_decodes_as_the_plain_path(synth_dir, backend):
     logits of a sequence that was fed that path as a plain chunk: the kept keys and values are
     the path's, in its order, in every layer."""
     model = _synth(synth_dir, "Q8_0")
-    m = build_local_engine(model, backend=backend, max_batch=4, max_context=256).model
+    m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).model
     n = len(PROMPT)
     path_tokens = tuple(TREE_TOKENS[r] for r in TREE_PATH)
     for sid in (0, 1):

@@ -11,6 +11,7 @@ import pytest
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.config import EngineOptions
 
 from ..pipeline_util import ntxctl, running_pipeline
 
@@ -32,7 +33,7 @@ def _model(tmp_path) -> str:
 def test_three_tier_pipeline_on_gpu_equals_resident(tmp_path):
     model = _model(tmp_path)
     prompts = ["The capital of France is", "Water boils at a temperature of"]
-    eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=512)
+    eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=512))
     ref = {}
     for p in prompts:
         eng.submit(Request(p, eng.prompt_tokens(prompt=p, raw=True), SamplingParams(temperature=0.0, max_tokens=24)))

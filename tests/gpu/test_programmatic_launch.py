@@ -15,6 +15,7 @@ cp = pytest.importorskip("cupy")
 from ntx.ctl.local import build_local_engine  # noqa: E402
 from ntx.daemons.compute.batch import SeqChunk, StepBatch  # noqa: E402
 from ntx.daemons.compute.cuda import kernels as K  # noqa: E402
+from ntx.shared.config import EngineOptions  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
 
@@ -26,7 +27,7 @@ def test_on_where_the_device_has_it():
 def _passes(model: str, rows: int) -> np.ndarray:
     """Logits of a 12-token prefill per sequence and 6 decode steps of `rows` sequences at once
     (captured graphs: 1 row takes the i16 matvec, 4 rows mmq where the type has it)."""
-    eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=128)
+    eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=128))
     m = eng.model
     out = []
     for s in range(rows):

@@ -24,6 +24,7 @@ from ntx.daemons.compute.cuda.memory import POOL_UNIT_BYTES, graph_workspaces_by
 from ntx.daemons.compute.engine import Request  # noqa: E402
 from ntx.daemons.compute.factory import build_engine  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
+from ntx.shared.config import EngineOptions  # noqa: E402
 from ntx.shared.gguf_index import open_model  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
@@ -70,8 +71,8 @@ def _pool_bytes(a) -> int:
 
 
 def test_warm_up_builds_every_bucket_and_touches_no_cache(model):
-    eng = build_engine(model, "cuda", max_batch=MAX_BATCH, max_context=256, self_draft=[0, 1], draft_tokens=6,
-                       draft_width=3)
+    eng = build_engine(model, "cuda", EngineOptions(max_batch=MAX_BATCH, ctx=256, self_draft=[0, 1], draft_tokens=6,
+                                                    draft_width=3))
     be = eng.model.backend
     sizes = bucket_sizes(MAX_GRAPH_ROWS)
     assert sorted(be.works) == sizes
@@ -95,7 +96,7 @@ def test_first_request_of_each_bucket_records_no_graph_and_compiles_nothing(mode
     trees of varying sizes: after the warm-up none of them records a graph or loads a module,
     and the first request of each size takes about as long as the next one."""
     kw = dict(self_draft=[0, 1], draft_tokens=6, draft_width=3) if drafting else {}
-    eng = build_engine(model, "cuda", max_batch=MAX_BATCH, max_context=256, **kw)
+    eng = build_engine(model, "cuda", EngineOptions(max_batch=MAX_BATCH, ctx=256, **kw))
     be = eng.model.backend
     n_graphs, n_modules = len(be.graphs), len(K._modules)
     slow = []
@@ -122,7 +123,7 @@ def test_padded_captured_passes_give_the_tokens_of_eager_passes(model, drafting)
     outs = []
     for use_graphs in (True, False):
         backend = CudaBackend(index, max_seqs=4, max_ctx=256, use_graphs=use_graphs)
-        eng = build_engine(index, backend, max_batch=4, max_context=256, **kw)
+        eng = build_engine(index, backend, EngineOptions(max_batch=4, ctx=256, **kw))
         outs.append(_run(eng, prompts, 16))
         m = eng.model
         m.backend.alloc_sequence(99, 64)

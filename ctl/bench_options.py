@@ -1,0 +1,59 @@
+"""``ntxctl bench``'s options that are no instance option: the spec scenario's knobs and the
+context of the other scenarios. Apart from ``ctl/bench.py`` so that ntxctl reads their defaults
+for its ``--help`` without importing the benchmark (numpy, the daemons' parts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ntx.shared.config import MAX_DRAFT_TOKENS
+from ntx.shared.errors import ConfigError
+
+BENCH_CTX = 512  # positions per sequence in (a), (b), (c), (d), check and skip: the prompt and the generated tokens fit
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """The spec scenario's knobs (``ntxctl bench --spec-*``); small values keep a CPU run short.
+
+    ``verify_draft_tokens``: the chain lengths K timed, each for ``verify_passes`` verify passes
+    after one warm-up pass; ``accept_draft_tokens`` K and ``accept_length`` the expected accepted
+    tokens per pass of the controlled-acceptance run, ``accept_tokens`` the tokens it generates;
+    ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid); ``batch`` > 1:
+    the controlled-acceptance runs again with that many concurrent requests, beside plain."""
+
+    verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
+    verify_passes: int = 2
+    accept_draft_tokens: int = 8
+    accept_length: float = 6.0
+    accept_tokens: int = 64
+    draft_model: str | None = None
+    batch: int = 1
+
+    def validate(self) -> SpecOptions:
+        for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
+                         ("--spec-accept-draft-tokens", (self.accept_draft_tokens,))):
+            if not ks or not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
+                raise ConfigError(f"{flag} {','.join(map(str, ks))}: each from 1 to {MAX_DRAFT_TOKENS}")
+        if self.verify_passes < 1:
+            raise ConfigError(f"--spec-verify-passes {self.verify_passes}: at least 1")
+        if not 0 <= self.accept_length <= self.accept_draft_tokens:
+            raise ConfigError(f"--spec-accept-length {self.accept_length}: from 0 to --spec-accept-draft-tokens "
+                              f"({self.accept_draft_tokens})")
+        if self.accept_tokens < 2:
+            raise ConfigError(f"--spec-tokens {self.accept_tokens}: at least 2")
+        if self.batch < 1:
+            raise ConfigError(f"--spec-batch {self.batch}: at least 1")
+        return self
+
+    def verify_tokens(self, k: int) -> int:
+        """max_tokens of a timed chain run: the prefill's token, then ``verify_passes`` passes that
+        each draft k tokens and, every one right, yield k + 1 (a pass drafts only what max_tokens
+        leaves room for, so fewer would shorten the last chains)."""
+        return 1 + self.verify_passes * (k + 1)
+
+    @property
+    def reference_tokens(self) -> int:
+        """The greedy continuation the plain run must record: what the longest run replays."""
+        return max([self.verify_tokens(k) for k in self.verify_draft_tokens]
+                   + [self.accept_tokens, self.accept_draft_tokens + 2])
