@@ -1,4 +1,4 @@
-"""The one way an engine is assembled: model file, backend, layer source, tokenizer, engine core.
+"""The one way an engine is assembled: model file, backend, layer source, drafter, engine core.
 
 ``ntxctl generate --local``, the compute daemon, the in-process benchmarks and the tests all
 build their engines here, so a model is sized, loaded and wired the same way everywhere.
@@ -15,9 +15,9 @@ from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
 from ntx.daemons.compute.replay import ReplayDrafter, load_references
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
-from ntx.daemons.compute.tokenizer import Tokenizer
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
+from ntx.shared.vocab import end_of_generation_ids
 
 DEFAULT_CONTEXT = 4096  # positions per sequence when the caller names none (the model may allow more)
 
@@ -76,7 +76,7 @@ def build_engine(
     if draft_replay is not None:
         drafter = ReplayDrafter(load_references(draft_replay), draft_replay_p_wrong, index.hparams.n_vocab,
                                 inner=drafter)
-    engine = EngineCore(llama, Tokenizer.from_metadata(index.metadata), max_batch=max_batch,
+    engine = EngineCore(llama, stop_token_ids=end_of_generation_ids(index.metadata), max_batch=max_batch,
                         prefill_chunk_tokens=prefill_chunk_tokens, max_context=max_context,
                         drafter=drafter, draft_tokens=draft_tokens, draft_width=draft_width)
     if warm_up:
