@@ -227,22 +227,24 @@ class _MmapPageableStream(FileLayerStream):
 
 def run_in_process(label: str, model: str, backend: str, resident: list[int] | None, tokens: int, batch: int,
                    naive: bool) -> dict[str, Any]:
-    from ntx.daemons.compute.engine import Request
+    from ntx.ctl.local import LocalEngine
     from ntx.daemons.compute.factory import build_engine
-    from ntx.daemons.compute.sampler import SamplingParams
+    from ntx.shared.messages import EngineRequest
+    from ntx.shared.sampling_fields import SamplingParams
 
     index = open_model(model)
     stream = _MmapPageableStream(index) if naive else None
     t0 = time.perf_counter()
-    eng = build_engine(index, backend, resident_layers=resident, stream=stream, max_batch=max(batch, 1), max_context=512)
+    eng = LocalEngine(build_engine(index, backend, resident_layers=resident, stream=stream, max_batch=max(batch, 1),
+                                   max_context=512))
     load_s = time.perf_counter() - t0
     ids = eng.prompt_tokens(prompt=PROMPT, raw=True)
     if not naive:  # compile kernels and capture the decode graphs before timing
-        eng.submit(Request(f"{label}-warmup", ids, SamplingParams(temperature=0.0, max_tokens=3)))
+        eng.submit(EngineRequest(f"{label}-warmup", ids, SamplingParams(temperature=0.0, max_tokens=3)))
         while eng.has_work:
             eng.step()
     for i in range(batch):
-        eng.submit(Request(f"{label}{i}", ids, SamplingParams(temperature=0.0, max_tokens=tokens)))
+        eng.submit(EngineRequest(f"{label}{i}", ids, SamplingParams(temperature=0.0, max_tokens=tokens)))
     first = None
     n = 0
     toks: dict[str, list[int]] = {}
