@@ -9,8 +9,8 @@ import os
 import pytest
 
 from ntx.ctl.local import build_local_engine
-from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.messages import EngineRequest
 
 from ..pipeline_util import ntxctl, running_pipeline
 
@@ -35,7 +35,7 @@ def test_three_tier_pipeline_on_gpu_equals_resident(tmp_path):
     eng = build_local_engine(model, backend="cuda", max_batch=4, max_context=512)
     ref = {}
     for p in prompts:
-        eng.submit(Request(p, eng.prompt_tokens(prompt=p, raw=True), SamplingParams(temperature=0.0, max_tokens=24)))
+        eng.submit(EngineRequest(p, eng.prompt_tokens(prompt=p, raw=True), SamplingParams(temperature=0.0, max_tokens=24)))
     while eng.has_work:
         for ev in eng.step():
             if ev["type"] == "done":
