@@ -17,7 +17,7 @@ from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import OutputProcessor, RequestFront
 from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.factory import build_engine
-from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.ctl.tokenizer import Tokenizer
 from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import EngineError, EngineEvent, EngineRequest, Reply
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ntx.ctl.request_limits import RequestLimits
-from ntx.daemons.compute.chat import ChatTemplate
-from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
+from ntx.ctl.chat import ChatTemplate
+from ntx.ctl.tokenizer import IncrementalDecoder, Tokenizer
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.messages import (GENERATE_FIELDS, MAX_LOGPROBS, MESSAGE_ENTRY_FIELDS, DoneReply, EngineOutput,

@@ -1,7 +1,7 @@
 """What the engine needs of a model's vocabulary without its text side: which token ids end a
 generation (``end_of_generation_ids``), and the GGUF token types that rule says it by.
 
-The tokenizer (``daemons/compute/tokenizer.py``, held by the supervisor's front) reads the same
+The tokenizer (``ctl/tokenizer.py``, held by the supervisor's front) reads the same
 metadata for text; the engine core only stops on these ids, so the compute daemon reads them
 here, from the metadata alone, and never builds a tokenizer.
 """

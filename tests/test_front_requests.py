@@ -12,7 +12,7 @@ from gguf import GGUFValueType as VT
 from ntx.ctl.local import LocalEngine
 from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import RequestFront, parse_generate
-from ntx.daemons.compute.chat import ChatTemplate
+from ntx.ctl.chat import ChatTemplate
 from ntx.daemons.compute.factory import build_engine
 from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import DoneReply, EngineOutput, EngineRequest, RequestError, TokenReply
