@@ -19,8 +19,8 @@ compute's last output for it, which is dropped.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 from ntx.ctl.front import ClientFront, Connection
 from ntx.ctl.request_limits import MAX_QUEUED_BYTES, MAX_QUEUED_REQUESTS, MAX_REQUESTS_PER_CONNECTION, RequestLimits
@@ -50,6 +50,7 @@ def request_log_line(rid: str, reply: m.DoneReply | m.ErrorReply) -> str:
             + (f"{tok_s:.1f} tok/s" if tok_s is not None else "no decode"))
 
 
+@dataclass(eq=False)
 class Admission:
     """The pending queue, the compute window, the requests in flight and their routes.
 
@@ -58,24 +59,21 @@ class Admission:
     now; ``log`` (or None) gets one line per finished request. ``closed`` refuses new requests
     (the instance is stopping)."""
 
-    def __init__(self, front: ClientFront, requests: RequestFront, limits: RequestLimits,
-                 send_compute: Callable[[m.Message], bool], compute_ready: Callable[[], bool],
-                 log: Callable[[str], None] | None) -> None:
-        self.front = front
-        self.requests = requests
-        self.limits = limits
-        self.send_compute = send_compute
-        self.compute_ready = compute_ready
-        self.log = log
-        self.closed = False
-        self.inflight: dict[str, Flight] = {}  # internal id -> its owner and output
-        self.by_client: dict[tuple[int, str], str] = {}  # (connection serial, client id) -> internal id
-        # requests waiting for room at compute: internal id -> (engine request, frame bytes)
-        self.pending: dict[str, tuple[m.EngineRequest, int]] = {}
-        self.pending_bytes = 0
-        self.at_compute: set[str] = set()  # sent to compute, its last output not yet seen
-        self.cancel_sent: set[str] = set()
-        self._ids = itertools.count()
+    front: ClientFront
+    requests: RequestFront
+    limits: RequestLimits
+    send_compute: Callable[[m.Message], bool]
+    compute_ready: Callable[[], bool]
+    log: Callable[[str], None] | None
+    closed: bool = False
+    inflight: dict[str, Flight] = field(default_factory=dict)  # internal id -> its owner and output
+    by_client: dict[tuple[int, str], str] = field(default_factory=dict)  # (connection serial, client id) -> internal id
+    # requests waiting for room at compute: internal id -> (engine request, frame bytes)
+    pending: dict[str, tuple[m.EngineRequest, int]] = field(default_factory=dict)
+    pending_bytes: int = 0
+    at_compute: set[str] = field(default_factory=set)  # sent to compute, its last output not yet seen
+    cancel_sent: set[str] = field(default_factory=set)
+    _ids: Iterator[int] = field(default_factory=itertools.count)
 
     # -- from clients -----------------------------------------------------------------------
     def generate(self, conn: Connection, msg: dict[str, Any], n_bytes: int) -> None:

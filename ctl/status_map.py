@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ntx.ctl.admission import Admission
@@ -24,18 +25,17 @@ from ntx.shared.stats import bottleneck
 OPERATOR_STATUS_FIELDS = ("model", "listen", "supervisor_pid", "reason")
 
 
+@dataclass(eq=False)
 class InstanceStatus:
     """The status map of one instance (``build``), from the roles that hold its parts."""
 
-    def __init__(self, cfg: InstanceConfig, plan: Plan, paths: InstancePaths, gens: Generations,
-                 admission: Admission, gateway: GatewayProcess) -> None:
-        self.cfg = cfg
-        self.plan = plan
-        self.paths = paths
-        self.gens = gens
-        self.admission = admission
-        self.gateway = gateway
-        self.started_s = time.monotonic()
+    cfg: InstanceConfig
+    plan: Plan
+    paths: InstancePaths
+    gens: Generations
+    admission: Admission
+    gateway: GatewayProcess
+    started_s: float = field(default_factory=time.monotonic)
 
     def build(self, operator: bool = True) -> dict[str, Any]:
         """The status map; without ``operator``, less what only operators see (paths, pids)."""
