@@ -176,6 +176,12 @@ class Admission:
         if error is not None:
             self.front.send(flight.conn, flight.out.failed(*error))
 
+    def abort(self, rid: str, code: str, message: str) -> None:
+        """End one request with an error, wherever it is (its compute side is cancelled)."""
+        if rid in self.inflight:
+            self.end_request(rid, error=(code, message))
+        self.cancel_at_compute(rid)
+
     def fail_pending(self, code: str, message: str) -> None:
         """Answer every request not yet at compute with an error."""
         for rid in list(self.pending):

@@ -119,7 +119,12 @@ class Supervisor:
         msg = self.gens.on_message(ident, frame)
         if isinstance(msg, m.EngineOutputs):
             for ev in msg.events:
-                self.admission.route(ev)
+                try:
+                    self.admission.route(ev)
+                except Exception as e:  # noqa: BLE001 - one request's output ends that request, not the others
+                    self.say(f"request {ev.id}: its output failed at the front: {type(e).__name__}: {str(e)[:200]}")
+                    self.admission.abort(ev.id, "internal_error", f"the server failed on this request's output "
+                                                                  f"({type(e).__name__}); it was cancelled")
         elif isinstance(msg, m.Drained):
             self.drain_deadline_s = None
             self.gens.shutdown()
