@@ -23,8 +23,8 @@ from ntx.daemons.compute.cuda.buckets import MAX_GRAPH_ROWS, bucket_sizes  # noq
 from ntx.daemons.compute.cuda.memory import POOL_UNIT_BYTES, graph_workspaces_bytes  # noqa: E402
 from ntx.daemons.compute.factory import build_engine  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
-from ntx.shared.messages import EngineOutput, EngineRequest  # noqa: E402
 from ntx.shared.gguf_index import open_model  # noqa: E402
+from ntx.shared.messages import EngineOutput, EngineRequest  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
 MAX_BATCH = 8
