@@ -231,23 +231,24 @@ def run_in_process(label: str, model: str, base: InstanceConfig, resident: list[
     """One scenario in this process: ``model`` on ``base``'s backend with its context and kernels,
     ``resident`` layers resident (None: all), the others read from the file every pass (through
     an mmap of it when ``naive``)."""
-    from ntx.daemons.compute.engine import Request
+    from ntx.ctl.local import LocalEngine
     from ntx.daemons.compute.factory import build_engine
-    from ntx.daemons.compute.sampler import SamplingParams
+    from ntx.shared.messages import EngineRequest
+    from ntx.shared.sampling_fields import SamplingParams
 
     index = open_model(model)
     stream = _MmapPageableStream(index) if naive else None
     t0 = time.perf_counter()
     options = EngineOptions(max_batch=max(batch, 1), ctx=base.ctx, kernels=base.kernels)
-    eng = build_engine(index, base.backend, options, resident_layers=resident, stream=stream)
+    eng = LocalEngine(build_engine(index, base.backend, options, resident_layers=resident, stream=stream))
     load_s = time.perf_counter() - t0
     ids = eng.prompt_tokens(prompt=PROMPT, raw=True)
     if not naive:  # compile kernels and capture the decode graphs before timing
-        eng.submit(Request(f"{label}-warmup", ids, SamplingParams(temperature=0.0, max_tokens=3)))
+        eng.submit(EngineRequest(f"{label}-warmup", ids, SamplingParams(temperature=0.0, max_tokens=3)))
         while eng.has_work:
             eng.step()
     for i in range(batch):
-        eng.submit(Request(f"{label}{i}", ids, SamplingParams(temperature=0.0, max_tokens=tokens)))
+        eng.submit(EngineRequest(f"{label}{i}", ids, SamplingParams(temperature=0.0, max_tokens=tokens)))
     first = None
     n = 0
     toks: dict[str, list[int]] = {}

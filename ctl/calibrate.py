@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ntx.ctl.perplexity import cut_chunks, read_text, tokenize
-from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.ctl.tokenizer import Tokenizer
 from ntx.shared.errors import NtxError
 
 PROFILE_FORMAT = "ntx-skip-profile/1"

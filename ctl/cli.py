@@ -343,13 +343,13 @@ def _local_events(engine):
 
 def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, options: EngineOptions) -> None:
     from ntx.ctl.local import build_local_engine
-    from ntx.daemons.compute.engine import Request
+    from ntx.shared.messages import EngineRequest
 
     t0 = time.monotonic()
     engine = build_local_engine(model_path, progress=True, options=options)
     load_s = time.monotonic() - t0
     ids = engine.prompt_tokens(prompt=prompt, raw=raw)
-    engine.submit(Request(id="cli", prompt_tokens=ids, params=params, stream=not as_json, speculative=speculative))
+    engine.submit(EngineRequest(id="cli", prompt_tokens=ids, params=params, speculative=speculative), stream=not as_json)
     done = _print_stream(_local_events(engine), as_json)
     if as_json:
         done["timings"]["load_s"] = round(load_s, 3)

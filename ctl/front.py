@@ -35,7 +35,7 @@ from __future__ import annotations
 import ipaddress
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import zmq
 import zmq.auth
@@ -180,12 +180,12 @@ class ClientFront:
             yield self._connection(parts[0].bytes, parts[-1]), parts[-1].bytes
 
     # -- replies ---------------------------------------------------------------------------
-    def send(self, conn: Connection, msg: dict[str, Any]) -> None:
+    def send(self, conn: Connection, reply: m.Reply) -> None:
         """Queue a reply for ``conn`` (dropped if it has gone) and send what its client takes."""
         if not conn.alive:
             return
-        frame = m.pack(msg)
-        conn.outbox.append((msg.get("id"), frame))
+        frame = m.pack(reply.to_wire())
+        conn.outbox.append((reply.id, frame))
         conn.outbox_bytes += len(frame)
         self.waiting.add(conn)
         self._flush(conn)

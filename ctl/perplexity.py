@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from ntx.daemons.compute.backend import log_normaliser
-from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.ctl.tokenizer import Tokenizer
 from ntx.shared.errors import NtxError
 
 ROWS_PER_PASS = 512  # in-process: short chunks are evaluated side by side up to this many rows

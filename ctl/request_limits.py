@@ -2,19 +2,19 @@
 
 The frame itself is bounded where it is decoded (``messages.unpack_client_frame``: size,
 nesting, map and array lengths, known fields only); what is left depends on the instance and is
-checked here, in the supervisor, before anything reaches compute: a prompt that cannot fit in the
-context is refused by its size *before* compute tokenizes it (a 10 MiB prompt once held compute,
-and every client behind it, for 7.8 s), ``max_tokens`` is at most the context, and the queue is
-bounded so a burst is answered with ``overloaded`` instead of being lost. docs/PROTOCOL.md
-("Limits") lists every bound; docs/RELIABILITY.md the attacks behind them.
+held here, for the front's one check of a request (``ctl/requests.py``): a prompt that cannot
+fit in the context is refused by its size *before* it is tokenized (a 10 MiB prompt once held
+the pipeline, and every client behind it, for 7.8 s), ``max_tokens`` is at most the context;
+and the supervisor's queue is bounded so a burst is answered with ``overloaded`` instead of
+being lost. docs/PROTOCOL.md ("Limits") lists every bound; docs/RELIABILITY.md the attacks
+behind them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from ntx.shared.messages import MAX_FRAME_BYTES, ProtocolError
+from ntx.shared.messages import MAX_FRAME_BYTES
 
 # No tokenizer of a supported model has tokens this long on average, so a prompt of more bytes
 # than this many per context token cannot fit, whatever it says.
@@ -33,7 +33,7 @@ MAX_COMPUTE_WINDOW = 256
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """The bounds of one instance (its context and batch) for a checked generate map."""
+    """The bounds of one instance: its context (tokens per sequence) and batch."""
 
     max_context: int
     max_batch: int
@@ -45,27 +45,3 @@ class RequestLimits:
     @property
     def compute_window(self) -> int:
         return min(2 * self.max_batch, MAX_COMPUTE_WINDOW)
-
-    def check(self, msg: dict[str, Any]) -> None:
-        """Raise ProtocolError if a generate map (already checked by ``check_generate``) asks for
-        more than this instance can give."""
-        if msg.get("max_tokens", 0) > self.max_context:
-            raise ProtocolError("bad_request", f"max_tokens {msg['max_tokens']} exceeds the context of "
-                                               f"{self.max_context} tokens")
-        if "tokens" in msg and len(msg["tokens"]) > self.max_context:
-            raise ProtocolError("context_overflow", f"{len(msg['tokens'])} prompt tokens do not fit in the context "
-                                                    f"of {self.max_context} tokens")
-        if "prompt" in msg:
-            n_bytes = len(msg["prompt"].encode("utf-8", "surrogatepass"))
-        elif "messages" in msg:
-            if len(msg["messages"]) > self.max_context:
-                raise ProtocolError("context_overflow", f"{len(msg['messages'])} messages do not fit in the context "
-                                                        f"of {self.max_context} tokens")
-            n_bytes = sum(len(e["role"].encode("utf-8", "surrogatepass")) + len(e["content"].encode("utf-8", "surrogatepass"))
-                          for e in msg["messages"])
-        else:
-            return
-        if n_bytes > self.max_prompt_bytes:
-            raise ProtocolError("context_overflow", f"a prompt of {n_bytes} bytes cannot fit in the context of "
-                                                    f"{self.max_context} tokens (at most {self.max_prompt_bytes} "
-                                                    "bytes are tokenized)")

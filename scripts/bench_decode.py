@@ -24,16 +24,16 @@ import cupy as cp
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
-from ntx.daemons.compute.engine import Request
-from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared.config import EngineOptions
+from ntx.shared.messages import EngineRequest
+from ntx.shared.sampling_fields import SamplingParams
 
 
 def bench_model(path: str, tokens: int, batches: list[int]) -> dict:
     t0 = time.monotonic()
     eng = build_local_engine(path, backend="cuda", options=EngineOptions(max_batch=max(batches), ctx=tokens + 64))
     load_s = time.monotonic() - t0
-    m = eng.model
+    m = eng.core.model
     idx = m.index
     head = idx.globals.get("output", idx.globals["token_embd"])
     bytes_per_pass = idx.layer_bytes_total + head.nbytes
@@ -79,9 +79,9 @@ def bench_model(path: str, tokens: int, batches: list[int]) -> dict:
 def engine_tokens_per_s(eng, B: int, prompt: list[int], tokens: int, run_ahead: bool) -> float:
     """Tokens per second of ``eng`` decoding B greedy requests of ``tokens`` tokens together,
     from the first token on (the first step, the prefill, is not counted)."""
-    eng.run_ahead = run_ahead
+    eng.core.run_ahead = run_ahead
     for s in range(B):
-        eng.submit(Request(f"b{B}-{s}-{run_ahead}", prompt, SamplingParams(temperature=0.0, max_tokens=tokens)))
+        eng.submit(EngineRequest(f"b{B}-{s}-{run_ahead}", prompt, SamplingParams(temperature=0.0, max_tokens=tokens)))
     n_tok = 0
     t = None
     while eng.has_work:

@@ -17,17 +17,17 @@ import json
 import sys
 import time
 
+from ntx.ctl.local import build_local_engine
 from ntx.ctl.models import ensure_default_model
-from ntx.daemons.compute.engine import Request
-from ntx.daemons.compute.factory import build_engine
-from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared.config import EngineOptions, parse_layers
+from ntx.shared.messages import EngineRequest
+from ntx.shared.sampling_fields import SamplingParams
 
 
 def _generate(engine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
     t0 = time.monotonic()
     for i, p in enumerate(prompts):
-        engine.submit(Request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n)))
+        engine.submit(EngineRequest(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n)))
     done = {}
     while engine.has_work:
         for ev in engine.step():
@@ -50,7 +50,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     model = a.model or str(ensure_default_model())
-    plain = build_engine(model, a.backend, EngineOptions(max_batch=a.prompts, ctx=a.prompt_tokens + a.tokens + 16))
+    plain = build_local_engine(model, a.backend, options=EngineOptions(max_batch=a.prompts,
+                                                                       ctx=a.prompt_tokens + a.tokens + 16))
     ids = plain.tokenizer.encode(open(a.text, encoding="utf-8").read())
     step = max(a.prompt_tokens, (len(ids) - a.prompt_tokens) // a.prompts)
     prompts = [ids[i * step : i * step + a.prompt_tokens] for i in range(a.prompts)]
@@ -60,14 +61,14 @@ def main() -> int:
     rows = []
     for layers in a.self_draft:
         for width in a.widths:
-            eng = build_engine(model, a.backend, EngineOptions(
+            eng = build_local_engine(model, a.backend, options=EngineOptions(
                 max_batch=a.prompts, ctx=a.prompt_tokens + a.tokens + 16, self_draft=parse_layers(layers, "--self-draft"),
                 draft_tokens=a.draft_tokens, draft_width=None if width == "auto" else int(width)))
             got, secs = _generate(eng, prompts, a.tokens)
-            r = eng.spec.report()
+            r = eng.core.spec.report()
             row = {"self_draft": layers, "width": width, "draft_tokens": a.draft_tokens, **r,
                    "tokens_per_verify_pass": round(r["accepted_per_pass"] + 1, 3), "identical": got == want,
-                   "seconds": round(secs, 1), "shape_now": eng.shape.choose()}
+                   "seconds": round(secs, 1), "shape_now": eng.core.shape.choose()}
             rows.append(row)
             print(f"  self-draft layers {layers:>6} width {width:>4}: acceptance length {r['accepted_per_pass']:.2f} "
                   f"({r['acceptance_rate']:.1%} of {r['drafted']} drafted), {row['tokens_per_verify_pass']:.2f} tokens "

@@ -1,20 +1,21 @@
 """The one definition of a request's sampling parameters: name, type, default, help and rule.
 
-Every place that knows these fields reads this table: ``SamplingParams`` in compute's sampler
-(its fields and ``validate``), the supervisor's check of a client's generate frame
-(``messages.check_generate``), the conversion of that frame into ``SamplingParams``
-(``from_wire``), ntxctl's ``generate`` and ``chat`` options and the map ntxctl sends
-(``to_wire``). A new parameter is one new row here (and a line in docs/PROTOCOL.md, which a test
-holds to this table).
+Every place that knows these fields reads this table: ``SamplingParams`` (its fields and
+``validate``), the front's check of a client's generate map (``ctl/requests.py``), the
+conversion of that map into ``SamplingParams`` (``from_wire``), ntxctl's ``generate`` and
+``chat`` options and the map ntxctl sends (``to_wire``). A new parameter is one new row here (and
+a line in docs/PROTOCOL.md, which a test holds to this table).
 
 It lives in shared/ because the supervisor (ctl) and compute (a daemon) both need it and neither
-may import the other.
+may import the other: ``SamplingParams`` travels inside the engine's request record
+(``messages.EngineRequest``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -156,3 +157,22 @@ def to_wire(params: Any) -> dict[str, Any]:
     out["stop"] = list(out["stop"])
     return out
 
+
+
+def draw_seed() -> int:
+    """A seed for a request that names none: from OS entropy, below 2**63 (so it is reported and
+    replayed as any other)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+@sampling_dataclass
+class SamplingParams:
+    """Per-request sampling settings: one field per row of ``SAMPLING_FIELDS`` (name, type,
+    default, rule). ``temperature=0`` means greedy; ``top_k=0``, ``top_p=1``, ``min_p=0`` and
+    ``repetition_penalty=1`` each switch their step off. ``stop`` is the front's (stop strings
+    are matched on text, ``ctl/requests.py``); the engine draws tokens by the rest."""
+
+    def validate(self) -> SamplingParams:
+        """Raise NtxError naming the first bad field; returns self so calls can chain."""
+        validate_sampling(self)
+        return self

@@ -19,6 +19,14 @@ from gguf import GGUFValueType as VT
 from ntx.shared.gguf_index import GGUF_MAGIC, read_header
 from synth_gguf.gguf_file import encode_kv
 
+# A chat template that fails three ways, on the message's content (an overflow, a macro that
+# recurses for ever, a division by zero), and renders anything else as "role: content".
+HOSTILE_CHAT_TEMPLATE = (
+    "{% macro deeper(n) %}{{ deeper(n + 1) }}{% endmacro %}"
+    "{% for m in messages %}{% if m.content == 'overflow' %}{{ 10.0 ** 400 }}"
+    "{% elif m.content == 'recursion' %}{{ deeper(0) }}{% elif m.content == 'zero' %}{{ 1 // 0 }}"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
+
 
 @dataclass
 class TensorRecord:

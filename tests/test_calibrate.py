@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ntx.ctl.calibrate import ProfileError, SkipProfile, calibrate
-from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.ctl.tokenizer import Tokenizer
 from ntx.shared.gguf_index import open_model
 
 from .synth_models import ReferenceWeights, reference_logits, write_tiny

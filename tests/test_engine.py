@@ -1,16 +1,18 @@
-"""The engine core (daemons/compute/engine.py) on the real SmolLM2, in process: greedy text,
-max_tokens, stop strings, EOS, seeds, prompt and token logprobs, request errors, cancellation
-and continuous batching. One engine serves the whole module; every test leaves it idle."""
+"""The engine core (daemons/compute/engine.py) behind its front (ctl/local.py) on the real
+SmolLM2, in process: greedy text, max_tokens, stop strings, EOS, seeds, prompt and token
+logprobs, request errors, cancellation and continuous batching, and the core alone: token ids
+in, typed outputs out. One engine serves the whole module; every test leaves it idle."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ntx.ctl.local import build_local_engine
+from ntx.ctl.local import LocalEngine, build_local_engine
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
-from ntx.daemons.compute.engine import EngineCore, Request, RequestError
+from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.messages import EngineOutput, EngineRequest, RequestError
 
 try:
     from .synth_models import log_softmax64
@@ -23,7 +25,7 @@ PARIS = 7042
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_path) -> EngineCore:
+def engine(smollm2_path) -> LocalEngine:
     return build_local_engine(str(smollm2_path))
 
 
@@ -33,14 +35,14 @@ def engine_left_idle(request):
     if "engine" in request.fixturenames:
         eng = request.getfixturevalue("engine")
         assert not eng.has_work
-        assert eng.model.backend.caches == {}  # every KV cache was freed
+        assert eng.core.model.backend.caches == {}  # every KV cache was freed
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-def run(engine: EngineCore, *reqs: Request) -> tuple[dict, dict]:
+def run(engine: LocalEngine, *reqs: EngineRequest) -> tuple[dict, dict]:
     """Submit ``reqs`` and step until the engine is idle: (done event by id, all events by id)."""
     for r in reqs:
         engine.submit(r)
@@ -54,14 +56,14 @@ def run(engine: EngineCore, *reqs: Request) -> tuple[dict, dict]:
     return done, events
 
 
-def reference_logits(engine: EngineCore, tokens: list[int]) -> np.ndarray:
+def reference_logits(engine: LocalEngine, tokens: list[int]) -> np.ndarray:
     """Logits [T, V] of ``tokens`` from a fresh pass of the engine's model (the float32 CPU
     backend, itself held to the float64 reference in test_model_reference.py)."""
-    be = engine.model.backend
+    be = engine.core.model.backend
     sid = 10**9
     be.alloc_sequence(sid, len(tokens))
     try:
-        return engine.model.forward(StepBatch([SeqChunk(sid, 0, tuple(tokens), all_logits=True)]))
+        return engine.core.model.forward(StepBatch([SeqChunk(sid, 0, tuple(tokens), all_logits=True)]))
     finally:
         be.free_sequence(sid)
 
@@ -69,7 +71,7 @@ def reference_logits(engine: EngineCore, tokens: list[int]) -> np.ndarray:
 def test_greedy_continues_with_paris_and_respects_max_tokens(engine):
     ids = engine.prompt_tokens(prompt=FRANCE, raw=True)
     assert ids == FRANCE_IDS
-    done, events = run(engine, Request(id="paris", prompt_tokens=ids, params=greedy(3)))
+    done, events = run(engine, EngineRequest(id="paris", prompt_tokens=ids, params=greedy(3)))
     d = done["paris"]
     assert d["type"] == "done"
     assert d["text"].startswith(" Paris"), d["text"]
@@ -88,9 +90,9 @@ def test_stop_strings_cut_the_text_before_the_stop(engine):
     # greedy continuation: " Paris.\n\nThe answer is:"
     done, _ = run(
         engine,
-        Request(id="dot", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["."])),
-        Request(id="span", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["s.", "never"])),
-        Request(id="late", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["\n\nThe"])),
+        EngineRequest(id="dot", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["."])),
+        EngineRequest(id="span", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["s.", "never"])),
+        EngineRequest(id="late", prompt_tokens=FRANCE_IDS, params=greedy(8, stop=["\n\nThe"])),
     )
     assert done["dot"]["finish_reason"] == "stop" and done["dot"]["text"] == " Paris"
     # a stop string that starts inside one token and ends in the next
@@ -103,7 +105,7 @@ def test_stop_strings_cut_the_text_before_the_stop(engine):
 def test_eos_ends_with_stop(engine):
     ids = engine.prompt_tokens(prompt="Reply with one word: yes or no. Is water wet?")
     assert ids[0] != ids[1]  # the chat template's start, no doubled BOS
-    done, events = run(engine, Request(id="eos", prompt_tokens=ids, params=greedy(16)))
+    done, events = run(engine, EngineRequest(id="eos", prompt_tokens=ids, params=greedy(16)))
     d = done["eos"]
     assert d["finish_reason"] == "stop"
     assert 0 < len(d["tokens"]) < 16
@@ -114,8 +116,8 @@ def test_eos_ends_with_stop(engine):
 def test_seed_determinism(engine):
     ids = engine.prompt_tokens(prompt="Once upon a time", raw=True)
 
-    def sampled(rid: str, seed: int) -> Request:
-        return Request(id=rid, prompt_tokens=ids, params=SamplingParams(temperature=0.8, seed=seed, max_tokens=4))
+    def sampled(rid: str, seed: int) -> EngineRequest:
+        return EngineRequest(id=rid, prompt_tokens=ids, params=SamplingParams(temperature=0.8, seed=seed, max_tokens=4))
 
     a, _ = run(engine, sampled("a", 1234))
     b, _ = run(engine, sampled("b", 1234))
@@ -129,7 +131,7 @@ def test_seed_determinism(engine):
 
 def test_prompt_logprobs_and_token_logprobs(engine):
     k = 5
-    req = Request(id="lp", prompt_tokens=FRANCE_IDS, params=greedy(2), logprobs=3, prompt_logprobs=k)
+    req = EngineRequest(id="lp", prompt_tokens=FRANCE_IDS, params=greedy(2), logprobs=3, prompt_logprobs=k)
     done, events = run(engine, req)
     d = done["lp"]
     assert d["tokens"][0] == PARIS
@@ -163,48 +165,48 @@ def test_prompt_logprobs_and_token_logprobs(engine):
 
 
 def test_duplicate_request_id(engine):
-    engine.submit(Request(id="dup", prompt_tokens=FRANCE_IDS, params=greedy(2)))
+    engine.submit(EngineRequest(id="dup", prompt_tokens=FRANCE_IDS, params=greedy(2)))
     with pytest.raises(RequestError) as ei:
-        engine.submit(Request(id="dup", prompt_tokens=[1, 2, 3], params=greedy(2)))
+        engine.submit(EngineRequest(id="dup", prompt_tokens=[1, 2, 3], params=greedy(2)))
     assert ei.value.code == "duplicate_id"
     assert engine.queued_ids == ["dup"]  # the second one was not queued
     (ev,) = engine.cancel("dup")
     assert ev["finish_reason"] == "cancelled"
     # once finished, the id is free again
-    done, _ = run(engine, Request(id="dup", prompt_tokens=FRANCE_IDS, params=greedy(1)))
+    done, _ = run(engine, EngineRequest(id="dup", prompt_tokens=FRANCE_IDS, params=greedy(1)))
     assert done["dup"]["tokens"] == [PARIS]
 
 
 def test_prompt_longer_than_the_context(engine):
-    small = EngineCore(engine.model, engine.tokenizer, max_context=16)
+    small = EngineCore(engine.core.model, max_context=16)  # the engine's own guard, without the front
     assert small.max_context == 16
     with pytest.raises(RequestError) as ei:
-        small.submit(Request(id="long", prompt_tokens=list(range(100, 120)), params=greedy(4)))
+        small.submit(EngineRequest(id="long", prompt_tokens=list(range(100, 120)), params=greedy(4)))
     assert ei.value.code == "context_overflow"
     assert not small.has_work
     with pytest.raises(RequestError) as ei:
-        engine.submit(Request(id="huge", prompt_tokens=[504] * 9000, params=greedy(4)))
+        engine.submit(EngineRequest(id="huge", prompt_tokens=[504] * 9000, params=greedy(4)))
     assert ei.value.code == "context_overflow"
     assert not engine.has_work
 
 
 def test_prompt_token_outside_the_vocabulary(engine):
     """Refused at submit, naming the id and the range: on the GPU its embedding row would be NaN."""
-    n_vocab = engine.model.hp.n_vocab
+    n_vocab = engine.core.model.hp.n_vocab
     for bad in (n_vocab, -1):
         with pytest.raises(RequestError, match=f"token id {bad} is outside the vocabulary") as ei:
-            engine.submit(Request(id="oov", prompt_tokens=[504, bad], params=greedy(2)))
+            engine.submit(EngineRequest(id="oov", prompt_tokens=[504, bad], params=greedy(2)))
         assert ei.value.code == "bad_request"
     assert not engine.has_work
 
 
 def test_cancel_frees_the_sequence(engine):
-    be = engine.model.backend
-    engine.submit(Request(id="run", prompt_tokens=FRANCE_IDS, params=greedy(50)))
+    be = engine.core.model.backend
+    engine.submit(EngineRequest(id="run", prompt_tokens=FRANCE_IDS, params=greedy(50)))
     engine.step()  # prefill: the sequence holds a KV cache now
     engine.step()
     assert engine.active_ids == ["run"] and len(be.caches) == 1
-    engine.submit(Request(id="queued", prompt_tokens=FRANCE_IDS, params=greedy(50)))
+    engine.submit(EngineRequest(id="queued", prompt_tokens=FRANCE_IDS, params=greedy(50)))
     (ev,) = engine.cancel("run")
     assert ev["type"] == "done" and ev["id"] == "run"
     assert ev["finish_reason"] == "cancelled"
@@ -226,7 +228,7 @@ def test_continuous_batching_matches_each_alone(engine):
     n = 4
     alone = {}
     for rid, ids in prompts.items():
-        d, _ = run(engine, Request(id=rid, prompt_tokens=ids, params=greedy(n)))
+        d, _ = run(engine, EngineRequest(id=rid, prompt_tokens=ids, params=greedy(n)))
         alone[rid] = d[rid]["tokens"]
 
     done: dict[str, dict] = {}
@@ -236,7 +238,7 @@ def test_continuous_batching_matches_each_alone(engine):
     while step in submit_at or engine.has_work:
         if step in submit_at:
             rid = submit_at[step]
-            engine.submit(Request(id=rid, prompt_tokens=prompts[rid], params=greedy(n)))
+            engine.submit(EngineRequest(id=rid, prompt_tokens=prompts[rid], params=greedy(n)))
         finished = 0
         for ev in engine.step():
             if ev["type"] in ("done", "error"):
@@ -248,3 +250,34 @@ def test_continuous_batching_matches_each_alone(engine):
     for rid in prompts:
         assert done[rid]["finish_reason"] == "length"
         assert done[rid]["tokens"] == alone[rid], rid
+
+
+def test_the_core_alone_speaks_token_ids(engine):
+    """No text crosses the core: a request in token ids gives ``EngineOutput`` records (new ids,
+    their log-probabilities, a finish with timings); prompt log-probabilities come once, first."""
+    core = engine.core
+    core.submit(EngineRequest("ids", FRANCE_IDS, greedy(3, seed=5), logprobs=2, prompt_logprobs=1))
+    outs: list[EngineOutput] = []
+    while core.has_work:
+        outs.extend(core.step())
+    assert all(isinstance(o, EngineOutput) and o.id == "ids" for o in outs)
+    assert [t for o in outs for t in o.tokens][:1] == [PARIS] and sum(len(o.tokens) for o in outs) == 3
+    assert [o.finish_reason for o in outs] == [None, None, "length"]
+    assert outs[0].prompt_logprobs is not None and len(outs[0].prompt_logprobs) == len(FRANCE_IDS)
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert all(len(o.logprobs) == len(o.tokens) == len(o.token_logprobs) for o in outs)
+    assert outs[-1].decode_s > outs[0].decode_s >= 0.0 and outs[0].prefill_s > 0
+
+
+def test_a_stop_string_ends_the_request_at_the_front_and_in_the_engine(engine):
+    """The front matches stop strings on text; when one matches it answers ``done`` at once and
+    cancels the request in the core, whose KV cache is freed then."""
+    engine.submit(EngineRequest("dot", FRANCE_IDS, greedy(40, stop=["."])))
+    replies = []
+    while engine.has_work:
+        replies.extend(engine.step())
+    done = replies[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "stop" and done["text"] == " Paris"
+    assert done["tokens"] == [PARIS, 30]  # the token that completed the stop string is counted
+    assert [r["type"] for r in replies] == ["token", "token", "done"]
+    assert not engine.core.has_work and engine.core.model.backend.caches == {}

@@ -56,7 +56,7 @@ def test_a_client_that_reads_late_gets_every_reply():
         conn = f.connection_of(sock, "hello")
         n = 64 * 2000
         for i in range(n):
-            f.front.send(conn, {"id": f"q{i % 64}", "type": "token", "token": i, "text": " x"})
+            f.front.send(conn, m.TokenReply(f"q{i % 64}", i, " x"))
         assert f.front.has_backlog and not f.slow  # the client has not read yet: replies wait
         seen = []
 
@@ -82,10 +82,10 @@ def test_a_client_that_never_reads_is_cancelled_with_a_reason_once():
         big = "x" * (64 << 10)
         sent = 0
         while not f.slow:
-            f.front.send(conn, {"id": "q", "type": "token", "token": sent, "text": big})
+            f.front.send(conn, m.TokenReply("q", sent, big))
             sent += 1
             assert sent < 4 * OUTBOX_LIMIT_BYTES // len(big), "the outbox bound was never reached"
-        f.front.send(conn, {"id": "q", "type": "token", "token": sent, "text": big})
+        f.front.send(conn, m.TokenReply("q", sent, big))
         assert f.slow == [conn] and conn.alive  # told once; what to cancel is the supervisor's call
         f.front.drop_queued(conn, {"q"})
         assert conn.outbox_bytes == 0
@@ -141,8 +141,8 @@ def test_a_newcomer_with_a_departed_clients_routing_id_is_another_connection():
         assert new is not None, "the newcomer was never let in"
         assert new is not old and new.serial != old.serial and new.routing_id == old.routing_id
         assert f.gone == [old] and not old.alive
-        f.front.send(old, {"id": "first-req", "type": "token", "token": 1, "text": "secret"})
-        f.front.send(new, {"id": "second-req", "type": "token", "token": 2, "text": "yours"})
+        f.front.send(old, m.TokenReply("first-req", 1, "secret"))
+        f.front.send(new, m.TokenReply("second-req", 2, "yours"))
         assert second.poll(5000)
         assert m.unpack(second.recv())["id"] == "second-req"  # the departed client's reply never came
         assert not second.poll(0)

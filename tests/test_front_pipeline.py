@@ -12,11 +12,15 @@ import msgpack
 import pytest
 import zmq
 
+from gguf import GGUFValueType as VT
+
 from ntx.ctl import instance
 from ntx.ctl.client import Client, ClientError
 from ntx.shared import messages as m
 
+from .gguf_mutate import HOSTILE_CHAT_TEMPLATE, GGUFParts
 from .pipeline_util import Pipeline, free_port, ntxctl, running_pipeline, wait_for
+from .synth_models import write_tiny
 
 CTX = 512
 
@@ -94,6 +98,39 @@ def test_prompt_stop_and_max_tokens_bounds_are_checked_before_compute(pipe):
             assert ev["type"] == "error" and ev["code"] == code and needle in ev["message"], (msg["id"], ev)
             assert time.monotonic() - t0 < 5.0, f"{msg['id']} took {time.monotonic() - t0:.1f} s to refuse"
         assert "Paris" in list(c.events(good))[-1]["text"]
+
+
+def test_a_stop_string_ends_the_reply_at_once_and_compute_lets_the_request_go(pipe):
+    """The supervisor's front matches stop strings: the client's ``done`` comes at the match, and
+    the request, cancelled at compute, leaves the compute window (the next ones are served)."""
+    with pipe.client() as c:
+        rids = [c.submit("The capital of France is", raw=True, temperature=0.0, max_tokens=300, stop=["."])
+                for _ in range(8)]
+        for rid in rids:
+            evs = list(c.events(rid))
+            done = evs[-1]
+            assert done["finish_reason"] == "stop" and done["text"] == " Paris" and done["tokens"] == [7042, 30]
+            assert [e["type"] for e in evs] == ["token", "token", "done"] and "tail" not in done
+    pipe.wait_status(lambda s: s["requests"]["in_flight"] == 0 and not s["requests"]["active"]
+                     and not s["requests"]["queued"], "compute to let every stopped request go", timeout_s=30)
+
+
+def test_a_hostile_chat_template_is_one_error_per_request(tmp_path):
+    """The model's chat template now runs in the supervisor: a template that overflows, recurses
+    for ever or divides by zero answers that request with ``bad_request``; the instance goes on."""
+    model = GGUFParts.of(write_tiny(tmp_path, type="Q8_0")).set_kv("tokenizer.chat_template", VT.STRING,
+                                                                   HOSTILE_CHAT_TEMPLATE).write(tmp_path / "hostile.gguf")
+    with running_pipeline(str(model), tmp_path / "run", "--ctx", "64", name="hostile") as p:
+        pid = p.status()["supervisor_pid"]
+        with p.client() as c:
+            for content in ("overflow", "recursion", "zero"):
+                with pytest.raises(ClientError) as err:
+                    c.complete(messages=[{"role": "user", "content": content}])
+                assert err.value.code == "bad_request" and "chat template failed" in str(err.value)
+            done = c.complete(messages=[{"role": "user", "content": "hello"}], temperature=0.0, max_tokens=2)
+            assert done["finish_reason"] in ("length", "stop")
+        st = p.status()
+        assert st["supervisor_pid"] == pid and st["state"] == "ready" and st["restarts"] == 0
 
 
 def test_a_burst_is_served_or_refused_never_lost(pipe):
@@ -240,8 +277,8 @@ def _outside_address() -> str | None:
 
 
 def test_msgpack_nesting_of_the_old_attack_unpacks():
-    """The frame really is the one that unpacked fine and broke the re-pack (so the test above
-    tests the right thing)."""
+    """The frame really is the one that unpacked fine and broke the re-pack inside a control
+    message (so the test above tests the right thing)."""
     value = msgpack.unpackb(nested_frame(1021), raw=False)
     with pytest.raises(ValueError, match="recursion limit"):
-        m.Request(rid="r1", generate=value).encode()
+        m.pack({"generate": value})

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType as VT
 
-from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.ctl.tokenizer import Tokenizer
 from ntx.shared.errors import ModelError, NtxError
 from ntx.shared.gguf_index import MAX_CONTEXT, ModelIndex, open_model
 

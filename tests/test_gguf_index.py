@@ -530,7 +530,7 @@ def test_plan_only_refuses_a_hostile_header(tmp_path, monkeypatch, capsys, tiny_
 
 def test_tokenizer_refuses_wrong_types_with_one_line(tiny_parts, tmp_path):
     """The tokenizer checks a metadata dict by the index's own table (tests build dicts)."""
-    from ntx.daemons.compute.tokenizer import Tokenizer
+    from ntx.ctl.tokenizer import Tokenizer
 
     md = dict(open_model(tiny_parts.write(tmp_path / "ok.gguf")).metadata)
     for key, bad in (("tokenizer.ggml.token_type", ["1"] * 512), ("tokenizer.ggml.eos_token_id", float("nan")),

@@ -13,10 +13,19 @@ import pytest
 import typer
 
 from ntx.ctl.cli import app
+from ntx.ctl.request_limits import RequestLimits
+from ntx.ctl.requests import parse_generate
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared import messages as m
 from ntx.shared.errors import NtxError
 from ntx.shared.sampling_fields import SAMPLING_FIELDS, from_wire, to_wire
+
+LIMITS = RequestLimits(max_context=4096, max_batch=16)
+
+
+def check_generate(msg: dict) -> None:
+    """The front's one check of a generate map (ctl/requests.py), at a 4096-token context."""
+    parse_generate(msg, LIMITS)
 
 CHANNELS = [
     m.DAEMON_TO_SUPERVISOR, m.SUPERVISOR_TO_DAEMON, m.CTL_TO_SUPERVISOR, m.SUPERVISOR_TO_CTL,
@@ -25,25 +34,36 @@ CHANNELS = [
 EXAMPLES = [
     m.Hello(), m.Ready(device_slots=[b"\x01handle"]), m.Ready(host_slots=["ntx-g0-hslot0"]),
     m.Fatal(message="no GPU"), m.Stats(stats={"total": {"busy_s": 1.5}}),
-    m.Events(events=[{"id": "r0", "type": "token", "token": 5, "text": "a"}]), m.Drained(),
+    m.EngineOutputs(events=[m.EngineOutput(id="r0", tokens=[5, 6], logprobs=[[[5, -0.1]], [[6, -0.2]]],
+                                           token_logprobs=[-0.1, -0.2], prompt_logprobs=[None, [[1, -3.0]]],
+                                           queued_s=0.5, drafted=2, accepted=1),
+                            m.EngineOutput(id="r1", tokens=[], finish_reason="cancelled"),
+                            m.EngineError(id="r2", code="numerical_error", message="NaN")]),
+    m.Drained(),
     m.Config(instance={"model": "x.gguf"}, plan={"n_slots": 2}, shm_names={"ram": "r"},
              host_ring="ipc://h", device_ring="ipc://d", device_slots=["s0"], host_slots=["h0"]),
-    m.Shutdown(), m.Request(rid="r1", generate={"op": "generate", "id": "c", "prompt": "hi"}),
+    m.Shutdown(), m.EngineRequest(id="r1", prompt_tokens=[1, 2, 3], params=SamplingParams(seed=4, stop=["x"]),
+                                  logprobs=2, speculative=False),
     m.Cancel(rid="r1"), m.Drain(timeout_s=30.0),
     m.CtlStatus(), m.StatusReport(status={"state": "ready"}), m.CtlStop(force=True), m.Stopped(reason=None),
     m.Read(slot=1, layer=7, pass_id=3, backlog=2, active=True), m.Filled(slot=1, layer=7, pass_id=3),
-    m.ReadError(slot=1, layer=7, pass_id=3, message="EIO"),
+    m.ReadFailed(slot=1, layer=7, pass_id=3, message="EIO"),
     m.Want(pass_id=4, layers=[5, 6, 7]), m.SlotReady(slot=0, layer=5, pass_id=4),
     m.SlotFree(slot=0, layer=5, pass_id=4), m.LayerError(layer=6, pass_id=4, message="EIO"),
     m.Activity(active=False),
 ]
 
 
+NESTED = {m.EngineOutput, m.EngineError}  # records that travel inside another (EngineOutputs)
+
+
 def test_every_record_has_an_example_and_a_channel():
-    records = {cls for cls in vars(m).values() if isinstance(cls, type) and issubclass(cls, m.Message) and cls is not m.Message}
-    assert {type(e) for e in EXAMPLES} == records
+    records = {cls for cls in vars(m).values() if isinstance(cls, type) and issubclass(cls, m.Message) and cls.T}
+    examples = {type(e) for e in EXAMPLES} | {type(ev) for e in EXAMPLES if isinstance(e, m.EngineOutputs)
+                                              for ev in e.events}
+    assert examples == records
     on_a_channel = {kind for ch in CHANNELS for kind in ch.kinds.values()}
-    assert on_a_channel == records
+    assert on_a_channel == records - NESTED
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda msg: type(msg).__name__)
@@ -78,6 +98,29 @@ def test_a_malformed_frame_is_one_clear_error(frame, needle):
     assert isinstance(err.value, NtxError)  # a daemon reports it as a fatal error, one line
 
 
+@pytest.mark.parametrize(
+    "event, needle",
+    [
+        ({"t": "engine_output", "id": "r0", "tokens": [1, "2"]}, "item 0 (engine_output) field 'tokens' must be a list"),
+        ({"t": "engine_output", "tokens": [1]}, "item 0 (engine_output) lacks field 'id'"),
+        ({"t": "hello"}, "item 0: unexpected message type 'hello' (expected one of engine_output, engine_error)"),
+        ({"t": "engine_error", "id": "r0", "code": "x", "message": "y", "extra": 1}, "unknown field(s) 'extra'"),
+        ([1], "item 0 must be a map"),
+    ],
+)
+def test_a_nested_record_is_checked_like_a_frame(event, needle):
+    with pytest.raises(m.MessageError) as err:
+        m.DAEMON_TO_SUPERVISOR.decode(m.pack({"t": "engine_outputs", "events": [event]}))
+    assert str(err.value).startswith("control (daemon -> supervisor): engine_outputs field 'events' ")
+    assert needle in str(err.value), str(err.value)
+
+
+def test_sampling_params_inside_a_request_are_checked():
+    frame = m.pack({"t": "engine_request", "id": "r", "prompt_tokens": [1], "params": {"top_k": "3"}})
+    with pytest.raises(m.MessageError, match=r"field 'params' \(SamplingParams\) field 'top_k' must be an integer"):
+        m.SUPERVISOR_TO_DAEMON.decode(frame)
+
+
 def test_list_items_are_checked():
     with pytest.raises(m.MessageError, match="'layers' must be a list"):
         m.COMPUTE_TO_DMA.decode(m.pack({"t": "want", "pass_id": 0, "layers": [1, "2"]}))
@@ -85,7 +128,7 @@ def test_list_items_are_checked():
 
 def test_ring_messages_carry_no_dead_fields():
     assert [f.name for f in dataclasses.fields(m.Filled)] == ["slot", "layer", "pass_id"]
-    for kind in (m.Read, m.Filled, m.ReadError, m.Want, m.SlotReady, m.SlotFree, m.LayerError, m.Activity):
+    for kind in (m.Read, m.Filled, m.ReadFailed, m.Want, m.SlotReady, m.SlotFree, m.LayerError, m.Activity):
         assert "gen" not in {f.name for f in dataclasses.fields(kind)}
 
 
@@ -104,7 +147,7 @@ def test_wire_round_trip_through_the_table():
     p = SamplingParams(temperature=0.0, top_k=3, seed=9, max_tokens=7, stop=["\n"])
     wire = to_wire(p)
     assert set(wire) == {f.name for f in SAMPLING_FIELDS}
-    m.check_generate({"op": "generate", "id": "x", "prompt": "hi", **wire})
+    check_generate({"op": "generate", "id": "x", "prompt": "hi", **wire})
     assert SamplingParams(**from_wire({"prompt": "hi", **wire})) == p
     assert SamplingParams(**from_wire({"prompt": "hi"})) == SamplingParams()
 
@@ -122,13 +165,13 @@ def test_wire_round_trip_through_the_table():
     ],
 )
 def test_wire_check_of_sampling_fields(field, value, needle):
-    with pytest.raises(m.ProtocolError) as err:
-        m.check_generate({"op": "generate", "id": "x", "prompt": "hi", field: value})
+    with pytest.raises(m.RequestError) as err:
+        check_generate({"op": "generate", "id": "x", "prompt": "hi", field: value})
     assert err.value.code == "bad_request" and needle in str(err.value)
 
 
 def test_seed_may_be_nil_on_the_wire():
-    m.check_generate({"op": "generate", "id": "x", "prompt": "hi", "seed": None})
+    check_generate({"op": "generate", "id": "x", "prompt": "hi", "seed": None})
 
 
 def _options(command: str) -> dict[str, object]:

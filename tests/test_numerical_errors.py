@@ -18,8 +18,8 @@ import pytest
 from ntx.ctl.client import ClientError
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.backend import Picked
-from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import NumericalError, Sampler, SamplingParams
+from ntx.shared.messages import EngineRequest
 from ntx.shared.config import EngineOptions
 
 from .pipeline_util import running_pipeline
@@ -79,14 +79,14 @@ def test_sampler_still_draws_around_masked_tokens():
 def test_engine_fails_each_nan_request_and_keeps_serving(nan_model):
     engine = build_local_engine(str(nan_model))
     for i, params in enumerate(PARAMS * 2):  # more requests than a pipeline's restarts
-        engine.submit(Request(id=f"r{i}", prompt_tokens=[1, 2, 3], params=SamplingParams(max_tokens=4, **params)))
+        engine.submit(EngineRequest(id=f"r{i}", prompt_tokens=[1, 2, 3], params=SamplingParams(max_tokens=4, **params)))
     events = []
     while engine.has_work:
         events.extend(engine.step())
     assert [e["type"] for e in events] == ["error"] * len(PARAMS) * 2
     assert {e["code"] for e in events} == {"numerical_error"}
     assert "not finite" in events[0]["message"]
-    assert engine.model.backend.caches == {}  # every KV cache was freed
+    assert engine.core.model.backend.caches == {}  # every KV cache was freed
 
 
 @pytest.mark.slow
@@ -111,7 +111,7 @@ def test_a_nan_draft_model_drafts_nothing_and_the_target_answers_alone(nan_model
     tokens = []
     for kw in ({"draft_model": str(nan_model)}, {}):
         engine = build_local_engine(str(target), options=EngineOptions(**kw))
-        engine.submit(Request(id="a", prompt_tokens=[1, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=6)))
+        engine.submit(EngineRequest(id="a", prompt_tokens=[1, 2, 3], params=SamplingParams(temperature=0.0, max_tokens=6)))
         events = []
         while engine.has_work:
             events.extend(engine.step())

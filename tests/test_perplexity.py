@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ntx.ctl import perplexity as ppl
-from ntx.daemons.compute.tokenizer import Tokenizer
+from ntx.ctl.tokenizer import Tokenizer
 from ntx.shared.gguf_index import open_model
 
 from .pipeline_util import free_port, ntxctl, running_pipeline

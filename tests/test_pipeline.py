@@ -19,8 +19,8 @@ import pytest
 from ntx.ctl import instance
 from ntx.ctl.client import Client, ClientError
 from ntx.ctl.local import build_local_engine
-from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.messages import EngineRequest
 
 from .pipeline_util import Pipeline, free_port, ntxctl, running_pipeline, wait_for
 
@@ -44,7 +44,7 @@ def reference(smollm2_path) -> dict[str, list[int]]:
     out = {}
     for p in PROMPTS:
         ids = engine.prompt_tokens(prompt=p, raw=True)
-        engine.submit(Request(id=p, prompt_tokens=ids, params=SamplingParams(temperature=0.0, max_tokens=N_TOKENS)))
+        engine.submit(EngineRequest(id=p, prompt_tokens=ids, params=SamplingParams(temperature=0.0, max_tokens=N_TOKENS)))
         while engine.has_work:
             for ev in engine.step():
                 if ev["type"] == "done":

@@ -9,13 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from ntx.daemons.compute.engine import Request
+from ntx.ctl.local import LocalEngine
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.replay import ReplayDrafter, load_references, write_references
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.daemons.compute.speculation import DraftRequest, ModelDrafter
 from ntx.shared.config import EngineOptions
 from ntx.shared.errors import ConfigError
+from ntx.shared.messages import EngineRequest
 
 try:
     from .pipeline_util import ntxctl, running_pipeline
@@ -90,8 +91,12 @@ def tiny(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("replay"), n_layers=3, type="Q8_0")
 
 
-def _generate(engine, prompt, max_tokens) -> dict:
-    engine.submit(Request("r", list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+def local(model, **kw) -> LocalEngine:
+    return LocalEngine(build_engine(model, **kw))
+
+
+def _generate(engine: LocalEngine, prompt, max_tokens) -> dict:
+    engine.submit(EngineRequest("r", list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens)))
     done = None
     while engine.has_work:
         for ev in engine.step():
@@ -102,14 +107,13 @@ def _generate(engine, prompt, max_tokens) -> dict:
 
 def test_greedy_output_through_replay_is_the_plain_output_at_any_p(tiny, tmp_path):
     prompt = [5, 300, 37, 400, 12]
-    want = _generate(build_engine(tiny, options=EngineOptions(ctx=128)), prompt, 24)
+    want = _generate(local(tiny, options=EngineOptions(ctx=128)), prompt, 24)
     path = tmp_path / "replay.json"
     write_references(path, [want["prompt_tokens"] + want["tokens"]])
     n = len(want["tokens"])
     assert n == 24  # no stop token came early
     for p in (0.0, 0.5, 1.0):
-        eng = build_engine(tiny, options=EngineOptions(ctx=128, draft_replay=path, draft_replay_p=p, draft_tokens=4,
-                                                       draft_width=1))
+        eng = local(tiny, options=EngineOptions(ctx=128, draft_replay=path, draft_replay_p=p, draft_tokens=4, draft_width=1))
         got = _generate(eng, prompt, 24)
         assert got["tokens"] == want["tokens"], p
         spec = got["speculation"]
@@ -126,13 +130,12 @@ def test_replay_runs_the_drafter_it_wraps_and_ignores_its_proposals(tiny, tmp_pa
     """The tiny model as its own draft would accept everything; behind a replay at p = 1 nothing
     is accepted, yet the draft model ran on the sequence (its cache held it)."""
     prompt = [5, 300, 37, 400, 12]
-    want = _generate(build_engine(tiny, options=EngineOptions(ctx=128)), prompt, 12)
+    want = _generate(local(tiny, options=EngineOptions(ctx=128)), prompt, 12)
     path = tmp_path / "replay.json"
     write_references(path, [want["prompt_tokens"] + want["tokens"]])
-    eng = build_engine(tiny, options=EngineOptions(ctx=128, draft_model=tiny, draft_replay=path, draft_replay_p=1.0,
-                                                   draft_tokens=3))
-    assert isinstance(eng.drafter, ReplayDrafter) and isinstance(eng.drafter.inner, ModelDrafter)
-    inner = eng.drafter.inner
+    eng = local(tiny, options=EngineOptions(ctx=128, draft_model=tiny, draft_replay=path, draft_replay_p=1.0, draft_tokens=3))
+    assert isinstance(eng.core.drafter, ReplayDrafter) and isinstance(eng.core.drafter.inner, ModelDrafter)
+    inner = eng.core.drafter.inner
     calls = []
 
     def counted(reqs):
@@ -162,7 +165,7 @@ def test_a_pipeline_started_with_a_replay_drafts_it_and_says_replay(tiny, tmp_pa
     """Through the daemons (one layer resident, three streamed): the file reaches compute, every
     replayed draft is accepted at p = 0, and status and ``ntxctl status`` name the drafter replay."""
     text = "The history of the transistor begins"
-    plain = build_engine(tiny, options=EngineOptions(ctx=128))
+    plain = local(tiny, options=EngineOptions(ctx=128))
     want = _generate(plain, plain.prompt_tokens(prompt=text, raw=True), 9)
     path = tmp_path / "replay.json"
     write_references(path, [want["prompt_tokens"] + want["tokens"]])

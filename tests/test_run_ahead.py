@@ -1,24 +1,25 @@
 """Greedy decode queued one pass ahead of the host (EngineCore.run_ahead, LlamaModel.launch with
 ``feed``) on the real SmolLM2, in process on the CPU backend (where it is off by default and
-switched on here): the same tokens and texts as one pass at a time, through stop tokens, stop
-strings, max_tokens, cancels, admissions and sampled requests that rule it out."""
+switched on here), behind the front (ctl/local.py): the same tokens and texts as one pass at a
+time, through stop tokens, stop strings (ended by the front, cancelled in the engine),
+max_tokens, cancels, admissions and sampled requests that rule it out."""
 
 from __future__ import annotations
 
 import pytest
 
-from ntx.ctl.local import build_local_engine
+from ntx.ctl.local import LocalEngine, build_local_engine
 from ntx.daemons.compute.backend import Pick
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
-from ntx.daemons.compute.engine import EngineCore, Request
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.messages import EngineRequest
 from ntx.shared.config import EngineOptions
 
 FRANCE_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_path) -> EngineCore:
+def engine(smollm2_path) -> LocalEngine:
     return build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4))
 
 
@@ -26,18 +27,18 @@ def engine(smollm2_path) -> EngineCore:
 def left_idle(engine):
     yield
     assert not engine.has_work
-    assert engine.model.backend.caches == {}  # every KV cache was freed
+    assert engine.core.model.backend.caches == {}  # every KV cache was freed
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-def run(engine: EngineCore, reqs: list[Request], ahead: bool, actions: dict | None = None) -> dict[str, dict]:
+def run(engine: LocalEngine, reqs: list[EngineRequest], ahead: bool, actions: dict | None = None) -> dict[str, dict]:
     """Submit ``reqs`` (a request whose id is a key of ``actions`` waits for that step), step to
     idle with ``run_ahead`` = ``ahead``; ``actions[step]`` may also be a callable run before that
     step. Returns the done (or error) event of each request by id."""
-    engine.run_ahead = ahead
+    engine.core.run_ahead = ahead
     actions = actions or {}
     later = {r.id for r in reqs if r.id in actions}
     for r in reqs:
@@ -57,19 +58,19 @@ def run(engine: EngineCore, reqs: list[Request], ahead: bool, actions: dict | No
             if ev["type"] in ("done", "error"):
                 done[ev["id"]] = ev
         step += 1
-    engine.run_ahead = False
+    engine.core.run_ahead = False
     return done
 
 
-def fresh(reqs: list[Request]) -> list[Request]:
-    return [Request(r.id, list(r.prompt_tokens), r.params, r.logprobs, r.prompt_logprobs, r.stream) for r in reqs]
+def fresh(reqs: list[EngineRequest]) -> list[EngineRequest]:
+    return [EngineRequest(r.id, list(r.prompt_tokens), r.params, r.logprobs, r.prompt_logprobs) for r in reqs]
 
 
-def same_both_ways(engine: EngineCore, reqs: list[Request], actions: dict | None = None) -> tuple[dict, int]:
+def same_both_ways(engine: LocalEngine, reqs: list[EngineRequest], actions: dict | None = None) -> tuple[dict, int]:
     """Run ``reqs`` one pass at a time, then run ahead: the done events agree on everything but
     timings; returns them and how many passes ran ahead."""
     serial = run(engine, fresh(reqs), False, actions)
-    fed0 = engine.passes_fed
+    fed0 = engine.core.passes_fed
     ahead = run(engine, fresh(reqs), True, actions)
     for rid, d in serial.items():
         a = ahead[rid]
@@ -78,26 +79,26 @@ def same_both_ways(engine: EngineCore, reqs: list[Request], actions: dict | None
             for key in ("tokens", "text", "finish_reason"):
                 assert a[key] == d[key], (rid, key)
     assert ahead.keys() == serial.keys()
-    return ahead, engine.passes_fed - fed0
+    return ahead, engine.core.passes_fed - fed0
 
 
 def test_batch_decodes_the_same_tokens_ahead(engine):
     prompts = [FRANCE_IDS, engine.prompt_tokens(prompt="Once upon a time", raw=True),
                engine.prompt_tokens(prompt="def fibonacci(n):", raw=True)]
-    reqs = [Request(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)]
-    passes0 = engine.model.next_pass_id
+    reqs = [EngineRequest(f"r{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    passes0 = engine.core.model.next_pass_id
     done, fed = same_both_ways(engine, reqs)
     # 1 prefill + 11 decode passes each way: a pass is queued only when its token is needed
-    assert engine.model.next_pass_id - passes0 == 2 * 12
+    assert engine.core.model.next_pass_id - passes0 == 2 * 12
     assert fed == 10  # every decode pass but the first
     assert all(d["finish_reason"] == "length" and len(d["tokens"]) == 12 for d in done.values())
 
 
 def test_stop_token_and_stop_string_while_a_pass_is_queued(engine):
     eos_prompt = engine.prompt_tokens(prompt="Reply with one word: yes or no. Is water wet?")
-    reqs = [Request("eos", eos_prompt, greedy(16)),  # ends on the EOS token before 16
-            Request("dot", FRANCE_IDS, greedy(8, stop=["."])),  # " Paris" then "."
-            Request("long", FRANCE_IDS, greedy(10))]
+    reqs = [EngineRequest("eos", eos_prompt, greedy(16)),  # ends on the EOS token before 16
+            EngineRequest("dot", FRANCE_IDS, greedy(8, stop=["."])),  # " Paris" then "."
+            EngineRequest("long", FRANCE_IDS, greedy(10))]
     done, fed = same_both_ways(engine, reqs)
     assert done["eos"]["finish_reason"] == "stop" and len(done["eos"]["tokens"]) < 16
     assert done["dot"]["finish_reason"] == "stop" and done["dot"]["text"] == " Paris"
@@ -106,10 +107,10 @@ def test_stop_token_and_stop_string_while_a_pass_is_queued(engine):
 
 
 def test_cancel_and_admission_while_a_pass_is_queued(engine):
-    reqs = [Request("a", FRANCE_IDS, greedy(10)), Request("b", FRANCE_IDS, greedy(10)),
-            Request("late", engine.prompt_tokens(prompt="Once upon a time", raw=True), greedy(6))]
+    reqs = [EngineRequest("a", FRANCE_IDS, greedy(10)), EngineRequest("b", FRANCE_IDS, greedy(10)),
+            EngineRequest("late", engine.prompt_tokens(prompt="Once upon a time", raw=True), greedy(6))]
     def cancel_b() -> list[dict]:
-        assert engine._ahead is not None or not engine.run_ahead  # a queued pass holds b's row
+        assert engine.core._ahead is not None or not engine.core.run_ahead  # a queued pass holds b's row
         return engine.cancel("b")
 
     # b is cancelled before step 4, late joins at step 6
@@ -121,33 +122,33 @@ def test_cancel_and_admission_while_a_pass_is_queued(engine):
 
 
 def test_a_sampled_request_or_a_repetition_penalty_runs_one_pass_at_a_time(engine):
-    reqs = [Request("g", FRANCE_IDS, greedy(6)),
-            Request("s", FRANCE_IDS, SamplingParams(temperature=0.7, seed=7, max_tokens=6))]
+    reqs = [EngineRequest("g", FRANCE_IDS, greedy(6)),
+            EngineRequest("s", FRANCE_IDS, SamplingParams(temperature=0.7, seed=7, max_tokens=6))]
     _, fed = same_both_ways(engine, reqs)
     assert fed == 0
-    _, fed = same_both_ways(engine, [Request("p", FRANCE_IDS, greedy(6, repetition_penalty=1.3))])
+    _, fed = same_both_ways(engine, [EngineRequest("p", FRANCE_IDS, greedy(6, repetition_penalty=1.3))])
     assert fed == 0
-    _, fed = same_both_ways(engine, [Request("lp", FRANCE_IDS, greedy(6), logprobs=3)])
+    _, fed = same_both_ways(engine, [EngineRequest("lp", FRANCE_IDS, greedy(6), logprobs=3)])
     assert fed == 4  # logprobs ride along: top-k rows whose first entry is the greedy token
 
 
 def test_logprobs_agree_ahead(engine):
-    req = [Request("lp", FRANCE_IDS, greedy(6), logprobs=3)]
+    req = [EngineRequest("lp", FRANCE_IDS, greedy(6), logprobs=3)]
     events = {}
     for ahead in (False, True):
-        engine.run_ahead = ahead
+        engine.core.run_ahead = ahead
         engine.submit(fresh(req)[0])
         evs = []
         while engine.has_work:
             evs.extend(e for e in engine.step() if e["type"] == "token")
         events[ahead] = [(e["token"], e["logprobs"], e["logprob"]) for e in evs]
-    engine.run_ahead = False
+    engine.core.run_ahead = False
     assert events[True] == events[False] and len(events[True]) == 6
 
 
 def test_launch_feed_takes_the_pending_top1(engine):
     """LlamaModel.launch with feed: the fed pass equals a pass given the tokens by hand."""
-    m, be = engine.model, engine.model.backend
+    m, be = engine.core.model, engine.core.model.backend
     be.alloc_sequence(900, 16)
     be.alloc_sequence(901, 16)
     try:

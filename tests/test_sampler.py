@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
+from ntx.ctl.requests import StopMatcher
 from ntx.daemons.compute.sampler import (
     REPETITION_WINDOW,
     Sampler,
     SamplingParams,
-    StopMatcher,
     logprobs_topk,
 )
 from ntx.shared.errors import NtxError

@@ -14,12 +14,12 @@ import pytest
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.backend import Pick, make_backend, plan_for
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
-from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.model import FileLayerStream, LlamaModel
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared.config import EngineOptions, InstanceConfig
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
+from ntx.shared.messages import EngineRequest
 from ntx.shared.plan import RAM, SKIPPED, STORAGE, VRAM
 
 from .pipeline_util import ntxctl, running_pipeline
@@ -112,7 +112,7 @@ def test_a_skipped_layer_is_never_run_nor_streamed(index):
 
 def _greedy(engine, prompt: str, n: int) -> list[int]:
     ids = engine.prompt_tokens(prompt=prompt, raw=True)
-    engine.submit(Request(id="r", prompt_tokens=ids, params=SamplingParams(temperature=0.0, max_tokens=n)))
+    engine.submit(EngineRequest(id="r", prompt_tokens=ids, params=SamplingParams(temperature=0.0, max_tokens=n)))
     while engine.has_work:
         for ev in engine.step():
             if ev["type"] == "done":

@@ -12,12 +12,13 @@ import pytest
 
 from ntx.daemons.compute.backend import Picked
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
-from ntx.daemons.compute.engine import Request
+from ntx.ctl.local import LocalEngine
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.sampler import Sampler, SamplingParams
 from ntx.daemons.compute.speculation import DraftTree, verify_tree
 from ntx.shared.config import EngineOptions
 from ntx.shared.errors import ConfigError, NtxError
+from ntx.shared.messages import EngineRequest
 
 try:
     from .synth_models import write_tiny
@@ -27,11 +28,16 @@ except ImportError:  # tests/ is not a package
 GREEDY = dict(temperature=0.0)
 
 
+def local(model, **kw) -> LocalEngine:
+    """An engine of ``model`` (``build_engine``'s keywords) behind its front, in this process."""
+    return LocalEngine(build_engine(model, **kw))
+
+
 def _run(engine, requests: list[tuple[str, list[int], dict]]) -> dict[str, dict]:
     """Submit (id, prompt tokens, sampling fields) requests at once; their done events by id."""
     for rid, ids, fields in requests:
         speculative = fields.pop("speculative", True)
-        engine.submit(Request(rid, list(ids), SamplingParams(**fields), speculative=speculative))
+        engine.submit(EngineRequest(rid, list(ids), SamplingParams(**fields), speculative=speculative))
     done = {}
     while engine.has_work:
         for ev in engine.step():
@@ -42,7 +48,7 @@ def _run(engine, requests: list[tuple[str, list[int], dict]]) -> dict[str, dict]
 
 @pytest.fixture(scope="module")
 def plain(smollm2_path):
-    return build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4))
+    return local(smollm2_path, options=EngineOptions(ctx=256, max_batch=4))
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,7 @@ def prompts(plain):
 
 def test_a_model_as_its_own_draft_accepts_every_token_and_changes_nothing(smollm2_path, plain, prompts):
     want = _run(plain, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
-    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
-                                                            draft_width=1))
+    spec = local(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4, draft_width=1))
     got = _run(spec, [("a", prompts[0], dict(GREEDY, max_tokens=24))])["a"]
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
     # every drafted token accepted. How deep each pass drafts, or whether it drafts at all, is the
@@ -71,38 +76,35 @@ def test_greedy_output_is_identical_with_every_drafter_in_a_batch(smollm2_path, 
     reqs = [(f"r{i}", p, dict(GREEDY, max_tokens=20)) for i, p in enumerate(prompts)]
     want = _run(plain, [(r, p, dict(f)) for r, p, f in reqs])
     kw = dict(self_draft=list(range(0, 15))) if drafter == "self-half" else dict(draft_model=smollm2_path)
-    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_tokens=6, draft_width=width, **kw))
+    spec = local(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_tokens=6, draft_width=width, **kw))
     reqs[2][2]["speculative"] = False  # one request opts out, in the same batch
     got = _run(spec, reqs)
     for rid in want:
         assert got[rid]["tokens"] == want[rid]["tokens"], rid
     assert "speculation" in got["r0"] and "speculation" not in got["r2"]
-    assert spec.spec.passes > 0 and spec.spec.drafted >= spec.spec.accepted
+    assert spec.core.spec.passes > 0 and spec.core.spec.drafted >= spec.core.spec.accepted
     if drafter == "self-half":  # half the layers guess wrong at times: rejections were exercised
-        assert spec.spec.accepted < spec.spec.drafted
+        assert spec.core.spec.accepted < spec.core.spec.drafted
 
 
 def test_max_tokens_context_and_stop_strings_end_where_they_would(smollm2_path, plain, prompts):
-    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=8,
-                                                            draft_width=2))
+    spec = local(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=8, draft_width=2))
     for fields in (dict(GREEDY, max_tokens=5), dict(GREEDY, max_tokens=30, stop=[" the"])):
         want = _run(plain, [("x", prompts[0], dict(fields))])["x"]
         got = _run(spec, [("x", prompts[0], dict(fields))])["x"]
         assert (got["tokens"], got["text"], got["finish_reason"]) == (want["tokens"], want["text"], want["finish_reason"])
-    short_plain = build_engine(smollm2_path, options=EngineOptions(ctx=len(prompts[1]) + 9))
-    short_spec = build_engine(smollm2_path, options=EngineOptions(ctx=len(prompts[1]) + 9, draft_model=smollm2_path,
-                                                                  draft_tokens=8))
+    short_plain = local(smollm2_path, options=EngineOptions(ctx=len(prompts[1]) + 9))
+    short_spec = local(smollm2_path, options=EngineOptions(ctx=len(prompts[1]) + 9, draft_model=smollm2_path, draft_tokens=8))
     want = _run(short_plain, [("c", prompts[1], dict(GREEDY, max_tokens=100))])["c"]
     got = _run(short_spec, [("c", prompts[1], dict(GREEDY, max_tokens=100))])["c"]
     assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"] == "length"
 
 
 def test_cancel_between_verify_passes_frees_the_draft_and_the_next_request_is_unaffected(smollm2_path, plain, prompts):
-    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4,
-                                                            draft_width=1))
-    drafter = spec.drafter
-    spec.submit(Request("long", prompts[2], SamplingParams(**GREEDY, max_tokens=200)))
-    while spec.spec.passes < 2:
+    spec = local(smollm2_path, options=EngineOptions(ctx=256, max_batch=4, draft_model=smollm2_path, draft_tokens=4, draft_width=1))
+    drafter = spec.core.drafter
+    spec.submit(EngineRequest("long", prompts[2], SamplingParams(**GREEDY, max_tokens=200)))
+    while spec.core.spec.passes < 2:
         spec.step()
     assert drafter.cached  # the draft model holds the sequence
     (done,) = spec.cancel("long")
@@ -162,9 +164,9 @@ def test_sampling_with_a_self_draft_keeps_the_models_distribution(tmp_path):
     against 1,500 seeded requests with speculation: a chi-square test at p = 0.001."""
     model = write_tiny(tmp_path, type="Q8_0")
     fields = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, max_tokens=3)
-    spec = build_engine(model, options=EngineOptions(ctx=64, max_batch=8, self_draft=[0], draft_tokens=1))
+    spec = local(model, options=EngineOptions(ctx=64, max_batch=8, self_draft=[0], draft_tokens=1))
     prompt = [5, 300, 37, 400]
-    m = spec.model
+    m = spec.core.model
     probe = Sampler(SamplingParams(**fields))
     m.backend.alloc_sequence(10_000, 64)
     last = m.forward(StepBatch([SeqChunk(10_000, 0, tuple(prompt), all_logits=True)]))[-1]
@@ -180,7 +182,7 @@ def test_sampling_with_a_self_draft_keeps_the_models_distribution(tmp_path):
         done = _run(spec, [(f"s{i}", prompt, dict(fields, seed=i)) for i in range(start, min(start + 8, n))])
         for ev in done.values():
             counts[tuple(ev["tokens"][:2])] += 1
-    assert spec.spec.passes > 0 and 0 < spec.spec.accepted < spec.spec.drafted
+    assert spec.core.spec.passes > 0 and 0 < spec.core.spec.accepted < spec.core.spec.drafted
     chi2 = sum((counts[k] - n * q) ** 2 / (n * q) for k, q in joint.items())
     assert chi2 < 26.12, (chi2, counts, joint)  # 9 cells: 8 degrees of freedom, p = 0.001
 
@@ -223,7 +225,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def test_a_tree_chunk_row_sees_its_own_branch_as_if_run_alone(plain):
     """Each node's logits in one tree pass equal those of its root-to-node path run as a plain
     chunk in a fresh sequence (float32 rounding of other pass shapes aside: 1e-5)."""
-    m = plain.model
+    m = plain.core.model
     prefix = [504, 3575, 282, 4649, 314, 7042]
     m.backend.alloc_sequence(900, 64)
     m.forward(StepBatch([SeqChunk(900, 0, tuple(prefix[:-1]))]))
@@ -246,7 +248,7 @@ def test_a_tree_chunk_row_sees_its_own_branch_as_if_run_alone(plain):
 def test_keeping_a_sibling_path_leaves_the_cache_as_if_it_had_been_fed(plain):
     """Verify the tree, keep the path 3 -> 4 (a branch off the root, not the chain), then decode:
     the same logits as a sequence that was fed that path as a plain chunk."""
-    m = plain.model
+    m = plain.core.model
     prefix = [504, 3575, 282, 4649, 314, 7042]
     pos = len(prefix)  # where node i sits is pos + i; the root (the last prefix token) at pos - 1
     m.backend.alloc_sequence(902, 64)
@@ -335,9 +337,8 @@ def test_the_tree_shape_stops_drafting_when_no_draft_is_accepted_and_keeps_probi
 def test_a_self_draft_without_the_most_similar_layers(smollm2_path, plain, prompts):
     """--self-draft-skip: every resident layer but the given ones drafts; output unchanged."""
     want = _run(plain, [("k", prompts[1], dict(GREEDY, max_tokens=12))])["k"]
-    spec = build_engine(smollm2_path, options=EngineOptions(ctx=256, self_draft=True, self_draft_skip=[13, 14],
-                                                            draft_tokens=4))
-    assert spec.drafter.layers == [i for i in range(30) if i not in (13, 14)]
+    spec = local(smollm2_path, options=EngineOptions(ctx=256, self_draft=True, self_draft_skip=[13, 14], draft_tokens=4))
+    assert spec.core.drafter.layers == [i for i in range(30) if i not in (13, 14)]
     got = _run(spec, [("k", prompts[1], dict(GREEDY, max_tokens=12))])["k"]
     assert got["tokens"] == want["tokens"] and got["speculation"]["verify_passes"] > 0
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from ntx.daemons.compute.chat import ChatTemplate
-from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer, TokenType
+from ntx.ctl.chat import ChatTemplate
+from ntx.ctl.tokenizer import IncrementalDecoder, Tokenizer, TokenType
 from ntx.shared.bytelevel import bytes_to_unicode
 from ntx.shared.errors import NtxError
 

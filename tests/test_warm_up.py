@@ -10,12 +10,12 @@ import pytest
 
 from ntx.ctl.instance import InstancePaths
 from ntx.daemons.compute.backend import Backend, WarmUp
-from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared.config import EngineOptions
 from ntx.shared.errors import NtxError
+from ntx.shared.messages import EngineRequest
 
 from .pipeline_util import running_pipeline, wait_for
 
@@ -32,12 +32,13 @@ def tiny(tmp_path_factory) -> str:
 
 
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
-    engine.submit(Request("g", prompt, SamplingParams(temperature=0.0, max_tokens=n)))
+    """The greedy tokens of ``prompt`` from an engine core's outputs."""
+    engine.submit(EngineRequest("g", prompt, SamplingParams(temperature=0.0, max_tokens=n)))
+    tokens: list[int] = []
     while engine.has_work:
-        for ev in engine.step():
-            if ev["type"] == "done":
-                return ev["tokens"]
-    raise AssertionError("no done event")
+        for out in engine.step():
+            tokens += out.tokens
+    return tokens
 
 
 def test_warm_up_is_a_no_op_on_cpu(tiny):

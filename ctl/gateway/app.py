@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -31,17 +31,15 @@ from ntx.ctl.gateway.metrics import GatewayMetrics
 
 
 class Gateway:
-    """What the routes share: the pipeline link, the metrics, the API key, the tokenizer."""
+    """What the routes share: the pipeline link, the metrics, the API key."""
 
     def __init__(self, listen: str, api_key: str | None) -> None:
         self.listen = listen
         self.api_key = api_key
         self.link: PipelineLink | None = None
         self.metrics = GatewayMetrics(lambda: self.link.fresh_status if self.link else None)
-        self._tokenizer = None
-        self._tokenizer_lock = asyncio.Lock()
 
-    def check_key(self, request: Request) -> None:
+    def check_key(self, request: HttpRequest) -> None:
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -62,24 +60,10 @@ class Gateway:
     def model_name(st: dict) -> str:
         return os.path.basename(st.get("model", "")) or "ntx"
 
-    async def tokenizer(self, model_path: str):
-        """The model's tokenizer (for logprobs' token strings), read once from the GGUF."""
-        async with self._tokenizer_lock:
-            if self._tokenizer is None:
-                def load():
-                    from ntx.daemons.compute.tokenizer import Tokenizer
-                    from ntx.shared.gguf_index import open_model
-
-                    return Tokenizer.from_metadata(open_model(model_path).metadata)
-
-                self._tokenizer = await asyncio.to_thread(load)
-        return self._tokenizer
-
-
 class Generation:
     """One HTTP request's run on the pipeline: its events, its metrics, its cancellation."""
 
-    def __init__(self, gw: Gateway, request: Request, parsed: oa.Parsed, endpoint: str) -> None:
+    def __init__(self, gw: Gateway, request: HttpRequest, parsed: oa.Parsed, endpoint: str) -> None:
         self.gw = gw
         self.request = request
         self.parsed = parsed
@@ -159,7 +143,7 @@ def _sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def _body(request: Request) -> dict:
+async def _body(request: HttpRequest) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -198,17 +182,14 @@ class Started:
     logprobs: oa.LogprobsBuilder | None
 
 
-async def _start(request: Request, parse, endpoint: str, id_prefix: str) -> Started:
+async def _start(request: HttpRequest, parse, endpoint: str, id_prefix: str) -> Started:
     """Check the key and the body, start the generation and wait for its first event (so that a
     refused request is answered with its HTTP status before any stream begins)."""
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
     parsed = parse(await _body(request))
     st = gw.serving_status()
-    lp = None
-    if parsed.top_logprobs is not None:
-        tok = await gw.tokenizer(st["model"])
-        lp = oa.LogprobsBuilder(parsed.top_logprobs, tok.token_text, tok.token_bytes)
+    lp = oa.LogprobsBuilder(parsed.top_logprobs) if parsed.top_logprobs is not None else None
     gen = Generation(gw, request, parsed, endpoint)
     first = await gen.start()
 
@@ -235,7 +216,7 @@ async def _collect(s: Started) -> tuple[list[dict], dict]:
     return tokens, done
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: HttpRequest) -> Response:
     s = await _start(request, oa.parse_chat, "chat", "chatcmpl")
     lp = s.logprobs
     if not s.parsed.stream:
@@ -262,7 +243,7 @@ async def chat_completions(request: Request) -> Response:
     return _streaming(s.gen, chunks())
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: HttpRequest) -> Response:
     s = await _start(request, oa.parse_completion, "completions", "cmpl")
     lp = s.logprobs
     if not s.parsed.stream:
@@ -293,7 +274,7 @@ def _usage_chunk(s: Started, object_: str, done: dict) -> dict:
             "usage": oa.usage(done)}
 
 
-async def models(request: Request) -> Response:
+async def models(request: HttpRequest) -> Response:
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
     st = gw.serving_status()
@@ -302,7 +283,7 @@ async def models(request: Request) -> Response:
          "owned_by": "ntx"}]})
 
 
-async def health(request: Request) -> Response:
+async def health(request: HttpRequest) -> Response:
     """200 when the pipeline is ready, 503 while it loads, restarts, stops or does not answer
     (no key needed: load balancers and orchestrators probe it)."""
     st = request.app.state.gateway.link.fresh_status
@@ -313,30 +294,30 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def metrics(request: Request) -> Response:
+async def metrics(request: HttpRequest) -> Response:
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def status_page(request: Request) -> Response:
+async def status_page(request: HttpRequest) -> Response:
     """The live status page: static HTML whose script polls /api/status (the key, if one is
     needed, comes from the page address' #key=… fragment, which browsers never send)."""
     return HTMLResponse(resources.files("ntx.ctl.gateway").joinpath("status_page.html").read_text())
 
 
-async def api_status(request: Request) -> Response:
+async def api_status(request: HttpRequest) -> Response:
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
     return JSONResponse({"status": gw.link.fresh_status, "history": list(gw.link.history),
                          "gateway": {"in_flight": gw.link.in_flight}})
 
 
-async def _api_error(request: Request, exc: oa.ApiError) -> Response:
+async def _api_error(request: HttpRequest, exc: oa.ApiError) -> Response:
     return JSONResponse(exc.body(), exc.status)
 
 
-async def _http_error(request: Request, exc: HTTPException) -> Response:
+async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return JSONResponse(oa.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_).body(),
                         exc.status_code)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+
 
 from ntx.shared.sampling_fields import MAX_LOGPROBS
 
@@ -176,27 +177,33 @@ def finish_reason(done: dict) -> str:
 
 
 class LogprobsBuilder:
-    """Token logprobs in the shape of either endpoint, with token strings from the tokenizer."""
+    """Token logprobs in the shape of either endpoint. A token reply with logprobs carries the
+    bytes of its token and of each alternative (docs/PROTOCOL.md), so their strings need no
+    vocabulary here: the bytes decoded, a partial UTF-8 character as U+FFFD."""
 
-    def __init__(self, top: int, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes]) -> None:
+    def __init__(self, top: int) -> None:
         self.top = top
-        self.text = token_text
-        self.bytes = token_bytes
+
+    @staticmethod
+    def _text(token_bytes: bytes) -> str:
+        return token_bytes.decode("utf-8", errors="replace")
+
+    def _tops(self, ev: dict) -> list[tuple[bytes, float]]:
+        return [(b, lp) for b, (_, lp) in zip(ev.get("top_bytes", []), ev.get("logprobs", []))][: self.top]
 
     def chat_entry(self, ev: dict) -> dict:
-        def one(tok: int, lp: float) -> dict:
-            return {"token": self.text(tok), "logprob": lp, "bytes": list(self.bytes(tok))}
+        def one(token_bytes: bytes, lp: float) -> dict:
+            return {"token": self._text(token_bytes), "logprob": lp, "bytes": list(token_bytes)}
 
-        return {**one(ev["token"], ev["logprob"]),
-                "top_logprobs": [one(t, lp) for t, lp in ev.get("logprobs", [])[: self.top]]}
+        return {**one(ev["token_bytes"], ev["logprob"]), "top_logprobs": [one(b, lp) for b, lp in self._tops(ev)]}
 
     def completion_part(self, events: list[dict], text_offset_start: int) -> dict:
         tokens, lps, tops, offsets = [], [], [], []
         offset = text_offset_start
         for ev in events:
-            tokens.append(self.text(ev["token"]))
+            tokens.append(self._text(ev["token_bytes"]))
             lps.append(ev["logprob"])
-            tops.append({self.text(t): lp for t, lp in ev.get("logprobs", [])[: self.top]})
+            tops.append({self._text(b): lp for b, lp in self._tops(ev)})
             offsets.append(offset)
             offset += len(ev.get("text", ""))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

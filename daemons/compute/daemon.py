@@ -2,8 +2,10 @@
 
 It owns the resident layers, the device slots (shared memory on the cpu backend, device buffers
 shared through CUDA IPC on cuda), the KV caches and the scheduler. Requests arrive from the
-supervisor on the control channel and replies go back the same way; the supervisor keeps the
-client connections, so a crash of this process still ends in an error reply for every client.
+supervisor on the control channel as token ids (``EngineRequest``) and the engine's outputs go
+back the same way (``EngineOutputs``); the supervisor keeps the client connections and the text
+side (the tokenizer, chat template, stop strings), so a crash of this process still ends in an
+error reply for every client.
 """
 
 from __future__ import annotations
@@ -14,31 +16,15 @@ from typing import Any
 
 import zmq
 
-from ntx.daemons.compute.engine import EngineCore, Request, RequestError
+from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.factory import backend_for, build_engine, warm_up_engine
 from ntx.daemons.compute.ring_stream import RingStream
-from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig
 from ntx.shared.daemon import Daemon, daemon_main
-from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.plan import VRAM, Plan
-from ntx.shared.sampling_fields import from_wire
 from ntx.shared.stats import StageClock
-
-
-def request_from_wire(engine: EngineCore, rid: str, msg: dict[str, Any]) -> Request:
-    """A checked generate map (see ``messages.check_generate``) -> an engine Request."""
-    params = SamplingParams(**from_wire(msg)).validate()
-    ids = engine.prompt_tokens(
-        prompt=msg.get("prompt"), messages=msg.get("messages"), tokens=msg.get("tokens"), raw=bool(msg.get("raw", False))
-    )
-    return Request(
-        id=rid, prompt_tokens=ids, params=params, logprobs=int(msg.get("logprobs", 0)),
-        prompt_logprobs=int(msg.get("prompt_logprobs", 0)), stream=bool(msg.get("stream", True)),
-        speculative=bool(msg.get("speculative", True)),
-    )
 
 
 class ComputeDaemon(Daemon):
@@ -80,24 +66,24 @@ class ComputeDaemon(Daemon):
 
     # -- control ------------------------------------------------------------------------------
     def handle_control(self, msg: m.Message) -> None:
-        if isinstance(msg, m.Request):
-            self.submit(msg.rid, msg.generate)
+        if isinstance(msg, m.EngineRequest):
+            self.submit(msg)
         elif isinstance(msg, m.Cancel):
             self.send_events(self.engine.cancel(msg.rid))
         elif isinstance(msg, m.Drain):
             self.draining_until_s = time.monotonic() + msg.timeout_s
 
-    def submit(self, rid: str, msg: dict[str, Any]) -> None:
+    def submit(self, req: m.EngineRequest) -> None:
+        """Queue a request from the front (checked there); one the engine cannot hold anyway is
+        answered with its error, never raised."""
         try:
-            self.engine.submit(request_from_wire(self.engine, rid, msg))
-        except RequestError as e:
-            self.send_events([m.error_reply(rid, e.code, str(e))])
-        except NtxError as e:
-            self.send_events([m.error_reply(rid, "bad_request", str(e))])
+            self.engine.submit(req)
+        except m.RequestError as e:
+            self.send_events([m.EngineError(id=req.id, code=e.code, message=str(e))])
 
-    def send_events(self, events: list[dict]) -> None:
+    def send_events(self, events: list[m.EngineEvent]) -> None:
         if events:
-            self.send_control(m.Events(events=events))
+            self.send_control(m.EngineOutputs(events=events))
 
     def _on_wait(self) -> None:
         """Between the slices of a ring wait: report, and give up once the daemon must stop."""

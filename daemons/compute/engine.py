@@ -1,13 +1,16 @@
-"""The engine core: requests in, one pass per ``step()``, protocol events out. No sockets here.
+"""The engine core: token ids in, one pass per ``step()``, token ids out. No sockets, no text.
 
 Following vLLM's split of ``EngineCore`` from its process wrapper, this is the plain loop that
 ``ntxctl generate --local`` runs in-process and that the compute daemon wraps with ZeroMQ. Each
 ``step()`` is one pass over the layers that advances every admitted sequence: decoding sequences
-by one token, prefilling ones by a chunk of their prompt (continuous batching: a request joins at
-the next pass and leaves when it is done, freeing its KV cache).
+by one token (or a verified draft), prefilling ones by a chunk of their prompt (continuous
+batching: a request joins at the next pass and leaves when it is done, freeing its KV cache).
 
-Events are plain dicts in the wire protocol's shape (docs/PROTOCOL.md): ``token``, ``done`` and
-``error`` replies, each with the request ``id``.
+Requests are ``messages.EngineRequest`` records (prompt token ids, sampling parameters,
+log-probability counts); events are ``messages.EngineOutput`` (a request's new token ids and
+their log-probabilities, its finish) and ``messages.EngineError`` records. Chat templates,
+tokenizing, detokenizing, stop strings and everything a client reads as text are the front's
+(ctl/requests.py, in the supervisor); the engine knows the model's stop token ids.
 """
 
 from __future__ import annotations
@@ -16,79 +19,36 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from ntx.daemons.compute.backend import PendingPicks, Pick, Picked, log_normaliser
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
-from ntx.daemons.compute.chat import ChatTemplate
 from ntx.daemons.compute.model import LlamaModel
-from ntx.daemons.compute.sampler import NumericalError, Sampler, SamplingParams, StopMatcher, logprobs_topk
+from ntx.daemons.compute.sampler import NumericalError, Sampler, logprobs_topk
 from ntx.daemons.compute.speculation import Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
-from ntx.daemons.compute.tokenizer import IncrementalDecoder, Tokenizer
 from ntx.shared.errors import NtxError
-from ntx.shared.sampling_fields import MAX_LOGPROBS
-
-
-class RequestError(NtxError):
-    """A request that cannot be served; ``code`` goes into the error reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        self.code = code
-        super().__init__(message)
-
-
-@dataclass
-class Request:
-    id: str
-    prompt_tokens: list[int]
-    params: SamplingParams
-    logprobs: int = 0
-    prompt_logprobs: int = 0
-    stream: bool = True
-    speculative: bool = True  # draft and verify when the engine has a drafter
-
-
-@dataclass
-class SpecCounts:
-    """Speculation's tally: verify passes, tokens drafted and drafted tokens accepted."""
-
-    passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.passes += 1
-        self.drafted += drafted
-        self.accepted += accepted
-
-    def report(self) -> dict[str, Any]:
-        """For ``done`` replies and status: what speculation got out of each pass."""
-        return {"verify_passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
-                "accepted_per_pass": round(self.accepted / self.passes, 3) if self.passes else 0.0,
-                "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0}
+from ntx.shared.messages import (EngineError, EngineEvent, EngineOutput, EngineRequest, RequestError, SpecCounts,
+                                 check_prompt_tokens)
 
 
 @dataclass
 class _Seq:
-    """A request in flight: its KV cache (``seq_id``), progress and output state."""
+    """A request in flight: its KV cache (``seq_id``), progress, and what it sent so far."""
 
-    req: Request
+    req: EngineRequest
     seq_id: int
     sampler: Sampler
-    decoder: IncrementalDecoder
-    stopper: StopMatcher
     t_submit_s: float
     n_prefilled: int = 0
     generated: list[int] = field(default_factory=list)
-    text_parts: list[str] = field(default_factory=list)
     prompt_lp: list[Any] = field(default_factory=list)
     next_token: int | None = None  # sampled, not yet fed through the model
     t_first_token_s: float = 0.0
     t_admit_s: float = 0.0
     draft: DraftTree | None = None  # proposed, verified by the next pass
-    spec: SpecCounts = field(default_factory=SpecCounts)
+    started: bool = False  # an output was sent (prompt_logprobs go with the first)
 
     @property
     def prefilling(self) -> bool:
@@ -109,18 +69,21 @@ class _Ahead:
 class EngineCore:
     """Requests in, one pass per ``step()``, events out (the module's docstring says how).
 
+    ``stop_token_ids``: the model's end-of-generation tokens (``shared.vocab``); drawing one ends a
+    request with ``stop`` and the token is not output.
+
     ``run_ahead`` (default: where the backend queues passes, ``Backend.queues_passes``): while
     every running sequence decodes greedily, alone on its row, step() queues the next pass, fed
     the current pass's top-1 tokens on the device, before it waits for the current one, so the
-    GPU never idles while the host samples, detokenises and sends. Tokens are the same either
+    GPU never idles while the host samples and sends. Tokens are the same either
     way: a greedy row's token is its top-1; a pass queued for a sequence that then stops is
     thrown away (its KV entry lies beyond the sequence's end, rewritten before it is ever read)."""
 
     def __init__(
         self,
         model: LlamaModel,
-        tokenizer: Tokenizer,
         *,
+        stop_token_ids: Iterable[int] = (),
         max_batch: int = 16,
         prefill_chunk_tokens: int = 512,
         max_context: int | None = None,
@@ -137,16 +100,10 @@ class EngineCore:
         self.draft_tokens = draft_tokens
         self.shape = TreeShape(draft_tokens, draft_width)  # None: the width is chosen as it measures
         self.spec = SpecCounts()  # over every request
-        self.tokenizer = tokenizer
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_context = min(max_context or model.hp.n_ctx_train, model.hp.n_ctx_train)
-        md = model.index.metadata
-        template = md.get("tokenizer.chat_template")
-        self.chat = ChatTemplate(
-            template, tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
-            tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else "",
-        ) if template else None
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self._ids: set[str] = set()
@@ -154,73 +111,25 @@ class EngineCore:
         self.last_pass: tuple[int, int, int] | None = None
         self.tokens_generated = 0
 
-    # -- building prompts ----------------------------------------------------------------------
-    def prompt_tokens(
-        self,
-        prompt: str | None = None,
-        messages: list[dict] | None = None,
-        tokens: list[int] | None = None,
-        raw: bool = False,
-    ) -> list[int]:
-        """The token ids a request's prompt stands for (chat template unless ``raw``)."""
-        if tokens is not None:
-            self._check_vocab(tokens)
-            ids = list(tokens)
-        else:
-            if messages is None:
-                if raw:
-                    text = prompt or ""
-                    if not text:
-                        raise RequestError("bad_request", "empty prompt")
-                    return self.tokenizer.encode(text)
-                messages = [{"role": "user", "content": prompt or ""}]
-                if not prompt:
-                    raise RequestError("bad_request", "empty prompt")
-            if not messages:
-                raise RequestError("bad_request", "empty messages list")
-            if self.chat is None:
-                raise RequestError("bad_request", "this model has no chat template: send raw=true")
-            text = self.chat.render(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_bos=None)
-            # A template that writes the BOS text itself must not get a second BOS.
-            bos = self.tokenizer.bos_id
-            if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
-                ids = ids[1:]
-        if not ids:
-            raise RequestError("bad_request", "empty prompt")
-        return ids
-
     # -- admission -----------------------------------------------------------------------------
-    def submit(self, req: Request) -> None:
-        """Queue a request; raises RequestError (nothing queued) if it cannot be served."""
+    def submit(self, req: EngineRequest) -> None:
+        """Queue a request; raises RequestError (nothing queued) if it cannot be held: an id in
+        flight, a prompt the model or the context cannot take (``check_prompt_tokens``: the
+        front checked it for a client already, so this is the engine's own guard), sampling
+        parameters the sampler refuses."""
         if req.id in self._ids:
             raise RequestError("duplicate_id", f"request id {req.id!r} is already in flight")
-        req.params.validate()
-        if not (0 <= req.logprobs <= MAX_LOGPROBS) or not (0 <= req.prompt_logprobs <= MAX_LOGPROBS):
-            raise RequestError("bad_request", f"logprobs and prompt_logprobs must be between 0 and {MAX_LOGPROBS}")
-        n = len(req.prompt_tokens)
-        if n == 0:
-            raise RequestError("bad_request", "empty prompt")
-        self._check_vocab(req.prompt_tokens)
-        if n >= self.max_context:
-            raise RequestError(
-                "context_overflow", f"prompt has {n} tokens but the context holds {self.max_context}"
-            )
+        check_prompt_tokens(req.prompt_tokens, self.model.hp.n_vocab, self.max_context)
+        try:
+            sampler = Sampler(req.params)
+        except NtxError as e:
+            raise RequestError("bad_request", str(e)) from None
         self._ids.add(req.id)
-        sampler = Sampler(req.params)
-        self.waiting.append(
-            _Seq(req, -1, sampler, IncrementalDecoder(self.tokenizer), StopMatcher(list(req.params.stop or [])), time.monotonic())
-        )
+        self.waiting.append(_Seq(req, -1, sampler, time.monotonic()))
 
-    def _check_vocab(self, tokens: list[int]) -> None:
-        """A token id outside the vocabulary is the request's error: on the GPU its embedding row
-        would be NaN and fail the request only after it was scheduled."""
-        bad = [t for t in tokens if not (0 <= t < self.model.hp.n_vocab)]
-        if bad:
-            raise RequestError("bad_request", f"token id {bad[0]} is outside the vocabulary (0..{self.model.hp.n_vocab - 1})")
-
-    def cancel(self, req_id: str) -> list[dict]:
-        """Stop a request; returns its final ``done`` event (finish_reason ``cancelled``), or []."""
+    def cancel(self, req_id: str) -> list[EngineEvent]:
+        """Stop a request; returns its last output (finish_reason ``cancelled``), or [] when it is
+        not in flight."""
         for seqs in (self.waiting, self.running):
             for s in list(seqs):
                 if s.req.id == req_id:
@@ -228,7 +137,7 @@ class EngineCore:
                     return [self._finish(s, "cancelled")]
         return []
 
-    def cancel_all(self, reason: str = "cancelled") -> list[dict]:
+    def cancel_all(self, reason: str = "cancelled") -> list[EngineEvent]:
         self._drop_ahead()
         out = [self._finish(s, reason) for s in list(self.running) + list(self.waiting)]
         self.running.clear()
@@ -277,8 +186,9 @@ class EngineCore:
             seqs.append(s)
         return StepBatch(chunks), seqs
 
-    def step(self) -> list[dict]:
-        """Run one pass; return the events it produced."""
+    def step(self) -> list[EngineEvent]:
+        """Run one pass; return the events it produced (an output per request that gained tokens
+        or ended, an error per request that failed)."""
         if self._ahead is not None:
             return self._step_ahead()
         self._admit()
@@ -303,7 +213,7 @@ class EngineCore:
             self.shape.observe_times(verify_s=time.monotonic() - t0)
         return self._take(batch, seqs, picked)
 
-    def _step_ahead(self) -> list[dict]:
+    def _step_ahead(self) -> list[EngineEvent]:
         """The step of a queued pass: queue the one after it where the same sequences still
         decode, then wait for this one's rows and take them."""
         ahead, self._ahead = self._ahead, None
@@ -312,12 +222,12 @@ class EngineCore:
         self.last_pass = ahead.last_pass
         return self._take(ahead.batch, ahead.seqs, picked)
 
-    def _take(self, batch: StepBatch, seqs: list[_Seq], picked: list[Picked]) -> list[dict]:
+    def _take(self, batch: StepBatch, seqs: list[_Seq], picked: list[Picked]) -> list[EngineEvent]:
         """Advance each sequence of a finished pass by its rows ``picked``; sequences that ended
         while the pass ran (a queued pass: cancelled, or stopped by the pass before) are
         skipped. A queued next pass that was fed a token the host did not take is dropped."""
         live = {id(s) for s in self.running}
-        events: list[dict] = []
+        events: list[EngineEvent] = []
         for s, chunk, rows in zip(seqs, batch.chunks, batch.logit_slices()):
             if id(s) not in live:
                 continue
@@ -329,7 +239,7 @@ class EngineCore:
                 if s.prefilling:
                     continue
             try:
-                events.extend(self._verify(s, pk) if s.draft else self._advance(s, pk[-1]))
+                events.append(self._verify(s, pk) if s.draft else self._advance(s, pk[-1]))
             except NumericalError as e:  # this request's numbers broke; the others go on
                 events.append(self._fail(s, "numerical_error", str(e)))
         if self._ahead is not None and self._ahead.seqs is seqs:
@@ -402,7 +312,7 @@ class EngineCore:
             for s, tree in zip(owners, trees):
                 s.draft = tree or None  # a drafter may have nothing to propose
 
-    def _verify(self, s: _Seq, pk: list[Picked]) -> list[dict]:
+    def _verify(self, s: _Seq, pk: list[Picked]) -> EngineOutput:
         """Accept what the pass confirms of ``s``'s draft, plus the target's own next token, and
         emit them in order until the request finishes."""
         history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else []
@@ -412,16 +322,9 @@ class EngineCore:
             pos = len(s.req.prompt_tokens) + len(s.generated)  # node i sits at pos + i
             self.model.backend.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
         self.shape.observe(tree, path)
-        s.spec.add(len(tree), len(path))
         self.spec.add(len(tree), len(path))
-        events: list[dict] = []
         rows = [0] + [i + 1 for i in path]  # token k was drawn from the row of its parent
-        for tok, row in zip(tokens, rows):
-            out, finished = self._emit(s, tok, pk[row])
-            events.extend(out)
-            if finished:
-                break
-        return events
+        return self._emit(s, [(tok, pk[row]) for tok, row in zip(tokens, rows)], len(tree), len(path))
 
     def _picks(self, batch: StepBatch, seqs: list[_Seq]) -> list[Pick]:
         """What each logit row must come back as: the sampler's candidates on the row a token is
@@ -475,41 +378,54 @@ class EngineCore:
         hit = np.flatnonzero(pk.ids == tok)
         return float((pk.vals[int(hit[0])] if hit.size else pk.token_val) - pk.lse)
 
-    def _advance(self, s: _Seq, pk: Picked) -> list[dict]:
+    def _advance(self, s: _Seq, pk: Picked) -> EngineOutput:
         """Sample the next token of ``s`` from its last row's pick; emit and maybe finish."""
         # the history only matters to the repetition penalty: build it only then
         history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else ()
-        return self._emit(s, s.sampler.sample_picked(pk, history), pk)[0]
+        return self._emit(s, [(s.sampler.sample_picked(pk, history), pk)])
 
-    def _emit(self, s: _Seq, tok: int, pk: Picked) -> tuple[list[dict], bool]:
-        """Append token ``tok`` (drawn from the row ``pk``) to ``s``: its events, and whether the
-        request finished (stop token, stop string, max_tokens or the context's end)."""
-        now = time.monotonic()
+    def _emit(self, s: _Seq, drawn: list[tuple[int, Picked]], drafted: int = 0, accepted: int = 0) -> EngineOutput:
+        """Append the tokens ``drawn`` (each with the row it was drawn from) to ``s`` in order,
+        until one finishes the request (a stop token, max_tokens or the context's end): its
+        output, and its end if it came."""
         if not s.generated:
-            s.t_first_token_s = now
-        self.tokens_generated += 1
-        if tok in self.tokenizer.stop_ids:
-            return [self._retire(s, "stop")], True
-        s.generated.append(tok)
-        s.next_token = tok
-        emit, stopped = s.stopper.push(s.decoder.push(tok))
-        s.text_parts.append(emit)
-        events = []
-        if s.req.stream:
-            ev = {"id": s.req.id, "type": "token", "token": int(tok), "text": emit}
-            if s.req.logprobs:
-                ev["logprobs"] = self._logprob_entry(pk, s.req.logprobs)
-                ev["logprob"] = self._token_logprob(pk, tok)
-            events.append(ev)
-        if stopped:
-            events.append(self._retire(s, "stop", flush=False))
-        elif len(s.generated) >= s.req.params.max_tokens:
-            events.append(self._retire(s, "length"))
-        elif len(s.req.prompt_tokens) + len(s.generated) >= self.max_context:
-            events.append(self._retire(s, "length"))
-        else:
-            return events, False
-        return events, True
+            s.t_first_token_s = time.monotonic()
+        k = s.req.logprobs
+        tokens: list[int] = []
+        tops: list[list[list]] = []
+        own: list[float] = []
+        reason = None
+        for tok, pk in drawn:
+            self.tokens_generated += 1
+            if tok in self.stop_token_ids:
+                reason = "stop"
+                break
+            s.generated.append(tok)
+            s.next_token = tok
+            tokens.append(tok)
+            if k:
+                tops.append(self._logprob_entry(pk, k))
+                own.append(self._token_logprob(pk, tok))
+            if len(s.generated) >= s.req.params.max_tokens or len(s.req.prompt_tokens) + len(s.generated) >= self.max_context:
+                reason = "length"
+                break
+        if reason is not None:
+            self.running.remove(s)
+            self._release(s)
+        return self._output(s, tokens, reason, tops if k else None, own if k else None, drafted, accepted)
+
+    def _output(self, s: _Seq, tokens: list[int], reason: str | None = None, logprobs: list | None = None,
+                token_logprobs: list[float] | None = None, drafted: int = 0, accepted: int = 0) -> EngineOutput:
+        """``s``'s output with its timings as of now; its prompt log-probabilities with the first."""
+        now = time.monotonic()
+        prompt_lp = s.prompt_lp if s.req.prompt_logprobs and not s.started else None
+        s.started = True
+        return EngineOutput(
+            id=s.req.id, tokens=tokens, finish_reason=reason, logprobs=logprobs, token_logprobs=token_logprobs,
+            prompt_logprobs=prompt_lp, queued_s=(s.t_admit_s or now) - s.t_submit_s,
+            prefill_s=(s.t_first_token_s or now) - (s.t_admit_s or now),
+            decode_s=now - s.t_first_token_s if s.t_first_token_s else 0.0, drafted=drafted, accepted=accepted,
+        )
 
     def _release(self, s: _Seq) -> None:
         """Free the sequence's KV cache and its id."""
@@ -519,45 +435,12 @@ class EngineCore:
                 self.drafter.forget(s.seq_id)
         self._ids.discard(s.req.id)
 
-    def _fail(self, s: _Seq, code: str, message: str) -> dict:
+    def _fail(self, s: _Seq, code: str, message: str) -> EngineError:
         self.running.remove(s)
         self._release(s)
-        return {"id": s.req.id, "type": "error", "code": code, "message": message}
+        return EngineError(id=s.req.id, code=code, message=message)
 
-    def _retire(self, s: _Seq, reason: str, flush: bool = True) -> dict:
-        self.running.remove(s)
-        return self._finish(s, reason, flush=flush)
-
-    def _finish(self, s: _Seq, reason: str, flush: bool = True) -> dict:
+    def _finish(self, s: _Seq, reason: str) -> EngineOutput:
+        """End ``s`` (out of the queues already) with ``reason``."""
         self._release(s)
-        tail = ""
-        if flush:
-            tail = s.stopper.push(s.decoder.flush())[0] + s.stopper.flush()
-        s.text_parts.append(tail)
-        now = time.monotonic()
-        decode_s = now - s.t_first_token_s if s.t_first_token_s else 0.0
-        prefill_s = (s.t_first_token_s or now) - (s.t_admit_s or now)
-        n_gen = len(s.generated)
-        done = {
-            "id": s.req.id,
-            "type": "done",
-            "finish_reason": reason,
-            "text": "".join(s.text_parts),
-            "tokens": list(s.generated),
-            "prompt_tokens": list(s.req.prompt_tokens),
-            "usage": {"prompt_tokens": len(s.req.prompt_tokens), "completion_tokens": n_gen},
-            "timings": {
-                "queued_s": round((s.t_admit_s or now) - s.t_submit_s, 6),
-                "prefill_s": round(max(prefill_s, 0.0), 6),
-                "decode_s": round(decode_s, 6),
-                "decode_tokens_per_s": round((n_gen - 1) / decode_s, 3) if n_gen > 1 and decode_s > 0 else None,
-            },
-            "seed": s.sampler.seed,
-        }
-        if s.req.stream and tail:
-            done["tail"] = tail
-        if s.req.prompt_logprobs:
-            done["prompt_logprobs"] = s.prompt_lp
-        if s.spec.passes:
-            done["speculation"] = s.spec.report()
-        return done
+        return self._output(s, [], reason)

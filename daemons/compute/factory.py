@@ -1,4 +1,4 @@
-"""The one way an engine is assembled: model file, backend, layer source, tokenizer, engine core.
+"""The one way an engine is assembled: model file, backend, layer source, drafter, engine core.
 
 ``ntxctl generate --local``, the compute daemon, the in-process benchmarks and the tests all
 build their engines here, so a model is sized, loaded and wired the same way everywhere.
@@ -15,10 +15,10 @@ from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
 from ntx.daemons.compute.replay import ReplayDrafter, load_references
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
-from ntx.daemons.compute.tokenizer import Tokenizer
 from ntx.shared.config import EngineOptions
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
+from ntx.shared.vocab import end_of_generation_ids
 
 
 def build_engine(
@@ -67,7 +67,7 @@ def build_engine(
     if options.draft_replay is not None:
         drafter = ReplayDrafter(load_references(options.draft_replay), options.draft_replay_p, index.hparams.n_vocab,
                                 inner=drafter)
-    engine = EngineCore(llama, Tokenizer.from_metadata(index.metadata), max_batch=options.max_batch,
+    engine = EngineCore(llama, stop_token_ids=end_of_generation_ids(index.metadata), max_batch=options.max_batch,
                         prefill_chunk_tokens=options.prefill_chunk_tokens, max_context=options.ctx,
                         drafter=drafter, draft_tokens=options.draft_tokens, draft_width=options.draft_width)
     if warm_up:

@@ -1,4 +1,4 @@
-"""Choosing the next token from the logits, and stopping on stop strings.
+"""Choosing the next token from the logits.
 
 Order of the steps is llama.cpp's default chain, so a seed and settings behave the way users
 of llama.cpp expect: repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw.
@@ -18,30 +18,17 @@ of llama.cpp expect: repetition penalty -> top-k -> top-p -> min-p -> temperatur
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from ntx.daemons.compute.backend import MAX_PICK_K, Pick, Picked, log_normaliser, top_entries
 from ntx.shared.errors import NtxError
-from ntx.shared.sampling_fields import sampling_dataclass, validate_sampling
+from ntx.shared.sampling_fields import SamplingParams, draw_seed
 
-__all__ = ["SamplingParams", "Sampler", "StopMatcher", "NumericalError", "logprobs_topk", "REPETITION_WINDOW"]
+__all__ = ["SamplingParams", "Sampler", "NumericalError", "logprobs_topk", "REPETITION_WINDOW"]
 
 REPETITION_WINDOW = 64
-
-
-@sampling_dataclass
-class SamplingParams:
-    """Per-request sampling settings: one field per row of ``SAMPLING_FIELDS`` (name, type,
-    default, rule; ntx.shared.sampling_fields). ``temperature=0`` means greedy; ``top_k=0``,
-    ``top_p=1``, ``min_p=0`` and ``repetition_penalty=1`` each switch their step off."""
-
-    def validate(self) -> SamplingParams:
-        """Raise NtxError naming the first bad field; returns self so calls can chain."""
-        validate_sampling(self)
-        return self
 
 
 class NumericalError(NtxError):
@@ -134,7 +121,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params.validate()
-        self.seed: int = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.seed: int = params.seed if params.seed is not None else draw_seed()
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
@@ -212,57 +199,3 @@ class Sampler:
         (the candidates are the same ids and values in the same order)."""
         ids, probs = self.distribution(picked, history)
         return int(ids[0]) if self.params.temperature == 0 else self.draw(ids, probs)
-
-
-class StopMatcher:
-    """Cuts a text stream at the first stop string, for streaming.
-
-    ``push(text)`` returns ``(emit, stopped)``: the text that is safe to send now. A tail that
-    could be the start of a stop string is held back until the next push shows whether it is;
-    on a match ``emit`` ends just before the stop string and ``stopped`` is True (later pushes
-    return ``("", True)``); ``matched`` then names the stop string. ``flush()`` returns the held
-    tail at the end of generation.
-    """
-
-    def __init__(self, stop: Sequence[str]) -> None:
-        self.stop = [s for s in stop if s]
-        self.matched: str | None = None
-        self._buf = ""
-        self._stopped = False
-
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
-
-    def push(self, text: str) -> tuple[str, bool]:
-        if self._stopped:
-            return "", True
-        if not self.stop:
-            return text, False
-        buf = self._buf + text
-        best = -1
-        for s in self.stop:
-            pos = buf.find(s)
-            if pos != -1 and (best == -1 or pos < best):
-                best, self.matched = pos, s
-        if best != -1:
-            self._stopped = True
-            self._buf = ""
-            return buf[:best], True
-        hold = self._held_tail(buf)
-        self._buf = buf[len(buf) - hold:] if hold else ""
-        return buf[: len(buf) - hold], False
-
-    def _held_tail(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best
-
-    def flush(self) -> str:
-        out, self._buf = self._buf, ""
-        return "" if self._stopped else out

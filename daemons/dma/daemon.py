@@ -133,7 +133,7 @@ class DmaDaemon(Daemon):
             if self.host_slots:  # a reader exists only when some layer lives on storage
                 self.send(self.host_ring, msg)
 
-    def on_host_msg(self, msg: m.Filled | m.ReadError) -> None:
+    def on_host_msg(self, msg: m.Filled | m.ReadFailed) -> None:
         key = (msg.pass_id, msg.layer)
         if isinstance(msg, m.Filled):
             self.ring.read_filled(key, msg.slot)

@@ -1,7 +1,7 @@
 """The dma daemon's view of both rings, in one place, with its invariants checked at every step.
 
 A *key* is ``(pass_id, layer)``: one layer of one pass. Compute wants keys (``Want``), the reader
-fills host slots with storage-tier keys (``Read`` → ``Filled`` | ``ReadError``), dma copies each
+fills host slots with storage-tier keys (``Read`` → ``Filled`` | ``ReadFailed``), dma copies each
 wanted key into a device slot (``SlotReady``) and gets the slot back (``SlotFree``).
 
 Host slot (staging buffer in shared memory, owned by dma)::
@@ -31,7 +31,7 @@ Invariants (``check`` tests them all; each transition tests the ones it can brea
    delivered or answered by LayerError), and is in at most one of them; to_read keeps
    ``wanted``'s order;
 5. only the head of ``wanted`` is delivered, so compute receives a pass's layers in order;
-6. a ``Filled``/``ReadError`` names the slot its ``Read`` handed out, a ``SlotFree`` names a
+6. a ``Filled``/``ReadFailed`` names the slot its ``Read`` handed out, a ``SlotFree`` names a
    handed-out slot and the key it was handed out with.
 
 A violation is a bug in one of the daemons (or a stray message): ``RingViolation`` ends dma with
@@ -108,7 +108,7 @@ class RingState:
         self._check_host_slots()
 
     def read_failed(self, key: Key, slot: int, message: str) -> None:
-        """``ReadError``: READING -> FREE; the key is answered by LayerError at the head."""
+        """``ReadFailed``: READING -> FREE; the key is answered by LayerError at the head."""
         self.free_host.append(self._end_read(key, slot))
         self.failed[key] = message
         self._check_host_slots()

@@ -2,7 +2,7 @@
 
 It owns no model logic and no slots: the dma daemon hands it a FREE host slot with a job
 (``Read``), it fills the slot straight from storage (O_DIRECT where the file system allows) and
-answers ``Filled`` — or ``ReadError``, after which it goes on serving the next job.
+answers ``Filled`` — or ``ReadFailed``, after which it goes on serving the next job.
 
 Time accounting: waiting for a job counts as *blocked* when the dma daemon said more storage
 layers were waiting for a host slot (``backlog`` > 0: the ring is full downstream), otherwise as
@@ -80,7 +80,7 @@ class ReaderDaemon(Daemon):
         try:
             nbytes = self.read_layer(layer, self.slot_arrays[slot])
         except NtxError as e:
-            self.send(self.ring, m.ReadError(slot=slot, layer=layer, pass_id=pass_id, message=str(e)))
+            self.send(self.ring, m.ReadFailed(slot=slot, layer=layer, pass_id=pass_id, message=str(e)))
         else:
             # bytes and read time are the reader's own clock's; dma needs only the slot back
             self.clock.add_bytes(nbytes, pass_id, layer=layer)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 from ntx.ctl.local import build_local_engine  # noqa: E402
 from ntx.daemons.compute.backend import Pick, pick_on_host  # noqa: E402
 from ntx.daemons.compute.batch import SeqChunk, StepBatch  # noqa: E402
-from ntx.daemons.compute.engine import Request  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
+from ntx.shared.messages import EngineRequest  # noqa: E402
 from ntx.shared.config import EngineOptions  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
@@ -58,7 +58,7 @@ def _logits_both(model: str, prompt: list[int], decode_steps: int):
     outs = []
     for backend in ("cpu", "cuda"):
         eng = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256))
-        m = eng.model
+        m = eng.core.model
         m.backend.alloc_sequence(0, 256)
         pre = m.forward(StepBatch([SeqChunk(0, 0, tuple(prompt), all_logits=True)]))
         steps = []
@@ -73,7 +73,7 @@ def _logits_both(model: str, prompt: list[int], decode_steps: int):
 
 def _greedy(model: str, backend: str, prompt_ids: list[int], n: int, **kw) -> list[int]:
     eng = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=512), **kw)
-    eng.submit(Request("g", list(prompt_ids), SamplingParams(temperature=0.0, max_tokens=n)))
+    eng.submit(EngineRequest("g", list(prompt_ids), SamplingParams(temperature=0.0, max_tokens=n)))
     while eng.has_work:
         for ev in eng.step():
             if ev["type"] == "done":
@@ -117,14 +117,14 @@ def test_batched_decode_equals_alone_and_graphs_replay():
     prompts = [[504, 3575, 282, 4649], [1780, 314, 216, 34]]
     alone = [_greedy(model, "cuda", p, 12) for p in prompts]
     for i, p in enumerate(prompts):
-        eng.submit(Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=12)))
+        eng.submit(EngineRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=12)))
     done = {}
     while eng.has_work:
         for ev in eng.step():
             if ev["type"] == "done":
                 done[ev["id"]] = ev["tokens"]
     assert [done["r0"], done["r1"]] == alone
-    assert eng.model.backend.graphs, "decode steps should have been captured in a CUDA graph"
+    assert eng.core.model.backend.graphs, "decode steps should have been captured in a CUDA graph"
 
 
 def test_run_ahead_decodes_the_tokens_of_one_pass_at_a_time():
@@ -133,15 +133,15 @@ def test_run_ahead_decodes_the_tokens_of_one_pass_at_a_time():
     token while a pass holding its row is queued, and a cancel, leave the others unchanged."""
     model = _smollm2()
     eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
-    assert eng.run_ahead
+    assert eng.core.run_ahead
     eos_prompt = eng.prompt_tokens(prompt="Reply with one word: yes or no. Is water wet?")
     prompts = {"a": [504, 3575, 282, 4649, 314], "b": [1780, 314, 216, 34], "eos": eos_prompt}
     out = {}
     for ahead in (False, True):
-        eng.run_ahead = ahead
-        fed0 = eng.passes_fed
+        eng.core.run_ahead = ahead
+        fed0 = eng.core.passes_fed
         for rid, p in prompts.items():
-            eng.submit(Request(f"{rid}-{ahead}", p, SamplingParams(temperature=0.0, max_tokens=24)))
+            eng.submit(EngineRequest(f"{rid}-{ahead}", p, SamplingParams(temperature=0.0, max_tokens=24)))
         done, steps = {}, 0
         while eng.has_work:
             events = eng.cancel(f"b-{ahead}") if steps == 6 else []  # its done event
@@ -150,11 +150,11 @@ def test_run_ahead_decodes_the_tokens_of_one_pass_at_a_time():
                     done[ev["id"].rsplit("-", 1)[0]] = (ev["tokens"], ev["finish_reason"])
             steps += 1
         out[ahead] = done
-        assert (eng.passes_fed > fed0) == ahead
+        assert (eng.core.passes_fed > fed0) == ahead
     assert out[True] == out[False]
     assert out[True]["eos"][1] == "stop" and out[True]["a"][1] == "length"
     assert out[True]["b"][1] == "cancelled"
-    assert eng.model.backend.seq_slot == {}  # every KV cache slot went back
+    assert eng.core.model.backend.seq_slot == {}  # every KV cache slot went back
 
 
 def test_streamed_layers_in_process_match_resident():
@@ -169,7 +169,7 @@ def test_device_pick_equals_selection_from_copied_logits(synth_dir):
     the ids and values that selecting from the copied [N, V] logits gives, for every kind of row
     in one batch (scored prompt rows with their actual token's value, a sampler's top-40, greedy top-1, a whole row)."""
     eng = build_local_engine(_synth(synth_dir, "Q8_0"), backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
-    m = eng.model
+    m = eng.core.model
     for sid in range(3):
         m.backend.alloc_sequence(sid, 256)
     batch = StepBatch([SeqChunk(0, 0, (1, 50, 300, 7, 900), all_logits=True), SeqChunk(1, 0, (5, 6, 7)),
@@ -197,12 +197,12 @@ def test_engine_samples_on_device_as_from_full_logits(synth_dir):
     runs = []
     for device_pick in (True, False):
         eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
-        b = eng.model.backend
+        b = eng.core.model.backend
         if not device_pick:
             b.pick = lambda ws, picks, b=b: pick_on_host(b.logits(ws), picks)
-        eng.submit(Request("s", [1, 2, 3, 4], SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=24),
+        eng.submit(EngineRequest("s", [1, 2, 3, 4], SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=24),
                            logprobs=3))
-        eng.submit(Request("g", [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=24), prompt_logprobs=2))
+        eng.submit(EngineRequest("g", [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=24), prompt_logprobs=2))
         done, lps = {}, []
         while eng.has_work:
             for ev in eng.step():

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from ntx.ctl.local import build_local_engine
-from ntx.daemons.compute.engine import Request
 from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.messages import EngineRequest
 from ntx.shared.config import EngineOptions
 
 from ..pipeline_util import ntxctl, running_pipeline
@@ -36,7 +36,7 @@ def test_three_tier_pipeline_on_gpu_equals_resident(tmp_path):
     eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=512))
     ref = {}
     for p in prompts:
-        eng.submit(Request(p, eng.prompt_tokens(prompt=p, raw=True), SamplingParams(temperature=0.0, max_tokens=24)))
+        eng.submit(EngineRequest(p, eng.prompt_tokens(prompt=p, raw=True), SamplingParams(temperature=0.0, max_tokens=24)))
     while eng.has_work:
         for ev in eng.step():
             if ev["type"] == "done":

@@ -28,7 +28,7 @@ def _passes(model: str, rows: int) -> np.ndarray:
     """Logits of a 12-token prefill per sequence and 6 decode steps of `rows` sequences at once
     (captured graphs: 1 row takes the i16 matvec, 4 rows mmq where the type has it)."""
     eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=128))
-    m = eng.model
+    m = eng.core.model
     out = []
     for s in range(rows):
         m.backend.alloc_sequence(s, 128)

@@ -10,9 +10,10 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from ntx.daemons.compute.engine import Request  # noqa: E402
+from ntx.ctl.local import LocalEngine  # noqa: E402
 from ntx.daemons.compute.factory import build_engine  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
+from ntx.shared.messages import EngineRequest  # noqa: E402
 from ntx.shared.config import EngineOptions  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
@@ -28,7 +29,7 @@ def _models(tmp: pathlib.Path) -> list[str]:
 
 def _tokens(engine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[dict | None]]:
     for i, p in enumerate(prompts):
-        engine.submit(Request(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n)))
+        engine.submit(EngineRequest(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n)))
     done = {}
     while engine.has_work:
         for ev in engine.step():
@@ -49,12 +50,12 @@ def test_greedy_identical_with_each_drafter(tmp_path, drafter, width):
         # one sequence drafting 6 nodes (a 7-row verify pass), then two drafting 3 (8 rows); ids
         # within the synthetic model's 1024-token vocabulary
         for prompts, k in (([[504, 357, 282, 464, 314]], 6), ([[504, 357, 282, 464], [17, 300, 4, 61]], 3)):
-            plain = build_engine(model, "cuda", EngineOptions(max_batch=4, ctx=256))
+            plain = LocalEngine(build_engine(model, "cuda", options=EngineOptions(max_batch=4, ctx=256)))
             want, _ = _tokens(plain, prompts, 24)
             kw = {"self-all": dict(self_draft=True), "self-half": dict(self_draft=list(range(n_layers // 2))),
                   "model": dict(draft_model=model)}[drafter]
-            spec = build_engine(model, "cuda", EngineOptions(max_batch=4, ctx=256, draft_tokens=k,
-                                                             draft_width=min(width, k) if width else None, **kw))
+            spec = LocalEngine(build_engine(model, "cuda", options=EngineOptions(
+                max_batch=4, ctx=256, draft_tokens=k, draft_width=min(width, k) if width else None, **kw)))
             got, counts = _tokens(spec, prompts, 24)
             assert got == want, (model, drafter, k, width)
             assert all(c and c["verify_passes"] > 0 for c in counts)

@@ -21,11 +21,11 @@ from ntx.daemons.compute.cuda import kernels as K  # noqa: E402
 from ntx.daemons.compute.cuda.backend import CudaBackend  # noqa: E402
 from ntx.daemons.compute.cuda.buckets import MAX_GRAPH_ROWS, bucket_sizes  # noqa: E402
 from ntx.daemons.compute.cuda.memory import POOL_UNIT_BYTES, graph_workspaces_bytes  # noqa: E402
-from ntx.daemons.compute.engine import Request  # noqa: E402
 from ntx.daemons.compute.factory import build_engine  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
 from ntx.shared.config import EngineOptions  # noqa: E402
 from ntx.shared.gguf_index import open_model  # noqa: E402
+from ntx.shared.messages import EngineOutput, EngineRequest  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
 MAX_BATCH = 8
@@ -41,19 +41,20 @@ def model(tmp_path_factory) -> str:
 
 
 def _run(engine, prompts: list[list[int]], n: int) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens, from the engine core's outputs."""
     for i, p in enumerate(prompts):
-        engine.submit(Request(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n)))
-    done = {}
+        engine.submit(EngineRequest(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n)))
+    tokens: dict[str, list[int]] = {}
     while engine.has_work:
         for ev in engine.step():
-            if ev["type"] == "done":
-                done[ev["id"]] = ev["tokens"]
-    return done
+            assert isinstance(ev, EngineOutput), ev
+            tokens.setdefault(ev.id, []).extend(ev.tokens)
+    return tokens
 
 
 def _prefill_s(engine, prompt: list[int]) -> float:
     """Seconds of the prompt's pass (the request's first step); the request then runs to its end."""
-    engine.submit(Request("p", prompt, SamplingParams(temperature=0.0, max_tokens=3)))
+    engine.submit(EngineRequest("p", prompt, SamplingParams(temperature=0.0, max_tokens=3)))
     t0 = time.perf_counter()
     engine.step()
     seconds = time.perf_counter() - t0

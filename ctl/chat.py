@@ -14,7 +14,10 @@ Missing template: we fall back to ChatML (``<|im_start|>role\\n...<|im_end|>\\n`
 llama.cpp does too; ``ChatTemplate.is_fallback`` says so, so the server can log it.
 
 Every failure a template can cause (syntax error, ``raise_exception``, undefined use, sandbox
-violation) is an ``NtxError`` with one line.
+violation, and any exception its code raises: an overflow, a recursion without end, a memory
+error) is an ``NtxError`` with one line: the front renders templates inside the supervisor, where
+an exception must end the one request, never the loop. (Time and size bounds on a render are
+not here yet.)
 
 BOS: a template may print ``{{ bos_token }}`` itself (Llama 3 does). Encode the rendered text
 with ``Tokenizer.encode(text)``: it does not add a second BOS when the text already starts with
@@ -125,5 +128,6 @@ class ChatTemplate:
             raise NtxError(f"chat template blocked by the sandbox: {_one_line(exc)}") from None
         except jinja2.TemplateError as exc:
             raise NtxError(f"chat template failed: {_one_line(exc)}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-            raise NtxError(f"chat template failed: {type(exc).__name__}: {_one_line(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - the template is the file's code: any failure is the request's
+            # (an overflow, a division by zero, a macro that recurses for ever, a memory error)
+            raise NtxError(f"chat template failed: {type(exc).__name__}: {_one_line(exc)[:200]}") from None

@@ -44,20 +44,9 @@ from tokenizers.models import BPE
 from ntx.shared.bytelevel import bytes_to_unicode
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import TOKENIZER_ID_KEYS, metadata_problem
+from ntx.shared.vocab import TokenType, end_of_generation_ids, special_token_id
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "TokenType", "PRE_TOKENIZER_REGEXES"]
-
-
-class TokenType:
-    """GGUF ``tokenizer.ggml.token_type`` values (llama.cpp ``llama_token_type``)."""
-
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
 
 
 # --- pre-tokenizer regexes (from llama.cpp llama-vocab.cpp, llm_tokenizer_bpe) -----------------
@@ -90,13 +79,6 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
 # and add_bos by default.
 _IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"})
 _ADD_BOS_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"})
-
-# end-of-generation token texts llama.cpp recognises (llama-vocab.cpp, special_eog_ids)
-_EOG_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<|eom_id|>", "<EOT>", "_<EOT>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>", "<|return|>",
-    "<|call|>",
-)
 
 _SPM_SPACE = "\u2581"  # ▁
 
@@ -218,11 +200,7 @@ class Tokenizer:
         types = _field(metadata, "tokenizer.ggml.token_type")
         types = list(types) if types is not None else [TokenType.NORMAL] * n_vocab
 
-        def tok_id(key: str) -> int | None:
-            v = _field(metadata, f"tokenizer.ggml.{key}_token_id")
-            return v if v is not None and 0 <= v < n_vocab else None
-
-        special_ids = {k: tok_id(k) for k in TOKENIZER_ID_KEYS}
+        special_ids = {k: special_token_id(metadata, k) for k in TOKENIZER_ID_KEYS}
         special_ids["unk"] = special_ids.pop("unknown")
 
         if model == "gpt2":
@@ -242,15 +220,10 @@ class Tokenizer:
         if add_bos and special_ids["bos"] is None:
             add_bos = False
 
-        stop = {special_ids[k] for k in ("eos", "eot", "eom") if special_ids[k] is not None}
-        eog_texts = set(_EOG_TEXTS)
-        for i, t in enumerate(tokens):
-            if t in eog_texts and types[i] in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNDEFINED):
-                stop.add(i)
         return cls(
             hf=hf, model=model, pre=pre, tokens=tokens, token_types=types,
             add_bos=add_bos, add_space_prefix=add_space_prefix, special_ids=special_ids,
-            stop_ids=frozenset(stop),
+            stop_ids=end_of_generation_ids(metadata),
         )
 
     # --- encode / decode -----------------------------------------------------------------------

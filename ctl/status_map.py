@@ -1,0 +1,80 @@
+"""The instance's status map: what ``ntxctl status``, the ``status`` op and the gateway show.
+
+It is built on demand from what the other roles hold — the plan, the pipeline's generation and
+its daemons' last ``Stats`` (``ctl/generations.py``), the requests in flight and queued
+(``ctl/admission.py``) — so nothing keeps a second copy of it. Connections from elsewhere than
+this machine get it without what only operators see (paths, pids, the listen address, the
+reason of a failure): ``OPERATOR_STATUS_FIELDS``, and each daemon's ``pid``. docs/PROTOCOL.md
+(status) describes every field.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ntx.ctl.admission import Admission
+from ntx.ctl.generations import GatewayProcess, Generations
+from ntx.shared.config import InstanceConfig, InstancePaths
+from ntx.shared.plan import RAM, Plan
+from ntx.shared.stats import bottleneck
+
+# Status fields only operators see (connections from this machine; ntxctl status)
+OPERATOR_STATUS_FIELDS = ("model", "listen", "supervisor_pid", "reason")
+
+
+@dataclass(eq=False)
+class InstanceStatus:
+    """The status map of one instance (``build``), from the roles that hold its parts."""
+
+    cfg: InstanceConfig
+    plan: Plan
+    paths: InstancePaths
+    gens: Generations
+    admission: Admission
+    gateway: GatewayProcess
+    started_s: float = field(default_factory=time.monotonic)
+
+    def build(self, operator: bool = True) -> dict[str, Any]:
+        """The status map; without ``operator``, less what only operators see (paths, pids)."""
+        now = time.monotonic()
+        gens, stats = self.gens, self.gens.stage_stats
+        compute = stats.get("compute", {})
+        stages = {n: s for n, s in stats.items() if "total" in s}
+        st = {
+            "instance": self.cfg.name, "state": gens.state, "reason": gens.reason, "gen": gens.gen,
+            "model": self.cfg.model, "backend": self.cfg.backend, "listen": self.cfg.listen,
+            "kernels": self.cfg.kernel_options.describe(),
+            "uptime_s": round(now - self.started_s, 3), "restarts": gens.restarts,
+            "supervisor_pid": os.getpid(), "log_dir": str(self.paths.log_dir),
+            "http": self.cfg.http if self.gateway.running else None,
+            "plan": {**self.plan.to_dict(), "lines": self.plan.describe()},
+            "daemons": {
+                n: {**({"pid": d.proc.pid} if operator else {}), "state": d.state,
+                    "uptime_s": round(now - d.started_s, 3), "restarts": gens.restarts}
+                for n, d in gens.daemons.items()
+            },
+            "stages": stages,
+            "bottleneck": bottleneck(stages),
+            "requests": {
+                "active": len(compute.get("active", [])),
+                "queued": len(compute.get("queued", [])) + len(self.admission.pending),
+                "in_flight": len(self.admission.inflight),
+            },
+            "tokens_per_s": compute.get("tokens_per_s", 0.0),
+            "tokens_generated": compute.get("tokens_generated", 0),
+            "speculation": compute.get("speculation"),
+            "slots": {
+                "n_slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes,
+                "host": stats.get("dma", {}).get("host_slots"),
+                "device_free_at_dma": stats.get("dma", {}).get("device_slots_free_seen"),
+            },
+            "io": {k: stats.get("reader", {}).get(k) for k in ("io_mode", "io_fallback")},
+            "ram_tier_layers": len(self.plan.layers_on(RAM)),
+        }
+        if not operator:
+            for key in OPERATOR_STATUS_FIELDS:
+                del st[key]
+        return st
