@@ -14,6 +14,7 @@ from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import RequestFront, parse_generate
 from ntx.ctl.chat import ChatTemplate
 from ntx.daemons.compute.factory import build_engine
+from ntx.shared.config import EngineOptions
 from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import DoneReply, EngineOutput, EngineRequest, RequestError, TokenReply
 from ntx.shared.sampling_fields import SamplingParams
@@ -169,7 +170,7 @@ def test_a_request_cancelled_before_the_engine_had_it(front):
 
 
 def test_local_engine_takes_a_client_map_through_the_same_front(tiny):
-    eng = LocalEngine(build_engine(tiny, max_context=CTX, max_batch=2))
+    eng = LocalEngine(build_engine(tiny, options=EngineOptions(ctx=CTX, max_batch=2)))
     with pytest.raises(RequestError, match="exceeds the context"):
         eng.generate("a", {"prompt": "hi", "max_tokens": CTX + 1})
     eng.generate("b", {"prompt": "hello", "raw": True, "temperature": 0, "max_tokens": 4, "stream": False})
@@ -184,7 +185,7 @@ def test_a_hostile_template_in_the_file_is_refused_per_request(tiny, tmp_path):
     """The file's own template, read once by the front: each failing chat request is refused, and
     the engine goes on serving the next."""
     path = GGUFParts.of(tiny).set_kv("tokenizer.chat_template", VT.STRING, HOSTILE).write(tmp_path / "hostile.gguf")
-    eng = LocalEngine(build_engine(path, max_context=CTX, max_batch=2))
+    eng = LocalEngine(build_engine(path, options=EngineOptions(ctx=CTX, max_batch=2)))
     for content in ("overflow", "recursion", "zero"):
         with pytest.raises(RequestError, match="chat template failed"):
             eng.generate(content, {"messages": [{"role": "user", "content": content}]})
