@@ -472,6 +472,16 @@ class LayerError(Message):
     message: str
 
 
+@_record("standby")
+class Standby(Message):
+    """dma -> compute: these resident layers now also sit in dma's pinned RAM (their standby
+    copies, loaded in the background after ready), so compute may demote them to streamed: a
+    ``Want`` naming one is served from that copy like a RAM-tier layer (docs/ARCHITECTURE.md,
+    "KV memory")."""
+
+    layers: list[int]
+
+
 @_record("activity")
 class Activity(Message):
     """compute -> dma -> reader: compute has (or no longer has) requests in flight."""
@@ -488,7 +498,7 @@ SUPERVISOR_TO_CTL = Channel("control (supervisor -> ntxctl)", StatusReport, Stop
 DMA_TO_READER = Channel("host ring (dma -> reader)", Read, Activity)
 READER_TO_DMA = Channel("host ring (reader -> dma)", Filled, ReadFailed)
 COMPUTE_TO_DMA = Channel("device ring (compute -> dma)", Want, SlotFree, Activity)
-DMA_TO_COMPUTE = Channel("device ring (dma -> compute)", SlotReady, LayerError)
+DMA_TO_COMPUTE = Channel("device ring (dma -> compute)", SlotReady, LayerError, Standby)
 
 
 # ---------------------------------------------------------------------------------------------

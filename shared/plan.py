@@ -74,6 +74,10 @@ class Plan:
     ram_layer_bytes: int
     storage_layer_bytes: int
     skipped_layer_bytes: int = 0  # the skipped layers' bytes in the file: what a pass no longer moves or holds
+    # resident layers whose bytes dma also keeps in pinned RAM (loaded after ready), in the order
+    # compute demotes them to streamed when the KV cache needs their memory (docs/ARCHITECTURE.md)
+    standby_layers: tuple[int, ...] = ()
+    standby_bytes: int = 0
 
     def layers_on(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -89,12 +93,14 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["tiers"] = list(self.tiers)
+        d["standby_layers"] = list(self.standby_layers)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
         d = dict(d)
         d["tiers"] = tuple(d["tiers"])
+        d["standby_layers"] = tuple(d.get("standby_layers", ()))
         return cls(**d)
 
     def describe(self) -> list[str]:
@@ -114,6 +120,10 @@ class Plan:
             f"pinned RAM: host slots {format_bytes(self.host_slot_bytes_total)}; budget {format_bytes(self.ram_budget)}; "
             f"{self.n_slots} slots of {format_bytes(self.slot_bytes)}"
         )
+        if self.standby_layers:
+            lines.append(f"standby  {len(self.standby_layers):4d} layers {_brief(sorted(self.standby_layers)):>14s}  "
+                         f"{format_bytes(self.standby_bytes):>11s}  resident, also in pinned RAM: demoted to streamed "
+                         "when the KV cache needs their memory")
         skipped = self.layers_on(SKIPPED)
         if skipped:
             lines.append(f"{SKIPPED:8s} {len(skipped):4d} layers {layer_ranges(skipped):>14s}  {format_bytes(self.skipped_layer_bytes):>11s}"
@@ -190,6 +200,22 @@ def _resident_layers(kept: list[int], max_count: int, layer_costs: tuple[int, ..
         count -= 1
 
 
+def demotion_order(resident: list[int]) -> list[int]:
+    """The order in which resident layers give their memory to the KV cache: every other one
+    first, then every other one of those left, and so on, so that the layers still resident stay
+    spread over the model (a streamed layer's copy keeps overlapping a resident layer's compute).
+    [0, 1, 2, 3, 4, 5, 6, 7] -> [1, 3, 5, 7, 2, 6, 4, 0]."""
+    order: list[int] = []
+    left = list(resident)
+    while left:
+        order += left[1::2]
+        left = left[0::2]
+        if len(left) == 1:
+            order += left
+            break
+    return order
+
+
 def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft: MemoryCosts | None = None) -> Plan:
     """Place every layer of ``index`` on a tier under ``cfg``'s budgets, with the memory the
     backend says it needs (``costs``) and, first, a draft model's whole footprint (``draft``).
@@ -260,6 +286,16 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
             tiers[i] = RAM
             used += index.layers[i].slot_bytes
 
+    ram_used = host_slots_total + sum(index.layers[i].slot_bytes for i in kept if tiers[i] == RAM)
+    standby: list[int] = []
+    standby_bytes = 0
+    if any(tiers[i] in (RAM, STORAGE) for i in kept):  # only where dma runs: it holds the copies
+        for i in demotion_order([i for i in kept if tiers[i] == VRAM]):
+            if ram_used + standby_bytes + index.layers[i].slot_bytes > ram_budget:
+                break
+            standby.append(i)
+            standby_bytes += index.layers[i].slot_bytes
+
     def total(tier: str) -> int:
         return sum(index.layers[i].nbytes for i in range(n) if tiers[i] == tier)
 
@@ -269,5 +305,5 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         kv_bytes=kv_bytes, kv_tokens=costs.kv_tokens, workspace_bytes=workspace, draft_bytes=draft_bytes,
         device_slot_bytes_total=device_slots_total, host_slot_bytes_total=host_slots_total,
         vram_layer_bytes=total(VRAM), ram_layer_bytes=total(RAM), storage_layer_bytes=total(STORAGE),
-        skipped_layer_bytes=total(SKIPPED),
+        skipped_layer_bytes=total(SKIPPED), standby_layers=tuple(standby), standby_bytes=standby_bytes,
     )

@@ -86,3 +86,31 @@ def test_describe_names_every_tier(index):
     # a long spread set is shown by its span (status's JSON lists every layer's tier)
     text = "\n".join(plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, gpu_layers=14)).describe())
     assert "14 layers    within 1-28" in text
+
+
+def test_demotion_order_keeps_the_resident_layers_spread():
+    from ntx.shared.plan import demotion_order
+
+    assert demotion_order([0, 1, 2, 3, 4, 5, 6, 7]) == [1, 3, 5, 7, 2, 6, 4, 0]
+    order = demotion_order(list(range(2, 40, 3)))
+    assert sorted(order) == list(range(2, 40, 3))  # every resident layer, once
+    assert demotion_order([9]) == [9] and demotion_order([]) == []
+
+
+def test_standby_copies_take_the_ram_left_after_the_ram_tier(index):
+    """Where something streams, dma keeps pinned copies of resident layers, in demotion order, as
+    far as the RAM budget left after the RAM tier and the host slots reaches; with nothing
+    streamed there is no dma and no standby."""
+    budgets = dict(backend="cuda", vram_budget=parse_size("8GiB"))
+    p = plan_for(index, _cfg(max_vram_layers=20, ram_budget=parse_size("1GiB"), **budgets))
+    assert len(p.layers_on(RAM)) == 10 and len(p.standby_layers) == 20
+    assert set(p.standby_layers) == set(p.layers_on(VRAM))
+    assert p.standby_bytes == sum(index.layers[i].slot_bytes for i in p.standby_layers)
+    ram_tier = sum(index.layers[i].slot_bytes for i in p.layers_on(RAM))
+    tight = plan_for(index, _cfg(max_vram_layers=20, ram_budget=ram_tier + 3 * index.max_layer_slot_bytes, **budgets))
+    assert len(tight.standby_layers) == 3
+    assert list(tight.standby_layers) == list(p.standby_layers[:3])  # the first ones to be demoted
+    assert plan_for(index, _cfg(ram_budget=parse_size("1GiB"), **budgets)).standby_layers == ()
+    assert "standby" in "\n".join(p.describe())
+    again = type(p).from_dict(p.to_dict())
+    assert again == p

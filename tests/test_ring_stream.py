@@ -71,3 +71,35 @@ def test_a_slot_or_key_handed_out_twice_stops_compute(ring, second):
     dma.send(second.encode())
     with pytest.raises(RingProtocolError):
         stream.acquire(3, 0)
+
+
+def test_a_changed_layer_list_applies_from_the_first_pass_not_yet_wanted(ring):
+    """A demotion (or promotion) changes what is streamed only for passes dma has not been asked
+    for yet: passes 0 and 1 keep [2, 3], pass 2 on streams [1, 2, 3]."""
+    stream, dma = ring
+    stream.begin_pass(0)
+    assert stream.set_layers([1, 2, 3]) == 2
+    assert stream.layers_for(0) == stream.layers_for(1) == [2, 3]
+    assert stream.layers_for(2) == [1, 2, 3]
+    stream.begin_pass(1)
+    assert _from_compute(dma) == [m.Want(pass_id=0, layers=[2, 3]), m.Want(pass_id=1, layers=[2, 3]),
+                                  m.Want(pass_id=2, layers=[1, 2, 3])]
+    assert stream.set_layers([2, 3]) == 3  # promoted back: from pass 3 on
+    stream.begin_pass(2)
+    assert stream.layers_for(2) == [1, 2, 3] and stream.layers_for(3) == [2, 3]
+    stream.begin_pass(3)
+    assert _from_compute(dma) == [m.Want(pass_id=3, layers=[2, 3]), m.Want(pass_id=4, layers=[2, 3])]
+    with pytest.raises(ValueError, match="older than every layer list"):
+        stream.layers_for(2)  # forgotten: passes run one after another, and pass 3 has begun
+
+
+def test_standby_announcements_are_taken_between_passes(ring):
+    stream, dma = ring
+    dma.send(m.Standby(layers=[0, 4]).encode())
+    dma.send(m.Standby(layers=[1]).encode())
+    for _ in range(50):
+        stream.poll()
+        if stream.standby == {0, 1, 4}:
+            break
+        zmq.Context.instance()  # (the messages cross an inproc pair: a moment at most)
+    assert stream.standby == {0, 1, 4}

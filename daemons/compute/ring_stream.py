@@ -53,7 +53,10 @@ class RingStream:
     ) -> None:
         self.sock = sock
         self.slot_bufs = slot_bufs
-        self.layers = list(streamed_layers)
+        self.layers = list(streamed_layers)  # what the passes from ``layers_from`` on stream
+        self.layers_from = 0
+        self._earlier: list[tuple[int, list[int]]] = []  # (first pass, layers) of lists still wanted by some pass
+        self.standby: set[int] = set()  # resident layers dma holds a copy of (``Standby``): demotable
         self.layer_bytes = layer_bytes
         self.clock = clock
         self.on_wait = on_wait  # between the slices of every wait (a layer, room to send); may raise to give up
@@ -74,9 +77,40 @@ class RingStream:
     def begin_pass(self, pass_id: int) -> None:
         while self.wanted_upto < pass_id + 1:
             self.wanted_upto += 1
-            self._send(m.Want(pass_id=self.wanted_upto, layers=self.layers))
+            self._send(m.Want(pass_id=self.wanted_upto, layers=self.layers_for(self.wanted_upto)))
+        # forget the lists that no pass from this one on streams by
+        while self._earlier and (self._earlier[1][0] if len(self._earlier) > 1 else self.layers_from) <= pass_id:
+            self._earlier.pop(0)
 
-    def _receive(self, msg: m.SlotReady | m.LayerError) -> None:
+    def layers_for(self, pass_id: int) -> list[int]:
+        """The layers pass ``pass_id`` streams (in order): the list in force for it."""
+        if pass_id >= self.layers_from:
+            return self.layers
+        for first, layers in reversed(self._earlier):
+            if pass_id >= first:
+                return layers
+        raise ValueError(f"pass {pass_id} is older than every layer list kept")
+
+    def set_layers(self, layers: list[int]) -> int:
+        """Stream ``layers`` (in run order) from the first pass not yet wanted from dma on: a
+        layer demoted to streamed (dma must hold its standby copy) or promoted back to resident.
+        Returns that pass: the passes already wanted keep the list they were wanted with."""
+        first = self.wanted_upto + 1
+        if first > self.layers_from:
+            self._earlier.append((self.layers_from, self.layers))
+        self.layers, self.layers_from = list(layers), first
+        return first
+
+    def poll(self) -> None:
+        """Take what dma sent without waiting (between passes: ``Standby`` announcements arrive
+        whether or not anything is being acquired)."""
+        while self.sock.poll(0):
+            self._receive(m.DMA_TO_COMPUTE.decode(self.sock.recv()))
+
+    def _receive(self, msg: m.SlotReady | m.LayerError | m.Standby) -> None:
+        if isinstance(msg, m.Standby):
+            self.standby.update(msg.layers)
+            return
         key = (msg.pass_id, msg.layer)
         if isinstance(msg, m.SlotReady):
             if key in self.ready or key in self.held:

@@ -19,13 +19,15 @@ is taken (compute is behind); *starved* when the next layer is a storage layer s
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from typing import Any
 
 import zmq
 
 from ntx.daemons.dma.copier import make_copier
-from ntx.daemons.dma.ring_state import RingState
+from ntx.daemons.dma.ring_state import RingState, RingViolation
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig
 from ntx.shared.daemon import Daemon, daemon_main
@@ -74,6 +76,15 @@ class DmaDaemon(Daemon):
                 self.host_slots.append(seg)
         self.host_arrays = [s.array() for s in self.host_slots]
 
+        # standby copies of resident layers (plan.standby_layers), loaded after ready by a thread so
+        # the ring never waits for them; compute may demote a layer once its copy is announced
+        self.standby_segs: dict[int, ShmSegment] = {
+            i: self._create(f"{names['ram']}-sb{i}", self.index.layers[i].slot_bytes) for i in self.plan.standby_layers}
+        self.standby_arrays: dict[int, Any] = {}  # loaded and pinned: layer -> its bytes
+        self.standby_loaded: queue.SimpleQueue = queue.SimpleQueue()  # layer ids from the loader (or an error text)
+        self.standby_stop = threading.Event()
+        self.standby_thread: threading.Thread | None = None
+
         self.clock = StageClock("dma")
         self.host_ring = self.ctx.socket(zmq.PAIR)
         self.host_ring.setsockopt(zmq.LINGER, 0)
@@ -85,7 +96,43 @@ class DmaDaemon(Daemon):
         self.ring = RingState(len(self.host_slots), self.n_dev_slots, lambda layer: self.plan.tiers[layer] == STORAGE)
         self.active = False  # compute has requests in flight
         self.clock.extra["limit_gbps"] = self._measure_copy_gbps()
+        if self.standby_segs:
+            self.standby_thread = threading.Thread(target=self._load_standby, name="dma-standby", daemon=True)
+            self.standby_thread.start()
         return m.Ready(host_slots=[s.name for s in self.host_slots])
+
+    def _load_standby(self) -> None:
+        """The loader thread: read each standby layer into its segment, in demotion order (file
+        reads release the GIL, so the ring's loop keeps turning); the main loop pins it and tells
+        compute. A read that fails ends the loading with one line in the log, never the daemon:
+        the layers not loaded simply stay resident."""
+        for i, seg in self.standby_segs.items():
+            if self.standby_stop.is_set():
+                return
+            try:
+                read_layer_into(self.index.layers[i], seg.array())
+            except Exception as e:  # noqa: BLE001 (any failure: that layer and the rest stay without copies)
+                self.standby_loaded.put(f"standby copy of layer {i} not loaded ({type(e).__name__}: {e}); "
+                                        "the layers left stay resident for good")
+                return
+            self.standby_loaded.put(i)
+
+    def _announce_standby(self) -> None:
+        """Pin the standby copies the loader finished and tell compute they can be demoted."""
+        ready: list[int] = []
+        while True:
+            try:
+                item = self.standby_loaded.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, str):
+                self.say(item)
+                continue
+            self.copier.register_host(self.standby_segs[item])
+            self.standby_arrays[item] = self.standby_segs[item].array()
+            ready.append(item)
+        if ready:
+            self.send(self.dev_ring, m.Standby(layers=ready))
 
     def _measure_copy_gbps(self) -> float | None:
         """This link's speed now: the best of three copies of a slot's worth of host memory into
@@ -121,10 +168,15 @@ class DmaDaemon(Daemon):
                 self.on_host_msg(m.READER_TO_DMA.decode(self.host_ring.recv()))
             self.issue_reads()
             self.deliver()
+            if self.standby_segs:
+                self._announce_standby()
             self.maybe_send_stats()
 
     def on_device_msg(self, msg: m.Want | m.SlotFree | m.Activity) -> None:
         if isinstance(msg, m.Want):
+            for layer in msg.layers:
+                if self.plan.tiers[layer] not in (RAM, STORAGE) and layer not in self.standby_arrays:
+                    raise RingViolation(f"compute wants layer {layer}, which is resident and has no standby copy here")
             self.ring.want(msg.pass_id, msg.layers)
         elif isinstance(msg, m.SlotFree):
             self.ring.device_slot_freed(msg.slot, (msg.pass_id, msg.layer))
@@ -167,9 +219,11 @@ class DmaDaemon(Daemon):
             nbytes = self.index.layers[layer].slot_bytes
             if hslot is not None:
                 self.copier.copy(self.host_arrays[hslot][:nbytes], dslot)
-            else:
+            elif layer in self.ram_offsets:
                 off = self.ram_offsets[layer]
                 self.copier.copy(self.ram_array[off : off + nbytes], dslot)
+            else:  # a demoted layer, from its standby copy
+                self.copier.copy(self.standby_arrays[layer][:nbytes], dslot)
             ring.delivered()
             self.issue_reads()  # the host slot just freed can take the next read at once
             self.clock.add_bytes(self.index.layers[layer].nbytes, pass_id, layer=layer)
@@ -182,9 +236,15 @@ class DmaDaemon(Daemon):
         snap["host_slots"] = {"free": len(ring.free_host), "reading": len(ring.reading), "filled": len(ring.filled)}
         snap["device_slots_free_seen"] = len(ring.free_dev)
         snap["wanted"] = len(ring.wanted)
+        if self.standby_segs:
+            snap["standby"] = {"loaded": len(self.standby_arrays), "layers": len(self.standby_segs)}
         return snap
 
     def close(self) -> None:
+        if getattr(self, "standby_thread", None) is not None:
+            self.standby_stop.set()
+            self.standby_thread.join(timeout=5.0)  # at most one layer's read in flight
+        self.standby_arrays = {}
         self.host_arrays = []
         self.ram_array = None
         if hasattr(self, "copier"):
