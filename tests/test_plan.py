@@ -102,12 +102,12 @@ def test_standby_copies_take_the_ram_left_after_the_ram_tier(index):
     far as the RAM budget left after the RAM tier and the host slots reaches; with nothing
     streamed there is no dma and no standby."""
     budgets = dict(backend="cuda", vram_budget=parse_size("8GiB"))
-    p = plan_for(index, _cfg(max_vram_layers=20, ram_budget=parse_size("1GiB"), **budgets))
+    p = plan_for(index, _cfg(gpu_layers=20, ram_budget=parse_size("1GiB"), **budgets))
     assert len(p.layers_on(RAM)) == 10 and len(p.standby_layers) == 20
     assert set(p.standby_layers) == set(p.layers_on(VRAM))
     assert p.standby_bytes == sum(index.layers[i].slot_bytes for i in p.standby_layers)
     ram_tier = sum(index.layers[i].slot_bytes for i in p.layers_on(RAM))
-    tight = plan_for(index, _cfg(max_vram_layers=20, ram_budget=ram_tier + 3 * index.max_layer_slot_bytes, **budgets))
+    tight = plan_for(index, _cfg(gpu_layers=20, ram_budget=ram_tier + 3 * index.max_layer_slot_bytes, **budgets))
     assert len(tight.standby_layers) == 3
     assert list(tight.standby_layers) == list(p.standby_layers[:3])  # the first ones to be demoted
     assert plan_for(index, _cfg(ram_budget=parse_size("1GiB"), **budgets)).standby_layers == ()
