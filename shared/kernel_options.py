@@ -1,0 +1,49 @@
+"""The cuda backend's kernel switches, as a value of the instance's configuration.
+
+They change how kernels are launched, never what they compute (tests/gpu/test_programmatic_launch.py
+holds the bits equal with and without), so they are measured, not tuned per device: part of
+the configuration an instance starts with (``ntxctl start --kernels``), shown by ``status``,
+and handed to the backend (``make_backend(..., kernels=)``). No cupy here: the CLI and the
+planner parse and show it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ntx.shared.errors import ConfigError
+
+__all__ = ["KernelOptions"]
+
+_ON, _OFF = ("on", "true", "1", "yes"), ("off", "false", "0", "no")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The cuda backend's kernel switches: part of the instance's configuration, shown by status."""
+
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (sm_90)
+    pdl_matmul: bool = False  # the tensor-core matmuls launched early too (measured slower at 8-32 rows)
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelOptions":
+        """``"pdl=off,pdl-matmul=on"`` (keys with ``-`` or ``_``, values on/off); ``""``: the
+        defaults. A bad key or value raises ``ConfigError`` naming it and the choices."""
+        keys = {f.name.replace("_", "-"): f.name for f in fields(cls)}
+        values: dict[str, bool] = {}
+        for item in (s.strip() for s in text.split(",")):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip().lower().replace("_", "-")
+            if key not in keys:
+                raise ConfigError(f"--kernels: unknown switch {key!r} (choose from {', '.join(keys)})")
+            value = value.strip().lower()
+            if not sep or value not in _ON + _OFF:
+                raise ConfigError(f"--kernels: {key}={value} must be {key}=on or {key}=off")
+            values[keys[key]] = value in _ON
+        return cls(**values)
+
+    def describe(self) -> str:
+        """``"pdl=on,pdl-matmul=off"``: every switch, in the form ``parse`` reads."""
+        return ",".join(f"{f.name.replace('_', '-')}={'on' if getattr(self, f.name) else 'off'}" for f in fields(self))
