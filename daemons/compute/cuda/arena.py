@@ -20,15 +20,13 @@ __all__ = ["Arena", "ArenaScratch"]
 
 
 class Arena:
-    """One device allocation of ``layout.total_bytes``; ``view(name, shape, dtype)`` is a region
-    as an array. Regions marked ``zero`` are zeroed here, the rest left as allocated."""
+    """One device allocation of ``layout.total_bytes``, zeroed (every region starts as the
+    buffers always did; the ``zero`` regions, the tile counters, depend on it); ``view(name,
+    shape, dtype)`` is a region as an array."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.memory = cp.empty(max(layout.total_bytes, 1), dtype=cp.uint8)
-        for r in layout.regions:
-            if r.zero:
-                self.bytes(r.name).fill(0)
+        self.memory = cp.zeros(max(layout.total_bytes, 1), dtype=cp.uint8)
         self.free_blocks = list(range(layout.n_blocks - 1, -1, -1))
 
     @property
