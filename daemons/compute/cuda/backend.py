@@ -242,15 +242,17 @@ class CudaBackend(Backend):
         into it), or above the buckets an arena of the pass's own (``memory.eager_layout``),
         freed with it, so a stream of prompt lengths does not pile up. The kernels' scratch looks
         in that pass's arena first (``ArenaScratch.eager``)."""
+        self.scratch.eager = None  # the last eager pass's arena goes back before a new one is made
         w = self.works.get(rows)
-        splits = attention_splits(rows, self.hp.n_head_kv, self.max_ctx, self.tuning)
         if w is None:
+            splits = attention_splits(rows, self.hp.n_head_kv, self.max_ctx, self.tuning)
             with self.stream:
                 if keep:
                     w = self.works[rows] = _Work(rows, self.hp, splits, self.arena, prefix=f"bucket{rows}/")
                 else:
                     w = _Work(rows, self.hp, splits, Arena(eager_layout(self.hp, rows, self.max_ctx)))
-        self.scratch.eager = None if keep else w.arena
+        if not keep:
+            self.scratch.eager = w.arena
         return w
 
     def begin_pass(self, batch: StepBatch) -> _Work:
