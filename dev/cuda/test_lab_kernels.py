@@ -31,8 +31,8 @@ from ntx.daemons.compute.cuda import mm as MM  # noqa: E402
 from ntx.daemons.compute.cuda import tuning  # noqa: E402
 from ntx.daemons.compute.cuda.memory import mm_cut  # noqa: E402
 from ntx.shared.quant_types import quant_type  # noqa: E402
-from tests.gpu.test_kernels import (ALL_TYPES, CTX, QT, W, _cols, check_i16, nan_f32, random_weights,  # noqa: E402
-                                    reference_matrix, relerr, rng)  # noqa: F401  (rng: the fixture)
+from tests.gpu.test_kernels import (ALL_TYPES, CTX, QT, W, _cols, check_f32_matvec, check_i16, nan_f32,  # noqa: E402
+                                    random_weights, reference_matrix, relerr, rng)  # noqa: F401  (rng: the fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -42,16 +42,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 2, 4, 8])
 @pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
 def test_matvec_f32_every_type(qt, B, big, rng):
-    n_rows = 261 if big else 37  # not a multiple of any rows-per-CTA
-    n_cols = _cols(qt, big)
-    raw = random_weights(qt, n_rows, n_cols, rng)
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    x = rng.standard_normal((B, n_cols)).astype(np.float32)
-    out = nan_f32((B, n_rows))
-    res = lab.matvec(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), cp.asarray(x), out=out, variant="f32")
-    assert res is out
-    ref = x.astype(np.float64) @ ref_w.T
-    assert relerr(out, ref) < 1e-5
+    check_f32_matvec(qt, B, big, rng, lambda w, x, out: lab.matvec(CTX, w, x, out=out, variant="f32"))
 
 
 @pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2))] + [(8, 2, 1)])

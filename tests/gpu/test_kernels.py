@@ -117,20 +117,24 @@ def _cols(qt: QT, big: bool) -> int:
 FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]  # the f32 matvec's types; the others take the i16 product
 
 
-@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
-@pytest.mark.parametrize("B", [1, 2, 4, 8])
-@pytest.mark.parametrize("qt", FLOAT_TYPES, ids=lambda q: q.name)
-def test_matvec(qt, B, big, rng):
-    n_rows = 261 if big else 37  # not a multiple of any rows-per-CTA
+def check_f32_matvec(qt: QT, B: int, big: bool, rng, matvec) -> None:
+    """``matvec(weight, x, out)`` of a [37 or 261, n] matrix of qt (row counts no multiple of any
+    rows-per-CTA) writes out and matches the float64 product to 1e-5 (f32 arithmetic)."""
+    n_rows = 261 if big else 37
     n_cols = _cols(qt, big)
     raw = random_weights(qt, n_rows, n_cols, rng)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
     x = rng.standard_normal((B, n_cols)).astype(np.float32)
     out = nan_f32((B, n_rows))
-    res = MV.matvec(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), cp.asarray(x), out=out)
-    assert res is out
-    ref = x.astype(np.float64) @ ref_w.T
-    assert relerr(out, ref) < 1e-5
+    assert matvec(W(raw, qt, n_rows, n_cols), cp.asarray(x), out) is out
+    assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("B", [1, 2, 4, 8])
+@pytest.mark.parametrize("qt", FLOAT_TYPES, ids=lambda q: q.name)
+def test_matvec(qt, B, big, rng):
+    check_f32_matvec(qt, B, big, rng, lambda w, x, out: MV.matvec(CTX, w, x, out=out))
 
 
 @pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
