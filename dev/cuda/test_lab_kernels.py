@@ -32,7 +32,8 @@ from ntx.daemons.compute.cuda import tuning  # noqa: E402
 from ntx.daemons.compute.cuda.memory import mm_cut  # noqa: E402
 from ntx.shared.quant_types import quant_type  # noqa: E402
 from tests.gpu.test_kernels import (ALL_TYPES, CTX, QT, W, _cols, check_f32_matvec, check_i16, nan_f32,  # noqa: E402
-                                    random_weights, reference_matrix, relerr, rng)  # noqa: F401  (rng: the fixture)
+                                    random_weights, reference_matrix, relerr, rng,  # noqa: F401  (rng: the fixture)
+                                    unaligned_weight)
 
 pytestmark = pytest.mark.gpu
 
@@ -64,18 +65,12 @@ def test_matvec_configs(qt, variant, config, rng):
 @pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
 def test_matvec_unaligned_base(qt, rng):
     """2-byte-aligned types read correctly from a tensor that starts at an odd offset of 2."""
-    n_rows, n_cols = 19, _cols(qt, False)
-    raw = random_weights(qt, n_rows, n_cols, rng)
-    buf = cp.zeros(raw.size + 64, dtype=cp.uint8)
-    off = 34
-    buf[off:off + raw.size] = cp.asarray(raw)
-    x = rng.standard_normal((2, n_cols)).astype(np.float32)
-    out = nan_f32((2, n_rows))
-    lab.matvec(CTX, W(buf[off:off + raw.size], qt, n_rows, n_cols), cp.asarray(x), out=out, variant="f32")
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    w, x, ref_w = unaligned_weight(qt, rng)
+    out = nan_f32((2, w.n_rows))
+    lab.matvec(CTX, w, cp.asarray(x), out=out, variant="f32")
     assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5
-    out2 = nan_f32((2, n_rows))
-    lab.matvec(CTX, W(buf[off:off + raw.size], qt, n_rows, n_cols), cp.asarray(x), out=out2, variant="dp4a")
+    out2 = nan_f32((2, w.n_rows))
+    lab.matvec(CTX, w, cp.asarray(x), out=out2, variant="dp4a")
     check_dp4a(out2, x, ref_w)
 
 

@@ -137,18 +137,24 @@ def test_matvec(qt, B, big, rng):
     check_f32_matvec(qt, B, big, rng, lambda w, x, out: MV.matvec(CTX, w, x, out=out))
 
 
-@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
-def test_matvec_unaligned_base(qt, rng):
-    """2-byte-aligned types read correctly from a tensor that starts at an odd offset of 2."""
+def unaligned_weight(qt: QT, rng):
+    """(weight, x [2, n_cols], the exact matrix) of a [19, n_cols] tensor of qt that starts at an
+    odd multiple of 2 bytes (34) into its buffer."""
     n_rows, n_cols = 19, _cols(qt, False)
     raw = random_weights(qt, n_rows, n_cols, rng)
     buf = cp.zeros(raw.size + 64, dtype=cp.uint8)
-    off = 34
-    buf[off:off + raw.size] = cp.asarray(raw)
+    buf[34:34 + raw.size] = cp.asarray(raw)
     x = rng.standard_normal((2, n_cols)).astype(np.float32)
-    out = nan_f32((2, n_rows))
-    MV.matvec(CTX, W(buf[off:off + raw.size], qt, n_rows, n_cols), cp.asarray(x), out=out)
-    check_i16(out, x, reference_matrix(qt, raw, n_rows, n_cols))
+    return W(buf[34:34 + raw.size], qt, n_rows, n_cols), x, reference_matrix(qt, raw, n_rows, n_cols)
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
+def test_matvec_unaligned_base(qt, rng):
+    """2-byte-aligned types read correctly from a tensor that starts at an odd offset of 2."""
+    w, x, ref_w = unaligned_weight(qt, rng)
+    out = nan_f32((2, w.n_rows))
+    MV.matvec(CTX, w, cp.asarray(x), out=out)
+    check_i16(out, x, ref_w)
 
 
 def test_matvec_1d_and_stream(rng):
