@@ -74,24 +74,6 @@ def test_matvec_unaligned_base(qt, rng):
     check_dp4a(out2, x, ref_w)
 
 
-def test_matvec_1d_and_stream(rng):
-    qt, n_rows, n_cols = QT.Q4_K, 100, 512
-    raw = random_weights(qt, n_rows, n_cols, rng)
-    x = rng.standard_normal(n_cols).astype(np.float32)
-    s = cp.cuda.Stream(non_blocking=True)
-    out = nan_f32((n_rows,))
-    cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
-    lab.matvec(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), cp.asarray(x), out=out, stream=s, variant="f32")
-    s.synchronize()
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    assert relerr(out, ref_w @ x.astype(np.float64)) < 1e-5
-    out2 = nan_f32((n_rows,))
-    lab.matvec(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), cp.asarray(x), out=out2, stream=s, variant="dp4a")
-    s.synchronize()
-    check_dp4a(out2.reshape(1, -1), x.reshape(1, -1), ref_w)
-
-
-
 DP4A_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
