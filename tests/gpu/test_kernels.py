@@ -267,12 +267,10 @@ def test_mm_odd_q8_0_blocks_and_unsupported(rng):
         MM.mm(CTX, W(raw, QT.Q8_0, 50, n_cols), cp.zeros((65, n_cols), cp.float32))
 
 
-@pytest.mark.parametrize("kind,qt", [("mm", QT.Q8_0), ("mmq", QT.Q4_K)])
-def test_mm_split_k_deterministic_and_graph_replay(kind, qt, rng):
-    """With split-K (several CTAs per row tile, the last one adding the partial sums in order)
-    repeated calls are bit-identical, and a captured graph of them replays for new x exactly as
-    eager calls compute."""
-    mul = getattr(MM, kind)
+def check_split_k(mul, kind: str, qt: QT, rng) -> None:
+    """``mul(weight, x, out=None, stream=)`` (a matmul of ``kind``) of 24 rows by a [96, 16384]
+    matrix of qt, a shape that splits K: repeated calls are bit-identical, and a captured graph
+    of it replays for new x exactly as eager calls compute."""
     B, n_rows, n_cols = 24, 96, 16384
     launch = tuning.DEFAULT.mm_launch if kind == "mm" else tuning.DEFAULT.mmq_launch
     assert launch(B, n_rows, n_cols // 32)[2] > 1  # split-K at this shape
@@ -281,25 +279,33 @@ def test_mm_split_k_deterministic_and_graph_replay(kind, qt, rng):
     x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
     out = cp.empty((B, n_rows), cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
-    first = cp.asnumpy(mul(CTX, w, x, stream=s))
+    first = cp.asnumpy(mul(w, x, stream=s))
     for _ in range(3):
-        np.testing.assert_array_equal(cp.asnumpy(mul(CTX, w, x, stream=s)), first)
+        np.testing.assert_array_equal(cp.asnumpy(mul(w, x, stream=s)), first)
     ref = cp.asnumpy(x).astype(np.float64) @ reference_matrix(qt, cp.asnumpy(raw), n_rows, n_cols).T
     assert relerr(first, ref) < (1e-5 if kind == "mm" else 1e-4)
     s.synchronize()
     with s:
         s.begin_capture()
         try:
-            mul(CTX, w, x, out=out, stream=s)
+            mul(w, x, out=out, stream=s)
         finally:
             graph = s.end_capture()
     for _ in range(2):
         x.set(rng.standard_normal((B, n_cols)).astype(np.float32), stream=s)
         out.fill(cp.nan)
         graph.launch(stream=s)
-        eager = mul(CTX, w, x, stream=s)
+        eager = mul(w, x, stream=s)
         s.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(eager))
+
+
+@pytest.mark.parametrize("kind,qt", [("mm", QT.Q8_0), ("mmq", QT.Q4_K)])
+def test_mm_split_k_deterministic_and_graph_replay(kind, qt, rng):
+    """With split-K (several CTAs per row tile, the last one adding the partial sums in order)
+    repeated calls are bit-identical, and a captured graph of them replays for new x exactly as
+    eager calls compute."""
+    check_split_k(lambda w, x, **kw: getattr(MM, kind)(CTX, w, x, **kw), kind, qt, rng)
 
 
 def test_gemm_takes_mm_and_matches_matvec(rng):
@@ -384,6 +390,14 @@ def test_get_rows(qt, rng):
     assert relerr(out, ref) < 1e-6
 
 
+def gemm_case(qt: QT, T: int, rng):
+    """(weight, x [T, n_cols], the exact matrix) of a random [300, n_cols] matrix of qt."""
+    n_rows, n_cols = 300, _cols(qt, False) * 4
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    x = rng.standard_normal((T, n_cols)).astype(np.float32)
+    return W(raw, qt, n_rows, n_cols), x, reference_matrix(qt, raw, n_rows, n_cols)
+
+
 @pytest.mark.parametrize("T", [3, 20, 37, 64, 128])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
 def test_gemm(qt, T, rng):
@@ -391,12 +405,10 @@ def test_gemm(qt, T, rng):
     mm_min_rows for the types it decodes), the matvec (i16 for the block-quantized types, f32
     for the float types) in chunks of 8 rows below them; beyond 64 rows dequantize-to-f16 +
     cuBLAS."""
-    n_rows, n_cols = 300, _cols(qt, False) * 4
-    raw = random_weights(qt, n_rows, n_cols, rng)
-    x = rng.standard_normal((T, n_cols)).astype(np.float32)
-    out = nan_f32((T, n_rows))
-    G.gemm(CTX, W(raw, qt, n_rows, n_cols), cp.asarray(x), out=out)
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    w, x, ref_w = gemm_case(qt, T, rng)
+    n_cols = w.n_cols
+    out = nan_f32((T, w.n_rows))
+    G.gemm(CTX, w, cp.asarray(x), out=out)
     ref = x.astype(np.float64) @ ref_w.T
     via_mmq = MM.mmq_supported(qt, n_cols)  # i16 activations from its rows on, i16 below
     via_mm = not via_mmq and MM.mm_supported(qt, n_cols) and T >= runtime.tuning().mm_min_rows
