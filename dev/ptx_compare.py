@@ -37,6 +37,7 @@ from pathlib import Path
 CUDA_SUBDIR = Path("daemons/compute/cuda")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _ENTRY = re.compile(r"^(?:\.visible\s+|\.weak\s+)?\.entry\s+([A-Za-z_$][\w$]*)\s*\(", re.M)
+_IDENT = re.compile(r"[A-Za-z_$][\w$]*")
 _DECL = re.compile(r"^(?:\.visible\s+|\.weak\s+|\.extern\s+)*\.(?:global|shared|const)\b.*?([A-Za-z_$][\w$]*)\s*(?:\[|;|=)",
                    re.M)
 
@@ -97,7 +98,7 @@ def split_entries(ptx: str) -> dict[str, list[str]]:
         body_start = ptx.index("{", m.end())
         end = ptx.index("\n}", body_start) + 2
         lines = _normalise(ptx[m.start():end].splitlines())
-        used = sorted(d for d in decls if re.search(rf"\b{re.escape(d)}\b", ptx[body_start:end]))
+        used = sorted(set(_IDENT.findall(ptx[body_start:end])) & decls.keys())
         out[m.group(1)] = lines + [f"[module] {decls[d]}" for d in used]
     return out
 

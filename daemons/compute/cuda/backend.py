@@ -366,11 +366,14 @@ class CudaBackend(Backend):
 
     def _compile(self, qtypes) -> None:
         """Compile (or load from cupy's disk cache) the modules the products of matrices of
-        ``qtypes`` take on this device (instances.type_modules)."""
+        ``qtypes`` take on this device (instances.type_modules), and every source's extern "C"
+        kernels (the quantizers of x among them)."""
         with self.stream:
             for qt in qtypes:
                 for source, names in instances.type_modules(QUANT_TYPES[qt], [self.tuning]):
                     runtime.module(source, names)
+            for source in instances.extern_kernels():
+                runtime.module(source, ())
 
     # -- operations ----------------------------------------------------------------------------
     def embed(self, ws: _Work):
