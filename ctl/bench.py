@@ -70,7 +70,7 @@ def measure_copy_limits(backend: str, nbytes: int = 1 << 30) -> dict[str, float]
         return out
     import cupy as cp
 
-    from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
+    from ntx.daemons.compute.probes import device_copy_gbps
     from ntx.shared.shm import ShmSegment
 
     dev = cp.empty(nbytes, dtype=cp.uint8)

@@ -23,7 +23,7 @@ import cupy as cp
 
 from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
-from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
+from ntx.daemons.compute.probes import device_copy_gbps
 from ntx.shared.config import EngineOptions
 from ntx.shared.messages import EngineRequest
 from ntx.shared.sampling_fields import SamplingParams

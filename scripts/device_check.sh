@@ -25,7 +25,7 @@
 # --first-requests: write the 70B-shaped Q4_K_M, start it at 24 GiB and time the first token of
 #   each new prompt shape sent after ready, then the same shapes again, and decode after a long
 #   prompt against a short one (scripts/bench_first_requests.py) into $OUT/first_requests.json.
-# --gemm-paths: time each matrix-product path per matrix (scripts/bench_gemm_paths.py, GEMM_ARGS
+# --gemm-paths: time each matrix-product path per matrix (dev/cuda/bench_gemm_paths.py, GEMM_ARGS
 #   passed to it) into $OUT/gemm_paths.{json,log}.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # BASELINE=DIR (a copy of another revision's tree, e.g. `git archive REV | tar x -C .baseline`,
@@ -89,14 +89,14 @@ cd /tmp  # not the repo root: its ntx/ would shadow the namespace farm
   nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm,clocks.mem --format=csv
   python3 -c "import cupy, numpy, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'numpy', numpy.__version__)"
   python3 -c "import gguf; print('gguf', gguf.__file__)"
-  python3 -c "import ntx.daemons.compute.cuda.kernels as k; print('ntx kernels from', k.__file__)"
+  python3 -c "import ntx.daemons.compute.cuda.runtime as k; print('ntx kernels from', k.__file__)"
 } 2>&1 | tee "$OUT/env.txt"
 
 t0=$(date +%s)
 python3 "$REPO/scripts/bench_kernels.py" --precompile --jobs "$(nproc)" 2>&1 | tee "$OUT/precompile.log"
 # pytest puts the repo root (parent of the tests package) first on sys.path, where ntx/ lacks the
 # mapped subpackages: import ntx from the farm before pytest starts.
-PYTEST=(python3 -c "import sys, ntx.daemons.compute.cuda.kernels, pytest; sys.exit(pytest.main(sys.argv[1:]))")
+PYTEST=(python3 -c "import sys, ntx.daemons.compute.cuda.runtime, pytest; sys.exit(pytest.main(sys.argv[1:]))")
 rc=0
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   timeout 240 compute-sanitizer --tool memcheck --print-limit 5 "${PYTEST[@]}" "$REPO/tests/gpu" -q -x -p no:cacheprovider \
@@ -112,7 +112,7 @@ if [ "$BENCH" = 1 ]; then
 fi
 if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm,mmq") go to it as they are
   read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"
-  python3 "$REPO/scripts/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
+  python3 "$REPO/dev/cuda/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
 fi
 synth() {  # synth NAME PRESET TYPE: write ~/models/NAME.gguf once
   [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" -q 2>&1 | tail -2

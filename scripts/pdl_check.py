@@ -1,7 +1,7 @@
 """Check, in the SASS of every kernel, that nothing is read from in-stream memory before the
 programmatic-launch wait (common.cuh pdl_wait; griddepcontrol.wait is ACQBULK in SASS).
 
-With programmatic dependent launch (kernels._launch) a kernel starts while the kernel before it
+With programmatic dependent launch (runtime.Launcher) a kernel starts while the kernel before it
 still writes its inputs. ptxas treats non-coherent loads (__ldg, ld.global.nc: LDG...CONSTANT) as
 reading memory that never changes and moves them above the wait: in the first GPU run with PDL
 the f32 matvec's loads of x were issued before the wait and the SmolLM2 decode logits were wrong.
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_check import names_for  # noqa: E402  (the instantiations kernels.py launches)
+from compile_check import names_for  # noqa: E402  (the instantiations production launches)
 
-from ntx.daemons.compute.cuda.sources import CUDA_DIR, kernel_source  # noqa: E402
+from ntx.daemons.compute.cuda.sources import SOURCES, kernel_source  # noqa: E402
 
 
 def compile_sm90(lib: ctypes.CDLL, fname: str, names: list[str]) -> tuple[bytes, str]:
@@ -126,18 +126,18 @@ def main() -> int:
     a = ap.parse_args()
     lib = ctypes.CDLL(a.nvrtc)
     bad: list[str] = []
-    for p in sorted(CUDA_DIR.glob("*.cu")):
-        names = names_for(p.name, False)
+    for fname in SOURCES:
+        names = names_for(fname)
         if a.quick:
             names = names[:200]
         t0 = time.perf_counter()
-        binary, ptx = compile_sm90(lib, p.name, names)
+        binary, ptx = compile_sm90(lib, fname, names)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(binary)
             f.flush()
             sass = subprocess.run([a.nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
         n, problems = check_sass(sass, ptx_loads_before_wait(ptx))
-        print(f"== {p.name}: {n} kernels, {len(problems)} problems ({time.perf_counter() - t0:.0f} s)")
+        print(f"== {fname}: {n} kernels, {len(problems)} problems ({time.perf_counter() - t0:.0f} s)")
         bad += problems
     for b in bad[:40]:
         print("  ", b)

@@ -25,7 +25,8 @@ the host copy of the picks), printed as ``graph pass X ms vs sum of kernels Y ms
 
     python scripts/profile_pass.py MODEL.gguf [--batch 1 8] [--prompt 512] [--reps 20] [--out prof.json]
 
-Medians over ``--reps`` passes. ``NTX_MATVEC_DP4A=1`` profiles the int8-activation matvec.
+Medians over ``--reps`` passes. ``--kernels`` sets the cuda backend's kernel switches
+(``KernelOptions``, e.g. ``pdl=off``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.model import LlamaModel
 from ntx.shared.config import EngineOptions
 from ntx.shared.gguf_index import open_model
+from ntx.shared.kernel_options import KernelOptions
 
 DECODE_CACHED_TOKENS = 64  # positions every decoding row already has in its KV cache
 WARMUP_PASSES = 3  # the engine's first decode pass compiles, the second captures, the third replays
@@ -163,15 +165,15 @@ class ProfiledBackend:
     The head runs as the cuda backend's ``pick_launch`` runs it on the device, in two parts: final
     norm and head matvec (``inner._logits_dev``), then ``topk`` of the largest k asked; the picks
     are not copied to the host (the profiled pass's result is not used): no rows come back.
-    ``topk`` is the device selection function (``kernels.topk``); ``fused_attention`` tells
+    ``topk`` is the device selection function (``CudaBackend.topk``); ``fused_attention`` tells
     whether the backend runs a pass's attention and W_o product as one operation."""
 
     def __init__(self, inner: Any, recorder: Any, model: LlamaModel, topk: Callable,
-                 fused_attention: Callable[[int, int, int], bool]) -> None:
+                 fused_attention: Callable[[int, Any], bool]) -> None:
         self.inner = inner
         self.recorder = recorder
         self.topk = topk
-        self.fused_attention = fused_attention  # (rows, W_o's type, its columns): kernels.attention_gemm_fuses
+        self.fused_attention = fused_attention  # (rows, W_o's Weight): CudaBackend.attention_fuses
         self.matrices = matrix_labels(model)
         g = model.index.globals
         head = g.get("output", g["token_embd"])
@@ -239,8 +241,8 @@ class ProfiledBackend:
         """One timed operation where the backend fuses the two (``fused_attention``), else the
         attention and the product apart, as the backend then runs them: a prefill's attention
         is a large share of its pass, and stays visible."""
-        label, nbytes, qtype, n_cols = self.matrices[id(w)]
-        if not self.fused_attention(ws.T, qtype, n_cols):
+        label, nbytes = self.matrices[id(w)][:2]
+        if not self.fused_attention(ws.T, w):
             self.attention(layer_idx, q, ws, out=attn)
             return self.matmul(w, attn, out=out)
         return self._timed(label + " with its attention", nbytes, self.inner.attention_matmul, layer_idx, q, ws,
@@ -330,7 +332,7 @@ def engine_pass_ms(model: LlamaModel, batch: StepBatch, picks: list[Pick], reps:
 
 
 def profile_pass(model: LlamaModel, batch: StepBatch, picks: list[Pick], reps: int, recorder: Any,
-                 topk: Callable, fused_attention: Callable[[int, int, int], bool]) -> dict[str, Any]:
+                 topk: Callable, fused_attention: Callable[[int, Any], bool]) -> dict[str, Any]:
     """``reps`` passes of ``batch`` recorded by ``recorder`` (``EventRecorder``; after one
     unrecorded pass) and aggregated, beside the same pass as the engine runs it."""
     engine_ms = engine_pass_ms(model, batch, picks, reps)
@@ -355,15 +357,14 @@ def profile_pass(model: LlamaModel, batch: StepBatch, picks: list[Pick], reps: i
     return prof
 
 
-def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: float, ctx: int) -> dict[str, Any]:
-    """Load ``path`` fully resident on the cuda backend and profile a decode pass per batch
-    size and one prefill pass of ``prompt_tokens`` (none when 0); each pass's table is printed
-    as soon as it is measured."""
+def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: float, ctx: int,
+        kernels: KernelOptions | None = None) -> dict[str, Any]:
+    """Load ``path`` fully resident on the cuda backend (``kernels``: its kernel switches) and
+    profile a decode pass per batch size and one prefill pass of ``prompt_tokens`` (none when
+    0); each pass's table is printed as soon as it is measured."""
     import cupy as cp
 
-    from ntx.daemons.compute.cuda import kernels as K
-    from ntx.daemons.compute.cuda import tuning
-    from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
+    from ntx.daemons.compute.probes import device_copy_gbps
 
     index = open_model(path)
     hp = index.hparams
@@ -376,11 +377,11 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
     report: dict[str, Any] = {
         "device": name.decode() if isinstance(name, bytes) else str(name),
         "copy_gbps": round(device_copy_gbps(), 1), "model": os.path.basename(path), "type": index.file_type,
-        "layers": hp.n_layers, "max_context": max_ctx, "dp4a": tuning.dp4a_enabled(), "spin_ms": spin_ms,
-        "passes": {}}
+        "layers": hp.n_layers, "max_context": max_ctx, "kernels": (kernels or KernelOptions()).describe(),
+        "spin_ms": spin_ms, "passes": {}}
     print(f"device {report['device']}: device-to-device copy {report['copy_gbps']:.0f} GB/s (read + write); "
-          f"dp4a matvec {'on' if report['dp4a'] else 'off'}; KV cache of {max_ctx} positions", flush=True)
-    backend = make_backend("cuda", index, max_seqs=max(batches, default=1), max_ctx=max_ctx)
+          f"kernels {report['kernels']}; KV cache of {max_ctx} positions", flush=True)
+    backend = make_backend("cuda", index, max_seqs=max(batches, default=1), max_ctx=max_ctx, kernels=kernels)
     model = LlamaModel(index, backend)
     recorder = EventRecorder(backend.stream, spin_ms)
     rng = np.random.default_rng(0)
@@ -394,7 +395,7 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
             backend.alloc_sequence(s, max_ctx)
             model.forward(StepBatch([SeqChunk(s, 0, tokens(DECODE_CACHED_TOKENS))]), [Pick(1)])
         batch = StepBatch([SeqChunk(s, DECODE_CACHED_TOKENS, tokens(1)) for s in seqs])
-        prof = profile_pass(model, batch, [Pick(1)] * B, reps, recorder, K.topk, K.attention_gemm_fuses)
+        prof = profile_pass(model, batch, [Pick(1)] * B, reps, recorder, backend.topk, backend.attention_fuses)
         prof.update(pass_kind="decode", rows=B, cached_tokens=DECODE_CACHED_TOKENS)
         report["passes"][f"decode_b{B}"] = prof
         print_pass(report, prof)
@@ -403,7 +404,7 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
     if prompt_tokens:
         backend.alloc_sequence(0, max_ctx)
         prefill = StepBatch([SeqChunk(0, 0, tokens(prompt_tokens))])
-        prof = profile_pass(model, prefill, [Pick(1)], reps, recorder, K.topk, K.attention_gemm_fuses)
+        prof = profile_pass(model, prefill, [Pick(1)], reps, recorder, backend.topk, backend.attention_fuses)
         prof.update(pass_kind="prefill", rows=prompt_tokens, cached_tokens=0)
         report["passes"][f"prefill_{prompt_tokens}"] = prof
         print_pass(report, prof)
@@ -430,11 +431,12 @@ def main() -> None:
                     help="how long the GPU is held while Python queues a pass (default 200)")
     ap.add_argument("--ctx", type=int, default=EngineOptions().ctx,
                     help=f"positions per sequence the KV cache holds, as the engine's --ctx (default {EngineOptions().ctx})")
+    ap.add_argument("--kernels", default="", help="the cuda backend's kernel switches, e.g. pdl=off (KernelOptions)")
     ap.add_argument("--out", default=None, help="write the profile as JSON here")
     args = ap.parse_args()
     if args.reps < 1 or args.prompt < 0 or args.spin_ms <= 0 or any(b < 1 for b in args.batch):
         ap.error("--reps and --batch must be at least 1, --prompt at least 0, --spin-ms positive")
-    report = run(args.model, args.batch, args.prompt, args.reps, args.spin_ms, args.ctx)
+    report = run(args.model, args.batch, args.prompt, args.reps, args.spin_ms, args.ctx, KernelOptions.parse(args.kernels))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,8 +1,10 @@
-"""Switches of the cuda backend's kernels, as configuration (``--kernels``).
+"""The cuda backend's kernel switches, as a value of the instance's configuration.
 
-They are part of an instance's configuration (``InstanceConfig.kernels``, shown by ``ntxctl
-status`` and ``--plan-only``) and reach the backend through ``make_backend``; the cpu backend has
-no such kernels and ignores them.
+They change how kernels are launched, never what they compute (tests/gpu/test_programmatic_launch.py
+holds the bits equal with and without), so they are measured, not tuned per device: part of
+the configuration an instance starts with (``ntxctl start --kernels``), shown by ``status``,
+and handed to the backend (``make_backend(..., kernels=)``). No cupy here: the CLI and the
+planner parse and show it on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -11,35 +13,37 @@ from dataclasses import dataclass, fields
 
 from ntx.shared.errors import ConfigError
 
-_ON_OFF = {"on": True, "off": False}
+__all__ = ["KernelOptions"]
+
+_ON, _OFF = ("on", "true", "1", "yes"), ("off", "false", "0", "no")
 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """How the cuda backend launches its kernels. ``pdl``: programmatic dependent launch (a kernel
-    starts while the one before it ends) where the device has it; ``pdl_matmul``: the same for the
-    matmuls, which are otherwise launched after the kernel before them has ended."""
+    """The cuda backend's kernel switches: part of the instance's configuration, shown by status."""
 
-    pdl: bool = True
-    pdl_matmul: bool = False
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (sm_90)
+    pdl_matmul: bool = False  # the tensor-core matmuls launched early too (measured slower at 8-32 rows)
 
     @classmethod
-    def parse(cls, text: str) -> KernelOptions:
-        """``"pdl=off,pdl-matmul=on"`` -> KernelOptions; "" -> the defaults. One ConfigError line
-        naming the bad item and the choices otherwise."""
-        names = {f.name.replace("_", "-"): f.name for f in fields(cls)}
+    def parse(cls, text: str) -> "KernelOptions":
+        """``"pdl=off,pdl-matmul=on"`` (keys with ``-`` or ``_``, values on/off); ``""``: the
+        defaults. A bad key or value raises ``ConfigError`` naming it and the choices."""
+        keys = {f.name.replace("_", "-"): f.name for f in fields(cls)}
         values: dict[str, bool] = {}
-        for item in (part.strip() for part in text.split(",")):
+        for item in (s.strip() for s in text.split(",")):
             if not item:
                 continue
             key, sep, value = item.partition("=")
-            key, value = key.strip(), value.strip()
-            if key not in names or not sep or value not in _ON_OFF:
-                raise ConfigError(f"--kernels {text!r}: {item!r} is not NAME=on|off with NAME one of "
-                                  f"{', '.join(names)} (example: pdl=off,pdl-matmul=on)")
-            values[names[key]] = _ON_OFF[value]
+            key = key.strip().lower().replace("_", "-")
+            if key not in keys:
+                raise ConfigError(f"--kernels: unknown switch {key!r} (choose from {', '.join(keys)})")
+            value = value.strip().lower()
+            if not sep or value not in _ON + _OFF:
+                raise ConfigError(f"--kernels: {key}={value} must be {key}=on or {key}=off")
+            values[keys[key]] = value in _ON
         return cls(**values)
 
     def describe(self) -> str:
-        """The switches as ``--kernels`` reads them: ``pdl=on,pdl-matmul=off``."""
+        """``"pdl=on,pdl-matmul=off"``: every switch, in the form ``parse`` reads."""
         return ",".join(f"{f.name.replace('_', '-')}={'on' if getattr(self, f.name) else 'off'}" for f in fields(self))

@@ -3,12 +3,13 @@
 Block sizes come from gguf's own ``GGML_QUANT_SIZES`` (never restated here); what this table
 adds is what ntx needs beyond the file format: which types it supports, what a GPU kernel needs
 of a row (its length a multiple of ``kernel_col_multiple``, its start aligned to
-``kernel_align_bytes`` for the kernel's vector loads) and which *layout cuts* the matvec kernels
-have for the type. A cut is a way of dividing a block among a warp's lanes: ``"v1"`` (every type
-has it) and ``"v2"`` (the lane-contiguous cut, whose activation loads cover whole cache lines).
-A cut is its own field, never an offset added to the type id. ``mm_cuts``: the cuts the
-tensor-core matmul decodes the type through (its exact-integer decoder, quant.cu MmTraits), in
-order of preference, with the (columns, pieces) of that cut's block.
+``kernel_align_bytes`` for the kernel's vector loads) and which *layout cuts* the kernels' decoders
+have for the type (daemons/compute/cuda/quant_traits.cuh QTraits). A cut is a way of dividing a
+block among a warp's lanes: ``"v1"`` (every type has it) and ``"v2"`` (the lane-contiguous cut,
+whose activation loads cover whole cache lines). A cut is its own field, never an offset added to
+the type id. ``mm_cuts``: the cuts the f16 tensor-core matmul decodes the type through (its
+exact-integer decoder, MmTraits), in order of preference, with the (columns, pieces) of that
+cut's block.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ class QuantType:
     qtype: QT
     kernel_col_multiple: int  # n_cols must be a multiple of this for the GPU kernels
     kernel_align_bytes: int  # base address and row length alignment the kernels' loads need
-    cuts: tuple[str, ...] = ("v1",)  # matvec layout cuts that exist for this type
-    dp4a: bool = False  # an int8-activation (dp4a) matvec exists for this type
-    # tensor-core matmul: cut -> (columns, pieces) of its block (quant.cu QTraits EPB, LPB)
+    cuts: tuple[str, ...] = ("v1",)  # layout cuts that exist for this type (QTraits)
+    dp4a: bool = False  # integer dot products exist for this type (QDTraits): its matvec is the i16 one
+    # f16 tensor-core matmul: cut -> (columns, pieces) of its block (QTraits EPB, LPB)
     mm_cuts: tuple[tuple[str, int, int], ...] = ()
-    mm_staged: bool = False  # mms_kernel stages its v2 blocks through shared memory (quant.cu MmLoadS)
+    mm_staged: bool = False  # its blocks go through the staged kernels' shared memory (MmStage): mmq decodes it
 
     @property
     def name(self) -> str:

@@ -10,8 +10,8 @@ import pytest
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.cuda import buckets
 from ntx.daemons.compute.cuda.buckets import INERT_SLOT, bucket_sizes, inert_rows, pass_rows, row_bucket
-from ntx.daemons.compute.cuda.memory import (attention_splits, cuda_memory_costs, graph_workspaces_bytes,
-                                             pass_workspace_bytes)
+from ntx.daemons.compute.cuda.memory import (ALLOCATOR_SLACK_BYTES, attention_splits, backend_layout,
+                                             cuda_memory_costs, eager_layout, pass_regions)
 from ntx.shared.gguf_index import open_model
 
 try:
@@ -101,18 +101,27 @@ def test_inert_rows_touch_no_cache_slot():
 
 # ------------------------------------------------------------------------------ memory
 def test_planner_counts_every_buckets_workspace(tmp_path):
+    """The planner's workspace is the sum of the backend's layout (every bucket's pass regions,
+    the scratch, the head), the arena of an eager prompt chunk, and the slack: one list of
+    regions, the one the backend carves its arenas from."""
     index = open_model(write_tiny(tmp_path))
     hp = index.hparams
-    sizes = dict(max_seqs=4, max_ctx=256, prefill_chunk_tokens=64)
+    sizes = dict(max_seqs=4, max_ctx=256, prefill_chunk_tokens=128)
     ctx = min(256, hp.n_ctx_train)
-    kept = graph_workspaces_bytes(hp, ctx)
-    assert kept == sum(pass_workspace_bytes(hp, r, ctx) for r in bucket_sizes(buckets.MAX_GRAPH_ROWS))
+    layout = backend_layout(index, ctx)
+    for r in bucket_sizes(buckets.MAX_GRAPH_ROWS):  # every bucket's pass workspace is in it, under its prefix
+        for region in pass_regions(hp, r, ctx):
+            assert layout.region(f"bucket{r}/{region.name}").nbytes == region.nbytes
+    kept = sum(region.nbytes for r in bucket_sizes(buckets.MAX_GRAPH_ROWS) for region in pass_regions(hp, r, ctx))
     # the f32 buffers of every bucket row alone are a lower bound
     per_row = 4 * (3 * hp.n_embd + 2 * hp.q_dim + 2 * hp.kv_dim + 3 * hp.n_ff)
     assert kept >= per_row * sum(bucket_sizes(buckets.MAX_GRAPH_ROWS))
-    assert graph_workspaces_bytes(hp, ctx, 64) > graph_workspaces_bytes(hp, ctx, 8) > 0
+    assert layout.total_bytes >= kept + 64 * 4 * hp.n_vocab  # buckets + the head's logits of 64 rows
+    assert all(off % 256 == 0 for off in layout.offsets.values())
+    assert backend_layout(index, ctx, 64).total_bytes > backend_layout(index, ctx, 8).total_bytes > 0
     costs = cuda_memory_costs(index, **sizes)
-    assert costs.workspace_bytes >= kept + 64 * 4 * hp.n_vocab  # buckets + a prompt chunk's logits
+    assert costs.workspace_bytes == (ALLOCATOR_SLACK_BYTES + layout.total_bytes
+                                     + eager_layout(hp, 128, ctx).total_bytes)  # the same lists, summed
     for rows in (1, 8, 64, 512):
         s = attention_splits(rows, hp.n_head_kv, ctx)
         assert s % 4 == 0 and 4 <= s <= 64

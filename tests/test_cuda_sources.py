@@ -16,7 +16,7 @@ from ntx.daemons.compute.cuda import sources, tuning
 from ntx.shared.quant_types import QUANT_TYPES
 
 
-@pytest.mark.parametrize("name", ["ops.cu", "quant.cu"])
+@pytest.mark.parametrize("name", sources.SOURCES)
 def test_kernel_source_inlines_the_common_header(name):
     src = sources.kernel_source(name)
     header = (sources.CUDA_DIR / "common.cuh").read_text()
@@ -36,7 +36,8 @@ def test_kernel_source_names_a_missing_header(tmp_path, monkeypatch):
 def test_tuning_imports_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None\n"
             "import ntx.daemons.compute.cuda.tuning, ntx.daemons.compute.cuda.sources\n"
-            "import ntx.daemons.compute.cuda.copy_bandwidth")
+            "import ntx.daemons.compute.cuda.instances, ntx.daemons.compute.cuda.memory, ntx.daemons.compute.probes\n"
+            "import ntx.shared.kernel_options")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -48,9 +49,8 @@ def test_tuning_entries_by_device_name():
             for q in QUANT_TYPES:
                 nr, nw, u = t.mv(q, B)
                 assert nr in tuning.MV_ROWS_PER_CTA and 1 <= nw <= tuning.MV_MAX_WARPS and u in tuning.MV_UNROLLS
-                nr, nw, u = t.mvq(q, B)
+                nr, nw, u = t.i16(q, B)
                 assert nr in tuning.MV_ROWS_PER_CTA and 1 <= nw <= tuning.MV_MAX_WARPS and u in tuning.MV_UNROLLS
-        assert all("v2" in QUANT_TYPES[q].cuts for q in t.v2_auto_types)
         assert all(cut in QUANT_TYPES[q].cuts for q, cut in t.deq_cut.items())
         for D in (1, 2048, 4096, 1 << 20):  # rmsnorm_kernel: a multiple of 32 threads, <= 1024
             assert t.rmsnorm_block(D) % 32 == 0 and t.rmsnorm_block(D) <= 1024
@@ -64,24 +64,35 @@ def test_mmq_launch_fills_the_device_within_the_row(B, n_rows, n_cols):
     (a power of two) and KS CTAs over the block columns, every warp with at least one 256-column
     block column, and about mmq_target_warps warps on a matrix unless its row is too short."""
     t = tuning.H200
-    wr, wk, ks, mt = t.mmq_launch(B, n_rows, n_cols // 32)
+    wr, wk, ks = t.mmq_launch(B, n_rows, n_cols // 32)
     blocks = n_cols // 256
-    assert wr == 1 and mt in tuning.MMQ_TILES_PER_WARP and wk in (2, 4, 8) and 1 <= ks <= 16
+    assert wr == 1 and wk in (2, 4, 8) and 1 <= ks <= 16
     assert wk * ks <= max(2, blocks)  # a row of one block column still gets the smallest launch
-    tiles = -(-n_rows // (16 * mt))
+    tiles = -(-n_rows // 16)
     if tiles * 8 * 16 >= t.mmq_target_warps and blocks >= 16:
         assert tiles * wk * ks >= t.mmq_target_warps // 2
 
 
-def test_mmq_scratch_is_counted_for_the_planner():
-    """memory.matmul_scratch_bytes holds mmq's two int8 planes of x padded to 8 rows beside mm's
-    f16 halves (the planner must not give that memory to layers)."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0", "F16"])
+def test_scratch_is_counted_for_the_planner(tmp_path, qtype):
+    """The layout's scratch covers what every product of up to 64 rows of x asks for, at every
+    row count (not only the buckets': the head multiplies any number of logit rows), as the
+    launchers size it (memory.gemm_scratch_bytes: mmq's planes padded to 8 rows, the i16
+    planes, mm's f16 halves, split-K partials): the planner must not give that memory to layers."""
+    import synth_gguf as sg
 
-    from ntx.daemons.compute.cuda.memory import matmul_scratch_bytes
+    from ntx.daemons.compute.cuda.memory import gemm_scratch_bytes, matrix_shapes, mmq_planes_bytes, scratch_regions
+    from ntx.shared.gguf_index import open_model
+    from ntx.shared.quant_types import quant_type
 
-    hp = SimpleNamespace(n_embd=4096, q_dim=4096, n_ff=14336)  # the widths a layer's products take
-    rows = 3  # padded to 8 rows for mmq
-    mm_halves = rows * (4096 + 14336) * 4
-    mmq_planes = 8 * (4096 + 14336) * 2 + 8 * (4096 + 14336) // 32 * 8
-    assert matmul_scratch_bytes(hp, rows) >= mm_halves + mmq_planes
+    path = tmp_path / "m.gguf"
+    sg.write_llama_gguf(path, sg.preset_config("tiny", n_layers=2, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=2,
+                                                vocab_size=1024, type=qtype, seed=1))
+    index = open_model(path)
+    regions = {r.name: r.nbytes for r in scratch_regions(matrix_shapes(index), 64, index.hparams.n_embd)}
+    for qt, n_rows, n_cols in matrix_shapes(index):
+        for T in range(1, 65):
+            for purpose, nbytes in gemm_scratch_bytes(quant_type(qt), n_rows, n_cols, T, tuning.H200).items():
+                assert regions[purpose] >= nbytes, (qt, n_rows, n_cols, T, purpose)
+    assert regions["gemm accumulate"] == 64 * index.hparams.n_embd * 4
+    assert mmq_planes_bytes(3, 4096) == 8 * 4096 * 2 + 8 * 4096 // 32 * 8  # padded to 8 rows

@@ -98,8 +98,8 @@ def _top(logits, k):
     return np.argsort(-logits, axis=1)[:, :k]
 
 
-def _fuses(T, qtype, n_cols):
-    """kernels.attention_gemm_fuses's row rule: up to 8 rows the attention and W_o are one op."""
+def _fuses(T, w):
+    """CudaBackend.attention_fuses's row rule: up to 8 rows the attention and W_o are one op."""
     return T <= 8
 
 

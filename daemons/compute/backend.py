@@ -8,7 +8,8 @@ explicit request of the model (``run_captured``), not a side effect of call orde
 
 Layers reach a backend as a byte buffer in the slot layout of ``ntx.shared.gguf_index`` (the
 layer's file span(s), page-aligned), whoever filled it: the file, the dma daemon's pinned RAM,
-or a streamed ring slot. ``prepare_layer`` turns that buffer into the weights the operations take.
+or a streamed ring slot. ``prepare_layer`` turns that buffer into the weights the operations
+take: each matrix a ``Weight``, made and checked once, then passed through as it is.
 
 Every operation of a pass reads and writes the buffers of one ``Workspace`` (``begin_pass``):
 the hidden state ``x`` and the block's intermediates, each named for what it holds, plus the
@@ -33,6 +34,27 @@ from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.plan import MemoryCosts, Plan, make_plan
 
 MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the whole row is copied
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    """A matrix W [n_rows, n_cols] as a backend holds it: its format (``qtype``, the GGUF type
+    of ``data``'s rows), shape and ``row_bytes``, and ``data`` (the cuda backend: a uint8 device
+    view of the tensor's GGUF bytes; the cpu backend: the dequantized float32 array, ``qtype``
+    F32). Made and checked once, when the layer is prepared (``prepare_layer``, ``load_globals``);
+    operations take it as it is and look their plans up by ``format_key`` (a streamed layer's
+    weights are new each pass, their format and shape are not). Compared by identity."""
+
+    qtype: int
+    n_rows: int
+    n_cols: int
+    row_bytes: int
+    data: Any
+
+    @property
+    def format_key(self) -> tuple[int, int, int]:
+        """(type, rows, columns): what a plan for this matrix depends on."""
+        return (self.qtype, self.n_rows, self.n_cols)
 
 
 @dataclass(frozen=True)
@@ -146,12 +168,18 @@ class Workspace:
     def T(self) -> int:
         return self.batch.n_tokens
 
-    def allocate(self, T: int, hp: HParams, alloc: Callable[[tuple[int, ...]], Any]) -> None:
-        """Make every buffer for T rows with ``alloc(shape)`` (float32 arrays of a backend)."""
+    @staticmethod
+    def buffer_widths(hp: HParams) -> tuple[tuple[str, int], ...]:
+        """(name, width) of every buffer of a pass, each [T, width] float32: what ``allocate``
+        makes and the cuda backend's memory layout (cuda/memory.py) lists."""
         D, F = hp.n_embd, hp.n_ff
-        for name, width in (("x", D), ("h", D), ("q", hp.q_dim), ("k", hp.kv_dim), ("v", hp.kv_dim),
-                            ("attn", hp.q_dim), ("o", D), ("gate", F), ("up", F), ("act", F)):
-            setattr(self, name, alloc((T, width)))
+        return (("x", D), ("h", D), ("q", hp.q_dim), ("k", hp.kv_dim), ("v", hp.kv_dim),
+                ("attn", hp.q_dim), ("o", D), ("gate", F), ("up", F), ("act", F))
+
+    def allocate(self, T: int, hp: HParams, alloc: Callable[[str, tuple[int, ...]], Any]) -> None:
+        """Make every buffer for T rows with ``alloc(name, shape)`` (float32 arrays of a backend)."""
+        for name, width in self.buffer_widths(hp):
+            setattr(self, name, alloc(name, (T, width)))
 
 
 @dataclass(frozen=True)
@@ -259,16 +287,16 @@ class Backend(ABC):
         return self.rms_norm(x, w, out=out)
 
     @abstractmethod
-    def matmul(self, w: Any, x: Any, out: Any) -> Any:
+    def matmul(self, w: Weight, x: Any, out: Any) -> Any:
         """out = x @ w.T with w the layer's matrix [N, K] as stored. x: [T, K] -> out: [T, N]"""
 
-    def matmuls(self, x: Any, products: Sequence[tuple[Any, Any]]) -> None:
+    def matmuls(self, x: Any, products: Sequence[tuple[Weight, Any]]) -> None:
         """out = x @ w.T for each (w, out) of ``products``, all of the same x [T, K] (a layer's
         q, k and v; its gate and up). A GPU backend quantizes x once for all of them."""
         for w, out in products:
             self.matmul(w, x, out=out)
 
-    def norm_matmuls(self, x: Any, w: Any, h: Any, products: Sequence[tuple[Any, Any]], delta: Any = None) -> None:
+    def norm_matmuls(self, x: Any, w: Any, h: Any, products: Sequence[tuple[Weight, Any]], delta: Any = None) -> None:
         """h = rms_norm(x, w) (with delta: x += delta first, as ``add_rms_norm``), then
         ``matmuls(h, products)``: a layer's norm and the products of its output, one operation
         so that a GPU backend can quantize h for the products in the norm's own kernel."""
@@ -278,7 +306,7 @@ class Backend(ABC):
             self.add_rms_norm(x, delta, w, out=h)
         self.matmuls(h, products)
 
-    def swiglu_matmul_add(self, gate: Any, up: Any, act: Any, w: Any, out: Any, tmp: Any) -> Any:
+    def swiglu_matmul_add(self, gate: Any, up: Any, act: Any, w: Weight, out: Any, tmp: Any) -> Any:
         """act = swiglu(gate, up), then out += act @ w.T: a layer's feed-forward output into the
         residual, one operation so that a GPU backend can quantize act for the product in the
         swiglu's own kernel and add in the product's. tmp, of out's shape, may hold the product
@@ -293,7 +321,7 @@ class Backend(ABC):
         self.rope(q, k, ws)
         self.kv_write(layer_idx, k, v, ws)
 
-    def attention_matmul(self, layer_idx: int, q: Any, ws: Workspace, attn: Any, w: Any, out: Any) -> Any:
+    def attention_matmul(self, layer_idx: int, q: Any, ws: Workspace, attn: Any, w: Weight, out: Any) -> Any:
         """attn = ``attention(q)``, then out = attn @ w.T: one operation so that a GPU backend can
         quantize the attention output for the product in the attention's own kernel."""
         self.attention(layer_idx, q, ws, out=attn)
@@ -396,9 +424,9 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig) -> Plan:
 def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096,
                  kernels: KernelOptions | None = None) -> Backend:
     """The backend called ``name``, sized for ``max_seqs`` sequences of up to ``max_ctx``
-    positions (the cuda backend reserves its KV cache up front); ``kernels``: the cuda kernels'
-    switches (None: their defaults; the cpu backend has none)."""
+    positions (the cuda backend reserves its KV cache and its arena up front); ``kernels``: the
+    cuda backend's kernel switches (None: the defaults; the cpu backend has none)."""
     cls = backend_class(name)
     if name == "cuda":
-        return cls(index, max_seqs=max_seqs, max_ctx=max_ctx)
+        return cls(index, max_seqs=max_seqs, max_ctx=max_ctx, kernels=kernels)
     return cls(index)

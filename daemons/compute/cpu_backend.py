@@ -4,6 +4,7 @@ Float32 throughout, with the order of operations llama.cpp uses for GGUF ``llama
 RMSNorm, RoPE in its "normal" mode (adjacent pairs, because the GGUF converter permuted Q and K),
 grouped-query attention over a per-sequence KV cache, SwiGLU, tied or separate output head.
 Resident layers are dequantized once; streamed layers are dequantized from the slot each pass.
+A matrix is a ``Weight`` of type F32 holding that float32 array.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ntx.daemons.compute.backend import Backend, Workspace
+from gguf import GGMLQuantizationType as QT
+
+from ntx.daemons.compute.backend import Backend, Weight, Workspace
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
@@ -69,7 +72,7 @@ class _CpuWorkspace(Workspace):
     def __init__(self, batch: StepBatch, hp) -> None:
         self.batch = batch
         self.tokens = np.asarray(batch.tokens, dtype=np.int64)  # [T]; Backend.feed_tokens replaces it
-        self.allocate(batch.n_tokens, hp, lambda shape: np.empty(shape, dtype=np.float32))
+        self.allocate(batch.n_tokens, hp, lambda name, shape: np.empty(shape, dtype=np.float32))
 
 
 class CpuBackend(Backend):
@@ -112,12 +115,13 @@ class CpuBackend(Backend):
             self.out_head = self.tok_embd
         self.inv_freq = rope_inv_freq(self.hp, rope_divisors)
 
-    def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, np.ndarray]:
+    def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, Any]:
         # buf: [slot_bytes] uint8 in slot layout; the result owns fresh arrays either way.
-        w = {}
+        w: dict[str, Any] = {}
         for name, t in layer.tensors.items():
             off = layer.slot_offset(name)
-            w[name] = dequantize(buf[off : off + t.nbytes], t.ggml_type, t.shape)
+            a = dequantize(buf[off : off + t.nbytes], t.ggml_type, t.shape)
+            w[name] = Weight(int(QT.F32), a.shape[0], a.shape[1], a.shape[1] * 4, a) if a.ndim == 2 else a  # a: [N, K]
         return w
 
     # -- KV cache and slots --------------------------------------------------------------------
@@ -152,8 +156,8 @@ class CpuBackend(Backend):
         out[...] = rms_norm(x, w, self.hp.rms_eps)
         return out
 
-    def matmul(self, w: np.ndarray, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        out[...] = x @ w.T  # [T, K] @ [K, N]
+    def matmul(self, w: Weight, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        out[...] = x @ w.data.T  # [T, K] @ [K, N]
         return out
 
     def rope(self, q: np.ndarray, k: np.ndarray, ws: Workspace) -> None:

@@ -2,22 +2,16 @@
 
 Every test draws fresh random inputs, pre-fills outputs with NaN so an unwritten element fails,
 and compares with the relative error ||out - ref|| / ||ref||; a NaN or inf never passes.
-Tolerances: 1e-5 for f32 arithmetic (matvec, the tensor-core matmul (exact integer weights times
-x split into two f16 halves), rmsnorm, rope, attention against the f16 values the cache holds,
-swiglu, get_rows); 1e-3 for results rounded to f16 once (dequantize_f16: f16 has an
-11-bit significand, so each element is off by <= 2^-11 relative); 2e-3 for the f16 cuBLAS GEMM path
+Tolerances: 1e-5 for f32 arithmetic (the f32 matvec, the tensor-core matmul (exact integer
+weights times x split into two f16 halves), rmsnorm, rope, attention against the f16 values the
+cache holds, swiglu, get_rows); the i16 products (the i16 matvec, mmq) by the two-plane rounding
+bound (``check_i16``); 1e-3 for results rounded to f16 once (dequantize_f16: f16 has an 11-bit
+significand, so each element is off by <= 2^-11 relative); 2e-3 for the f16 cuBLAS GEMM path
 (both operands rounded to f16).
 Quantized weights are random valid GGUF blocks (random bytes, finite f16 scales), referenced by
-gguf-py's own dequantize.
-
-The dp4a matvec variant quantizes each row of x to int8 per group of 32 columns (d = max|x| / 127,
-q = round(x / d)) and multiplies exactly in integers, so it is checked twice: (1) against the
-float64 product of the dequantized weights and the *dequantized int8 x* (q * d, read back from the
-kernel's own workspace): 1e-5, the f32 rounding of the per-sub-block scale products and of the f32
-accumulation; (2) against the exact x, element-wise by the bound the rounding allows,
-|out - W x| <= sum_c |W[r, c]| * d_group(c) / 2 (each x element moves by at most d / 2), and in norm
-by 3e-2 (Gaussian rows land at ~0.3-0.9%: the rounding error is ~d / sqrt(12) ~ 0.5% of a group's
-rms, and a few-term product can cancel).
+gguf-py's own dequantize. Every call runs in one standalone KernelContext (``CTX``: default
+KernelOptions, scratch made on first use). The kernel variants production does not launch are
+tested in dev/cuda/test_lab_kernels.py.
 """
 
 from __future__ import annotations
@@ -33,12 +27,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from ntx.daemons.compute.batch import SeqChunk  # noqa: E402
-from ntx.daemons.compute.cuda import kernels as K  # noqa: E402
-from ntx.daemons.compute.cuda import tuning  # noqa: E402
+from ntx.daemons.compute.cuda import attention as A  # noqa: E402
+from ntx.daemons.compute.cuda import dequant as DQ  # noqa: E402
+from ntx.daemons.compute.cuda import gemm as G  # noqa: E402
+from ntx.daemons.compute.cuda import matvec as MV  # noqa: E402
+from ntx.daemons.compute.cuda import mm as MM  # noqa: E402
+from ntx.daemons.compute.cuda import norm_rope_kv as N  # noqa: E402
+from ntx.daemons.compute.cuda import runtime, tuning  # noqa: E402
+from ntx.daemons.compute.cuda import selection as S  # noqa: E402
+from ntx.shared.quant_types import quant_type, row_nbytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 QT = GGMLQuantizationType
+CTX = runtime.standalone()
 ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 # byte offsets of the f16 scale fields in one block
 F16_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
@@ -70,8 +72,13 @@ def random_weights(qt: QT, n_rows: int, n_cols: int, rng) -> np.ndarray:
     return blocks.reshape(-1)
 
 
+def W(raw, qt: QT, n_rows: int, n_cols: int):
+    """The Weight of GGUF bytes ``raw`` (host or device) of [n_rows, n_cols] of type qt."""
+    return G.weight(raw if isinstance(raw, cp.ndarray) else cp.asarray(raw), qt, n_rows, n_cols)
+
+
 def reference_matrix(qt: QT, raw: np.ndarray, n_rows: int, n_cols: int) -> np.ndarray:
-    rb = K.row_bytes(qt, n_cols)
+    rb = row_nbytes(qt, n_cols)
     w = gguf_dequantize(raw.reshape(n_rows, rb), QT(int(qt)))
     w = np.asarray(w, dtype=np.float64).reshape(n_rows, n_cols)
     assert np.all(np.isfinite(w))
@@ -107,54 +114,47 @@ def _cols(qt: QT, big: bool) -> int:
     return 4104 if big else 40              # float types: multiples of 8
 
 
-@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
-@pytest.mark.parametrize("B", [1, 2, 4, 8])
-@pytest.mark.parametrize("qt", ALL_TYPES, ids=lambda q: q.name)
-def test_matvec(qt, B, big, rng):
-    n_rows = 261 if big else 37  # not a multiple of any rows-per-CTA
+FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]  # the f32 matvec's types; the others take the i16 product
+
+
+def check_f32_matvec(qt: QT, B: int, big: bool, rng, matvec) -> None:
+    """``matvec(weight, x, out)`` of a [37 or 261, n] matrix of qt (row counts no multiple of any
+    rows-per-CTA) writes out and matches the float64 product to 1e-5 (f32 arithmetic)."""
+    n_rows = 261 if big else 37
     n_cols = _cols(qt, big)
     raw = random_weights(qt, n_rows, n_cols, rng)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
     x = rng.standard_normal((B, n_cols)).astype(np.float32)
     out = nan_f32((B, n_rows))
-    res = K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, variant="f32")
-    assert res is out
-    ref = x.astype(np.float64) @ ref_w.T
-    assert relerr(out, ref) < 1e-5
+    assert matvec(W(raw, qt, n_rows, n_cols), cp.asarray(x), out) is out
+    assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5
 
 
-@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2))] + [(8, 2, 1)])
-@pytest.mark.parametrize("qt,variant", [(QT.Q4_K, "v1"), (QT.Q4_K, "v2"), (QT.Q5_K, "v2"), (QT.Q6_K, "v1"), (QT.Q6_K, "v2"),
-                                        (QT.Q8_0, "v1"), (QT.Q8_0, "v2"), (QT.F16, "v1")],
-                         ids=lambda v: v.name if isinstance(v, QT) else v)
-def test_matvec_configs(qt, variant, config, rng):
-    """Every kernel variant and launch configuration the benchmark may pick gives the same product."""
-    n_rows, n_cols = 203, _cols(qt, True)
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("B", [1, 2, 4, 8])
+@pytest.mark.parametrize("qt", FLOAT_TYPES, ids=lambda q: q.name)
+def test_matvec(qt, B, big, rng):
+    check_f32_matvec(qt, B, big, rng, lambda w, x, out: MV.matvec(CTX, w, x, out=out))
+
+
+def unaligned_weight(qt: QT, rng):
+    """(weight, x [2, n_cols], the exact matrix) of a [19, n_cols] tensor of qt that starts at an
+    odd multiple of 2 bytes (34) into its buffer."""
+    n_rows, n_cols = 19, _cols(qt, False)
     raw = random_weights(qt, n_rows, n_cols, rng)
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    for B in (1, 3, 8):
-        x = rng.standard_normal((B, n_cols)).astype(np.float32)
-        out = nan_f32((B, n_rows))
-        K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=config, variant=variant)
-        assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5, (B, config)
+    buf = cp.zeros(raw.size + 64, dtype=cp.uint8)
+    buf[34:34 + raw.size] = cp.asarray(raw)
+    x = rng.standard_normal((2, n_cols)).astype(np.float32)
+    return W(buf[34:34 + raw.size], qt, n_rows, n_cols), x, reference_matrix(qt, raw, n_rows, n_cols)
 
 
 @pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
 def test_matvec_unaligned_base(qt, rng):
     """2-byte-aligned types read correctly from a tensor that starts at an odd offset of 2."""
-    n_rows, n_cols = 19, _cols(qt, False)
-    raw = random_weights(qt, n_rows, n_cols, rng)
-    buf = cp.zeros(raw.size + 64, dtype=cp.uint8)
-    off = 34
-    buf[off:off + raw.size] = cp.asarray(raw)
-    x = rng.standard_normal((2, n_cols)).astype(np.float32)
-    out = nan_f32((2, n_rows))
-    K.matvec(buf[off:off + raw.size], qt, n_rows, n_cols, cp.asarray(x), out=out, variant="f32")
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    assert relerr(out, x.astype(np.float64) @ ref_w.T) < 1e-5
-    out2 = nan_f32((2, n_rows))
-    K.matvec(buf[off:off + raw.size], qt, n_rows, n_cols, cp.asarray(x), out=out2, variant="dp4a")
-    check_dp4a(out2, x, ref_w)
+    w, x, ref_w = unaligned_weight(qt, rng)
+    out = nan_f32((2, w.n_rows))
+    MV.matvec(CTX, w, cp.asarray(x), out=out)
+    check_i16(out, x, ref_w)
 
 
 def test_matvec_1d_and_stream(rng):
@@ -164,97 +164,17 @@ def test_matvec_1d_and_stream(rng):
     s = cp.cuda.Stream(non_blocking=True)
     out = nan_f32((n_rows,))
     cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
-    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, stream=s, variant="f32")
+    MV.matvec(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), cp.asarray(x), out=out, stream=s)
     s.synchronize()
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    assert relerr(out, ref_w @ x.astype(np.float64)) < 1e-5
+    check_i16(out.reshape(1, -1), x.reshape(1, -1), reference_matrix(qt, raw, n_rows, n_cols))
+    f16 = random_weights(QT.F16, n_rows, n_cols, rng)
     out2 = nan_f32((n_rows,))
-    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out2, stream=s, variant="dp4a")
+    MV.matvec(CTX, W(f16, QT.F16, n_rows, n_cols), cp.asarray(x), out=out2, stream=s)
     s.synchronize()
-    check_dp4a(out2.reshape(1, -1), x.reshape(1, -1), ref_w)
+    assert relerr(out2, reference_matrix(QT.F16, f16, n_rows, n_cols) @ x.astype(np.float64)) < 1e-5
 
 
 DP4A_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-
-
-def quantize_ref(x: np.ndarray):
-    """numpy mirror of quantize_x_kernel (f32 arithmetic): (q int [B, n], d f32 [B, n/32])."""
-    B, n = x.shape
-    g = x.reshape(B, n // 32, 32).astype(np.float32)
-    amax = np.abs(g).max(-1)
-    d = (amax / np.float32(127)).astype(np.float32)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
-    q = np.rint(g * inv[..., None]).astype(np.int64)
-    return q.reshape(B, n), d
-
-
-def check_dp4a(out, x, ref_w, q=None, d=None):
-    """out (dp4a matvec of x) against (1) the float64 product with the dequantized int8 x (1e-5) and
-    (2) the exact x: element-wise by the rounding bound, in norm by 3e-2 (see the module doc)."""
-    x = np.asarray(x, dtype=np.float32).reshape(-1, ref_w.shape[1])
-    if q is None:
-        q, d = quantize_ref(x)
-    B, n = x.shape
-    dcol = np.repeat(np.asarray(d, dtype=np.float64).reshape(B, n // 32), 32, axis=1)
-    xd = np.asarray(q, dtype=np.float64).reshape(B, n) * dcol
-    out_h = cp.asnumpy(out).astype(np.float64).reshape(B, -1) if isinstance(out, cp.ndarray) else np.asarray(out).reshape(B, -1)
-    assert relerr(out_h, xd @ ref_w.T) < 1e-5
-    exact = x.astype(np.float64) @ ref_w.T
-    # (0.5 + 1e-4) d: the f32 products x * (127 / max|x|) carry ~127 * 2^-22 of q's rounding unit
-    bound = (0.5 + 1e-4) * dcol @ np.abs(ref_w).T  # [B, n_rows]
-    slack = 1e-5 * np.linalg.norm(exact) / np.sqrt(exact.size)
-    over = np.abs(out_h - exact) - bound - slack
-    assert np.all(over <= 0), f"{np.count_nonzero(over > 0)} outputs beyond the int8 rounding bound"
-    assert relerr(out_h, exact) < 3e-2
-
-
-@pytest.mark.parametrize("B", list(range(1, 9)))
-def test_dp4a_quantize_x(B, rng):
-    """quantize_x: |q| <= 127, |x - q d| <= d / 2, d = max|x| / 127 per group, ds = (d, d * sum q),
-    equal to the numpy mirror; an all-zero group gives d = 0, q = 0."""
-    n = 32 * 37
-    x = (rng.standard_normal((B, n)) * rng.uniform(0.01, 100, size=(B, 1))).astype(np.float32)
-    x[0, 64:96] = 0.0
-    x[B - 1, 5] = 1e4  # one outlier: its group's other values round to few levels
-    ws = cp.full(K.matvec_workspace_bytes(B, n), 0xFF, dtype=cp.uint8)  # poisoned (ds = NaN)
-    q_d, ds_d = K.quantize_x(cp.asarray(x), ws)
-    q, ds = cp.asnumpy(q_d).astype(np.int64), cp.asnumpy(ds_d).astype(np.float64)
-    assert q.shape == (B, n) and ds.shape == (B, n // 32, 2)
-    assert np.all(np.isfinite(ds))
-    q_ref, d_ref = quantize_ref(x)
-    np.testing.assert_array_equal(q, q_ref)
-    np.testing.assert_array_equal(ds[..., 0], d_ref)
-    assert np.abs(q).max() <= 127
-    dcol = np.repeat(ds[..., 0], 32, axis=1)
-    assert np.all(np.abs(x - q * dcol) <= (0.5 + 1e-4) * dcol)
-    sums = q.reshape(B, n // 32, 32).sum(-1)
-    np.testing.assert_allclose(ds[..., 1], ds[..., 0] * sums, rtol=1e-6, atol=0)
-    assert np.all(q[0, 64:96] == 0) and ds[0, 2, 0] == 0.0
-
-
-@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
-@pytest.mark.parametrize("B", list(range(1, 9)))
-@pytest.mark.parametrize("qt", DP4A_TYPES, ids=lambda q: q.name)
-def test_matvec_dp4a(qt, B, big, rng):
-    """dp4a variant, every type and B, odd row counts, NaN-poisoned output and workspace; the
-    reference x is the int8 x read back from the kernel's own workspace."""
-    n_rows = 261 if big else 37
-    n_cols = _cols(qt, big)
-    raw = random_weights(qt, n_rows, n_cols, rng)
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    x = rng.standard_normal((B, n_cols)).astype(np.float32)
-    ws = cp.full(K.matvec_workspace_bytes(B, n_cols), 0xFF, dtype=cp.uint8)
-    out = nan_f32((B, n_rows))
-    res = K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, variant="dp4a", xq=ws)
-    assert res is out
-    q_d, ds_d = K.quantize_x(cp.asarray(x))  # the same quantization, read back
-    q, d = cp.asnumpy(q_d), cp.asnumpy(ds_d)[..., 0]
-    check_dp4a(out, x, ref_w, q, d)
-    # the workspace holds exactly that quantization, and the shared scratch gives the same bits
-    np.testing.assert_array_equal(cp.asnumpy(ws[:B * n_cols]).view(np.int8).reshape(B, n_cols), q)
-    out2 = nan_f32((B, n_rows))
-    K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out2, variant="dp4a")
-    np.testing.assert_array_equal(cp.asnumpy(out2), cp.asnumpy(out))
 
 
 @pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
@@ -271,7 +191,7 @@ def test_matvec_i16(qt, B, big, rng):
     x = rng.standard_normal((B, n_cols)).astype(np.float32)
     x[:, ::97] *= 30.0
     out = nan_f32((B, n_rows))
-    assert K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, variant="i16") is out
+    assert MV.matvec(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), cp.asarray(x), out=out) is out
     check_i16(out, x, ref_w)
 
 
@@ -291,168 +211,43 @@ def check_i16(out, x, ref_w):
     assert relerr(out, exact) < 2e-4
 
 
-@pytest.mark.parametrize("nw,u", [(2, 1), (4, 2), (8, 1)])
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda q: q.name)
-def test_matvec_i16_rows_per_cta(qt, nw, u, rng):
-    """The i16 matvec at every rows-per-CTA of the sweep (8 rows: 64 accumulators at B = 8, more
-    than a 2-warp CTA has threads for the final reduction), 203 rows (a partial last CTA): the
-    rows per CTA decide only which CTA reads a row, never the order of its additions (the lanes'
-    pieces follow warps and pieces per trip), so every NR gives the same bits; so does i16s (x
-    from a shared-memory stage, each CTA several row groups in turn)."""
-    n_rows, n_cols = 203, _cols(qt, True)
-    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
-    ref_w = reference_matrix(qt, cp.asnumpy(raw), n_rows, n_cols)
-    for B in (1, 3, 8):
-        x = rng.standard_normal((B, n_cols)).astype(np.float32)
-        outs = []
-        for nr in tuning.MV_ROWS_PER_CTA:
-            out = nan_f32((B, n_rows))
-            K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), out=out, config=(nr, nw, u), variant="i16")
-            outs.append(cp.asnumpy(out))
-        assert relerr(outs[0], x.astype(np.float64) @ ref_w.T) < 1e-4, B
-        for nr, o in zip(tuning.MV_ROWS_PER_CTA[1:], outs[1:]):
-            np.testing.assert_array_equal(o, outs[0], err_msg=f"B={B} rows per CTA {nr}")
-        for nr in tuning.MV_ROWS_PER_CTA:  # x staged in shared memory, CTAs looping over row groups
-            out = nan_f32((B, n_rows))
-            K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), out=out, config=(nr, nw, u), variant="i16s")
-            np.testing.assert_array_equal(cp.asnumpy(out), outs[0], err_msg=f"i16s B={B} rows per CTA {nr}")
-    with pytest.raises(ValueError, match="rows per CTA"):
-        K.matvec(raw, qt, n_rows, n_cols, cp.asarray(x), config=(3, nw, u), variant="i16")
-
-
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
-def test_matvec_i16s_loops_over_row_groups(qt, rng):
-    """More row groups than the device holds CTAs (5003 rows, one or eight a CTA): each i16s CTA
-    computes several groups in turn, and every row comes out as the one-group-a-CTA i16 makes it;
-    a stage too large for one CTA is an error that names i16."""
-    n_rows, n_cols = 5003, 4096
-    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
-    for B in (1, 8):
-        x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
-        for nr, nw, u in ((1, 8, 1), (8, 4, 2)):
-            ref = K.matvec(raw, qt, n_rows, n_cols, x, config=(nr, nw, u), variant="i16")
-            out = nan_f32((B, n_rows))
-            K.matvec(raw, qt, n_rows, n_cols, x, out=out, config=(nr, nw, u), variant="i16s")
-            np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(ref), err_msg=f"B={B} {(nr, nw, u)}")
-    wide = 65536  # 8 rows of x: 1.3 MB of stage
-    with pytest.raises(ValueError, match="use i16"):
-        K.matvec(cp.asarray(random_weights(qt, 8, wide, rng)), qt, 8, wide,
-                 cp.zeros((8, wide), cp.float32), variant="i16s")
-
-
-@pytest.mark.parametrize("config", [(nr, nw, u) for nr in (1, 2, 4) for nw, u in ((4, 1), (8, 2), (4, 2))] + [(8, 2, 1)])
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda q: q.name)
-def test_matvec_dp4a_configs(qt, config, rng):
-    """Every dp4a launch configuration the benchmark may pick gives the same product."""
-    n_rows, n_cols = 203, _cols(qt, True)
-    raw = random_weights(qt, n_rows, n_cols, rng)
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    for B in (1, 3, 8):
-        x = rng.standard_normal((B, n_cols)).astype(np.float32)
-        out = nan_f32((B, n_rows))
-        K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=config, variant="dp4a")
-        check_dp4a(out, x, ref_w)
-
-
-def test_matvec_dp4a_auto_and_errors(rng):
-    qt, n_rows, n_cols = QT.Q4_K, 33, 512
-    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
-    x = cp.asarray(rng.standard_normal((2, n_cols)).astype(np.float32))
-    a = K.matvec(raw, qt, n_rows, n_cols, x, variant="auto")
-    b = K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a" if tuning.dp4a_enabled() else "i16")
-    np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b))
-    # B = 1 on a small matrix takes the same path: a row's products do not depend on the batch
-    a1 = K.matvec(raw, qt, n_rows, n_cols, x[:1], variant="auto")
-    np.testing.assert_array_equal(cp.asnumpy(a1), cp.asnumpy(a[:1]))
-    with pytest.raises(ValueError):
-        K.matvec(raw, qt, n_rows, n_cols, x, variant="dp4a", xq=cp.empty(K.matvec_workspace_bytes(2, n_cols) - 1, cp.uint8))
-    with pytest.raises(ValueError):
-        K.matvec(cp.asarray(random_weights(QT.F16, 4, 64, rng)), QT.F16, 4, 64, x[:, :64].copy(), variant="dp4a")
-    with pytest.raises(ValueError):
-        K.matvec(raw, qt, n_rows, n_cols, x, variant="nope")
-
-
-@pytest.mark.parametrize("explicit_ws", [False, True], ids=["scratch", "xq"])
-def test_matvec_dp4a_graph_capture(explicit_ws, rng):
-    """dp4a matvecs (quantize + product) captured in a CUDA graph replay for new x, bit-identical
-    to eager calls; with the shared scratch the eager call before capture makes the workspace."""
-    B = 3
-    mats = [(QT.Q4_K, 300, 1024), (QT.Q6_K, 129, 1024), (QT.Q8_0, 77, 4096), (QT.Q4_K, 64, 4096)]
-    raws = [cp.asarray(random_weights(qt, r, c, rng)) for qt, r, c in mats]
-    xs = {c: cp.empty((B, c), cp.float32) for _, _, c in mats}
-    outs = [cp.empty((B, r), cp.float32) for _, r, _ in mats]
-    wss = {c: K.matvec_workspace(B, c) for _, _, c in mats} if explicit_ws else {}
-    s = cp.cuda.Stream(non_blocking=True)
-
-    def step(dst):
-        for (qt, r, c), raw, o in zip(mats, raws, dst):
-            K.matvec(raw, qt, r, c, xs[c], out=o, stream=s, variant="dp4a", xq=wss.get(c))
-
-    for c, xa in xs.items():
-        xa[...] = cp.asarray(rng.standard_normal((B, c)).astype(np.float32))
-    cp.cuda.Device().synchronize()
-    step([cp.empty_like(o) for o in outs])  # eager first: compiles, makes the scratch
-    s.synchronize()
-    with s:
-        s.begin_capture()
-        try:
-            step(outs)
-        finally:
-            graph = s.end_capture()
-    for _ in range(3):
-        for c, xa in xs.items():
-            xa.set(rng.standard_normal((B, c)).astype(np.float32), stream=s)
-        for o in outs:
-            o.fill(cp.nan)
-        graph.launch(stream=s)
-        s.synchronize()
-        eager = [nan_f32(o.shape) for o in outs]
-        step(eager)
-        s.synchronize()
-        for (qt, r, c), raw, o, e in zip(mats, raws, outs, eager):
-            np.testing.assert_array_equal(cp.asnumpy(o), cp.asnumpy(e), err_msg=qt.name)
-            check_dp4a(o, cp.asnumpy(xs[c]), reference_matrix(qt, cp.asnumpy(raw), r, c))
-
-
-def test_matvec_dp4a_capture_without_workspace_is_an_error(rng):
-    """A dp4a matvec whose shared workspace does not exist yet refuses to allocate inside a capture."""
+def test_matvec_capture_without_workspace_is_an_error(rng):
+    """A matvec whose scratch (the i16 planes of its x) does not exist yet on the capturing
+    stream refuses to allocate inside a capture."""
     B, n_cols = 7, 32 * 41  # a size no other test uses
-    raw = cp.asarray(random_weights(QT.Q8_0, 5, n_cols, rng))
+    w = W(random_weights(QT.Q8_0, 5, n_cols, rng), QT.Q8_0, 5, n_cols)
     x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
     out = cp.empty((B, 5), cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
-    K.quantize_x(x)  # compile outside the capture
-    K.matvec(raw, QT.Q8_0, 5, n_cols, x, out=out, variant="dp4a", xq=K.matvec_workspace(B, n_cols))
+    MV.matvec(CTX, w, x, out=out)  # compile outside the capture (the default stream's scratch)
     cp.cuda.Device().synchronize()
     with s:
         s.begin_capture()
         try:
             with pytest.raises(RuntimeError, match="workspace"):
-                K.matvec(raw, QT.Q8_0, 5, n_cols, x, out=out, stream=s, variant="dp4a")
+                MV.matvec(CTX, w, x, out=out, stream=s)
         finally:
             s.end_capture()
 
 
 # ------------------------------------------------------------------------------ tensor-core matmul
-MM_TYPES = [QT.F16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+MM_TYPES = [QT.F16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]  # the f16 matmul's; the K-quants take mmq
 
 
 @pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
 @pytest.mark.parametrize("B", [1, 2, 7, 8, 9, 16, 17, 33, 64])
-@pytest.mark.parametrize("qt,staged", [(q, True) for q in MM_TYPES] + [(q, False) for q in (QT.Q4_K, QT.Q5_K, QT.Q6_K)],
-                         ids=lambda v: v.name if isinstance(v, QT) else ("default" if v else "direct"))
-def test_mm(qt, staged, B, big, rng):
+@pytest.mark.parametrize("qt", MM_TYPES, ids=lambda q: q.name)
+def test_mm(qt, B, big, rng):
     """The tensor-core matmul to f32 accuracy at every tile count (B up to 64 rows of x), row
-    counts that are no multiple of a CTA's rows, and rows long enough for split-K (big); the
-    K-quants both through the shared-memory stage (the default) and read directly."""
+    counts that are no multiple of a CTA's rows, and rows long enough for split-K (big)."""
     n_rows = 300 if big else 37
     n_cols = _cols(qt, big) if qt != QT.F16 else (4096 if big else 64)
-    assert K.mm_supported(qt, n_cols)
+    assert MM.mm_supported(qt, n_cols)
     raw = random_weights(qt, n_rows, n_cols, rng)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
     x = rng.standard_normal((B, n_cols)).astype(np.float32)
     out = nan_f32((B, n_rows))
-    assert K.mm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, staged=staged) is out
+    assert MM.mm(CTX, W(raw, qt, n_rows, n_cols), cp.asarray(x), out=out) is out
     ref = x.astype(np.float64) @ ref_w.T
     assert relerr(out, ref) < 1e-5
 
@@ -462,60 +257,67 @@ def test_mm_odd_q8_0_blocks_and_unsupported(rng):
     n_cols = 32 * 41
     raw = random_weights(QT.Q8_0, 50, n_cols, rng)
     x = rng.standard_normal((5, n_cols)).astype(np.float32)
-    out = K.mm(cp.asarray(raw), QT.Q8_0, 50, n_cols, cp.asarray(x))
+    out = MM.mm(CTX, W(raw, QT.Q8_0, 50, n_cols), cp.asarray(x))
     assert relerr(out, x.astype(np.float64) @ reference_matrix(QT.Q8_0, raw, 50, n_cols).T) < 1e-5
-    assert not K.mm_supported(QT.BF16, 4096) and not K.mm_supported(QT.F16, 40)
+    assert not MM.mm_supported(QT.BF16, 4096) and not MM.mm_supported(QT.F16, 40)
+    assert not MM.mm_supported(QT.Q4_K, 4096)  # the K-quants take mmq
     with pytest.raises(ValueError, match="does not decode BF16"):
-        K.mm(cp.zeros(2 * 8 * 64, cp.uint8), QT.BF16, 8, 64, cp.zeros((2, 64), cp.float32))
+        MM.mm(CTX, W(cp.zeros(2 * 8 * 64, cp.uint8), QT.BF16, 8, 64), cp.zeros((2, 64), cp.float32))
     with pytest.raises(ValueError, match="1..64 rows"):
-        K.mm(cp.asarray(raw), QT.Q8_0, 50, n_cols, cp.zeros((65, n_cols), cp.float32))
+        MM.mm(CTX, W(raw, QT.Q8_0, 50, n_cols), cp.zeros((65, n_cols), cp.float32))
 
 
-@pytest.mark.parametrize("kind", ["mm", "mmq"])
-def test_mm_split_k_deterministic_and_graph_replay(kind, rng):
-    """With split-K (several CTAs per row tile, the last one adding the partial sums in order)
-    repeated calls are bit-identical, and a captured graph of them replays for new x exactly as
-    eager calls compute."""
-    mul = getattr(K, kind)
+def check_split_k(mul, kind: str, qt: QT, rng) -> None:
+    """``mul(weight, x, out=None, stream=)`` (a matmul of ``kind``) of 24 rows by a [96, 16384]
+    matrix of qt, a shape that splits K: repeated calls are bit-identical, and a captured graph
+    of it replays for new x exactly as eager calls compute."""
     B, n_rows, n_cols = 24, 96, 16384
     launch = tuning.DEFAULT.mm_launch if kind == "mm" else tuning.DEFAULT.mmq_launch
     assert launch(B, n_rows, n_cols // 32)[2] > 1  # split-K at this shape
-    raw = cp.asarray(random_weights(QT.Q4_K, n_rows, n_cols, rng))
+    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    w = W(raw, qt, n_rows, n_cols)
     x = cp.asarray(rng.standard_normal((B, n_cols)).astype(np.float32))
     out = cp.empty((B, n_rows), cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
-    first = cp.asnumpy(mul(raw, QT.Q4_K, n_rows, n_cols, x, stream=s))
+    first = cp.asnumpy(mul(w, x, stream=s))
     for _ in range(3):
-        np.testing.assert_array_equal(cp.asnumpy(mul(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)), first)
-    ref = cp.asnumpy(x).astype(np.float64) @ reference_matrix(QT.Q4_K, cp.asnumpy(raw), n_rows, n_cols).T
+        np.testing.assert_array_equal(cp.asnumpy(mul(w, x, stream=s)), first)
+    ref = cp.asnumpy(x).astype(np.float64) @ reference_matrix(qt, cp.asnumpy(raw), n_rows, n_cols).T
     assert relerr(first, ref) < (1e-5 if kind == "mm" else 1e-4)
     s.synchronize()
     with s:
         s.begin_capture()
         try:
-            mul(raw, QT.Q4_K, n_rows, n_cols, x, out=out, stream=s)
+            mul(w, x, out=out, stream=s)
         finally:
             graph = s.end_capture()
     for _ in range(2):
         x.set(rng.standard_normal((B, n_cols)).astype(np.float32), stream=s)
         out.fill(cp.nan)
         graph.launch(stream=s)
-        eager = mul(raw, QT.Q4_K, n_rows, n_cols, x, stream=s)
+        eager = mul(w, x, stream=s)
         s.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(eager))
 
 
-def test_gemm_takes_mm_and_matches_matvec(rng, monkeypatch):
-    """With exact activations gemm from mm_from_rows rows on takes the tensor-core matmul for the
-    types mmq does not decode; its rows equal the f32 matvec's of the same x to f32 rounding (no
-    batch size moves a result beyond the last bits)."""
-    monkeypatch.setenv(tuning.DP4A_ENV, "0")
-    qt, n_rows, n_cols = QT.Q8_0, 200, 2048
-    assert qt not in K.MMQ_TYPES
-    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+@pytest.mark.parametrize("kind,qt", [("mm", QT.Q8_0), ("mmq", QT.Q4_K)])
+def test_mm_split_k_deterministic_and_graph_replay(kind, qt, rng):
+    """With split-K (several CTAs per row tile, the last one adding the partial sums in order)
+    repeated calls are bit-identical, and a captured graph of them replays for new x exactly as
+    eager calls compute."""
+    check_split_k(lambda w, x, **kw: getattr(MM, kind)(CTX, w, x, **kw), kind, qt, rng)
+
+
+def test_gemm_takes_mm_and_matches_matvec(rng):
+    """gemm from mm_min_rows rows on takes the tensor-core matmul for the types mmq does not
+    decode; its rows equal the f32 matvec's of the same x to f32 rounding (F16: the f32 matvec is
+    its product below mm's rows, so no batch size moves a result beyond the last bits)."""
+    qt, n_rows, n_cols = QT.F16, 200, 2048
+    assert qt not in MM.MMQ_TYPES and 40 >= runtime.tuning().mm_min_rows
+    w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
     x = cp.asarray(rng.standard_normal((40, n_cols)).astype(np.float32))
-    batched = cp.asnumpy(K.gemm(raw, qt, n_rows, n_cols, x))
-    alone = np.stack([cp.asnumpy(K.matvec(raw, qt, n_rows, n_cols, x[i], variant="f32")) for i in range(40)])
+    batched = cp.asnumpy(G.gemm(CTX, w, x))
+    alone = np.stack([cp.asnumpy(MV.matvec(CTX, w, x[i])) for i in range(40)])
     scale = np.abs(alone).max()
     assert np.abs(batched - alone).max() <= 1e-5 * scale
 
@@ -523,47 +325,43 @@ def test_gemm_takes_mm_and_matches_matvec(rng, monkeypatch):
 MMQ_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
 
-@pytest.mark.parametrize("mt", tuning.MMQ_TILES_PER_WARP)
 @pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
 @pytest.mark.parametrize("B", [1, 2, 7, 8, 9, 16, 17, 33, 64])
 @pytest.mark.parametrize("qt", MMQ_TYPES, ids=lambda q: q.name)
-def test_mmq(qt, B, big, mt, rng):
-    """The int8 tensor-core matmul at every tile count, one or two 16-row tiles per warp, row
-    counts that are no multiple of a tile, rows long enough for split-K (big): within the
-    two-plane rounding bound of the exact product, and equal to the i16 matvec of the same x up
-    to f32 rounding (same activations)."""
+def test_mmq(qt, B, big, rng):
+    """The int8 tensor-core matmul at every tile count, row counts that are no multiple of a
+    tile, rows long enough for split-K (big): within the two-plane rounding bound of the exact
+    product, and equal to the i16 matvec of the same x up to f32 rounding (same activations)."""
     n_rows = 300 if big else 37
     n_cols = 4096 if big else 256
-    assert K.mmq_supported(qt, n_cols)
+    assert MM.mmq_supported(qt, n_cols)
     raw = random_weights(qt, n_rows, n_cols, rng)
+    w = W(raw, qt, n_rows, n_cols)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)
     x = rng.standard_normal((B, n_cols)).astype(np.float32)
     x[:, ::97] *= 30.0
     out = nan_f32((B, n_rows))
-    wr, wk, ks, _ = tuning.DEFAULT.mmq_launch(B, n_rows, n_cols // 32)
-    assert K.mmq(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out, config=(wr, wk, ks, mt)) is out
+    assert MM.mmq(CTX, w, cp.asarray(x), out=out) is out
     check_i16(out, x, ref_w)
-    i16 = np.concatenate([cp.asnumpy(K.matvec(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x[i:i + 8]),
-                                              variant="i16")) for i in range(0, B, 8)])
+    i16 = np.concatenate([cp.asnumpy(MV.matvec(CTX, w, cp.asarray(x[i:i + 8]))) for i in range(0, B, 8)])
     assert np.abs(cp.asnumpy(out) - i16).max() <= 4e-6 * np.abs(i16).max()
 
 
-def test_mmq_unsupported_and_gemm_routing(rng, monkeypatch):
-    """mmq names what it does not decode; gemm takes it for the K-quants from mmq_from_rows rows
+def test_mmq_unsupported_and_gemm_routing(rng):
+    """mmq names what it does not decode; gemm takes it for the K-quants from mmq_min_rows rows
     on (the i16 matvec below), matching the i16 matvec row by row."""
-    monkeypatch.setenv(tuning.DP4A_ENV, "0")
-    assert not K.mmq_supported(QT.Q8_0, 4096) and not K.mmq_supported(QT.Q4_K, 128 * 3)
+    assert not MM.mmq_supported(QT.Q8_0, 4096) and not MM.mmq_supported(QT.Q4_K, 128 * 3)
     with pytest.raises(ValueError, match="does not decode Q8_0"):
-        K.mmq(cp.zeros(34 * 8 * 2, cp.uint8), QT.Q8_0, 8, 64, cp.zeros((2, 64), cp.float32))
+        MM.mmq(CTX, W(cp.zeros(34 * 8 * 2, cp.uint8), QT.Q8_0, 8, 64), cp.zeros((2, 64), cp.float32))
     qt, n_rows, n_cols = QT.Q4_K, 200, 2048
-    raw = cp.asarray(random_weights(qt, n_rows, n_cols, rng))
+    w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
     with pytest.raises(ValueError, match="1..64 rows"):
-        K.mmq(raw, qt, n_rows, n_cols, cp.zeros((65, n_cols), cp.float32))
+        MM.mmq(CTX, w, cp.zeros((65, n_cols), cp.float32))
     x = cp.asarray(rng.standard_normal((40, n_cols)).astype(np.float32))
-    assert K._tuning().mmq_auto and K._tuning().mmq_from_rows(qt) <= 40
-    batched = cp.asnumpy(K.gemm(raw, qt, n_rows, n_cols, x))
-    np.testing.assert_array_equal(batched, cp.asnumpy(K.mmq(raw, qt, n_rows, n_cols, x)))
-    alone = np.stack([cp.asnumpy(K.matvec(raw, qt, n_rows, n_cols, x[i], variant="i16")) for i in range(40)])
+    assert runtime.tuning().mmq_min_rows <= 40 and G.path(CTX, w, 40) == "mmq" and G.path(CTX, w, 1) == "i16"
+    batched = cp.asnumpy(G.gemm(CTX, w, x))
+    np.testing.assert_array_equal(batched, cp.asnumpy(MM.mmq(CTX, w, x)))
+    alone = np.stack([cp.asnumpy(MV.matvec(CTX, w, x[i])) for i in range(40)])
     assert np.abs(batched - alone).max() <= 4e-6 * np.abs(alone).max()
 
 
@@ -573,7 +371,7 @@ def test_dequantize_f16(qt, rng):
     n_rows, n_cols = 37, _cols(qt, False) * 2
     raw = random_weights(qt, n_rows, n_cols, rng)
     out = cp.full((n_rows, n_cols), cp.nan, dtype=cp.float16)
-    K.dequantize_f16(cp.asarray(raw), qt, n_rows, n_cols, out=out)
+    DQ.dequantize_f16(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), out=out)
     ref = reference_matrix(qt, raw, n_rows, n_cols)
     tol = 0.0 if qt == QT.F16 else 1e-3
     assert relerr(out, ref) <= tol
@@ -587,33 +385,35 @@ def test_get_rows(qt, rng):
     raw = random_weights(qt, n_rows, n_cols, rng)
     ids = np.array([3, 0, 49, 3, 17, 17, 8], dtype=np.int32)
     out = nan_f32((ids.size, n_cols))
-    K.get_rows(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(ids), out=out)
+    DQ.get_rows(CTX, W(cp.asarray(raw), qt, n_rows, n_cols), cp.asarray(ids), out=out)
     ref = reference_matrix(qt, raw, n_rows, n_cols)[ids]
     assert relerr(out, ref) < 1e-6
 
 
-@pytest.mark.parametrize("dp4a", ["1", "0"], ids=["int8-x", "exact-x"])
-@pytest.mark.parametrize("T", [3, 20, 37, 64, 128])
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
-def test_gemm(qt, T, dp4a, rng, monkeypatch):
-    """Every path: with int8 activations dp4a matvec in 8-row chunks up to 64 rows; with exact
-    ones the tensor-core matmul (from the device's mm_from_rows) or f32 matvec chunks; beyond 64
-    rows dequantize-to-f16 + cuBLAS."""
-    monkeypatch.setenv(tuning.DP4A_ENV, dp4a)
+def gemm_case(qt: QT, T: int, rng):
+    """(weight, x [T, n_cols], the exact matrix) of a random [300, n_cols] matrix of qt."""
     n_rows, n_cols = 300, _cols(qt, False) * 4
     raw = random_weights(qt, n_rows, n_cols, rng)
     x = rng.standard_normal((T, n_cols)).astype(np.float32)
-    out = nan_f32((T, n_rows))
-    K.gemm(cp.asarray(raw), qt, n_rows, n_cols, cp.asarray(x), out=out)
-    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
-    if T <= K.MAX_MM_ROWS and K._use_dp4a(qt, "auto"):  # int8 x
-        check_dp4a(out, x, ref_w)
-        return
+    return W(raw, qt, n_rows, n_cols), x, reference_matrix(qt, raw, n_rows, n_cols)
+
+
+@pytest.mark.parametrize("T", [3, 20, 37, 64, 128])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
+def test_gemm(qt, T, rng):
+    """Every path: the tensor-core matmuls (mmq for the K-quants from mmq_min_rows, mm from
+    mm_min_rows for the types it decodes), the matvec (i16 for the block-quantized types, f32
+    for the float types) in chunks of 8 rows below them; beyond 64 rows dequantize-to-f16 +
+    cuBLAS."""
+    w, x, ref_w = gemm_case(qt, T, rng)
+    n_cols = w.n_cols
+    out = nan_f32((T, w.n_rows))
+    G.gemm(CTX, w, cp.asarray(x), out=out)
     ref = x.astype(np.float64) @ ref_w.T
-    via_mmq = K._tuning().mmq_auto and K.mmq_supported(qt, n_cols)  # i16 activations from its rows on, i16 below
-    via_mm = not via_mmq and K.mm_supported(qt, n_cols) and T >= K._tuning().mm_from_rows(qt)
-    i16 = T <= K.MAX_MM_ROWS and (via_mmq or not via_mm and K._activation_path(qt, "auto") == "i16")
-    assert relerr(out, ref) < (1e-4 if i16 else 1e-5 if T <= K.MAX_MM_ROWS else 2e-3)
+    via_mmq = MM.mmq_supported(qt, n_cols)  # i16 activations from its rows on, i16 below
+    via_mm = not via_mmq and MM.mm_supported(qt, n_cols) and T >= runtime.tuning().mm_min_rows
+    i16 = T <= MM.MAX_MM_ROWS and (via_mmq or not via_mm and quant_type(qt).dp4a)
+    assert relerr(out, ref) < (1e-4 if i16 else 1e-5 if T <= MM.MAX_MM_ROWS else 2e-3)
 
 
 # ------------------------------------------------------------------------------ layer ops
@@ -627,11 +427,11 @@ def test_rmsnorm(D, fused, rng):
     if fused:
         res = rng.standard_normal((T, D)).astype(np.float32)
         res_d = cp.asarray(res)
-        K.rmsnorm(cp.asarray(x), cp.asarray(w), eps, residual=res_d, out=out)
+        N.rmsnorm(CTX, cp.asarray(x), cp.asarray(w), eps, residual=res_d, out=out)
         h = x.astype(np.float64) + res
         assert relerr(res_d, h) < 1e-7
     else:
-        K.rmsnorm(cp.asarray(x), cp.asarray(w), eps, out=out)
+        N.rmsnorm(CTX, cp.asarray(x), cp.asarray(w), eps, out=out)
         h = x.astype(np.float64)
     ref = h / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps) * w
     assert relerr(out, ref) < 1e-5
@@ -659,7 +459,7 @@ def test_rope(hd, rope_dim, with_ff, rng):
     pos = np.concatenate([[0, 1, 2], rng.integers(0, 131072, size=T - 3)]).astype(np.int32)
     ff = rng.uniform(1.0, 8.0, size=rope_dim // 2).astype(np.float32) if with_ff else None
     xd = cp.asarray(x)
-    K.rope_inplace(xd, cp.asarray(pos), rope_dim, base, None if ff is None else cp.asarray(ff))
+    N.rope_inplace(CTX, xd, cp.asarray(pos), rope_dim, base, None if ff is None else cp.asarray(ff))
     ref = rope_ref(x, pos, rope_dim, base, ff)
     assert relerr(xd, ref) < 1e-5
     if rope_dim < hd:
@@ -677,16 +477,16 @@ def test_rope_qk_one_launch(with_ff, rng):
     ff = rng.uniform(1.0, 8.0, size=hd // 2).astype(np.float32) if with_ff else None
     qd, kd = cp.asarray(q), cp.asarray(k)
     ffd = None if ff is None else cp.asarray(ff)
-    K.rope_qk_inplace(qd, kd, cp.asarray(pos), hd, base, ffd)
+    N.rope_qk_inplace(CTX, qd, kd, cp.asarray(pos), hd, base, ffd)
     assert relerr(qd, rope_ref(q, pos, hd, base, ff)) < 1e-5
     assert relerr(kd, rope_ref(k, pos, hd, base, ff)) < 1e-5
     # the same through two single launches: the same bits (one table, one formula)
     q1, k1 = cp.asarray(q), cp.asarray(k)
-    K.rope_inplace(q1, cp.asarray(pos), hd, base, ffd)
-    K.rope_inplace(k1, cp.asarray(pos), hd, base, ffd)
+    N.rope_inplace(CTX, q1, cp.asarray(pos), hd, base, ffd)
+    N.rope_inplace(CTX, k1, cp.asarray(pos), hd, base, ffd)
     np.testing.assert_array_equal(cp.asnumpy(q1), cp.asnumpy(qd))
     np.testing.assert_array_equal(cp.asnumpy(k1), cp.asnumpy(kd))
-    np.testing.assert_array_equal(K.rope_inv_freq(hd, base, ff)[:3], base ** (-np.arange(3) * 2.0 / hd)
+    np.testing.assert_array_equal(N.rope_inv_freq(hd, base, ff)[:3], base ** (-np.arange(3) * 2.0 / hd)
                                   / (1.0 if ff is None else ff[:3].astype(np.float64)))
 
 
@@ -701,14 +501,14 @@ def test_rope_table_made_before_capture(rng):
         s.begin_capture()
         try:
             with pytest.raises(RuntimeError, match="eagerly before capture"):
-                K.rope_inplace(x, pos, 64, base)
+                N.rope_inplace(CTX, x, pos, 64, base)
         finally:
             s.end_capture()
     ref = rope_ref(cp.asnumpy(x), np.array([3, 9]), 64, base, None)
-    K.rope_inplace(x, pos, 64, base, stream=s)  # eager: makes the table
+    N.rope_inplace(CTX, x, pos, 64, base, stream=s)  # eager: makes the table
     with s:
         s.begin_capture()
-        K.rope_inplace(x, pos, 64, base, stream=s)
+        N.rope_inplace(CTX, x, pos, 64, base, stream=s)
         g = s.end_capture()
     s.synchronize()
     assert relerr(x, ref) < 1e-5
@@ -721,7 +521,7 @@ def test_swiglu(rng):
     g = (rng.standard_normal((7, 14336)) * 3).astype(np.float32)
     u = rng.standard_normal((7, 14336)).astype(np.float32)
     out = nan_f32(g.shape)
-    K.swiglu(cp.asarray(g), cp.asarray(u), out=out)
+    N.swiglu(CTX, cp.asarray(g), cp.asarray(u), out=out)
     gd = g.astype(np.float64)
     assert relerr(out, gd / (1 + np.exp(-gd)) * u) < 1e-5
 
@@ -747,13 +547,13 @@ def attn_ref(q, ck, cv, slots, kv_lens, n_kv, seen=None):
 
 def test_kv_append(rng):
     n_slots, n_kv, max_ctx, hd = 4, 2, 64, 128
-    ck, cv = K.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    ck, cv = N.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
     T = 5
     k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     slots = np.array([2, 0, 3, 1, 2], dtype=np.int32)
     pos = np.array([7, 0, 63, 5, 8], dtype=np.int32)
-    K.kv_append(cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
+    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
     ck_h, cv_h = cp.asnumpy(ck), cp.asnumpy(cv)
     exp_k = np.zeros_like(ck_h)
     exp_v = np.zeros_like(cv_h)
@@ -781,11 +581,11 @@ def test_rope_kv_append_equals_rope_then_append(rope_dim, with_ff, rng):
     ff = cp.asarray(rng.uniform(1.0, 8.0, size=rope_dim // 2).astype(np.float32)) if with_ff else None
     dev = [cp.asarray(a) for a in (q, k, v, pos, slots, cpos)]
     ref_q, ref_k, ref_v = (cp.asarray(a) for a in (q, k, v))
-    ref_ck, ref_cv = K.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
-    K.rope_qk_inplace(ref_q, ref_k, dev[3], rope_dim, base, ff)
-    K.kv_append(ref_k, ref_v, ref_ck, ref_cv, dev[4], dev[5])
-    ck, cv = K.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
-    K.rope_kv_append(dev[0], dev[1], dev[2], ck, cv, dev[3], dev[4], dev[5], rope_dim, base, ff)
+    ref_ck, ref_cv = N.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    N.rope_qk_inplace(CTX, ref_q, ref_k, dev[3], rope_dim, base, ff)
+    N.kv_append(CTX, ref_k, ref_v, ref_ck, ref_cv, dev[4], dev[5])
+    ck, cv = N.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    N.rope_kv_append(CTX, dev[0], dev[1], dev[2], ck, cv, dev[3], dev[4], dev[5], rope_dim, base, ff)
     for got, want in ((dev[0], ref_q), (dev[1], ref_k), (dev[2], ref_v), (ck, ref_ck), (cv, ref_cv)):
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
     assert int(cp.count_nonzero(ck)) == (T - 3) * n_kv * hd  # 34 rows stored, every element nonzero
@@ -808,7 +608,7 @@ def test_attention_decode(G, hd, rng):
     T, H = lens.size, n_kv * G
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
     out = nan_f32((T, H, hd))
-    K.attention(cp.asarray(q), cp.asarray(ck), cp.asarray(cv), cp.asarray(slots), cp.asarray(lens), out=out)
+    A.attention(CTX, cp.asarray(q), cp.asarray(ck), cp.asarray(cv), cp.asarray(slots), cp.asarray(lens), out=out)
     assert relerr(out, attn_ref(q, ck, cv, slots, lens, n_kv)) < 1e-5
 
 
@@ -825,9 +625,9 @@ def test_attention_prefill_causal(n_splits, rng):
     k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    K.kv_append(cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
+    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
     out = nan_f32((T, H, hd))
-    K.attention(cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(pos + 1), out=out, n_splits=n_splits)
+    A.attention(CTX, cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(pos + 1), out=out, n_splits=n_splits)
     ck_h[slot, :, p0:p0 + T] = k.transpose(1, 0, 2).astype(np.float16)
     cv_h[slot, :, p0:p0 + T] = v.transpose(1, 0, 2).astype(np.float16)
     assert relerr(out, attn_ref(q, ck_h, cv_h, slots, pos + 1, n_kv)) < 1e-5
@@ -849,7 +649,7 @@ def test_attention_short_rows_many_splits(G, hd, rng):
     ws = (cp.full(T * H * S * 2, cp.nan, cp.float32), cp.full(T * H * S * hd, cp.nan, cp.float32))
     out = nan_f32((T, H, hd))
     args = (cp.asarray(q), cp.asarray(ck), cp.asarray(cv), cp.asarray(slots), cp.asarray(lens))
-    K.attention(*args, out=out, n_splits=S, workspace=ws)
+    A.attention(CTX, *args, out=out, n_splits=S, workspace=ws)
     good = slots < n_slots
     ref = attn_ref(q[good], ck, cv, slots[good], np.minimum(lens[good], max_ctx), n_kv)
     assert relerr(out[cp.asarray(good)], ref) < 1e-5
@@ -857,7 +657,7 @@ def test_attention_short_rows_many_splits(G, hd, rng):
     # rows of up to 128 keys: split s holds tile s whether there are 4 splits or 64, so the
     # partials, and the merge of the used ones, are the same to the bit
     short = cp.asarray(lens <= 128)
-    out4 = K.attention(*args, n_splits=4)
+    out4 = A.attention(CTX, *args, n_splits=4)
     np.testing.assert_array_equal(cp.asnumpy(out4[short]), cp.asnumpy(out[short]))
 
 
@@ -871,30 +671,30 @@ def test_attention_graph_replay_across_lengths(rng):
     slots = cp.asarray(np.array([1, 0], dtype=np.int32))
     lens = cp.asarray(np.array([1, 1], dtype=np.int32))
     S = 64
-    ws = K.attention_workspace(T, H, hd, S)
+    ws = A.attention_workspace(T, H, hd, S)
     out = nan_f32((T, H, hd))
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
-    K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)  # compile
+    A.attention(CTX, q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)  # compile
     s.synchronize()
     with s:
         s.begin_capture()
-        K.attention(q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)
+        A.attention(CTX, q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)
         g = s.end_capture()
     for L in ([1, 2], [64, 33], [65, 300], [2048, 4096], [3, 1]):
         lens.set(np.array(L, dtype=np.int32), stream=s)
         g.launch(s)
         s.synchronize()
-        eager = K.attention(q, ck, cv, slots, lens, n_splits=S, stream=s)
+        eager = A.attention(CTX, q, ck, cv, slots, lens, n_splits=S, stream=s)
         s.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(eager), err_msg=f"lengths {L}")
 
 
 def test_attention_empty_length_is_zero(rng):
-    ck, cv = K.alloc_kv_cache(1, 1, 64, 64)
+    ck, cv = N.alloc_kv_cache(1, 1, 64, 64)
     q = cp.asarray(rng.standard_normal((1, 2, 64)).astype(np.float32))
     out = nan_f32((1, 2, 64))
-    K.attention(q, ck, cv, cp.zeros(1, cp.int32), cp.zeros(1, cp.int32), out=out)
+    A.attention(CTX, q, ck, cv, cp.zeros(1, cp.int32), cp.zeros(1, cp.int32), out=out)
     assert float(cp.abs(out).max()) == 0.0
 
 
@@ -914,7 +714,7 @@ def _tree_pass(rng, G, hd, chunks, slots_of, n_slots=5, max_ctx=1024, n_splits=N
     ck, cv = cp.asarray(ck_h), cp.asarray(cv_h)
     T = sum(c.n_tokens for c in chunks)
     trees = [c for c in chunks if c.parents is not None]
-    n_words = K.tree_mask_words(max([c.n_tokens for c in trees], default=1))
+    n_words = A.tree_mask_words(max([c.n_tokens for c in trees], default=1))
     slots = np.concatenate([np.full(c.n_tokens, slots_of[i], np.int32) for i, c in enumerate(chunks)])
     cpos = np.concatenate([np.arange(c.start_pos, c.end_pos, dtype=np.int32) for c in chunks])
     base = np.full(T, -1, np.int32)
@@ -933,14 +733,14 @@ def _tree_pass(rng, G, hd, chunks, slots_of, n_slots=5, max_ctx=1024, n_splits=N
                 seen.append(s)
         if vis is not None:
             base[r0 : r0 + c.n_tokens] = c.start_pos
-            mask[r0 : r0 + c.n_tokens] = K.pack_tree_mask(vis, n_words)
+            mask[r0 : r0 + c.n_tokens] = A.pack_tree_mask(vis, n_words)
         r0 += c.n_tokens
     k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    K.kv_append(cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(cpos))
+    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(cpos))
     out = nan_f32((T, H, hd))
-    K.attention(cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(cpos + 1), out=out, n_splits=n_splits,
+    A.attention(CTX, cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(cpos + 1), out=out, n_splits=n_splits,
                 tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
     ck_h[slots, :, cpos] = k.astype(np.float16)
     cv_h[slots, :, cpos] = v.astype(np.float16)
@@ -981,24 +781,24 @@ def test_attention_tree_kernel_plain_rows_bit_identical(rng):
     q = cp.asarray(rng.standard_normal((T, n_kv * G, hd)).astype(np.float32))
     slots = cp.asarray(np.array([0] * 20 + [1], dtype=np.int32))
     lens = cp.asarray(np.array(list(range(101, 121)) + [333], dtype=np.int32))
-    plain = K.attention(q, ck, cv, slots, lens)
-    chain = K.pack_tree_mask(SeqChunk(0, 100, tuple(range(20)), parents=tuple(range(-1, 19))).visible(), 1)
+    plain = A.attention(CTX, q, ck, cv, slots, lens)
+    chain = A.pack_tree_mask(SeqChunk(0, 100, tuple(range(20)), parents=tuple(range(-1, 19))).visible(), 1)
     base = np.array([100] * 20 + [-1], dtype=np.int32)
     mask = np.concatenate([chain, np.zeros((1, 1), np.uint32)])
-    tree = K.attention(q, ck, cv, slots, lens, tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
+    tree = A.attention(CTX, q, ck, cv, slots, lens, tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
     np.testing.assert_array_equal(cp.asnumpy(tree), cp.asnumpy(plain))
     with pytest.raises(ValueError, match="go together"):
-        K.attention(q, ck, cv, slots, lens, tree_base=cp.asarray(base))
+        A.attention(CTX, q, ck, cv, slots, lens, tree_base=cp.asarray(base))
 
 
 def test_pack_tree_mask_bits():
     vis = SeqChunk(0, 0, tuple(range(40)), parents=(-1,) + tuple(range(39))).visible()  # a chain
-    m = K.pack_tree_mask(vis, 2)
+    m = A.pack_tree_mask(vis, 2)
     assert m.dtype == np.uint32 and m.shape == (40, 2)
     assert m[0, 0] == 1 and m[0, 1] == 0 and m[31, 0] == 0xFFFFFFFF and m[31, 1] == 0
     assert m[39, 0] == 0xFFFFFFFF and m[39, 1] == 0xFF
     with pytest.raises(ValueError, match="mask words"):
-        K.pack_tree_mask(vis, 1)
+        A.pack_tree_mask(vis, 1)
 
 
 def test_kv_move_every_layer_in_order(rng):
@@ -1011,8 +811,8 @@ def test_kv_move_every_layer_in_order(rng):
     src = [21, 23, 24, 30, 63]
     dst = [20, 21, 23, 24, 25]  # 21, 23, 24: earlier sources
     slot = 1
-    table = K.kv_cache_table(caches)
-    K.kv_move(caches, slot, src, dst, table=table)
+    table = N.kv_cache_table(caches)
+    N.kv_move(CTX, caches, slot, src, dst, table=table)
     for (ck_h, cv_h), (ck, cv) in zip(host, caches):
         want_k, want_v = ck_h.copy(), cv_h.copy()
         for s_, d_ in zip(src, dst):
@@ -1020,10 +820,10 @@ def test_kv_move_every_layer_in_order(rng):
             want_v[slot, :, d_] = want_v[slot, :, s_]
         np.testing.assert_array_equal(cp.asnumpy(ck), want_k)
         np.testing.assert_array_equal(cp.asnumpy(cv), want_v)
-    K.kv_move(caches, slot, [], [])  # nothing to move
+    N.kv_move(CTX, caches, slot, [], [])  # nothing to move
     for bad_src, bad_dst in (([5, 4], [1, 2]), ([5, 6], [5, 3]), ([5, 64], [1, 2]), ([5], [1, 2])):
         with pytest.raises(ValueError):
-            K.kv_move(caches, slot, bad_src, bad_dst)
+            N.kv_move(CTX, caches, slot, bad_src, bad_dst)
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -1035,7 +835,7 @@ def test_argmax_ties(rng):
     lg[2, V - 1] = 99.0                    # last element
     lg[3, [5, 6]] = np.nan                 # NaN never wins
     out = cp.full(B, -1, dtype=cp.int32)
-    K.argmax(cp.asarray(lg), out=out)
+    S.argmax(CTX, cp.asarray(lg), out=out)
     got = cp.asnumpy(out)
     assert got.tolist() == [7, 0, V - 1, int(np.nanargmax(lg[3]))]
 
@@ -1059,7 +859,7 @@ def test_topk(k, rng):
     lg = np.stack(rows)
     vals = nan_f32((lg.shape[0], k))
     ids = cp.full((lg.shape[0], k), -1, dtype=cp.int32)
-    K.topk(cp.asarray(lg), k, values=vals, ids=ids)
+    S.topk(CTX, cp.asarray(lg), k, values=vals, ids=ids)
     vals_h, ids_h = cp.asnumpy(vals), cp.asnumpy(ids)
     for b in range(lg.shape[0]):
         rv, ri = topk_ref(lg[b], k)
@@ -1069,7 +869,7 @@ def test_topk(k, rng):
 
 def test_topk_small_vocab(rng):
     lg = rng.standard_normal((3, 300)).astype(np.float32)
-    v, i = K.topk(cp.asarray(lg), 256)
+    v, i = S.topk(CTX, cp.asarray(lg), 256)
     for b in range(3):
         rv, ri = topk_ref(lg[b], 256)
         np.testing.assert_array_equal(cp.asnumpy(i)[b], ri)
@@ -1086,7 +886,7 @@ def test_repetition_penalty(per_row, rng):
     hist[1, 10:] = -1        # padding
     pen = np.array([1.3, 1.1, 2.0], dtype=np.float32) if per_row else np.float32(1.3)
     lgd = cp.asarray(lg)
-    K.apply_repetition_penalty(lgd, cp.asarray(hist), cp.asarray(pen) if per_row else 1.3)
+    S.apply_repetition_penalty(CTX, lgd, cp.asarray(hist), cp.asarray(pen) if per_row else 1.3)
     ref = lg.astype(np.float64).copy()
     for b in range(B):
         p = float(pen[b]) if per_row else 1.3
@@ -1116,7 +916,7 @@ def test_graph_replay_matches_eager(rng):
     slots = dev(np.array([2, 0], dtype=np.int32))
     positions = cp.zeros(B, dtype=cp.int32)
     kv_lens = cp.zeros(B, dtype=cp.int32)
-    S = K.attention_splits(B, n_kv, max_ctx)
+    S = A.attention_splits(B, n_kv, max_ctx)
 
     def make_bufs():
         return dict(
@@ -1125,23 +925,23 @@ def test_graph_replay_matches_eager(rng):
             v=cp.empty((B, n_kv * hd), cp.float32), att=cp.empty((B, H, hd), cp.float32),
             o=cp.empty((B, D), cp.float32), g=cp.empty((B, F), cp.float32), u=cp.empty((B, F), cp.float32),
             a=cp.empty((B, F), cp.float32), logits=cp.empty((B, V), cp.float32), tok=cp.empty(B, cp.int32),
-            ws=K.attention_workspace(B, H, hd, S))
+            ws=A.attention_workspace(B, H, hd, S))
 
     def step(b, s):
-        K.rmsnorm(x_in, norm_w, 1e-5, out=b["h"], stream=s)
-        K.matvec(wq, QT.Q4_K, H * hd, D, b["h"], out=b["q"], stream=s)
-        K.matvec(wk, QT.Q4_K, n_kv * hd, D, b["h"], out=b["k"], stream=s)
-        K.matvec(wv, QT.Q6_K, n_kv * hd, D, b["h"], out=b["v"], stream=s)
+        N.rmsnorm(CTX, x_in, norm_w, 1e-5, out=b["h"], stream=s)
+        MV.matvec(CTX, W(wq, QT.Q4_K, H * hd, D), b["h"], out=b["q"], stream=s)
+        MV.matvec(CTX, W(wk, QT.Q4_K, n_kv * hd, D), b["h"], out=b["k"], stream=s)
+        MV.matvec(CTX, W(wv, QT.Q6_K, n_kv * hd, D), b["h"], out=b["v"], stream=s)
         q3, k3, v3 = b["q"].reshape(B, H, hd), b["k"].reshape(B, n_kv, hd), b["v"].reshape(B, n_kv, hd)
-        K.rope_qk_inplace(q3, k3, positions, hd, 10000.0, stream=s)
-        K.kv_append(k3, v3, b["ck"], b["cv"], slots, positions, stream=s)
-        K.attention(q3, b["ck"], b["cv"], slots, kv_lens, out=b["att"], n_splits=S, workspace=b["ws"], stream=s)
-        K.matvec(wo, QT.Q4_K, D, H * hd, b["att"].reshape(B, H * hd), out=b["o"], stream=s)
-        K.matvec(wg, QT.Q4_K, F, D, b["o"], out=b["g"], stream=s)
-        K.matvec(wu, QT.Q4_K, F, D, b["o"], out=b["u"], stream=s)
-        K.swiglu(b["g"], b["u"], out=b["a"], stream=s)
-        K.matvec(wout, QT.Q6_K, V, D, b["o"], out=b["logits"], stream=s)
-        K.argmax(b["logits"], out=b["tok"], stream=s)
+        N.rope_qk_inplace(CTX, q3, k3, positions, hd, 10000.0, stream=s)
+        N.kv_append(CTX, k3, v3, b["ck"], b["cv"], slots, positions, stream=s)
+        A.attention(CTX, q3, b["ck"], b["cv"], slots, kv_lens, out=b["att"], n_splits=S, workspace=b["ws"], stream=s)
+        MV.matvec(CTX, W(wo, QT.Q4_K, D, H * hd), b["att"].reshape(B, H * hd), out=b["o"], stream=s)
+        MV.matvec(CTX, W(wg, QT.Q4_K, F, D), b["o"], out=b["g"], stream=s)
+        MV.matvec(CTX, W(wu, QT.Q4_K, F, D), b["o"], out=b["u"], stream=s)
+        N.swiglu(CTX, b["g"], b["u"], out=b["a"], stream=s)
+        MV.matvec(CTX, W(wout, QT.Q6_K, V, D), b["o"], out=b["logits"], stream=s)
+        S.argmax(CTX, b["logits"], out=b["tok"], stream=s)
 
     s = cp.cuda.Stream(non_blocking=True)
     gb, eb = make_bufs(), make_bufs()
@@ -1172,21 +972,20 @@ def test_graph_replay_matches_eager(rng):
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 16, 40, 64])
-def test_gemm_group_equals_gemm_each(T, rng, monkeypatch):
+def test_gemm_group_equals_gemm_each(T, rng):
     """gemm_group (x quantized once for the matrices that take the same quantized x) gives each
     product exactly as gemm alone does, for a mix of types (Q4_K and Q6_K share mmq's or the i16
     matvec's planes; Q8_0 takes its own path)."""
-    monkeypatch.setenv(tuning.DP4A_ENV, "0")
     n_cols = 512
     # three Q4_K: one mvq2g_kernel launch of three segments where the path is the i16 matvec
     specs = [(QT.Q4_K, 96), (QT.Q6_K, 32), (QT.Q8_0, 64), (QT.Q4_K, 200), (QT.Q4_K, 40), (QT.Q6_K, 16)]
     raws = [cp.asarray(random_weights(qt, n, n_cols, rng)) for qt, n in specs]
     x = cp.asarray(rng.standard_normal((T, n_cols)).astype(np.float32))
     outs = [nan_f32((T, n)) for _, n in specs]
-    got = K.gemm_group(x, [(raw, qt, n, n_cols, out) for raw, (qt, n), out in zip(raws, specs, outs)])
+    got = G.gemm_group(CTX, x, [(W(raw, qt, n, n_cols), out) for raw, (qt, n), out in zip(raws, specs, outs)])
     assert all(g is o for g, o in zip(got, outs))
     for raw, (qt, n), out in zip(raws, specs, outs):
-        np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(K.gemm(raw, qt, n, n_cols, x)))
+        np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(G.gemm(CTX, W(raw, qt, n, n_cols), x)))
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 8])
@@ -1200,10 +999,10 @@ def test_rmsnorm_i16_is_rmsnorm_then_i16_quantize(T, rng):
     for residual in (None, res0):
         r_got = None if residual is None else residual.copy()
         h = nan_f32((T, D))
-        planes = [cp.asnumpy(p) for p in K.rmsnorm_i16(x, w, 1e-5, residual=r_got, out=h)]  # the scratch is reused
+        planes = [cp.asnumpy(p) for p in N.rmsnorm_i16(CTX, x, w, 1e-5, residual=r_got, out=h)]  # the scratch is reused
         r_want = None if residual is None else residual.copy()
-        h_want = K.rmsnorm(x, w, 1e-5, residual=r_want)
-        want = [cp.asnumpy(p) for p in K.i16_quantize(h_want)]
+        h_want = N.rmsnorm(CTX, x, w, 1e-5, residual=r_want)
+        want = [cp.asnumpy(p) for p in MV.i16_quantize(CTX, h_want)]
         np.testing.assert_array_equal(cp.asnumpy(h), cp.asnumpy(h_want))
         if residual is not None:
             np.testing.assert_array_equal(cp.asnumpy(r_got), cp.asnumpy(r_want))
@@ -1212,11 +1011,10 @@ def test_rmsnorm_i16_is_rmsnorm_then_i16_quantize(T, rng):
 
 
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_norm_gemm_group_equals_norm_then_gemm(T, rng, monkeypatch):
+def test_norm_gemm_group_equals_norm_then_gemm(T, rng):
     """norm_gemm_group (the planes made in the norm's kernel where the group takes the i16 matvec,
     products of one type in one launch) gives the norm, the residual and every product with the
     bits of rmsnorm and then gemm of each matrix."""
-    monkeypatch.setenv(tuning.DP4A_ENV, "0")
     D = 512
     specs = [(QT.Q4_K, 96), (QT.Q4_K, 64), (QT.Q6_K, 32)]
     raws = [cp.asarray(random_weights(qt, n, D, rng)) for qt, n in specs]
@@ -1225,12 +1023,12 @@ def test_norm_gemm_group_equals_norm_then_gemm(T, rng, monkeypatch):
     res0 = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
     for residual in (None, res0):
         r_want = None if residual is None else residual.copy()
-        h_want = K.rmsnorm(x, w, 1e-5, residual=r_want)
-        want = [cp.asnumpy(K.gemm(raw, qt, n, D, h_want)) for raw, (qt, n) in zip(raws, specs)]
+        h_want = N.rmsnorm(CTX, x, w, 1e-5, residual=r_want)
+        want = [cp.asnumpy(G.gemm(CTX, W(raw, qt, n, D), h_want)) for raw, (qt, n) in zip(raws, specs)]
         r_got = None if residual is None else residual.copy()
         h = nan_f32((T, D))
         outs = [nan_f32((T, n)) for _, n in specs]
-        K.norm_gemm_group(x, w, 1e-5, h, [(raw, qt, n, D, o) for raw, (qt, n), o in zip(raws, specs, outs)],
+        G.norm_gemm_group(CTX, x, w, 1e-5, h, [(W(raw, qt, n, D), o) for raw, (qt, n), o in zip(raws, specs, outs)],
                           residual=r_got)
         np.testing.assert_array_equal(cp.asnumpy(h), cp.asnumpy(h_want))
         if residual is not None:
@@ -1241,37 +1039,35 @@ def test_norm_gemm_group_equals_norm_then_gemm(T, rng, monkeypatch):
 
 @pytest.mark.parametrize("T", [1, 2, 5, 70])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.F16])
-def test_gemm_accumulate_is_gemm_then_add(T, qt, rng, monkeypatch):
+def test_gemm_accumulate_is_gemm_then_add(T, qt, rng):
     """gemm(accumulate=True): out += x W^T with the bits of the product and a separate add, on
     every path (the i16 matvec's epilogue; mmq, mm, matvec and cuBLAS through a scratch)."""
-    monkeypatch.setenv(tuning.DP4A_ENV, "0")
     n, D = 96, 512
     raw = cp.asarray(random_weights(qt, n, D, rng))
     x = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
     y0 = cp.asarray(rng.standard_normal((T, n)).astype(np.float32))
-    want = cp.asnumpy(y0 + K.gemm(raw, qt, n, D, x))
+    want = cp.asnumpy(y0 + G.gemm(CTX, W(raw, qt, n, D), x))
     got = y0.copy()
-    assert K.gemm(raw, qt, n, D, x, out=got, accumulate=True) is got
+    assert G.gemm(CTX, W(raw, qt, n, D), x, out=got, accumulate=True) is got
     np.testing.assert_array_equal(cp.asnumpy(got), want)
-    added = K.add(y0, y0)
+    added = N.add(CTX, y0, y0)
     np.testing.assert_array_equal(cp.asnumpy(added), cp.asnumpy(y0 + y0))
 
 
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_swiglu_gemm_add_equals_swiglu_then_gemm_add(T, rng, monkeypatch):
+def test_swiglu_gemm_add_equals_swiglu_then_gemm_add(T, rng):
     """swiglu_gemm_add (act's i16 planes made in the swiglu's kernel where the product takes the
     i16 matvec) gives act and out += act W^T with the bits of swiglu, gemm and add."""
-    monkeypatch.setenv(tuning.DP4A_ENV, "0")
     n, F = 96, 1024
     for qt in (QT.Q4_K, QT.Q6_K, QT.F16):
         raw = cp.asarray(random_weights(qt, n, F, rng))
         gate = cp.asarray(rng.standard_normal((T, F)).astype(np.float32))
         up = cp.asarray(rng.standard_normal((T, F)).astype(np.float32))
         y0 = cp.asarray(rng.standard_normal((T, n)).astype(np.float32))
-        act_want = K.swiglu(gate, up)
-        want = cp.asnumpy(y0 + K.gemm(raw, qt, n, F, act_want))
+        act_want = N.swiglu(CTX, gate, up)
+        want = cp.asnumpy(y0 + G.gemm(CTX, W(raw, qt, n, F), act_want))
         act, got = nan_f32((T, F)), y0.copy()
-        K.swiglu_gemm_add(gate, up, act, raw, qt, n, F, got)
+        G.swiglu_gemm_add(CTX, gate, up, act, W(raw, qt, n, F), got)
         np.testing.assert_array_equal(cp.asnumpy(act), cp.asnumpy(act_want))
         np.testing.assert_array_equal(cp.asnumpy(got), want)
 
@@ -1286,24 +1082,23 @@ def test_attention_planes_are_i16_quantize_of_its_output(G, hd, rng):
     slots = np.array([2, 0, 1], dtype=np.int32)
     T, H = lens.size, n_kv * G
     q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
-    want_out = K.attention(q, ck, cv, cp.asarray(slots), cp.asarray(lens))
-    want = [cp.asnumpy(p) for p in K.i16_quantize(want_out.reshape(T, H * hd))]
-    planes = K._i16_planes(T, H * hd)
+    want_out = A.attention(CTX, q, ck, cv, cp.asarray(slots), cp.asarray(lens))
+    want = [cp.asnumpy(p) for p in MV.i16_quantize(CTX, want_out.reshape(T, H * hd))]
+    planes = MV.i16_planes(CTX, T, H * hd)
     for p in planes:
         p.fill(0xFF)  # every entry written, none left over from i16_quantize
     out = nan_f32((T, H, hd))
-    K.attention(q, ck, cv, cp.asarray(slots), cp.asarray(lens), out=out, planes=planes)
+    A.attention(CTX, q, ck, cv, cp.asarray(slots), cp.asarray(lens), out=out, planes=planes)
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want_out))
     for g, e in zip(planes, want):
         np.testing.assert_array_equal(cp.asnumpy(g), e)
 
 
 @pytest.mark.parametrize("T", [1, 3, 8, 9])
-def test_attention_gemm_equals_attention_then_gemm(T, rng, monkeypatch):
+def test_attention_gemm_equals_attention_then_gemm(T, rng):
     """attention_gemm (the planes made in the combine kernel where the product takes the i16
     matvec; T = 9: the unfused path) gives the attention output and its product with the bits
     of attention and then gemm."""
-    monkeypatch.setenv(tuning.DP4A_ENV, "0")
     n_slots, n_kv, G, hd, max_ctx, n = 2, 2, 4, 128, 256, 96
     ck, cv = (cp.asarray(c) for c in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
     lens = cp.asarray(rng.integers(1, max_ctx + 1, size=T).astype(np.int32))
@@ -1312,9 +1107,9 @@ def test_attention_gemm_equals_attention_then_gemm(T, rng, monkeypatch):
     q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
     for qt in (QT.Q8_0, QT.Q4_K, QT.F16):
         raw = cp.asarray(random_weights(qt, n, H * hd, rng))
-        attn_want = K.attention(q, ck, cv, slots, lens)
-        want = cp.asnumpy(K.gemm(raw, qt, n, H * hd, attn_want.reshape(T, H * hd)))
+        attn_want = A.attention(CTX, q, ck, cv, slots, lens)
+        want = cp.asnumpy(G.gemm(CTX, W(raw, qt, n, H * hd), attn_want.reshape(T, H * hd)))
         attn, got = nan_f32((T, H, hd)), nan_f32((T, n))
-        assert K.attention_gemm(q, ck, cv, slots, lens, attn, raw, qt, n, H * hd, got) is got
+        assert A.attention_gemm(CTX, q, ck, cv, slots, lens, attn, W(raw, qt, n, H * hd), got) is got
         np.testing.assert_array_equal(cp.asnumpy(attn), cp.asnumpy(attn_want))
         np.testing.assert_array_equal(cp.asnumpy(got), want)

@@ -12,7 +12,7 @@ import synth_gguf as sg  # noqa: E402
 
 N_LAYERS = 4
 # llama_block's backend calls: the norms with their products, rope with the KV store, attention
-# with W_o (apart where W_o's product is not the i16 matvec: kernels.attention_gemm_fuses), swiglu
+# with W_o (apart where W_o's product is not the i16 matvec: CudaBackend.attention_fuses), swiglu
 # with the down product
 OPS_PER_LAYER = 5
 

@@ -1,8 +1,8 @@
 """The cuda backend's row buckets and warm-up on the GPU: after the warm-up a first request of
 every bucket (prompt chunks, batched decode rows, verify trees) records no graph and compiles no
-kernel module; the warm-up writes no KV cache entry; the planner's count of the kept workspaces
-is what the backend holds; greedy tokens with padded, captured passes equal those of eager
-passes at their own size (``use_graphs=False``).
+kernel module; the warm-up writes no KV cache entry; the planner's layout is what the backend
+holds (its arena) and every bucket's workspace lies in it; greedy tokens with padded, captured
+passes equal those of eager passes at their own size (``use_graphs=False``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 from ntx.daemons.compute.batch import SeqChunk, StepBatch  # noqa: E402
-from ntx.daemons.compute.cuda import kernels as K  # noqa: E402
+from ntx.daemons.compute.cuda import runtime  # noqa: E402
 from ntx.daemons.compute.cuda.backend import CudaBackend  # noqa: E402
 from ntx.daemons.compute.cuda.buckets import MAX_GRAPH_ROWS, bucket_sizes  # noqa: E402
-from ntx.daemons.compute.cuda.memory import POOL_UNIT_BYTES, graph_workspaces_bytes  # noqa: E402
+from ntx.daemons.compute.cuda.memory import backend_layout  # noqa: E402
 from ntx.daemons.compute.factory import build_engine  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
 from ntx.shared.config import EngineOptions  # noqa: E402
@@ -67,8 +67,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1, 1000, n)]
 
 
-def _pool_bytes(a) -> int:
-    return -(-a.nbytes // POOL_UNIT_BYTES) * POOL_UNIT_BYTES
+def _inside(a, arena) -> bool:
+    start = arena.memory.data.ptr
+    return start <= a.data.ptr and a.data.ptr + a.nbytes <= start + arena.nbytes
 
 
 def test_warm_up_builds_every_bucket_and_touches_no_cache(model):
@@ -83,11 +84,11 @@ def test_warm_up_builds_every_bucket_and_touches_no_cache(model):
     assert {rows for key, rows, trees in be.graphs if key == draft} == {r for r in sizes if r <= MAX_BATCH}
     # inert rows only: not one key or value was written
     assert all(float(cp.abs(k).max()) == 0.0 and float(cp.abs(v).max()) == 0.0 for k, v in be.kv)
-    # the planner's count of the kept workspaces is what they hold
-    held = sum(_pool_bytes(a) for w in be.works.values()
+    # the planner's layout is what the backend holds, and every bucket's workspace lies in it
+    assert be.arena.nbytes == backend_layout(open_model(model), be.max_ctx).total_bytes
+    assert all(_inside(a, be.arena) for w in be.works.values()
                for a in (w.tokens, w.positions, w.cache_positions, w.slots, w.kv_lens, w.tree_base, w.tree_mask,
-                         w.x, w.h, w.q, w.k, w.v, w.attn, w.o, w.gate, w.up, w.act, *w.attn_ws))
-    assert held == graph_workspaces_bytes(open_model(model).hparams, be.max_ctx)
+                         w.x, w.h, w.q, w.k, w.v, w.attn, w.o, w.gate, w.up, w.act, *w.attn_ws, w.logits))
 
 
 @pytest.mark.parametrize("drafting", [False, True])
@@ -99,7 +100,7 @@ def test_first_request_of_each_bucket_records_no_graph_and_compiles_nothing(mode
     kw = dict(self_draft=[0, 1], draft_tokens=6, draft_width=3) if drafting else {}
     eng = build_engine(model, "cuda", EngineOptions(max_batch=MAX_BATCH, ctx=256, **kw))
     be = eng.model.backend
-    n_graphs, n_modules = len(be.graphs), len(K._modules)
+    n_graphs, n_modules = len(be.graphs), len(runtime._modules)
     slow = []
     for rows in bucket_sizes(MAX_GRAPH_ROWS):  # the first prompt pass of its size, then another one
         first_s, next_s = _prefill_s(eng, _prompt(rows, rows)), _prefill_s(eng, _prompt(rows, 1000 + rows))
@@ -108,7 +109,7 @@ def test_first_request_of_each_bucket_records_no_graph_and_compiles_nothing(mode
     _run(eng, [_prompt(3 + i, 100 + i) for i in range(MAX_BATCH)], 6)
     _run(eng, [_prompt(MAX_GRAPH_ROWS + 37, 7)], 2)
     assert len(be.graphs) == n_graphs, sorted(set(be.graphs))
-    assert len(K._modules) == n_modules
+    assert len(runtime._modules) == n_modules
     assert not slow, f"first requests much slower than the next (rows, first s, next s): {slow}"
 
 

@@ -1,8 +1,14 @@
-"""The cuda backend: the operations of the Llama block on the GPU with ntx's own kernels (``kernels.py``).
+"""The cuda backend: the operations of the Llama block on the GPU with ntx's own kernels (the
+family modules of this folder: gemm, norm_rope_kv, attention, selection).
 
 Weights are used exactly as GGUF stores them: a resident layer is uploaded once (its slot-layout
 buffer, no repacking), a streamed layer is read straight from the device slot the dma daemon
-filled. Every matrix product dequantizes on the fly (``kernels.gemm`` chooses its path by rows).
+filled; each matrix becomes a ``Weight`` once, when the layer is prepared. Every matrix product
+dequantizes on the fly (``gemm.gemm`` takes its path by format and rows, chosen once and kept).
+
+Memory: every pass buffer, scratch and workspace lives in one arena (``arena.py``) carved from
+``memory.backend_layout``, the layout the planner sums; a pass above the buckets gets an arena of
+its own (``memory.eager_layout``) for its life. The KV cache is apart (one pair per layer).
 
 Launch overhead: one Python-launched kernel costs about 10 µs, as much as a small layer's whole
 work, so the model asks for its runs of resident layers to be captured (``run_captured``): one
@@ -28,7 +34,6 @@ each tree row's tree mask (the masked kernel: a graph of its own). After verific
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import cupy as cp
@@ -36,39 +41,41 @@ import cupyx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ntx.daemons.compute.backend import Backend, CaptureRun, PendingPicks, Pick, Picked, WarmUp, Workspace
+from ntx.daemons.compute.backend import Backend, CaptureRun, PendingPicks, Pick, Picked, WarmUp, Weight, Workspace
 from ntx.daemons.compute.batch import StepBatch
-from ntx.daemons.compute.cuda import kernels as K
+from ntx.daemons.compute.cuda import attention as attn_ops
+from ntx.daemons.compute.cuda import gemm, instances, runtime, selection
+from ntx.daemons.compute.cuda import norm_rope_kv as nrk
+from ntx.daemons.compute.cuda.arena import Arena, ArenaScratch
 from ntx.daemons.compute.cuda.buckets import (MAX_GRAPH_ROWS, PassRows, bucket_sizes, inert_rows, pass_rows,
                                               row_bucket, tree_chunks)
-from ntx.daemons.compute.cuda.memory import cuda_memory_costs
+from ntx.daemons.compute.cuda.dequant import get_rows
+from ntx.daemons.compute.cuda.memory import (ROW_FIELDS, attention_splits, backend_layout, cuda_memory_costs,
+                                             eager_layout, tree_mask_words)
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
+from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.plan import MemoryCosts
-
-
-@dataclass
-class _Mat:
-    raw: Any  # uint8 device view of the tensor's GGUF bytes
-    qtype: int
-    n_rows: int
-    n_cols: int
+from ntx.shared.quant_types import QUANT_TYPES
 
 
 class _Work(Workspace):
-    """Every buffer one pass of ``rows`` rows needs, so that a pass allocates nothing
-    (capturable), and the rows' tokens, positions, cache slots, key counts and tree masks on the
-    device. ``rows`` is the pass's bucket (its real rows first, inert ones after) or, above the
-    buckets, its own row count. ``has_trees``: attention takes ``tree_base``/``tree_mask`` this
-    pass; ``logit_rows``: the rows whose logits the head computes."""
+    """Every buffer one pass of ``rows`` rows needs, views of an arena's regions (``prefix``:
+    the bucket's), so that a pass allocates nothing (capturable), and the rows' tokens,
+    positions, cache slots, key counts and tree masks on the device. ``rows`` is the pass's
+    bucket (its real rows first, inert ones after) or, above the buckets, its own row count.
+    ``head``: the arena holding the head's buffers. ``has_trees``: attention takes
+    ``tree_base``/``tree_mask`` this pass; ``logit_rows``: the rows whose logits the head
+    computes."""
 
-    def __init__(self, rows: int, hp, n_splits: int) -> None:
+    def __init__(self, rows: int, hp, n_splits: int, arena: Arena, prefix: str = "", head: Arena | None = None) -> None:
         self.rows = rows
+        self.arena = arena  # an eager pass's own arena lives as long as its workspace
         # the rows' int32 fields, one device array (and one pinned host twin) so that a pass
         # copies them in one transfer: six pageable copies took ~50 µs of every decode step
-        self._fields_dev = cp.zeros((len(_ROW_FIELDS), rows), dtype=cp.int32)
-        self._fields_host = cupyx.empty_pinned((len(_ROW_FIELDS), rows), dtype=np.int32)
+        self._fields_dev = arena.view(prefix + "row fields", (len(ROW_FIELDS), rows), cp.int32)
+        self._fields_host = cupyx.empty_pinned((len(ROW_FIELDS), rows), dtype=np.int32)
         self._fields_copied = None  # the event after the last copy: the host twin is free again
         (self.tokens, self.positions,  # RoPE positions
          self.cache_positions,  # where each row's K/V are stored
@@ -76,12 +83,19 @@ class _Work(Workspace):
          self.tree_base) = self._fields_dev  # cache position of the row's tree root, -1 outside trees
         self.kv_lens.fill(1)
         self.tree_base.fill(-1)
-        self.tree_mask = cp.zeros((rows, K.tree_mask_words(rows)), dtype=cp.uint32)  # bit i: the row sees its tree's row i
+        # bit i: the row sees its tree's row i
+        self.tree_mask = arena.view(prefix + "tree mask", (rows, tree_mask_words(rows)), cp.uint32)
         self.has_trees = False
         self.logit_rows = np.zeros(0, dtype=np.int64)
-        self.allocate(rows, hp, lambda shape: cp.zeros(shape, dtype=cp.float32))
+        self.allocate(rows, hp, lambda name, shape: arena.view(prefix + name, shape, cp.float32))
         self.n_splits = n_splits
-        self.attn_ws = K.attention_workspace(rows, hp.n_head, hp.head_dim, n_splits)
+        n = rows * hp.n_head * n_splits
+        self.attn_ws = (arena.view(prefix + "attention ml", (n * 2,), cp.float32),
+                        arena.view(prefix + "attention acc", (n * hp.head_dim,), cp.float32))
+        head = head if head is not None else arena
+        head_rows = head.layout.region("logits").nbytes // (4 * hp.n_vocab)
+        self.head_h = head.view("head h", (head_rows, hp.n_embd), cp.float32)  # the final norm's rows
+        self.logits = head.view("logits", (head_rows, hp.n_vocab), cp.float32)
 
     @property
     def T(self) -> int:
@@ -92,7 +106,7 @@ class _Work(Workspace):
         [rows, W], None without trees) into the device arrays the graphs read."""
         if self._fields_copied is not None:
             self._fields_copied.synchronize()  # (long done: the pass that read them has ended)
-        for i, name in enumerate(_ROW_FIELDS):
+        for i, name in enumerate(ROW_FIELDS):
             self._fields_host[i] = getattr(host, name)
         self._fields_dev.set(self._fields_host, stream=stream)
         self._fields_copied = stream.record()
@@ -101,31 +115,30 @@ class _Work(Workspace):
         self.has_trees = host.has_trees
 
 
-_ROW_FIELDS = ("tokens", "positions", "cache_positions", "slots", "kv_lens", "tree_base")  # buckets.PassRows
-
-
 def _tree_mask(batch: StepBatch, rows: int) -> np.ndarray | None:
-    """kernels.attention's tree mask for ``batch`` padded to ``rows``: uint32 [rows, W] with W
+    """attention's tree mask for ``batch`` padded to ``rows``: uint32 [rows, W] with W
     for trees of up to ``rows`` rows, zero outside trees; None when the batch has no tree."""
     trees = tree_chunks(batch)
     if not trees:
         return None
-    n_words = K.tree_mask_words(rows)
+    n_words = tree_mask_words(rows)
     mask = np.zeros((rows, n_words), dtype=np.uint32)
     for i, r0 in trees:
         c = batch.chunks[i]
-        mask[r0 : r0 + c.n_tokens] = K.pack_tree_mask(c.visible(), n_words)
+        mask[r0 : r0 + c.n_tokens] = attn_ops.pack_tree_mask(c.visible(), n_words)
     return mask
 
 
 class CudaBackend(Backend):
     """The Llama block's operations as ntx's CUDA kernels on one stream, the KV cache reserved
-    up front for ``max_seqs`` sequences of ``max_ctx`` positions, graphs of resident runs."""
+    up front for ``max_seqs`` sequences of ``max_ctx`` positions, every pass buffer and scratch
+    in one arena, graphs of resident runs; ``kernels``: the kernel switches (KernelOptions)."""
 
     name = "cuda"
     queues_passes = True
 
-    def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, use_graphs: bool = True) -> None:
+    def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, use_graphs: bool = True,
+                 kernels: KernelOptions | None = None) -> None:
         super().__init__(index)
         hp = self.hp
         self.max_seqs = max_seqs
@@ -133,9 +146,14 @@ class CudaBackend(Backend):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.use_graphs = use_graphs
         self.max_graph_rows = MAX_GRAPH_ROWS if use_graphs else 0  # passes up to this are bucketed and captured
+        self.kernels = kernels if kernels is not None else KernelOptions()
+        self.tuning = runtime.tuning()
         with self.stream:
-            self.kv = [K.alloc_kv_cache(max_seqs, hp.n_head_kv, self.max_ctx, hp.head_dim) for _ in range(hp.n_layers)]
-            self.kv_table = K.kv_cache_table(self.kv)  # every layer's cache addresses, for kv_keep
+            self.kv = [nrk.alloc_kv_cache(max_seqs, hp.n_head_kv, self.max_ctx, hp.head_dim) for _ in range(hp.n_layers)]
+            self.kv_table = nrk.kv_cache_table(self.kv)  # every layer's cache addresses, for kv_keep
+            self.arena = Arena(backend_layout(index, self.max_ctx, self.max_graph_rows, self.tuning))
+        self.scratch = ArenaScratch(self.arena)
+        self.ctx = runtime.KernelContext(runtime.Launcher(self.kernels), self.scratch)
         self.free_cache_slots = list(range(max_seqs - 1, -1, -1))
         self.seq_slot: dict[int, int] = {}
         self.works: dict[int, _Work] = {}  # by bucket: the graphs point into them
@@ -151,11 +169,11 @@ class CudaBackend(Backend):
         g = self.index.globals
         with self.stream:
             emb = g["token_embd"]
-            self.embd = _Mat(cp.asarray(raw["token_embd"]), int(emb.ggml_type), emb.shape[0], emb.shape[1])
+            self.embd = gemm.weight(cp.asarray(raw["token_embd"]), emb.ggml_type, emb.shape[0], emb.shape[1])
             self.out_norm = cp.asarray(dequantize(raw["output_norm"], g["output_norm"].ggml_type, g["output_norm"].shape))
             if "output" in raw:
                 o = g["output"]
-                self.head = _Mat(cp.asarray(raw["output"]), int(o.ggml_type), o.shape[0], o.shape[1])
+                self.head = gemm.weight(cp.asarray(raw["output"]), o.ggml_type, o.shape[0], o.shape[1])
             else:
                 self.head = self.embd
             # the kernel divides each pair's angle by these (backend.rope_divisors)
@@ -177,7 +195,7 @@ class CudaBackend(Backend):
                         host = dequantize(cp.asnumpy(view), t.ggml_type, t.shape)
                         w[name] = cp.asarray(host)
                 else:
-                    w[name] = _Mat(view, int(t.ggml_type), t.shape[0], t.shape[1])
+                    w[name] = gemm.weight(view, t.ggml_type, t.shape[0], t.shape[1])
         if keep:
             self.stream.synchronize()
         return w
@@ -215,20 +233,26 @@ class CudaBackend(Backend):
     def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
         """The accepted path of a verified tree: K and V at ``src_positions`` move to
         ``dst_positions`` in every layer, one kernel launch on the pass stream."""
-        K.kv_move(self.kv, self.seq_slot[seq_id], src_positions, dst_positions, table=self.kv_table,
-                  stream=self.stream)
+        nrk.kv_move(self.ctx, self.kv, self.seq_slot[seq_id], src_positions, dst_positions, table=self.kv_table,
+                    stream=self.stream)
 
     # -- one pass ------------------------------------------------------------------------------
     def _work(self, rows: int, keep: bool) -> _Work:
-        """The workspace of ``rows`` rows: a bucket's is kept (graphs point into it), a larger
-        pass's is made per pass and goes back to cupy's pool, so a stream of prompt lengths does
-        not pile up."""
+        """The workspace of ``rows`` rows: a bucket's, kept in the backend's arena (graphs point
+        into it), or above the buckets an arena of the pass's own (``memory.eager_layout``),
+        freed with it, so a stream of prompt lengths does not pile up. The kernels' scratch looks
+        in that pass's arena first (``ArenaScratch.eager``)."""
+        self.scratch.eager = None  # the last eager pass's arena goes back before a new one is made
         w = self.works.get(rows)
         if w is None:
+            splits = attention_splits(rows, self.hp.n_head_kv, self.max_ctx, self.tuning)
             with self.stream:
-                w = _Work(rows, self.hp, K.attention_splits(rows, self.hp.n_head_kv, self.max_ctx))
-            if keep:
-                self.works[rows] = w
+                if keep:
+                    w = self.works[rows] = _Work(rows, self.hp, splits, self.arena, prefix=f"bucket{rows}/")
+                else:
+                    w = _Work(rows, self.hp, splits, Arena(eager_layout(self.hp, rows, self.max_ctx)))
+        if not keep:
+            self.scratch.eager = w.arena
         return w
 
     def begin_pass(self, batch: StepBatch) -> _Work:
@@ -299,7 +323,7 @@ class CudaBackend(Backend):
         of streamed-only matrix types. Inert rows only: no KV cache entry is touched."""
         t0 = time.monotonic()
         if spec.compile_qtypes:
-            K.compile_all(sorted(spec.compile_qtypes))
+            self._compile(sorted(spec.compile_qtypes))
             log(f"warm-up: kernels of streamed-only types {sorted(spec.compile_qtypes)} compiled "
                 f"in {time.monotonic() - t0:.2f} s")
         with self.stream:
@@ -340,74 +364,92 @@ class CudaBackend(Backend):
         else:
             log(f"warm-up: graphs off, passes of 1 and 2 rows{trees_note} run eagerly in {time.monotonic() - t:.2f} s")
 
+    def _compile(self, qtypes) -> None:
+        """Compile (or load from cupy's disk cache) the modules the products of matrices of
+        ``qtypes`` take on this device (instances.type_modules), and every source's extern "C"
+        kernels (the quantizers of x among them)."""
+        with self.stream:
+            for qt in qtypes:
+                for source, names in instances.type_modules(QUANT_TYPES[qt], [self.tuning]):
+                    runtime.module(source, names)
+            for source in instances.extern_kernels():
+                runtime.module(source, ())
+
     # -- operations ----------------------------------------------------------------------------
     def embed(self, ws: _Work):
-        e = self.embd
-        return K.get_rows(e.raw, e.qtype, e.n_rows, e.n_cols, ws.tokens, out=ws.x)
+        return get_rows(self.ctx, self.embd, ws.tokens, out=ws.x)
 
     def rms_norm(self, x, w, out):
-        return K.rmsnorm(x, w, self.hp.rms_eps, out=out)
+        return nrk.rmsnorm(self.ctx, x, w, self.hp.rms_eps, out=out)
 
     def add_rms_norm(self, x, delta, w, out):
-        return K.rmsnorm(delta, w, self.hp.rms_eps, residual=x, out=out)  # x += delta; out = norm(x)
+        return nrk.rmsnorm(self.ctx, delta, w, self.hp.rms_eps, residual=x, out=out)  # x += delta; out = norm(x)
 
-    def matmul(self, w: _Mat, x, out):
-        return K.gemm(w.raw, w.qtype, w.n_rows, w.n_cols, x, out=out)
+    def matmul(self, w: Weight, x, out):
+        return gemm.gemm(self.ctx, w, x, out=out)
 
     def matmuls(self, x, products) -> None:
-        K.gemm_group(x, [(w.raw, w.qtype, w.n_rows, w.n_cols, out) for w, out in products])
+        gemm.gemm_group(self.ctx, x, list(products))
 
     def norm_matmuls(self, x, w, h, products, delta=None) -> None:
-        parts = [(m.raw, m.qtype, m.n_rows, m.n_cols, out) for m, out in products]
         if delta is None:
-            K.norm_gemm_group(x, w, self.hp.rms_eps, h, parts)
+            gemm.norm_gemm_group(self.ctx, x, w, self.hp.rms_eps, h, list(products))
         else:  # x += delta; h = norm(x)
-            K.norm_gemm_group(delta, w, self.hp.rms_eps, h, parts, residual=x)
+            gemm.norm_gemm_group(self.ctx, delta, w, self.hp.rms_eps, h, list(products), residual=x)
 
-    def swiglu_matmul_add(self, gate, up, act, w: _Mat, out, tmp):
-        return K.swiglu_gemm_add(gate, up, act, w.raw, w.qtype, w.n_rows, w.n_cols, out)
+    def swiglu_matmul_add(self, gate, up, act, w: Weight, out, tmp):
+        return gemm.swiglu_gemm_add(self.ctx, gate, up, act, w, out)
 
     def rope(self, q, k, ws: _Work) -> None:
         hp, T = self.hp, ws.T
-        K.rope_qk_inplace(q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim), ws.positions,
-                          hp.rope_dim, hp.rope_base, self.freq_factors)  # one launch for both
+        nrk.rope_qk_inplace(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim),
+                            ws.positions, hp.rope_dim, hp.rope_base, self.freq_factors)  # one launch for both
 
     def kv_write(self, layer_idx: int, k, v, ws: _Work) -> None:
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]
-        K.kv_append(k.reshape(T, hp.n_head_kv, hp.head_dim), v.reshape(T, hp.n_head_kv, hp.head_dim),
-                    ck, cv, ws.slots, ws.cache_positions)
+        nrk.kv_append(self.ctx, k.reshape(T, hp.n_head_kv, hp.head_dim), v.reshape(T, hp.n_head_kv, hp.head_dim),
+                      ck, cv, ws.slots, ws.cache_positions)
 
     def rope_kv_write(self, layer_idx: int, q, k, v, ws: _Work) -> None:
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]
-        K.rope_kv_append(q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim),
-                         v.reshape(T, hp.n_head_kv, hp.head_dim), ck, cv, ws.positions, ws.slots,
-                         ws.cache_positions, hp.rope_dim, hp.rope_base, self.freq_factors)
+        nrk.rope_kv_append(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim),
+                           v.reshape(T, hp.n_head_kv, hp.head_dim), ck, cv, ws.positions, ws.slots,
+                           ws.cache_positions, hp.rope_dim, hp.rope_base, self.freq_factors)
 
     def attention(self, layer_idx: int, q, ws: _Work, out):
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]
         trees = ws.has_trees
-        K.attention(q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
-                    out=out.reshape(T, hp.n_head, hp.head_dim), n_splits=ws.n_splits, workspace=ws.attn_ws,
-                    tree_base=ws.tree_base if trees else None, tree_mask=ws.tree_mask if trees else None)
+        attn_ops.attention(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
+                           out=out.reshape(T, hp.n_head, hp.head_dim), n_splits=ws.n_splits, workspace=ws.attn_ws,
+                           tree_base=ws.tree_base if trees else None, tree_mask=ws.tree_mask if trees else None)
         return out
 
-    def attention_matmul(self, layer_idx: int, q, ws: _Work, attn, w: _Mat, out):
+    def attention_matmul(self, layer_idx: int, q, ws: _Work, attn, w: Weight, out):
         hp, T = self.hp, ws.T
         ck, cv = self.kv[layer_idx]
         trees = ws.has_trees
-        return K.attention_gemm(q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
-                                attn.reshape(T, hp.n_head, hp.head_dim), w.raw, w.qtype, w.n_rows, w.n_cols, out,
-                                n_splits=ws.n_splits, workspace=ws.attn_ws,
-                                tree_base=ws.tree_base if trees else None, tree_mask=ws.tree_mask if trees else None)
+        return attn_ops.attention_gemm(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
+                                       attn.reshape(T, hp.n_head, hp.head_dim), w, out, n_splits=ws.n_splits,
+                                       workspace=ws.attn_ws, tree_base=ws.tree_base if trees else None,
+                                       tree_mask=ws.tree_mask if trees else None)
+
+    def attention_fuses(self, T: int, w: Weight) -> bool:
+        """Whether ``attention_matmul`` of T rows by ``w`` is one fused operation (profile_pass
+        times it as one)."""
+        return attn_ops.attention_gemm_fuses(self.ctx, T, w)
 
     def swiglu(self, gate, up, out):
-        return K.swiglu(gate, up, out=out)
+        return nrk.swiglu(self.ctx, gate, up, out=out)
 
     def add(self, x, y, out):
-        return K.add(x, y, out=out)
+        return nrk.add(self.ctx, x, y, out=out)
+
+    def topk(self, logits, k: int):
+        """The head's device selection (``selection.topk``) on this backend's kernels."""
+        return selection.topk(self.ctx, logits, k)
 
     # -- the head --------------------------------------------------------------------------------
     def _logits_dev(self, work: _Work):
@@ -420,13 +462,13 @@ class CudaBackend(Backend):
                 h_in = work.x[:n]  # the first rows (a prompt chunk, or every row): no gather
             else:
                 h_in = work.x[cp.asarray(rows)]
-            h = K.rmsnorm(h_in, self.out_norm, hp.rms_eps)  # h: [N, D]
-            out = cp.empty((n, self.head.n_rows), dtype=cp.float32)  # [N, V]
-            # The head is the largest matrix: K.gemm reads it quantized for up to MAX_GRAPH_ROWS rows
+            h = nrk.rmsnorm(self.ctx, h_in, self.out_norm, hp.rms_eps, out=work.head_h[:n])  # h: [N, D]
+            out = work.logits[:n]  # [N, V]
+            # The head is the largest matrix: gemm reads it quantized for up to MAX_GRAPH_ROWS rows
             # at once, never through an f16 copy of all of it (1 GB for a 128k vocabulary at d=4096).
             for i in range(0, n, MAX_GRAPH_ROWS):
                 j = min(i + MAX_GRAPH_ROWS, n)
-                K.gemm(self.head.raw, self.head.qtype, self.head.n_rows, self.head.n_cols, h[i:j], out=out[i:j])
+                gemm.gemm(self.ctx, self.head, h[i:j], out=out[i:j])
         return out
 
     def logits(self, ws: _Work) -> np.ndarray:
@@ -454,7 +496,7 @@ class CudaBackend(Backend):
             if cand:
                 k = min(max(picks[i].k for i in cand), V)
                 sub = lg if len(cand) == n else lg[cp.asarray(cand)]
-                vals_d, ids_d = K.topk(cp.ascontiguousarray(sub), k)  # [C, k] each
+                vals_d, ids_d = selection.topk(self.ctx, cp.ascontiguousarray(sub), k)  # [C, k] each
                 if len(cand) == n:
                     top1 = ids_d[:, 0]  # [N]: the next tokens of greedy rows, for feed_tokens
                 lse_rows = [j for j, i in enumerate(cand) if picks[i].lse]

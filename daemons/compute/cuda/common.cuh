@@ -1,14 +1,20 @@
-// Definitions shared by ops.cu and quant.cu: short integer types, f16 <-> f32 conversions and
-// the warp-wide sum.
+// Definitions every kernel source shares: short integer types, f16 <-> f32 conversions, the
+// warp- and block-wide sums, rmsnorm's scale, programmatic dependent launch, and the i16
+// activation planes (written by several producers, read by the i16 matvec).
 //
-// kernels.py (sources.kernel_source) inlines this file in place of its #include line before
-// NVRTC sees a source, so cupy's compile cache, keyed by the source text, is invalidated by a
-// change here as by a change in the .cu file itself. Each header is inlined once per source.
+// sources.kernel_source inlines this file (and every other header) in place of its #include
+// line before NVRTC sees a source, so cupy's compile cache, keyed by the source text, is
+// invalidated by a change here as by a change in the .cu file itself. Each header is inlined
+// once per source.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+#define NEG_INF __int_as_float(0xff800000)
 
 // f16 bits (the low 16 bits of h) -> f32
 __device__ __forceinline__ float h2f(u32 h) {
@@ -55,12 +61,12 @@ __device__ __forceinline__ float rms_scale(const float* x, float* residual, long
     return rsqrtf(ss / (float)D + eps);
 }
 
-// Programmatic dependent launch (sm_90 and later; kernels.py launches with the attribute where
-// the device has it, see kernels._launch). A kernel so launched may begin while the kernel before
+// Programmatic dependent launch (sm_90 and later; runtime.py launches with the attribute where
+// the device has it and the backend's KernelOptions ask for it, see runtime.Launcher). A kernel so launched may begin while the kernel before
 // it in the stream is still running, so that its CTAs are resident and its constant inputs
 // (weights) in flight when that kernel ends, instead of paying a launch and a ramp after it:
 // in a decode pass of ~600 small kernels these gaps were a fifth of the pass. The contract, for
-// every kernel in ops.cu and quant.cu:
+// every kernel of this folder:
 //   pdl_trigger()  the next kernel may launch now (its CTAs take the slots this kernel's CTAs
 //                  free, and wait); it takes effect once every CTA has triggered or exited, that
 //                  is once this kernel's last CTA is resident, so it never delays this kernel.

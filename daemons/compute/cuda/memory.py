@@ -1,81 +1,272 @@
-"""What the cuda backend holds in device memory for a model, computed without a GPU or cupy.
+"""The cuda backend's device memory as a layout of named regions, computed without a GPU or cupy.
 
-The planner (``ntxctl start --plan-only`` included) runs where there may be no GPU at all, so
-the cuda backend's reservations are stated here, next to the backend but importable alone, and
-the backend itself (``CudaBackend.memory_costs``) reports the same object.
+One function of a backend configuration, ``backend_layout``, lists every region the backend
+keeps in its arena (``arena.py``): the pass workspace of each row bucket (its CUDA graphs point
+into them), the kernels' scratch for passes of up to the largest bucket, the head's buffers and
+the f16 copy of a matrix the cuBLAS path multiplies. ``eager_layout`` lists a pass above the
+buckets (a prompt chunk): its own arena, made per pass. The backend carves its arenas from
+these lists and the planner (``cuda_memory_costs``) sums the same lists, so the two cannot
+drift. The size of each scratch purpose is the function the launchers call for it
+(``i16_planes_bytes``, ``mm_scratch_bytes``, ...), evaluated for every matrix shape of the
+model at every row count the layout covers.
+
+Outside the arena, and so in ``ALLOCATOR_SLACK_BYTES``: cuBLAS's workspace, the loaded kernel
+modules, the memory CUDA graphs keep, cupy's pool rounding, and the head's small selection
+buffers (top-k candidates, gathered rows). The KV cache and the device slots are planned apart
+(``MemoryCosts.kv_bytes_per_token``, the plan's slots). A paged KV cache would take fixed-size
+pages from the arena's block pool (``Layout.block_bytes``, ``arena.Arena.blocks``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from ntx.daemons.compute.backend import Workspace
 from ntx.daemons.compute.cuda import tuning
 from ntx.daemons.compute.cuda.buckets import MAX_GRAPH_ROWS, bucket_sizes
 from ntx.shared.gguf_index import HParams, ModelIndex
 from ntx.shared.plan import MemoryCosts
+from ntx.shared.quant_types import QuantType, quant_type
 
-KV_ELEMENT_BYTES = 2  # the KV cache is f16 (kernels.alloc_kv_cache)
-ALLOCATOR_SLACK_BYTES = 256 << 20  # cuBLAS workspace, cupy's pool rounding, loaded modules, graph memory
-POOL_UNIT_BYTES = 512  # cupy's memory pool hands out multiples of this
+__all__ = ["Region", "Layout", "ALIGN_BYTES", "KV_ELEMENT_BYTES", "ALLOCATOR_SLACK_BYTES", "ROW_FIELDS",
+           "attention_splits", "pass_regions", "scratch_regions", "backend_layout", "eager_layout",
+           "i16_plane_bytes", "i16_planes_bytes", "mmq_planes_bytes", "mm_scratch_bytes", "mmq_scratch_bytes",
+           "tree_mask_words", "matrix_shapes", "cuda_memory_costs"]
+
+ALIGN_BYTES = 256  # every region starts on this boundary (the i16 planes need 256, vector loads 16)
+KV_ELEMENT_BYTES = 2  # the KV cache is f16 (norm_rope_kv.alloc_kv_cache)
+# What the arena does not hold: cuBLAS's workspace, loaded modules, graph memory, cupy's pool
+# rounding, the head's selection buffers (top-k candidates: B x chunks x k entries)
+ALLOCATOR_SLACK_BYTES = 256 << 20
+# the int32 row fields of a pass, one device array [len, rows] (buckets.PassRows)
+ROW_FIELDS = ("tokens", "positions", "cache_positions", "slots", "kv_lens", "tree_base")
 
 
+@dataclass(frozen=True)
+class Region:
+    """A named piece of an arena: ``nbytes`` of device memory at an ``ALIGN_BYTES`` boundary,
+    zeroed when the arena is made if ``zero`` (the matmuls' tile counters)."""
+
+    name: str
+    nbytes: int
+    zero: bool = False
+
+    @property
+    def padded_bytes(self) -> int:
+        return -(-max(self.nbytes, 1) // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An arena's regions in order, and its block pool: ``n_blocks`` of ``block_bytes`` after
+    them (none today; the next step's paged KV cache takes its pages there)."""
+
+    regions: tuple[Region, ...]
+    block_bytes: int = 0
+    n_blocks: int = 0
+    offsets: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        offsets, at = {}, 0
+        for r in self.regions:
+            if r.name in offsets:
+                raise ValueError(f"two regions named {r.name!r}")
+            offsets[r.name] = at
+            at += r.padded_bytes
+        object.__setattr__(self, "offsets", offsets)
+
+    @property
+    def blocks_offset(self) -> int:
+        return sum(r.padded_bytes for r in self.regions)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blocks_offset + self.block_bytes * self.n_blocks
+
+    def region(self, name: str) -> Region:
+        return next(r for r in self.regions if r.name == name)
+
+
+# ------------------------------------------------------------------------------ sizes the launchers use
 def attention_splits(T: int, n_kv: int, max_ctx: int, t: tuning.KernelTuning = tuning.DEFAULT) -> int:
-    """The key splits attention uses for T query rows on ``t``'s table (tuning's rule, as
-    ``kernels.attention_splits`` takes it on the current device)."""
+    """The key splits attention uses for T query rows on ``t``'s table (as
+    ``attention.attention_splits`` takes it on the current device)."""
     return t.attn_splits(T, n_kv, max_ctx)
 
 
-def _pool_bytes(nbytes: int) -> int:
-    return -(-nbytes // POOL_UNIT_BYTES) * POOL_UNIT_BYTES
+def tree_mask_words(n_rows: int) -> int:
+    """u32 words per row of a tree mask over trees of up to n_rows rows."""
+    return max(1, -(-n_rows // 32))
 
 
-def pass_workspace_bytes(hp: HParams, rows: int, max_ctx: int, n_splits: int | None = None) -> int:
-    """Device bytes of the cuda backend's workspace for a pass of ``rows`` rows (``backend._Work``):
-    the block's f32 buffers (``Workspace.allocate``), six int32 row arrays, the tree mask
-    (u32 [rows, ceil(rows / 32)]) and attention's split partials, each rounded to the pool's unit.
-    ``max_ctx``: the KV cache's positions (attention splits by it)."""
-    D, F, q, kv = hp.n_embd, hp.n_ff, hp.q_dim, hp.kv_dim
-    S = n_splits if n_splits is not None else attention_splits(rows, hp.n_head_kv, max_ctx)
-    buffers = [rows * w * 4 for w in (D, D, q, kv, kv, q, D, F, F, F)]  # x h q k v attn o gate up act
-    buffers += [rows * 4] * 6  # tokens, positions, cache_positions, slots, kv_lens, tree_base
-    buffers.append(rows * max(1, -(-rows // 32)) * 4)  # tree_mask
-    buffers += [rows * hp.n_head * S * 2 * 4, rows * hp.n_head * S * hp.head_dim * 4]  # attention partials
-    return sum(_pool_bytes(b) for b in buffers)
+def i16_plane_bytes(B: int, n_cols: int) -> int:
+    """One plane of the i16 activations of x [B, n_cols]: int8 x [B, n_cols] (rounded up to 256
+    bytes), then f32 (d, d * sum) pairs [B, n_cols / 32], rounded up to 256 bytes."""
+    plane = -(-B * n_cols // 256) * 256 + B * (n_cols // 32) * 8
+    return -(-plane // 256) * 256
 
 
-def matmul_scratch_bytes(hp: HParams, rows: int) -> int:
-    """The kernels' own per-size workspaces a pass of ``rows`` rows leaves behind (kernels.py
-    _stream_scratch: kept, a graph points at them), for each row length multiplied (D, the
-    attention output's q_dim, F): the tensor-core matmul's x split into f16 halves (4 bytes per
-    element of x), and the int8 tensor-core matmul's two int8 planes of x padded to 8 rows (2
-    bytes per element and 8 per group of 32: kernels.mmq_workspace_bytes; a model of K-quants
-    and other types uses both), or the i16 matvec's planes below them (smaller)."""
-    widths = {hp.n_embd, hp.q_dim, hp.n_ff}
-    bp = 8 * -(-rows // 8)
-    return sum(_pool_bytes(rows * w * 4) + _pool_bytes(bp * w * 2 + bp * (w // 32) * 8) for w in widths)
+def i16_planes_bytes(B: int, n_cols: int) -> int:
+    """Both planes of the i16 activations (matvec.i16_planes): plane 2 after plane 1."""
+    return 2 * i16_plane_bytes(B, n_cols)
 
 
-def graph_workspaces_bytes(hp: HParams, max_ctx: int, max_graph_rows: int = MAX_GRAPH_ROWS) -> int:
-    """The workspaces the backend keeps for its CUDA graphs: one per row bucket, all of them made
-    by the warm-up before the first request."""
-    return sum(pass_workspace_bytes(hp, rows, max_ctx) for rows in bucket_sizes(max_graph_rows))
+def mmq_planes_bytes(B: int, n_cols: int) -> int:
+    """mmq's activations of x [B, n_cols]: the rows padded to Bp = 8 * ceil(B / 8); both int8
+    planes (2 bytes per element) and (d2, sum) per group of 32 (8 bytes)."""
+    bp = 8 * -(-B // 8)
+    return bp * n_cols * 2 + bp * (n_cols // 32) * 8
+
+
+def mm_scratch_bytes(n_rows: int, n_cols: int, B: int, ks: int, tiles: int) -> dict[str, int]:
+    """The f16 tensor-core matmul's scratch for x [B, n_cols] against n_rows rows with KS
+    splits of ``tiles`` row tiles: x split into f16 halves, and with split-K the partial sums
+    and the tile counters."""
+    out = {"mm x halves": B * n_cols * 4}
+    if ks > 1:
+        out.update({"split-k partials": ks * B * n_rows * 4, "split-k counters": tiles * 4})
+    return out
+
+
+def mmq_scratch_bytes(n_rows: int, n_cols: int, B: int, ks: int, tiles: int) -> dict[str, int]:
+    """The int8 tensor-core matmul's scratch: x's planes, and with split-K as ``mm``."""
+    out = {"mmq x planes": mmq_planes_bytes(B, n_cols)}
+    if ks > 1:
+        out.update({"split-k partials": ks * B * n_rows * 4, "split-k counters": tiles * 4})
+    return out
+
+
+def mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
+    """(cut, quad steps per row) the tensor-core matmul takes for rows of n_cols columns of q:
+    its first cut (QuantType.mm_cuts) whose block divides the row into whole quad steps (4
+    pieces); None when there is none."""
+    for cut, epb, lpb in q.mm_cuts:
+        if n_cols % epb == 0 and (n_cols // epb * lpb) % 4 == 0:
+            return cut, n_cols // epb * lpb // 4
+    return None
+
+
+def gemm_path(q: QuantType, n_cols: int, T: int, t: tuning.KernelTuning) -> str:
+    """Which path gemm takes for T rows of x against rows of n_cols of type q: "dequant"
+    (beyond MAX_MM_ROWS: an f16 copy and cuBLAS), "mmq" (the K-quants from mmq_min_rows rows),
+    "mm" (the other types mm decodes, from mm_min_rows rows), "i16" (one i16 matvec launch, up
+    to 8 rows of the block-quantized types), or "matvec" (the matvec in chunks of 8 rows)."""
+    if T > tuning.MAX_MM_ROWS:
+        return "dequant"
+    if q.mm_staged and n_cols % 256 == 0:  # the K-quants (mm.MMQ_TYPES)
+        if T >= t.mmq_min_rows:
+            return "mmq"
+    elif T >= t.mm_min_rows and mm_cut(q, n_cols) is not None:
+        return "mm"
+    if T <= tuning.MAX_MATVEC_B and q.dp4a:
+        return "i16"
+    return "matvec"
+
+
+def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning.KernelTuning) -> dict[str, int]:
+    """The scratch gemm takes for T rows of x against W [n_rows, n_cols] of type q, by purpose
+    (the i16 planes of one quantization; the chunked matvec's are per chunk of 8 rows)."""
+    path = gemm_path(q, n_cols, T, t)
+    if path == "mmq":
+        wr, wk, ks = t.mmq_launch(T, n_rows, n_cols // 256 * 8)
+        return mmq_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
+    if path == "mm":
+        cut = mm_cut(q, n_cols)
+        wr, wk, ks = t.mm_launch(T, n_rows, cut[1])
+        return mm_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
+    if path in ("i16", "matvec") and q.dp4a:
+        return {"i16 planes": i16_planes_bytes(min(T, tuning.MAX_MATVEC_B), n_cols)}
+    return {}
+
+
+def matrix_shapes(index: ModelIndex) -> set[tuple[int, int, int]]:
+    """(type, rows, columns) of every matrix the backend multiplies: the layers' and the head."""
+    shapes = {(int(t.ggml_type), t.shape[0], t.shape[1]) for layer in index.layers
+              for t in layer.tensors.values() if len(t.shape) == 2}
+    g = index.globals
+    head = g.get("output", g["token_embd"])
+    shapes.add((int(head.ggml_type), head.shape[0], head.shape[1]))
+    return shapes
+
+
+# ------------------------------------------------------------------------------ the layouts
+def pass_regions(hp: HParams, rows: int, max_ctx: int, prefix: str = "") -> list[Region]:
+    """A pass of ``rows`` rows (``backend._Work``): the int32 row fields [6, rows], the tree mask
+    (u32 [rows, tree_mask_words(rows)]), the block's f32 buffers (``Workspace.allocate``) and
+    attention's split partials (its splits for ``rows`` rows at ``max_ctx``)."""
+    S = attention_splits(rows, hp.n_head_kv, max_ctx)
+    regions = [Region("row fields", len(ROW_FIELDS) * rows * 4), Region("tree mask", rows * tree_mask_words(rows) * 4)]
+    for name, width in Workspace.buffer_widths(hp):
+        regions.append(Region(name, rows * width * 4))
+    regions += [Region("attention ml", rows * hp.n_head * S * 2 * 4),
+                Region("attention acc", rows * hp.n_head * S * hp.head_dim * 4)]
+    return [Region(prefix + r.name, r.nbytes, r.zero) for r in regions]
+
+
+def head_regions(hp: HParams, rows: int) -> list[Region]:
+    """The head of up to ``rows`` logit rows: the final norm [rows, D] and the logits [rows, V]."""
+    return [Region("head h", rows * hp.n_embd * 4), Region("logits", rows * hp.n_vocab * 4)]
+
+
+def scratch_regions(shapes, max_rows: int, model_width: int, t: tuning.KernelTuning = tuning.DEFAULT) -> list[Region]:
+    """The kernels' scratch for every product of up to ``max_rows`` rows of x (a size's needs
+    grow with its rows, so the buckets up to it cover every row count) over matrices of
+    ``shapes`` (type, rows, columns): per purpose the most any product takes
+    (``gemm_scratch_bytes``), the split-K tile counters zeroed, and gemm(accumulate)'s product
+    off the i16 path ([rows, model_width]: the down matrix adds into x). One region per purpose
+    serves every product: the products of one stream run one after another, and each
+    quantization's products run before the next quantization writes the planes again."""
+    need: dict[str, int] = {}
+    for qtype, n_rows, n_cols in sorted(shapes):
+        q = quant_type(qtype)
+        for T in bucket_sizes(max_rows):
+            for purpose, nbytes in gemm_scratch_bytes(q, n_rows, n_cols, T, t).items():
+                need[purpose] = max(need.get(purpose, 0), nbytes)
+    need["gemm accumulate"] = max_rows * model_width * 4
+    return [Region(name, nbytes, zero=name == "split-k counters") for name, nbytes in sorted(need.items())]
+
+
+def backend_layout(index: ModelIndex, max_ctx: int, max_graph_rows: int = MAX_GRAPH_ROWS,
+                   t: tuning.KernelTuning = tuning.DEFAULT) -> Layout:
+    """Everything the cuda backend keeps for ``index`` with a KV cache of ``max_ctx`` positions:
+    each row bucket's pass workspace (``bucket{rows}/…``) and the head's buffers for the largest
+    bucket (``max_graph_rows``: 0 without graphs), the kernels' scratch for every product of up
+    to MAX_MM_ROWS rows (the head multiplies in chunks of that many), and the f16 copy of the
+    largest layer matrix (``dequant w16``: the cuBLAS path of eager passes)."""
+    hp = index.hparams
+    regions: list[Region] = []
+    for rows in bucket_sizes(max_graph_rows):
+        regions += pass_regions(hp, rows, max_ctx, prefix=f"bucket{rows}/")
+    if max_graph_rows:
+        regions += head_regions(hp, max_graph_rows)
+    regions += scratch_regions(matrix_shapes(index), tuning.MAX_MM_ROWS, hp.n_embd, t)
+    largest = max(m.shape[0] * m.shape[1] for layer in index.layers for m in layer.tensors.values() if len(m.shape) == 2)
+    regions.append(Region("dequant w16", largest * 2))
+    return Layout(tuple(regions))
+
+
+def eager_layout(hp: HParams, rows: int, max_ctx: int) -> Layout:
+    """A pass above the buckets (made per pass, freed after): its workspace and head for
+    ``rows`` rows, the f16 copy of x the cuBLAS path multiplies (``dequant x16``, the widest
+    row multiplied) and gemm(accumulate)'s product (the down matrix's [rows, D])."""
+    widest = max(hp.n_embd, hp.q_dim, hp.n_ff)
+    return Layout(tuple(pass_regions(hp, rows, max_ctx) + head_regions(hp, rows)
+                        + [Region("dequant x16", rows * widest * 2), Region("gemm accumulate", rows * hp.n_embd * 4)]))
 
 
 def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
     """Resident layers as their GGUF bytes; the KV cache of ``max_seqs`` sequences at full
-    context, reserved up front; the kept workspace of every row bucket (graphs replay into
-    them) and the kernels' scratch of each bucket's row count (``matmul_scratch_bytes``); a
-    workspace for a prompt chunk of ``prefill_chunk_tokens`` rows (hidden states,
-    feed-forward, logits) plus the largest matrix dequantized to f16 (the GEMM path of rows
-    beyond the graphs')."""
+    context, reserved up front; the workspace: the backend's arena (``backend_layout``), the
+    arena of an eager pass of a prompt chunk (``eager_layout`` of ``prefill_chunk_tokens``
+    rows, when that is above the buckets) and ``ALLOCATOR_SLACK_BYTES``."""
     hp = index.hparams
     ctx = min(max_ctx, hp.n_ctx_train)
-    largest = max(t.n_elements for layer in index.layers for t in layer.tensors.values())
-    rows_bytes = prefill_chunk_tokens * (hp.n_embd * 4 + hp.n_ff * 8 + hp.n_vocab * 4)
+    eager = eager_layout(hp, prefill_chunk_tokens, ctx).total_bytes if prefill_chunk_tokens > MAX_GRAPH_ROWS else 0
     return MemoryCosts(
         memory_name="VRAM",
         layer_bytes=tuple(layer.nbytes for layer in index.layers),
         globals_bytes=index.global_bytes_total,
         kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * KV_ELEMENT_BYTES,
         kv_tokens=ctx * max_seqs,
-        workspace_bytes=(ALLOCATOR_SLACK_BYTES + largest * 2 + rows_bytes + graph_workspaces_bytes(hp, ctx)
-                         + sum(matmul_scratch_bytes(hp, rows) for rows in bucket_sizes(MAX_GRAPH_ROWS))),
+        workspace_bytes=ALLOCATOR_SLACK_BYTES + backend_layout(index, ctx).total_bytes + eager,
     )

@@ -1,8 +1,9 @@
 """Which path is fastest for T <= 64 rows of x against one quantized matrix: the tensor-core
-matmul (``kernels.mm``, weights read once), the int8 tensor-core matmul (``kernels.mmq``, the
-K-quants), or matvec (f32, the int8-activation dp4a variant and
-the two-plane i16 one) in chunks of 8 rows (weights read ceil(T/8) times)? It decides ``mm_min_rows`` and ``mm_launch``
-of the device's entry in daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, the path beyond
+matmul (``lab.mm``, weights read once; the K-quants staged or direct), the int8 tensor-core
+matmul (``lab.mmq``, the K-quants), or matvec (f32, the int8-activation dp4a variant and the
+two-plane i16 one) in chunks of 8 rows (weights read ceil(T/8) times)? It decides
+``mm_min_rows``, ``mmq_min_rows``, ``mm_launch`` and ``mmq_launch`` of the device's entry in
+daemons/compute/cuda/tuning.py. (Dequantize + cuBLAS, the path beyond
 64 rows, is not a candidate: cupy cannot capture cuBLAS calls in a graph.) Each path is timed as
 a CUDA graph of 20 calls (no Python launch overhead) cycling over up to 8 copies of the matrix,
 so small matrices are not read from L2.
@@ -13,10 +14,10 @@ row groups), and with --mv-variants also the f32 matvec's cuts "v1" and "v2", at
 configuration (rows per CTA, warps per CTA, pieces per trip) = MV_SWEEP for each B of --ts up
 to 8 (default 1..8), printing weight bytes per second beside the device's copy bandwidth and
 the best configuration per (type, shape, B) beside the device table's own (tuning.py
-mvq_launch): the figures behind the H200's mvq_launch.
+i16_launch): the figures behind the H200's i16_launch.
 
-    python3 scripts/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--paths mm,mmq,matvec_i16] [--out gemm_paths.json]
-    python3 scripts/bench_gemm_paths.py --sweep-mv [--shapes 8b] [--types Q4_K,Q6_K] [--mv-variants i16,v2] [--out mv_sweep.json]
+    python3 dev/cuda/bench_gemm_paths.py [--shapes 8b|70b] [--types Q4_K,Q6_K,Q8_0] [--ts 1,2,4,8,16,32,64] [--paths mm,mmq,matvec_i16] [--out gemm_paths.json]
+    python3 dev/cuda/bench_gemm_paths.py --sweep-mv [--shapes 8b] [--types Q4_K,Q6_K] [--mv-variants i16,v2] [--out mv_sweep.json]
 """
 
 from __future__ import annotations
@@ -24,22 +25,31 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import cupy as cp
 import numpy as np
 
-from ntx.daemons.compute.cuda import kernels as K
-from ntx.daemons.compute.cuda import tuning
-from ntx.daemons.compute.cuda.copy_bandwidth import device_copy_gbps
-from ntx.shared.quant_types import quant_type, tensor_nbytes
-from synth_gguf import make_blocks  # scripts/synth_gguf, next to this script
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "scripts")]
+import lab  # noqa: E402  (dev/cuda)
+from synth_gguf import make_blocks  # noqa: E402  (scripts/synth_gguf)
+
+from ntx.daemons.compute.cuda import gemm, runtime, tuning  # noqa: E402
+from ntx.daemons.compute.cuda.memory import mm_cut  # noqa: E402
+from ntx.daemons.compute.cuda.mm import mmq_supported  # noqa: E402
+from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS  # noqa: E402
+from ntx.daemons.compute.probes import device_copy_gbps  # noqa: E402
+from ntx.shared.quant_types import quant_type, tensor_nbytes  # noqa: E402
+
+CTX = runtime.standalone()
 
 SHAPES = {"70b": [(28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)],  # ffn up, q/o, down, k/v
           "8b": [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096)]}
 ITERS = 20
 # (rows per CTA, warps per CTA, pieces per trip) of the i16 matvec sweep
 MV_SWEEP = [(nr, nw, u) for nr in tuning.MV_ROWS_PER_CTA for nw in (2, 4, 8) for u in tuning.MV_UNROLLS]
-MV_VARIANTS = ("i16", "i16s", "v1", "v2")  # --mv-variants: the matvec variants --sweep-mv may time
+MV_VARIANTS = ("i16", "i16s", "v1", "v2", "dp4a")  # --mv-variants: the matvec variants --sweep-mv may time
 
 
 def _time_ms(fn, stream) -> float | None:
@@ -68,12 +78,13 @@ def _time_ms(fn, stream) -> float | None:
 
 
 def _weight_copies(qt: int, n_rows: int, n_cols: int, rng) -> tuple[list, int]:
-    """Up to 8 device copies of a random [n_rows, n_cols] matrix of qt, enough to cycle through
-    >= 256 MB (L2-cold), and its bytes."""
+    """Up to 8 device copies of a random [n_rows, n_cols] matrix of qt (Weights), enough to
+    cycle through >= 256 MB (L2-cold), and its bytes."""
     nbytes = tensor_nbytes(qt, (n_rows, n_cols))
     n_copies = max(1, -(-(256 << 20) // nbytes))
     nblocks = n_rows * n_cols // quant_type(qt).block_elems
-    return [cp.asarray(make_blocks(qt, nblocks, 0.02, rng).reshape(-1)) for _ in range(min(n_copies, 8))], nbytes
+    return [gemm.weight(cp.asarray(make_blocks(qt, nblocks, 0.02, rng).reshape(-1)), qt, n_rows, n_cols)
+            for _ in range(min(n_copies, 8))], nbytes
 
 
 def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
@@ -83,13 +94,13 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
     "v2_8_4_1", the best, and the device table's choice (i16)."""
     from gguf import GGMLQuantizationType as QT
 
-    table = K._tuning()
+    table = runtime.tuning()
     variants = args.mv_variants.split(",")
     unknown = set(variants) - set(MV_VARIANTS)
     if unknown:
         raise SystemExit(f"--mv-variants: unknown {sorted(unknown)}; choose from {', '.join(MV_VARIANTS)}")
-    bs = [b for b in (int(t) for t in args.ts.split(",")) if 1 <= b <= K.MAX_MATVEC_B] if args.ts_given else \
-        list(range(1, K.MAX_MATVEC_B + 1))
+    bs = [b for b in (int(t) for t in args.ts.split(",")) if 1 <= b <= MAX_MATVEC_B] if args.ts_given else \
+        list(range(1, MAX_MATVEC_B + 1))
     rows = []
     for tname in args.types.split(","):
         qt = int(QT[tname])
@@ -101,14 +112,14 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
             for B in bs:
                 x = cp.asarray(rng.standard_normal((B, n_cols), dtype=np.float32))
                 out = cp.empty((B, n_rows), dtype=cp.float32)
-                default = tuple(table.mvq(QT(qt), B))
+                default = tuple(table.i16(QT(qt), B))
                 cfgs = {}
                 for variant in variants:
                     if variant == "v2" and "v2" not in quant_type(qt).cuts:
                         continue
                     for cfg in MV_SWEEP:
-                        ms = _time_ms(lambda i, c=cfg, v=variant: K.matvec(ws[i % len(ws)], qt, n_rows, n_cols, x,
-                                                                            out=out, variant=v, config=c), stream)
+                        ms = _time_ms(lambda i, c=cfg, v=variant: lab.matvec(CTX, ws[i % len(ws)], x, out=out,
+                                                                             variant=v, config=c), stream)
                         cfgs["_".join(map(str, (variant, *cfg)))] = None if ms is None else {
                             "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)}
                 timed = {k: v for k, v in cfgs.items() if v is not None}
@@ -171,18 +182,19 @@ def main() -> None:
 
                 def chunked(i, variant="f32"):
                     w = ws[i % len(ws)]
-                    for a in range(0, T, K.MAX_MATVEC_B):
-                        b = min(a + K.MAX_MATVEC_B, T)
-                        K.matvec(w, qt, n_rows, n_cols, x[a:b], out=out[a:b], variant=variant)
+                    for a in range(0, T, MAX_MATVEC_B):
+                        b = min(a + MAX_MATVEC_B, T)
+                        lab.matvec(CTX, w, x[a:b], out=out[a:b], variant=variant)
 
-                paths = {"matvec_f32": chunked, "matvec_dp4a": lambda i: chunked(i, "dp4a"),
-                         "matvec_i16": lambda i: chunked(i, "i16")}
-                if K.mm_supported(qt, n_cols) and T <= K.MAX_MM_ROWS:
-                    paths["mm"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out)
-                    if qt in K.MM_STAGED_TYPES:
-                        paths["mm_direct"] = lambda i: K.mm(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, staged=False)
-                if K.mmq_supported(qt, n_cols) and T <= K.MAX_MM_ROWS:
-                    paths["mmq"] = lambda i: K.mmq(ws[i % len(ws)], qt, n_rows, n_cols, x, out=out)
+                paths = {"matvec_f32": chunked}
+                if quant_type(qt).dp4a:
+                    paths.update(matvec_dp4a=lambda i: chunked(i, "dp4a"), matvec_i16=lambda i: chunked(i, "i16"))
+                if mm_cut(quant_type(qt), n_cols) is not None and T <= MAX_MM_ROWS:
+                    paths["mm"] = lambda i: lab.mm(CTX, ws[i % len(ws)], x, out=out)
+                    if quant_type(qt).mm_staged:
+                        paths["mm_direct"] = lambda i: lab.mm(CTX, ws[i % len(ws)], x, out=out, staged=False)
+                if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:
+                    paths["mmq"] = lambda i: lab.mmq(CTX, ws[i % len(ws)], x, out=out)
                 if args.paths:
                     keep = set(args.paths.split(","))
                     paths = {k: v for k, v in paths.items() if k in keep}
@@ -191,13 +203,13 @@ def main() -> None:
                         for wk in (1, 2, 4, 8):
                             for ks in (1, 2, 4, 8):
                                 if wr * wk <= 8 and 16 * wr >= T // 2:
-                                    paths[f"mm_{wr}_{wk}_{ks}"] = (lambda c: lambda i: K.mm(
-                                        ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))((wr, wk, ks))
+                                    paths[f"mm_{wr}_{wk}_{ks}"] = (lambda c: lambda i: lab.mm(
+                                        CTX, ws[i % len(ws)], x, out=out, config=c))((wr, wk, ks))
                 if args.sweep_mm and "mmq" in paths:
                     for wr, wk, ks, mt in itertools.product((1, 2), (2, 4, 8), (1, 2, 4), (1, 2)):
                         if wr * wk <= 8:
-                            paths[f"mmq_{wr}_{wk}_{ks}_{mt}"] = (lambda c: lambda i: K.mmq(
-                                ws[i % len(ws)], qt, n_rows, n_cols, x, out=out, config=c))((wr, wk, ks, mt))
+                            paths[f"mmq_{wr}_{wk}_{ks}_{mt}"] = (lambda c: lambda i: lab.mmq(
+                                CTX, ws[i % len(ws)], x, out=out, config=c))((wr, wk, ks, mt))
                 row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes}
                 for name, fn in paths.items():
                     ms = _time_ms(fn, stream)
@@ -207,7 +219,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             ws.clear()
             cp.get_default_memory_pool().free_all_blocks()
-    for key, f in sorted(K._functions.items(), key=str):  # registers, spills: what bounds occupancy
+    for key, f in sorted(runtime._functions.items(), key=str):  # registers, spills: what bounds occupancy
         print(f"kernel {key[1:]}: {f.num_regs} registers, {f.local_size_bytes} B local (spills), "
               f"{f.shared_size_bytes} B static shared", flush=True)
     if args.out:

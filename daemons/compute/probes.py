@@ -1,9 +1,11 @@
-"""The device-to-device copy bandwidth probe: the reference every GPU benchmark compares with.
+"""Measurements of the machine the benchmarks compare with, importable anywhere (cupy on call).
 
-A kernel or a decode step that reads weights cannot beat the device's own copy (DRAM read and
-write), so scripts/bench_kernels.py, scripts/bench_decode.py and ``ntxctl bench`` report their
-GB/s beside this figure, measured in the same run by this one function. cupy is imported on
-call, so the module imports anywhere.
+``device_copy_gbps``: the device-to-device copy bandwidth, the reference every GPU benchmark
+compares with. A kernel or a decode step that reads weights cannot beat the device's own copy
+(DRAM read and write), so ``ntxctl bench`` (ctl/bench.py), scripts/bench_decode.py,
+scripts/bench_kernels.py, scripts/profile_pass.py and dev/cuda's sweeps report their GB/s beside
+this figure, measured in the same run by this one function. It lives here, not in the cuda
+backend's package, so that ctl reaches no cuda internals.
 """
 
 from __future__ import annotations

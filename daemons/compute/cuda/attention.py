@@ -1,0 +1,147 @@
+"""Grouped-query attention over the f16 KV cache (attention.cu), and its fusion with the
+product of its output (W_o).
+
+Token trees (speculative decoding verifies a tree of drafted tokens in one pass): attention
+takes, per query row, the cache position of its tree's row 0 and a bit mask over the tree's rows
+(``pack_tree_mask``); ``norm_rope_kv.kv_move`` then moves the accepted path's keys and values
+down to the prefix in every layer at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy as cp
+import numpy as np
+
+from ntx.daemons.compute.backend import Weight
+from ntx.daemons.compute.cuda import gemm as gm
+from ntx.daemons.compute.cuda import instances
+from ntx.daemons.compute.cuda.matvec import i16_planes, matvec
+from ntx.daemons.compute.cuda.memory import tree_mask_words
+from ntx.daemons.compute.cuda.norm_rope_kv import check_cache
+from ntx.daemons.compute.cuda.runtime import KernelContext, check_f32, check_i32, function, out_array, stream_ctx, tuning
+from ntx.daemons.compute.cuda.tuning import ATTN_SPLIT_STEP, MAX_MATVEC_B
+
+__all__ = ["attention", "attention_gemm", "attention_gemm_fuses", "attention_splits", "attention_workspace",
+           "tree_mask_words", "pack_tree_mask"]
+
+_ATTN_WARPS = ATTN_SPLIT_STEP  # warps per CTA of attn_split_kernel: n_splits is a multiple of it
+_ATTN_MAX_SPLITS = 256  # attention.cu ATTN_MAX_SPLITS: attn_combine_kernel's shared arrays
+
+
+def pack_tree_mask(visible, n_words: int):
+    """A tree's visibility (bool [n, n], row j sees row i) as attention's tree_mask rows: uint32
+    [n, n_words], bit i % 32 of word i // 32 of row j = visible[j, i]."""
+    n = visible.shape[0]
+    if n > 32 * n_words:
+        raise ValueError(f"a tree of {n} rows needs {tree_mask_words(n)} mask words, not {n_words}")
+    bits = np.zeros((n, 32 * n_words), dtype=bool)
+    bits[:, :n] = visible
+    return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def attention_splits(T: int, n_kv: int, max_ctx: int) -> int:
+    """Default number of key splits (a multiple of 4) for attention over T queries: enough
+    (query, kv-head, split) warps to fill the device (its tuning entry), at most one split per
+    32-key tile."""
+    return tuning().attn_splits(T, n_kv, max_ctx)
+
+
+def attention_workspace(T: int, H: int, hd: int, n_splits: int):
+    """(part_ml, part_acc) scratch for attention: f32 [T*H*n_splits*2] and [T*H*n_splits*hd]."""
+    return cp.empty(T * H * n_splits * 2, dtype=cp.float32), cp.empty(T * H * n_splits * hd, dtype=cp.float32)
+
+
+def attention(ctx: KernelContext, q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, workspace=None,
+              scale=None, tree_base=None, tree_mask=None, planes=None, stream=None):
+    """Grouped-query attention over the f16 KV cache, softmax in f32.
+
+    q: f32 [T, H, hd] (RoPE applied), H = n_kv * group; query t (head h) attends to positions
+    [0, kv_lens[t]) of slot slots[t] through kv-head h // group, scaled by 1/sqrt(hd).
+    slots, kv_lens: int32 [T] on the device.
+      decode:  T sequences, kv_lens[t] = pos[t] + 1 (after kv_append of this step's k, v);
+      prefill: one sequence's chunk of T positions, slots all equal, kv_lens[t] = positions[t] + 1
+               (causal within the chunk, the chunk's own keys appended first).
+      tree:    with tree_base (int32 [T]) and tree_mask (uint32 [T, W], pack_tree_mask), a row t
+               with tree_base[t] >= 0 is a row of a token tree whose row 0 sits at cache position
+               tree_base[t]: of the keys in [0, kv_lens[t]) it sees those before tree_base[t] and
+               the tree row i (at tree_base[t] + i) where bit i of tree_mask[t] is set (its
+               ancestors and itself). Rows with tree_base[t] = -1 keep the rule above. Without
+               them the kernel has no mask code at all (a separate instantiation).
+    out: f32 [T, H, hd]. n_splits: key splits (multiple of 4; default attention_splits); pass the
+    same n_splits and a workspace (attention_workspace) to make the call allocation-free.
+    planes: ``matvec.i16_planes(ctx, T, H * hd)``, written with out's i16 activations
+    (``matvec.i16_quantize`` of out as [T, H * hd], the same bits) by the combine kernel: see
+    ``attention_gemm``.
+    """
+    n_slots, n_kv, max_ctx, hd = check_cache(cache_k, cache_v)
+    check_f32("q", q)
+    if q.ndim != 3 or q.shape[2] != hd or q.shape[1] % n_kv:
+        raise ValueError(f"q must be [T, n_kv*group, {hd}], got {q.shape}")
+    T, H, _ = q.shape
+    G = H // n_kv
+    if hd % 32 or hd > 256 or G * hd > 2048:
+        raise ValueError(f"unsupported head dim {hd} / group {G} (hd multiple of 32 <= 256, group*hd <= 2048)")
+    check_i32("slots", slots, T)
+    check_i32("kv_lens", kv_lens, T)
+    tree = tree_base is not None
+    if tree != (tree_mask is not None):
+        raise ValueError("tree_base and tree_mask go together")
+    if tree:
+        check_i32("tree_base", tree_base, T)
+        if (not isinstance(tree_mask, cp.ndarray) or tree_mask.dtype != cp.uint32 or tree_mask.ndim != 2
+                or tree_mask.shape[0] != T or not tree_mask.flags.c_contiguous):
+            raise TypeError(f"tree_mask must be a C-contiguous cupy uint32 [{T}, W] array")
+    out = out_array(out, (T, H, hd), cp.float32)
+    if T == 0:
+        return out
+    S = n_splits or attention_splits(T, n_kv, max_ctx)
+    if S % _ATTN_WARPS or S > _ATTN_MAX_SPLITS:
+        raise ValueError(f"n_splits={S} must be a multiple of {_ATTN_WARPS} up to {_ATTN_MAX_SPLITS}")
+    if workspace is None:
+        workspace = attention_workspace(T, H, hd, S)
+    part_ml, part_acc = workspace
+    if part_ml.size < T * H * S * 2 or part_acc.size < T * H * S * hd:
+        raise ValueError("workspace too small for this T, H, hd, n_splits")
+    sc = float(scale) if scale is not None else 1.0 / math.sqrt(hd)
+    smem = _ATTN_WARPS * G * hd * 4
+    args = (q, cache_k, cache_v, slots, kv_lens, part_ml, part_acc, np.int32(n_slots), np.int32(n_kv),
+            np.int32(max_ctx), np.float32(sc))
+    if tree:
+        args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
+    names = instances.attn_names(G, hd)
+    with stream_ctx(stream):
+        ctx.launch(function("attention.cu", names[int(tree)], names), (S // _ATTN_WARPS, n_kv, T),
+                   (32 * _ATTN_WARPS,), args, shared_mem=smem)
+        # the combine reads only the splits the row's length uses (kv_lens, slots as above)
+        ctx.launch(function("attention.cu", "attn_combine_kernel"), (H, T), (min(hd, 256),), (
+            part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd), slots, kv_lens, np.int32(n_slots),
+            np.int32(max_ctx), *(planes if planes is not None else (np.uint64(0),) * 4)))
+    return out
+
+
+def attention_gemm_fuses(ctx: KernelContext, T: int, w: Weight) -> bool:
+    """Whether ``attention_gemm`` of T rows by ``w`` is one fused operation (the product takes
+    the i16 matvec) rather than an attention and then a gemm."""
+    return w.n_cols % 32 == 0 and T <= MAX_MATVEC_B and gm.path(ctx, w, T) == "i16"
+
+
+def attention_gemm(ctx: KernelContext, q, cache_k, cache_v, slots, kv_lens, attn, w: Weight, out, *, n_splits=None,
+                   workspace=None, tree_base=None, tree_mask=None, stream=None):
+    """attn = attention(q, ...) [T, H, hd], then out = attn @ W.T [T, n_rows] (n_cols = H * hd):
+    where that product takes the i16 matvec, attention's combine kernel also writes attn's planes,
+    one launch fewer than an attention and a quantization, with the same bits."""
+    T, H, hd = q.shape
+    if w.n_cols != H * hd:
+        raise ValueError(f"attention_gemm: W has {w.n_cols} columns for an attention output of {H}x{hd}")
+    attn = out_array(attn, (T, H, hd), cp.float32)
+    fused = attention_gemm_fuses(ctx, T, w) and attn.data.ptr % 16 == 0
+    with stream_ctx(stream):
+        planes = i16_planes(ctx, T, w.n_cols) if fused else None
+        attention(ctx, q, cache_k, cache_v, slots, kv_lens, attn, n_splits=n_splits, workspace=workspace,
+                  tree_base=tree_base, tree_mask=tree_mask, planes=planes)
+        x = attn.reshape(T, w.n_cols)
+        if not fused:
+            return gm.gemm(ctx, w, x, out)
+        return matvec(ctx, w, x, out, planes=planes)

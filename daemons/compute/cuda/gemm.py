@@ -1,0 +1,210 @@
+"""Matrix products by rows of x: which kernel multiplies a matrix, chosen once per weight format
+and row count, and the fused entry points of a layer (a norm or a swiglu and the products of its
+output).
+
+``weight`` makes the ``Weight`` every product takes: a matrix's GGUF bytes on the device, its
+type, shape and row bytes, checked once (a resident layer when it is prepared, a streamed layer
+each pass it arrives). ``gemm`` looks its path up by the weight's format and the rows of x
+(``memory.gemm_path``, kept in the context's plans after the first call; the warm-up makes that
+call for every bucket before any request):
+
+  * up to MAX_MM_ROWS rows, one capturable launch sequence (no cuBLAS, which cupy cannot
+    capture): the K-quants take the int8 tensor-core matmul ``mm.mmq`` from the device's
+    mmq_min_rows rows, the other types ``mm.mm`` from mm_min_rows where it decodes them; below
+    that (and for F32 and BF16) the matvec (``matvec.py``: the i16 product for block-quantized
+    types, ~2e-5, f32 for the float types), in chunks of 8 rows;
+  * more rows: ``gemm_dequant`` (an f16 copy of W and cuBLAS), eager passes only.
+
+The products of one x — a layer's q, k and v, its gate and up — go through ``gemm_group``,
+which quantizes x once for all the products that take the same quantized x, and runs the i16
+products of one type as one launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from ntx.daemons.compute.backend import Weight
+from ntx.daemons.compute.cuda import matvec as mv
+from ntx.daemons.compute.cuda import mm as tc
+from ntx.daemons.compute.cuda import norm_rope_kv as nrk
+from ntx.daemons.compute.cuda.dequant import dequantize_f16
+from ntx.daemons.compute.cuda.memory import gemm_path
+from ntx.daemons.compute.cuda.runtime import (KernelContext, aligned_x, check_f32, out_array, stream_ctx, tuning)
+from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B
+from ntx.shared.quant_types import quant_type, row_nbytes
+
+__all__ = ["weight", "path", "gemm", "gemm_dequant", "gemm_group", "norm_gemm_group", "swiglu_gemm_add"]
+
+
+def weight(raw, qtype, n_rows: int, n_cols: int) -> Weight:
+    """The ``Weight`` of W [n_rows, n_cols] stored as ``qtype`` in ``raw`` (a C-contiguous
+    uint8 device array of the tensor's GGUF bytes, no repacking), checked once: the row length
+    the kernels take, the bytes there, and the alignment their loads need."""
+    q = quant_type(qtype)
+    col_mult, align = q.kernel_col_multiple, q.kernel_align_bytes
+    if not isinstance(raw, cp.ndarray) or raw.dtype != cp.uint8 or not raw.flags.c_contiguous:
+        raise TypeError("a weight must be a C-contiguous cupy uint8 array of the tensor's GGUF bytes")
+    if n_cols % col_mult:
+        raise ValueError(f"{q.name}: n_cols={n_cols} must be a multiple of {col_mult}")
+    rb = row_nbytes(q.qtype, n_cols)
+    if raw.size < n_rows * rb:
+        raise ValueError(f"the weight holds {raw.size} bytes, {q.name} [{n_rows}, {n_cols}] needs {n_rows * rb}")
+    if raw.data.ptr % align or rb % align:
+        raise ValueError(f"{q.name} weights must start on a {align}-byte boundary (address {raw.data.ptr:#x}, row {rb} B)")
+    return Weight(int(q.qtype), int(n_rows), int(n_cols), rb, raw)
+
+
+def path(ctx: KernelContext, w: Weight, T: int) -> str:
+    """The path gemm takes for T rows of x against ``w`` (``memory.gemm_path`` on the device's
+    table), chosen once per format and T and kept in the context."""
+    key = ("gemm", w.format_key, T)
+    p = ctx.plans.get(key)
+    if p is None:
+        p = ctx.plans[key] = gemm_path(quant_type(w.qtype), w.n_cols, T, tuning())
+    return p
+
+
+def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate: bool = False):
+    """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T (see the module doc). accumulate: out +=
+    x @ W.T, the same f32 addition as a separate add: in the i16 matvec's epilogue, else through
+    a scratch product and ``add``."""
+    x = aligned_x(x, w.n_cols)
+    T = x.shape[0]
+    p = path(ctx, w, T)
+    if accumulate:
+        check_f32("out", out, (T, w.n_rows))
+        if p == "i16":
+            return mv.matvec(ctx, w, x, out, stream=stream, accumulate=True)
+        with stream_ctx(stream):
+            tmp = ctx.scratch("gemm accumulate", T * w.n_rows * 4).view(cp.float32).reshape(T, w.n_rows)
+            gemm(ctx, w, x, tmp, stream=stream)
+            return nrk.add(ctx, out, tmp, out=out, stream=stream)
+    if p == "dequant":
+        return gemm_dequant(ctx, w, x, out, stream=stream)
+    if p == "mmq":
+        return tc.mmq(ctx, w, x, out, stream=stream)
+    if p == "mm":
+        return tc.mm(ctx, w, x, out, stream=stream)
+    if T <= MAX_MATVEC_B:
+        return mv.matvec(ctx, w, x, out, stream=stream)
+    out = out_array(out, (T, w.n_rows), cp.float32)
+    for i in range(0, T, MAX_MATVEC_B):
+        j = min(i + MAX_MATVEC_B, T)
+        mv.matvec(ctx, w, x[i:j], out[i:j], stream=stream)
+    return out
+
+
+def gemm_dequant(ctx: KernelContext, w: Weight, x, out=None, *, stream=None):
+    """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T through an f16 copy of W: W dequantized to
+    the context's f16 scratch, x rounded to f16, cuBLAS GEMM with f32 accumulation and f32
+    output (relative error ~1e-3 from the two f16 roundings). Eager only (cupy cannot capture
+    cuBLAS)."""
+    x = aligned_x(x, w.n_cols)
+    T = x.shape[0]
+    n_rows, n_cols = w.n_rows, w.n_cols
+    out = out_array(out, (T, n_rows), cp.float32)
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    with stream_ctx(stream):
+        w16 = ctx.scratch("dequant w16", n_rows * n_cols * 2).view(cp.float16).reshape(n_rows, n_cols)
+        dequantize_f16(ctx, w, out=w16)
+        x16 = ctx.scratch("dequant x16", T * n_cols * 2).view(cp.float16).reshape(T, n_cols)
+        cp.copyto(x16, x, casting="same_kind")
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        mode = cublas.getPointerMode(handle)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        one = np.array(1.0, dtype=np.float32)
+        zero = np.array(0.0, dtype=np.float32)
+        try:
+            # column-major view: out^T [n_rows, T] = W16^T(op T of [n_cols, n_rows]) @ x16^T [n_cols, T]
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_rows, T, n_cols,
+                          one.ctypes.data, w16.data.ptr, runtime.CUDA_R_16F, n_cols,
+                          x16.data.ptr, runtime.CUDA_R_16F, n_cols,
+                          zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, n_rows,
+                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+        finally:
+            cublas.setPointerMode(handle, mode)
+    return out
+
+
+def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) -> list:
+    """The products of one x [T, K] with several matrices (parts: (weight, out) each, n_cols = K
+    for all): each as ``gemm`` computes it, with x quantized once for all the products that take
+    the same quantized x (mmq's planes, or the i16 matvec's) instead of once per matrix, and the
+    i16 products of one type in one launch (mvq2g_kernel, up to three matrices); returns the
+    outs. i16_planes: x's i16 planes, made already (``norm_rope_kv.rmsnorm_i16``)."""
+    x = aligned_x(x, parts[0][0].n_cols)
+    T = x.shape[0]
+    shared: dict[str, Any] = {} if i16_planes is None else {"i16": i16_planes}
+    outs: list[Any] = [None] * len(parts)
+    i16_by_type: dict[int, list[int]] = {}
+    for i, (w, out) in enumerate(parts):
+        p = path(ctx, w, T)
+        if p == "mmq":
+            if "mmq" not in shared:
+                shared["mmq"] = tc.mmq_quantize(ctx, x, stream=stream)
+            outs[i] = tc.mmq(ctx, w, x, out, stream=stream, planes=shared["mmq"])
+        elif p == "i16":
+            i16_by_type.setdefault(w.qtype, []).append(i)
+        else:
+            outs[i] = gemm(ctx, w, x, out, stream=stream)
+    for members in i16_by_type.values():
+        if "i16" not in shared:
+            shared["i16"] = mv.i16_quantize(ctx, x, stream=stream)
+        for c in range(0, len(members), 3):
+            chunk = members[c:c + 3]
+            if len(chunk) == 1:
+                w, out = parts[chunk[0]]
+                outs[chunk[0]] = mv.matvec(ctx, w, x, out, stream=stream, planes=shared["i16"])
+            else:
+                got = mv.matvec_i16_group(ctx, x, [parts[i] for i in chunk], shared["i16"], stream)
+                for i, o in zip(chunk, got):
+                    outs[i] = o
+    return outs
+
+
+def _fusable(ctx: KernelContext, T: int, width: int, parts, arrays) -> bool:
+    """Whether a producer of x [T, width] can write x's i16 planes for ``parts``: some product
+    takes the i16 matvec, the groups of 32 align, and every array is C-contiguous and 16-byte
+    aligned (float4 accesses)."""
+    if width % 32 or T > MAX_MATVEC_B or not any(path(ctx, w, T) == "i16" for w, _ in parts):
+        return False
+    return all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays if a is not None)
+
+
+def norm_gemm_group(ctx: KernelContext, x, w, eps: float, h, parts, *, residual=None, stream=None) -> list:
+    """h = rmsnorm(x, w) (with residual: residual += x first and h its norm, as
+    ``norm_rope_kv.rmsnorm``), then ``gemm_group(h, parts)``: where the group takes the i16
+    matvec, the norm's kernel also writes h's i16 planes (rmsnorm_q2_kernel), one launch fewer
+    than a norm and a quantization."""
+    T, D = h.shape
+    if _fusable(ctx, T, D, parts, (x, w, h, residual)):
+        planes = nrk.rmsnorm_i16(ctx, x, w, eps, residual=residual, out=h, stream=stream)
+        return gemm_group(ctx, h, parts, stream=stream, i16_planes=planes)
+    nrk.rmsnorm(ctx, x, w, eps, residual=residual, out=h, stream=stream)
+    return gemm_group(ctx, h, parts, stream=stream)
+
+
+def swiglu_gemm_add(ctx: KernelContext, gate, up, act, w: Weight, out, *, stream=None):
+    """act = silu(gate) * up [T, F], then out += act @ W.T (``gemm(accumulate=True)``): where that
+    takes the i16 matvec, the swiglu kernel also writes act's planes (swiglu_q2_kernel), one
+    launch fewer than a swiglu and a quantization, with the same bits."""
+    check_f32("gate", gate)
+    check_f32("up", up, gate.shape)
+    act = out_array(act, gate.shape, cp.float32)
+    T, F = gate.shape
+    fused = (F % 32 == 0 and T <= MAX_MATVEC_B and path(ctx, w, T) == "i16"
+             and all(a.data.ptr % 16 == 0 for a in (gate, up, act)))
+    if not fused:
+        nrk.swiglu(ctx, gate, up, out=act, stream=stream)
+        return gemm(ctx, w, act, out, stream=stream, accumulate=True)
+    check_f32("out", out, (T, w.n_rows))
+    with stream_ctx(stream):
+        planes = nrk.swiglu_i16(ctx, gate, up, act)
+        return mv.matvec(ctx, w, act, out, stream=stream, planes=planes, accumulate=True)

@@ -1,0 +1,105 @@
+"""The template instantiations of the kernels production launches, by source file: what the
+runtime compiles into each module (``runtime.module``) and what scripts/compile_check.py,
+scripts/pdl_check.py and dev/ptx_compare.py compile. One place, so the checks compile exactly
+what runs. Imports without cupy.
+
+A module holds a launcher's family of instantiations (e.g. one matvec launch configuration at
+every batch size 1..8), compiled together on the first call that needs one of them.
+"""
+
+from __future__ import annotations
+
+from ntx.daemons.compute.cuda import tuning
+from ntx.shared.quant_types import QUANT_TYPES, QuantType
+
+__all__ = ["CUT_ID", "MATVEC_ROWS", "MM_TILES", "ATTENTION_SHAPES", "mv_names", "i16_names", "deq_names",
+           "mm_names", "mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules", "production"]
+
+CUT_ID = {"v1": 1, "v2": 2}  # template argument of each layout cut (quant_traits.cuh CUT_V1, CUT_V2)
+MATVEC_ROWS = range(1, tuning.MAX_MATVEC_B + 1)  # the matvec kernels' B
+MM_TILES = range(1, tuning.MAX_MM_ROWS // 8 + 1)  # the tensor-core matmuls' NT (8 rows of x a tile)
+# (group, head dim) of the attention kernels compile_check builds (any other is compiled on use)
+ATTENTION_SHAPES = tuple((g, hd) for g in (1, 2, 3, 4, 8) for hd in (64, 128, 256) if g * hd <= 2048)
+
+
+def mv_names(qt: int, nr: int, u: int, cut: str = "v1") -> tuple[str, ...]:
+    """The f32 matvec (the float types, cut v1) at every B, one launch configuration."""
+    return tuple(f"mv_kernel<{int(qt)},{CUT_ID[cut]},{b},{nr},{u}>" for b in MATVEC_ROWS)
+
+
+def i16_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
+    """The i16 matvec at every B, then its three-matrix form (mvq2g_kernel) likewise."""
+    return tuple(f"{k}<{int(qt)},{b},{nr},{u}>" for k in ("mvq2_kernel", "mvq2g_kernel") for b in MATVEC_ROWS)
+
+
+def deq_names(qt: int, cut: str) -> tuple[str, ...]:
+    """The dequantizer to f16 (the cuBLAS path) and to f32 (get_rows)."""
+    return tuple(f"deq_kernel<{int(qt)},{CUT_ID[cut]},{o}>" for o in (0, 1))
+
+
+def mm_names(qt: int, cut: str) -> tuple[str, ...]:
+    return tuple(f"mm_kernel<{int(qt)},{CUT_ID[cut]},{nt},{tuning.MM_UNROLL}>" for nt in MM_TILES)
+
+
+def mmq_names(qt: int) -> tuple[str, ...]:
+    """The int8 tensor-core matmul, one 16-row tile per warp (its MT = 1)."""
+    return tuple(f"mmq_kernel<{int(qt)},{nt},1>" for nt in MM_TILES)
+
+
+def attn_names(g: int, hd: int) -> tuple[str, ...]:
+    return (f"attn_split_kernel<{g},{hd}>", f"attn_tree_split_kernel<{g},{hd}>")
+
+
+def extern_kernels() -> dict[str, tuple[str, ...]]:
+    """The extern "C" kernels (no instantiation) of each source."""
+    return {
+        "matvec.cu": ("quantize_x2_kernel",),
+        "mm.cu": ("mm_split_x_kernel",),
+        "mmq.cu": ("quantize_mmq_kernel",),
+        "norm_rope_kv.cu": ("rmsnorm_kernel", "rmsnorm_q2_kernel", "add_kernel", "swiglu_kernel", "swiglu_q2_kernel",
+                            "rope_kernel", "rope_kv_kernel", "kv_append_kernel", "kv_move_kernel"),
+        "attention.cu": ("attn_combine_kernel",),
+        "selection.cu": ("argmax_kernel", "rep_penalty_kernel", "topk_kernel"),
+    }
+
+
+def matvec_kind(q: QuantType) -> str:
+    """Which matvec production takes for a type: "i16" where it has integer products (every
+    block-quantized type), else "f32" (F32, F16, BF16)."""
+    return "i16" if q.dp4a else "f32"
+
+
+def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
+    """(source, instantiation names) of every module production compiles for matrices of type
+    ``q`` on the device entries ``tables``: its matvec (f32 or i16) at each launch
+    configuration, its dequantizer at its cut, its tensor-core matmul (mmq for the K-quants,
+    mm at each of the other types' cuts)."""
+    out = []
+    qt = int(q.qtype)
+    if matvec_kind(q) == "i16":
+        for nr, u in sorted({(nr, u) for t in tables for nr, _, u in t.all_i16_launches()}):
+            out.append(("matvec.cu", i16_names(qt, nr, u)))
+    else:
+        for nr, u in sorted({(nr, u) for t in tables for nr, _, u in t.all_mv_launches()}):
+            out.append(("matvec.cu", mv_names(qt, nr, u)))
+    for cut in sorted({t.deq_cut.get(q.qtype, "v1") for t in tables}):
+        out.append(("dequant.cu", deq_names(qt, cut)))
+    if q.mm_staged:
+        out.append(("mmq.cu", mmq_names(qt)))
+    else:
+        out += [("mm.cu", mm_names(qt, cut)) for cut, _, _ in q.mm_cuts]
+    return out
+
+
+def production(tunings=None) -> dict[str, list[tuple[str, ...]]]:
+    """Every module production compiles, as {source: [instantiation names of each module]}: each
+    supported type's (``type_modules``) for every device entry (``tunings``, default all), the
+    attention at ATTENTION_SHAPES, and the extern "C" kernels (an empty name list)."""
+    tables = list(tunings if tunings is not None else tuning.TUNINGS.values())
+    out: dict[str, list[tuple[str, ...]]] = {name: [()] for name in extern_kernels()}
+    out["dequant.cu"] = []
+    for q in QUANT_TYPES.values():
+        for source, names in type_modules(q, tables):
+            out[source].append(names)
+    out["attention.cu"] += [attn_names(g, hd) for g, hd in ATTENTION_SHAPES]
+    return out

@@ -1,0 +1,154 @@
+// The matvec skeleton and its two piece products (f32 weights times f32 x; integer weights times
+// int8 planes of x), shared by the production matvec kernels (matvec.cu) and the variants kept
+// for exploration (dev/cuda).
+
+#include "quant_traits.cuh"
+
+// ================================================================ matvec: one skeleton, two products
+// out[b, row] = sum_c W[row, c] * x[b, c] for B <= 8 activation rows, weights read once for all B.
+// matvec_rows is the skeleton of both matvec paths; the path is its piece product P:
+//   P::EPB, P::BYTES, P::LPB, P::Raw, P::load   the weight layout (from QTraits / QDTraits)
+//   P::Act                                      the activations (device pointers)
+//   P::accumulate<B, NR>(raw, blk, j, act, n_cols, acc)
+//                                               acc[r][b] += piece j of block blk of row r times
+//                                               the matching activations of row b, for all r, b
+// A CTA computes NR rows from row0 (NR in {1, 2, 4, 8}: one group per CTA, or several in turn
+// with mvq2s_kernel); its warps split each row's pieces; every lane handles U pieces per trip
+// with all weight loads issued before the first use. Each lane's partial sums are reduced over
+// the warp (warp_sum), then over the CTA's warps in warp order, so a result does not depend on
+// timing, nor on NR (which lane takes which piece depends only on the warps and U).
+template <class P, int B, int NR, int U>
+__device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const typename P::Act& act,
+                                            float* __restrict__ out, int n_rows, int n_cols,
+                                            long long row_bytes, int row0, bool accumulate = false) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int npieces = (n_cols / P::EPB) * P::LPB;
+    float acc[NR][B];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) acc[r][b] = 0.f;
+    const u8* rp[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
+    const int stride = nw * 32;
+    // programmatic launch (common.cuh): the first trip's weight loads are issued before the wait
+    // for the activations, the weights being constant while the pass runs
+    pdl_trigger();
+    bool waited = false;
+    for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
+        typename P::Raw raw[U][NR];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / P::LPB, j = p % P::LPB;
+#pragma unroll
+                for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
+            }
+        }
+        if (!waited) {
+            pdl_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / P::LPB, j = p % P::LPB;
+                P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
+            }
+        }
+    }
+    if (!waited) pdl_wait();  // a lane with no piece still writes out (through red)
+    __shared__ float red[8][NR * B];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const float v = warp_sum(acc[r][b]);
+            if (lane == 0) red[warp][r * B + b] = v;
+        }
+    __syncthreads();
+    for (int o = threadIdx.x; o < NR * B; o += blockDim.x) {  // NR * B may exceed the CTA (8 x 8, 2 warps)
+        const int r = o / B, b = o % B;
+        float s = 0.f;
+        for (int i = 0; i < nw; i++) s += red[i][o];
+        const int row = row0 + r;
+        if (row < n_rows) {
+            float* o = out + (long long)b * n_rows + row;
+            *o = accumulate ? *o + s : s;
+        }
+    }
+}
+
+// f32 product: the piece's NG groups of 8 weights are dequantized in registers (once for all B
+// rows), each group times two float4 runs of x (once for all NR rows), f32 FMAs in column order.
+template <int QT, int CUT> struct MvF32 : QTraits<QT, CUT> {
+    typedef QTraits<QT, CUT> T;
+    struct Act { const float* x; };  // x: [B, n_cols] f32
+    template <int B, int NR>
+    static __device__ __forceinline__ void accumulate(const typename T::Raw (&raw)[NR], int blk, int j,
+                                                      const Act& act, int n_cols, float (&acc)[NR][B]) {
+        const float* xb = act.x + (long long)blk * T::EPB;
+#pragma unroll
+        for (int g = 0; g < T::NG; g++) {
+            float wv[NR][8];
+            int o0 = 0, o1 = 0;
+#pragma unroll
+            for (int r = 0; r < NR; r++) T::decode(raw[r], j, g, wv[r], o0, o1);
+#pragma unroll
+            for (int b = 0; b < B; b++) {
+                const float4 xa = __ldca((const float4*)(xb + (long long)b * n_cols + o0));
+                const float4 xc = __ldca((const float4*)(xb + (long long)b * n_cols + o1));
+#pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    float s = acc[r][b];
+                    s = fmaf(wv[r][0], xa.x, s); s = fmaf(wv[r][1], xa.y, s);
+                    s = fmaf(wv[r][2], xa.z, s); s = fmaf(wv[r][3], xa.w, s);
+                    s = fmaf(wv[r][4], xc.x, s); s = fmaf(wv[r][5], xc.y, s);
+                    s = fmaf(wv[r][6], xc.z, s); s = fmaf(wv[r][7], xc.w, s);
+                    acc[r][b] = s;
+                }
+            }
+        }
+    }
+};
+
+// int8 products, NP planes of activations: NP = 1, dp4a (xq, ds from quantize_x_kernel); NP = 2,
+// i16 (quantize_x2_kernel's two planes, x ~= d * q1 + d2 * q2). The piece's weights are decoded
+// to integers once for all B rows, each row's activation piece (per plane) is loaded once for
+// all NR rows, and dot() applies the scales per sub-block; the planes' products are added.
+template <int QT, int NP, class LD = LdG> struct MvDp4aP : QDTraits<QT> {
+    typedef QDTraits<QT> T;
+    struct Act {
+        const u8* xq;        // plane 1: int8 [B, n_cols], (d, d * sum) [B, ngroups]
+        const float2* ds;
+        const u8* xq2;       // plane 2 (NP = 2), likewise
+        const float2* ds2;
+        int ngroups;         // n_cols / 32
+    };
+    template <int B, int NR>
+    static __device__ __forceinline__ void accumulate(const typename T::Raw (&raw)[NR], int blk, int j,
+                                                      const Act& act, int n_cols, float (&acc)[NR][B]) {
+        typename T::Dec dec[NR];
+#pragma unroll
+        for (int r = 0; r < NR; r++) T::decode(raw[r], j, dec[r]);
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const long long xo = (long long)b * n_cols + (long long)blk * T::EPB;
+            const long long go = (long long)b * act.ngroups + (long long)blk * (T::EPB / 32);
+            typename T::XV x1;
+            T::template loadx<LD>(j, act.xq + xo, act.ds + go, x1);
+            if constexpr (NP == 1) {
+#pragma unroll
+                for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], x1);
+            } else {
+                typename T::XV x2;
+                T::template loadx<LD>(j, act.xq2 + xo, act.ds2 + go, x2);
+#pragma unroll
+                for (int r = 0; r < NR; r++) acc[r][b] += T::dot(dec[r], x1) + T::dot(dec[r], x2);
+            }
+        }
+    }
+};

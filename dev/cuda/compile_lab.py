@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Compile the lab's kernels with NVRTC, no GPU needed (scripts/compile_check.py does production).
+
+lab.cu at every instantiation lab.py launches (the dp4a and i16s matvecs at every rows-per-CTA
+and pieces-per-trip of the sweeps, the staged f16 matmul of the K-quants), and the production
+templates at the lab's arguments (the f32 matvec of every type and cut, the i16 matvec at every
+configuration, mm of the K-quants read directly, mmq with two tiles a warp), each source as the
+runtime compiles it. Exit status 1 on any compile error.
+
+    python dev/cuda/compile_lab.py [--arch compute_90] [--quick]   # --quick: 64 instantiations a source
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parents[1] / "scripts")]
+
+import lab  # noqa: E402
+from compile_check import compile_one  # noqa: E402
+
+from ntx.daemons.compute.cuda import instances  # noqa: E402
+from ntx.daemons.compute.cuda.sources import kernel_source  # noqa: E402
+from ntx.daemons.compute.cuda.tuning import MV_ROWS_PER_CTA  # noqa: E402
+from ntx.shared.quant_types import QUANT_TYPES  # noqa: E402
+
+SWEEP = [(nr, u) for nr in MV_ROWS_PER_CTA for u in (1, 2)]  # (rows per CTA, pieces per trip) the sweeps take
+
+
+def lab_names() -> dict[str, list[str]]:
+    """{source: instantiations} of everything lab.py launches."""
+    out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": []}
+    for q in QUANT_TYPES.values():
+        qt = int(q.qtype)
+        for cut in q.cuts:
+            for nr, u in SWEEP:
+                out["matvec.cu"] += instances.mv_names(qt, nr, u, cut)
+        if q.dp4a:
+            for nr, u in SWEEP:
+                out["lab.cu"] += lab.dp4a_names(qt, nr, u) + lab.i16s_names(qt, nr, u)
+                out["matvec.cu"] += instances.i16_names(qt, nr, u)
+        if q.mm_staged:
+            out["lab.cu"] += lab.mms_names(qt)
+            out["mm.cu"] += instances.mm_names(qt, "v2")
+            out["mmq.cu"] += lab.mmq_names(qt, 2)
+    return {k: list(dict.fromkeys(v)) for k, v in out.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="compute_90")
+    ap.add_argument("--quick", action="store_true", help="the first 64 instantiations of each source only")
+    a = ap.parse_args()
+    ok = True
+    for source, names in lab_names().items():
+        path = lab.LAB_SOURCE if source == "lab.cu" else source
+        names = names[::max(1, len(names) // 64)][:64] if a.quick else names
+        ok &= compile_one(source, a.arch, False, names=names, source=kernel_source(path))
+    print("ALL OK" if ok else "ERRORS")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
