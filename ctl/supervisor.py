@@ -63,7 +63,7 @@ class Supervisor:
         self.daemon_logs = {name: sys.stderr if foreground else open_private(self.paths.log_dir / f"{name}.log", "ab")
                             for name in daemon_order(plan)}
         # the one tokenizer of the instance: a vocabulary it cannot use fails the start in one line
-        limits = RequestLimits(max_context=cfg.ctx, max_batch=cfg.max_batch)
+        limits = RequestLimits(max_context=plan.ctx, max_batch=cfg.max_batch)
         requests = RequestFront.for_model(open_model(cfg.model), limits)
         self.ctx = zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)

@@ -19,6 +19,7 @@ from typing import Any, Self
 
 from ntx.shared.errors import ConfigError
 from ntx.shared.kernel_options import KernelOptions
+from ntx.shared.kv_sizing import CTX_DEFAULT_CAP
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -196,7 +197,8 @@ class EngineOptions:
     ``ntxctl`` option of the same name (``CliOption``), with its default and rule here only."""
 
     max_batch: int = _option(16, "sequences advanced per pass")
-    ctx: int = _option(4096, "context length per sequence (at most the model's trained context)")
+    ctx: int | None = _option(None, "context length per sequence (default: the model's trained context, at most "
+                              f"{CTX_DEFAULT_CAP}); a longer one than the model was trained for is refused")
     prefill_chunk_tokens: int = _inner(512)  # prompt tokens per pass: the workspace's rows
     skip_layers: list[int] | None = _option(None, "never run, read nor copy these layers: a list (20-27,29), a calibrate "
                                             "profile (its layers at cos >= 0.98), or PROFILE:N (its N most similar "
@@ -234,9 +236,22 @@ class EngineOptions:
     def kernel_options(self) -> KernelOptions:
         return KernelOptions.parse(self.kernels)
 
+    def ctx_for(self, n_ctx_train: int) -> int:
+        """The context a sequence may reach on a model trained for ``n_ctx_train`` positions:
+        ``--ctx``, or by default the trained context capped at ``CTX_DEFAULT_CAP``. A ``--ctx``
+        beyond the trained context is refused (positions the model never saw give it no sense)."""
+        if self.ctx is None:
+            return min(n_ctx_train, CTX_DEFAULT_CAP)
+        if self.ctx > n_ctx_train:
+            raise ConfigError(f"--ctx {self.ctx}: the model was trained for {n_ctx_train} positions; choose at most "
+                              f"{n_ctx_train}, or leave --ctx out (its default: {min(n_ctx_train, CTX_DEFAULT_CAP)})")
+        return self.ctx
+
     def for_model(self, n_ctx_train: int) -> Self:
-        """These options with ``ctx`` at most the model's trained context."""
-        return self if self.ctx <= n_ctx_train else replace(self, ctx=n_ctx_train)
+        """These options with ``ctx`` resolved for the model: its default, or at most the trained
+        context (an engine in this process takes a longer one as the longest it can)."""
+        ctx = min(n_ctx_train, CTX_DEFAULT_CAP) if self.ctx is None else min(self.ctx, n_ctx_train)
+        return self if ctx == self.ctx else replace(self, ctx=ctx)
 
     def validate(self) -> Self:
         """Raise ConfigError (one line naming the option and the fix) unless every value can be
@@ -315,7 +330,7 @@ class InstanceConfig(EngineOptions):
     def validate(self) -> Self:
         super().validate()
         check_name(self.name)
-        if self.ctx < MIN_CTX:
+        if self.ctx is not None and self.ctx < MIN_CTX:
             raise ConfigError(f"--ctx {self.ctx}: must be at least {MIN_CTX}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend {self.backend!r}: choose {' or '.join(BACKENDS)}")

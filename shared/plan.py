@@ -26,10 +26,12 @@ import psutil
 from ntx.shared.config import InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import ModelIndex
+from ntx.shared.kv_sizing import FLOOR_TOKENS, PAGE_TOKENS, chunk_pages_for, pages_for_positions
 
 VRAM, RAM, STORAGE, SKIPPED = "vram", "ram", "storage", "skipped"
 DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
 RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
+KV_POOL_CAP_ROWS = 2  # the KV pool holds at most this many full contexts per --max-batch row (the rest: the prefix cache's)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class MemoryCosts:
     layer_bytes: tuple[int, ...]  # per layer, its cost when resident
     globals_bytes: int  # token embedding, output norm and head
     kv_bytes_per_token: int  # all layers' keys and values of one position
-    kv_tokens: int  # positions the backend reserves up front
+    kv_tokens: int  # positions a pool sized without a plan holds (max_seqs at full context: a draft model's)
     workspace_bytes: int  # buffers of the largest pass
 
     @property
@@ -64,8 +66,8 @@ class Plan:
     vram_budget: int
     ram_budget: int
     globals_bytes: int
-    kv_bytes: int
-    kv_tokens: int
+    kv_bytes: int  # the KV page pool at the start (the floor and what the layers left)
+    kv_tokens: int  # positions it holds
     workspace_bytes: int
     draft_bytes: int  # a draft model's weights, KV cache and workspace (0 without one)
     device_slot_bytes_total: int
@@ -78,6 +80,26 @@ class Plan:
     # compute demotes them to streamed when the KV cache needs their memory (docs/ARCHITECTURE.md)
     standby_layers: tuple[int, ...] = ()
     standby_bytes: int = 0
+    # the paged KV cache (shared/kv_sizing.py): pages of kv_page_bytes, kv_chunk_pages a chunk,
+    # kv_chunks at the start (kv_floor_tokens of them reserved before any layer), at most
+    # kv_max_chunks once every standby layer is demoted; ctx: positions a sequence may reach
+    ctx: int = 0
+    kv_page_bytes: int = 0
+    kv_chunk_pages: int = 1
+    kv_chunks: int = 0
+    kv_max_chunks: int = 0
+    kv_floor_tokens: int = 0
+
+    @property
+    def kv_floor_bytes(self) -> int:
+        """What the KV cache's floor takes, in whole chunks: reserved before any layer."""
+        chunk = self.kv_chunk_pages * PAGE_TOKENS
+        return -(-self.kv_floor_tokens // chunk) * self.kv_chunk_pages * self.kv_page_bytes
+
+    @property
+    def kv_max_tokens(self) -> int:
+        """Positions the KV pool holds once every standby layer is demoted."""
+        return self.kv_max_chunks * self.kv_chunk_pages * PAGE_TOKENS
 
     def layers_on(self, tier: str) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == tier]
@@ -111,11 +133,12 @@ class Plan:
             lines.append(f"{tier:8s} {len(layers):4d} layers {_brief(layers):>14s}  {format_bytes(layer_bytes):>11s}")
         lines.append(
             f"reserved in {self.memory_name}: globals {format_bytes(self.globals_bytes)}, "
-            f"KV cache {format_bytes(self.kv_bytes)} ({self.kv_tokens} tokens), workspace {format_bytes(self.workspace_bytes)}, "
+            f"KV cache {format_bytes(self.kv_bytes)}, workspace {format_bytes(self.workspace_bytes)}, "
             f"device slots {format_bytes(self.device_slot_bytes_total)}"
             + (f", draft model {format_bytes(self.draft_bytes)}" if self.draft_bytes else "")
             + f"; budget {format_bytes(self.vram_budget)}"
         )
+        lines.extend(self.describe_kv())
         lines.append(
             f"pinned RAM: host slots {format_bytes(self.host_slot_bytes_total)}; budget {format_bytes(self.ram_budget)}; "
             f"{self.n_slots} slots of {format_bytes(self.slot_bytes)}"
@@ -130,6 +153,25 @@ class Plan:
                          "  never read, copied nor run")
         lines.append(f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}"
                      + (f" ({format_bytes(self.skipped_layer_bytes)} of skipped layers saved)" if skipped else ""))
+        return lines
+
+
+    def describe_kv(self) -> list[str]:
+        """The KV cache's lines: the pool at the start, its floor, how far it grows and what
+        happens as it fills (docs/ARCHITECTURE.md, "KV memory")."""
+        page_tokens = PAGE_TOKENS
+        grows = self.kv_max_chunks > self.kv_chunks
+        lines = [f"KV cache: {self.kv_tokens} positions ({self.kv_tokens // page_tokens} pages of {page_tokens}, "
+                 f"{format_bytes(self.kv_bytes)}) at the start, of which {self.kv_floor_tokens} reserved before any "
+                 f"layer; --ctx {self.ctx} per sequence"]
+        if grows:
+            lines.append(f"  as it fills: grows to {self.kv_max_tokens} positions "
+                         f"({format_bytes(self.kv_max_chunks * self.kv_chunk_pages * self.kv_page_bytes)}) by demoting "
+                         "standby layers to streamed, one at a time (promoted back when pages free up); then ")
+        else:
+            lines.append("  as it fills: ")
+        lines[-1] += ("cached prefixes are evicted, new requests wait for pages, and the newest running sequence is "
+                      "preempted (resumed later by recomputing its keys and values)")
         return lines
 
 
@@ -231,7 +273,17 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     ram_budget = cfg.ram_budget if cfg.ram_budget is not None else ram_default
 
     hp = index.hparams
-    globals_bytes, kv_bytes, workspace = costs.globals_bytes, costs.kv_bytes, costs.workspace_bytes
+    ctx = cfg.ctx_for(hp.n_ctx_train)
+    globals_bytes, workspace = costs.globals_bytes, costs.workspace_bytes
+    # the KV cache: the floor first, then whatever the layers leave, in whole chunks; more than
+    # KV_POOL_CAP_ROWS full-context sequences per --max-batch row would serve nobody
+    page_bytes = PAGE_TOKENS * costs.kv_bytes_per_token
+    chunk_pages = chunk_pages_for(page_bytes, min(costs.layer_bytes))
+    chunk_bytes = chunk_pages * page_bytes
+    want_chunks = -(-pages_for_positions(KV_POOL_CAP_ROWS * cfg.max_batch * ctx) // chunk_pages)
+    floor_tokens = min(FLOOR_TOKENS, ctx)
+    floor_chunks = -(-pages_for_positions(floor_tokens) // chunk_pages)
+    kv_bytes = floor_chunks * chunk_bytes
     draft_bytes = draft.all_resident_bytes if draft is not None else 0
     slot_bytes = index.max_layer_slot_bytes
     layer_costs = costs.layer_bytes
@@ -248,9 +300,9 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     if avail < 0:
         with_draft = f" and the draft model ({format_bytes(draft_bytes)})" if draft_bytes else ""
         raise ConfigError(
-            f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, KV cache and workspace"
-            f"{with_draft} alone need {format_bytes(vram_budget - avail)}; raise it, or shrink the KV cache "
-            f"({format_bytes(kv_bytes)} for {costs.kv_tokens} positions) with a smaller --ctx or --max-batch"
+            f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, the KV cache's floor "
+            f"({floor_tokens} positions) and the workspace{with_draft} alone need {format_bytes(vram_budget - avail)}; "
+            "raise it"
         )
     max_vram_layers = len(kept) if cfg.gpu_layers is None else min(cfg.gpu_layers, len(kept))
     tiers = [SKIPPED if i in skip else STORAGE for i in range(n)]
@@ -264,8 +316,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         if avail < 0:
             raise ConfigError(
                 f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.ring_slots} device slots of "
-                f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}; raise it, or free room "
-                f"with a smaller --ctx or --max-batch (KV cache {format_bytes(kv_bytes)})"
+                f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}; raise it"
             )
         for i in _resident_layers(kept, max_vram_layers, layer_costs, avail, cfg.placement):
             tiers[i] = VRAM
@@ -299,11 +350,25 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     def total(tier: str) -> int:
         return sum(index.layers[i].nbytes for i in range(n) if tiers[i] == tier)
 
+    left = avail - sum(layer_costs[i] for i in kept if tiers[i] == VRAM)  # what the layers left
+    kv_chunks = max(floor_chunks, min(want_chunks, floor_chunks + max(left, 0) // chunk_bytes))
+    kv_max_chunks = max(kv_chunks, min(want_chunks, kv_chunks + sum(layer_costs[i] for i in standby) // chunk_bytes))
+    need_pages = pages_for_positions(ctx)
+    if need_pages > kv_max_chunks * chunk_pages:
+        most = kv_max_chunks * chunk_pages * PAGE_TOKENS
+        raise ConfigError(
+            f"--ctx {ctx}: one sequence of {ctx} positions needs {format_bytes(need_pages * page_bytes)} of KV cache, and "
+            f"this plan holds at most {most} positions ({format_bytes(kv_max_chunks * chunk_bytes)}) even with every "
+            "standby layer demoted: lower --ctx, or raise --vram-budget (or --ram-budget, for standby copies)")
+
     return Plan(
         tiers=tuple(tiers), backend=backend, memory_name=costs.memory_name, n_slots=cfg.ring_slots, slot_bytes=slot_bytes,
         vram_budget=vram_budget, ram_budget=ram_budget, globals_bytes=globals_bytes,
-        kv_bytes=kv_bytes, kv_tokens=costs.kv_tokens, workspace_bytes=workspace, draft_bytes=draft_bytes,
+        kv_bytes=kv_chunks * chunk_bytes, kv_tokens=kv_chunks * chunk_pages * PAGE_TOKENS, workspace_bytes=workspace,
+        draft_bytes=draft_bytes,
         device_slot_bytes_total=device_slots_total, host_slot_bytes_total=host_slots_total,
         vram_layer_bytes=total(VRAM), ram_layer_bytes=total(RAM), storage_layer_bytes=total(STORAGE),
         skipped_layer_bytes=total(SKIPPED), standby_layers=tuple(standby), standby_bytes=standby_bytes,
+        ctx=ctx, kv_page_bytes=page_bytes, kv_chunk_pages=chunk_pages, kv_chunks=kv_chunks, kv_max_chunks=kv_max_chunks,
+        kv_floor_tokens=floor_tokens,
     )

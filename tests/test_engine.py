@@ -35,7 +35,7 @@ def engine_left_idle(request):
     if "engine" in request.fixturenames:
         eng = request.getfixturevalue("engine")
         assert not eng.has_work
-        assert eng.core.model.backend.caches == {}  # every KV cache was freed
+        assert eng.core.model.backend.seq_pages == {} and eng.core.model.backend.kv_stats().pages_in_use == 0  # every page freed
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -205,13 +205,13 @@ def test_cancel_frees_the_sequence(engine):
     engine.submit(EngineRequest(id="run", prompt_tokens=FRANCE_IDS, params=greedy(50)))
     engine.step()  # prefill: the sequence holds a KV cache now
     engine.step()
-    assert engine.active_ids == ["run"] and len(be.caches) == 1
+    assert engine.active_ids == ["run"] and len(be.seq_pages) == 1
     engine.submit(EngineRequest(id="queued", prompt_tokens=FRANCE_IDS, params=greedy(50)))
     (ev,) = engine.cancel("run")
     assert ev["type"] == "done" and ev["id"] == "run"
     assert ev["finish_reason"] == "cancelled"
     assert ev["tokens"][:2] == [PARIS, 30]
-    assert be.caches == {}
+    assert be.seq_pages == {}
     assert engine.active_ids == []
     (ev,) = engine.cancel("queued")  # never admitted
     assert ev["finish_reason"] == "cancelled" and ev["tokens"] == []
@@ -280,4 +280,4 @@ def test_a_stop_string_ends_the_request_at_the_front_and_in_the_engine(engine):
     assert done["type"] == "done" and done["finish_reason"] == "stop" and done["text"] == " Paris"
     assert done["tokens"] == [PARIS, 30]  # the token that completed the stop string is counted
     assert [r["type"] for r in replies] == ["token", "token", "done"]
-    assert not engine.core.has_work and engine.core.model.backend.caches == {}
+    assert not engine.core.has_work and engine.core.model.backend.seq_pages == {}

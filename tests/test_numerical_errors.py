@@ -86,7 +86,7 @@ def test_engine_fails_each_nan_request_and_keeps_serving(nan_model):
     assert [e["type"] for e in events] == ["error"] * len(PARAMS) * 2
     assert {e["code"] for e in events} == {"numerical_error"}
     assert "not finite" in events[0]["message"]
-    assert engine.core.model.backend.caches == {}  # every KV cache was freed
+    assert engine.core.model.backend.seq_pages == {} and engine.core.model.backend.kv_stats().pages_in_use == 0  # every KV page was freed
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from ntx.shared.config import InstanceConfig, parse_size
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
 from ntx.daemons.compute.backend import memory_costs, plan_for
+from ntx.shared.kv_sizing import CTX_DEFAULT_CAP, FLOOR_TOKENS, PAGE_TOKENS
 from ntx.shared.plan import RAM, STORAGE, VRAM
 
 
@@ -36,9 +37,9 @@ def test_all_storage_reserves_both_rings(index):
 
 def test_layers_fill_vram_then_ram_then_storage_in_order(index):
     cost = index.layers[0].nbytes
-    reserved = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0))
-    fixed = reserved.globals_bytes + reserved.kv_bytes + reserved.workspace_bytes + 2 * reserved.slot_bytes
-    budgets = dict(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2,
+    reserved = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, ctx=1024))
+    fixed = reserved.globals_bytes + reserved.kv_floor_bytes + reserved.workspace_bytes + 2 * reserved.slot_bytes
+    budgets = dict(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2, ctx=1024,
                    ram_budget=2 * index.max_layer_slot_bytes + 10 * index.layers[0].slot_bytes + 100)
     p = plan_for(index, _cfg(placement="first", **budgets))
     assert p.tiers == (VRAM,) * 7 + (RAM,) * 10 + (STORAGE,) * 13
@@ -55,23 +56,27 @@ def test_layers_fill_vram_then_ram_then_storage_in_order(index):
 
 
 def test_each_backend_reports_its_costs(index):
-    """cpu keeps layers and globals as float32 and a float32 KV cache for a typical fill; cuda its
-    GGUF bytes and an f16 cache for every sequence at full context. The plan reserves just that."""
+    """cpu keeps layers, globals and KV pages as float32; cuda its GGUF bytes and f16 KV pages.
+    A plan's KV pool is the floor and what the layers leave, in whole chunks, at most
+    KV_POOL_CAP_ROWS full contexts per --max-batch row."""
     hp, layer = index.hparams, index.layers[0]
     sizes = dict(max_seqs=8, max_ctx=1024, prefill_chunk_tokens=512)
     cpu, cuda = memory_costs("cpu", index, **sizes), memory_costs("cuda", index, **sizes)
     assert cuda.layer_bytes[0] == layer.nbytes
     assert cpu.layer_bytes[0] == sum(t.n_elements * 4 for t in layer.tensors.values()) > 5 * layer.nbytes
     assert cuda.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 2 and cuda.kv_tokens == 8 * 1024
-    assert cpu.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 4 and cpu.kv_tokens == 4 * 1024
+    assert cpu.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 4 and cpu.kv_tokens == 8 * 1024
     assert cuda.globals_bytes == index.global_bytes_total and cpu.globals_bytes > cuda.globals_bytes
     plan = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, max_batch=8, ctx=1024))
-    assert (plan.kv_bytes, plan.workspace_bytes, plan.globals_bytes) == (cuda.kv_bytes, cuda.workspace_bytes, cuda.globals_bytes)
+    assert (plan.workspace_bytes, plan.globals_bytes) == (cuda.workspace_bytes, cuda.globals_bytes)
+    chunk_tokens = plan.kv_chunk_pages * PAGE_TOKENS
+    assert 2 * 8 * 1024 <= plan.kv_tokens < 2 * 8 * 1024 + chunk_tokens  # everything fits: the cap
+    assert plan.kv_bytes == plan.kv_tokens * cuda.kv_bytes_per_token and plan.ctx == 1024
     assert plan.memory_name == "VRAM" and "reserved in VRAM" in "\n".join(plan.describe())
 
 
 def test_budget_too_small_is_one_clear_line(index):
-    with pytest.raises(ConfigError, match="--vram-budget .* is too small.* smaller --ctx or --max-batch"):
+    with pytest.raises(ConfigError, match="--vram-budget .* is too small: the global tensors, the KV cache's floor"):
         plan_for(index, _cfg(vram_budget=parse_size("10MiB"), ram_budget=0))
     with pytest.raises(ConfigError, match="is not a size"):
         parse_size("lots", "--vram-budget")
@@ -114,3 +119,45 @@ def test_standby_copies_take_the_ram_left_after_the_ram_tier(index):
     assert "standby" in "\n".join(p.describe())
     again = type(p).from_dict(p.to_dict())
     assert again == p
+
+
+def test_the_kv_floor_comes_first_and_the_pool_takes_what_the_layers_leave(index):
+    """The planner reserves the floor (FLOOR_TOKENS positions) before any layer, places layers
+    as before, then gives what is left to the pool in whole chunks; standby layers raise the most
+    it can grow to by their bytes."""
+    cost = index.layers[0].nbytes
+    big = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, ctx=1024))
+    fixed = big.globals_bytes + big.kv_floor_bytes + big.workspace_bytes + 2 * big.slot_bytes
+    chunk_bytes = big.kv_chunk_pages * big.kv_page_bytes
+    spare = 3 * chunk_bytes + chunk_bytes // 2  # 3.5 chunks beyond 7 layers
+    p = plan_for(index, _cfg(backend="cuda", vram_budget=fixed + 7 * cost + spare, ram_budget=parse_size("1GiB"),
+                             placement="first", gpu_layers=7, ctx=1024))
+    assert p.layers_on(VRAM) == list(range(7)) and p.kv_floor_tokens == FLOOR_TOKENS
+    assert p.kv_bytes == p.kv_floor_bytes + 3 * chunk_bytes  # the floor and three whole chunks
+    assert p.kv_tokens == p.kv_bytes // p.kv_page_bytes * PAGE_TOKENS
+    assert len(p.standby_layers) == 7  # RAM holds copies of every resident layer
+    standby_chunks = sum(index.layers[i].nbytes for i in p.standby_layers) // chunk_bytes
+    assert p.kv_max_chunks == p.kv_chunks + standby_chunks > p.kv_chunks
+    text = "\n".join(p.describe())
+    assert f"KV cache: {p.kv_tokens} positions" in text and f"grows to {p.kv_max_tokens} positions" in text
+    again = type(p).from_dict(p.to_dict())
+    assert again == p
+
+
+def test_ctx_defaults_to_the_trained_context_and_is_refused_beyond_it(index):
+    trained = index.hparams.n_ctx_train
+    p = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0))
+    assert p.ctx == min(trained, CTX_DEFAULT_CAP)
+    with pytest.raises(ConfigError, match=f"^--ctx {trained + 1}: the model was trained for {trained} positions; "
+                                          f"choose at most {trained}, or leave --ctx out"):
+        plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, ctx=trained + 1))
+
+
+def test_a_ctx_no_pool_can_hold_is_one_clear_line(index):
+    """One sequence at --ctx must fit the largest pool the plan can reach; otherwise the start is
+    refused, naming the need and the fix."""
+    big = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, ctx=8192))
+    tight = big.globals_bytes + big.kv_floor_bytes + big.workspace_bytes + 2 * big.slot_bytes  # the floor, no more
+    with pytest.raises(ConfigError, match="^--ctx 8192: one sequence of 8192 positions needs .* of KV cache, and this "
+                                          r"plan holds at most \d+ positions .* lower --ctx, or raise --vram-budget"):
+        plan_for(index, _cfg(backend="cuda", vram_budget=tight, ram_budget=0, ctx=8192, gpu_layers=0))

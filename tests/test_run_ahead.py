@@ -27,7 +27,7 @@ def engine(smollm2_path) -> LocalEngine:
 def left_idle(engine):
     yield
     assert not engine.has_work
-    assert engine.core.model.backend.caches == {}  # every KV cache was freed
+    assert engine.core.model.backend.seq_pages == {} and engine.core.model.backend.kv_stats().pages_in_use == 0  # every KV page was freed
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -28,8 +28,11 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from ntx.daemons.compute.batch import StepBatch
+from ntx.daemons.compute.kv_pages import KvPool, KvPoolStats, SeqPages
+from ntx.shared.kv_sizing import PAGE_TOKENS, KvSizing, pages_for_positions
 from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex, open_model
 from ntx.shared.config import InstanceConfig
+from ntx.shared.errors import NtxError
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.plan import MemoryCosts, Plan, make_plan
 
@@ -198,7 +201,6 @@ class WarmUp:
 
 CaptureRun = tuple[Hashable, Callable[[Workspace], None]]  # a run_captured key and the run, given a workspace
 
-
 class Backend(ABC):
     """The operations of a Llama forward pass on one kind of device, and the memory it holds:
     global tensors, resident layers, KV caches, device slots for streamed layers, workspaces."""
@@ -211,6 +213,110 @@ class Backend(ABC):
     def __init__(self, index: ModelIndex) -> None:
         self.index = index
         self.hp = index.hparams
+
+    # -- the paged KV cache: accounting here (kv_pages.KvPool), memory in the subclass ----------
+    def kv_page_bytes(self) -> int:
+        """Bytes of one page's keys and values in every layer, as this backend stores them."""
+        return PAGE_TOKENS * self.memory_costs(self.index, max_seqs=1, max_ctx=PAGE_TOKENS,
+                                               prefill_chunk_tokens=1).kv_bytes_per_token
+
+    def _init_kv(self, max_seqs: int, max_ctx: int, sizing: KvSizing | None) -> None:
+        """Sequence rows for ``max_seqs`` sequences of up to ``max_ctx`` positions, and the page
+        pool ``sizing`` describes (None: enough for every row at ``max_ctx``, never growing)."""
+        self.max_seqs = max_seqs
+        self.max_pages = pages_for_positions(max_ctx)  # page-table entries per sequence row
+        if sizing is None:
+            sizing = KvSizing.for_positions(self.kv_page_bytes(), max_seqs * max_ctx)
+        if sizing.max_chunks < sizing.n_chunks:
+            raise ValueError(f"a KV pool of {sizing.n_chunks} chunks cannot be capped at {sizing.max_chunks}")
+        self.kv_sizing = sizing
+        self.kv_pool = KvPool(sizing.chunk_pages, 0, namespace=sizing.namespace)
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
+        self.seq_row: dict[int, int] = {}  # sequence id -> its page-table row
+        self.seq_pages: dict[int, SeqPages] = {}
+        for _ in range(sizing.n_chunks):
+            self.grow_kv()
+
+    @abstractmethod
+    def _kv_alloc_chunk(self, chunk: int) -> None:
+        """Memory for chunk ``chunk``'s pages (its keys and values in every layer)."""
+
+    @abstractmethod
+    def _kv_free_chunk(self, chunk: int) -> None:
+        """Give chunk ``chunk``'s memory back (none of its pages is in use)."""
+
+    @abstractmethod
+    def _kv_set_row(self, row: int, pages: Sequence[int]) -> None:
+        """Sequence row ``row`` now holds ``pages`` (its page table, in position order)."""
+
+    def kv_stats(self) -> KvPoolStats:
+        return self.kv_pool.stats()
+
+    @property
+    def kv_can_grow(self) -> bool:
+        return self.kv_pool.n_chunks < self.kv_sizing.max_chunks
+
+    def grow_kv(self) -> int:
+        """One more chunk of pages (memory freed elsewhere, e.g. by a demoted layer); its id."""
+        if not self.kv_can_grow:
+            raise ValueError(f"the KV pool holds its most chunks already ({self.kv_sizing.max_chunks})")
+        chunk = self.kv_pool.add_chunk()
+        self._kv_alloc_chunk(chunk)
+        return chunk
+
+    def shrink_kv(self) -> int | None:
+        """Give back the highest chunk none of whose pages is in use (its cached pages evicted);
+        its id, or None when every chunk holds a page in use."""
+        chunks = self.kv_pool.releasable_chunks()
+        if not chunks:
+            return None
+        self.kv_pool.release_chunk(chunks[0])
+        self._kv_free_chunk(chunks[0])
+        return chunks[0]
+
+    def open_sequence(self, seq_id: int, prompt_tokens: Sequence[int], n_positions: int, reuse: bool = True) -> int:
+        """A page-table row and pages for positions [0, n_positions) of a new sequence whose
+        prompt is ``prompt_tokens``, reusing the cached pages of its longest matching prefix when
+        ``reuse``. Returns how many leading prompt tokens already have their keys and values.
+        Raises ``KvPoolExhausted`` (nothing taken) when the pages do not fit, NtxError when
+        every row is taken."""
+        if not self.free_rows:
+            raise NtxError(f"all {self.max_seqs} sequence rows are in use")
+        seq, reused = self.kv_pool.new_sequence(list(prompt_tokens) if reuse else [], n_positions)
+        row = self.free_rows.pop()
+        self.seq_row[seq_id], self.seq_pages[seq_id] = row, seq
+        self._kv_set_row(row, seq.page_ids)
+        return reused
+
+    def grow_sequence(self, seq_id: int, n_positions: int) -> bool:
+        """Pages for positions [0, n_positions) of the sequence; False (nothing taken) if they
+        do not fit."""
+        seq = self.seq_pages[seq_id]
+        n = seq.n_pages
+        if not seq.ensure(n_positions):
+            return False
+        if seq.n_pages != n:
+            self._kv_set_row(self.seq_row[seq_id], seq.page_ids)
+        return True
+
+    def commit_sequence(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """The sequence's keys and values at positions [0, len(tokens)) are written and final:
+        its full pages among them join the prefix cache."""
+        self.kv_pool.commit(self.seq_pages[seq_id], tokens)
+
+    def alloc_sequence(self, seq_id: int, capacity_tokens: int) -> None:
+        """A row and pages for ``capacity_tokens`` positions, no prefix reuse (the draft model)."""
+        if capacity_tokens > self.max_pages * PAGE_TOKENS:
+            raise NtxError(f"sequence needs {capacity_tokens} positions but a sequence row holds "
+                           f"{self.max_pages * PAGE_TOKENS}")
+        self.open_sequence(seq_id, (), capacity_tokens, reuse=False)
+
+    def free_sequence(self, seq_id: int) -> None:
+        """The sequence's row and pages go back (its committed pages stay cached for reuse)."""
+        seq = self.seq_pages.pop(seq_id, None)
+        if seq is not None:
+            self.kv_pool.release(seq)
+            self.free_rows.append(self.seq_row.pop(seq_id))
 
     # -- what the planner reserves ---------------------------------------------------------------
     @classmethod
@@ -230,13 +336,6 @@ class Backend(ABC):
         """Make runnable weights from a slot-layout buffer. ``keep``: the weights stay for the
         life of the model (resident), so a backend may convert them once; otherwise the buffer is
         handed back right after the layer ran, and nothing may keep a reference to it."""
-
-    @abstractmethod
-    def alloc_sequence(self, seq_id: int, capacity_tokens: int) -> None:
-        """Reserve a KV cache for a sequence of up to ``capacity_tokens`` positions."""
-
-    @abstractmethod
-    def free_sequence(self, seq_id: int) -> None: ...
 
     @abstractmethod
     def alloc_slots(self, n: int, nbytes: int, name_prefix: str) -> tuple[list[Any], list[Any]]:
@@ -414,7 +513,8 @@ def memory_costs(name: str, index: ModelIndex, *, max_seqs: int, max_ctx: int, p
 def plan_for(index: ModelIndex, cfg: InstanceConfig) -> Plan:
     """The tier plan of an instance: ``cfg``'s budgets against what its backend reports it holds
     (for the model, and for the draft model first when there is one)."""
-    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx_for(index.hparams.n_ctx_train),
+                 prefill_chunk_tokens=cfg.prefill_chunk_tokens)
     draft = None
     if cfg.draft_model:
         draft = memory_costs(cfg.backend, open_model(cfg.draft_model), **sizes)
@@ -422,11 +522,12 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig) -> Plan:
 
 
 def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096,
-                 kernels: KernelOptions | None = None) -> Backend:
-    """The backend called ``name``, sized for ``max_seqs`` sequences of up to ``max_ctx``
-    positions (the cuda backend reserves its KV cache and its arena up front); ``kernels``: the
-    cuda backend's kernel switches (None: the defaults; the cpu backend has none)."""
+                 kernels: KernelOptions | None = None, kv: KvSizing | None = None) -> Backend:
+    """The backend called ``name``, with page-table rows for ``max_seqs`` sequences of up to
+    ``max_ctx`` positions and the KV page pool ``kv`` (None: pages for every row at ``max_ctx``);
+    the cuda backend reserves its arena up front; ``kernels``: the cuda backend's kernel switches
+    (None: the defaults; the cpu backend has none)."""
     cls = backend_class(name)
     if name == "cuda":
-        return cls(index, max_seqs=max_seqs, max_ctx=max_ctx, kernels=kernels)
-    return cls(index)
+        return cls(index, max_seqs=max_seqs, max_ctx=max_ctx, kernels=kernels, kv=kv)
+    return cls(index, max_seqs=max_seqs, max_ctx=max_ctx, kv=kv)

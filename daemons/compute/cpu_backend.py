@@ -9,13 +9,14 @@ A matrix is a ``Weight`` of type F32 holding that float32 array.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from gguf import GGMLQuantizationType as QT
 
 from ntx.daemons.compute.backend import Backend, Weight, Workspace
+from ntx.shared.kv_sizing import PAGE_TOKENS, KvSizing
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
@@ -57,13 +58,17 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-class _KvCache:
-    """One sequence's keys and values for every layer: [L, Hkv, capacity, hd] float32."""
-
-    def __init__(self, n_layers: int, n_kv: int, head_dim: int, capacity: int) -> None:
-        self.capacity = capacity
-        self.k = np.zeros((n_layers, n_kv, capacity, head_dim), dtype=np.float32)
-        self.v = np.zeros_like(self.k)
+def page_spans(pages: Sequence[int], start: int, end: int) -> list[tuple[int, int, int, int]]:
+    """Positions [start, end) of a sequence whose page table is ``pages``, cut at page
+    boundaries: (page id, first offset, end offset, first position) per piece."""
+    out = []
+    p = start
+    while p < end:
+        i, off = divmod(p, PAGE_TOKENS)
+        n = min(PAGE_TOKENS - off, end - p)
+        out.append((pages[i], off, off + n, p))
+        p += n
+    return out
 
 
 class _CpuWorkspace(Workspace):
@@ -80,9 +85,13 @@ class CpuBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, index: ModelIndex) -> None:
+    def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, kv: KvSizing | None = None) -> None:
         super().__init__(index)
-        self.caches: dict[int, _KvCache] = {}
+        # KV pages: per chunk, keys and values [L, chunk_pages, Hkv, PAGE_TOKENS, hd] float32
+        # (np.zeros: the memory is the system's only once a page is written)
+        self.kv_chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.row_pages: dict[int, tuple[int, ...]] = {}
+        self._init_kv(max_seqs, min(max_ctx, index.hparams.n_ctx_train), kv)
         self.inv_freq: np.ndarray | None = None
         self.tok_embd: np.ndarray | None = None
         self.out_norm: np.ndarray | None = None
@@ -91,8 +100,7 @@ class CpuBackend(Backend):
 
     @classmethod
     def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
-        """Resident layers and globals are kept dequantized to float32; each sequence's cache
-        grows as it goes, so plan for a typical fill (4 sequences at full context)."""
+        """Resident layers and globals are kept dequantized to float32, and so are the KV pages."""
         hp = index.hparams
         layer_bytes = tuple(sum(t.n_elements * 4 for t in layer.tensors.values()) for layer in index.layers)
         return MemoryCosts(
@@ -100,7 +108,7 @@ class CpuBackend(Backend):
             layer_bytes=layer_bytes,
             globals_bytes=sum(t.n_elements * 4 for t in index.globals.values()),  # a tied head shares token_embd
             kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * 4,
-            kv_tokens=min(max_ctx, hp.n_ctx_train) * min(max_seqs, 4),
+            kv_tokens=min(max_ctx, hp.n_ctx_train) * max_seqs,
             workspace_bytes=max(layer_bytes),  # a streamed layer dequantized
         )
 
@@ -124,13 +132,26 @@ class CpuBackend(Backend):
             w[name] = Weight(int(QT.F32), a.shape[0], a.shape[1], a.shape[1] * 4, a) if a.ndim == 2 else a  # a: [N, K]
         return w
 
-    # -- KV cache and slots --------------------------------------------------------------------
-    def alloc_sequence(self, seq_id: int, capacity_tokens: int) -> None:
+    # -- KV pages and slots --------------------------------------------------------------------
+    def _kv_alloc_chunk(self, chunk: int) -> None:
         hp = self.hp
-        self.caches[seq_id] = _KvCache(hp.n_layers, hp.n_head_kv, hp.head_dim, capacity_tokens)
+        shape = (hp.n_layers, self.kv_sizing.chunk_pages, hp.n_head_kv, PAGE_TOKENS, hp.head_dim)
+        self.kv_chunks[chunk] = (np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32))
 
-    def free_sequence(self, seq_id: int) -> None:
-        self.caches.pop(seq_id, None)
+    def _kv_free_chunk(self, chunk: int) -> None:
+        del self.kv_chunks[chunk]
+
+    def _kv_set_row(self, row: int, pages) -> None:
+        self.row_pages[row] = tuple(pages)
+
+    def _page(self, page: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Page ``page`` of layer ``layer``: keys and values [Hkv, PAGE_TOKENS, hd] (views)."""
+        c, i = divmod(page, self.kv_sizing.chunk_pages)
+        k, v = self.kv_chunks[c]
+        return k[layer, i], v[layer, i]
+
+    def _pages_of(self, seq_id: int) -> tuple[int, ...]:
+        return self.row_pages[self.seq_row[seq_id]]
 
     def alloc_slots(self, n: int, nbytes: int, name_prefix: str) -> tuple[list[np.ndarray], list[str]]:
         """Slots in POSIX shared memory, opened by the dma daemon by name."""
@@ -170,11 +191,19 @@ class CpuBackend(Backend):
         hp = self.hp
         batch = ws.batch
         for chunk, r0 in zip(batch.chunks, batch.row_starts):
-            n = chunk.n_tokens
-            cache = self.caches[chunk.seq_id]
-            rows = slice(r0, r0 + n)
-            cache.k[layer_idx, :, chunk.start_pos : chunk.end_pos] = k[rows].reshape(n, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
-            cache.v[layer_idx, :, chunk.start_pos : chunk.end_pos] = v[rows].reshape(n, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
+            pages = self._pages_of(chunk.seq_id)
+            for page, o0, o1, p0 in page_spans(pages, chunk.start_pos, chunk.end_pos):
+                rows = slice(r0 + p0 - chunk.start_pos, r0 + p0 - chunk.start_pos + o1 - o0)
+                kp, vp = self._page(page, layer_idx)  # [Hkv, PAGE_TOKENS, hd]
+                kp[:, o0:o1] = k[rows].reshape(o1 - o0, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
+                vp[:, o0:o1] = v[rows].reshape(o1 - o0, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
+
+    def _gather(self, seq_id: int, layer_idx: int, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sequence's keys and values at positions [0, n_positions) of a layer, gathered from
+        its pages: [Hkv, n_positions, hd] each."""
+        pages = self._pages_of(seq_id)[: -(-n_positions // PAGE_TOKENS)]
+        ks, vs = zip(*(self._page(p, layer_idx) for p in pages))
+        return np.concatenate(ks, axis=1)[:, :n_positions], np.concatenate(vs, axis=1)[:, :n_positions]
 
     def attention(self, layer_idx: int, q: np.ndarray, ws: Workspace, out: np.ndarray) -> np.ndarray:
         """Each row sees its sequence's cache up to its own cache position; a tree chunk's row
@@ -185,9 +214,7 @@ class CpuBackend(Backend):
         scale = np.float32(1.0 / np.sqrt(hp.head_dim))
         for chunk, r0 in zip(batch.chunks, batch.row_starts):
             n = chunk.n_tokens
-            cache = self.caches[chunk.seq_id]
-            keys = cache.k[layer_idx, :, : chunk.end_pos]  # [Hkv, S, hd]
-            vals = cache.v[layer_idx, :, : chunk.end_pos]  # [Hkv, S, hd]
+            keys, vals = self._gather(chunk.seq_id, layer_idx, chunk.end_pos)  # [Hkv, S, hd] each
             qc = q[r0 : r0 + n].reshape(n, hp.n_head_kv, group, hp.head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, n, hd]
             scores = np.matmul(qc, keys[:, None].transpose(0, 1, 3, 2)) * scale  # [Hkv, G, n, S]
             q_pos = np.arange(chunk.start_pos, chunk.end_pos)[:, None]  # cache positions
@@ -205,9 +232,12 @@ class CpuBackend(Backend):
         return out
 
     def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
-        cache = self.caches[seq_id]
-        for c in (cache.k, cache.v):  # c: [L, Hkv, capacity, hd]; the right side is a copy
-            c[:, :, dst_positions] = c[:, :, src_positions]
+        pages, cp = self._pages_of(seq_id), self.kv_sizing.chunk_pages
+        for src, dst in zip(src_positions, dst_positions):  # in order: dst[i] < src[i], both increasing
+            (sc, si), so = divmod(pages[src // PAGE_TOKENS], cp), src % PAGE_TOKENS
+            (dc, di), do = divmod(pages[dst // PAGE_TOKENS], cp), dst % PAGE_TOKENS
+            for s_arr, d_arr in zip(self.kv_chunks[sc], self.kv_chunks[dc]):  # keys, then values
+                d_arr[:, di, :, do] = s_arr[:, si, :, so]  # [L, Hkv, hd]
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
         out[...] = silu(gate) * up

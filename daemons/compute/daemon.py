@@ -35,7 +35,7 @@ class ComputeDaemon(Daemon):
         self.cfg = cfg
         self.index = open_model(cfg.model)
         self.plan = Plan.from_dict(config.plan)
-        self.backend = backend_for(cfg.backend, self.index, cfg)
+        self.backend = backend_for(cfg.backend, self.index, cfg, self.plan)
         self.clock = StageClock("compute")
         streamed = self.plan.streamed_layers
         descriptors: list[Any] = []

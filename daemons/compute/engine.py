@@ -19,18 +19,31 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 
 from ntx.daemons.compute.backend import PendingPicks, Pick, Picked, log_normaliser
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.kv_pages import KvPoolExhausted
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import NumericalError, Sampler, logprobs_topk
 from ntx.daemons.compute.speculation import Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
 from ntx.shared.errors import NtxError
+from ntx.shared.kv_sizing import PAGE_TOKENS
 from ntx.shared.messages import (EngineError, EngineEvent, EngineOutput, EngineRequest, RequestError, SpecCounts,
                                  check_prompt_tokens)
+
+
+class KvRoom(Protocol):
+    """Where more KV pages come from when the pool runs out (``model.Residency``: resident layers
+    demoted to streamed, their memory turned into pages)."""
+
+    def make_room(self, n_pages: int) -> int:
+        """Add at least ``n_pages`` pages if it can; returns the pages added (0: none now)."""
+
+    def may_grow(self) -> bool:
+        """Whether pages may still come later without any sequence ending."""
 
 
 @dataclass
@@ -49,10 +62,22 @@ class _Seq:
     t_admit_s: float = 0.0
     draft: DraftTree | None = None  # proposed, verified by the next pass
     started: bool = False  # an output was sent (prompt_logprobs go with the first)
+    # the tokens whose keys and values a prefill writes: the prompt, or after a preemption the
+    # prompt and every generated token but the last (resumed: nothing is sampled at their end)
+    prefill_tokens: list[int] = field(default_factory=list)
+    resumed: bool = False
+    committed_pages: int = 0  # full pages of written tokens handed to the prefix cache so far
+    paused: bool = False  # no page for what it writes next: sits out this pass
 
     @property
     def prefilling(self) -> bool:
-        return self.n_prefilled < len(self.req.prompt_tokens)
+        return self.n_prefilled < len(self.prefill_tokens)
+
+    @property
+    def n_written(self) -> int:
+        """Positions whose keys and values are written: the prefilled ones, or when decoding all
+        but the last generated token's (fed by the next pass)."""
+        return self.n_prefilled if self.prefilling else len(self.req.prompt_tokens) + len(self.generated) - 1
 
 
 @dataclass
@@ -84,6 +109,7 @@ class EngineCore:
         model: LlamaModel,
         *,
         stop_token_ids: Iterable[int] = (),
+        kv_room: KvRoom | None = None,
         max_batch: int = 16,
         prefill_chunk_tokens: int = 512,
         max_context: int | None = None,
@@ -101,6 +127,8 @@ class EngineCore:
         self.shape = TreeShape(draft_tokens, draft_width)  # None: the width is chosen as it measures
         self.spec = SpecCounts()  # over every request
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.kv_room = kv_room  # more KV pages when the pool runs out (demoted layers); None: none
+        self.preemptions = 0  # sequences sent back to the queue for want of KV pages
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_context = min(max_context or model.hp.n_ctx_train, model.hp.n_ctx_train)
@@ -125,7 +153,7 @@ class EngineCore:
         except NtxError as e:
             raise RequestError("bad_request", str(e)) from None
         self._ids.add(req.id)
-        self.waiting.append(_Seq(req, -1, sampler, time.monotonic()))
+        self.waiting.append(_Seq(req, -1, sampler, time.monotonic(), prefill_tokens=list(req.prompt_tokens)))
 
     def cancel(self, req_id: str) -> list[EngineEvent]:
         """Stop a request; returns its last output (finish_reason ``cancelled``), or [] when it is
@@ -158,24 +186,109 @@ class EngineCore:
         return [s.req.id for s in self.waiting]
 
     # -- one pass ------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
-            s = self.waiting.popleft()
-            s.seq_id = next(self._seq_ids)
-            self.model.backend.alloc_sequence(s.seq_id, self._capacity(s))
-            s.t_admit_s = time.monotonic()
+    def _admit(self) -> list[EngineEvent]:
+        """Admit waiting requests in order while there are rows and KV pages for their prompts
+        (a prefix already cached is reused: prefill starts after it). A request the pool cannot
+        hold waits, and while one waits or a running sequence is paused for pages nobody behind
+        it is admitted; one the pool can never hold fails (``context_overflow``)."""
+        be = self.model.backend
+        events: list[EngineEvent] = []
+        while self.waiting and len(self.running) < self.max_batch and not any(s.paused for s in self.running):
+            s = self.waiting[0]
+            seq_id = next(self._seq_ids)
+            reuse = not s.req.prompt_logprobs  # a scored prompt needs every row's logits
+            try:
+                reused = be.open_sequence(seq_id, s.prefill_tokens, len(s.prefill_tokens), reuse)
+            except KvPoolExhausted as e:
+                if self._make_room(e.needed_pages - e.available_pages):
+                    continue
+                if not self.running and not self._room_may_come():
+                    self.waiting.popleft()
+                    self._ids.discard(s.req.id)
+                    events.append(EngineError(id=s.req.id, code="context_overflow", message=str(e)))
+                    continue
+                break  # it waits for pages: sequences end, or standby layers arrive
+            self.waiting.popleft()
+            s.seq_id, s.n_prefilled, s.committed_pages = seq_id, reused, reused // PAGE_TOKENS
+            s.t_admit_s = s.t_admit_s or time.monotonic()
             self.running.append(s)
+        return events
+
+    def _make_room(self, n_pages: int) -> bool:
+        """Ask for ``n_pages`` more pages (``kv_room``: a resident layer demoted); whether any came."""
+        return self.kv_room is not None and self.kv_room.make_room(max(n_pages, 1)) > 0
+
+    def _room_may_come(self) -> bool:
+        """Whether pages may come later without any sequence ending (standby copies still loading)."""
+        return self.kv_room is not None and self.kv_room.may_grow()
+
+    def _grow(self) -> list[EngineEvent]:
+        """Pages for the position each decoding sequence writes this pass. Short of pages: room
+        is made (``kv_room``); else the sequences left without a page sit this pass out, and if
+        none could run at all the newest is preempted (its pages go back, it waits at the head
+        of the queue and resumes by recomputing its keys and values). A lone sequence the pool
+        can never hold fails with ``context_overflow``."""
+        be = self.model.backend
+        events: list[EngineEvent] = []
+        while True:
+            for s in self.running:
+                s.paused = False
+            short = [s for s in self.running if not s.prefilling and not be.grow_sequence(s.seq_id, s.n_written + 1)]
+            if not short:
+                return events
+            if self._make_room(len(short)):
+                continue
+            if len(short) < len(self.running):
+                for s in short:
+                    s.paused = True
+                return events
+            if len(self.running) == 1:
+                if self._room_may_come():
+                    short[0].paused = True
+                    return events
+                s = self.running[0]
+                events.append(self._fail(s, "context_overflow",
+                                         f"KV page pool exhausted: this sequence needs {s.n_written + 1} positions and "
+                                         f"the instance holds at most {be.kv_pool.pages_total * PAGE_TOKENS}"))
+                return events
+            self._preempt(self.running[-1])
+
+    def _preempt(self, s: _Seq) -> None:
+        """Send the newest running sequence back to the head of the queue: its committed pages stay
+        cached (its resumption most likely reuses them), the rest go back to the pool."""
+        self._commit(s)
+        self.running.remove(s)
+        self.model.backend.free_sequence(s.seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(s.seq_id)
+        s.seq_id, s.n_prefilled, s.draft, s.paused, s.committed_pages = -1, 0, None, False, 0
+        s.prefill_tokens = s.req.prompt_tokens + s.generated[:-1]
+        s.resumed = True
+        self.waiting.appendleft(s)
+        self.preemptions += 1
+
+    def _commit(self, s: _Seq) -> None:
+        """Hand the pages of ``s`` that its written tokens filled since the last time to the prefix
+        cache (only at page boundaries: most passes commit nothing)."""
+        n = s.n_written
+        if n // PAGE_TOKENS > s.committed_pages:
+            tokens = s.prefill_tokens[:n] if s.prefilling else (s.req.prompt_tokens + s.generated)[:n]
+            self.model.backend.commit_sequence(s.seq_id, tokens)
+            s.committed_pages = n // PAGE_TOKENS
 
     def _plan(self) -> tuple[StepBatch, list[_Seq]]:
         chunks, seqs = [], []
         budget = self.prefill_chunk_tokens
         for s in self.running:
+            if s.paused:
+                continue
             if s.prefilling:
                 if budget <= 0:
                     continue
-                toks = s.req.prompt_tokens[s.n_prefilled : s.n_prefilled + budget]
+                toks = s.prefill_tokens[s.n_prefilled : s.n_prefilled + budget]
                 budget -= len(toks)
-                chunks.append(SeqChunk(s.seq_id, s.n_prefilled, tuple(toks), all_logits=s.req.prompt_logprobs > 0))
+                chunks.append(SeqChunk(s.seq_id, s.n_prefilled, tuple(toks),
+                                       all_logits=s.req.prompt_logprobs > 0 and not s.resumed))
             else:  # the last token, then its draft tree if any (a chain needs no tree mask)
                 pos = len(s.req.prompt_tokens) + len(s.generated) - 1
                 if s.draft:
@@ -191,11 +304,14 @@ class EngineCore:
         or ended, an error per request that failed)."""
         if self._ahead is not None:
             return self._step_ahead()
-        self._admit()
+        events = self._admit()
+        events += self._grow()
         if not self.running:
-            return []
+            return events
         self._propose_drafts()
         batch, seqs = self._plan()
+        if not seqs:  # every sequence waits for pages that may still come (standby copies loading)
+            return events
         # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill
         last_pass = (self.model.next_pass_id, batch.n_tokens,
                      sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
@@ -207,11 +323,11 @@ class EngineCore:
         except NtxError as e:
             # A layer of this pass never arrived: the sequences in it have half-written KV
             # caches, so they end with an error; everyone else goes on with the next pass.
-            return [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
+            return events + [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
         self.last_pass = last_pass
         if any(s.draft for s in seqs):
             self.shape.observe_times(verify_s=time.monotonic() - t0)
-        return self._take(batch, seqs, picked)
+        return events + self._take(batch, seqs, picked)
 
     def _step_ahead(self) -> list[EngineEvent]:
         """The step of a queued pass: queue the one after it where the same sequences still
@@ -233,15 +349,20 @@ class EngineCore:
                 continue
             pk = picked[rows]  # [n] Picked
             if s.prefilling:
-                if s.req.prompt_logprobs:
+                if s.req.prompt_logprobs and not s.resumed:
                     self._record_prompt_logprobs(s, chunk, pk)
                 s.n_prefilled += chunk.n_tokens
-                if s.prefilling:
+                if s.prefilling or s.resumed:  # a resumed sequence's next token is drawn already
+                    s.resumed = s.resumed and s.prefilling
+                    self._commit(s)
                     continue
             try:
                 events.append(self._verify(s, pk) if s.draft else self._advance(s, pk[-1]))
             except NumericalError as e:  # this request's numbers broke; the others go on
                 events.append(self._fail(s, "numerical_error", str(e)))
+                continue
+            if id(s) in {id(r) for r in self.running}:
+                self._commit(s)
         if self._ahead is not None and self._ahead.seqs is seqs:
             fed = [int(p.ids[0]) for p in picked]  # what the queued pass was fed
             live = {id(s) for s in self.running}
@@ -267,6 +388,9 @@ class EngineCore:
             # the pending pass yields token len(generated)+1, the queued one the one after it
             if len(s.generated) + 1 >= p.max_tokens or len(s.req.prompt_tokens) + len(s.generated) + 1 >= self.max_context:
                 return
+        be = self.model.backend
+        if not all(be.grow_sequence(c.seq_id, c.start_pos + 2) for c in batch.chunks):
+            return  # no page for the queued pass's write: the next step finds one, or pauses
         nxt = StepBatch([SeqChunk(c.seq_id, c.start_pos + 1, (0,)) for c in batch.chunks])  # tokens: fed
         last_pass = (self.model.next_pass_id, nxt.n_tokens, 0)
         self._ahead = _Ahead(self.model.launch(nxt, self._picks(nxt, seqs), feed=pending), nxt, seqs, last_pass)
@@ -302,6 +426,9 @@ class EngineCore:
             if s.prefilling or not s.req.speculative:
                 continue
             d = self._draft_depth(s, depth, width)
+            pos = len(s.req.prompt_tokens) + len(s.generated) - 1
+            if d > 0 and not self.model.backend.grow_sequence(s.seq_id, pos + 1 + d * width):
+                d = 0  # no pages for the tree: this pass decodes one token
             if d > 0:
                 reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s)))
                 owners.append(s)
@@ -336,7 +463,8 @@ class EngineCore:
             if not s.prefilling and s.draft:  # every row of a verified chunk is sampled from
                 out.extend([s.sampler.pick(n_vocab, s.req.logprobs)] * chunk.n_tokens)
                 continue
-            finishes_prompt = not s.prefilling or s.n_prefilled + chunk.n_tokens >= len(s.req.prompt_tokens)
+            finishes_prompt = not s.prefilling or (s.n_prefilled + chunk.n_tokens >= len(s.prefill_tokens)
+                                                   and not s.resumed)
             last = s.sampler.pick(n_vocab, s.req.logprobs) if finishes_prompt else Pick(1)
             if chunk.all_logits:  # row j scores prompt token start_pos + j + 1, when there is one
                 k, prompt = s.req.prompt_logprobs, s.req.prompt_tokens
@@ -411,6 +539,7 @@ class EngineCore:
                 break
         if reason is not None:
             self.running.remove(s)
+            self._commit(s)
             self._release(s)
         return self._output(s, tokens, reason, tops if k else None, own if k else None, drafted, accepted)
 

@@ -18,6 +18,8 @@ from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, 
 from ntx.shared.config import EngineOptions
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
+from ntx.shared.kv_sizing import KvSizing
+from ntx.shared.plan import Plan
 from ntx.shared.vocab import end_of_generation_ids
 
 
@@ -75,10 +77,26 @@ def build_engine(
     return engine
 
 
-def backend_for(name: str, index: ModelIndex, options: EngineOptions) -> Backend:
+def backend_for(name: str, index: ModelIndex, options: EngineOptions, plan: Plan | None = None) -> Backend:
     """The backend called ``name`` for ``index``, sized and switched by ``options``: the one
-    place an engine's options become ``make_backend``'s arguments."""
-    return make_backend(name, index, max_seqs=options.max_batch, max_ctx=options.ctx, kernels=options.kernel_options)
+    place an engine's options become ``make_backend``'s arguments. ``plan``: the instance's tier
+    plan, which sizes the KV page pool (without one: pages for every sequence at full context)."""
+    options = options.for_model(index.hparams.n_ctx_train)
+    kv = None
+    if plan is not None:
+        kv = KvSizing(plan.kv_chunk_pages, plan.kv_chunks, plan.kv_max_chunks, kv_namespace(index, options))
+    return make_backend(name, index, max_seqs=options.max_batch, max_ctx=options.ctx, kernels=options.kernel_options,
+                        kv=kv)
+
+
+def kv_namespace(index: ModelIndex, options: EngineOptions) -> bytes:
+    """What the K/V values of this engine depend on besides the tokens (the prefix cache's
+    namespace): the model file as it is on disk, and the layers it skips."""
+    ident = []
+    for path in sorted({s.path for layer in index.layers for s in layer.spans}):
+        st = os.stat(path)
+        ident.append(f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}")
+    return ("|".join(ident) + f"|skip={sorted(options.skip_layers or ())}").encode()
 
 
 def warm_up_engine(engine: EngineCore, log: Callable[[str], None]) -> float:

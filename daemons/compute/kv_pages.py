@@ -63,11 +63,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ntx.shared.errors import NtxError
+from ntx.shared.kv_sizing import PAGE_TOKENS, pages_for_positions
 
 __all__ = ["PAGE_TOKENS", "KvPoolExhausted", "KvPool", "KvPoolStats", "SeqPages", "page_keys",
            "pages_for_positions"]
 
-PAGE_TOKENS = 32  # positions a page holds: one tile of the GPU attention kernel
 _KEY_BYTES = 32  # blake2b digest size of a page key
 _KEY_DOMAIN = b"ntx.kv_pages.chain.v1"
 
@@ -86,13 +86,6 @@ class KvPoolExhausted(NtxError):
             f"KV page pool exhausted: {needed_pages} more pages ({needed_pages * PAGE_TOKENS} positions) needed, "
             f"{available_pages} free or evictable of {total_pages}: wait for sequences to end, or start with "
             f"a larger --vram-budget or a smaller --ctx")
-
-
-def pages_for_positions(n_positions: int) -> int:
-    """Pages that hold positions [0, n_positions)."""
-    if n_positions < 0:
-        raise ValueError(f"n_positions must be >= 0, not {n_positions}")
-    return -(-n_positions // PAGE_TOKENS)
 
 
 def _chain_seed(namespace: bytes) -> bytes:

@@ -154,7 +154,7 @@ def test_run_ahead_decodes_the_tokens_of_one_pass_at_a_time():
     assert out[True] == out[False]
     assert out[True]["eos"][1] == "stop" and out[True]["a"][1] == "length"
     assert out[True]["b"][1] == "cancelled"
-    assert eng.core.model.backend.seq_slot == {}  # every KV cache slot went back
+    assert eng.core.model.backend.seq_pages == {}  # every sequence row and page went back
 
 
 def test_streamed_layers_in_process_match_resident():
