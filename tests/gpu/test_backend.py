@@ -238,7 +238,7 @@ def test_tree_verify_logits_match_cpu(synth_dir):
     model = _synth(synth_dir, "Q8_0")
     outs = []
     for backend in ("cpu", "cuda"):
-        m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).model
+        m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).core.model
         for sid in range(3):
             m.backend.alloc_sequence(sid, 256)
         m.forward(StepBatch([SeqChunk(0, 0, PROMPT), SeqChunk(1, 0, PROMPT[:4]), SeqChunk(2, 0, PROMPT[2:])]))
@@ -258,7 +258,7 @@ def test_kv_keep_path_decodes_as_the_plain_path(synth_dir, backend):
     logits of a sequence that was fed that path as a plain chunk: the kept keys and values are
     the path's, in its order, in every layer."""
     model = _synth(synth_dir, "Q8_0")
-    m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).model
+    m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).core.model
     n = len(PROMPT)
     path_tokens = tuple(TREE_TOKENS[r] for r in TREE_PATH)
     for sid in (0, 1):

@@ -1099,11 +1099,11 @@ def test_attention_gemm_equals_attention_then_gemm(T, rng):
     """attention_gemm (the planes made in the combine kernel where the product takes the i16
     matvec; T = 9: the unfused path) gives the attention output and its product with the bits
     of attention and then gemm."""
-    n_slots, n_kv, G, hd, max_ctx, n = 2, 2, 4, 128, 256, 96
+    n_slots, n_kv, group, hd, max_ctx, n = 2, 2, 4, 128, 256, 96
     ck, cv = (cp.asarray(c) for c in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
     lens = cp.asarray(rng.integers(1, max_ctx + 1, size=T).astype(np.int32))
     slots = cp.asarray(rng.integers(0, n_slots, size=T).astype(np.int32))
-    H = n_kv * G
+    H = n_kv * group
     q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
     for qt in (QT.Q8_0, QT.Q4_K, QT.F16):
         raw = cp.asarray(random_weights(qt, n, H * hd, rng))
