@@ -37,10 +37,11 @@ SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 
 
 def _rt():
-    """The kernel families and a standalone KernelContext (cupy imported on call)."""
+    """The kernel families, the KV pages and a standalone KernelContext (cupy imported on call)."""
     from ntx.daemons.compute.cuda import attention, dequant, gemm, matvec, norm_rope_kv, runtime, selection
+    from ntx.daemons.compute.cuda.kv_pages import KvPages
 
-    return dict(A=attention, DQ=dequant, G=gemm, MV=matvec, N=norm_rope_kv, S=selection, rt=runtime,
+    return dict(A=attention, DQ=dequant, G=gemm, MV=matvec, N=norm_rope_kv, S=selection, rt=runtime, KvPages=KvPages,
                 CTX=runtime.standalone())
 
 
@@ -138,17 +139,29 @@ def bench_matvec(cp, R):
     return results
 
 
+def kv_pages(R, n_rows, n_kv, max_ctx, hd, rng, random=True):
+    """One layer of KV pages for ``n_rows`` sequences of ``max_ctx`` positions, every page at a
+    random place of the pool (as sequences that grew side by side hold them), keys and values
+    random f16 (``random``) or zero."""
+    shape = (1, n_rows, n_kv, max_ctx, hd)
+    if random:
+        ck = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+        cv = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+    else:
+        ck = cv = np.zeros(shape, dtype=np.float16)
+    return R["KvPages"].from_dense(ck, cv, rng)
+
+
 def bench_attention(cp, R):
-    """Decode attention and rope, 8B-shaped (32 heads, n_kv 8, G 4, hd 128), in a KV cache of
-    4096 positions (the splits sized for it, as the engine runs): 1 and 8 sequences at 64, 512
-    and 4096 cached keys, a causal 512-token prefill; rope of q and k in one launch for 1 and 512
-    tokens."""
+    """Decode attention and rope, 8B-shaped (32 heads, n_kv 8, G 4, hd 128), over KV pages of
+    4096 positions per sequence (the splits sized for it, as the engine runs): 1 and 8 sequences
+    at 64, 512 and 4096 cached keys, a causal 512-token prefill; rope of q and k in one launch
+    for 1 and 512 tokens."""
     res = {}
     n_kv, G, hd, max_ctx = 8, 4, 128, 4096
+    rng = np.random.default_rng(0)
     for T in (1, 8):
-        ck, cv = R["N"].alloc_kv_cache(T, n_kv, max_ctx, hd)
-        ck[...] = cp.random.standard_normal(ck.shape, dtype=cp.float32).astype(cp.float16)
-        cv[...] = cp.random.standard_normal(cv.shape, dtype=cp.float32).astype(cp.float16)
+        kv = kv_pages(R, T, n_kv, max_ctx, hd, rng)
         q = cp.random.standard_normal((T, n_kv * G, hd), dtype=cp.float32)
         slots = cp.arange(T, dtype=cp.int32)
         S = R["A"].attention_splits(T, n_kv, max_ctx)
@@ -156,23 +169,24 @@ def bench_attention(cp, R):
         out = cp.empty_like(q)
         for L in (64, 512, max_ctx):
             lens = cp.full(T, L, dtype=cp.int32)
-            t = time_graph(cp, [lambda s: R["A"].attention(R["CTX"], q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws,
-                                                      stream=s)] * 20, 20)
+            t = time_graph(cp, [lambda s: R["A"].attention(R["CTX"], q, kv, 0, slots, lens, out=out, n_splits=S,
+                                                           workspace=ws, stream=s)] * 20, 20)
             kvb = 2 * T * n_kv * L * hd * 2
             res[f"attention_decode_T{T}_L{L}"] = {"us": t * 1e6, "kv_gbps": kvb / t / 1e9, "n_splits": S}
             print(f"  attention decode T={T} L={L} (cache {max_ctx}): {t * 1e6:.1f} us, KV read {kvb / t / 1e9:.0f} GB/s "
                   f"(splits {S})")
-        del ck, cv
+        del kv
     # prefill attention: 512 queries, causal, after 0 cached
     T = 512
-    ck, cv = R["N"].alloc_kv_cache(1, n_kv, 4096, hd)
+    kv = kv_pages(R, 1, n_kv, 4096, hd, rng, random=False)
     q = cp.random.standard_normal((T, n_kv * G, hd), dtype=cp.float32)
     slots = cp.zeros(T, dtype=cp.int32)
     lens = cp.arange(1, T + 1, dtype=cp.int32)
     out = cp.empty_like(q)
     S = R["A"].attention_splits(T, n_kv, 4096)
     ws = R["A"].attention_workspace(T, n_kv * G, hd, S)
-    t = time_graph(cp, [lambda s: R["A"].attention(R["CTX"], q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)] * 5, 5)
+    t = time_graph(cp, [lambda s: R["A"].attention(R["CTX"], q, kv, 0, slots, lens, out=out, n_splits=S, workspace=ws,
+                                                   stream=s)] * 5, 5)
     flops = 4 * n_kv * G * hd * (T * (T + 1) / 2)
     res["attention_prefill_T512"] = {"us": t * 1e6, "tflops": flops / t / 1e12}
     print(f"  attention prefill T=512 causal: {t * 1e6:.1f} us ({flops / t / 1e12:.2f} TFLOP/s)")

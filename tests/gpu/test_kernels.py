@@ -10,8 +10,10 @@ significand, so each element is off by <= 2^-11 relative); 2e-3 for the f16 cuBL
 (both operands rounded to f16).
 Quantized weights are random valid GGUF blocks (random bytes, finite f16 scales), referenced by
 gguf-py's own dequantize. Every call runs in one standalone KernelContext (``CTX``: default
-KernelOptions, scratch made on first use). The kernel variants production does not launch are
-tested in dev/cuda/test_lab_kernels.py.
+KernelOptions, scratch made on first use). The KV kernels take pages (``KvPages.from_dense`` of
+dense caches, every page at a random place of the pool, row s holding what slot s of the dense
+cache held) and are checked against references over the dense caches. The kernel variants
+production does not launch are tested in dev/cuda/test_lab_kernels.py.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from ntx.daemons.compute.cuda import mm as MM  # noqa: E402
 from ntx.daemons.compute.cuda import norm_rope_kv as N  # noqa: E402
 from ntx.daemons.compute.cuda import runtime, tuning  # noqa: E402
 from ntx.daemons.compute.cuda import selection as S  # noqa: E402
+from ntx.daemons.compute.cuda.kv_pages import KvPages  # noqa: E402
+from ntx.shared.kv_sizing import pages_for_positions  # noqa: E402
 from ntx.shared.quant_types import quant_type, row_nbytes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -526,10 +530,11 @@ def test_swiglu(rng):
     assert relerr(out, gd / (1 + np.exp(-gd)) * u) < 1e-5
 
 
-# ------------------------------------------------------------------------------ KV cache + attention
+# ------------------------------------------------------------------------------ KV pages + attention
 def attn_ref(q, ck, cv, slots, kv_lens, n_kv, seen=None):
-    """float64 reference over the cache's own (f16) values. seen: per row, None (every key in
-    [0, kv_lens[t])) or the bool [kv_lens[t]] of the keys it sees."""
+    """float64 reference over the cache's own (f16) values, ck, cv the dense caches f16
+    [n_rows, n_kv, max_ctx, hd]. seen: per row, None (every key in [0, kv_lens[t])) or the bool
+    [kv_lens[t]] of the keys it sees."""
     T, H, hd = q.shape
     G = H // n_kv
     out = np.zeros((T, H, hd))
@@ -545,16 +550,43 @@ def attn_ref(q, ck, cv, slots, kv_lens, n_kv, seen=None):
     return out
 
 
+def kv_pages(ck, cv, rng) -> KvPages:
+    """One layer (layer 0) of pages holding the dense host caches ck, cv f16 [n_rows, n_kv,
+    max_ctx, hd] (max_ctx a multiple of 32), every page at a random place of the pool: row s
+    holds what slot s of a dense cache held, so the references index ck, cv as before."""
+    return KvPages.from_dense(ck[None], cv[None], rng)
+
+
+def kv_dense(kv: KvPages, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of ``layer`` read back through the page tables: host f16 [n_rows, n_kv,
+    max_positions, hd] keys and values, the dense caches ``from_dense`` took (every row holds
+    all its pages)."""
+    rows = [kv.dense(layer, r, kv.max_positions) for r in range(kv.n_rows)]
+    return np.stack([k for k, _ in rows]), np.stack([v for _, v in rows])
+
+
+def chunk_nonzeros(kv: KvPages) -> tuple[int, int]:
+    """Nonzero key and value elements in the whole pool, pages in no row's table included."""
+    return (sum(int(cp.count_nonzero(k)) for k, _ in kv.chunks.values()),
+            sum(int(cp.count_nonzero(v)) for _, v in kv.chunks.values()))
+
+
+def chunk_bits(kv: KvPages) -> list[np.ndarray]:
+    """Every chunk's keys, then values, as host uint16 (so that NaN compares by its bits)."""
+    return [cp.asnumpy(a).view(np.uint16) for pair in kv.chunks.values() for a in pair]
+
+
 def test_kv_append(rng):
     n_slots, n_kv, max_ctx, hd = 4, 2, 64, 128
-    ck, cv = N.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    zeros = np.zeros((n_slots, n_kv, max_ctx, hd), dtype=np.float16)
+    kv = kv_pages(zeros, zeros, rng)
     T = 5
     k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     slots = np.array([2, 0, 3, 1, 2], dtype=np.int32)
     pos = np.array([7, 0, 63, 5, 8], dtype=np.int32)
-    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
-    ck_h, cv_h = cp.asnumpy(ck), cp.asnumpy(cv)
+    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), kv, 0, cp.asarray(slots), cp.asarray(pos))
+    ck_h, cv_h = kv_dense(kv)
     exp_k = np.zeros_like(ck_h)
     exp_v = np.zeros_like(cv_h)
     for t in range(T):
@@ -562,13 +594,16 @@ def test_kv_append(rng):
         exp_v[slots[t], :, pos[t]] = v[t].astype(np.float16)
     np.testing.assert_array_equal(ck_h, exp_k)
     np.testing.assert_array_equal(cv_h, exp_v)
+    # nothing stored anywhere else: the pool's page that no row holds stays zero too
+    assert chunk_nonzeros(kv) == (np.count_nonzero(exp_k), np.count_nonzero(exp_v))
 
 
 @pytest.mark.parametrize("rope_dim,with_ff", [(128, False), (128, True), (64, False)])
 def test_rope_kv_append_equals_rope_then_append(rope_dim, with_ff, rng):
     """The fused rotation and cache store (one launch per layer) gives the bits of rope_qk_inplace
     then kv_append: q and k rotated alike, k and v stored at the cache positions (which differ
-    from the RoPE positions in a tree), rows of an out-of-range slot or position not stored."""
+    from the RoPE positions in a tree), rows of an out-of-range slot or position not stored.
+    The two sets of pages lie in different places of their pools."""
     n_slots, Hq, n_kv, max_ctx, hd, base = 4, 32, 8, 64, 128, 500000.0
     T = 37  # several CTAs per token (32 * 64 + 8 * 64 pairs), a ragged tail
     q = rng.standard_normal((T, Hq, hd)).astype(np.float32)
@@ -581,14 +616,17 @@ def test_rope_kv_append_equals_rope_then_append(rope_dim, with_ff, rng):
     ff = cp.asarray(rng.uniform(1.0, 8.0, size=rope_dim // 2).astype(np.float32)) if with_ff else None
     dev = [cp.asarray(a) for a in (q, k, v, pos, slots, cpos)]
     ref_q, ref_k, ref_v = (cp.asarray(a) for a in (q, k, v))
-    ref_ck, ref_cv = N.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
+    zeros = np.zeros((n_slots, n_kv, max_ctx, hd), dtype=np.float16)
+    ref_kv = kv_pages(zeros, zeros, rng)
     N.rope_qk_inplace(CTX, ref_q, ref_k, dev[3], rope_dim, base, ff)
-    N.kv_append(CTX, ref_k, ref_v, ref_ck, ref_cv, dev[4], dev[5])
-    ck, cv = N.alloc_kv_cache(n_slots, n_kv, max_ctx, hd)
-    N.rope_kv_append(CTX, dev[0], dev[1], dev[2], ck, cv, dev[3], dev[4], dev[5], rope_dim, base, ff)
-    for got, want in ((dev[0], ref_q), (dev[1], ref_k), (dev[2], ref_v), (ck, ref_ck), (cv, ref_cv)):
+    N.kv_append(CTX, ref_k, ref_v, ref_kv, 0, dev[4], dev[5])
+    kv = kv_pages(zeros, zeros, rng)
+    N.rope_kv_append(CTX, dev[0], dev[1], dev[2], kv, 0, dev[3], dev[4], dev[5], rope_dim, base, ff)
+    for got, want in ((dev[0], ref_q), (dev[1], ref_k), (dev[2], ref_v)):
         np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
-    assert int(cp.count_nonzero(ck)) == (T - 3) * n_kv * hd  # 34 rows stored, every element nonzero
+    for got, want in zip(kv_dense(kv), kv_dense(ref_kv)):
+        np.testing.assert_array_equal(got, want)
+    assert chunk_nonzeros(kv)[0] == (T - 3) * n_kv * hd  # 34 rows stored, every element nonzero
     assert relerr(dev[0], rope_ref(q, pos, rope_dim, base, None if ff is None else cp.asnumpy(ff))) < 1e-5
 
 
@@ -608,7 +646,7 @@ def test_attention_decode(G, hd, rng):
     T, H = lens.size, n_kv * G
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
     out = nan_f32((T, H, hd))
-    A.attention(CTX, cp.asarray(q), cp.asarray(ck), cp.asarray(cv), cp.asarray(slots), cp.asarray(lens), out=out)
+    A.attention(CTX, cp.asarray(q), kv_pages(ck, cv, rng), 0, cp.asarray(slots), cp.asarray(lens), out=out)
     assert relerr(out, attn_ref(q, ck, cv, slots, lens, n_kv)) < 1e-5
 
 
@@ -617,7 +655,7 @@ def test_attention_prefill_causal(n_splits, rng):
     """One sequence's chunk of T positions after 50 cached ones: append, then causal attention."""
     n_slots, n_kv, max_ctx, hd, G = 3, 2, 512, 128, 4
     ck_h, cv_h = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
-    ck, cv = cp.asarray(ck_h), cp.asarray(cv_h)
+    kv = kv_pages(ck_h, cv_h, rng)
     T, p0, slot = 37, 50, 1
     H = n_kv * G
     pos = np.arange(p0, p0 + T, dtype=np.int32)
@@ -625,9 +663,9 @@ def test_attention_prefill_causal(n_splits, rng):
     k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(pos))
+    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), kv, 0, cp.asarray(slots), cp.asarray(pos))
     out = nan_f32((T, H, hd))
-    A.attention(CTX, cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(pos + 1), out=out, n_splits=n_splits)
+    A.attention(CTX, cp.asarray(q), kv, 0, cp.asarray(slots), cp.asarray(pos + 1), out=out, n_splits=n_splits)
     ck_h[slot, :, p0:p0 + T] = k.transpose(1, 0, 2).astype(np.float16)
     cv_h[slot, :, p0:p0 + T] = v.transpose(1, 0, 2).astype(np.float16)
     assert relerr(out, attn_ref(q, ck_h, cv_h, slots, pos + 1, n_kv)) < 1e-5
@@ -642,13 +680,13 @@ def test_attention_short_rows_many_splits(G, hd, rng):
     n_slots, n_kv, max_ctx = 3, 2, 4096
     ck, cv = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
     lens = np.array([1, 2, 31, 32, 33, 64, 65, 100, 4096, 5000, 7], dtype=np.int32)
-    slots = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2, 1, 3], dtype=np.int32)  # 3: outside the cache
+    slots = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2, 1, 3], dtype=np.int32)  # 3: outside the page table
     T, H = lens.size, n_kv * G
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
     S = 64
     ws = (cp.full(T * H * S * 2, cp.nan, cp.float32), cp.full(T * H * S * hd, cp.nan, cp.float32))
     out = nan_f32((T, H, hd))
-    args = (cp.asarray(q), cp.asarray(ck), cp.asarray(cv), cp.asarray(slots), cp.asarray(lens))
+    args = (cp.asarray(q), kv_pages(ck, cv, rng), 0, cp.asarray(slots), cp.asarray(lens))
     A.attention(CTX, *args, out=out, n_splits=S, workspace=ws)
     good = slots < n_slots
     ref = attn_ref(q[good], ck, cv, slots[good], np.minimum(lens[good], max_ctx), n_kv)
@@ -665,7 +703,7 @@ def test_attention_graph_replay_across_lengths(rng):
     """One captured decode attention (64 splits) replayed as the row grows from 1 key to past
     several tiles: each replay merges only the splits its length uses, and matches eager."""
     n_slots, n_kv, max_ctx, hd, G = 2, 2, 4096, 128, 4
-    ck, cv = (cp.asarray(a) for a in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    kv = kv_pages(*_random_cache(rng, n_slots, n_kv, max_ctx, hd), rng)
     T, H = 2, n_kv * G
     q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
     slots = cp.asarray(np.array([1, 0], dtype=np.int32))
@@ -675,27 +713,101 @@ def test_attention_graph_replay_across_lengths(rng):
     out = nan_f32((T, H, hd))
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
-    A.attention(CTX, q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)  # compile
+    A.attention(CTX, q, kv, 0, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)  # compile
     s.synchronize()
     with s:
         s.begin_capture()
-        A.attention(CTX, q, ck, cv, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)
+        A.attention(CTX, q, kv, 0, slots, lens, out=out, n_splits=S, workspace=ws, stream=s)
         g = s.end_capture()
     for L in ([1, 2], [64, 33], [65, 300], [2048, 4096], [3, 1]):
         lens.set(np.array(L, dtype=np.int32), stream=s)
         g.launch(s)
         s.synchronize()
-        eager = A.attention(CTX, q, ck, cv, slots, lens, n_splits=S, stream=s)
+        eager = A.attention(CTX, q, kv, 0, slots, lens, n_splits=S, stream=s)
         s.synchronize()
         np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(eager), err_msg=f"lengths {L}")
 
 
 def test_attention_empty_length_is_zero(rng):
-    ck, cv = N.alloc_kv_cache(1, 1, 64, 64)
+    zeros = np.zeros((1, 1, 64, 64), dtype=np.float16)
+    kv = kv_pages(zeros, zeros, rng)
     q = cp.asarray(rng.standard_normal((1, 2, 64)).astype(np.float32))
     out = nan_f32((1, 2, 64))
-    A.attention(CTX, q, ck, cv, cp.zeros(1, cp.int32), cp.zeros(1, cp.int32), out=out)
+    A.attention(CTX, q, kv, 0, cp.zeros(1, cp.int32), cp.zeros(1, cp.int32), out=out)
     assert float(cp.abs(out).max()) == 0.0
+
+
+@pytest.mark.parametrize("n_splits", [None, 64])
+def test_attention_bit_identical_over_page_layouts(n_splits, rng):
+    """Pages may sit anywhere: the same caches paged twice, each page at another random place
+    of pools cut into chunks of other sizes, give attention outputs equal to the bit (the plain
+    kernel and the tree kernel), and both match the reference."""
+    n_slots, n_kv, max_ctx, hd, G = 3, 2, 1024, 128, 4
+    ck, cv = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
+    layouts = [KvPages.from_dense(ck[None], cv[None], np.random.default_rng(seed), chunk_pages=cpg)
+               for seed, cpg in ((1, 3), (2, 5))]
+    assert not np.array_equal(cp.asnumpy(layouts[0].page_table), cp.asnumpy(layouts[1].page_table))
+    lens = np.array([1, 31, 32, 33, 100, 517, 1024], dtype=np.int32)
+    slots = np.array([0, 1, 2, 0, 1, 2, 1], dtype=np.int32)
+    T, H = lens.size, n_kv * G
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    no_tree = dict(tree_base=cp.full(T, -1, dtype=cp.int32), tree_mask=cp.zeros((T, 1), dtype=cp.uint32))
+    for tree_args in ({}, no_tree):
+        outs = [cp.asnumpy(A.attention(CTX, cp.asarray(q), kv, 0, cp.asarray(slots), cp.asarray(lens),
+                                       n_splits=n_splits, **tree_args)) for kv in layouts]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        assert relerr(outs[0], attn_ref(q, ck, cv, slots, lens, n_kv)) < 1e-5
+
+
+@pytest.mark.parametrize("n_splits", [None, 64])
+def test_no_page_past_a_rows_length_is_touched(n_splits, rng):
+    """Rows hold only the pages their lengths reach (-1 after them in their page-table rows, as
+    the engine's rows are), lengths ending mid-page, every position from a row's length on NaN:
+    attention reads neither a missing page nor the positions past a length in the last page
+    (its output is finite and matches the reference), and kv_append and rope_kv_append store a
+    token at a position without a page nowhere, beside one at a position with a page."""
+    n_rows, n_kv, max_ctx, hd, G = 4, 2, 1024, 128, 4
+    ck, cv = _random_cache(rng, n_rows, n_kv, max_ctx, hd)
+    lens = np.array([1, 40, 95, 700], dtype=np.int32)
+    for r, L in enumerate(lens):
+        ck[r, :, L:] = np.nan
+        cv[r, :, L:] = np.nan
+    kv = kv_pages(ck, cv, rng)
+    full = cp.asnumpy(kv.page_table)
+    for r, L in enumerate(lens):
+        kv.set_row(r, [int(p) for p in full[r, : pages_for_positions(int(L))]])
+    kv.stream.synchronize()
+    assert (cp.asnumpy(kv.page_table) < 0).sum(axis=1).tolist() == [31, 30, 29, 10]
+    slots = np.arange(n_rows, dtype=np.int32)
+    T, H = n_rows, n_kv * G
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    ref = attn_ref(q, ck, cv, slots, lens, n_kv)
+    no_tree = dict(tree_base=cp.full(T, -1, dtype=cp.int32), tree_mask=cp.zeros((T, 1), dtype=cp.uint32))
+    for tree_args in ({}, no_tree):
+        out = nan_f32((T, H, hd))
+        A.attention(CTX, cp.asarray(q), kv, 0, cp.asarray(slots), cp.asarray(lens), out=out, n_splits=n_splits,
+                    **tree_args)
+        assert relerr(out, ref) < 1e-5
+    # row 1 (40 positions: pages 0 and 1): position 40 + i has a page (and holds NaN), 100 has none
+    row, missing = 1, 100
+    for i, fused in enumerate((False, True)):
+        k = rng.standard_normal((2, n_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((2, n_kv, hd)).astype(np.float32)
+        rows_d = cp.asarray(np.full(2, row, dtype=np.int32))
+        cpos_d = cp.asarray(np.array([40 + i, missing], dtype=np.int32))
+        before = chunk_bits(kv)
+        if fused:
+            q2 = cp.asarray(rng.standard_normal((2, H, hd)).astype(np.float32))
+            N.rope_kv_append(CTX, q2, cp.asarray(k), cp.asarray(v), kv, 0, cpos_d, rows_d, cpos_d, hd, 10000.0)
+        else:
+            N.kv_append(CTX, cp.asarray(k), cp.asarray(v), kv, 0, rows_d, cpos_d)
+        kv.stream.synchronize()
+        changed = [int(np.count_nonzero(a != b)) for a, b in zip(chunk_bits(kv), before)]  # k, v, k, v, ...
+        assert (sum(changed[0::2]), sum(changed[1::2])) == (n_kv * hd, n_kv * hd), "fused" if fused else "kv_append"
+        got_k, got_v = kv.dense(0, row, 40 + i + 1)
+        np.testing.assert_array_equal(got_v[:, 40 + i], v[0].astype(np.float16))
+        if not fused:
+            np.testing.assert_array_equal(got_k[:, 40 + i], k[0].astype(np.float16))
 
 
 # ------------------------------------------------------------------------------ token trees
@@ -705,13 +817,13 @@ def random_parents(n: int, rng) -> tuple[int, ...]:
 
 
 def _tree_pass(rng, G, hd, chunks, slots_of, n_slots=5, max_ctx=1024, n_splits=None):
-    """One attention pass over ``chunks`` (SeqChunk, trees or plain, one slot each): their keys
-    and values appended at their cache positions, then attention with the tree arguments.
-    Returns (out, reference)."""
+    """One attention pass over ``chunks`` (SeqChunk, trees or plain, one page-table row each):
+    their keys and values appended at their cache positions, then attention with the tree
+    arguments. Returns (out, reference)."""
     n_kv = 2
     H = n_kv * G
     ck_h, cv_h = _random_cache(rng, n_slots, n_kv, max_ctx, hd)
-    ck, cv = cp.asarray(ck_h), cp.asarray(cv_h)
+    kv = kv_pages(ck_h, cv_h, rng)
     T = sum(c.n_tokens for c in chunks)
     trees = [c for c in chunks if c.parents is not None]
     n_words = A.tree_mask_words(max([c.n_tokens for c in trees], default=1))
@@ -738,9 +850,9 @@ def _tree_pass(rng, G, hd, chunks, slots_of, n_slots=5, max_ctx=1024, n_splits=N
     k = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
     q = rng.standard_normal((T, H, hd)).astype(np.float32)
-    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), ck, cv, cp.asarray(slots), cp.asarray(cpos))
+    N.kv_append(CTX, cp.asarray(k), cp.asarray(v), kv, 0, cp.asarray(slots), cp.asarray(cpos))
     out = nan_f32((T, H, hd))
-    A.attention(CTX, cp.asarray(q), ck, cv, cp.asarray(slots), cp.asarray(cpos + 1), out=out, n_splits=n_splits,
+    A.attention(CTX, cp.asarray(q), kv, 0, cp.asarray(slots), cp.asarray(cpos + 1), out=out, n_splits=n_splits,
                 tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
     ck_h[slots, :, cpos] = k.astype(np.float16)
     cv_h[slots, :, cpos] = v.astype(np.float16)
@@ -751,8 +863,8 @@ def _tree_pass(rng, G, hd, chunks, slots_of, n_slots=5, max_ctx=1024, n_splits=N
 @pytest.mark.parametrize("G,hd", [(4, 128), (1, 64), (8, 128), (3, 256)])
 def test_attention_tree_mask(G, hd, n_splits, rng):
     """Random trees (up to 64 rows, one at cache position 0) beside a plain decode row and a
-    causal prompt chunk, each sequence in its own slot: a tree row sees the prefix, its
-    ancestors and itself, nothing else."""
+    causal prompt chunk, each sequence in its own page-table row: a tree row sees the prefix,
+    its ancestors and itself, nothing else."""
     chunks = [
         SeqChunk(0, 300, tuple(range(64)), parents=random_parents(64, rng)),
         SeqChunk(1, 77, (1,)),  # a decode row
@@ -776,19 +888,19 @@ def test_attention_tree_kernel_plain_rows_bit_identical(rng):
     """Rows outside trees (tree_base = -1) and a chain (every row sees every earlier row) give,
     through the tree kernel, exactly the plain kernel's output."""
     n_slots, n_kv, max_ctx, hd, G = 2, 2, 512, 128, 4
-    ck, cv = (cp.asarray(a) for a in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    kv = kv_pages(*_random_cache(rng, n_slots, n_kv, max_ctx, hd), rng)
     T = 21
     q = cp.asarray(rng.standard_normal((T, n_kv * G, hd)).astype(np.float32))
     slots = cp.asarray(np.array([0] * 20 + [1], dtype=np.int32))
     lens = cp.asarray(np.array(list(range(101, 121)) + [333], dtype=np.int32))
-    plain = A.attention(CTX, q, ck, cv, slots, lens)
+    plain = A.attention(CTX, q, kv, 0, slots, lens)
     chain = A.pack_tree_mask(SeqChunk(0, 100, tuple(range(20)), parents=tuple(range(-1, 19))).visible(), 1)
     base = np.array([100] * 20 + [-1], dtype=np.int32)
     mask = np.concatenate([chain, np.zeros((1, 1), np.uint32)])
-    tree = A.attention(CTX, q, ck, cv, slots, lens, tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
+    tree = A.attention(CTX, q, kv, 0, slots, lens, tree_base=cp.asarray(base), tree_mask=cp.asarray(mask))
     np.testing.assert_array_equal(cp.asnumpy(tree), cp.asnumpy(plain))
     with pytest.raises(ValueError, match="go together"):
-        A.attention(CTX, q, ck, cv, slots, lens, tree_base=cp.asarray(base))
+        A.attention(CTX, q, kv, 0, slots, lens, tree_base=cp.asarray(base))
 
 
 def test_pack_tree_mask_bits():
@@ -803,27 +915,31 @@ def test_pack_tree_mask_bits():
 
 def test_kv_move_every_layer_in_order(rng):
     """The accepted path's keys and values move down in every layer, k and v, only in the
-    sequence's slot; moves whose destination is an earlier move's source see the moved-out
-    value, not the moved-in one."""
+    sequence's row (across a page boundary, in pages at random places); moves whose destination
+    is an earlier move's source see the moved-out value, not the moved-in one."""
     n_layers, n_slots, n_kv, max_ctx, hd = 3, 3, 2, 64, 128
-    host = [_random_cache(rng, n_slots, n_kv, max_ctx, hd) for _ in range(n_layers)]
-    caches = [(cp.asarray(k), cp.asarray(v)) for k, v in host]
+    shape = (n_layers, n_slots, n_kv, max_ctx, hd)
+    ck_h = rng.standard_normal(shape).astype(np.float16)
+    cv_h = rng.standard_normal(shape).astype(np.float16)
+    kv = KvPages.from_dense(ck_h, cv_h, rng)
     src = [21, 23, 24, 30, 63]
     dst = [20, 21, 23, 24, 25]  # 21, 23, 24: earlier sources
     slot = 1
-    table = N.kv_cache_table(caches)
-    N.kv_move(CTX, caches, slot, src, dst, table=table)
-    for (ck_h, cv_h), (ck, cv) in zip(host, caches):
-        want_k, want_v = ck_h.copy(), cv_h.copy()
-        for s_, d_ in zip(src, dst):
-            want_k[slot, :, d_] = want_k[slot, :, s_]
-            want_v[slot, :, d_] = want_v[slot, :, s_]
-        np.testing.assert_array_equal(cp.asnumpy(ck), want_k)
-        np.testing.assert_array_equal(cp.asnumpy(cv), want_v)
-    N.kv_move(CTX, caches, slot, [], [])  # nothing to move
+    N.kv_move(CTX, kv, slot, src, dst)
+    want_k, want_v = ck_h.copy(), cv_h.copy()
+    for s_, d_ in zip(src, dst):
+        want_k[:, slot, :, d_] = want_k[:, slot, :, s_]
+        want_v[:, slot, :, d_] = want_v[:, slot, :, s_]
+    for layer in range(n_layers):
+        got_k, got_v = kv_dense(kv, layer)
+        np.testing.assert_array_equal(got_k, want_k[layer], err_msg=f"keys of layer {layer}")
+        np.testing.assert_array_equal(got_v, want_v[layer], err_msg=f"values of layer {layer}")
+    N.kv_move(CTX, kv, slot, [], [])  # nothing to move
     for bad_src, bad_dst in (([5, 4], [1, 2]), ([5, 6], [5, 3]), ([5, 64], [1, 2]), ([5], [1, 2])):
         with pytest.raises(ValueError):
-            N.kv_move(CTX, caches, slot, bad_src, bad_dst)
+            N.kv_move(CTX, kv, slot, bad_src, bad_dst)
+    with pytest.raises(ValueError, match="row"):
+        N.kv_move(CTX, kv, n_slots, [21], [20])
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -920,7 +1036,7 @@ def test_graph_replay_matches_eager(rng):
 
     def make_bufs():
         return dict(
-            ck=cp.asarray(ck0), cv=cp.asarray(cv0), h=cp.empty((B, D), cp.float32),
+            kv=kv_pages(ck0, cv0, rng), h=cp.empty((B, D), cp.float32),
             q=cp.empty((B, H * hd), cp.float32), k=cp.empty((B, n_kv * hd), cp.float32),
             v=cp.empty((B, n_kv * hd), cp.float32), att=cp.empty((B, H, hd), cp.float32),
             o=cp.empty((B, D), cp.float32), g=cp.empty((B, F), cp.float32), u=cp.empty((B, F), cp.float32),
@@ -934,8 +1050,8 @@ def test_graph_replay_matches_eager(rng):
         MV.matvec(CTX, W(wv, QT.Q6_K, n_kv * hd, D), b["h"], out=b["v"], stream=s)
         q3, k3, v3 = b["q"].reshape(B, H, hd), b["k"].reshape(B, n_kv, hd), b["v"].reshape(B, n_kv, hd)
         N.rope_qk_inplace(CTX, q3, k3, positions, hd, 10000.0, stream=s)
-        N.kv_append(CTX, k3, v3, b["ck"], b["cv"], slots, positions, stream=s)
-        A.attention(CTX, q3, b["ck"], b["cv"], slots, kv_lens, out=b["att"], n_splits=S, workspace=b["ws"], stream=s)
+        N.kv_append(CTX, k3, v3, b["kv"], 0, slots, positions, stream=s)
+        A.attention(CTX, q3, b["kv"], 0, slots, kv_lens, out=b["att"], n_splits=S, workspace=b["ws"], stream=s)
         MV.matvec(CTX, W(wo, QT.Q4_K, D, H * hd), b["att"].reshape(B, H * hd), out=b["o"], stream=s)
         MV.matvec(CTX, W(wg, QT.Q4_K, F, D), b["o"], out=b["g"], stream=s)
         MV.matvec(CTX, W(wu, QT.Q4_K, F, D), b["o"], out=b["u"], stream=s)
@@ -944,7 +1060,7 @@ def test_graph_replay_matches_eager(rng):
         S.argmax(CTX, b["logits"], out=b["tok"], stream=s)
 
     s = cp.cuda.Stream(non_blocking=True)
-    gb, eb = make_bufs(), make_bufs()
+    gb, eb = make_bufs(), make_bufs()  # their pages at different places: the same bits all the same
     # compile/load every kernel eagerly first (on scratch buffers), then capture
     warm = make_bufs()
     cp.cuda.Device().synchronize()  # buffers were filled on the legacy stream; s does not wait for it
@@ -964,11 +1080,13 @@ def test_graph_replay_matches_eager(rng):
         s.synchronize()
         step(eb, s)
         s.synchronize()
-        for name in ("h", "q", "att", "o", "a", "logits", "tok", "ck", "cv"):
+        for name in ("h", "q", "att", "o", "a", "logits", "tok"):
             np.testing.assert_array_equal(cp.asnumpy(gb[name]), cp.asnumpy(eb[name]), err_msg=f"{name} at {pos}")
+        for name, got, want in zip(("keys", "values"), kv_dense(gb["kv"]), kv_dense(eb["kv"])):
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} at {pos}")
         assert np.all(np.isfinite(cp.asnumpy(gb["logits"])))
     # the graph really used the new positions: attention at 200 differs from at 11
-    assert not np.array_equal(cp.asnumpy(gb["ck"][2, :, 200]), ck0[2, :, 200])
+    assert not np.array_equal(kv_dense(gb["kv"])[0][2, :, 200], ck0[2, :, 200])
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 16, 40, 64])
@@ -1077,18 +1195,18 @@ def test_attention_planes_are_i16_quantize_of_its_output(G, hd, rng):
     """The combine kernel's planes (attention(planes=...)) have the bits of i16_quantize of the
     attention's output, for head dims of one warp's float4s and more (256) or fewer (64, 96)."""
     n_slots, n_kv, max_ctx = 3, 2, 512
-    ck, cv = (cp.asarray(c) for c in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    kv = kv_pages(*_random_cache(rng, n_slots, n_kv, max_ctx, hd), rng)
     lens = np.array([1, 40, 512], dtype=np.int32)
     slots = np.array([2, 0, 1], dtype=np.int32)
     T, H = lens.size, n_kv * G
     q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
-    want_out = A.attention(CTX, q, ck, cv, cp.asarray(slots), cp.asarray(lens))
+    want_out = A.attention(CTX, q, kv, 0, cp.asarray(slots), cp.asarray(lens))
     want = [cp.asnumpy(p) for p in MV.i16_quantize(CTX, want_out.reshape(T, H * hd))]
     planes = MV.i16_planes(CTX, T, H * hd)
     for p in planes:
         p.fill(0xFF)  # every entry written, none left over from i16_quantize
     out = nan_f32((T, H, hd))
-    A.attention(CTX, q, ck, cv, cp.asarray(slots), cp.asarray(lens), out=out, planes=planes)
+    A.attention(CTX, q, kv, 0, cp.asarray(slots), cp.asarray(lens), out=out, planes=planes)
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want_out))
     for g, e in zip(planes, want):
         np.testing.assert_array_equal(cp.asnumpy(g), e)
@@ -1100,16 +1218,16 @@ def test_attention_gemm_equals_attention_then_gemm(T, rng):
     matvec; T = 9: the unfused path) gives the attention output and its product with the bits
     of attention and then gemm."""
     n_slots, n_kv, group, hd, max_ctx, n = 2, 2, 4, 128, 256, 96
-    ck, cv = (cp.asarray(c) for c in _random_cache(rng, n_slots, n_kv, max_ctx, hd))
+    kv = kv_pages(*_random_cache(rng, n_slots, n_kv, max_ctx, hd), rng)
     lens = cp.asarray(rng.integers(1, max_ctx + 1, size=T).astype(np.int32))
     slots = cp.asarray(rng.integers(0, n_slots, size=T).astype(np.int32))
     H = n_kv * group
     q = cp.asarray(rng.standard_normal((T, H, hd)).astype(np.float32))
     for qt in (QT.Q8_0, QT.Q4_K, QT.F16):
         raw = cp.asarray(random_weights(qt, n, H * hd, rng))
-        attn_want = A.attention(CTX, q, ck, cv, slots, lens)
+        attn_want = A.attention(CTX, q, kv, 0, slots, lens)
         want = cp.asnumpy(G.gemm(CTX, W(raw, qt, n, H * hd), attn_want.reshape(T, H * hd)))
         attn, got = nan_f32((T, H, hd)), nan_f32((T, n))
-        assert A.attention_gemm(CTX, q, ck, cv, slots, lens, attn, W(raw, qt, n, H * hd), got) is got
+        assert A.attention_gemm(CTX, q, kv, 0, slots, lens, attn, W(raw, qt, n, H * hd), got) is got
         np.testing.assert_array_equal(cp.asnumpy(attn), cp.asnumpy(attn_want))
         np.testing.assert_array_equal(cp.asnumpy(got), want)

@@ -82,8 +82,9 @@ def test_warm_up_builds_every_bucket_and_touches_no_cache(model):
     for rows in sizes:  # plain passes of every bucket, trees from 2 rows on
         assert (whole, rows, False) in be.graphs and ((whole, rows, True) in be.graphs) == (rows > 1)
     assert {rows for key, rows, trees in be.graphs if key == draft} == {r for r in sizes if r <= MAX_BATCH}
-    # inert rows only: not one key or value was written
-    assert all(float(cp.abs(k).max()) == 0.0 and float(cp.abs(v).max()) == 0.0 for k, v in be.kv)
+    # inert rows only: not one key or value was written in any chunk of the page pool
+    assert be.kvp.chunks
+    assert all(float(cp.abs(k).max()) == 0.0 and float(cp.abs(v).max()) == 0.0 for k, v in be.kvp.chunks.values())
     # the planner's layout is what the backend holds, and every bucket's workspace lies in it
     assert be.arena.nbytes == backend_layout(open_model(model), be.max_ctx).total_bytes
     assert all(_inside(a, be.arena) for w in be.works.values()
