@@ -2,12 +2,13 @@
 // and their merge, which can also write the i16 planes of its output for W_o's product.
 // Launched by attention.py; compiled by NVRTC at run time, common.cuh inlined (sources.py).
 //
-// KV cache layout (per layer): cache_k, cache_v: f16 [n_slots, n_kv, max_ctx, hd]; a sequence
-// owns one slot; position p of kv-head g of slot s is row ((s * n_kv + g) * max_ctx + p).
-// Every position, length and slot index is read from device memory, so a captured CUDA graph
-// replays unchanged for the next step once those small arrays have been updated.
+// KV cache: pages (kv_pages.cuh); a query row's sequence is `slots[t]`, its page table's row, and
+// a key tile of 32 keys is one page. Every position, length, row and page is read from device
+// memory, so a captured CUDA graph replays unchanged for the next step once those small arrays
+// have been updated.
 
 #include "common.cuh"
+#include "kv_pages.cuh"
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -16,8 +17,9 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // ------------------------------------------------------------------------------- attention
-// q: [T, H, hd] f32, H = n_kv * G. Query t attends to cache positions [0, kv_lens[t]) of slot
-// slots[t] (decode: kv_lens = pos + 1; causal prefill chunk: kv_lens[t] = positions[t] + 1).
+// q: [T, H, hd] f32, H = n_kv * G. Query t attends to positions [0, kv_lens[t]) of the sequence of
+// page-table row slots[t] in `layer`'s pages (decode: kv_lens = pos + 1; causal prefill chunk:
+// kv_lens[t] = positions[t] + 1).
 // TREE (attn_tree_split_kernel): row t of a token tree whose row 0 is stored at cache position
 // tree_base[t] (-1: not a tree row, the rule above) sees the keys before tree_base[t] and, of
 // the tree's rows, row i (at tree_base[t] + i) where bit i of tree_mask[t, :] (mask_words u32
@@ -76,11 +78,11 @@ template <int EPL> struct AttnV {
 };
 
 template <int G, int HD, bool TREE>
-__device__ __forceinline__ void attn_split_body(const float* q, const u16* ck,
-                                                const u16* cv, const int* slots,
-                                                const int* kv_lens, float* __restrict__ part_ml,
-                                                float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
-                                                float scale, float* qs_all, const int* tree_base,
+__device__ __forceinline__ void attn_split_body(const float* q, const unsigned long long* kchunks,
+                                                const unsigned long long* vchunks, const int* page_table,
+                                                const int* slots, const int* kv_lens, float* __restrict__ part_ml,
+                                                float* __restrict__ part_acc, int n_slots, int n_kv, int max_pages,
+                                                int cp, int layer, float scale, float* qs_all, const int* tree_base,
                                                 const u32* tree_mask, int mask_words) {
     constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
     constexpr int KC = HD / 8 <= 16 ? HD / 8 : HD / 16;  // uint4 of a key in flight at once (1 or 2 rounds)
@@ -91,12 +93,11 @@ __device__ __forceinline__ void attn_split_body(const float* q, const u16* ck,
     const int g = blockIdx.y, t = blockIdx.z;
     const int H = n_kv * G;
     int slot;
-    const int L = attn_row_len(slots, kv_lens, t, n_slots, max_ctx, &slot);
+    const int L = attn_row_len(slots, kv_lens, t, n_slots, max_pages * KV_PAGE, &slot);
     if (s >= attn_used_splits(L, S)) return;  // no tile: attn_combine does not read this split
     float* qs = qs_all + warp * G * HD;
     for (int i = lane; i < G * HD; i += 32) qs[i] = q[((long long)t * H + g * G) * HD + i] * scale;
     __syncwarp();
-    const long long kvbase = ((long long)slot * n_kv + g) * max_ctx * HD;
     int base = -1;  // TREE: cache position of the tree's row 0 (-1: a plain causal row)
     const u32* row_mask = nullptr;  // TREE: the row's visibility bits over the tree's rows
     if constexpr (TREE) {
@@ -111,6 +112,10 @@ __device__ __forceinline__ void attn_split_body(const float* q, const u16* ck,
         for (int e = 0; e < EPL; e++) acc[h][e] = 0.f;
     }
     for (int tile = s; tile * 32 < L; tile += S) {
+        const int page = kv_page_of(page_table, slot, max_pages, tile * 32);  // the tile's 32 keys: one page
+        if (page < 0) continue;  // (a tile of positions without a page: the engine never asks for one)
+        const u16* ck = kv_page_rows(kchunks, page, layer, g, cp, n_kv, HD);  // [KV_PAGE, HD]
+        const u16* cv = kv_page_rows(vchunks, page, layer, g, cp, n_kv, HD);
         const int key = tile * 32 + lane;
         bool valid = key < L;
         if constexpr (TREE) {
@@ -123,7 +128,7 @@ __device__ __forceinline__ void attn_split_body(const float* q, const u16* ck,
 #pragma unroll
         for (int h = 0; h < G; h++) sc[h] = 0.f;
         if (valid) {
-            const uint4* kp = (const uint4*)(ck + kvbase + (long long)key * HD);
+            const uint4* kp = (const uint4*)(ck + (long long)lane * HD);
 #pragma unroll
             for (int c0 = 0; c0 < HD / 8; c0 += KC) {
                 uint4 kr[KC];  // the key's next KC * 8 elements, every load in flight at once
@@ -148,7 +153,7 @@ __device__ __forceinline__ void attn_split_body(const float* q, const u16* ck,
             }
         }
         const int nk = min(32, L - tile * 32);
-        const u16* vp = cv + kvbase + (long long)tile * 32 * HD + lane * EPL;
+        const u16* vp = cv + lane * EPL;
         // the first group's V rows are loaded here, before the softmax's shuffles, so their
         // latency overlaps them; a key past nk is not loaded (zero) and has p = 0
         u32 vr[VG][V::VW];
@@ -213,28 +218,31 @@ __device__ __forceinline__ void attn_split_body(const float* q, const u16* ck,
 }
 
 template <int G, int HD>
-__global__ void __launch_bounds__(128) attn_split_kernel(const float* q, const u16* ck,
-                                                         const u16* cv, const int* slots,
-                                                         const int* kv_lens, float* __restrict__ part_ml,
-                                                         float* __restrict__ part_acc, int n_slots, int n_kv, int max_ctx,
+__global__ void __launch_bounds__(128) attn_split_kernel(const float* q, const unsigned long long* kchunks,
+                                                         const unsigned long long* vchunks, const int* page_table,
+                                                         const int* slots, const int* kv_lens,
+                                                         float* __restrict__ part_ml, float* __restrict__ part_acc,
+                                                         int n_slots, int n_kv, int max_pages, int cp, int layer,
                                                          float scale) {
     pdl_enter();
     extern __shared__ float qs_all[];
-    attn_split_body<G, HD, false>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all,
-                                  nullptr, nullptr, 0);
+    attn_split_body<G, HD, false>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
+                                  max_pages, cp, layer, scale, qs_all, nullptr, nullptr, 0);
 }
 
 template <int G, int HD>
-__global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* q, const u16* ck,
-                                                              const u16* cv, const int* slots,
+__global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* q, const unsigned long long* kchunks,
+                                                              const unsigned long long* vchunks,
+                                                              const int* page_table, const int* slots,
                                                               const int* kv_lens, float* __restrict__ part_ml,
                                                               float* __restrict__ part_acc, int n_slots, int n_kv,
-                                                              int max_ctx, float scale, const int* tree_base,
-                                                              const u32* tree_mask, int mask_words) {
+                                                              int max_pages, int cp, int layer, float scale,
+                                                              const int* tree_base, const u32* tree_mask,
+                                                              int mask_words) {
     pdl_enter();
     extern __shared__ float qs_all[];
-    attn_split_body<G, HD, true>(q, ck, cv, slots, kv_lens, part_ml, part_acc, n_slots, n_kv, max_ctx, scale, qs_all,
-                                 tree_base, tree_mask, mask_words);
+    attn_split_body<G, HD, true>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
+                                 max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words);
 }
 
 // out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the row's used splits

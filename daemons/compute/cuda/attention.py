@@ -1,5 +1,5 @@
-"""Grouped-query attention over the f16 KV cache (attention.cu), and its fusion with the
-product of its output (W_o).
+"""Grouped-query attention over the paged f16 KV cache (attention.cu, kv_pages.py), and its
+fusion with the product of its output (W_o).
 
 Token trees (speculative decoding verifies a tree of drafted tokens in one pass): attention
 takes, per query row, the cache position of its tree's row 0 and a bit mask over the tree's rows
@@ -19,7 +19,7 @@ from ntx.daemons.compute.cuda import gemm as gm
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda.matvec import i16_planes, matvec
 from ntx.daemons.compute.cuda.memory import tree_mask_words
-from ntx.daemons.compute.cuda.norm_rope_kv import check_cache
+from ntx.daemons.compute.cuda.kv_pages import KvPages
 from ntx.daemons.compute.cuda.runtime import KernelContext, check_f32, check_i32, function, out_array, stream_ctx, tuning
 from ntx.daemons.compute.cuda.tuning import ATTN_SPLIT_STEP, MAX_MATVEC_B
 
@@ -53,13 +53,13 @@ def attention_workspace(T: int, H: int, hd: int, n_splits: int):
     return cp.empty(T * H * n_splits * 2, dtype=cp.float32), cp.empty(T * H * n_splits * hd, dtype=cp.float32)
 
 
-def attention(ctx: KernelContext, q, cache_k, cache_v, slots, kv_lens, out=None, *, n_splits=None, workspace=None,
-              scale=None, tree_base=None, tree_mask=None, planes=None, stream=None):
-    """Grouped-query attention over the f16 KV cache, softmax in f32.
+def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, out=None, *, n_splits=None,
+              workspace=None, scale=None, tree_base=None, tree_mask=None, planes=None, stream=None):
+    """Grouped-query attention over ``layer``'s f16 KV pages, softmax in f32.
 
     q: f32 [T, H, hd] (RoPE applied), H = n_kv * group; query t (head h) attends to positions
-    [0, kv_lens[t]) of slot slots[t] through kv-head h // group, scaled by 1/sqrt(hd).
-    slots, kv_lens: int32 [T] on the device.
+    [0, kv_lens[t]) of the sequence of page-table row slots[t] through kv-head h // group,
+    scaled by 1/sqrt(hd). slots, kv_lens: int32 [T] on the device.
       decode:  T sequences, kv_lens[t] = pos[t] + 1 (after kv_append of this step's k, v);
       prefill: one sequence's chunk of T positions, slots all equal, kv_lens[t] = positions[t] + 1
                (causal within the chunk, the chunk's own keys appended first).
@@ -75,7 +75,9 @@ def attention(ctx: KernelContext, q, cache_k, cache_v, slots, kv_lens, out=None,
     (``matvec.i16_quantize`` of out as [T, H * hd], the same bits) by the combine kernel: see
     ``attention_gemm``.
     """
-    n_slots, n_kv, max_ctx, hd = check_cache(cache_k, cache_v)
+    n_slots, n_kv, max_ctx, hd = kv.n_rows, kv.n_kv, kv.max_positions, kv.hd
+    if not 0 <= layer < kv.n_layers:
+        raise ValueError(f"layer {layer} outside [0, {kv.n_layers})")
     check_f32("q", q)
     if q.ndim != 3 or q.shape[2] != hd or q.shape[1] % n_kv:
         raise ValueError(f"q must be [T, n_kv*group, {hd}], got {q.shape}")
@@ -106,8 +108,8 @@ def attention(ctx: KernelContext, q, cache_k, cache_v, slots, kv_lens, out=None,
         raise ValueError("workspace too small for this T, H, hd, n_splits")
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(hd)
     smem = _ATTN_WARPS * G * hd * 4
-    args = (q, cache_k, cache_v, slots, kv_lens, part_ml, part_acc, np.int32(n_slots), np.int32(n_kv),
-            np.int32(max_ctx), np.float32(sc))
+    args = (q, kv.k_chunks, kv.v_chunks, kv.page_table, slots, kv_lens, part_ml, part_acc, np.int32(n_slots),
+            np.int32(n_kv), np.int32(kv.max_pages), np.int32(kv.chunk_pages), np.int32(layer), np.float32(sc))
     if tree:
         args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     names = instances.attn_names(G, hd)
@@ -127,8 +129,8 @@ def attention_gemm_fuses(ctx: KernelContext, T: int, w: Weight) -> bool:
     return w.n_cols % 32 == 0 and T <= MAX_MATVEC_B and gm.path(ctx, w, T) == "i16"
 
 
-def attention_gemm(ctx: KernelContext, q, cache_k, cache_v, slots, kv_lens, attn, w: Weight, out, *, n_splits=None,
-                   workspace=None, tree_base=None, tree_mask=None, stream=None):
+def attention_gemm(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, attn, w: Weight, out, *,
+                   n_splits=None, workspace=None, tree_base=None, tree_mask=None, stream=None):
     """attn = attention(q, ...) [T, H, hd], then out = attn @ W.T [T, n_rows] (n_cols = H * hd):
     where that product takes the i16 matvec, attention's combine kernel also writes attn's planes,
     one launch fewer than an attention and a quantization, with the same bits."""
@@ -139,7 +141,7 @@ def attention_gemm(ctx: KernelContext, q, cache_k, cache_v, slots, kv_lens, attn
     fused = attention_gemm_fuses(ctx, T, w) and attn.data.ptr % 16 == 0
     with stream_ctx(stream):
         planes = i16_planes(ctx, T, w.n_cols) if fused else None
-        attention(ctx, q, cache_k, cache_v, slots, kv_lens, attn, n_splits=n_splits, workspace=workspace,
+        attention(ctx, q, kv, layer, slots, kv_lens, attn, n_splits=n_splits, workspace=workspace,
                   tree_base=tree_base, tree_mask=tree_mask, planes=planes)
         x = attn.reshape(T, w.n_cols)
         if not fused:

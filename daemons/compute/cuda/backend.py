@@ -24,7 +24,8 @@ No request pays for compiling or capturing: ``warm_up`` (before the daemon repor
 every capture request on inert passes of every bucket, eagerly then captured, and the eager
 paths and the head once, so every kernel is compiled and every graph recorded up front.
 
-KV cache: per layer f16 [max_seqs, n_kv, max_ctx, hd]; a sequence owns one cache slot. A row's
+KV cache: pages of 32 positions for every layer (``kv_pages.py``), taken from a pool as sequences
+grow; a sequence owns a row of the page table, which a pass's ``slots`` field names. A row's
 keys and values go to its cache position (``StepBatch.cache_positions``), which differs from its
 RoPE position only in a token tree. A pass with trees (speculative verification) hands attention
 each tree row's tree mask (the masked kernel: a graph of its own). After verification
@@ -50,12 +51,13 @@ from ntx.daemons.compute.cuda.arena import Arena, ArenaScratch
 from ntx.daemons.compute.cuda.buckets import (MAX_GRAPH_ROWS, PassRows, bucket_sizes, inert_rows, pass_rows,
                                               row_bucket, tree_chunks)
 from ntx.daemons.compute.cuda.dequant import get_rows
+from ntx.daemons.compute.cuda.kv_pages import KvPages
 from ntx.daemons.compute.cuda.memory import (ROW_FIELDS, attention_splits, backend_layout, cuda_memory_costs,
                                              eager_layout, tree_mask_words)
 from ntx.daemons.compute.quants import dequantize
-from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
 from ntx.shared.kernel_options import KernelOptions
+from ntx.shared.kv_sizing import KvSizing, pages_for_positions
 from ntx.shared.plan import MemoryCosts
 from ntx.shared.quant_types import QUANT_TYPES
 
@@ -130,18 +132,18 @@ def _tree_mask(batch: StepBatch, rows: int) -> np.ndarray | None:
 
 
 class CudaBackend(Backend):
-    """The Llama block's operations as ntx's CUDA kernels on one stream, the KV cache reserved
-    up front for ``max_seqs`` sequences of ``max_ctx`` positions, every pass buffer and scratch
-    in one arena, graphs of resident runs; ``kernels``: the kernel switches (KernelOptions)."""
+    """The Llama block's operations as ntx's CUDA kernels on one stream, the paged KV cache
+    (``kv_pages.KvPages``: ``max_seqs`` page-table rows of up to ``max_ctx`` positions, the pool
+    ``kv`` sizes), every pass buffer and scratch in one arena, graphs of resident runs;
+    ``kernels``: the kernel switches (KernelOptions)."""
 
     name = "cuda"
     queues_passes = True
 
     def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, use_graphs: bool = True,
-                 kernels: KernelOptions | None = None) -> None:
+                 kernels: KernelOptions | None = None, kv: KvSizing | None = None) -> None:
         super().__init__(index)
         hp = self.hp
-        self.max_seqs = max_seqs
         self.max_ctx = min(max_ctx, hp.n_ctx_train)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.use_graphs = use_graphs
@@ -149,13 +151,13 @@ class CudaBackend(Backend):
         self.kernels = kernels if kernels is not None else KernelOptions()
         self.tuning = runtime.tuning()
         with self.stream:
-            self.kv = [nrk.alloc_kv_cache(max_seqs, hp.n_head_kv, self.max_ctx, hp.head_dim) for _ in range(hp.n_layers)]
-            self.kv_table = nrk.kv_cache_table(self.kv)  # every layer's cache addresses, for kv_keep
             self.arena = Arena(backend_layout(index, self.max_ctx, self.max_graph_rows, self.tuning))
         self.scratch = ArenaScratch(self.arena)
         self.ctx = runtime.KernelContext(runtime.Launcher(self.kernels), self.scratch)
-        self.free_cache_slots = list(range(max_seqs - 1, -1, -1))
-        self.seq_slot: dict[int, int] = {}
+        sizing = kv if kv is not None else KvSizing.for_positions(self.kv_page_bytes(), max_seqs * self.max_ctx)
+        self.kvp = KvPages(hp.n_layers, hp.n_head_kv, hp.head_dim, sizing.chunk_pages, sizing.max_chunks, max_seqs,
+                           pages_for_positions(self.max_ctx), self.stream)
+        self._init_kv(max_seqs, self.max_ctx, sizing)
         self.works: dict[int, _Work] = {}  # by bucket: the graphs point into them
         self.graphs: dict[tuple, Any] = {}  # (run key, bucket rows, has_trees) -> cupy Graph
         self.ipc_slots: list[Any] = []
@@ -217,24 +219,20 @@ class CudaBackend(Backend):
         """Wait for the work queued so far (before a slot goes back to the dma daemon)."""
         self.stream.synchronize()
 
-    # -- KV cache ------------------------------------------------------------------------------
-    def alloc_sequence(self, seq_id: int, capacity_tokens: int) -> None:
-        if capacity_tokens > self.max_ctx:
-            raise NtxError(f"sequence needs {capacity_tokens} positions but the KV cache holds {self.max_ctx}")
-        if not self.free_cache_slots:
-            raise NtxError(f"all {self.max_seqs} KV cache slots are in use")
-        self.seq_slot[seq_id] = self.free_cache_slots.pop()
+    # -- KV pages ------------------------------------------------------------------------------
+    def _kv_alloc_chunk(self, chunk: int) -> None:
+        self.kvp.alloc_chunk(chunk)
 
-    def free_sequence(self, seq_id: int) -> None:
-        slot = self.seq_slot.pop(seq_id, None)
-        if slot is not None:
-            self.free_cache_slots.append(slot)
+    def _kv_free_chunk(self, chunk: int) -> None:
+        self.kvp.free_chunk(chunk)
+
+    def _kv_set_row(self, row: int, pages) -> None:
+        self.kvp.set_row(row, pages)
 
     def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
         """The accepted path of a verified tree: K and V at ``src_positions`` move to
         ``dst_positions`` in every layer, one kernel launch on the pass stream."""
-        nrk.kv_move(self.ctx, self.kv, self.seq_slot[seq_id], src_positions, dst_positions, table=self.kv_table,
-                    stream=self.stream)
+        nrk.kv_move(self.ctx, self.kvp, self.seq_row[seq_id], src_positions, dst_positions, stream=self.stream)
 
     # -- one pass ------------------------------------------------------------------------------
     def _work(self, rows: int, keep: bool) -> _Work:
@@ -259,7 +257,7 @@ class CudaBackend(Backend):
         T = batch.n_tokens
         bucket = row_bucket(T, self.max_graph_rows)
         work = self._work(bucket or T, keep=bucket is not None)
-        host = pass_rows(batch, [self.seq_slot[c.seq_id] for c in batch.chunks], work.rows)
+        host = pass_rows(batch, [self.seq_row[c.seq_id] for c in batch.chunks], work.rows)
         work.set_rows(host, _tree_mask(batch, work.rows), self.stream)
         work.batch = batch
         work.logit_rows = batch.logit_rows
@@ -407,31 +405,28 @@ class CudaBackend(Backend):
 
     def kv_write(self, layer_idx: int, k, v, ws: _Work) -> None:
         hp, T = self.hp, ws.T
-        ck, cv = self.kv[layer_idx]
         nrk.kv_append(self.ctx, k.reshape(T, hp.n_head_kv, hp.head_dim), v.reshape(T, hp.n_head_kv, hp.head_dim),
-                      ck, cv, ws.slots, ws.cache_positions)
+                      self.kvp, layer_idx, ws.slots, ws.cache_positions)
 
     def rope_kv_write(self, layer_idx: int, q, k, v, ws: _Work) -> None:
         hp, T = self.hp, ws.T
-        ck, cv = self.kv[layer_idx]
         nrk.rope_kv_append(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim),
-                           v.reshape(T, hp.n_head_kv, hp.head_dim), ck, cv, ws.positions, ws.slots,
+                           v.reshape(T, hp.n_head_kv, hp.head_dim), self.kvp, layer_idx, ws.positions, ws.slots,
                            ws.cache_positions, hp.rope_dim, hp.rope_base, self.freq_factors)
 
     def attention(self, layer_idx: int, q, ws: _Work, out):
         hp, T = self.hp, ws.T
-        ck, cv = self.kv[layer_idx]
         trees = ws.has_trees
-        attn_ops.attention(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
+        attn_ops.attention(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), self.kvp, layer_idx, ws.slots, ws.kv_lens,
                            out=out.reshape(T, hp.n_head, hp.head_dim), n_splits=ws.n_splits, workspace=ws.attn_ws,
                            tree_base=ws.tree_base if trees else None, tree_mask=ws.tree_mask if trees else None)
         return out
 
     def attention_matmul(self, layer_idx: int, q, ws: _Work, attn, w: Weight, out):
         hp, T = self.hp, ws.T
-        ck, cv = self.kv[layer_idx]
         trees = ws.has_trees
-        return attn_ops.attention_gemm(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), ck, cv, ws.slots, ws.kv_lens,
+        return attn_ops.attention_gemm(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), self.kvp, layer_idx, ws.slots,
+                                       ws.kv_lens,
                                        attn.reshape(T, hp.n_head, hp.head_dim), w, out, n_splits=ws.n_splits,
                                        workspace=ws.attn_ws, tree_base=ws.tree_base if trees else None,
                                        tree_mask=ws.tree_mask if trees else None)

@@ -3,12 +3,12 @@
 // cache stores (kv_append, the fused rope_kv) and moves (kv_move). Launched by norm_rope_kv.py;
 // compiled by NVRTC at run time, common.cuh inlined (sources.py).
 //
-// KV cache layout (per layer): cache_k, cache_v: f16 [n_slots, n_kv, max_ctx, hd]; a sequence
-// owns one slot; position p of kv-head g of slot s is row ((s * n_kv + g) * max_ctx + p).
+// KV cache: pages (kv_pages.cuh); a row's sequence is `slots[t]`, its page table's row.
 // Every position, length and slot index is read from device memory, so a captured CUDA graph
 // replays unchanged for the next step once those small arrays have been updated.
 
 #include "common.cuh"
+#include "kv_pages.cuh"
 
 // ------------------------------------------------------------------------------- rmsnorm
 // x: [T, D], w: [D], out: [T, D]. If residual != 0: residual += x (in place), and the norm is
@@ -145,16 +145,18 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(float* __
 
 // ------------------------------------------------------------------------------- rope + kv append
 // A decoder layer's rope and kv_append in one launch: q rotated in place as rope_kernel does;
-// k rotated in place too and, with v beside it, stored to cache[slots[t], :, cache_positions[t],
-// :] (f16) as kv_append_kernel stores it (an out-of-range slot or position: not stored). One
+// k rotated in place too and, with v beside it, stored (f16) at position cache_positions[t] of
+// the sequence of row slots[t] in `layer`'s pages as kv_append_kernel stores it (an out-of-range
+// row or position, or a position without a page: not stored). One
 // launch fewer per layer: at one token a launch is a good part of either kernel's time. Units
 // per token: Hq * half q pairs, then Hk * hd / 2 (k pair, v pair) couples (the k pair rotated
 // where its index is below half). grid (T, ceil(units / (ROPE_THREADS * ROPE_PER_THREAD))),
 // block ROPE_THREADS, dynamic shared memory half * 8 bytes; q, k, v 8-byte aligned.
 extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kv_kernel(
-    float* __restrict__ q, float* __restrict__ k, const float* __restrict__ v, u32* __restrict__ ck,
-    u32* __restrict__ cv, const int* positions, const int* slots, const int* cache_positions,
-    const double* __restrict__ inv_freq, int Hq, int Hk, int hd, int rope_dim, int max_ctx, int n_slots) {
+    float* __restrict__ q, float* __restrict__ k, const float* __restrict__ v, const unsigned long long* kchunks,
+    const unsigned long long* vchunks, const int* page_table, const int* positions, const int* slots,
+    const int* cache_positions, const double* __restrict__ inv_freq, int Hq, int Hk, int hd, int rope_dim,
+    int max_pages, int n_slots, int cp, int layer) {
     pdl_enter();
     extern __shared__ float2 cs[];  // (cos, sin) of pair i at this token
     const int half = rope_dim / 2, hp = hd / 2, t = blockIdx.x;
@@ -166,13 +168,18 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kv_kernel(
     }
     __syncthreads();
     const int slot = slots[t], cpos = cache_positions[t];
-    const bool store = slot >= 0 && slot < n_slots && cpos >= 0 && cpos < max_ctx;
+    const int page = slot >= 0 && slot < n_slots && cpos >= 0 && cpos < max_pages * KV_PAGE
+                         ? kv_page_of(page_table, slot, max_pages, cpos) : -1;
+    const bool store = page >= 0;
+    // the token's k and v rows of each kv-head: u32 words (f16 pairs), head g at + g * KV_PAGE * hd / 2
+    u32* krow = store ? (u32*)(kv_page_rows(kchunks, page, layer, 0, cp, Hk, hd) + (cpos % KV_PAGE) * hd) : nullptr;
+    u32* vrow = store ? (u32*)(kv_page_rows(vchunks, page, layer, 0, cp, Hk, hd) + (cpos % KV_PAGE) * hd) : nullptr;
     const int n_q = Hq * half, n_units = n_q + Hk * hp;
     const int j0 = blockIdx.y * (ROPE_THREADS * ROPE_PER_THREAD) + threadIdx.x;
     float2* pp[ROPE_PER_THREAD];  // the pair rotated in place (a q or k pair)
     float2 xv[ROPE_PER_THREAD], vv[ROPE_PER_THREAD];
     int ii[ROPE_PER_THREAD];     // pair index within the head
-    long long dst[ROPE_PER_THREAD];  // the k/v pair's word in the cache; -1: a q pair, or not stored
+    long long dst[ROPE_PER_THREAD];  // the k/v pair's word in the token's rows; -1: a q pair, or not stored
 #pragma unroll
     for (int r = 0; r < ROPE_PER_THREAD; r++) {  // every load issued before the first store
         const int j = j0 + r * ROPE_THREADS;
@@ -190,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kv_kernel(
             ii[r] = i;
             xv[r] = *pp[r];
             vv[r] = *(const float2*)(v + src);
-            if (store) dst[r] = ((((long long)slot * Hk + g) * max_ctx + cpos) * hd + 2 * i) >> 1;
+            if (store) dst[r] = ((long long)g * KV_PAGE * hd + 2 * i) >> 1;
         }
     }
 #pragma unroll
@@ -203,19 +210,19 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kv_kernel(
             *pp[r] = y;
         }
         if (dst[r] >= 0) {  // element 2i in the low half: the cache's little-endian f16 pair
-            ck[dst[r]] = (u32)f2h(y.x) | ((u32)f2h(y.y) << 16);
-            cv[dst[r]] = (u32)f2h(vv[r].x) | ((u32)f2h(vv[r].y) << 16);
+            krow[dst[r]] = (u32)f2h(y.x) | ((u32)f2h(y.y) << 16);
+            vrow[dst[r]] = (u32)f2h(vv[r].x) | ((u32)f2h(vv[r].y) << 16);
         }
     }
 }
 
 // ------------------------------------------------------------------------------- kv append
-// k, v: [T, n_kv, hd] f32 -> cache[slots[t], :, positions[t], :] (f16). Out-of-range slot or
-// position: the token is skipped.
+// k, v: [T, n_kv, hd] f32 -> position positions[t] of the sequence of row slots[t] in `layer`'s
+// pages (f16). An out-of-range row or position, or a position without a page: the token is skipped.
 extern "C" __global__ void kv_append_kernel(const float* k, const float* v,
-                                            u16* __restrict__ ck, u16* __restrict__ cv,
-                                            const int* slots, const int* positions,
-                                            int T, int n_kv, int hd, int max_ctx, int n_slots) {
+                                            const unsigned long long* kchunks, const unsigned long long* vchunks,
+                                            const int* page_table, const int* slots, const int* positions,
+                                            int T, int n_kv, int hd, int max_pages, int n_slots, int cp, int layer) {
     pdl_enter();
     const long long total = (long long)T * n_kv * hd;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
@@ -224,25 +231,34 @@ extern "C" __global__ void kv_append_kernel(const float* k, const float* v,
         const long long th = idx / hd;
         const int g = (int)(th % n_kv), t = (int)(th / n_kv);
         const int s = slots[t], p = positions[t];
-        if (s < 0 || s >= n_slots || p < 0 || p >= max_ctx) continue;
-        const long long dst = (((long long)s * n_kv + g) * max_ctx + p) * hd + e;
-        ck[dst] = f2h(k[idx]);
-        cv[dst] = f2h(v[idx]);
+        if (s < 0 || s >= n_slots || p < 0 || p >= max_pages * KV_PAGE) continue;
+        const int page = kv_page_of(page_table, s, max_pages, p);
+        if (page < 0) continue;
+        const long long row = (long long)(p % KV_PAGE) * hd + e;
+        kv_page_rows(kchunks, page, layer, g, cp, n_kv, hd)[row] = f2h(k[idx]);
+        kv_page_rows(vchunks, page, layer, g, cp, n_kv, hd)[row] = f2h(v[idx]);
     }
 }
 
 // ------------------------------------------------------------------------------- kv move
-// For every layer at once: cache[slot, :, dst[i], :] = cache[slot, :, src[i], :] for
-// i = 0 .. n_moves-1 in that order (the accepted path of a verified token tree closing ranks).
-// caches: [2 * n_layers] addresses (k0, v0, k1, v1, ...) of f16 [n_slots, n_kv, max_ctx, hd]
-// caches of one shape. grid (n_kv, 2 * n_layers), block hd: each thread moves element e of one
-// (layer, k|v, kv-head) through every move in order, so with dst[i] < src[i] and both
-// increasing (dst[i] may be src[j] of an earlier j, never of a later one) it moves in place.
-extern "C" __global__ void kv_move_kernel(u16* const* caches, const int* src,
-                                          const int* dst, int n_moves, int slot, int n_kv,
-                                          int max_ctx, int hd) {
+// For every layer at once, in the sequence of page-table row `row`: the keys and values at position
+// dst[i] become those at src[i], for i = 0 .. n_moves-1 in that order (the accepted path of a
+// verified token tree closing ranks). grid (n_kv, 2 * n_layers): block y is layer y / 2, keys
+// (even) or values (odd); block hd: each thread moves element e of one (layer, k|v, kv-head)
+// through every move in order, so with dst[i] < src[i] and both increasing (dst[i] may be src[j]
+// of an earlier j, never of a later one) it moves in place.
+extern "C" __global__ void kv_move_kernel(const unsigned long long* kchunks, const unsigned long long* vchunks,
+                                          const int* page_table, const int* src, const int* dst, int n_moves,
+                                          int row, int max_pages, int cp, int n_kv, int hd) {
     pdl_enter();
-    u16* c = caches[blockIdx.y] + ((long long)slot * n_kv + blockIdx.x) * max_ctx * hd;
+    const int layer = blockIdx.y >> 1, g = blockIdx.x;
+    const unsigned long long* chunks = (blockIdx.y & 1) ? vchunks : kchunks;
     for (int e = threadIdx.x; e < hd; e += blockDim.x)
-        for (int i = 0; i < n_moves; i++) c[(long long)dst[i] * hd + e] = c[(long long)src[i] * hd + e];
+        for (int i = 0; i < n_moves; i++) {
+            const int s = src[i], d = dst[i];
+            const u16 x = kv_page_rows(chunks, kv_page_of(page_table, row, max_pages, s), layer, g, cp, n_kv, hd)
+                [(s % KV_PAGE) * hd + e];
+            kv_page_rows(chunks, kv_page_of(page_table, row, max_pages, d), layer, g, cp, n_kv, hd)
+                [(d % KV_PAGE) * hd + e] = x;
+        }
 }

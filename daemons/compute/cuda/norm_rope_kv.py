@@ -21,13 +21,14 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from ntx.daemons.compute.cuda.kv_pages import KvPages
 from ntx.daemons.compute.cuda.matvec import i16_planes
 from ntx.daemons.compute.cuda.runtime import (KernelContext, check_f32, check_i32, function, out_array, ptr_or_null,
                                               stream_ctx, tuning)
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B
 
 __all__ = ["rmsnorm", "rmsnorm_i16", "add", "swiglu", "swiglu_i16", "rope_inv_freq", "rope_qk_inplace", "rope_inplace",
-           "alloc_kv_cache", "kv_append", "rope_kv_append", "kv_cache_table", "kv_move"]
+           "kv_append", "rope_kv_append", "kv_move"]
 
 _SOURCE = "norm_rope_kv.cu"
 
@@ -214,109 +215,82 @@ def rope_inplace(ctx: KernelContext, x, positions, rope_dim: int, base: float, f
     return x
 
 
-# ------------------------------------------------------------------------------ KV cache
-def alloc_kv_cache(n_slots: int, n_kv: int, max_ctx: int, hd: int):
-    """(cache_k, cache_v): zeroed f16 [n_slots, n_kv, max_ctx, hd] for one layer."""
-    shape = (n_slots, n_kv, max_ctx, hd)
-    return cp.zeros(shape, dtype=cp.float16), cp.zeros(shape, dtype=cp.float16)
+# ------------------------------------------------------------------------------ KV pages
+def _check_rows(kv: KvPages, layer: int, k, v, T: int) -> None:
+    if not 0 <= layer < kv.n_layers:
+        raise ValueError(f"layer {layer} outside [0, {kv.n_layers})")
+    check_f32("k", k, (T, kv.n_kv, kv.hd))
+    check_f32("v", v, (T, kv.n_kv, kv.hd))
 
 
-def check_cache(cache_k, cache_v):
-    """The caches' shape (n_slots, n_kv, max_ctx, hd), checked as the kernels take them."""
-    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
-        if not isinstance(c, cp.ndarray) or c.dtype != cp.float16 or c.ndim != 4 or not c.flags.c_contiguous:
-            raise TypeError(f"{name} must be a C-contiguous f16 [n_slots, n_kv, max_ctx, hd] cupy array")
-    if cache_k.shape != cache_v.shape:
-        raise ValueError("cache_k and cache_v differ in shape")
-    return cache_k.shape
-
-
-def kv_append(ctx: KernelContext, k, v, cache_k, cache_v, slots, positions, *, stream=None):
-    """cache_k[slots[t], :, positions[t], :] = k[t] (f16), likewise v. k, v: f32 [T, n_kv, hd];
-    slots, positions: int32 [T] on the device (decode: one entry per sequence; prefill: one slot
-    repeated, consecutive positions). Tokens with an out-of-range slot or position are skipped."""
-    n_slots, n_kv, max_ctx, hd = check_cache(cache_k, cache_v)
-    check_f32("k", k)
+def kv_append(ctx: KernelContext, k, v, kv: KvPages, layer: int, slots, positions, *, stream=None):
+    """The keys k[t] and values v[t] (f16) at position positions[t] of the sequence of page-table
+    row slots[t], in ``layer``'s pages. k, v: f32 [T, n_kv, hd]; slots, positions: int32 [T] on
+    the device (decode: one entry per sequence; prefill: one row repeated, consecutive
+    positions). Tokens with an out-of-range row or position, or a position without a page, are
+    skipped."""
     T = k.shape[0]
-    check_f32("k", k, (T, n_kv, hd))
-    check_f32("v", v, (T, n_kv, hd))
+    _check_rows(kv, layer, k, v, T)
     check_i32("slots", slots, T)
     check_i32("positions", positions, T)
-    total = T * n_kv * hd
+    total = T * kv.n_kv * kv.hd
     if total == 0:
         return
     with stream_ctx(stream):
         ctx.launch(_kernel("kv_append_kernel"), (min((total + 255) // 256, 1 << 16),), (256,), (
-            k, v, cache_k, cache_v, slots, positions, np.int32(T), np.int32(n_kv), np.int32(hd),
-            np.int32(max_ctx), np.int32(n_slots)))
+            k, v, kv.k_chunks, kv.v_chunks, kv.page_table, slots, positions, np.int32(T), np.int32(kv.n_kv),
+            np.int32(kv.hd), np.int32(kv.max_pages), np.int32(kv.n_rows), np.int32(kv.chunk_pages), np.int32(layer)))
 
 
-def rope_kv_append(ctx: KernelContext, q, k, v, cache_k, cache_v, positions, slots, cache_positions, rope_dim: int,
-                   base: float, freq_factors=None, *, stream=None):
-    """``rope_qk_inplace(q, k, positions, ...)`` then ``kv_append(k, v, cache_k, cache_v, slots,
+def rope_kv_append(ctx: KernelContext, q, k, v, kv: KvPages, layer: int, positions, slots, cache_positions,
+                   rope_dim: int, base: float, freq_factors=None, *, stream=None):
+    """``rope_qk_inplace(q, k, positions, ...)`` then ``kv_append(k, v, kv, layer, slots,
     cache_positions)`` in one launch, with the same results bit for bit: a decoder layer's
     rotation and cache store. q: f32 [T, Hq, hd]; k, v: f32 [T, n_kv, hd]; positions (RoPE),
-    slots, cache_positions: int32 [T] on the device; caches as ``kv_append`` takes them."""
-    n_slots, n_kv, max_ctx, hd = check_cache(cache_k, cache_v)
+    slots, cache_positions: int32 [T] on the device."""
     _rope_check("q", q, positions, rope_dim)
     T, Hq, _ = q.shape
     _rope_check("k", k, positions, rope_dim)
-    check_f32("k", k, (T, n_kv, hd))
-    check_f32("v", v, (T, n_kv, hd))
-    if q.shape[2] != hd:
-        raise ValueError(f"q {q.shape} and the cache's head dim {hd} differ")
+    _check_rows(kv, layer, k, v, T)
+    if q.shape[2] != kv.hd:
+        raise ValueError(f"q {q.shape} and the cache's head dim {kv.hd} differ")
     if v.data.ptr % 8:
         raise ValueError("v must start on an 8-byte boundary (pairs are read as float2)")
     check_i32("slots", slots, T)
     check_i32("cache_positions", cache_positions, T)
     if freq_factors is not None:
         check_f32("freq_factors", freq_factors, (rope_dim // 2,))
-    n_units = Hq * (rope_dim // 2) + n_kv * (hd // 2)
+    n_units = Hq * (rope_dim // 2) + kv.n_kv * (kv.hd // 2)
     if T == 0:
         return
     with stream_ctx(stream):
         inv = _rope_freqs.get(rope_dim, base, freq_factors)
         per_cta = _ROPE_THREADS * _ROPE_PER_THREAD
         ctx.launch(_kernel("rope_kv_kernel"), (T, -(-n_units // per_cta)), (_ROPE_THREADS,), (
-            q, k, v, cache_k, cache_v, positions, slots, cache_positions, inv, np.int32(Hq), np.int32(n_kv),
-            np.int32(hd), np.int32(rope_dim), np.int32(max_ctx), np.int32(n_slots)), shared_mem=(rope_dim // 2) * 8)
+            q, k, v, kv.k_chunks, kv.v_chunks, kv.page_table, positions, slots, cache_positions, inv, np.int32(Hq),
+            np.int32(kv.n_kv), np.int32(kv.hd), np.int32(rope_dim), np.int32(kv.max_pages), np.int32(kv.n_rows),
+            np.int32(kv.chunk_pages), np.int32(layer)), shared_mem=(rope_dim // 2) * 8)
 
 
-def kv_cache_table(caches):
-    """The device addresses of every layer's (cache_k, cache_v), in that order: uint64
-    [2 * n_layers], for kv_move. Make it once per set of caches (they never move)."""
-    shape = check_cache(*caches[0])
-    for ck, cv in caches:
-        if check_cache(ck, cv) != shape:
-            raise ValueError("every layer's KV cache must have the same shape")
-    return cp.asarray(np.array([c.data.ptr for pair in caches for c in pair], dtype=np.uint64))
-
-
-def kv_move(ctx: KernelContext, caches, slot: int, src_positions, dst_positions, *, table=None, stream=None):
-    """For every layer: cache[slot, :, dst[i], :] = cache[slot, :, src[i], :], k and v, for
-    i in increasing order, in one launch. caches: every layer's (cache_k, cache_v) of one shape;
-    src_positions, dst_positions: host ints with dst[i] < src[i], both strictly increasing (so
-    dst[i] may be an earlier src[j], never a later one, and moving in order is in place);
-    table: kv_cache_table(caches), made here when None."""
-    n_slots, n_kv, max_ctx, hd = check_cache(*caches[0])
+def kv_move(ctx: KernelContext, kv: KvPages, row: int, src_positions, dst_positions, *, stream=None):
+    """For every layer, in the sequence of page-table row ``row``: the keys and values at dst[i]
+    become those at src[i], for i in increasing order, in one launch. src_positions,
+    dst_positions: host ints with dst[i] < src[i], both strictly increasing (so dst[i] may be an
+    earlier src[j], never a later one, and moving in order is in place)."""
     src = np.asarray(src_positions, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_positions, dtype=np.int64).reshape(-1)
     if src.size != dst.size:
         raise ValueError(f"kv_move: {src.size} source positions, {dst.size} destinations")
-    if not 0 <= slot < n_slots:
-        raise ValueError(f"kv_move: slot {slot} outside [0, {n_slots})")
+    if not 0 <= row < kv.n_rows:
+        raise ValueError(f"kv_move: row {row} outside [0, {kv.n_rows})")
     if src.size == 0:
         return
     if (np.any(np.diff(src) <= 0) or np.any(np.diff(dst) <= 0) or np.any(dst >= src) or dst[0] < 0
-            or src[-1] >= max_ctx):
+            or src[-1] >= kv.max_positions):
         raise ValueError("kv_move: positions must be strictly increasing, each destination below its "
-                         f"source, all in [0, {max_ctx})")
-    if table is None:
-        table = kv_cache_table(caches)
-    if table.dtype != cp.uint64 or table.size != 2 * len(caches):
-        raise ValueError(f"table must be kv_cache_table(caches): uint64 [{2 * len(caches)}]")
+                         f"source, all in [0, {kv.max_positions})")
     with stream_ctx(stream):
         moves = cp.asarray(np.stack([src, dst]).astype(np.int32))  # [2, n]: sources, destinations
-        ctx.launch(_kernel("kv_move_kernel"), (n_kv, 2 * len(caches)), (min(hd, 256),), (
-            table, moves[0], moves[1], np.int32(src.size), np.int32(slot), np.int32(n_kv), np.int32(max_ctx),
-            np.int32(hd)))
+        ctx.launch(_kernel("kv_move_kernel"), (kv.n_kv, 2 * kv.n_layers), (min(kv.hd, 256),), (
+            kv.k_chunks, kv.v_chunks, kv.page_table, moves[0], moves[1], np.int32(src.size), np.int32(row),
+            np.int32(kv.max_pages), np.int32(kv.chunk_pages), np.int32(kv.n_kv), np.int32(kv.hd)))
