@@ -66,6 +66,7 @@ class InstanceStatus:
             "tokens_per_s": compute.get("tokens_per_s", 0.0),
             "tokens_generated": compute.get("tokens_generated", 0),
             "speculation": compute.get("speculation"),
+            "kv": compute.get("kv"),
             "slots": {
                 "n_slots": self.plan.n_slots, "slot_bytes": self.plan.slot_bytes,
                 "host": stats.get("dma", {}).get("host_slots"),

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ntx.shared.config import InstancePaths, format_bytes
+from ntx.shared.plan import layer_ranges
 from ntx.shared.stats import window
 
 
@@ -27,6 +28,23 @@ def _slots_line(sl: dict[str, Any]) -> str:
         line += "; host slots " + ", ".join(f"{n} {state}" for state, n in host.items())
     if sl.get("device_free_at_dma") is not None:
         line += f"; device slots free at dma: {sl['device_free_at_dma']}"
+    return line
+
+
+def kv_line(kv: dict[str, Any]) -> str:
+    """The KV cache in one line: pages in use, cached and free, the prefix cache's hits, what was
+    preempted and which layers are demoted for it."""
+    pt = kv["page_tokens"]
+    looked = kv["prefix_hit_tokens"] + kv["prefix_miss_tokens"]
+    line = (f"KV cache: {kv['pages_in_use']} of {kv['pages_total']} pages in use ({kv['pages_in_use'] * pt} positions), "
+            f"{kv['pages_cached']} cached, {kv['pages_free']} free; prefix reuse {kv['prefix_hit_tokens']} of {looked} "
+            f"prompt tokens")
+    if kv.get("paused"):
+        line += f"; {kv['paused']} sequences waiting for pages"
+    if kv.get("preemptions"):
+        line += f"; {kv['preemptions']} preempted so far"
+    if kv.get("demoted_layers"):
+        line += f"; layers demoted for it: {layer_ranges(sorted(kv['demoted_layers']))}"
     return line
 
 
@@ -84,6 +102,11 @@ def render_status(st: dict[str, Any], renderable: bool = False):
                     f"(now depth {spec['tree_depth']}, width {spec['tree_width']}); drafted "
                     f"{spec['drafted']}, accepted {spec['accepted']} ({spec['acceptance_rate']:.0%}); "
                     f"mean acceptance length {spec['accepted_per_pass']:.2f} over {spec['verify_passes']} verify passes\n")
+    kv = st.get("kv")
+    if kv:
+        tail.append(kv_line(kv) + "\n")
+        for event in kv.get("residency_events", [])[:3]:
+            tail.append(f"  {event}\n", style="dim")
     tail.append(_slots_line(st["slots"]) + "\n")
     io = st.get("io") or {}
     if io.get("io_mode"):

@@ -81,6 +81,23 @@ class PipelineCollector(Collector):
             rate = GaugeMetricFamily("ntx_speculation_acceptance_rate", "accepted / drafted since start")
             rate.add_metric([], float(spec.get("acceptance_rate", 0.0)))
             yield from (drafted, accepted, rate)
+        kv = st.get("kv")
+        if kv:
+            pages = GaugeMetricFamily("ntx_kv_pages", "KV cache pages by state (a page: page_tokens positions of every layer)",
+                                      labels=["state"])
+            for state in ("in_use", "cached", "free"):
+                pages.add_metric([state], float(kv.get(f"pages_{state}", 0)))
+            prefix = CounterMetricFamily("ntx_kv_prefix_tokens", "prompt tokens looked up in the prefix cache, by outcome",
+                                         labels=["outcome"])
+            prefix.add_metric(["hit"], float(kv.get("prefix_hit_tokens", 0)))
+            prefix.add_metric(["miss"], float(kv.get("prefix_miss_tokens", 0)))
+            preempted = CounterMetricFamily("ntx_kv_preemptions", "sequences sent back to the queue for want of pages")
+            preempted.add_metric([], float(kv.get("preemptions", 0)))
+            evicted = CounterMetricFamily("ntx_kv_evictions", "cached prefix pages evicted for new ones")
+            evicted.add_metric([], float(kv.get("evictions", 0)))
+            demoted = GaugeMetricFamily("ntx_kv_demoted_layers", "resident layers streamed now to give the KV cache memory")
+            demoted.add_metric([], float(len(kv.get("demoted_layers", []))))
+            yield from (pages, prefix, preempted, evicted, demoted)
 
 
 class GatewayMetrics:

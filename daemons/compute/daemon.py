@@ -18,6 +18,7 @@ import zmq
 
 from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.factory import backend_for, build_engine, warm_up_engine
+from ntx.daemons.compute.residency import Residency
 from ntx.daemons.compute.ring_stream import RingStream
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig
@@ -48,12 +49,17 @@ class ComputeDaemon(Daemon):
             self.ring.setsockopt(zmq.LINGER, 0)
             self.ring.bind(config.device_ring)
             stream = RingStream(
-                self.ring, slot_bufs, streamed, {i: self.index.layers[i].nbytes for i in streamed},
+                self.ring, slot_bufs, streamed, {i: layer.nbytes for i, layer in enumerate(self.index.layers)},
                 self.clock, on_wait=self._on_wait, before_release=self.backend.sync,
             )
         # the plan's skipped layers are cfg.skip_layers (make_plan)
         self.engine: EngineCore = build_engine(self.index, self.backend, cfg, resident_layers=self.plan.layers_on(VRAM),
                                                stream=stream, warm_up=False)
+        if stream is not None and self.plan.standby_layers:  # the KV cache may take resident layers' memory
+            drafter = self.engine.drafter
+            costs = self.backend.memory_costs(self.index, max_seqs=1, max_ctx=1, prefill_chunk_tokens=1)
+            self.engine.kv_room = Residency(self.engine.model, list(self.plan.standby_layers), costs.layer_bytes,
+                                            keep=frozenset(getattr(drafter, "layers", ())))
         # before ready: no request pays for compiling kernels or recording graphs
         self.warm_up_s = warm_up_engine(self.engine, self.say)
         self.active = False
@@ -130,7 +136,7 @@ class ComputeDaemon(Daemon):
         snap.update(
             active=self.engine.active_ids, queued=self.engine.queued_ids,
             tokens_generated=self.engine.tokens_generated, n_passes=self.engine.model.next_pass_id,
-            tokens_per_s=round(window / span, 3) if span > 0 else 0.0,
+            tokens_per_s=round(window / span, 3) if span > 0 else 0.0, kv=self.engine.kv_report(),
         )
         if self.engine.drafter is not None:
             depth, width = self.engine.shape.best()

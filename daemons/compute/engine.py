@@ -45,6 +45,10 @@ class KvRoom(Protocol):
     def may_grow(self) -> bool:
         """Whether pages may still come later without any sequence ending."""
 
+    def maybe_promote(self, busy: bool) -> bool:
+        """Between passes: give memory back to a layer if the pool has long had plenty (``busy``:
+        somebody waits for pages). Whether it did."""
+
 
 @dataclass
 class _Seq:
@@ -177,6 +181,23 @@ class EngineCore:
         """Requests to serve, or a queued pass to take back (one more step)."""
         return bool(self.waiting or self.running or self._ahead)
 
+    def kv_report(self) -> dict[str, Any]:
+        """The KV cache for status: pages (total, in use, cached, free) and positions, the prefix
+        cache's hits, preemptions, and the layers demoted for it."""
+        st = self.model.backend.kv_stats()
+        out = {
+            "page_tokens": st.page_tokens, "pages_total": st.pages_total, "pages_in_use": st.pages_in_use,
+            "pages_cached": st.pages_cached, "pages_free": st.pages_free, "chunks": st.chunks,
+            "sequences": st.sequences, "prefix_lookups": st.prefix_lookups, "prefix_hit_tokens": st.prefix_hit_tokens,
+            "prefix_miss_tokens": st.prefix_miss_tokens, "evictions": st.evictions, "preemptions": self.preemptions,
+            "paused": sum(1 for s in self.running if s.paused),
+        }
+        log = getattr(self.kv_room, "log", None)
+        if log is not None:
+            out["demoted_layers"] = list(log.demoted)
+            out["residency_events"] = list(log.events[:5])
+        return out
+
     @property
     def active_ids(self) -> list[str]:
         return [s.req.id for s in self.running]
@@ -304,6 +325,8 @@ class EngineCore:
         or ended, an error per request that failed)."""
         if self._ahead is not None:
             return self._step_ahead()
+        if self.kv_room is not None:
+            self.kv_room.maybe_promote(busy=bool(self.waiting) or any(s.paused for s in self.running))
         events = self._admit()
         events += self._grow()
         if not self.running:

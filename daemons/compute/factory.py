@@ -62,7 +62,7 @@ def build_engine(
     skip_layers = options.skip_layers or ()
     kept = set(range(index.hparams.n_layers)) - set(skip_layers)
     if stream is None and resident_layers is not None and set(resident_layers) != kept:
-        stream = FileLayerStream(index)
+        stream = FileLayerStream(index, sorted(kept - set(resident_layers)))
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress,
                        skip_layers=skip_layers)
     drafter = _drafter(llama, backend.name, options)

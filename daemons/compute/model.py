@@ -60,17 +60,44 @@ class LayerStream(Protocol):
         """The pass failed: hand back whatever it (and any pass already asked for after it)
         holds; returns the first pass id that is still fresh."""
 
+    layers: list[int]  # the layers the passes from now on stream
+    standby: set[int]  # layers that may be demoted to streamed (their bytes can be brought in)
+
+    def layers_for(self, pass_id: int) -> list[int]:
+        """The layers pass ``pass_id`` streams, in order."""
+
+    def set_layers(self, layers: list[int]) -> int:
+        """Stream ``layers`` from the first pass not yet asked for on; returns that pass."""
+
+    def poll(self) -> None:
+        """Take what arrived without waiting (``standby`` announcements)."""
+
 
 class FileLayerStream:
     """Reads each streamed layer from the file every pass (in-process; tests and the in-process
-    benchmarks). The pipeline replaces this with the ring of the reader and dma daemons."""
+    benchmarks). The pipeline replaces this with the ring of the reader and dma daemons. Every
+    layer can be read from the file, so every layer counts as having a standby copy: a layer may
+    be demoted to streamed (``set_layers``) from the next pass on."""
 
-    def __init__(self, index: ModelIndex) -> None:
+    def __init__(self, index: ModelIndex, streamed_layers: Sequence[int] = ()) -> None:
         self.index = index
         self.buf = np.empty(index.max_layer_slot_bytes, dtype=np.uint8)
+        self.layers = list(streamed_layers)
+        self.standby = set(range(index.hparams.n_layers))
+        self._begun = -1  # the last pass begun
+
+    def layers_for(self, pass_id: int) -> list[int]:
+        return self.layers
+
+    def set_layers(self, layers: list[int]) -> int:
+        self.layers = list(layers)
+        return self._begun + 1
+
+    def poll(self) -> None:
+        pass
 
     def begin_pass(self, pass_id: int) -> None:
-        pass
+        self._begun = pass_id
 
     def acquire(self, layer_idx: int, pass_id: int) -> np.ndarray:
         return read_layer_into(self.index.layers[layer_idx], self.buf)
@@ -82,7 +109,7 @@ class FileLayerStream:
         pass
 
     def abort_pass(self, pass_id: int) -> int:
-        return pass_id + 1
+        return max(pass_id, self._begun + 1)
 
 
 def _runs(resident: set[int], n_layers: int, skipped: set[int] = frozenset()) -> list[tuple[int, int, bool]]:
@@ -141,7 +168,12 @@ class LlamaModel:
         if self.streamed_layers and stream is None:
             raise ValueError("streamed layers need a LayerStream")
         self.stream = stream if self.streamed_layers else None
+        if isinstance(self.stream, FileLayerStream) and not self.stream.layers:
+            self.stream.layers = list(self.streamed_layers)
+        self._skipped = skipped
         self.runs = _runs(resident, self.hp.n_layers, skipped)
+        self._runs_of: dict[tuple[int, ...], list[tuple[int, int, bool]]] = {tuple(self.streamed_layers): self.runs}
+        self.residency_gen = 0  # bumped when a layer becomes resident again: its graphs are recorded anew
         raw = {name: read_tensor(t) for name, t in index.globals.items()}
         freqs = None
         if "rope_freqs" in raw:
@@ -195,7 +227,7 @@ class LlamaModel:
             if self.stream:
                 self.stream.begin_pass(pass_id)
             try:
-                for n, (first, end, resident) in enumerate(self.runs):
+                for n, (first, end, resident) in enumerate(self._runs_for(pass_id)):
                     embed = n == 0
                     if resident:
                         key, run = self._capture_request(first, end, embed)
@@ -249,8 +281,51 @@ class LlamaModel:
     def _capture_request(self, first: int, end: int, embed: bool) -> CaptureRun:
         """Resident layers [first, end) (the tokens embedded first when ``embed``) as a request
         to the backend: its key (one recording per key) and the run, given the workspace. The one
-        place the key is made, so the warm-up records exactly what passes replay."""
-        return ("layers", first, end, embed), partial(self._resident_run, first, end, embed)
+        place the key is made, so the warm-up records exactly what passes replay. The key names
+        the residency generation: a run recorded before a layer in it was demoted and brought back
+        holds that layer's old weights and is never replayed."""
+        return ("layers", first, end, embed, self.residency_gen), partial(self._resident_run, first, end, embed)
+
+    # -- residency: layers demoted to streamed and back (residency.py decides when) -------------
+    def _runs_for(self, pass_id: int) -> list[tuple[int, int, bool]]:
+        """The runs of pass ``pass_id``: resident where the stream does not bring the layer in."""
+        if self.stream is None:
+            return self.runs
+        streamed = tuple(self.stream.layers_for(pass_id))
+        runs = self._runs_of.get(streamed)
+        if runs is None:
+            kept = set(range(self.hp.n_layers)) - self._skipped
+            runs = self._runs_of[streamed] = _runs(kept - set(streamed), self.hp.n_layers, self._skipped)
+        return runs
+
+    def demote(self, layers: Sequence[int]) -> int:
+        """Stream ``layers`` (resident now; dma holds their standby copies) from the next pass on
+        and drop their weights; returns that pass. The pass already asked of dma is given up
+        (``abort_pass``: its slots go back as they come) so that the change is immediate."""
+        if self.stream is None:
+            raise ValueError("demotion needs a layer stream")
+        bad = [i for i in layers if i not in self.resident]
+        if bad:
+            raise ValueError(f"layers {bad} are not resident")
+        self.backend.sync()  # nothing queued may still read their weights
+        self.next_pass_id = max(self.next_pass_id, self.stream.abort_pass(self.next_pass_id))
+        streamed = sorted(set(self.stream.layers) | set(layers))
+        first = self.stream.set_layers(streamed)
+        for i in layers:
+            del self.resident[i]
+        self.streamed_layers = streamed
+        return first
+
+    def promote(self, layer: int, buf: Any) -> int:
+        """Make ``layer`` resident again from ``buf`` (its slot-layout bytes): streamed until the
+        passes already asked of dma have run, resident from the pass returned."""
+        if self.stream is None or layer not in self.stream.layers:
+            raise ValueError(f"layer {layer} is not streamed")
+        self.resident[layer] = self.backend.prepare_layer(self.index.layers[layer], buf, keep=True)
+        self.residency_gen += 1
+        streamed = [i for i in self.stream.layers if i != layer]
+        self.streamed_layers = streamed
+        return self.stream.set_layers(streamed)
 
     def _qtypes(self, layers: Iterable[int]) -> frozenset[int]:
         """The GGUF types of the matrices of ``layers``."""
