@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ntx.ctl import instance
-from ntx.ctl.bench_options import SpecOptions
+from ntx.ctl.bench_options import BENCH_CTX, SpecOptions
 from ntx.ctl.client import Client
 from ntx.daemons.compute.backend import plan_for
 from ntx.daemons.compute.model import FileLayerStream
@@ -150,20 +150,26 @@ def _decode_passes(after: dict, first: int, last: int) -> dict[str, Any]:
     return out
 
 
-def _generate_concurrently(listen: str, batch: int, tokens: int) -> tuple[float, int, list[list[int]]]:
-    """``batch`` greedy requests at once; returns (decode seconds, tokens generated, tokens of each)."""
+def _generate_concurrently(listen: str, batch: int, tokens: int, prompts: list[list[int]] | None = None,
+                           ttfts: list[float] | None = None) -> tuple[float, int, list[list[int]]]:
+    """``batch`` greedy requests at once (of PROMPT, or of ``prompts``' token ids); returns (decode
+    seconds, tokens generated, tokens of each); ``ttfts`` gets each request's first-token time."""
     results: list[list[int]] = [None] * batch  # type: ignore[list-item]
     firsts: list[float] = []
     lock = threading.Lock()
+    t0 = time.perf_counter()
 
     def one(i: int) -> None:
-        with Client(listen, event_timeout_s=600) as c:
+        with Client(listen, event_timeout_s=1800) as c:
             toks = []
-            for ev in c.generate(PROMPT, raw=True, temperature=0.0, max_tokens=tokens):
+            kw = dict(tokens=prompts[i]) if prompts is not None else dict(prompt=PROMPT, raw=True)
+            for ev in c.generate(temperature=0.0, max_tokens=tokens, **kw):
                 if ev["type"] == "token":
                     if not toks:
                         with lock:
                             firsts.append(time.perf_counter())
+                            if ttfts is not None:
+                                ttfts.append(firsts[-1] - t0)
                     toks.append(ev["token"])
             results[i] = toks
 
@@ -183,8 +189,9 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     t0 = time.perf_counter()
     instance.start(cfg, plan)
     start_s = time.perf_counter() - t0
+    ttfts: list[float] = []
     try:
-        _generate_concurrently(cfg.listen, batch, 2)  # warm-up: kernels compiled, decode graph captured
+        _generate_concurrently(cfg.listen, batch, 2, ttfts=ttfts)  # the first requests after ready
         time.sleep(0.6)
         before = instance.get_status(cfg.name, 10) or {}
         decode_s, n, toks = _generate_concurrently(cfg.listen, batch, tokens)
@@ -205,7 +212,80 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
         "stages": stages, "stages_whole_window": _stage_delta(before, after),
         "bottleneck": bottleneck({k: {"recent": v} for k, v in stages.items()}),
         "status_bottleneck": after.get("bottleneck"), "status": after, "tokens": toks[0],
+        "ctx": plan.ctx, "max_batch": cfg.max_batch, "kv_tokens": plan.kv_tokens,
+        "first_token_s": round(max(ttfts), 4) if ttfts else None,
     }
+
+
+def _streamed_in_force(plan, status: dict, index: ModelIndex) -> int:
+    """Layer bytes a pass streams under the plan in force: the plan's, and the layers demoted
+    since (status ``kv.demoted_layers``)."""
+    demoted = (status.get("kv") or {}).get("demoted_layers") or []
+    return plan.streamed_bytes_per_pass + sum(index.layers[i].nbytes for i in demoted)
+
+
+def run_long_contexts(label: str, cfg: InstanceConfig, index: ModelIndex, n_seqs: int, prompt_tokens: int,
+                      tokens: int, log) -> dict[str, Any]:
+    """``n_seqs`` concurrent requests, each with its own ``prompt_tokens``-token prompt (random
+    token ids), ``tokens`` generated each, at ``cfg``'s flags: every one must complete; decode
+    throughput (after the last first token) beside what the link allows for the plan in force
+    at the end (its streamed layers and those demoted for the KV cache)."""
+    plan = plan_for(index, cfg)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(1, index.hparams.n_vocab, prompt_tokens)] for _ in range(n_seqs)]
+    t0 = time.perf_counter()
+    instance.start(cfg, plan)
+    start_s = time.perf_counter() - t0
+    ttfts: list[float] = []
+    try:
+        t0 = time.perf_counter()
+        decode_s, n, toks = _generate_concurrently(cfg.listen, n_seqs, tokens, prompts=prompts, ttfts=ttfts)
+        total_s = time.perf_counter() - t0
+        time.sleep(0.6)
+        after = instance.get_status(cfg.name, 10) or {}
+    finally:
+        instance.stop(cfg.name, force=True)
+    streamed = _streamed_in_force(plan, after, index)
+    kv = after.get("kv") or {}
+    positions = n_seqs * (prompt_tokens + tokens)
+    return {
+        "label": label, "sequences": n_seqs, "prompt_tokens": prompt_tokens, "tokens": tokens, "start_s": round(start_s, 2),
+        "completed": sum(1 for t in toks if t is not None and len(t) == tokens), "total_s": round(total_s, 2),
+        "tokens_per_s": n / decode_s if decode_s > 0 else 0.0, "pass_s": decode_s / max(n / n_seqs, 1),
+        "first_token_s": round(max(ttfts), 3) if ttfts else None, "ctx": plan.ctx,
+        "streamed_bytes_per_pass": streamed, "streamed_bytes_per_pass_planned": plan.streamed_bytes_per_pass,
+        "demoted_layers": kv.get("demoted_layers", []), "kv_pages_total": kv.get("pages_total"),
+        "kv_bytes_in_vram": positions * plan.kv_page_bytes // 32, "kv_bytes_over_link_per_pass": 0,
+        "preemptions": kv.get("preemptions"), "stages": {}, "status": after,
+    }
+
+
+def run_prefix_reuse(label: str, cfg: InstanceConfig, index: ModelIndex, prefix_tokens: int, new_tokens: int,
+                     log) -> dict[str, Any]:
+    """First-token time of a request whose ``prefix_tokens``-token prefix an earlier request left
+    in the prefix cache (plus ``new_tokens`` of its own), beside a ``new_tokens``-token prompt's."""
+    plan = plan_for(index, cfg)
+    rng = np.random.default_rng(11)
+    prefix = [int(t) for t in rng.integers(1, index.hparams.n_vocab, prefix_tokens)]
+    tail = [int(t) for t in rng.integers(1, index.hparams.n_vocab, new_tokens)]
+    instance.start(cfg, plan)
+    try:
+        _generate_concurrently(cfg.listen, 1, 2)  # the instance's first request
+        cold: list[float] = []
+        _generate_concurrently(cfg.listen, 1, 2, prompts=[prefix + tail], ttfts=cold)
+        again: list[float] = []
+        _generate_concurrently(cfg.listen, 1, 2, prompts=[prefix + tail[::-1]], ttfts=again)
+        short: list[float] = []
+        _generate_concurrently(cfg.listen, 1, 2, prompts=[tail], ttfts=short)
+        time.sleep(0.6)
+        after = instance.get_status(cfg.name, 10) or {}
+    finally:
+        instance.stop(cfg.name, force=True)
+    kv = after.get("kv") or {}
+    return {"label": label, "prefix_tokens": prefix_tokens, "new_tokens": new_tokens,
+            "first_token_cold_s": round(cold[0], 4), "first_token_reused_s": round(again[0], 4),
+            "first_token_short_s": round(short[0], 4), "reused_over_short": round(again[0] / short[0], 3),
+            "prefix_hit_tokens": kv.get("prefix_hit_tokens"), "status": after}
 
 
 class _MmapPageableStream(FileLayerStream):
@@ -239,7 +319,7 @@ def run_in_process(label: str, model: str, base: InstanceConfig, resident: list[
     index = open_model(model)
     stream = _MmapPageableStream(index) if naive else None
     t0 = time.perf_counter()
-    options = EngineOptions(max_batch=max(batch, 1), ctx=base.ctx, kernels=base.kernels)
+    options = EngineOptions(max_batch=max(batch, 1), ctx=BENCH_CTX, kernels=base.kernels)
     eng = LocalEngine(build_engine(index, base.backend, options, resident_layers=resident, stream=stream))
     load_s = time.perf_counter() - t0
     ids = eng.prompt_tokens(prompt=PROMPT, raw=True)
@@ -624,6 +704,7 @@ def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
 def run_bench(
     base: InstanceConfig, *, tokens: int, batch: int, scenarios: list[str], resident_model: str | None, out_dir: Path,
     log=print, spec: SpecOptions | None = None, skip_layers: list[int] | None = None,
+    long_opts: tuple[int, int] = (16, 2000), ctx_prompt: int = 32000,
 ) -> dict[str, Any]:
     """Run the chosen scenarios; write bench.json (and bench.png) into ``out_dir``. ``base``: (a)'s
     instance (its model, backend, budgets, placement, kernels, address; ``batch`` sequences at
@@ -660,8 +741,25 @@ def run_bench(
             report["scenarios"].append(entry)
             run_spec(entry, base, index, limits, spec_opts, out_dir, log, save)
             continue
+        if sc in ("long", "ctx", "prefix"):
+            entry = (run_long_contexts("long", base, index, long_opts[0], long_opts[1], tokens, log) if sc == "long"
+                     else run_long_contexts("ctx", replace(base, max_batch=1), index, 1, ctx_prompt, tokens, log)
+                     if sc == "ctx" else run_prefix_reuse("prefix", base, index, long_opts[1], 16, log))
+            if sc != "prefix":
+                h2d = _link_gbps(limits)
+                entry["limit_tokens_per_s"] = (entry["sequences"] / (entry["streamed_bytes_per_pass"] / (h2d * GB))
+                                               if h2d and entry["streamed_bytes_per_pass"] else None)
+                entry["ratio_to_limit"] = (entry["tokens_per_s"] / entry["limit_tokens_per_s"]
+                                           if entry["limit_tokens_per_s"] else None)
+            report["scenarios"].append(entry)
+            log(_kv_line(entry))
+            save()
+            continue
         if sc == "a":
             results["a"] = run_pipeline("a", base, index, tokens, batch, log)
+        elif sc == "a512":
+            cfg_512 = replace(base, ctx=BENCH_CTX, max_batch=max(batch, 1))
+            results["a512"] = run_pipeline("a512", cfg_512, index, tokens, batch, log)
         elif sc == "skip":
             cfg_skip = replace(base, skip_layers=skip_layers)
             results["skip"] = run_pipeline("skip", cfg_skip, index, tokens, batch, log)
@@ -677,7 +775,7 @@ def run_bench(
         else:
             continue
         r = results[sc]
-        lim = limit_tokens_per_s(r, limits, batch) if sc in ("a", "b", "c", "skip") else None
+        lim = limit_tokens_per_s(r, limits, batch) if sc in ("a", "a512", "b", "c", "skip") else None
         r["limit_tokens_per_s"] = lim
         r["ratio_to_limit"] = r["tokens_per_s"] / lim if lim else None
         if sc == "d":
@@ -687,6 +785,10 @@ def run_bench(
         report["scenarios"].append(r)
         log(_line(r))
         save()
+    if "a" in results and "a512" in results and results["a512"]["tokens_per_s"]:
+        report["a_over_a512"] = results["a"]["tokens_per_s"] / results["a512"]["tokens_per_s"]
+        log(f"(a) at the default flags / (a512) at --ctx {BENCH_CTX} --max-batch {max(batch, 1)}: "
+            f"{report['a_over_a512']:.3f}")
     if "a" in results and "c" in results and results["c"]["tokens_per_s"]:
         report["a_over_c"] = results["a"]["tokens_per_s"] / results["c"]["tokens_per_s"]
         log(f"(a)/(c): {report['a_over_c']:.1f}x")
@@ -702,6 +804,23 @@ def run_bench(
     if problem:
         log(problem)
     return report
+
+
+def _kv_line(r: dict) -> str:
+    """A KV-memory scenario's figures on one line (long contexts, one long sequence, prefix reuse)."""
+    if r["label"] == "prefix":
+        return (f"(prefix) first token with a cached {r['prefix_tokens']}-token prefix and {r['new_tokens']} new tokens "
+                f"{r['first_token_reused_s']:.3f} s, a {r['new_tokens']}-token prompt {r['first_token_short_s']:.3f} s "
+                f"({r['reused_over_short']:.2f}x), cold {r['first_token_cold_s']:.3f} s; "
+                f"prefix hit tokens {r['prefix_hit_tokens']}")
+    s = (f"({r['label']}) {r['sequences']} x {r['prompt_tokens']}-token prompts: {r['completed']}/{r['sequences']} "
+         f"completed in {r['total_s']:.1f} s; decode {r['tokens_per_s']:.3f} tok/s, {r['pass_s'] * 1e3:.1f} ms/pass")
+    if r.get("limit_tokens_per_s"):
+        s += f"; limit for the plan in force {r['limit_tokens_per_s']:.3f} tok/s ({100 * r['ratio_to_limit']:.1f}%)"
+    s += (f"; {len(r['demoted_layers'])} layers demoted for the KV cache, "
+          f"{format_bytes(r['streamed_bytes_per_pass'])} of layers over the link per pass, KV "
+          f"{format_bytes(r['kv_bytes_in_vram'])} in VRAM (none over the link)")
+    return s
 
 
 def _line(r: dict) -> str:

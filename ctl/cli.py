@@ -16,7 +16,7 @@ from typing import Any, Optional, get_args, get_type_hints
 
 import typer
 
-from ntx.ctl.bench_options import BENCH_CTX, SpecOptions
+from ntx.ctl.bench_options import SpecOptions
 from ntx.shared.config import (DEFAULT_LISTEN, LISTEN_ENV, EngineOptions, InstanceConfig, cli_option, parse_layers,
                                parse_size)
 from ntx.shared.errors import ConfigError, NtxError
@@ -735,7 +735,8 @@ def bench(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="the streamed model (e.g. a 70B-shape GGUF)"),
     tokens: int = typer.Option(8, "--tokens", help="tokens generated per request"),
     batch: int = typer.Option(1, "--batch", help="concurrent requests"),
-    scenarios: str = typer.Option("a,b,c,check", "--scenarios", help="any of a,b,c,d,check,spec,skip"),
+    scenarios: str = typer.Option("a,a512,b,c,check", "--scenarios",
+                                  help="any of a,a512,b,c,d,check,spec,skip,long,ctx,prefix"),
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
     listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
@@ -754,11 +755,16 @@ def bench(
                                               help="spec: run this draft model behind the replay (its cost paid)"),
     spec_batch: int = typer.Option(SpecOptions.batch, "--spec-batch", help="spec: also run the controlled-acceptance "
                                    "cases with this many concurrent requests, beside plain"),
+    long: str = typer.Option("16,2000", "--long", help="long and prefix: SEQUENCES,PROMPT_TOKENS (long: that many "
+                             "concurrent requests; prefix: the cached prefix's length)"),
+    ctx_prompt: int = typer.Option(32000, "--ctx-prompt", help="ctx: the one long sequence's prompt tokens"),
     given: dict | None = None,  # the instance options above, from @record_options
 ) -> None:
-    """Streaming benchmark: (a) VRAM + pinned RAM, (b) VRAM + storage, (c) naive mmap, (d) resident,
-    (spec) speculative decoding with the replay drafter, (skip) (a) with --skip-layers; every
-    figure printed next to the limit measured in the same run."""
+    """Streaming benchmark: (a) VRAM + pinned RAM at ntxctl start's default flags, (a512) the same
+    at --ctx 512 --max-batch BATCH, (b) VRAM + storage, (c) naive mmap, (d) resident, (spec)
+    speculative decoding with the replay drafter, (skip) (a) with --skip-layers, (long) concurrent
+    long prompts, (ctx) one sequence of --ctx-prompt tokens, (prefix) a cached prefix's first
+    token; every figure printed next to the limit measured in the same run."""
     from pathlib import Path
 
     from ntx.ctl.bench import run_bench
@@ -766,8 +772,14 @@ def bench(
     model_path = os.path.abspath(_model_path(model))
     values = read_record(given, model_path)
     skip_layers = values.pop("skip_layers", None)
-    base = InstanceConfig(model=model_path, name="bench", listen=listen, max_batch=max(batch, 1), ctx=BENCH_CTX,
+    # (a) at the default flags: --max-batch's default (more where --batch asks), --ctx's default
+    base = InstanceConfig(model=model_path, name="bench", listen=listen,
+                          max_batch=max(batch, InstanceConfig.__dataclass_fields__["max_batch"].default),
                           **values).validate()
+    long_counts = _counts(long, "--long")
+    if len(long_counts) != 2:
+        _fail(f"--long {long!r}: expected SEQUENCES,PROMPT_TOKENS (example: 16,2000)")
+    long_seqs, long_prompt = long_counts
     run_bench(
         base, skip_layers=skip_layers, tokens=tokens, batch=batch,
         scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,
@@ -775,6 +787,7 @@ def bench(
         spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
                          spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens, draft_model,
                          spec_batch),
+        long_opts=(long_seqs, long_prompt), ctx_prompt=ctx_prompt,
     )
 
 

@@ -53,14 +53,16 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--vram-budget", default="24GiB")
-    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--ctx", type=int, default=None, help="default: ntxctl start's (the model's trained context)")
+    ap.add_argument("--max-batch", type=int, default=None, help="default: ntxctl start's")
     ap.add_argument("--listen", default="tcp://127.0.0.1:5611")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     index = open_model(args.model)
     cfg = InstanceConfig(model=os.path.abspath(args.model), name=f"first-{os.getpid()}", backend=args.backend,
-                         listen=args.listen, vram_budget=parse_size(args.vram_budget, "--vram-budget") if args.backend == "cuda" else None, max_batch=1,
-                         ctx=args.ctx).validate()
+                         listen=args.listen,
+                         vram_budget=parse_size(args.vram_budget, "--vram-budget") if args.backend == "cuda" else None,
+                         ctx=args.ctx, **({"max_batch": args.max_batch} if args.max_batch else {})).validate()
     plan = plan_for(index, cfg)
     print("plan: " + "; ".join(plan.describe()[:3]), flush=True)
     t0 = time.perf_counter()

@@ -114,9 +114,12 @@ if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm
   read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"
   python3 "$REPO/dev/cuda/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
 fi
-synth() {  # synth NAME PRESET TYPE: write ~/models/NAME.gguf once
-  [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" -q 2>&1 | tail -2
+synth() {  # synth NAME PRESET TYPE [make_gguf args]: write ~/models/NAME.gguf once
+  [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" "${@:4}" -q 2>&1 | tail -2
 }
+# the 70B shape trained for 32768 positions (Llama 3.1's reach, capped at --ctx's default cap): the
+# default flags' context, and the one long sequence of the bench's ctx scenario
+synth70() { synth llama3-70b-Q4_K_M llama3-70b Q4_K_M --context 32768; }
 decode_bench() {  # decode_bench TREE OUTPREFIX
   python3 "$1/scripts/bench_decode.py" ${NTX_TEST_MODEL:+"$NTX_TEST_MODEL"} ${DECODE_MODELS[@]} \
     --tokens 128 --batch ${DECODE_BATCH:-1 8} --out "$2decode.json" 2>&1 | tee "$2decode.log"
@@ -139,7 +142,7 @@ if [ "$PROFILE" = 1 ]; then
 fi
 if [ "$STREAM" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B
-  synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  synth llama3-8b-Q4_K_M llama3-8b Q4_K_M; synth70
   SPEC_BENCH_ARGS=()
   read -r -a SPEC_BENCH_ARGS <<< "${BENCH_ARGS:-${SPEC_ARGS:-}}"  # SPEC_ARGS: its older name
   case ",${STREAM_SCENARIOS:-a,c,b,check,d}," in *,spec,*)
@@ -163,12 +166,12 @@ if [ -n "${BASELINE:-}" ] && [ "$((DECODE + STREAM))" -gt 0 ]; then
 fi
 if [ "$FIRST" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # room for the 42 GB 70B
-  synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  synth70
   python3 "$REPO/scripts/bench_first_requests.py" "$MODELS/llama3-70b-Q4_K_M.gguf" --vram-budget 24GiB \
     --out "$OUT/first_requests.json" 2>&1 | tee "$OUT/first_requests.log"
 fi
 if [ "$STATUS_DEMO" = 1 ]; then
-  synth llama3-70b-Q4_K_M llama3-70b Q4_K_M
+  synth70
   CTL=(python3 -m ntx.ctl.cli)
   L=tcp://127.0.0.1:5597
   # (a)'s setting: one sequence of up to 512 positions, so the KV cache takes little of the 24 GiB

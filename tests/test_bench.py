@@ -120,3 +120,30 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     assert wrong_b["speculation"]["accepted"] == 0
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("(spec) ") and "plain" not in ln.split(":")[0]]
     assert len(lines) >= 7 and all("replay" in ln for ln in lines), r.stdout
+
+
+@pytest.mark.slow
+def test_bench_kv_scenarios_default_flags_long_prompts_one_long_sequence_and_a_cached_prefix(tmp_path):
+    """(a) at start's default flags beside (a512) at --ctx 512; (long) concurrent long prompts all
+    complete, reported against the plan in force; (ctx) one sequence's long prompt; (prefix) a
+    request with a cached prefix reuses it (its first token no slower than a cold one)."""
+    model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
+    out = tmp_path / "out"
+    env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
+    r = subprocess.run(
+        [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
+         "--gpu-layers", "1", "--tokens", "4", "--scenarios", "a,a512,long,ctx,prefix", "--long", "3,200",
+         "--ctx-prompt", "600", "--out", str(out), "--listen", f"tcp://127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads((out / "bench.json").read_text())
+    by = {s["label"]: s for s in rep["scenarios"]}
+    assert set(by) == {"a", "a512", "long", "ctx", "prefix"}
+    assert by["a512"]["ctx"] == 512 and by["a"]["ctx"] > 512 and by["a"]["max_batch"] == 16
+    assert rep["a_over_a512"] > 0 and "(a512)" in r.stdout
+    assert by["long"]["completed"] == 3 and by["long"]["tokens_per_s"] > 0
+    assert by["long"]["limit_tokens_per_s"] > 0 and "limit for the plan in force" in r.stdout
+    assert by["ctx"]["completed"] == 1 and by["ctx"]["prompt_tokens"] == 600
+    assert by["prefix"]["prefix_hit_tokens"] >= 192  # the cached 200-token prefix: six whole pages
+    assert by["prefix"]["first_token_reused_s"] > 0 and by["prefix"]["first_token_short_s"] > 0

@@ -102,15 +102,16 @@ class DmaDaemon(Daemon):
         return m.Ready(host_slots=[s.name for s in self.host_slots])
 
     def _load_standby(self) -> None:
-        """The loader thread: read each standby layer into its segment, in demotion order (file
-        reads release the GIL, so the ring's loop keeps turning); the main loop pins it and tells
-        compute. A read that fails ends the loading with one line in the log, never the daemon:
+        """The loader thread: read each standby layer into its segment, in demotion order, and pin
+        it (file reads and the pinning release the GIL, so the ring's loop keeps turning); the
+        main loop tells compute. A read that fails ends the loading with one line in the log, never the daemon:
         the layers not loaded simply stay resident."""
         for i, seg in self.standby_segs.items():
             if self.standby_stop.is_set():
                 return
             try:
                 read_layer_into(self.index.layers[i], seg.array())
+                self.copier.register_host(seg)  # pinned here too: the ring's loop never waits for it
             except Exception as e:  # noqa: BLE001 (any failure: that layer and the rest stay without copies)
                 self.standby_loaded.put(f"standby copy of layer {i} not loaded ({type(e).__name__}: {e}); "
                                         "the layers left stay resident for good")
@@ -118,7 +119,7 @@ class DmaDaemon(Daemon):
             self.standby_loaded.put(i)
 
     def _announce_standby(self) -> None:
-        """Pin the standby copies the loader finished and tell compute they can be demoted."""
+        """Tell compute which standby copies the loader finished: those layers can be demoted."""
         ready: list[int] = []
         while True:
             try:
@@ -128,7 +129,6 @@ class DmaDaemon(Daemon):
             if isinstance(item, str):
                 self.say(item)
                 continue
-            self.copier.register_host(self.standby_segs[item])
             self.standby_arrays[item] = self.standby_segs[item].array()
             ready.append(item)
         if ready:
