@@ -72,7 +72,7 @@ def test_each_resident_run_is_one_capture_request_and_streamed_layers_run_betwee
     stream = FailingStream(index, fail_pass=-1, fail_layer=-1, resume_at=0)
     model = LlamaModel(index, be, resident_layers=resident, stream=stream)
     got = _prefill(model, 1)
-    assert be.captures == [("layers", 0, 3, True), ("layers", 5, 7, False)]
+    assert be.captures == [("layers", 0, 3, True, 0), ("layers", 5, 7, False, 0)]  # (.., residency generation)
     assert be.embeds == 1
     assert stream.acquired == [(0, i) for i in range(30) if i not in resident]
     every = LlamaModel(index, CpuBackend(index))

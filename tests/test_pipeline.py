@@ -123,7 +123,7 @@ def test_bad_input_on_the_wire_keeps_serving(storage_pipeline, smollm2_path):
             ({"op": "generate", "id": "d", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
             ({"op": "generate", "id": "e", "prompt": "hi", "temperature": -3.0}, "temperature"),
             ({"op": "generate", "id": "f", "prompt": "hi", "top_p": 9.0}, "top_p"),
-            ({"op": "generate", "id": "g", "prompt": "x " * 5000, "raw": True}, "context"),
+            ({"op": "generate", "id": "g", "prompt": "x " * 9000, "raw": True}, "context"),  # past 8192
             ({"op": "generate", "id": "h", "tokens": [1, 2, 10**9]}, "vocabulary"),
             ({"op": "generate", "id": "i", "prompt": "hi", "stop": "x"}, "'stop'"),
         ]
