@@ -472,6 +472,13 @@ class LayerError(Message):
     message: str
 
 
+@_record("standby_wanted")
+class StandbyWanted(Message):
+    """compute -> dma: the KV cache ran short of pages and a layer to demote has no standby copy
+    yet: load the rest of them now, even while compute is busy (until then dma loads them only
+    while compute is idle, so that the reads never slow the copies a pass waits for)."""
+
+
 @_record("standby")
 class Standby(Message):
     """dma -> compute: these resident layers now also sit in dma's pinned RAM (their standby
@@ -497,7 +504,7 @@ CTL_TO_SUPERVISOR = Channel("control (ntxctl -> supervisor)", CtlStatus, CtlStop
 SUPERVISOR_TO_CTL = Channel("control (supervisor -> ntxctl)", StatusReport, Stopped)
 DMA_TO_READER = Channel("host ring (dma -> reader)", Read, Activity)
 READER_TO_DMA = Channel("host ring (reader -> dma)", Filled, ReadFailed)
-COMPUTE_TO_DMA = Channel("device ring (compute -> dma)", Want, SlotFree, Activity)
+COMPUTE_TO_DMA = Channel("device ring (compute -> dma)", Want, SlotFree, Activity, StandbyWanted)
 DMA_TO_COMPUTE = Channel("device ring (dma -> compute)", SlotReady, LayerError, Standby)
 
 

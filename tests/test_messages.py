@@ -50,7 +50,7 @@ EXAMPLES = [
     m.ReadFailed(slot=1, layer=7, pass_id=3, message="EIO"),
     m.Want(pass_id=4, layers=[5, 6, 7]), m.SlotReady(slot=0, layer=5, pass_id=4),
     m.SlotFree(slot=0, layer=5, pass_id=4), m.LayerError(layer=6, pass_id=4, message="EIO"),
-    m.Activity(active=False), m.Standby(layers=[0, 4]),
+    m.Activity(active=False), m.Standby(layers=[0, 4]), m.StandbyWanted(),
 ]
 
 

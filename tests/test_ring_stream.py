@@ -103,3 +103,10 @@ def test_standby_announcements_are_taken_between_passes(ring):
             break
         zmq.Context.instance()  # (the messages cross an inproc pair: a moment at most)
     assert stream.standby == {0, 1, 4}
+
+
+def test_want_standby_asks_dma_once(ring):
+    stream, dma = ring
+    stream.want_standby()
+    stream.want_standby()
+    assert _from_compute(dma) == [m.StandbyWanted()]

@@ -72,6 +72,9 @@ class LayerStream(Protocol):
     def poll(self) -> None:
         """Take what arrived without waiting (``standby`` announcements)."""
 
+    def want_standby(self) -> None:
+        """Ask for the standby copies not there yet to come now (the KV cache is short of pages)."""
+
 
 class FileLayerStream:
     """Reads each streamed layer from the file every pass (in-process; tests and the in-process
@@ -94,6 +97,9 @@ class FileLayerStream:
         return self._begun + 1
 
     def poll(self) -> None:
+        pass
+
+    def want_standby(self) -> None:
         pass
 
     def begin_pass(self, pass_id: int) -> None:

@@ -75,7 +75,10 @@ class Residency:
         need_chunks = -(-n_pages // pages_per_chunk)
         room = be.kv_sizing.max_chunks - be.kv_pool.n_chunks
         chosen, spare, chunks = [], self.spare_bytes, 0
-        for i in self._ready():
+        ready = self._ready()
+        if len(ready) < len([i for i in self.order if i in self.model.resident]):
+            self.model.stream.want_standby()  # short of pages: the copies still missing are wanted now
+        for i in ready:
             if chunks >= min(need_chunks, room):
                 break
             chosen.append(i)

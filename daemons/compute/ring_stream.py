@@ -57,6 +57,7 @@ class RingStream:
         self.layers_from = 0
         self._earlier: list[tuple[int, list[int]]] = []  # (first pass, layers) of lists still wanted by some pass
         self.standby: set[int] = set()  # resident layers dma holds a copy of (``Standby``): demotable
+        self._standby_asked = False
         self.layer_bytes = layer_bytes
         self.clock = clock
         self.on_wait = on_wait  # between the slices of every wait (a layer, room to send); may raise to give up
@@ -100,6 +101,12 @@ class RingStream:
             self._earlier.append((self.layers_from, self.layers))
         self.layers, self.layers_from = list(layers), first
         return first
+
+    def want_standby(self) -> None:
+        """Ask dma to load the standby copies it has not loaded yet at once, busy or not (once)."""
+        if not self._standby_asked:
+            self._standby_asked = True
+            self._send(m.StandbyWanted())
 
     def poll(self) -> None:
         """Take what dma sent without waiting (between passes: ``Standby`` announcements arrive

@@ -83,7 +83,11 @@ class DmaDaemon(Daemon):
         self.standby_arrays: dict[int, Any] = {}  # loaded and pinned: layer -> its bytes
         self.standby_loaded: queue.SimpleQueue = queue.SimpleQueue()  # layer ids from the loader (or an error text)
         self.standby_stop = threading.Event()
+        # the loader reads while compute is idle, or at any time once compute asked (StandbyWanted)
+        self.standby_go = threading.Event()
+        self.standby_go.set()
         self.standby_thread: threading.Thread | None = None
+        self.standby_wanted = False
 
         self.clock = StageClock("dma")
         self.host_ring = self.ctx.socket(zmq.PAIR)
@@ -107,6 +111,9 @@ class DmaDaemon(Daemon):
         main loop tells compute. A read that fails ends the loading with one line in the log, never the daemon:
         the layers not loaded simply stay resident."""
         for i, seg in self.standby_segs.items():
+            while not self.standby_go.wait(0.2):  # compute is busy and did not ask: its copies come first
+                if self.standby_stop.is_set():
+                    return
             if self.standby_stop.is_set():
                 return
             try:
@@ -172,7 +179,7 @@ class DmaDaemon(Daemon):
                 self._announce_standby()
             self.maybe_send_stats()
 
-    def on_device_msg(self, msg: m.Want | m.SlotFree | m.Activity) -> None:
+    def on_device_msg(self, msg: m.Want | m.SlotFree | m.Activity | m.StandbyWanted) -> None:
         if isinstance(msg, m.Want):
             for layer in msg.layers:
                 if self.plan.tiers[layer] not in (RAM, STORAGE) and layer not in self.standby_arrays:
@@ -180,8 +187,13 @@ class DmaDaemon(Daemon):
             self.ring.want(msg.pass_id, msg.layers)
         elif isinstance(msg, m.SlotFree):
             self.ring.device_slot_freed(msg.slot, (msg.pass_id, msg.layer))
+        elif isinstance(msg, m.StandbyWanted):
+            self.standby_wanted = True
+            self.standby_go.set()
         else:
             self.active = msg.active
+            if not self.standby_wanted:
+                (self.standby_go.clear if msg.active else self.standby_go.set)()
             if self.host_slots:  # a reader exists only when some layer lives on storage
                 self.send(self.host_ring, msg)
 

@@ -1032,7 +1032,7 @@ def test_graph_replay_matches_eager(rng):
     slots = dev(np.array([2, 0], dtype=np.int32))
     positions = cp.zeros(B, dtype=cp.int32)
     kv_lens = cp.zeros(B, dtype=cp.int32)
-    S = A.attention_splits(B, n_kv, max_ctx)
+    splits = A.attention_splits(B, n_kv, max_ctx)
 
     def make_bufs():
         return dict(
@@ -1041,7 +1041,7 @@ def test_graph_replay_matches_eager(rng):
             v=cp.empty((B, n_kv * hd), cp.float32), att=cp.empty((B, H, hd), cp.float32),
             o=cp.empty((B, D), cp.float32), g=cp.empty((B, F), cp.float32), u=cp.empty((B, F), cp.float32),
             a=cp.empty((B, F), cp.float32), logits=cp.empty((B, V), cp.float32), tok=cp.empty(B, cp.int32),
-            ws=A.attention_workspace(B, H, hd, S))
+            ws=A.attention_workspace(B, H, hd, splits))
 
     def step(b, s):
         N.rmsnorm(CTX, x_in, norm_w, 1e-5, out=b["h"], stream=s)
@@ -1051,7 +1051,7 @@ def test_graph_replay_matches_eager(rng):
         q3, k3, v3 = b["q"].reshape(B, H, hd), b["k"].reshape(B, n_kv, hd), b["v"].reshape(B, n_kv, hd)
         N.rope_qk_inplace(CTX, q3, k3, positions, hd, 10000.0, stream=s)
         N.kv_append(CTX, k3, v3, b["kv"], 0, slots, positions, stream=s)
-        A.attention(CTX, q3, b["kv"], 0, slots, kv_lens, out=b["att"], n_splits=S, workspace=b["ws"], stream=s)
+        A.attention(CTX, q3, b["kv"], 0, slots, kv_lens, out=b["att"], n_splits=splits, workspace=b["ws"], stream=s)
         MV.matvec(CTX, W(wo, QT.Q4_K, D, H * hd), b["att"].reshape(B, H * hd), out=b["o"], stream=s)
         MV.matvec(CTX, W(wg, QT.Q4_K, F, D), b["o"], out=b["g"], stream=s)
         MV.matvec(CTX, W(wu, QT.Q4_K, F, D), b["o"], out=b["u"], stream=s)

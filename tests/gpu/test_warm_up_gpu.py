@@ -78,7 +78,7 @@ def test_warm_up_builds_every_bucket_and_touches_no_cache(model):
     be = eng.model.backend
     sizes = bucket_sizes(MAX_GRAPH_ROWS)
     assert sorted(be.works) == sizes
-    whole, draft = ("layers", 0, 4, True), ("layers", 0, 2, True)  # the model's one run; the self-draft's span
+    whole, draft = ("layers", 0, 4, True, 0), ("layers", 0, 2, True, 0)  # the model's one run; the self-draft's span
     for rows in sizes:  # plain passes of every bucket, trees from 2 rows on
         assert (whole, rows, False) in be.graphs and ((whole, rows, True) in be.graphs) == (rows > 1)
     assert {rows for key, rows, trees in be.graphs if key == draft} == {r for r in sizes if r <= MAX_BATCH}
