@@ -53,8 +53,14 @@ class ComputeDaemon(Daemon):
                 self.clock, on_wait=self._on_wait, before_release=self.backend.sync,
             )
         # the plan's skipped layers are cfg.skip_layers (make_plan)
+        t0 = time.monotonic()
         self.engine: EngineCore = build_engine(self.index, self.backend, cfg, resident_layers=self.plan.layers_on(VRAM),
                                                stream=stream, warm_up=False)
+        resident_bytes = sum(self.index.layers[i].nbytes for i in self.plan.layers_on(VRAM))
+        load_s = time.monotonic() - t0
+        self.say(f"{len(self.plan.layers_on(VRAM))} resident layers ({resident_bytes / 2**30:.2f} GiB) and the globals "
+                 f"loaded in {load_s:.2f} s ({(resident_bytes + self.index.global_bytes_total) / max(load_s, 1e-9) / 1e9:.2f} "
+                 f"GB/s); KV pool {self.backend.kv_stats().pages_total} pages")
         if stream is not None and self.plan.standby_layers:  # the KV cache may take resident layers' memory
             drafter = self.engine.drafter
             costs = self.backend.memory_costs(self.index, max_seqs=1, max_ctx=1, prefill_chunk_tokens=1)

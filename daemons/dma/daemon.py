@@ -60,12 +60,16 @@ class DmaDaemon(Daemon):
             total += self.index.layers[i].slot_bytes
         self.ram_seg = None
         if ram_layers:
+            t0 = time.monotonic()
             self.ram_seg = self._create(names["ram"], total)
             arr = self.ram_seg.array()
             for i in ram_layers:
                 read_layer_into(self.index.layers[i], arr[self.ram_offsets[i] : self.ram_offsets[i] + self.index.layers[i].slot_bytes])
+            t1 = time.monotonic()
             self.copier.register_host(self.ram_seg)
             self.ram_array = arr
+            self.say(f"RAM tier: {len(ram_layers)} layers ({total / 2**30:.2f} GiB) read in {t1 - t0:.2f} s "
+                     f"({total / max(t1 - t0, 1e-9) / 1e9:.2f} GB/s), pinned in {time.monotonic() - t1:.2f} s")
 
         # host staging ring for storage-tier layers
         self.host_slots: list[ShmSegment] = []
@@ -253,16 +257,19 @@ class DmaDaemon(Daemon):
         return snap
 
     def close(self) -> None:
+        loader_busy = False
         if getattr(self, "standby_thread", None) is not None:
             self.standby_stop.set()
-            self.standby_thread.join(timeout=5.0)  # at most one layer's read in flight
+            self.standby_thread.join(timeout=1.0)  # it stops between layers; a read in flight may take longer
+            loader_busy = self.standby_thread.is_alive()
         self.standby_arrays = {}
         self.host_arrays = []
         self.ram_array = None
         if hasattr(self, "copier"):
             self.copier.close()
         for seg in getattr(self, "owned", []):
-            seg.close()
+            if not loader_busy:  # (a loader still reading keeps its mappings until the process ends)
+                seg.close()
             seg.unlink()
         for name in ("host_ring", "dev_ring"):
             if hasattr(self, name):
