@@ -22,6 +22,8 @@ from ntx.shared.plan import Plan
 from ntx.shared.run_files import open_private, private_dir, write_private
 from ntx.shared.shm import list_segments, unlink_all
 
+SUPERVISOR_EXIT_S = 15.0  # how long a stopping supervisor, or a killed daemon, may take to be gone
+
 
 def supervisor_pid(paths: InstancePaths) -> int | None:
     """The live supervisor's pid, or None (a stale pid file does not count)."""
@@ -160,17 +162,28 @@ def stop(name: str, force: bool = False, timeout_s: float = 60.0) -> str:
         if n:
             return f"instance {name!r} was not running; removed {n} leftover(s)"
         raise NtxError(f"instance {name!r} is not running")
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        proc = None
     reply = control_request(paths, m.CtlStop(force=force), timeout_s=timeout_s)
-    deadline = time.monotonic() + (5.0 if reply else 2.0)
-    while time.monotonic() < deadline and psutil.pid_exists(pid) and supervisor_pid(paths):
-        time.sleep(0.05)
-    if supervisor_pid(paths):
-        # It does not answer: take the whole process group down.
+    if proc is not None:
+        # Wait for the process itself, not its pid file: the supervisor removes its run files
+        # before its interpreter exits, and a busy machine can take a while over the rest.
         try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            proc.wait(timeout=SUPERVISOR_EXIT_S if reply else 2.0)
+        except psutil.TimeoutExpired:
+            # It does not answer or does not finish: take the whole process group down.
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=SUPERVISOR_EXIT_S)
+            except psutil.Error:
+                pass
+        except psutil.Error:
             pass
-        time.sleep(0.1)
     cleanup_leftovers(paths)
     reason = reply.reason if isinstance(reply, m.Stopped) else None
     return f"instance {name!r} stopped" + (f" ({reason})" if reason else "")
@@ -179,6 +192,7 @@ def stop(name: str, force: bool = False, timeout_s: float = 60.0) -> str:
 def cleanup_leftovers(paths: InstancePaths) -> int:
     """Free what a dead instance left: its daemons, shared memory and run folder."""
     n = 0
+    killed: list[psutil.Process] = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
@@ -187,9 +201,11 @@ def cleanup_leftovers(paths: InstancePaths) -> int:
         if paths.control in cmd and "ntx.daemons." in cmd:
             try:
                 p.kill()
-                n += 1
+                killed.append(p)
             except psutil.Error:
                 pass
+    psutil.wait_procs(killed, timeout=SUPERVISOR_EXIT_S)  # SIGKILL is delivered, not done, when kill returns
+    n += len(killed)
     n += unlink_all(paths.shm_prefix)
     if paths.root.exists():
         n += len(paths.socket_files())
