@@ -354,3 +354,21 @@ def test_self_draft_skip_on_the_command_line(smollm2_path):
     bad = run([sys.executable, "-m", "ntx.ctl.cli", "start", "--model", str(smollm2_path), "--backend", "cpu",
                "--plan-only", "--self-draft-skip", "0-40"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("ntxctl: error: --self-draft-skip 0-40") and "Traceback" not in bad.stderr
+
+
+def test_a_model_drafters_depth_time_leaves_out_its_catch_up(tmp_path):
+    """The tree shape weighs a draft depth's time against a verify pass's. A model drafter's
+    first pass for a new request feeds the whole prompt into its own cache: that pass is catch-up,
+    and counted as a depth it made drafting look as dear as a prefill (a loss that switched
+    drafting off, then only probes). Only passes that fed one token per sequence are timed."""
+    from ntx.daemons.compute.speculation import DraftRequest, ModelDrafter
+    model = write_tiny(tmp_path, n_layers=2)
+    engine = build_engine(str(model), options=EngineOptions(ctx=128, draft_model=str(model), draft_tokens=4))
+    drafter = engine.drafter
+    assert isinstance(drafter, ModelDrafter)
+    prompt = list(range(1, 41))
+    drafter.propose([DraftRequest(7, prompt, 1, 1, 128)])
+    assert drafter.depth_s is None  # its one pass fed 40 tokens: nothing to learn about a depth
+    tree = drafter.propose([DraftRequest(7, prompt + [5], 3, 1, 128)])[0]
+    assert len(tree.tokens) == 3 and drafter.depth_s is not None and drafter.depth_s > 0
+    drafter.forget(7)

@@ -456,9 +456,8 @@ class EngineCore:
                 reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s)))
                 owners.append(s)
         if reqs:
-            t0 = time.monotonic()
             trees = self.drafter.propose(reqs)
-            self.shape.observe_times(depth_s=(time.monotonic() - t0) / max(r.depth for r in reqs))
+            self.shape.observe_times(depth_s=self.drafter.depth_s)  # a model drafter's catch-up left out
             for s, tree in zip(owners, trees):
                 s.draft = tree or None  # a drafter may have nothing to propose
 

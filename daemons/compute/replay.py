@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -69,10 +70,14 @@ class ReplayDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         """Chains ``depth`` long (the recording has one continuation: width is not used)."""
+        t0 = time.monotonic()
         if self.inner is not None:
             self.inner.propose(requests)  # its cost is the point; its guesses are not
-        return [DraftTree.chain([self._maybe_wrong(t) for t in self._continuation(r.tokens)[: r.depth]])
-                for r in requests]
+        trees = [DraftTree.chain([self._maybe_wrong(t) for t in self._continuation(r.tokens)[: r.depth]])
+                 for r in requests]
+        self.depth_s = (self.inner.depth_s if self.inner is not None
+                        else (time.monotonic() - t0) / max(1, max((r.depth for r in requests), default=1)))
+        return trees
 
     def _continuation(self, tokens: Sequence[int]) -> tuple[int, ...]:
         """What the first recording that starts with ``tokens`` holds after them."""

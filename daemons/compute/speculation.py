@@ -29,6 +29,7 @@ token for token the target's greedy output.
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -86,9 +87,14 @@ class DraftRequest:
 
 
 class Drafter(ABC):
-    """Proposes draft trees for several sequences at once."""
+    """Proposes draft trees for several sequences at once.
+
+    ``depth_s`` is what the last ``propose`` says one draft depth costs, for ``TreeShape``: a
+    model drafter's first pass after a verify also feeds what its cache has not seen (a new
+    request's whole prompt), which is catch-up, not drafting, and must not count as depth."""
 
     name = "?"
+    depth_s: float | None = None  # one draft depth in the last propose; None: nothing measured
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
@@ -102,6 +108,8 @@ class PassDrafter(Drafter):
     """A drafter that runs a model: one batched pass per depth, whose top tokens give the chain
     and the siblings beside it."""
 
+    caught_up = False  # set by ``_step``: this pass also fed tokens the drafter's cache had not seen
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         """For each request, a chain of its best tokens ``depth`` deep with ``width - 1``
         alternatives beside each chain node (the next best of the same draft distribution)."""
@@ -109,12 +117,17 @@ class PassDrafter(Drafter):
         alternatives: list[list[tuple[int, list[int]]]] = [[] for _ in requests]  # (parent, tokens)
         broken: set[int] = set()  # requests whose draft logits had no candidate (NaN): drafted no deeper
         depth = 0
+        step_s: list[float] = []  # the draft depths timed: those that fed one token per sequence
         while True:
             todo = [i for i, r in enumerate(requests) if depth < r.depth and i not in broken]
             if not todo:
                 break
+            t0 = time.monotonic()
+            self.caught_up = False
             picked = self._step([requests[i] for i in todo], depth, [trees[i].tokens for i in todo],
                                 max(requests[i].width for i in todo))
+            if not self.caught_up:
+                step_s.append(time.monotonic() - t0)
             for i, pk in zip(todo, picked):
                 best = [int(t) for t in pk.ids[: requests[i].width]]
                 if not best:  # a wrong draft costs nothing; a drafter crash would cost the daemon
@@ -124,6 +137,7 @@ class PassDrafter(Drafter):
                 trees[i].tokens.append(best[0])
                 trees[i].parents.append(depth - 1)
             depth += 1
+        self.depth_s = sum(step_s) / len(step_s) if step_s else None
         for tree, alts in zip(trees, alternatives):
             for parent, tokens in alts:
                 tree.tokens.extend(tokens)
@@ -133,7 +147,8 @@ class PassDrafter(Drafter):
     @abstractmethod
     def _step(self, requests: list[DraftRequest], depth: int, chains: list[list[int]], k: int) -> list[Picked]:
         """One batched draft pass: for each request, the top-``k`` next tokens after its tokens
-        and the ``depth`` chain tokens drafted so far (``chains``)."""
+        and the ``depth`` chain tokens drafted so far (``chains``). Sets ``caught_up`` when it
+        also fed tokens its cache had not seen (that pass's time is not a draft depth's)."""
 
 
 class SelfDrafter(PassDrafter):
@@ -178,6 +193,7 @@ class ModelDrafter(PassDrafter):
                 known = self._known(r)
                 self.cached[r.seq_id] = list(r.tokens)
                 chunks.append(SeqChunk(r.seq_id, known, tuple(r.tokens[known:])))  # at least the last token
+                self.caught_up |= len(r.tokens) - known > 1
             else:
                 self.cached[r.seq_id].append(chain[-1])
                 chunks.append(SeqChunk(r.seq_id, len(r.tokens) - 1 + depth, (chain[-1],)))
