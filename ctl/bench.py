@@ -108,7 +108,7 @@ def measure_disk(index: ModelIndex, layers: list[int], max_bytes: int = 4 << 30)
     spans = [s for i in layers for s in index.layers[i].spans]
     if not spans:
         return {}
-    buf = aligned_empty(max(index.layers[i].slot_bytes for i in layers))  # one slot, as the reader fills
+    buf = aligned_empty(max(index.layers[i].image_bytes for i in layers))  # one slot, as the reader fills
     readers: dict[str, SpanReader] = {}
     done = 0
     t = time.perf_counter()

@@ -102,7 +102,7 @@ def inspect(model: Optional[str] = typer.Argument(None, help="GGUF file (default
             v = v.kind if v.kind == "none" else f"{v.kind}, factor {v.factor:g}, original context {v.original_context}"
         typer.echo(f"  {k:16s} {v}")
     typer.echo(f"  layer bytes      {format_bytes(idx.layer_bytes_total)} in {hp.n_layers} layers "
-               f"(largest slot {format_bytes(idx.max_layer_slot_bytes)})")
+               f"(largest slot {format_bytes(idx.max_layer_image_bytes)})")
     typer.echo(f"  global bytes     {format_bytes(idx.global_bytes_total)} ({', '.join(idx.globals)})")
     typer.echo("  layer   bytes       file byte spans (what one streamed pass reads)   tensor types")
     many_files = len(idx.paths) > 1

@@ -7,7 +7,7 @@ Two facts that are easy to confuse and must stay distinct:
     segment's size is rounded to. 4096 on x86-64 Linux, 16 or 64 KiB on some arm64 kernels.
 ``DIRECT_ALIGN_BYTES``
     What O_DIRECT asks of file offsets, read lengths and buffer addresses (the device's logical
-    block size). 4096 covers both 512e and 4Kn devices. It is the unit of the slot layout
+    block size). 4096 covers both 512e and 4Kn devices. It is the unit of the image layout
     (``gguf_index.Span``): each span of a layer gets a region of whole units, so an O_DIRECT read
     of the aligned superset lands every byte where a buffered read would.
 """
@@ -20,7 +20,7 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 """The OS page size: the granule of mmap and of shared-memory segment sizes."""
 
 DIRECT_ALIGN_BYTES = 4096
-"""Alignment of file offsets, lengths and buffer addresses for O_DIRECT; the slot layout's unit."""
+"""Alignment of file offsets, lengths and buffer addresses for O_DIRECT; the image layout's unit."""
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -22,13 +22,14 @@ file costs its size once, not a Python object per element.
 Shapes are given in numpy order (rows first): a GGUF tensor with ``ne = [n_cols, n_rows]`` has
 ``shape = (n_rows, n_cols)`` and is stored row-major, each row a run of quant blocks.
 
-Slot layout. A layer travels as one buffer (a *slot*): for each file span of the layer (one,
-unless a split set cuts the layer), a region of whole ``DIRECT_ALIGN_BYTES`` units that holds the
-span's bytes starting at ``span.offset % DIRECT_ALIGN_BYTES``, so an O_DIRECT read of the aligned
-superset lands every byte at the same place a buffered read would. ``Span`` is the one place that
-says where a span's bytes sit (``slot_start``, ``bytes_in``, ``region_in``); every reader (the
-reader daemon, ``layer_bytes``, bench) fills a slot through it, and ``LayerInfo.slot_offset(name)``
-is where a tensor's bytes start in that buffer, whoever filled it.
+The layer image. A layer travels as one buffer, its *image* (held by a ring slot, a RAM tier's
+region or a standby copy): for each file span of the layer (one, unless a split set cuts the
+layer), a region of whole ``DIRECT_ALIGN_BYTES`` units that holds the span's bytes starting at
+``span.offset % DIRECT_ALIGN_BYTES``, so an O_DIRECT read of the aligned superset lands every byte
+at the same place a buffered read would. ``Span`` is the one place that says where a span's bytes
+sit (``slot_start``, ``bytes_in``, ``region_in``); every reader (the reader daemon,
+``layer_bytes``, bench) fills an image through it, and ``LayerInfo.image_offset(name)`` is where a
+tensor's bytes start in that image, whoever filled it.
 """
 
 from __future__ import annotations
@@ -144,11 +145,11 @@ class Span:
         return self.slot_base + self.head
 
     def bytes_in(self, slot: np.ndarray) -> np.ndarray:
-        """The span's bytes inside a slot-layout buffer: a [nbytes] view of ``slot``."""
+        """The span's bytes inside a layer-image buffer: a [nbytes] view of ``slot``."""
         return slot[self.slot_start : self.slot_start + self.nbytes]
 
     def region_in(self, slot: np.ndarray) -> np.ndarray:
-        """The span's aligned region inside a slot-layout buffer, which an O_DIRECT read of the
+        """The span's aligned region inside a layer-image buffer, which an O_DIRECT read of the
         aligned superset fills exactly: a [region_bytes] view of ``slot``."""
         return slot[self.slot_base : self.slot_base + self.region_bytes]
 
@@ -167,12 +168,12 @@ class LayerInfo:
         return sum(s.nbytes for s in self.spans)
 
     @property
-    def slot_bytes(self) -> int:
-        """Size of a slot buffer that holds this layer in the slot layout."""
+    def image_bytes(self) -> int:
+        """Size of this layer's image (a ring slot holds the largest one)."""
         return sum(s.region_bytes for s in self.spans)
 
-    def slot_offset(self, name: str) -> int:
-        """Offset of tensor ``name``'s first byte inside the layer's slot buffer."""
+    def image_offset(self, name: str) -> int:
+        """Offset of tensor ``name``'s first byte inside the layer's image."""
         t = self.tensors[name]
         for s in self.spans:
             if s.path == t.path and s.offset <= t.offset < s.offset + s.nbytes:
@@ -247,8 +248,8 @@ class ModelIndex:
         return max(counts, key=counts.get) if counts else "?"
 
     @property
-    def max_layer_slot_bytes(self) -> int:
-        return max(layer.slot_bytes for layer in self.layers)
+    def max_layer_image_bytes(self) -> int:
+        return max(layer.image_bytes for layer in self.layers)
 
     @property
     def layer_bytes_total(self) -> int:

@@ -44,14 +44,14 @@ def read_tensor(t: TensorInfo) -> np.ndarray:
 
 
 def read_layer_into(layer: LayerInfo, dest: np.ndarray) -> np.ndarray:
-    """Fill ``dest`` ([>= slot_bytes] uint8) with the layer in slot layout; returns ``dest``."""
-    if dest.nbytes < layer.slot_bytes:
-        raise ValueError(f"buffer of {dest.nbytes} bytes is smaller than layer {layer.index}'s slot ({layer.slot_bytes})")
+    """Fill ``dest`` ([>= image_bytes] uint8) with the layer's image; returns ``dest``."""
+    if dest.nbytes < layer.image_bytes:
+        raise ValueError(f"buffer of {dest.nbytes} bytes is smaller than layer {layer.index}'s image ({layer.image_bytes})")
     for s in layer.spans:
         _pread_exact(s.path, s.offset, memoryview(s.bytes_in(dest)))
     return dest
 
 
 def read_layer(layer: LayerInfo) -> np.ndarray:
-    """A fresh slot-layout buffer holding the layer: [slot_bytes] uint8."""
-    return read_layer_into(layer, np.empty(layer.slot_bytes, dtype=np.uint8))
+    """A fresh layer-image buffer holding the layer: [image_bytes] uint8."""
+    return read_layer_into(layer, np.empty(layer.image_bytes, dtype=np.uint8))

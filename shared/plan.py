@@ -285,7 +285,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     floor_chunks = -(-pages_for_positions(floor_tokens) // chunk_pages)
     kv_bytes = floor_chunks * chunk_bytes
     draft_bytes = draft.all_resident_bytes if draft is not None else 0
-    slot_bytes = index.max_layer_slot_bytes
+    slot_bytes = index.max_layer_image_bytes
     layer_costs = costs.layer_bytes
     n = hp.n_layers
     skip = set(cfg.skip_layers or ())
@@ -323,7 +323,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
 
     rest = [i for i in kept if tiers[i] != VRAM]
     host_slots_total = 0
-    rest_bytes = sum(index.layers[i].slot_bytes for i in rest)
+    rest_bytes = sum(index.layers[i].image_bytes for i in rest)
     if rest_bytes <= ram_budget:
         for i in rest:
             tiers[i] = RAM
@@ -332,20 +332,20 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         ram_avail = ram_budget - host_slots_total
         used = 0
         for i in rest:
-            if used + index.layers[i].slot_bytes > ram_avail:
+            if used + index.layers[i].image_bytes > ram_avail:
                 break
             tiers[i] = RAM
-            used += index.layers[i].slot_bytes
+            used += index.layers[i].image_bytes
 
-    ram_used = host_slots_total + sum(index.layers[i].slot_bytes for i in kept if tiers[i] == RAM)
+    ram_used = host_slots_total + sum(index.layers[i].image_bytes for i in kept if tiers[i] == RAM)
     standby: list[int] = []
     standby_bytes = 0
     if any(tiers[i] in (RAM, STORAGE) for i in kept):  # only where dma runs: it holds the copies
         for i in demotion_order([i for i in kept if tiers[i] == VRAM]):
-            if ram_used + standby_bytes + index.layers[i].slot_bytes > ram_budget:
+            if ram_used + standby_bytes + index.layers[i].image_bytes > ram_budget:
                 break
             standby.append(i)
-            standby_bytes += index.layers[i].slot_bytes
+            standby_bytes += index.layers[i].image_bytes
 
     def total(tier: str) -> int:
         return sum(index.layers[i].nbytes for i in range(n) if tiers[i] == tier)

@@ -219,7 +219,7 @@ def check_sane(idx: ModelIndex) -> None:
         spans.sort()
         for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
             assert a_end <= b_start, f"tensors {a} and {b} overlap"
-    assert idx.name.isprintable() and idx.file_type and idx.max_layer_slot_bytes > 0
+    assert idx.name.isprintable() and idx.file_type and idx.max_layer_image_bytes > 0
 
 
 @pytest.fixture(scope="module")

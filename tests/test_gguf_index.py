@@ -1,5 +1,5 @@
 """The GGUF index (shared/gguf_index.py): hyper-parameters, tensor offsets, layer spans and the
-slot layout, checked against gguf-py's independent parser; split sets; and every way a file can
+image layout, checked against gguf-py's independent parser; split sets; and every way a file can
 be unusable, each ending as one ``ModelError`` line (and one ``ntxctl: error:`` line)."""
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def check_against_gguf_py(idx: ModelIndex) -> None:
 
 
 def check_spans_and_slots(idx: ModelIndex, alignment: int = 32) -> None:
-    """Each layer's spans cover exactly its tensors, one span per file, and ``slot_offset`` maps
-    every tensor to where its bytes land when the spans are laid out in the slot layout."""
+    """Each layer's spans cover exactly its tensors, one span per file, and ``image_offset`` maps
+    every tensor to where its bytes land when the spans are laid out in the image layout."""
     tensors = all_tensors(idx)
     file_bytes = {p: np.memmap(p, dtype=np.uint8, mode="r") for p in idx.paths}
     for layer in idx.layers:
@@ -94,17 +94,17 @@ def check_spans_and_slots(idx: ModelIndex, alignment: int = 32) -> None:
         for base, size in bases:
             assert base == pos
             pos += size
-        assert pos == layer.slot_bytes
+        assert pos == layer.image_bytes
         # fill a slot buffer from the spans (what a reader does) and find every tensor in it
-        slot = np.zeros(layer.slot_bytes, dtype=np.uint8)
+        slot = np.zeros(layer.image_bytes, dtype=np.uint8)
         for s in layer.spans:
             slot[s.slot_base + s.head : s.slot_base + s.head + s.nbytes] = file_bytes[s.path][s.offset : s.offset + s.nbytes]
         for short, t in layer.tensors.items():
-            off = layer.slot_offset(short)
-            assert 0 <= off and off + t.nbytes <= layer.slot_bytes
+            off = layer.image_offset(short)
+            assert 0 <= off and off + t.nbytes <= layer.image_bytes
             want = file_bytes[t.path][t.offset : t.offset + t.nbytes]
             assert np.array_equal(slot[off : off + t.nbytes], want), f"layer {layer.index} {short}"
-    assert idx.max_layer_slot_bytes == max(layer.slot_bytes for layer in idx.layers)
+    assert idx.max_layer_image_bytes == max(layer.image_bytes for layer in idx.layers)
 
 
 def run_cli_inprocess(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -171,7 +171,7 @@ def test_smollm2_offsets_agree_with_gguf_py(smol_index):
     check_against_gguf_py(smol_index)
 
 
-def test_smollm2_spans_and_slot_layout(smol_index):
+def test_smollm2_spans_and_image_layout(smol_index):
     check_spans_and_slots(smol_index)
     # SmolLM2 is laid out in HF order (layers 0, 1, 10, 11, ...), yet each layer is one span
     assert all(len(layer.spans) == 1 for layer in smol_index.layers)

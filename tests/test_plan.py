@@ -40,7 +40,7 @@ def test_layers_fill_vram_then_ram_then_storage_in_order(index):
     reserved = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, ctx=1024))
     fixed = reserved.globals_bytes + reserved.kv_floor_bytes + reserved.workspace_bytes + 2 * reserved.slot_bytes
     budgets = dict(backend="cuda", vram_budget=fixed + 7 * cost + cost // 2, ctx=1024,
-                   ram_budget=2 * index.max_layer_slot_bytes + 10 * index.layers[0].slot_bytes + 100)
+                   ram_budget=2 * index.max_layer_image_bytes + 10 * index.layers[0].image_bytes + 100)
     p = plan_for(index, _cfg(placement="first", **budgets))
     assert p.tiers == (VRAM,) * 7 + (RAM,) * 10 + (STORAGE,) * 13
     assert p.vram_layer_bytes == sum(index.layers[i].nbytes for i in range(7))
@@ -110,9 +110,9 @@ def test_standby_copies_take_the_ram_left_after_the_ram_tier(index):
     p = plan_for(index, _cfg(gpu_layers=20, ram_budget=parse_size("1GiB"), **budgets))
     assert len(p.layers_on(RAM)) == 10 and len(p.standby_layers) == 20
     assert set(p.standby_layers) == set(p.layers_on(VRAM))
-    assert p.standby_bytes == sum(index.layers[i].slot_bytes for i in p.standby_layers)
-    ram_tier = sum(index.layers[i].slot_bytes for i in p.layers_on(RAM))
-    tight = plan_for(index, _cfg(gpu_layers=20, ram_budget=ram_tier + 3 * index.max_layer_slot_bytes, **budgets))
+    assert p.standby_bytes == sum(index.layers[i].image_bytes for i in p.standby_layers)
+    ram_tier = sum(index.layers[i].image_bytes for i in p.layers_on(RAM))
+    tight = plan_for(index, _cfg(gpu_layers=20, ram_budget=ram_tier + 3 * index.max_layer_image_bytes, **budgets))
     assert len(tight.standby_layers) == 3
     assert list(tight.standby_layers) == list(p.standby_layers[:3])  # the first ones to be demoted
     assert plan_for(index, _cfg(ram_budget=parse_size("1GiB"), **budgets)).standby_layers == ()

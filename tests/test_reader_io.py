@@ -129,8 +129,8 @@ def test_read_into_shm_slot(data_file):
 
 
 @pytest.mark.parametrize("mode", ["direct", "buffered", "mmap"])
-def test_read_span_fills_the_slot_layout(direct_dir, mode):
-    """Every span of every layer lands where the slot layout puts it (the same bytes as
+def test_read_span_fills_the_image_layout(direct_dir, mode):
+    """Every span of every layer lands where the image layout puts it (the same bytes as
     layer_bytes' plain reads), a layer cut between two shards included."""
     folder = direct_dir / f"spans-{mode}"
     folder.mkdir()
@@ -140,7 +140,7 @@ def test_read_span_fills_the_slot_layout(direct_dir, mode):
     readers = {p: SpanReader(p, mode=mode) for p in idx.paths}
     try:
         for layer in idx.layers:
-            slot = aligned_empty(layer.slot_bytes)
+            slot = aligned_empty(layer.image_bytes)
             slot[:] = 0xAB
             for s in layer.spans:
                 readers[s.path].read_span(s, slot)

@@ -6,7 +6,7 @@ from wherever its bytes are, the head. Backends implement operations, never the 
 that needs the whole sequence of operations — a CUDA graph of the resident layers — is an
 explicit request of the model (``run_captured``), not a side effect of call order.
 
-Layers reach a backend as a byte buffer in the slot layout of ``ntx.shared.gguf_index`` (the
+Layers reach a backend as a byte buffer in the image layout of ``ntx.shared.gguf_index`` (the
 layer's file span(s), page-aligned), whoever filled it: the file, the dma daemon's pinned RAM,
 or a streamed ring slot. ``prepare_layer`` turns that buffer into the weights the operations
 take: each matrix a ``Weight``, made and checked once, then passed through as it is.
@@ -333,7 +333,7 @@ class Backend(ABC):
 
     @abstractmethod
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> Any:
-        """Make runnable weights from a slot-layout buffer. ``keep``: the weights stay for the
+        """Make runnable weights from a layer-image buffer. ``keep``: the weights stay for the
         life of the model (resident), so a backend may convert them once; otherwise the buffer is
         handed back right after the layer ran, and nothing may keep a reference to it."""
 

@@ -124,10 +124,10 @@ class CpuBackend(Backend):
         self.inv_freq = rope_inv_freq(self.hp, rope_divisors)
 
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, Any]:
-        # buf: [slot_bytes] uint8 in slot layout; the result owns fresh arrays either way.
+        # buf: [image_bytes] uint8, the layer's image; the result owns fresh arrays either way.
         w: dict[str, Any] = {}
         for name, t in layer.tensors.items():
-            off = layer.slot_offset(name)
+            off = layer.image_offset(name)
             a = dequantize(buf[off : off + t.nbytes], t.ggml_type, t.shape)
             w[name] = Weight(int(QT.F32), a.shape[0], a.shape[1], a.shape[1] * 4, a) if a.ndim == 2 else a  # a: [N, K]
         return w

@@ -84,7 +84,7 @@ class FileLayerStream:
 
     def __init__(self, index: ModelIndex, streamed_layers: Sequence[int] = ()) -> None:
         self.index = index
-        self.buf = np.empty(index.max_layer_slot_bytes, dtype=np.uint8)
+        self.buf = np.empty(index.max_layer_image_bytes, dtype=np.uint8)
         self.layers = list(streamed_layers)
         self.standby = set(range(index.hparams.n_layers))
         self._begun = -1  # the last pass begun
@@ -323,7 +323,7 @@ class LlamaModel:
         return first
 
     def promote(self, layer: int, buf: Any) -> int:
-        """Make ``layer`` resident again from ``buf`` (its slot-layout bytes): streamed until the
+        """Make ``layer`` resident again from ``buf`` (its layer-image bytes): streamed until the
         passes already asked of dma have run, resident from the pass returned."""
         if self.stream is None or layer not in self.stream.layers:
             raise ValueError(f"layer {layer} is not streamed")

@@ -27,7 +27,7 @@ class CpuCopier:
         """Nothing to pin on the cpu backend."""
 
     def copy(self, src: np.ndarray, slot: int) -> None:
-        # src: [n] uint8 host bytes in slot layout -> device slot ``slot``; complete on return.
+        # src: [n] uint8 host bytes as a layer image -> device slot ``slot``; complete on return.
         np.copyto(self.dst[slot][: src.shape[0]], src)
 
     def close(self) -> None:

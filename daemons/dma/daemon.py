@@ -50,21 +50,21 @@ class DmaDaemon(Daemon):
         self.copier = make_copier(cfg.backend, config.device_slots)
         self.n_dev_slots = len(config.device_slots)
 
-        # pinned-RAM tier: every RAM layer in slot layout, loaded once; slot_bytes is whole
+        # pinned-RAM tier: every RAM layer's image, loaded once; image_bytes is whole
         # DIRECT_ALIGN_BYTES units, so packed one after another each layer starts aligned
         ram_layers = self.plan.layers_on(RAM)
         self.ram_offsets: dict[int, int] = {}
         total = 0
         for i in ram_layers:
             self.ram_offsets[i] = total
-            total += self.index.layers[i].slot_bytes
+            total += self.index.layers[i].image_bytes
         self.ram_seg = None
         if ram_layers:
             t0 = time.monotonic()
             self.ram_seg = self._create(names["ram"], total)
             arr = self.ram_seg.array()
             for i in ram_layers:
-                read_layer_into(self.index.layers[i], arr[self.ram_offsets[i] : self.ram_offsets[i] + self.index.layers[i].slot_bytes])
+                read_layer_into(self.index.layers[i], arr[self.ram_offsets[i] : self.ram_offsets[i] + self.index.layers[i].image_bytes])
             t1 = time.monotonic()
             self.copier.register_host(self.ram_seg)
             self.ram_array = arr
@@ -83,7 +83,7 @@ class DmaDaemon(Daemon):
         # standby copies of resident layers (plan.standby_layers), loaded after ready by a thread so
         # the ring never waits for them; compute may demote a layer once its copy is announced
         self.standby_segs: dict[int, ShmSegment] = {
-            i: self._create(f"{names['ram']}-sb{i}", self.index.layers[i].slot_bytes) for i in self.plan.standby_layers}
+            i: self._create(f"{names['ram']}-sb{i}", self.index.layers[i].image_bytes) for i in self.plan.standby_layers}
         self.standby_arrays: dict[int, Any] = {}  # loaded and pinned: layer -> its bytes
         self.standby_loaded: queue.SimpleQueue = queue.SimpleQueue()  # layer ids from the loader (or an error text)
         self.standby_stop = threading.Event()
@@ -232,7 +232,7 @@ class DmaDaemon(Daemon):
                 return
             dslot, hslot = ring.next_delivery()
             self.clock.enter("busy", pass_id)
-            nbytes = self.index.layers[layer].slot_bytes
+            nbytes = self.index.layers[layer].image_bytes
             if hslot is not None:
                 self.copier.copy(self.host_arrays[hslot][:nbytes], dslot)
             elif layer in self.ram_offsets:

@@ -46,7 +46,7 @@ class ReaderDaemon(Daemon):
         return m.Ready()  # the io mode in use reaches status through the clock's extra fields
 
     def read_layer(self, layer_idx: int, dest) -> int:
-        """Read every span of the layer into ``dest`` (slot layout); returns bytes read."""
+        """Read every span of the layer into ``dest`` (image layout); returns bytes read."""
         layer = self.index.layers[layer_idx]
         for span in layer.spans:
             self.readers[span.path].read_span(span, dest)

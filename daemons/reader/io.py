@@ -6,7 +6,7 @@ the slot (pinned shared memory). The price is alignment: file offset, length and
 address must be multiples of the logical block size (``ntx.shared.align.DIRECT_ALIGN_BYTES``,
 4096, which covers 512- and 4096-byte devices), and we read the aligned superset of the span; the
 caller gets back ``head``, where the span's first byte landed in the slot. ``read_span`` puts a
-layer's span where the slot layout (``gguf_index.Span``) says it goes.
+layer's span where the image layout (``gguf_index.Span``) says it goes.
 
 Why several reads in flight: one synchronous 8 MiB request at a time leaves an NVMe drive
 mostly idle; a handful of threads each doing ``os.preadv`` (which releases the GIL) keeps
@@ -266,10 +266,10 @@ class SpanReader:
         return head
 
     def read_span(self, span: Span, slot: np.ndarray) -> None:
-        """Read a layer's ``span`` (of this file) into its place in the slot-layout buffer ``slot``.
+        """Read a layer's ``span`` (of this file) into its place in the layer-image buffer ``slot``.
 
         Direct mode reads the aligned superset into the span's aligned region; the other modes
-        read the bytes alone to where the slot layout puts them. Either way every byte lands at
+        read the bytes alone to where the image layout puts them. Either way every byte lands at
         ``span.bytes_in(slot)``.
         """
         if self.mode_in_use == "direct":

@@ -1,7 +1,7 @@
 """The cuda backend: the operations of the Llama block on the GPU with ntx's own kernels (the
 family modules of this folder: gemm, norm_rope_kv, attention, selection).
 
-Weights are used exactly as GGUF stores them: a resident layer is uploaded once (its slot-layout
+Weights are used exactly as GGUF stores them: a resident layer is uploaded once (its layer-image
 buffer, no repacking), a streamed layer is read straight from the device slot the dma daemon
 filled; each matrix becomes a ``Weight`` once, when the layer is prepared. Every matrix product
 dequantizes on the fly (``gemm.gemm`` takes its path by format and rows, chosen once and kept).
@@ -188,7 +188,7 @@ class CudaBackend(Backend):
             dev = buf if isinstance(buf, cp.ndarray) else cp.asarray(buf)
             w: dict[str, Any] = {"_buf": dev}
             for name, t in layer.tensors.items():
-                off = layer.slot_offset(name)
+                off = layer.image_offset(name)
                 view = dev[off : off + t.nbytes]
                 if len(t.shape) == 1:
                     if t.ggml_type == QT.F32:
