@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 
 from ntx.daemons.compute.backend import Backend, WarmUp, make_backend
 from ntx.daemons.compute.engine import EngineCore
+from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
 from ntx.daemons.compute.replay import ReplayDrafter, load_references
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
@@ -47,7 +48,9 @@ def build_engine(
     layers (True) or the given resident layers, less ``self_draft_skip``; ``draft_model`` with a
     small model of the same vocabulary, all resident on the same backend; ``draft_tokens`` per
     sequence and pass, as a tree of ``draft_width`` (None: chosen from measured acceptance; 1: a
-    chain). ``draft_replay`` (benchmarks only, ``replay.py``): a file of recorded greedy
+    chain). ``draft`` (``lookup.py``): drafting without a model, by prompt lookup (``ngram``) or
+    also in the recent requests (``suffix``), alone or merged with the drafter above.
+    ``draft_replay`` (benchmarks only, ``replay.py``): a file of recorded greedy
     continuations proposed (as chains) with each token made wrong with probability
     ``draft_replay_p``; the drafter chosen by the other options, if any, still runs first and
     its proposals are discarded.
@@ -66,6 +69,9 @@ def build_engine(
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress,
                        skip_layers=skip_layers)
     drafter = _drafter(llama, backend.name, options)
+    if options.draft is not None:
+        lookup = LookupDrafter(options.draft)
+        drafter = CombinedDrafter(drafter, lookup) if drafter is not None else lookup
     if options.draft_replay is not None:
         drafter = ReplayDrafter(load_references(options.draft_replay), options.draft_replay_p, index.hparams.n_vocab,
                                 inner=drafter)
@@ -104,7 +110,9 @@ def warm_up_engine(engine: EngineCore, log: Callable[[str], None]) -> float:
     drafter's too; returns the seconds it took. The largest pass: a prompt chunk beside every
     other sequence's decode row and draft tree. A failure raises ``NtxError`` with one line."""
     t0 = time.monotonic()
-    drafter = engine.drafter.inner if isinstance(engine.drafter, ReplayDrafter) else engine.drafter
+    drafter = engine.drafter
+    while isinstance(drafter, (ReplayDrafter, CombinedDrafter)):  # down to the drafter that runs passes
+        drafter = drafter.inner
     spec_rows = 1 + engine.draft_tokens if engine.drafter is not None else 1  # a decode row and its tree
     spec = WarmUp(max_rows=engine.prefill_chunk_tokens + engine.max_batch * spec_rows,
                   # a chain needs no tree mask: only trees wider than one take the masked kernel

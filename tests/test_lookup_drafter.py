@@ -1,0 +1,112 @@
+"""Drafting without a draft model (daemons/compute/lookup.py): prompt lookup over a sequence's
+own tokens, the instance's recent sequences, trees of several continuations, merged with a model
+drafter's tree; on the real SmolLM2 the greedy output is the plain engine's token for token and
+drafts quoted from the prompt are accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from ntx.ctl.local import LocalEngine
+from ntx.daemons.compute.factory import build_engine
+from ntx.daemons.compute.lookup import (CombinedDrafter, LookupDrafter, RecentText, tree_of_paths,
+                                        tree_paths)
+from ntx.daemons.compute.sampler import SamplingParams
+from ntx.daemons.compute.speculation import DraftRequest, DraftTree
+from ntx.shared.config import EngineOptions
+from ntx.shared.errors import ConfigError
+from ntx.shared.messages import EngineRequest
+
+
+def req(tokens, depth=4, width=1, seq_id=0) -> DraftRequest:
+    return DraftRequest(seq_id, list(tokens), depth, width, 1000)
+
+
+def test_prompt_lookup_proposes_what_followed_the_suffix_last_time():
+    d = LookupDrafter("ngram")
+    #            the suffix (7, 8, 9) occurred at 2..4, followed by 1, 2, 3, 4
+    tokens = [5, 6, 7, 8, 9, 1, 2, 3, 4, 0, 0, 7, 8, 9]
+    assert d.propose([req(tokens)])[0] == DraftTree.chain([1, 2, 3, 4])
+    assert d.depth_s == 0.0
+    # the longest suffix wins: (3, 7, 8, 9) is new, (7, 8, 9) is not; a deeper request gets more
+    assert d.propose([req(tokens + [1, 2], depth=6)])[0].tokens == [3, 4, 0, 0, 7, 8]
+    # nothing seen before: no draft; a lone token is not looked up
+    assert len(d.propose([req([1, 2, 3, 4, 5, 6], seq_id=1)])[0]) == 0
+    assert len(d.propose([req([1, 9, 1], seq_id=2)])[0]) == 0
+
+
+def test_the_query_itself_is_never_its_own_match():
+    d = LookupDrafter("ngram")
+    assert len(d.propose([req([4, 5, 6, 7])])[0]) == 0
+    # the sequence grows one token: (6, 7) seen ending at 3 is the query's own; (7, 6) is new
+    assert len(d.propose([req([4, 5, 6, 7, 6])])[0]) == 0
+    assert d.propose([req([4, 5, 6, 7, 6, 7])])[0].tokens == [6, 7]  # (6, 7) ended at 3: 6, 7 followed it
+
+
+def test_a_tree_holds_distinct_continuations_merged_where_they_share_a_prefix():
+    d = LookupDrafter("ngram")
+    # (2, 3) last followed by 9 9; (1, 2, 3) by 4 4; the longest match first, then the shorter one's
+    tokens = [1, 2, 3, 4, 4, 0, 2, 3, 9, 9, 0, 1, 2, 3]
+    tree = d.propose([req(tokens, depth=2, width=2)])[0]
+    assert tree_paths(tree) == [[4, 4], [9, 9]] and tree.parents == [-1, 0, -1, 2]
+    merged = tree_of_paths([[1, 2, 3], [1, 2, 5], [7]], max_nodes=10)
+    assert merged.tokens == [1, 2, 3, 5, 7] and merged.parents == [-1, 0, 1, 1, -1]
+    cut = tree_of_paths([[1, 2, 3], [4, 5]], max_nodes=4)
+    assert cut.tokens == [1, 2, 3, 4] and cut.parents == [-1, 0, 1, -1]
+
+
+def test_suffix_drafting_finds_text_of_earlier_requests_within_its_bound():
+    recent = RecentText(max_tokens=12)
+    d = LookupDrafter("suffix", recent)
+    d.propose([req([10, 11, 12, 13, 14, 15, 16], seq_id=1)])
+    d.forget(1)  # the ended sequence joins the recent text
+    assert d.propose([req([0, 12, 13], seq_id=2)])[0].tokens == [14, 15, 16]
+    # a sequence that ended without a recent-text index (ngram) looks only at itself
+    assert len(LookupDrafter("ngram").propose([req([0, 12, 13], seq_id=2)])[0]) == 0
+    # older sequences leave the recent text once it holds more than its bound
+    d.forget(2)
+    recent.add(list(range(100, 110)))
+    assert recent.n_tokens <= 12 and len(d.propose([req([0, 12, 13], seq_id=3)])[0]) == 0
+
+
+def test_a_bad_draft_name_is_one_clear_line():
+    with pytest.raises(ConfigError, match="--draft ngrams: choose ngram or suffix"):
+        EngineOptions(draft="ngrams").validate()
+
+
+@pytest.fixture(scope="module")
+def quoting(smollm2_path):
+    """Prompts that quote: a passage, then the start of the same passage again."""
+    plain = LocalEngine(build_engine(smollm2_path, "cpu", EngineOptions(ctx=512, max_batch=2)))
+    text = ("The quick brown fox jumps over the lazy dog near the river bank, while the farmer "
+            "watches from the old wooden fence and the sun sets behind the hills.")
+    ids = plain.tokenizer.encode(f"Repeat the text.\nText: {text}\nRepeat: {text[:40]}")
+    other = plain.tokenizer.encode("Once upon a time, in a small village, there lived")
+    return plain, [ids, other]
+
+
+def _greedy(eng: LocalEngine, prompts: list[list[int]], n: int) -> dict[str, dict]:
+    for i, p in enumerate(prompts):
+        eng.submit(EngineRequest(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n)))
+    done = {}
+    while eng.has_work:
+        for ev in eng.step():
+            assert ev["type"] != "error", ev
+            if ev["type"] == "done":
+                done[ev["id"]] = ev
+    return done
+
+
+@pytest.mark.parametrize("options", [dict(draft="ngram", draft_tokens=8, draft_width=1),
+                                     dict(draft="suffix", draft_tokens=8),
+                                     dict(draft="ngram", self_draft=list(range(0, 20)), draft_tokens=6)])
+def test_greedy_output_is_the_plain_engines_and_quoted_text_is_accepted(smollm2_path, quoting, options):
+    plain, prompts = quoting
+    want = _greedy(plain, prompts, 24)
+    eng = LocalEngine(build_engine(smollm2_path, "cpu", EngineOptions(ctx=512, max_batch=2, **options)))
+    if "self_draft" in options:
+        assert isinstance(eng.core.drafter, CombinedDrafter)
+    got = _greedy(eng, prompts, 24)
+    assert [got[k]["tokens"] for k in sorted(got)] == [want[k]["tokens"] for k in sorted(want)]
+    spec = got["r0"]["speculation"]
+    assert spec["accepted"] >= 5  # the quoted passage: several tokens in a pass
