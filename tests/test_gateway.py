@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -160,6 +162,50 @@ def test_metrics_parse_and_count(served, oai):
     assert tiers["storage"] > 0 and tiers["ram"] == 0  # 4 layers on storage, none in pinned RAM
     generated = [s.value for s in families["ntx_generated_tokens"].samples if s.name == "ntx_generated_tokens_total"]
     assert generated[0] >= 3
+
+
+def _gateway_in_flight(served) -> int:
+    return httpx.get(f"{served.base}/api/status").json()["gateway"]["in_flight"]
+
+
+def test_a_body_over_the_frame_bound_is_413_and_other_users_go_on(served, oai):
+    """A 17 MiB body (over libzmq's 16 MiB frame bound, which dropped the gateway's one
+    connection and every user's request with it) is 413 before it is read, while another
+    user's stream runs to its end; out-of-range numbers are 400 and leave no entry behind."""
+    from ntx.ctl.gateway.limits import MAX_BODY_BYTES
+    from ntx.shared.messages import MAX_FRAME_BYTES
+
+    streamed: list = []
+    t = threading.Thread(target=lambda: streamed.extend(oai.chat.completions.create(
+        model="m", messages=HI, temperature=0, max_tokens=40, stream=True)))
+    t.start()
+    wait_for(lambda: _in_flight(served) == 1, 30.0, "the other user's request to run")
+    host, port = served.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (17 << 20) + b'{"messages": [{"role": "user", "content": "' + b"x" * (1 << 20))
+        s.settimeout(10.0)
+        answer = b""
+        while b"request_too_large" not in answer:
+            answer += s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    r = httpx.post(f"{served.base}/v1/completions", json={"prompt": "x" * (MAX_BODY_BYTES + 1)})
+    assert r.status_code == 413
+    # a body under the gateway's bound whose frame is over the supervisor's: 413 too, never sent
+    r = httpx.post(f"{served.base}/v1/completions", json={"prompt": "x" * (MAX_FRAME_BYTES + 1000)})
+    assert r.status_code == 413, r.text
+    for _ in range(50):
+        r = httpx.post(f"{served.base}/v1/completions", json={"prompt": FRANCE, "seed": 2 ** 70})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    for opts in ("yes", [1], 3):
+        r = httpx.post(f"{served.base}/v1/chat/completions", json={"messages": HI, "stream": True, "stream_options": opts})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    t.join(60.0)
+    # the other user's stream ran to its own end
+    assert streamed[-1].choices[0].finish_reason in ("stop", "length")
+    assert streamed[-1].model_extra["ntx"]["finish_reason"] in ("stop", "length")
+    wait_for(lambda: _in_flight(served) == 0 and _gateway_in_flight(served) == 0, 10.0,
+             "no request entry left behind, at the pipeline or the gateway")
 
 
 def test_streaming_client_that_hangs_up_is_cancelled_within_a_second(served):

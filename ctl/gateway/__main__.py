@@ -27,12 +27,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"ntx-gateway: error: {e}", file=sys.stderr)
         sys.exit(2)
-    import uvicorn
-
     from ntx.ctl.gateway.app import create_app
+    from ntx.ctl.gateway.limits import GatewayLimits
+    from ntx.ctl.gateway.server import serve
 
-    uvicorn.run(create_app(args.pipeline, api_key), host=host, port=port, log_level=args.log_level,
-                timeout_graceful_shutdown=2)
+    limits = GatewayLimits()
+    serve(create_app(args.pipeline, api_key, limits), host, port, limits, args.log_level)
 
 
 if __name__ == "__main__":

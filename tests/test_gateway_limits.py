@@ -1,0 +1,267 @@
+"""The gateway's bounds and its link to the supervisor, with the gateway's real uvicorn server on a
+free port (in a thread, with small limits) and a ZeroMQ ROUTER in the supervisor's place that
+answers what the test says: so that a connection can be dropped at a chosen moment and brought
+back, and requests held in flight as long as a test needs. The same bounds against the real
+pipeline are in tests/test_gateway.py.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from ntx.ctl.gateway.app import create_app
+from ntx.ctl.gateway.limits import GatewayLimits
+from ntx.ctl.gateway.server import make_server
+
+from .pipeline_util import free_port, wait_for
+
+HI = [{"role": "user", "content": "hi"}]
+READY = {"state": "ready", "model": "/models/m.gguf", "uptime_s": 1.0, "requests": {"in_flight": 0}}
+
+
+class SupervisorStandIn:
+    """A ROUTER on ``address`` in a thread of its own: answers ``status`` with ``READY``, keeps
+    every ``generate`` it receives (``generates``), and does what ``do`` asks between polls
+    (sockets belong to their thread): ``drop`` closes the socket (every connection to it ends),
+    ``bind`` opens a new one, ``reply`` sends a frame to the peer of a kept request."""
+
+    def __init__(self) -> None:
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.generates: list[tuple[bytes, dict]] = []
+        self._todo: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def do(self, action: str, *args) -> None:
+        done = threading.Event()
+        self._todo.put((action, args, done))
+        assert done.wait(5.0), f"the stand-in did not {action}"
+
+    def reply(self, rid: str, **ev) -> None:
+        peer = next(p for p, msg in self.generates if msg["id"] == rid)
+        self.do("send", peer, {"id": rid, **ev})
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = self._bind(ctx)
+        while not self._stop.is_set():
+            while not self._todo.empty():
+                action, args, done = self._todo.get()
+                if action == "drop" and sock is not None:
+                    sock.close(linger=0)
+                    sock = None
+                elif action == "bind":
+                    sock = self._bind(ctx)
+                elif action == "send":
+                    sock.send_multipart([args[0], msgpack.packb(args[1])])
+                done.set()
+            if sock is None or not sock.poll(20):
+                time.sleep(0.02) if sock is None else None
+                continue
+            peer, frame = sock.recv_multipart()
+            msg = msgpack.unpackb(frame)
+            if msg.get("op") == "status":
+                sock.send_multipart([peer, msgpack.packb({"type": "status", "id": msg["id"], "status": READY})])
+            elif msg.get("op") == "generate":
+                self.generates.append((peer, msg))
+        if sock is not None:
+            sock.close(linger=0)
+        ctx.term()
+
+    def _bind(self, ctx: zmq.Context) -> zmq.Socket:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.address)
+        return sock
+
+
+@contextmanager
+def gateway_on(pipeline_address: str, limits: GatewayLimits, api_key: str | None = None):
+    """The gateway's own server (``server.make_server``) on a free port, in a thread."""
+    port = free_port()
+    app = create_app(pipeline_address, api_key, limits)
+    server = make_server(app, "127.0.0.1", port, limits, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: server.started, 30.0, "the gateway's server to start")
+        yield base, app.state.gateway
+    finally:
+        server.should_exit = True
+        thread.join(10.0)
+
+
+@pytest.fixture
+def supervisor():
+    s = SupervisorStandIn()
+    yield s
+    s.close()
+
+
+SMALL = GatewayLimits(max_body_bytes=64 * 1024, max_requests=6, max_requests_per_client=3)
+
+
+@pytest.fixture
+def gateway(supervisor):
+    with gateway_on(supervisor.address, SMALL) as (base, gw):
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 30.0, "the gateway to see the stand-in")
+        yield base, gw
+
+
+def _ids(supervisor, n: int) -> list[str]:
+    wait_for(lambda: len(supervisor.generates) >= n, 10.0, f"{n} generate requests at the stand-in")
+    return [msg["id"] for _, msg in supervisor.generates]
+
+
+def test_a_dropped_link_ends_every_request_in_flight_and_reconnects(supervisor, gateway):
+    """The supervisor drops the gateway's connection (as libzmq does for a frame over its
+    ZMQ_MAXMSGSIZE): a streamed request gets an error event and [DONE], a plain one a 503 with
+    Retry-After, at once; the link reconnects and the gateway serves again."""
+    base, gw = gateway
+    results: dict[str, object] = {}
+
+    def streamed():
+        with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=30,
+                          json={"messages": HI, "stream": True}) as r:
+            results["stream"] = [line for line in r.iter_lines() if line.startswith("data:")]
+
+    def plain():
+        results["plain"] = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=30)
+
+    threads = [threading.Thread(target=streamed), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    ids = _ids(supervisor, 2)
+    for rid in ids:  # both requests started: their first event came
+        supervisor.reply(rid, type="token", text="a", token=1)
+    time.sleep(0.3)
+    assert gw.link.in_flight == 2
+    dropped_s = time.monotonic()
+    supervisor.do("drop")
+    for t in threads:
+        t.join(10.0)
+        assert not t.is_alive(), "a request hung after the link dropped"
+    assert time.monotonic() - dropped_s < 2.0
+    lines = results["stream"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][5:])["error"]["code"] == "pipeline_lost"
+    plain_r = results["plain"]
+    assert plain_r.status_code == 503 and plain_r.headers["retry-after"] == "1"
+    assert plain_r.json()["error"]["code"] == "pipeline_lost"
+    assert gw.link.in_flight == 0 and gw.slots.n_held == 0
+
+    # no supervisor: refused at once, nothing left behind
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 503 and "retry-after" in r.headers
+    assert gw.link.in_flight == 0 and gw.slots.n_held == 0
+
+    supervisor.do("bind")
+    wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 10.0, "the link to reconnect")
+    t = threading.Thread(target=plain)
+    t.start()
+    (rid,) = _ids(supervisor, 3)[2:]
+    supervisor.reply(rid, type="done", text="ok", finish_reason="stop", usage={"prompt_tokens": 1, "completion_tokens": 1})
+    t.join(10.0)
+    assert results["plain"].status_code == 200 and results["plain"].json()["choices"][0]["text"] == "ok"
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(supervisor, gateway):
+    base, gw = gateway
+    big = {"prompt": "x", "unknown_field": "y" * (SMALL.max_body_bytes + 1)}
+    r = httpx.post(f"{base}/v1/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # a Content-Length that says too much is refused without reading a byte of the body
+    with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 52428800\r\n\r\n")
+        s.settimeout(5.0)
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413")
+    # chunked, no length: counted as it comes
+    def chunks():
+        for _ in range(100):
+            yield b" " * 4096
+    r = httpx.post(f"{base}/v1/completions", content=chunks())
+    assert r.status_code == 413
+    assert supervisor.generates == [] and gw.slots.n_held == 0 and gw.body_bytes_in_flight == 0
+
+
+def test_one_client_cannot_hold_every_slot(supervisor, gateway):
+    """A client at its share gets 429 with Retry-After; another client is still served; the
+    gateway full is 503 with Retry-After; every slot comes back."""
+    base, gw = gateway
+    port = int(base.rsplit(":", 1)[1])
+    results: list[httpx.Response] = []
+
+    def post(source: str):
+        transport = httpx.HTTPTransport(local_address=source)
+        with httpx.Client(transport=transport, timeout=30) as c:
+            results.append(c.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}))
+
+    held = [threading.Thread(target=post, args=("127.0.0.1",)) for _ in range(SMALL.max_requests_per_client)]
+    for t in held:
+        t.start()
+    _ids(supervisor, SMALL.max_requests_per_client)
+    post("127.0.0.1")
+    r = results.pop()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    others = [threading.Thread(target=post, args=("127.0.0.2",)) for _ in range(SMALL.max_requests_per_client)]
+    for t in others:
+        t.start()
+    _ids(supervisor, SMALL.max_requests)  # the other client was served
+    post("127.0.0.3")
+    r = results.pop()
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
+    for rid in _ids(supervisor, SMALL.max_requests):
+        supervisor.reply(rid, type="error", code="overloaded", message="queue full")
+    for t in held + others:
+        t.join(10.0)
+    assert [r.status_code for r in results] == [503] * SMALL.max_requests
+    assert all(r.headers["retry-after"] == "1" for r in results)  # the pipeline's overloaded: 503, not 500
+    assert gw.link.in_flight == 0 and gw.slots.n_held == 0 and not gw.slots.held
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "seed": 2 ** 70}, "seed"),
+    ({"prompt": "x", "max_tokens": -(2 ** 64)}, "max_tokens"),
+    ({"prompt": [1, 2 ** 64]}, "prompt"),
+    ({"prompt": "x", "stream_options": "yes"}, "stream_options"),
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"prompt": "x", "n": list(range(10000))}, "n"),  # its repr is not echoed whole
+])
+def test_out_of_range_values_are_400_and_leave_nothing_behind(supervisor, gateway, body, param):
+    base, gw = gateway
+    r = httpx.post(f"{base}/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and len(r.text) < 1000
+    assert supervisor.generates == [] and gw.link.in_flight == 0 and gw.slots.n_held == 0
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"[" * 30_000 + b"]" * 30_000, "nests too deeply"),
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"prompt": "\xff"}', "not valid JSON"),
+    (b"[1]", "must be a JSON object"),
+])
+def test_bodies_that_are_not_json_objects_are_400(supervisor, gateway, raw, says):
+    base, gw = gateway
+    r = httpx.post(f"{base}/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"]
+    assert gw.slots.n_held == 0
