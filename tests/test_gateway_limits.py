@@ -265,3 +265,168 @@ def test_bodies_that_are_not_json_objects_are_400(supervisor, gateway, raw, says
     r = httpx.post(f"{base}/v1/completions", content=raw, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and says in r.json()["error"]["message"]
     assert gw.slots.n_held == 0
+
+
+TIGHT = GatewayLimits(idle_timeout_s=0.5, head_timeout_s=1.0, body_timeout_s=1.0, max_connections=8,
+                      max_connections_per_client=4)
+
+
+@pytest.fixture
+def tight_gateway(supervisor):
+    with gateway_on(supervisor.address, TIGHT) as (base, gw):
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 30.0, "the gateway to see the stand-in")
+        yield int(base.rsplit(":", 1)[1]), gw
+
+
+def _connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+    s.settimeout(10.0)
+    return s
+
+
+def _closed_after_s(s: socket.socket) -> float:
+    """Seconds until the gateway closes ``s`` (reading whatever it sends first)."""
+    t0 = time.monotonic()
+    try:
+        while s.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+def test_a_silent_connection_is_closed_after_the_idle_timeout(tight_gateway):
+    port, _ = tight_gateway
+    with _connect(port) as s:
+        assert _closed_after_s(s) < TIGHT.idle_timeout_s + 1.0
+    with _connect(port) as s:  # after a response, the same
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _closed_after_s(s) < TIGHT.idle_timeout_s + 1.0
+
+
+def test_a_head_that_trickles_in_is_cut_off_at_the_head_timeout(tight_gateway):
+    port, _ = tight_gateway
+    with _connect(port) as s:
+        t0 = time.monotonic()
+        try:
+            for byte in b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 1000:  # a byte each 0.1 s: never idle
+                s.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        closed_s = time.monotonic() - t0 + _closed_after_s(s)
+    assert TIGHT.head_timeout_s - 0.2 < closed_s < TIGHT.head_timeout_s + 1.5
+
+
+def test_a_body_that_does_not_arrive_is_408_at_the_body_timeout(tight_gateway):
+    port, gw = tight_gateway
+    with _connect(port) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        t0 = time.monotonic()
+        answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert time.monotonic() - t0 < TIGHT.body_timeout_s + 1.0
+    assert gw.slots.n_held == 0 and gw.body_bytes_in_flight == 0
+
+
+def test_a_head_over_its_bound_is_400(tight_gateway):
+    """A head still incomplete past ``max_head_bytes`` is refused (h11 holds at most that much
+    of one; a head that came whole in one read is parsed)."""
+    port, _ = tight_gateway
+    with _connect(port) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (TIGHT.max_head_bytes // 2))
+        time.sleep(0.2)
+        s.sendall(b"a" * TIGHT.max_head_bytes)
+        assert s.recv(4096).startswith(b"HTTP/1.1 400")
+
+
+def test_connections_are_bounded_per_client_and_in_all(tight_gateway):
+    """Past its share a client's connection gets a 503 and is closed at once; another client
+    is served meanwhile; past the total, everyone's is until some close."""
+    port, _ = tight_gateway
+    held = [_connect(port, "127.0.0.2") for _ in range(TIGHT.max_connections_per_client)]
+    try:
+        extra = _connect(port, "127.0.0.2")
+        answer = extra.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer and b"connections open" in answer
+        extra.close()
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        held += [_connect(port, "127.0.0.3") for _ in range(TIGHT.max_connections - len(held))]
+        time.sleep(0.1)
+        with _connect(port, "127.0.0.4") as s:
+            assert s.recv(4096).startswith(b"HTTP/1.1 503")
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 5.0,
+             "connections to be served again once the others closed")
+
+
+def test_silent_connections_past_the_descriptor_limit_neither_deny_service_nor_flood_the_log(supervisor, tmp_path):
+    """The gateway run as its own process with 1,024 descriptors: 1,100 silent connections from
+    one client (which once held every descriptor, failed accept() and wrote 153 MB of log in
+    15 s) take that client's share; the rest are refused, logged a few times; another client is
+    served at once, and the silent ones are closed at the idle timeout."""
+    import resource
+    import subprocess
+    import sys
+
+    from ntx.ctl.gateway.limits import IDLE_TIMEOUT_S
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"this test opens 1,100 connections; the descriptor limit here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    port = free_port()
+    log_path = tmp_path / "gateway.log"
+
+    def at_1024_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", supervisor.address, "--http",
+                                 f"127.0.0.1:{port}"], stdout=log_file, stderr=subprocess.STDOUT,
+                                preexec_fn=at_1024_descriptors)
+    silent: list[socket.socket] = []
+    try:
+        def ready():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 30.0, "the gateway to answer")
+        for _ in range(1100):
+            silent.append(socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0)))
+        opened_s = time.monotonic()
+        for _ in range(5):
+            r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0)
+            assert r.status_code == 200
+        for s in silent:  # every one closed: the refused at once, the held at the idle timeout
+            s.settimeout(IDLE_TIMEOUT_S + 5.0)
+            _closed_after_s(s)
+        assert time.monotonic() - opened_s < IDLE_TIMEOUT_S + 5.0
+        assert proc.poll() is None
+    finally:
+        for s in silent:
+            s.close()
+        proc.terminate()
+        proc.wait(10)
+    text = log_path.read_text()
+    assert 1 <= text.count("refused a connection from 127.0.0.2") <= 40, text[-2000:]  # of 972
+    assert log_path.stat().st_size < 64 * 1024
+
+
+def test_the_log_rate_limit_lets_a_few_through_and_counts_the_rest():
+    import logging
+
+    from ntx.ctl.gateway.server import LogRateLimit
+
+    limit = LogRateLimit(per_window=3, window_s=0.2)
+    record = lambda: logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, "accept failed", None, None)
+    assert [limit.filter(record()) for _ in range(10)] == [True] * 3 + [False] * 7
+    time.sleep(0.25)
+    later = record()
+    assert limit.filter(later) and "7 more like this" in later.getMessage()
+

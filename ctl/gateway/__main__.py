@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     from ntx.ctl.gateway.app import create_app
     from ntx.ctl.gateway.limits import GatewayLimits
-    from ntx.ctl.gateway.server import serve
+    from ntx.ctl.gateway.server import raise_descriptor_limit, serve
 
-    limits = GatewayLimits()
+    limits = GatewayLimits().for_descriptors(raise_descriptor_limit())
     serve(create_app(args.pipeline, api_key, limits), host, port, limits, args.log_level)
 
 
