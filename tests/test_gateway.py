@@ -236,12 +236,17 @@ def test_non_streaming_client_that_times_out_is_cancelled_within_a_second(served
 
 
 @pytest.fixture(scope="module")
-def keyed_gateway(served):
-    """A second gateway on the same pipeline that needs a key, run as ``python -m ntx.ctl.gateway``."""
+def keyed_gateway(served, tmp_path_factory):
+    """A second gateway on the same pipeline that needs a key, run as ``python -m ntx.ctl.gateway``
+    with the key in a file (mode 0600, which it deletes once read)."""
     http = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", served.listen, "--http", http],
-                            env={**os.environ, "NTX_API_KEY": "s3cret"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    key_file = tmp_path_factory.mktemp("key") / "api_key"
+    key_file.write_text("s3cret\n")
+    key_file.chmod(0o600)
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", served.listen, "--http", http,
+                             "--api-key-file", str(key_file)],
+                            env={k: v for k, v in os.environ.items() if k != "NTX_API_KEY"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://{http}"
 
     def answers() -> bool:
@@ -252,6 +257,7 @@ def keyed_gateway(served):
 
     try:
         wait_for(answers, 30.0, "the keyed gateway to answer /health")
+        assert not key_file.exists()  # read once and deleted
         yield base
     finally:
         proc.terminate()
@@ -263,6 +269,9 @@ def test_api_key_is_required_when_set(keyed_gateway):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{keyed_gateway}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{keyed_gateway}/metrics").status_code == 401
+    for header in ("bearer s3cret", "BEARER  s3cret"):  # the scheme is case-insensitive
+        assert httpx.get(f"{keyed_gateway}/v1/models", headers={"Authorization": header}).status_code == 200, header
+    assert httpx.get(f"{keyed_gateway}/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
     ok = openai.OpenAI(base_url=f"{keyed_gateway}/v1", api_key="s3cret", max_retries=0)
     assert ok.chat.completions.create(model="m", messages=HI, temperature=0, max_tokens=2).usage.completion_tokens == 2
 

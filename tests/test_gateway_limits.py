@@ -430,3 +430,48 @@ def test_the_log_rate_limit_lets_a_few_through_and_counts_the_rest():
     later = record()
     assert limit.filter(later) and "7 more like this" in later.getMessage()
 
+
+def test_status_for_key_holders_elsewhere_has_no_operator_fields(supervisor, gateway):
+    """/api/status: a request from loopback (an operator) sees the model path; one from
+    elsewhere (Starlette's test client names its peer "testclient") sees none of what only
+    operators see, the supervisor's own list of them included."""
+    from starlette.testclient import TestClient
+
+    from ntx.ctl.gateway.app import OPERATOR_FIELDS
+    from ntx.ctl.status_map import OPERATOR_STATUS_FIELDS
+
+    assert set(OPERATOR_STATUS_FIELDS) <= set(OPERATOR_FIELDS)
+    base, _ = gateway
+    assert httpx.get(f"{base}/api/status").json()["status"]["model"] == READY["model"]
+    full = {**READY, "listen": "tcp://127.0.0.1:5555", "supervisor_pid": 1, "reason": None, "log_dir": "/run/x/logs",
+            "http": "127.0.0.1:8080", "backend": "cpu", "daemons": {"compute": {"pid": 7, "state": "ready"}}}
+    with TestClient(create_app(f"tcp://127.0.0.1:{free_port()}", "k")) as http:  # no poll overwrites the status
+        link = http.app.state.gateway.link
+        link.status, link.status_at_s = full, time.monotonic()
+        st = http.get("/api/status", headers={"Authorization": "Bearer k"}).json()["status"]
+    assert not set(OPERATOR_FIELDS) & set(st) and st["backend"] == "cpu"
+    assert st["daemons"] == {"compute": {"state": "ready"}}
+
+
+def test_the_api_key_file_must_be_private_and_the_environment_is_the_fallback(tmp_path):
+    import subprocess
+    import sys
+
+    key_file = tmp_path / "key"
+    key_file.write_text("k")
+    key_file.chmod(0o644)
+    r = subprocess.run([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", "tcp://127.0.0.1:9", "--http",
+                        "0.0.0.0:9", "--api-key-file", str(key_file)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"ntx-gateway: error: --api-key-file {key_file}: others may read or write it (mode 644); make it 0600"]
+
+    from ntx.ctl.gateway.api_key import api_key
+
+    key_file.chmod(0o600)
+    assert api_key(str(key_file)) == "k" and not key_file.exists()
+    import os
+    os.environ["NTX_API_KEY"] = "from-env"
+    try:
+        assert api_key(None) == "from-env" and "NTX_API_KEY" not in os.environ  # not passed on
+    finally:
+        os.environ.pop("NTX_API_KEY", None)

@@ -33,6 +33,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ntx.ctl.gateway import openai_schema as oa
+from ntx.ctl.gateway.address import is_loopback
 from ntx.ctl.gateway.limits import GatewayLimits, Shares
 from ntx.ctl.gateway.link import FrameRefused, FrameTooLarge, PipelineGone, PipelineLink, RequestStream
 from ntx.ctl.gateway.metrics import GatewayMetrics
@@ -417,10 +418,32 @@ async def status_page(request: HttpRequest) -> Response:
     return HTMLResponse(resources.files("ntx.ctl.gateway").joinpath("status_page.html").read_text())
 
 
+# What only operators see of the status (the supervisor's OPERATOR_STATUS_FIELDS, which
+# tests/test_gateway_limits.py holds to be among these, and where it writes and serves), and
+# each daemon's pid. The gateway's own connection is from this machine, so it gets them all.
+OPERATOR_FIELDS = ("model", "listen", "supervisor_pid", "reason", "log_dir", "http")
+
+
+def status_for(st: dict | None, operator: bool) -> dict | None:
+    """The status for an operator (all of it), or for anyone else: less ``OPERATOR_FIELDS`` and
+    the daemons' pids."""
+    if st is None or operator:
+        return st
+    out = {k: v for k, v in st.items() if k not in OPERATOR_FIELDS}
+    if isinstance(out.get("daemons"), dict):
+        out["daemons"] = {n: {k: v for k, v in d.items() if k != "pid"} if isinstance(d, dict) else d
+                          for n, d in out["daemons"].items()}
+    return out
+
+
 async def api_status(request: HttpRequest) -> Response:
+    """The status page's data. Operators (requests from this machine's loopback) see all of
+    the status; anyone else, with the key where one is needed, sees it without paths, pids and
+    addresses."""
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
-    return JSONResponse({"status": gw.link.fresh_status, "history": list(gw.link.history),
+    operator = request.client is not None and is_loopback(request.client.host)
+    return JSONResponse({"status": status_for(gw.link.fresh_status, operator), "history": list(gw.link.history),
                          "gateway": {"in_flight": gw.link.in_flight}})
 
 

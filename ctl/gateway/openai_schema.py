@@ -50,20 +50,14 @@ class ApiError(Exception):
 # restarting, stopping, the connection to it lost); a client's own share used up is 429 (the
 # gateway's, app.py). 500: the pipeline failed on this request alone, or a frame the gateway
 # built was refused (a bug here). Unknown codes are 500 too.
-WIRE_ERRORS = {
-    "bad_request": (400, "invalid_request_error", False),
-    "bad_frame": (400, "invalid_request_error", False),
-    "context_overflow": (400, "invalid_request_error", False),
-    "overloaded": (503, "service_unavailable", True),
-    "shutdown": (503, "service_unavailable", True),
-    "pipeline_lost": (503, "service_unavailable", True),
-    "pipeline_failure": (503, "server_error", True),
-    "layer_unavailable": (503, "server_error", True),
-    "model_changed": (503, "server_error", False),
-    "client_too_slow": (503, "server_error", True),
-    "numerical_error": (500, "server_error", False),
-    "internal_error": (500, "server_error", False),
+_WIRE_ERRORS_BY_ANSWER = {
+    (400, "invalid_request_error", False): ("bad_request", "bad_frame", "context_overflow"),
+    (503, "service_unavailable", True): ("overloaded", "shutdown", "pipeline_lost"),
+    (503, "server_error", True): ("pipeline_failure", "layer_unavailable", "client_too_slow"),
+    (503, "server_error", False): ("model_changed",),
+    (500, "server_error", False): ("numerical_error", "internal_error"),
 }
+WIRE_ERRORS = {code: answer for answer, codes in _WIRE_ERRORS_BY_ANSWER.items() for code in codes}
 
 
 def retry_after() -> dict[str, str]:
