@@ -28,10 +28,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ntx.ctl.gateway.limits import LISTEN_BACKLOG, GatewayLimits, Shares
 
-log = logging.getLogger("ntx.gateway")
+log = logging.getLogger("uvicorn.error.gateway")  # uvicorn's handler and format, like its own lines
 
-# Loggers whose records a peer can cause (accept errors, bad requests, exceptions), and so limited.
-RATE_LIMITED_LOGGERS = ("uvicorn.error", "asyncio", "ntx.gateway")
+# Loggers whose records a peer can cause (accept errors, bad requests, exceptions, refusals), and
+# so limited (a logger's filters apply to the records logged on it, not to its children's).
+RATE_LIMITED_LOGGERS = ("uvicorn.error", "uvicorn.error.gateway", "asyncio")
+# Descriptors asked for where the hard limit is unlimited.
+UNLIMITED_DESCRIPTORS_WANTED = 65536
 
 
 class LogRateLimit(logging.Filter):
@@ -148,13 +151,14 @@ def bounded_protocol(limits: GatewayLimits) -> type[BoundedH11Protocol]:
 def raise_descriptor_limit() -> int:
     """Raise this process' open-files limit to its hard limit; the limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
+    wanted = UNLIMITED_DESCRIPTORS_WANTED if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
         except (ValueError, OSError):
             pass
-    return soft
+    return UNLIMITED_DESCRIPTORS_WANTED if soft == resource.RLIM_INFINITY else soft
 
 
 def make_server(app: Starlette, host: str, port: int, limits: GatewayLimits, log_level: str = "info") -> uvicorn.Server:
