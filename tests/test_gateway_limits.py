@@ -475,3 +475,61 @@ def test_the_api_key_file_must_be_private_and_the_environment_is_the_fallback(tm
         assert api_key(None) == "from-env" and "NTX_API_KEY" not in os.environ  # not passed on
     finally:
         os.environ.pop("NTX_API_KEY", None)
+
+
+def test_eight_50_mb_bodies_at_once_cost_the_gateway_little_memory(supervisor):
+    """Eight clients send 50 MB bodies at once without a Content-Length (chunked), which the
+    gateway once read whole (673 MiB): each is 413 after 2 MiB, and the gateway process' peak
+    resident memory grows by far less than one such body."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", supervisor.address, "--http",
+                             f"127.0.0.1:{port}", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def peak_rss_bytes() -> int:
+        with open(f"/proc/{proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    answers_seen: list[bytes] = []
+
+    def send_50_mb() -> None:
+        chunk = b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20))
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(30.0)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+            try:
+                for _ in range(50):
+                    s.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            try:
+                answers_seen.append(s.recv(4096))
+            except ConnectionResetError:
+                answers_seen.append(b"reset")
+
+    try:
+        wait_for(answers, 30.0, "the gateway to answer")
+        before = peak_rss_bytes()
+        threads = [threading.Thread(target=send_50_mb) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60.0)
+        grown = peak_rss_bytes() - before
+        assert grown < 64 << 20, f"the gateway's peak memory grew by {grown >> 20} MiB"
+        assert any(a.startswith(b"HTTP/1.1 413") for a in answers_seen), answers_seen
+        assert all(a.startswith(b"HTTP/1.1 413") or a in (b"", b"reset") for a in answers_seen), answers_seen
+        assert answers()
+    finally:
+        proc.terminate()
+        proc.wait(10)

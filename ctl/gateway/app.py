@@ -93,6 +93,7 @@ class Gateway:
     def model_name(st: dict) -> str:
         return os.path.basename(st.get("model", "")) or "ntx"
 
+
 class Generation:
     """One HTTP request's run on the pipeline: its events, its metrics, its cancellation."""
 
