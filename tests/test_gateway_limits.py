@@ -31,13 +31,14 @@ READY = {"state": "ready", "model": "/models/m.gguf", "uptime_s": 1.0, "requests
 
 class SupervisorStandIn:
     """A ROUTER on ``address`` in a thread of its own: answers ``status`` with ``READY``, keeps
-    every ``generate`` it receives (``generates``), and does what ``do`` asks between polls
+    every ``generate`` it receives (``generates``) and the id of every ``cancel``, and does what ``do`` asks between polls
     (sockets belong to their thread): ``drop`` closes the socket (every connection to it ends),
     ``bind`` opens a new one, ``reply`` sends a frame to the peer of a kept request."""
 
     def __init__(self) -> None:
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.generates: list[tuple[bytes, dict]] = []
+        self.cancels: list[str] = []
         self._todo: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -79,6 +80,8 @@ class SupervisorStandIn:
                 sock.send_multipart([peer, msgpack.packb({"type": "status", "id": msg["id"], "status": READY})])
             elif msg.get("op") == "generate":
                 self.generates.append((peer, msg))
+            elif msg.get("op") == "cancel":
+                self.cancels.append(msg["id"])
         if sock is not None:
             sock.close(linger=0)
         ctx.term()
@@ -179,6 +182,25 @@ def test_a_dropped_link_ends_every_request_in_flight_and_reconnects(supervisor, 
     supervisor.reply(rid, type="done", text="ok", finish_reason="stop", usage={"prompt_tokens": 1, "completion_tokens": 1})
     t.join(10.0)
     assert results["plain"].status_code == 200 and results["plain"].json()["choices"][0]["text"] == "ok"
+
+
+def test_stopping_the_gateway_ends_its_requests_in_flight_with_an_error(supervisor):
+    """SIGTERM's shutdown ends the requests in flight at once (503 ``shutdown``, cancelled at
+    the pipeline) instead of cutting them off after the graceful timeout (a 500 and a traceback)."""
+    results: dict[str, httpx.Response] = {}
+    with gateway_on(supervisor.address, SMALL) as (base, gw):
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 30.0, "the gateway to see the stand-in")
+        t = threading.Thread(target=lambda: results.update(r=httpx.post(f"{base}/v1/completions", json={"prompt": "x"},
+                                                                        timeout=30)))
+        t.start()
+        (rid,) = _ids(supervisor, 1)
+        supervisor.reply(rid, type="token", text="a", token=1)
+        time.sleep(0.3)
+        stopping_s = time.monotonic()
+    t.join(10.0)
+    assert time.monotonic() - stopping_s < 1.5  # the graceful timeout is 2 s
+    assert results["r"].status_code == 503 and results["r"].json()["error"]["code"] == "shutdown"
+    wait_for(lambda: supervisor.cancels == [rid], 5.0, "the request's cancel at the pipeline")
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(supervisor, gateway):

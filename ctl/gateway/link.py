@@ -44,11 +44,6 @@ class FrameTooLarge(FrameRefused):
     """A request whose frame is over the supervisor's bound (``messages.MAX_FRAME_BYTES``)."""
 
 
-def lost_error(rid: str, address: str) -> dict:
-    """The error that ends a request whose connection dropped before its last reply."""
-    return {"type": "error", "id": rid, "code": "pipeline_lost",
-            "message": f"the connection to the pipeline on {address} was lost (the supervisor restarted or "
-                       "stopped); the request was not finished"}
 
 
 def connect_address(listen: str) -> str:
@@ -248,10 +243,18 @@ class PipelineLink:
         the connection, and no reply for them will come."""
         self.connections_lost += 1
         self.status = None  # /health says unavailable until the supervisor answers again
+        self.end_all("pipeline_lost", f"the connection to the pipeline on {self.address} was lost (the supervisor "
+                                      "restarted or stopped); the request was not finished", cancel=False)
+
+    def end_all(self, code: str, message: str, cancel: bool = True) -> None:
+        """End every request in flight with an error ``code`` (after the replies already
+        queued for it), cancelling it at the pipeline when ``cancel`` (the gateway stops)."""
         for stream in list(self._streams.values()):
             if not stream.finished:
-                stream.queue.put_nowait(lost_error(stream.rid, self.address))
-                stream.cancel_sent = True  # nothing to cancel on a new connection
+                if cancel:
+                    stream.cancel()
+                stream.cancel_sent = True
+                stream.queue.put_nowait({"type": "error", "id": stream.rid, "code": code, "message": message})
 
     def _dispatch(self, frame: bytes) -> None:
         try:

@@ -8,7 +8,8 @@ client and in all (over either, the connection gets a 503 and is closed at once)
 connection that sends nothing is closed after ``idle_timeout_s``, and a request head must be
 complete ``head_timeout_s`` after its first byte (bytes trickling in do not extend it). The
 descriptor limit is raised to its hard limit and the connection bound kept below it, so accept()
-never fails for want of descriptors. The error loggers are rate-limited (``LogRateLimit``).
+never fails for want of descriptors. The error loggers are rate-limited (``LogRateLimit``). At
+shutdown the generations in flight are ended with an error at once (``GatewayServer``).
 
 ``serve`` runs it until SIGTERM; ``make_server`` builds it (tests run it in a thread on a free
 port, with smaller limits).
@@ -161,6 +162,18 @@ def raise_descriptor_limit() -> int:
     return UNLIMITED_DESCRIPTORS_WANTED if soft == resource.RLIM_INFINITY else soft
 
 
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server that, when it begins to shut down, ends the generations in flight with
+    ``shutdown`` (cancelled at the pipeline; their clients get a 503 or an error event and
+    ``[DONE]``) instead of leaving them to be cut off after the graceful timeout."""
+
+    async def shutdown(self, sockets=None) -> None:
+        link = self.config.app.state.gateway.link
+        if link is not None:
+            link.end_all("shutdown", "the HTTP gateway is stopping; the request was cancelled")
+        await super().shutdown(sockets)
+
+
 def make_server(app: Starlette, host: str, port: int, limits: GatewayLimits, log_level: str = "info") -> uvicorn.Server:
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2,
@@ -169,7 +182,7 @@ def make_server(app: Starlette, host: str, port: int, limits: GatewayLimits, log
         limit_concurrency=limits.max_connections + 4 * LISTEN_BACKLOG,
     )
     limit_logs()
-    return uvicorn.Server(config)
+    return GatewayServer(config)
 
 
 def serve(app: Starlette, host: str, port: int, limits: GatewayLimits, log_level: str = "info") -> None:
