@@ -465,6 +465,9 @@ def test_status_for_key_holders_elsewhere_has_no_operator_fields(supervisor, gat
     assert set(OPERATOR_STATUS_FIELDS) <= set(OPERATOR_FIELDS)
     base, _ = gateway
     assert httpx.get(f"{base}/api/status").json()["status"]["model"] == READY["model"]
+    # through a reverse proxy on this machine: the client it names
+    proxied = httpx.get(f"{base}/api/status", headers={"X-Forwarded-For": "203.0.113.9"}).json()["status"]
+    assert "model" not in proxied and proxied["state"] == "ready"
     full = {**READY, "listen": "tcp://127.0.0.1:5555", "supervisor_pid": 1, "reason": None, "log_dir": "/run/x/logs",
             "http": "127.0.0.1:8080", "backend": "cpu", "daemons": {"compute": {"pid": 7, "state": "ready"}}}
     with TestClient(create_app(f"tcp://127.0.0.1:{free_port()}", "k")) as http:  # no poll overwrites the status

@@ -4,8 +4,10 @@ The gateway is one ZeroMQ connection for all of its HTTP users (docs/PROTOCOL.md
 bounds of its own one user could take what the supervisor grants that connection (256 requests in
 flight), hold every descriptor of the process with silent sockets, or make the gateway read a
 body of any size. docs/RELIABILITY.md ("HTTP gateway") lists each bound with the test that holds
-it. A client is the TCP peer's address (X-Forwarded-For is not trusted: behind a reverse proxy
-the proxy is one client).
+it. A client is its address: the TCP peer's, except that a peer on loopback (a reverse proxy on
+this machine) may name the client's in X-Forwarded-For (uvicorn's proxy headers, trusted from
+loopback only; ``server.TRUSTED_PROXIES``). Connections are counted by the TCP peer alone (no
+header has arrived when one opens).
 """
 
 from __future__ import annotations

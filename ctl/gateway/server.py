@@ -34,6 +34,9 @@ log = logging.getLogger("uvicorn.error.gateway")  # uvicorn's handler and format
 # Loggers whose records a peer can cause (accept errors, bad requests, exceptions, refusals), and
 # so limited (a logger's filters apply to the records logged on it, not to its children's).
 RATE_LIMITED_LOGGERS = ("uvicorn.error", "uvicorn.error.gateway", "asyncio")
+# Peers whose X-Forwarded-For names the client (a reverse proxy on this machine): loopback only,
+# whatever FORWARDED_ALLOW_IPS says.
+TRUSTED_PROXIES = "127.0.0.1,::1"
 # Descriptors asked for where the hard limit is unlimited.
 UNLIMITED_DESCRIPTORS_WANTED = 65536
 
@@ -180,6 +183,7 @@ def make_server(app: Starlette, host: str, port: int, limits: GatewayLimits, log
         loop="asyncio", http=bounded_protocol(limits), backlog=LISTEN_BACKLOG,
         timeout_keep_alive=limits.idle_timeout_s, h11_max_incomplete_event_size=limits.max_head_bytes,
         limit_concurrency=limits.max_connections + 4 * LISTEN_BACKLOG,
+        proxy_headers=True, forwarded_allow_ips=TRUSTED_PROXIES,
     )
     limit_logs()
     return GatewayServer(config)
