@@ -276,6 +276,21 @@ def test_out_of_range_values_are_400_and_leave_nothing_behind(supervisor, gatewa
     assert supervisor.generates == [] and gw.link.in_flight == 0 and gw.slots.n_held == 0
 
 
+def test_a_request_the_supervisor_would_refuse_as_a_frame_is_400_and_never_sent(supervisor):
+    """More token ids or stop strings than a frame may hold (262,144 items) in a body under the
+    gateway's bound: the gateway runs the supervisor's own frame checks first (such a frame got
+    an id-less bad_frame no client could match, and the HTTP client waited for ever)."""
+    from ntx.shared.messages import MAX_ARRAY_ITEMS
+
+    with gateway_on(supervisor.address, GatewayLimits()) as (base, gw):
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 30.0, "the gateway to see the stand-in")
+        for body in ({"prompt": [1] * (MAX_ARRAY_ITEMS + 1)}, {"prompt": "x", "stop": ["a"] * (MAX_ARRAY_ITEMS + 1)}):
+            r = httpx.post(f"{base}/v1/completions", content=json.dumps(body, separators=(",", ":")),
+                           headers={"Content-Type": "application/json"}, timeout=30)
+            assert r.status_code == 400 and "cannot be sent" in r.json()["error"]["message"], r.text
+        assert supervisor.generates == [] and gw.link.in_flight == 0 and gw.slots.n_held == 0
+
+
 @pytest.mark.parametrize("raw, says", [
     (b"[" * 30_000 + b"]" * 30_000, "nests too deeply"),
     (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),

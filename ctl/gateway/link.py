@@ -155,6 +155,10 @@ class PipelineLink:
         if len(frame) > m.MAX_FRAME_BYTES:
             raise FrameTooLarge(f"the request is {len(frame)} bytes on the wire, more than the pipeline's limit of "
                                f"{m.MAX_FRAME_BYTES} bytes")
+        try:  # the supervisor's own frame checks: a frame it would refuse as a frame is never sent
+            m.decode_client_frame(frame)
+        except m.RequestError as e:
+            raise FrameRefused(f"the request cannot be sent as it is: {e}") from None
         stream = self._streams[rid] = RequestStream(self, rid)
         if not self._send_frame(frame):
             del self._streams[rid]
