@@ -203,6 +203,20 @@ def test_stopping_the_gateway_ends_its_requests_in_flight_with_an_error(supervis
     wait_for(lambda: supervisor.cancels == [rid], 5.0, "the request's cancel at the pipeline")
 
 
+def test_a_request_with_no_reply_ends_at_the_reply_timeout(supervisor):
+    """The last bound on a request's life: no reply for ``reply_timeout_s`` (a reply lost on the
+    way, whatever lost it) is a 504 for the client and a cancel for the pipeline."""
+    with gateway_on(supervisor.address, GatewayLimits(reply_timeout_s=0.5)) as (base, gw):
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 30.0, "the gateway to see the stand-in")
+        t0 = time.monotonic()
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "reply_timeout"
+        assert time.monotonic() - t0 < 3.0
+        (rid,) = _ids(supervisor, 1)
+        wait_for(lambda: supervisor.cancels == [rid], 5.0, "the request's cancel at the pipeline")
+        assert gw.link.in_flight == 0 and gw.slots.n_held == 0
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_read(supervisor, gateway):
     base, gw = gateway
     big = {"prompt": "x", "unknown_field": "y" * (SMALL.max_body_bytes + 1)}

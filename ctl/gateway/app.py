@@ -464,7 +464,7 @@ def create_app(listen: str, api_key: str | None = None, limits: GatewayLimits | 
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        gw.link = PipelineLink(listen)
+        gw.link = PipelineLink(listen, gw.limits.reply_timeout_s)
         gw.link.start()
         try:
             yield

@@ -48,6 +48,9 @@ IDLE_TIMEOUT_S = 5.0
 # bytes that keep trickling in do not extend either.
 HEAD_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
+# A generation with no reply from the pipeline for this long is cancelled and answered 504: the
+# last bound on a request's life, whatever was lost on the way (the client library's own wait).
+REPLY_TIMEOUT_S = 600.0
 # What a refusal for load asks the client to wait before trying again.
 RETRY_AFTER_S = 1
 
@@ -66,6 +69,7 @@ class GatewayLimits:
     idle_timeout_s: float = IDLE_TIMEOUT_S
     head_timeout_s: float = HEAD_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    reply_timeout_s: float = REPLY_TIMEOUT_S
 
     def for_descriptors(self, open_files_limit: int) -> GatewayLimits:
         """These limits with the connection bound lowered to what ``open_files_limit``

@@ -83,7 +83,14 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[dict]:
         while not self.finished:
-            ev = await self.queue.get()
+            try:
+                async with asyncio.timeout(self.link.reply_timeout_s):
+                    ev = await self.queue.get()
+            except TimeoutError:  # the last bound on a request's life: it ends, whatever was lost
+                self.cancel()
+                ev = {"type": "error", "id": self.rid, "code": "reply_timeout",
+                      "message": f"no reply from the pipeline for {self.link.reply_timeout_s:g} s; the request was "
+                                 "cancelled"}
             if ev.get("type") in ("done", "error"):
                 self.finished = True
             yield ev
@@ -99,8 +106,9 @@ class RequestStream:
 class PipelineLink:
     """The gateway's client of the supervisor (docs/PROTOCOL.md), for use inside one event loop."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, reply_timeout_s: float) -> None:
         self.address = connect_address(address)
+        self.reply_timeout_s = reply_timeout_s  # a request with no reply for this long is ended
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -56,6 +56,7 @@ _WIRE_ERRORS_BY_ANSWER = {
     (503, "server_error", True): ("pipeline_failure", "layer_unavailable", "client_too_slow"),
     (503, "server_error", False): ("model_changed",),
     (500, "server_error", False): ("numerical_error", "internal_error"),
+    (504, "server_error", True): ("reply_timeout",),
 }
 WIRE_ERRORS = {code: answer for answer, codes in _WIRE_ERRORS_BY_ANSWER.items() for code in codes}
 
