@@ -40,7 +40,8 @@ from ntx.ctl.gateway.metrics import GatewayMetrics
 
 
 def client_of(request: HttpRequest) -> str:
-    """Who a request counts against: the TCP peer's address (see ``limits``)."""
+    """Who a request counts against: its client's address as uvicorn gives it (the TCP peer's,
+    or for a reverse proxy on loopback the one X-Forwarded-For names; see ``limits``)."""
     return request.client.host if request.client else "local"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from typing import Any, AsyncIterator
@@ -24,6 +25,8 @@ import zmq
 import zmq.asyncio
 
 from ntx.shared import messages as m
+
+log = logging.getLogger("uvicorn.error.gateway")
 
 STATUS_INTERVAL_S = 1.0
 HISTORY_S = 60  # the status page's chart spans the last minute, one sample per interval
@@ -221,10 +224,15 @@ class PipelineLink:
         poller.register(self.monitor, zmq.POLLIN)
         while True:
             ready = dict(await poller.poll())
-            if self.sock in ready:
-                await self._drain()
-            if self.monitor in ready:
-                await self._connection_events()
+            try:
+                if self.sock in ready:
+                    await self._drain()
+                if self.monitor in ready:
+                    await self._connection_events()
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                raise
+            except Exception:  # this task dying would leave every request without replies
+                log.exception("the gateway's reader of the pipeline's replies failed on one; it reads on")
 
     async def _drain(self) -> None:
         """Every reply already received."""
