@@ -160,7 +160,7 @@ def test_a_dropped_link_ends_every_request_in_flight_and_reconnects(supervisor, 
     for t in threads:
         t.join(10.0)
         assert not t.is_alive(), "a request hung after the link dropped"
-    assert time.monotonic() - dropped_s < 2.0
+    assert time.monotonic() - dropped_s < 5.0  # at once; the clients' own timeout is 30 s
     lines = results["stream"]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][5:])["error"]["code"] == "pipeline_lost"
@@ -198,8 +198,9 @@ def test_stopping_the_gateway_ends_its_requests_in_flight_with_an_error(supervis
         time.sleep(0.3)
         stopping_s = time.monotonic()
     t.join(10.0)
-    assert time.monotonic() - stopping_s < 1.5  # the graceful timeout is 2 s
+    # cut off after the graceful timeout, it was a 500 (or no answer at all)
     assert results["r"].status_code == 503 and results["r"].json()["error"]["code"] == "shutdown"
+    assert time.monotonic() - stopping_s < 10.0
     wait_for(lambda: supervisor.cancels == [rid], 5.0, "the request's cancel at the pipeline")
 
 
@@ -367,7 +368,7 @@ def test_a_head_that_trickles_in_is_cut_off_at_the_head_timeout(tight_gateway):
         except (BrokenPipeError, ConnectionResetError):
             pass
         closed_s = time.monotonic() - t0 + _closed_after_s(s)
-    assert TIGHT.head_timeout_s - 0.2 < closed_s < TIGHT.head_timeout_s + 1.5
+    assert TIGHT.head_timeout_s - 0.2 < closed_s < TIGHT.head_timeout_s + 3.0  # unbounded before
 
 
 def test_a_body_that_does_not_arrive_is_408_at_the_body_timeout(tight_gateway):
