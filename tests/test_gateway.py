@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -162,6 +164,50 @@ def test_metrics_parse_and_count(served, oai):
     assert generated[0] >= 3
 
 
+def _gateway_in_flight(served) -> int:
+    return httpx.get(f"{served.base}/api/status").json()["gateway"]["in_flight"]
+
+
+def test_a_body_over_the_frame_bound_is_413_and_other_users_go_on(served, oai):
+    """A 17 MiB body (over libzmq's 16 MiB frame bound, which dropped the gateway's one
+    connection and every user's request with it) is 413 before it is read, while another
+    user's stream runs to its end; out-of-range numbers are 400 and leave no entry behind."""
+    from ntx.ctl.gateway.limits import MAX_BODY_BYTES
+    from ntx.shared.messages import MAX_FRAME_BYTES
+
+    streamed: list = []
+    t = threading.Thread(target=lambda: streamed.extend(oai.chat.completions.create(
+        model="m", messages=HI, temperature=0, max_tokens=40, stream=True)))
+    t.start()
+    wait_for(lambda: _in_flight(served) == 1, 30.0, "the other user's request to run")
+    host, port = served.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (17 << 20) + b'{"messages": [{"role": "user", "content": "' + b"x" * (1 << 20))
+        s.settimeout(10.0)
+        answer = b""
+        while b"request_too_large" not in answer:
+            answer += s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    r = httpx.post(f"{served.base}/v1/completions", json={"prompt": "x" * (MAX_BODY_BYTES + 1)})
+    assert r.status_code == 413
+    # a body under the gateway's bound whose frame is over the supervisor's: 413 too, never sent
+    r = httpx.post(f"{served.base}/v1/completions", json={"prompt": "x" * (MAX_FRAME_BYTES + 1000)})
+    assert r.status_code == 413, r.text
+    for _ in range(50):
+        r = httpx.post(f"{served.base}/v1/completions", json={"prompt": FRANCE, "seed": 2 ** 70})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    for opts in ("yes", [1], 3):
+        r = httpx.post(f"{served.base}/v1/chat/completions", json={"messages": HI, "stream": True, "stream_options": opts})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    t.join(60.0)
+    # the other user's stream ran to its own end
+    assert streamed[-1].choices[0].finish_reason in ("stop", "length")
+    assert streamed[-1].model_extra["ntx"]["finish_reason"] in ("stop", "length")
+    wait_for(lambda: _in_flight(served) == 0 and _gateway_in_flight(served) == 0, 10.0,
+             "no request entry left behind, at the pipeline or the gateway")
+
+
 def test_streaming_client_that_hangs_up_is_cancelled_within_a_second(served):
     body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000,
             "temperature": 0.8, "stream": True}
@@ -190,12 +236,17 @@ def test_non_streaming_client_that_times_out_is_cancelled_within_a_second(served
 
 
 @pytest.fixture(scope="module")
-def keyed_gateway(served):
-    """A second gateway on the same pipeline that needs a key, run as ``python -m ntx.ctl.gateway``."""
+def keyed_gateway(served, tmp_path_factory):
+    """A second gateway on the same pipeline that needs a key, run as ``python -m ntx.ctl.gateway``
+    with the key in a file (mode 0600, which it deletes once read)."""
     http = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", served.listen, "--http", http],
-                            env={**os.environ, "NTX_API_KEY": "s3cret"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    key_file = tmp_path_factory.mktemp("key") / "api_key"
+    key_file.write_text("s3cret\n")
+    key_file.chmod(0o600)
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", served.listen, "--http", http,
+                             "--api-key-file", str(key_file)],
+                            env={k: v for k, v in os.environ.items() if k != "NTX_API_KEY"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://{http}"
 
     def answers() -> bool:
@@ -206,6 +257,7 @@ def keyed_gateway(served):
 
     try:
         wait_for(answers, 30.0, "the keyed gateway to answer /health")
+        assert not key_file.exists()  # read once and deleted
         yield base
     finally:
         proc.terminate()
@@ -217,6 +269,9 @@ def test_api_key_is_required_when_set(keyed_gateway):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{keyed_gateway}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{keyed_gateway}/metrics").status_code == 401
+    for header in ("bearer s3cret", "BEARER  s3cret"):  # the scheme is case-insensitive
+        assert httpx.get(f"{keyed_gateway}/v1/models", headers={"Authorization": header}).status_code == 200, header
+    assert httpx.get(f"{keyed_gateway}/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
     ok = openai.OpenAI(base_url=f"{keyed_gateway}/v1", api_key="s3cret", max_retries=0)
     assert ok.chat.completions.create(model="m", messages=HI, temperature=0, max_tokens=2).usage.completion_tokens == 2
 

@@ -4,6 +4,12 @@ Every generation is one ``generate`` request on the pipeline, read token by toke
 token and per-token latency are measured here, and logprobs arrive per token). A task watches
 the HTTP connection meanwhile: when the client goes away, the gateway sends ``cancel`` for the
 request at once, so the pipeline does not generate for nobody.
+
+Every request is bounded before it costs anything (``limits``): a generation takes one of the
+gateway's request slots (a per-client share of them, refused 429, and the total, refused 503),
+then its body is read at most ``max_body_bytes`` (413) within ``body_timeout_s`` (408). Each
+error kind has its HTTP status (``openai_schema.WIRE_ERRORS``), and a generation gives back
+everything it holds (slot, stream, gauge) on every path, exactly once (``Generation.close``).
 """
 
 from __future__ import annotations
@@ -21,29 +27,55 @@ from typing import Any, AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ntx.ctl.gateway import openai_schema as oa
-from ntx.ctl.gateway.link import PipelineLink, RequestStream
+from ntx.ctl.gateway.address import is_loopback
+from ntx.ctl.gateway.limits import GatewayLimits, Shares
+from ntx.ctl.gateway.link import FrameRefused, FrameTooLarge, PipelineGone, PipelineLink, RequestStream
 from ntx.ctl.gateway.metrics import GatewayMetrics
 
 
-class Gateway:
-    """What the routes share: the pipeline link, the metrics, the API key."""
+def client_of(request: HttpRequest) -> str:
+    """Who a request counts against: its client's address as uvicorn gives it (the TCP peer's,
+    or for a reverse proxy on loopback the one X-Forwarded-For names; see ``limits``)."""
+    return request.client.host if request.client else "local"
 
-    def __init__(self, listen: str, api_key: str | None) -> None:
+
+class Gateway:
+    """What the routes share: the pipeline link, the metrics, the API key, the bounds and what
+    is held of them (request slots per client, body bytes being read)."""
+
+    def __init__(self, listen: str, api_key: str | None, limits: GatewayLimits) -> None:
         self.listen = listen
         self.api_key = api_key
+        self.limits = limits
         self.link: PipelineLink | None = None
         self.metrics = GatewayMetrics(lambda: self.link.fresh_status if self.link else None)
+        self.slots = Shares(limits.max_requests, limits.max_requests_per_client)
+        self.body_bytes_in_flight = 0
+
+    def take_slot(self, client: str) -> None:
+        """One generation slot for ``client``, or ApiError: 429 when the client holds its share,
+        503 when the gateway is full (both with Retry-After)."""
+        refusal = self.slots.refusal(client)
+        if refusal == "client":
+            raise oa.ApiError(429, f"this client has {self.slots.per_client} requests in flight, the most one client "
+                                   "may; retry when one ends", "rate_limit_error", code="rate_limit_exceeded",
+                              headers=oa.retry_after())
+        if refusal == "total":
+            raise oa.ApiError(503, f"the gateway has {self.slots.total} requests in flight, the most it takes; "
+                                   "retry later", "service_unavailable", code="overloaded", headers=oa.retry_after())
+        self.slots.take(client)
 
     def check_key(self, request: HttpRequest) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise oa.ApiError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                               code="invalid_api_key")
 
@@ -51,34 +83,51 @@ class Gateway:
         """The pipeline's status, or a 503 if it does not answer or cannot take requests."""
         st = self.link.fresh_status
         if st is None:
-            raise oa.ApiError(503, f"the pipeline on {self.listen} does not answer", "service_unavailable")
+            raise oa.ApiError(503, f"the pipeline on {self.listen} does not answer", "service_unavailable",
+                              code="pipeline_lost", headers=oa.retry_after())
         if st.get("state") not in ("ready", "starting"):
-            raise oa.ApiError(503, f"the pipeline is {st.get('state')}", "service_unavailable")
+            raise oa.ApiError(503, f"the pipeline is {st.get('state')}", "service_unavailable",
+                              headers=oa.retry_after())
         return st
 
     @staticmethod
     def model_name(st: dict) -> str:
         return os.path.basename(st.get("model", "")) or "ntx"
 
+
 class Generation:
     """One HTTP request's run on the pipeline: its events, its metrics, its cancellation."""
 
-    def __init__(self, gw: Gateway, request: HttpRequest, parsed: oa.Parsed, endpoint: str) -> None:
+    def __init__(self, gw: Gateway, request: HttpRequest, parsed: oa.Parsed, endpoint: str, client: str) -> None:
+        """``client`` holds a slot (``Gateway.take_slot``) that this generation now owns."""
         self.gw = gw
         self.request = request
         self.parsed = parsed
         self.endpoint = endpoint
+        self.client = client
         self.started_s = time.monotonic()
         self.last_token_s: float | None = None
         self.stream: RequestStream | None = None
         self.finish = "error"
+        self.closed = False
         self._watch: asyncio.Task | None = None  # awaits the client's hang-up
         self._events: AsyncIterator[dict] | None = None
 
     async def start(self) -> dict:
         """Submit the request and wait for its first event; an error reply raises ApiError
         (so it is answered with its HTTP status, before any stream begins)."""
-        self.stream = self.gw.link.submit(self.parsed.wire)
+        try:
+            self.stream = self.gw.link.submit(self.parsed.wire)
+        except FrameTooLarge as e:
+            await self.close()
+            raise oa.ApiError(413, str(e), code="request_too_large") from None
+        except FrameRefused as e:
+            await self.close()
+            raise oa.ApiError(400, str(e)) from None
+        except PipelineGone as e:
+            await self.close()
+            raise oa.ApiError(503, str(e), "service_unavailable", code="pipeline_lost",
+                              headers=oa.retry_after()) from None
         self.gw.metrics.in_flight.inc()
         self._watch = asyncio.create_task(self._watch_disconnect())
         self._events = self._read()
@@ -121,17 +170,21 @@ class Generation:
             yield ev
 
     async def close(self) -> None:
-        """Cancel the request if it still runs (the client left, or the response failed), and
-        count it. Safe to call more than once."""
-        if self.stream is None:
+        """Cancel the request if it still runs (the client left, or the response failed), give
+        back its slot and stream, and count it. Safe to call more than once, and before the
+        request was sent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.gw.slots.give_back(self.client)
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.stream is None:  # never sent
             return
         if not self.stream.finished:
             self.finish = "cancelled"
             self.stream.cancel()
         self.gw.link.forget(self.stream)
-        self.stream = None
-        if self._watch is not None:
-            self._watch.cancel()
         self.gw.metrics.in_flight.dec()
         self.gw.metrics.requests.labels(self.endpoint, self.finish).inc()
 
@@ -143,14 +196,69 @@ def _sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def _body(request: HttpRequest) -> dict:
+async def read_body(request: HttpRequest, gw: Gateway) -> bytes:
+    """The request's body, read at most ``max_body_bytes`` (413, refused by its Content-Length
+    before a byte is read when it says so) within ``body_timeout_s`` (408). Bodies being read
+    hold at most ``max_body_bytes_in_flight`` together (503): many slow large uploads cannot
+    fill the gateway's memory."""
+    limits = gw.limits
+    too_large = oa.ApiError(413, f"the request body is larger than the gateway's limit of {limits.max_body_bytes} "
+                                 "bytes", code="request_too_large", headers={"Connection": "close"})
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limits.max_body_bytes:
+        raise too_large
+    chunks: list[bytes] = []
+    n_bytes = 0
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise oa.ApiError(400, "the request body is not valid JSON") from None
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                if n_bytes + len(chunk) > limits.max_body_bytes:
+                    raise too_large
+                if gw.body_bytes_in_flight + len(chunk) > limits.max_body_bytes_in_flight:
+                    raise oa.ApiError(503, "the gateway is reading too many request bodies at once; retry later",
+                                      "service_unavailable", code="overloaded",
+                                      headers={**oa.retry_after(), "Connection": "close"})
+                gw.body_bytes_in_flight += len(chunk)
+                n_bytes += len(chunk)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise oa.ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                          code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise oa.ApiError(400, "the client closed the connection before its body was read") from None
+    finally:
+        gw.body_bytes_in_flight -= n_bytes
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 naming what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise oa.ApiError(400, "the request body's JSON nests too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
+        raise oa.ApiError(400, f"the request body is not valid JSON ({str(e):.100})") from None
     if not isinstance(body, dict):
         raise oa.ApiError(400, "the request body must be a JSON object")
     return body
+
+
+class GenerationStream(StreamingResponse):
+    """A generation's server-sent events; the generation is closed when the response ends in
+    any way, including a client gone before the first chunk (the body's generator is then
+    never started, so its own ``finally`` would not run)."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.gen.close()
 
 
 def _streaming(gen: Generation, chunks: AsyncIterator[bytes]) -> StreamingResponse:
@@ -164,8 +272,7 @@ def _streaming(gen: Generation, chunks: AsyncIterator[bytes]) -> StreamingRespon
             await gen.close()
         yield SSE_DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return GenerationStream(gen, body())
 
 
 @dataclass
@@ -183,14 +290,21 @@ class Started:
 
 
 async def _start(request: HttpRequest, parse, endpoint: str, id_prefix: str) -> Started:
-    """Check the key and the body, start the generation and wait for its first event (so that a
-    refused request is answered with its HTTP status before any stream begins)."""
+    """Check the key, take a slot, read and check the body, start the generation and wait for
+    its first event (so that a refused request is answered with its HTTP status before any
+    stream begins)."""
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
-    parsed = parse(await _body(request))
-    st = gw.serving_status()
+    client = client_of(request)
+    gw.take_slot(client)
+    try:
+        parsed = parse(parse_json_object(await read_body(request, gw)))
+        st = gw.serving_status()
+    except BaseException:
+        gw.slots.give_back(client)
+        raise
     lp = oa.LogprobsBuilder(parsed.top_logprobs) if parsed.top_logprobs is not None else None
-    gen = Generation(gw, request, parsed, endpoint)
+    gen = Generation(gw, request, parsed, endpoint, client)
     first = await gen.start()
 
     async def events() -> AsyncIterator[dict]:
@@ -306,15 +420,37 @@ async def status_page(request: HttpRequest) -> Response:
     return HTMLResponse(resources.files("ntx.ctl.gateway").joinpath("status_page.html").read_text())
 
 
+# What only operators see of the status (the supervisor's OPERATOR_STATUS_FIELDS, which
+# tests/test_gateway_limits.py holds to be among these, and where it writes and serves), and
+# each daemon's pid. The gateway's own connection is from this machine, so it gets them all.
+OPERATOR_FIELDS = ("model", "listen", "supervisor_pid", "reason", "log_dir", "http")
+
+
+def status_for(st: dict | None, operator: bool) -> dict | None:
+    """The status for an operator (all of it), or for anyone else: less ``OPERATOR_FIELDS`` and
+    the daemons' pids."""
+    if st is None or operator:
+        return st
+    out = {k: v for k, v in st.items() if k not in OPERATOR_FIELDS}
+    if isinstance(out.get("daemons"), dict):
+        out["daemons"] = {n: {k: v for k, v in d.items() if k != "pid"} if isinstance(d, dict) else d
+                          for n, d in out["daemons"].items()}
+    return out
+
+
 async def api_status(request: HttpRequest) -> Response:
+    """The status page's data. Operators (requests from this machine's loopback) see all of
+    the status; anyone else, with the key where one is needed, sees it without paths, pids and
+    addresses."""
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
-    return JSONResponse({"status": gw.link.fresh_status, "history": list(gw.link.history),
+    operator = request.client is not None and is_loopback(request.client.host)
+    return JSONResponse({"status": status_for(gw.link.fresh_status, operator), "history": list(gw.link.history),
                          "gateway": {"in_flight": gw.link.in_flight}})
 
 
 async def _api_error(request: HttpRequest, exc: oa.ApiError) -> Response:
-    return JSONResponse(exc.body(), exc.status)
+    return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
 
 async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
@@ -323,13 +459,13 @@ async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
                         exc.status_code)
 
 
-def create_app(listen: str, api_key: str | None = None) -> Starlette:
+def create_app(listen: str, api_key: str | None = None, limits: GatewayLimits | None = None) -> Starlette:
     """The gateway for the pipeline whose client address is ``listen``."""
-    gw = Gateway(listen, api_key)
+    gw = Gateway(listen, api_key, limits or GatewayLimits())
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        gw.link = PipelineLink(listen)
+        gw.link = PipelineLink(listen, gw.limits.reply_timeout_s)
         gw.link.start()
         try:
             yield

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
+from ntx.ctl.gateway.limits import RETRY_AFTER_S
 from ntx.shared.sampling_fields import MAX_LOGPROBS
 
 # OpenAI name -> ntx wire name; the values are checked by the pipeline (shared/sampling_fields).
@@ -35,47 +36,68 @@ class ApiError(Exception):
     """An error answered in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}  # Retry-After on a refusal for load; Connection: close on 413
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# pipeline error code -> (HTTP status, OpenAI error type)
-_WIRE_ERRORS = {
-    "bad_request": (400, "invalid_request_error"),
-    "context_overflow": (400, "invalid_request_error"),
-    "shutdown": (503, "service_unavailable"),
-    "pipeline_failure": (503, "server_error"),
-    "layer_unavailable": (503, "server_error"),
+# pipeline error code -> (HTTP status, OpenAI error type, whether trying again later may work).
+# 503 with Retry-After: the instance as a whole cannot take the request now (overloaded,
+# restarting, stopping, the connection to it lost); a client's own share used up is 429 (the
+# gateway's, app.py). 500: the pipeline failed on this request alone, or a frame the gateway
+# built was refused (a bug here). Unknown codes are 500 too.
+_WIRE_ERRORS_BY_ANSWER = {
+    (400, "invalid_request_error", False): ("bad_request", "bad_frame", "context_overflow"),
+    (503, "service_unavailable", True): ("overloaded", "shutdown", "pipeline_lost"),
+    (503, "server_error", True): ("pipeline_failure", "layer_unavailable", "client_too_slow"),
+    (503, "server_error", False): ("model_changed",),
+    (500, "server_error", False): ("numerical_error", "internal_error"),
+    (504, "server_error", True): ("reply_timeout",),
 }
+WIRE_ERRORS = {code: answer for answer, codes in _WIRE_ERRORS_BY_ANSWER.items() for code in codes}
+
+
+def retry_after() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
 
 
 def wire_error(ev: dict) -> ApiError:
     """The pipeline's ``error`` reply as an ApiError."""
-    code = ev.get("code", "error")
-    status, type_ = _WIRE_ERRORS.get(code, (500, "server_error"))
+    code = str(ev.get("code", "error"))
+    status, type_, retry = WIRE_ERRORS.get(code, (500, "server_error", False))
     if code == "context_overflow":
         code = "context_length_exceeded"  # OpenAI's code for the same thing
-    return ApiError(status, ev.get("message", code), type_, code=code)
+    return ApiError(status, str(ev.get("message", code)), type_, code=code, headers=retry_after() if retry else None)
 
 
 def _refuse_unsupported(body: dict) -> None:
     for key, allowed in UNSUPPORTED.items():
         if key in body and body[key] not in allowed:
-            raise ApiError(400, f"{key}={body[key]!r} is not supported by ntx", param=key, code="unsupported")
+            raise ApiError(400, f"{key}={body[key]!r:.60} is not supported by ntx", param=key, code="unsupported")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise ApiError(400, "response_format other than text is not supported by ntx", param="response_format",
                        code="unsupported")
 
 
+# Integers travel as msgpack's, at most 64 bits; the pipeline checks each field's own range.
+INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _in_wire_range(value: Any) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool) or INT64_MIN <= value <= UINT64_MAX
+
+
 def _sampling(body: dict) -> dict:
     out: dict[str, Any] = {}
     for key, wire in SAMPLING_MAP.items():
         if body.get(key) is not None:
+            if not _in_wire_range(body[key]):
+                raise ApiError(400, f"{key} is out of range (an integer of at most 64 bits)", param=key)
             out[wire] = body[key]
     stop = body.get("stop")
     if stop is not None:
@@ -108,7 +130,13 @@ def _common(body: dict, wire: dict, top_logprobs: int | None) -> Parsed:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
-    opts = body.get("stream_options") or {}
+    opts = body.get("stream_options")
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object, like {\"include_usage\": true}", param="stream_options")
+    if not isinstance(opts.get("include_usage", False), bool):
+        raise ApiError(400, "stream_options.include_usage must be true or false", param="stream_options.include_usage")
     wire.update(_sampling(body))
     wire["stream"] = True  # the gateway reads tokens as they come either way (time to first token)
     if top_logprobs is not None:
@@ -154,6 +182,9 @@ def parse_completion(body: dict) -> Parsed:
     if isinstance(prompt, str):
         wire: dict = {"prompt": prompt, "raw": True}
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(map(_in_wire_range, prompt)):
+            raise ApiError(400, "prompt token ids must be integers of at most 64 bits (and in the vocabulary)",
+                           param="prompt")
         wire = {"tokens": prompt}
     else:
         raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of them", param="prompt")
