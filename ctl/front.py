@@ -28,11 +28,17 @@ that asked, and only that client:
   keys, all made by ``ntxctl keygen``; pyzmq's ZAP authenticator refuses any other key.
 * **Operators.** Status details (model path, pids, listen address) go only to connections from
   this machine (loopback or ipc); ``Connection.operator`` says which.
+* **Any bytes.** The port is open to whatever a peer sends: a browser's GET, random bytes, a
+  ZMTP/1.0-style frame. libzmq takes a peer whose first byte is not ZMTP/3's signature for a
+  ZMTP/1.0 one and hands its messages up with no descriptor (``ZMQ_SRCFD`` is EINVAL): such a
+  message, like one of a shape no client sends, is dropped in ``receive`` (counted, and said at
+  most once per ``DROP_NOTE_INTERVAL_S``), never raised into the supervisor's loop.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -57,6 +63,10 @@ PIPE_LIMIT_MESSAGES = 100
 # libzmq drops the connection of a peer that sends a frame larger than this (no reply is
 # possible then); frames up to m.MAX_FRAME_BYTES get a clear error, larger ones up to here too.
 CONNECTION_FRAME_LIMIT_BYTES = 16 * m.MAX_FRAME_BYTES
+# Frames taken in one ``receive``: the loop then serves compute's outputs and the other
+# connections' replies before it reads more (one client's 100k frames do not hold it).
+RECEIVE_BATCH_FRAMES = 512
+DROP_NOTE_INTERVAL_S = 10.0  # dropped messages are said at most this often, with their count
 
 
 @dataclass(eq=False)
@@ -108,10 +118,14 @@ class ClientFront:
     outbox passes the limit. Both may call ``send``."""
 
     def __init__(self, ctx: zmq.Context, cfg: InstanceConfig, on_gone: Callable[[Connection], None],
-                 on_slow: Callable[[Connection], None]) -> None:
+                 on_slow: Callable[[Connection], None], say: Callable[[str], None] | None = None) -> None:
         self.listen = cfg.listen
         self.on_gone = on_gone
         self.on_slow = on_slow
+        self.say = say
+        self.dropped = 0  # messages of peers that are no client (since start)
+        self._dropped_said = 0
+        self._drop_note_s = float("-inf")
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 500)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -156,8 +170,13 @@ class ClientFront:
             if conn is not None:
                 self._end(conn)
 
-    def _connection(self, routing_id: bytes, frame: zmq.Frame) -> Connection:
-        fd = frame.get(zmq.SRCFD)
+    def _connection(self, routing_id: bytes, frame: zmq.Frame) -> Connection | None:
+        """The connection a frame came on; None for a peer libzmq gives no descriptor for (a
+        ZMTP/1.0-style peer), whose connection cannot be told apart from others'."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return None
         conn = self.by_fd.get(fd)
         if conn is not None and conn.routing_id != routing_id:
             self._end(conn)  # the descriptor was reused: the old connection is gone
@@ -169,15 +188,29 @@ class ClientFront:
         return conn
 
     def receive(self) -> Iterator[tuple[Connection, bytes]]:
-        """Every client frame waiting now, with the connection it came on."""
-        while True:
+        """The client frames waiting now (at most ``RECEIVE_BATCH_FRAMES``), each with the
+        connection it came on. A message of several frames is answered ``bad_frame`` here; one from
+        a peer without a descriptor (no client of this protocol) is dropped here."""
+        for _ in range(RECEIVE_BATCH_FRAMES):
             self.check_disconnects()
             if not self.sock.poll(0):
                 return
             parts = self.sock.recv_multipart(copy=False)
-            if len(parts) < 2:
-                continue
-            yield self._connection(parts[0].bytes, parts[-1]), parts[-1].bytes
+            conn = self._connection(parts[0].bytes, parts[-1]) if len(parts) >= 2 else None
+            if conn is None:
+                self._drop("a message from a peer that is no ZeroMQ client of this protocol (ZMTP/1.0 or stray bytes)")
+            elif len(parts) > 2:
+                self.send(conn, m.ErrorReply(None, "bad_frame", f"a request is one frame; this message had {len(parts) - 1}"))
+            else:
+                yield conn, parts[1].bytes
+
+    def _drop(self, what: str) -> None:
+        self.dropped += 1
+        now = time.monotonic()
+        if self.say is not None and now - self._drop_note_s >= DROP_NOTE_INTERVAL_S:
+            self.say(f"client port: dropped {what}; {self.dropped - self._dropped_said} dropped since the last note")
+            self._dropped_said = self.dropped
+            self._drop_note_s = now
 
     # -- replies ---------------------------------------------------------------------------
     def send(self, conn: Connection, reply: m.Reply) -> None:
@@ -207,10 +240,10 @@ class ClientFront:
             except zmq.Again:
                 return  # its pipe is full: the client is not reading; try again later
             except zmq.ZMQError as e:
-                if e.errno == zmq.EHOSTUNREACH:  # gone before the monitor said so
-                    self._end(conn)
-                    return
-                raise
+                if e.errno != zmq.EHOSTUNREACH and self.say is not None:  # EHOSTUNREACH: gone before the monitor said so
+                    self.say(f"client connection {conn.serial}: a reply could not be sent ({e}); ending the connection")
+                self._end(conn)
+                return
             conn.outbox_bytes -= len(conn.outbox.popleft()[1])
         if not conn.outbox:
             self.waiting.discard(conn)

@@ -72,7 +72,7 @@ class Supervisor:
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.control.setsockopt(zmq.SNDTIMEO, int(CONTROL_SEND_TIMEOUT_S * 1000))
         self.control.bind(self.paths.control)
-        self.front = ClientFront(self.ctx, cfg, on_gone=self.connection_gone, on_slow=self.connection_slow)
+        self.front = ClientFront(self.ctx, cfg, on_gone=self.connection_gone, on_slow=self.connection_slow, say=self.say)
         self.gens = Generations(cfg, plan, self.paths, self.control, self.say, self.daemon_logs,
                                 on_ready=self.on_pipeline_ready, fail_requests=self.fail_requests)
         log_requests = LOG_LEVELS.index(cfg.log_level) <= LOG_LEVELS.index("info")

@@ -5,6 +5,8 @@ serves everybody else."""
 
 from __future__ import annotations
 
+import os
+import random
 import socket
 import time
 
@@ -21,6 +23,12 @@ from ntx.shared import messages as m
 from .gguf_mutate import HOSTILE_CHAT_TEMPLATE, GGUFParts
 from .pipeline_util import Pipeline, free_port, ntxctl, running_pipeline, wait_for
 from .synth_models import write_tiny
+from .test_front import RAW_PAYLOADS
+
+# the raw-bytes fuzz: a fresh seed each run (NTX_FUZZ_SEED=S replays one; NTX_FUZZ_CASES sets the count)
+FUZZ_SEED = int(os.environ.get("NTX_FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
+FUZZ_CASES = int(os.environ.get("NTX_FUZZ_CASES") or 300)
+ZMTP3_SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 
 CTX = 512
 
@@ -282,3 +290,47 @@ def test_msgpack_nesting_of_the_old_attack_unpacks():
     value = msgpack.unpackb(nested_frame(1021), raw=False)
     with pytest.raises(ValueError, match="recursion limit"):
         m.pack({"generate": value})
+
+
+def fuzz_payload(rng: random.Random) -> bytes:
+    """Random bytes as a careless or hostile peer sends them: plain noise (libzmq reads most of it
+    as a ZMTP/1.0 peer), noise behind ZMTP/3's signature (its greeting and handshake parser), or
+    a ZMTP/1.0 identity frame followed by noise (its message decoder)."""
+    noise = rng.randbytes(rng.choice((1, 5, 40, 200, 2000)))
+    kind = rng.randrange(3)
+    if kind == 1:
+        return ZMTP3_SIGNATURE[:rng.randrange(1, len(ZMTP3_SIGNATURE) + 1)] + noise
+    if kind == 2:
+        return b"\x01\x00" + noise
+    return noise
+
+
+def test_no_bytes_on_the_client_port_take_the_instance_down(pipe):
+    """Before, a 5-byte ZMTP/1.0-style frame or a browser's GET on the ZeroMQ port killed the
+    supervisor (3 of 3; random 200-byte payloads 1 of 5): ``ZMQ_SRCFD`` raised EINVAL for a
+    ZMTP/1.0 peer outside the per-frame handler. Now the named payloads and FUZZ_CASES seeded
+    random ones change nothing: same supervisor, no restart, a real request served after."""
+    print(f"raw-bytes fuzz seed {FUZZ_SEED} (NTX_FUZZ_SEED={FUZZ_SEED} replays it)")
+    st = pipe.status()
+    pid, restarts = st["supervisor_pid"], st["restarts"]
+    port = int(pipe.listen.rpartition(":")[2])
+    rng = random.Random(FUZZ_SEED)
+    payloads = list(RAW_PAYLOADS.items()) + [(f"random case {i}", fuzz_payload(rng)) for i in range(FUZZ_CASES)]
+    for start in range(0, len(payloads), 50):
+        open_socks = []
+        for name, payload in payloads[start:start + 50]:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            try:
+                s.sendall(payload)
+            except OSError:
+                pass  # libzmq closed a connection whose greeting it refused
+            open_socks.append(s)
+        time.sleep(0.3)  # libzmq reads them and hands their messages to the supervisor
+        for s in open_socks:
+            s.close()
+        st = pipe.status()
+        assert st["supervisor_pid"] == pid and st["state"] == "ready", \
+            f"seed {FUZZ_SEED}: after payloads {start}..{start + 49}: {st['state']}"
+    assert st["restarts"] == restarts
+    with pipe.client() as c:
+        assert "Paris" in c.complete("The capital of France is", raw=True, temperature=0.0, max_tokens=4)["text"]
