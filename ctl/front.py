@@ -79,6 +79,7 @@ class Connection:
     fd: int
     routing_id: bytes
     operator: bool
+    frames: int = 0  # messages received on it: the number an error for an id-less frame names
     rids: set[str] = field(default_factory=set)
     outbox: deque[tuple[str | None, bytes]] = field(default_factory=deque)  # (client request id, frame)
     outbox_bytes: int = 0
@@ -199,8 +200,11 @@ class ClientFront:
             conn = self._connection(parts[0].bytes, parts[-1]) if len(parts) >= 2 else None
             if conn is None:
                 self._drop("a message from a peer that is no ZeroMQ client of this protocol (ZMTP/1.0 or stray bytes)")
-            elif len(parts) > 2:
-                self.send(conn, m.ErrorReply(None, "bad_frame", f"a request is one frame; this message had {len(parts) - 1}"))
+                continue
+            conn.frames += 1
+            if len(parts) > 2:
+                self.send(conn, m.ErrorReply(None, "bad_frame", f"a request is one frame; this message had "
+                                                                f"{len(parts) - 1}", frame=conn.frames))
             else:
                 yield conn, parts[1].bytes
 

@@ -153,11 +153,17 @@ class Supervisor:
             self.drain_deadline_s = time.monotonic() + DRAIN_TIMEOUT_S + 5.0
 
     # -- clients -----------------------------------------------------------------------------
+    def frame_error(self, conn: Connection, frame: bytes, code: str, message: str) -> None:
+        """Refuse a whole frame: under its request's id when it can be read, else under the
+        frame's number on its connection (``ErrorReply.frame``), so its client can match it."""
+        rid = m.client_frame_id(frame)
+        self.front.send(conn, m.ErrorReply(rid, code, message, frame=None if rid is not None else conn.frames))
+
     def on_client(self, conn: Connection, frame: bytes) -> None:
         try:
             msg = m.decode_client_frame(frame)
         except m.RequestError as e:
-            self.front.send(conn, m.ErrorReply(m.client_frame_id(frame), e.code, str(e)))
+            self.frame_error(conn, frame, e.code, str(e))
             return
         op = msg["op"]
         if op == "status":
@@ -173,8 +179,8 @@ class Supervisor:
             self.on_client(conn, frame)
         except Exception as e:  # noqa: BLE001 - one bad frame must not take the instance down
             self.say(f"client frame of {len(frame)} bytes failed: {type(e).__name__}: {str(e)[:200]}")
-            self.front.send(conn, m.ErrorReply(None, "internal_error",
-                                               f"the server failed on this frame ({type(e).__name__}); it was dropped"))
+            self.frame_error(conn, frame, "internal_error",
+                             f"the server failed on this frame ({type(e).__name__}); it was dropped")
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -194,11 +200,11 @@ class Supervisor:
                 self.signalled = None
             if self.control in events:
                 while self.control.poll(0) and not self.done:
-                    ident, frame = self.control.recv_multipart()[:2]
+                    parts = self.control.recv_multipart()
                     try:
-                        self.on_control(ident, frame)
+                        self.on_control(parts[0], parts[1])
                     except Exception as e:  # one broken daemon message must not take the front down
-                        self.say(f"bad control message from {ident!r}: {e}")
+                        self.say(f"bad control message from {parts[0]!r:.80}: {type(e).__name__}: {str(e)[:200]}")
             if not self.done:
                 for conn, frame in self.front.receive():
                     self.on_client_frame(conn, frame)

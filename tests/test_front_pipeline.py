@@ -65,7 +65,7 @@ def test_a_deeply_nested_frame_is_one_error_and_everyone_else_is_served(pipe):
     with pipe.client() as c:
         good = c.submit("The capital of France is", raw=True, temperature=0.0, max_tokens=4)
         c.send_raw(frame)
-        ev = c.next_event(None, 30)
+        ev = c.next_event("deeply-nested-id", 30)  # its id is read without unpacking the rest
         assert ev["type"] == "error" and ev["code"] == "bad_frame" and "deeper than" in ev["message"], ev
         cases = [
             # unknown keys anywhere, even inside a messages entry
@@ -102,10 +102,39 @@ def test_prompt_stop_and_max_tokens_bounds_are_checked_before_compute(pipe):
         for msg, code, needle in cases:
             t0 = time.monotonic()
             c.send(msg)
-            ev = c.next_event(None if code == "bad_frame" else msg["id"], 30)  # a refused frame's id is not read
+            ev = c.next_event(msg["id"], 30)  # a refused frame's id is read too (once nil for bad_frame)
             assert ev["type"] == "error" and ev["code"] == code and needle in ev["message"], (msg["id"], ev)
             assert time.monotonic() - t0 < 5.0, f"{msg['id']} took {time.monotonic() - t0:.1f} s to refuse"
         assert "Paris" in list(c.events(good))[-1]["text"]
+
+
+def test_a_request_over_the_frame_bounds_ends_at_once(pipe):
+    """Before, ``bad_frame`` came with id nil, which no client could match:
+    ``Client.generate("hello " * 190000, raw=True)`` waited its full 600 s. Now the client
+    refuses a frame over the bound at once, the supervisor answers one under its id (read past
+    the bound), and an error for a frame whose id it cannot read names the frame's number, by
+    which the client ends the request that frame carried."""
+    with pipe.client() as c:
+        t0 = time.monotonic()
+        with pytest.raises(ClientError) as err:
+            list(c.generate("hello " * 190_000, raw=True))
+        assert err.value.code == "bad_frame" and time.monotonic() - t0 < 1.0, err.value
+        for msg in ({"op": "generate", "id": "over", "prompt": "hello " * 190_000, "raw": True},
+                    {"op": "generate", "id": "tokens", "tokens": [1] * 300_000},
+                    {"op": "generate", "id": "stops", "prompt": "hi", "stop": ["a"] * 300_000}):
+            c.send(msg)  # as is, past the client's own check
+            ev = c.next_event(msg["id"], 30)
+            assert ev["type"] == "error" and ev["code"] == "bad_frame" and "frame" not in ev, ev
+        rid = c.submit("hi", raw=True, id="x" * 300)  # an id the server cannot take: its error is id-less
+        t0 = time.monotonic()
+        with pytest.raises(ClientError) as err:
+            list(c.events(rid))
+        assert err.value.code == "bad_request" and "longer than 256" in str(err.value), err.value
+        assert time.monotonic() - t0 < 5.0
+        c.send_raw(b"\xc1 not msgpack")  # a frame of no request: filed under nil, with its number
+        ev = c.next_event(None, 30)
+        assert ev["code"] == "bad_frame" and ev["frame"] == c._frames_sent, ev
+        assert "Paris" in c.complete("The capital of France is", raw=True, temperature=0.0, max_tokens=4)["text"]
 
 
 def test_a_stop_string_ends_the_reply_at_once_and_compute_lets_the_request_go(pipe):
