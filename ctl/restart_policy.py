@@ -12,6 +12,8 @@ Two rules, kept out of the supervisor's loop so that they can be tested without 
   crash loop, so the supervisor compares the files' size, mtime, inode and device with their
   stamps from start (``ModelFiles``), every ``FILE_CHECK_INTERVAL_S`` and before each restart,
   and stops with the change as its reason.
+- **Liveness.** A ready daemon that sends no ``Stats`` for ``STALL_REPORT_S`` is reported
+  stalled; for ``--stall-timeout`` it is killed and the pipeline restarted (the back-off above).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from dataclasses import dataclass, field
 from ntx.shared.gguf_index import model_file_paths
 
 FILE_CHECK_INTERVAL_S = 1.0
+# A ready daemon that sent no Stats (every STATS_INTERVAL_S = 0.5 s) for this long is reported
+# stalled: with the gateway's status poll (1 s), /health shows it within 5 s of its last word.
+STALL_REPORT_S = 3.0
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,11 @@ class InstanceStatus:
             "plan": {**self.plan.to_dict(), "lines": self.plan.describe()},
             "daemons": {
                 n: {**({"pid": d.proc.pid} if operator else {}), "state": d.state,
-                    "uptime_s": round(now - d.started_s, 3), "restarts": gens.restarts}
+                    "uptime_s": round(now - d.started_s, 3), "restarts": gens.restarts,
+                    "silent_s": round(d.silent_s(now), 3) if d.heard_s else None}
                 for n, d in gens.daemons.items()
             },
+            "stalled": gens.stalled,
             "stages": stages,
             "bottleneck": bottleneck(stages),
             "requests": {

@@ -306,6 +306,10 @@ class InstanceConfig(EngineOptions):
     io: str = _option("auto", "storage reads: auto, direct, buffered or mmap")
     timeout: float = _option(120.0, "seconds each daemon may take to get ready")
     max_restarts: int = _option(3, "restarts within 5 minutes before giving up")
+    # liveness (ctl/generations.py): a ready daemon silent this long is killed and the pipeline
+    # restarted; it is reported `stalled` long before (STALL_REPORT_S)
+    stall_timeout: float = _option(60.0, "seconds a ready daemon may send no stats before the pipeline is "
+                                   "restarted (it shows as stalled after 3 s)")
     # the HTTP gateway (ctl/gateway): HOST:PORT, or None for none; its key travels in the
     # environment (NTX_API_KEY), never in this record, which every daemon receives
     http: str | None = _option(None, "also serve OpenAI's API, /metrics, /health and a live status page on "
@@ -342,6 +346,8 @@ class InstanceConfig(EngineOptions):
             raise ConfigError(f"--placement {self.placement!r}: choose {' or '.join(PLACEMENTS)}")
         if self.io not in IO_MODES:
             raise ConfigError(f"--io {self.io!r}: choose {', '.join(IO_MODES[:-1])} or {IO_MODES[-1]}")
+        if not 10.0 <= self.stall_timeout <= 86400.0:
+            raise ConfigError(f"--stall-timeout {self.stall_timeout:g}: give 10 to 86400 seconds")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if self.log_level not in LOG_LEVELS:

@@ -215,3 +215,49 @@ def test_a_send_to_a_vanished_peer_gives_up_once_the_daemon_must_stop(tmp_path):
         daemon.control.close(linger=0)
     finally:
         sock.close(linger=0)
+
+
+@pytest.mark.slow
+def test_a_stalled_daemon_is_reported_within_5_s_and_restarted_after_the_stall_timeout(smollm2_path, tmp_path):
+    """Before: compute stopped (SIGSTOP) for 25 s left the state ``ready`` and ``/health`` 200
+    while requests waited. Now a daemon silent for 3 s makes the state ``stalled`` with the
+    stage named (a short stall ends by itself, same generation, the request served), and one
+    silent for ``--stall-timeout`` is killed and the pipeline restarted."""
+    with running_pipeline(str(smollm2_path), tmp_path, "--gpu-layers", "0", "--ram-budget", "0",
+                          "--stall-timeout", "10", name="stall") as p:
+        st = p.wait_state("ready")
+        gen, pid = st["gen"], st["daemons"]["compute"]["pid"]
+        try:
+            # a short stall: reported within 5 s, over when compute runs again
+            with p.client() as c:
+                os.kill(pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                rid = c.submit("The capital of France is", raw=True, temperature=0.0, max_tokens=2)
+                st = p.wait_status(lambda s: s["state"] == "stalled", "state stalled", timeout_s=10.0)
+                assert time.monotonic() - t0 < 5.0
+                assert st["stalled"] == ["compute"] and st["daemons"]["compute"]["state"] == "stalled"
+                assert st["daemons"]["compute"]["silent_s"] > 3.0
+                assert st["daemons"]["dma"]["state"] == st["daemons"]["reader"]["state"] == "ready"
+                os.kill(pid, signal.SIGCONT)
+                st = p.wait_state("ready", timeout_s=10.0)
+                assert st["gen"] == gen and st["stalled"] == []
+                assert "Paris" in [e for e in c.events(rid)][-1]["text"]
+            # a long one: killed after --stall-timeout, the request in flight fails, the next
+            # generation serves
+            with p.client() as c:
+                os.kill(pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                rid = c.submit("Once upon a time", raw=True, temperature=0.0, max_tokens=4)
+                with pytest.raises(ClientError) as err:
+                    for _ in c.events(rid):
+                        pass
+                assert err.value.code == "pipeline_failure" and "stalled" in str(err.value), err.value
+                assert 10.0 <= time.monotonic() - t0 < 20.0
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        st = p.wait_state("ready", min_gen=gen + 1)
+        assert not _alive(pid)
+        assert "Paris" in p.generate_greedy("The capital of France is", 2)["text"]
