@@ -32,6 +32,7 @@ import time
 import zmq
 
 from ntx.ctl.admission import Admission
+from ntx.ctl.chat import RENDERER
 from ntx.ctl.front import ClientFront, Connection
 from ntx.ctl.generations import CONTROL_SEND_TIMEOUT_S, GatewayProcess, Generations, daemon_order
 from ntx.ctl.request_limits import RequestLimits
@@ -234,6 +235,7 @@ class Supervisor:
                 pass
         time.sleep(0.05)
         self.front.close()
+        RENDERER.stop()
         self.control.close(linger=200)
         self.paths.remove_runtime()
         if not self.foreground:

@@ -11,6 +11,7 @@ import socket
 import time
 
 import msgpack
+import psutil
 import pytest
 import zmq
 
@@ -153,21 +154,29 @@ def test_a_stop_string_ends_the_reply_at_once_and_compute_lets_the_request_go(pi
 
 
 def test_a_hostile_chat_template_is_one_error_per_request(tmp_path):
-    """The model's chat template now runs in the supervisor: a template that overflows, recurses
-    for ever or divides by zero answers that request with ``bad_request``; the instance goes on."""
+    """The model's chat template runs for the supervisor: a template that overflows, recurses for
+    ever, divides by zero, loops 10^10 times, builds a 10 GB string or writes 100 MB answers that
+    request with ``bad_request`` (its renderer is bounded in time, memory and output); the
+    supervisor stays small, the instance goes on, and the renderer ends with it."""
     model = GGUFParts.of(write_tiny(tmp_path, type="Q8_0")).set_kv("tokenizer.chat_template", VT.STRING,
                                                                    HOSTILE_CHAT_TEMPLATE).write(tmp_path / "hostile.gguf")
     with running_pipeline(str(model), tmp_path / "run", "--ctx", "64", name="hostile") as p:
         pid = p.status()["supervisor_pid"]
         with p.client() as c:
-            for content in ("overflow", "recursion", "zero"):
+            for content in ("overflow", "recursion", "zero", "loop", "memory", "center", "output"):
                 with pytest.raises(ClientError) as err:
                     c.complete(messages=[{"role": "user", "content": content}])
-                assert err.value.code == "bad_request" and "chat template failed" in str(err.value)
+                assert err.value.code == "bad_request" and "chat template" in str(err.value), err.value
             done = c.complete(messages=[{"role": "user", "content": "hello"}], temperature=0.0, max_tokens=2)
             assert done["finish_reason"] in ("length", "stop")
         st = p.status()
         assert st["supervisor_pid"] == pid and st["state"] == "ready" and st["restarts"] == 0
+        supervisor = psutil.Process(pid)
+        assert supervisor.memory_info().rss < 512 << 20
+        renderers = [c for c in supervisor.children() if "ntx.ctl.chat" in " ".join(c.cmdline())]
+        assert len(renderers) == 1
+    wait_for(lambda: not renderers[0].is_running() or renderers[0].status() == psutil.STATUS_ZOMBIE, 10.0,
+             "the chat template's renderer to end with its supervisor")
 
 
 def test_a_burst_is_served_or_refused_never_lost(pipe):
