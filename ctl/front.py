@@ -23,6 +23,10 @@ that asked, and only that client:
   ``outbox`` and go out as the client reads. An outbox over ``OUTBOX_LIMIT_BYTES`` means the
   client reads far slower than it asks: ``on_slow`` cancels its requests, their queued tokens are
   dropped and each gets one ``client_too_slow`` error instead (bounded memory, a clear reason).
+  Replies that belong to no stream (status answers, errors) are bounded apart: a status request
+  is refused while more than ``STATUS_OUTBOX_LIMIT_BYTES`` wait (the supervisor's check), and an
+  outbox never holds more than ``OUTBOX_HARD_LIMIT_BYTES``: a reply past it is dropped, counted
+  and said in the log, the one case where a reply is dropped (its client left 64 MiB unread).
 * **Authentication.** A listen address other machines can reach requires CURVE
   (``InstanceConfig.validate``): the server's secret key and a folder of the clients' public
   keys, all made by ``ntxctl keygen``; pyzmq's ZAP authenticator refuses any other key.
@@ -57,6 +61,11 @@ KEEPALIVE_INTERVAL_S = 5
 KEEPALIVE_PROBES = 3  # unanswered probes before the kernel closes it (about 45 s in all)
 # Replies waiting for one slow client: 64 streaming requests of 2,000 tokens come to about 6 MiB.
 OUTBOX_LIMIT_BYTES = 32 << 20
+# What one outbox holds at most, whatever it holds: past it replies are dropped (counted, logged).
+OUTBOX_HARD_LIMIT_BYTES = 2 * OUTBOX_LIMIT_BYTES
+# A status request is answered only while its connection has less than this unread (a status
+# reply is about 4 KiB: some 250 of them); beyond, it is refused ``overloaded`` in a few bytes.
+STATUS_OUTBOX_LIMIT_BYTES = 1 << 20
 # Replies in libzmq's pipe to one client, past which a send waits in the outbox (counted in
 # messages, not bytes, so kept small: a done reply with prompt_logprobs can be megabytes).
 PIPE_LIMIT_MESSAGES = 100
@@ -85,6 +94,7 @@ class Connection:
     outbox_bytes: int = 0
     alive: bool = True
     slow: bool = False  # over OUTBOX_LIMIT_BYTES until its outbox empties
+    dropped: int = 0  # replies dropped past OUTBOX_HARD_LIMIT_BYTES
 
 
 def _is_operator_peer(frame: zmq.Frame, listen: str) -> bool:
@@ -222,6 +232,13 @@ class ClientFront:
         if not conn.alive:
             return
         frame = m.pack(reply.to_wire())
+        if conn.outbox_bytes + len(frame) > OUTBOX_HARD_LIMIT_BYTES:
+            conn.dropped += 1
+            if conn.dropped == 1 and self.say is not None:
+                self.say(f"client connection {conn.serial} left {conn.outbox_bytes} bytes of replies unread; "
+                         "dropping its further replies until it reads")
+            self._flush(conn)
+            return
         conn.outbox.append((reply.id, frame))
         conn.outbox_bytes += len(frame)
         self.waiting.add(conn)
@@ -252,6 +269,7 @@ class ClientFront:
         if not conn.outbox:
             self.waiting.discard(conn)
             conn.slow = False
+            conn.dropped = 0
 
     def flush(self) -> None:
         """Send what the waiting connections' clients take now."""

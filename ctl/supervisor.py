@@ -33,7 +33,7 @@ import zmq
 
 from ntx.ctl.admission import Admission
 from ntx.ctl.chat import RENDERER
-from ntx.ctl.front import ClientFront, Connection
+from ntx.ctl.front import STATUS_OUTBOX_LIMIT_BYTES, ClientFront, Connection
 from ntx.ctl.generations import CONTROL_SEND_TIMEOUT_S, GatewayProcess, Generations, daemon_order
 from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import RequestFront
@@ -168,7 +168,11 @@ class Supervisor:
             return
         op = msg["op"]
         if op == "status":
-            self.front.send(conn, m.StatusReply(msg.get("id"), self.status.build(operator=conn.operator)))
+            if conn.outbox_bytes > STATUS_OUTBOX_LIMIT_BYTES:  # it asks faster than it reads
+                self.front.send(conn, m.ErrorReply(msg.get("id"), "overloaded", f"{conn.outbox_bytes} bytes of replies "
+                                                   "wait unread on this connection; read them before asking status"))
+            else:
+                self.front.send(conn, m.StatusReply(msg.get("id"), self.status.build(operator=conn.operator)))
         elif op == "cancel":
             self.admission.cancel(conn, msg["id"])
         else:

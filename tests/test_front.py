@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import zmq
 
-from ntx.ctl.front import OUTBOX_LIMIT_BYTES, ClientFront, Connection
+from ntx.ctl.front import OUTBOX_HARD_LIMIT_BYTES, OUTBOX_LIMIT_BYTES, ClientFront, Connection
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig
 
@@ -89,6 +89,37 @@ def test_a_client_that_never_reads_is_cancelled_with_a_reason_once():
         assert f.slow == [conn] and conn.alive  # told once; what to cancel is the supervisor's call
         f.front.drop_queued(conn, {"q"})
         assert conn.outbox_bytes == 0
+        sock.close()
+    finally:
+        f.close()
+
+
+def test_an_outbox_never_holds_more_than_its_hard_bound():
+    """Replies of no stream (errors, status answers) to a client that never reads: before, they
+    piled up without end (100k status answers: 270 MiB). Past the hard bound they are dropped,
+    counted and said once; once the client reads, replies flow again."""
+    said: list[str] = []
+    f = Front()
+    f.front.say = said.append
+    try:
+        sock = f.client(rcvhwm=1)
+        conn = f.connection_of(sock, "hello")
+        big = "x" * (256 << 10)
+        for i in range(3 * OUTBOX_HARD_LIMIT_BYTES // len(big)):
+            f.front.send(conn, m.ErrorReply(f"e{i}", "overloaded", big))
+            assert conn.outbox_bytes <= OUTBOX_HARD_LIMIT_BYTES
+        assert conn.dropped > 0 and len([s for s in said if "dropping" in s]) == 1, said
+
+        def read_all() -> bool:
+            f.front.flush()
+            while sock.poll(10):
+                sock.recv()
+            return not conn.outbox
+
+        wait_for(read_all, 60, "the client to read every queued reply", interval_s=0)
+        assert conn.dropped == 0
+        f.front.send(conn, m.ErrorReply("after", "overloaded", "small"))
+        assert m.unpack(sock.recv())["id"] == "after"
         sock.close()
     finally:
         f.close()

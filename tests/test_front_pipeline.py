@@ -204,6 +204,44 @@ def test_a_burst_is_served_or_refused_never_lost(pipe):
     assert st["restarts"] == 0
 
 
+def test_unread_status_requests_hold_the_supervisor_to_a_bound(pipe):
+    """100k status requests whose replies are never read: before, the supervisor grew by 270
+    MiB, built 100k status maps at 100% CPU for 30 s and kept the memory. Now a status request
+    is answered while less than 1 MiB waits unread on its connection, refused ``overloaded`` in a
+    few bytes beyond, and a map is built at most every 0.1 s; others are served meanwhile, and
+    every request gets its one reply once the client reads."""
+    supervisor = psutil.Process(pipe.status()["supervisor_pid"])
+    rss_before = supervisor.memory_info().rss
+    cpu_before_s = sum(supervisor.cpu_times()[:2])
+    n = 100_000
+    sock = raw_client(pipe, rcvhwm=1)
+    for i in range(n):
+        sock.send(m.pack({"op": "status", "id": f"s{i}"}))
+    with pipe.client() as c:
+        assert c.status(timeout_s=10.0)["state"] == "ready"
+
+    def idle() -> bool:
+        before_s = sum(supervisor.cpu_times()[:2])
+        time.sleep(0.5)
+        return sum(supervisor.cpu_times()[:2]) - before_s < 0.1
+
+    wait_for(idle, 120, "the supervisor to take every status request", interval_s=0)
+    cpu_s = sum(supervisor.cpu_times()[:2]) - cpu_before_s
+    grown_bytes = supervisor.memory_info().rss - rss_before
+    assert grown_bytes < 64 << 20, f"the supervisor grew by {grown_bytes >> 20} MiB"
+    kinds: dict[str, int] = {}
+    ids: list[str] = []
+    while len(ids) < n and sock.poll(10_000):
+        ev = m.unpack(sock.recv())
+        ids.append(ev["id"])
+        kind = ev["type"] if ev["type"] == "status" else ev["code"]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    sock.close()
+    assert ids == [f"s{i}" for i in range(n)]
+    assert set(kinds) == {"status", "overloaded"} and kinds["status"] < n // 10, kinds  # the rest went out at once
+    print(f"100k unread status requests: {cpu_s:.1f} s of supervisor CPU, {grown_bytes >> 20} MiB grown, {kinds}")
+
+
 def test_a_disconnected_clients_requests_are_cancelled(pipe):
     """Before, 50 requests of a client that had closed were still generating 25 s later."""
     sock = raw_client(pipe)
