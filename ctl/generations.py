@@ -33,7 +33,7 @@ from ntx.daemons.compute.threads import bound_blas_threads
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig, InstancePaths
 from ntx.shared.plan import STORAGE, Plan
-from ntx.shared.run_files import open_private, write_private
+from ntx.shared.run_files import hand_over_secret, open_private, write_private
 from ntx.shared.shm import unlink_all
 
 # A send to a daemon waits at most this long for room in its pipe (the compute window keeps it
@@ -334,13 +334,16 @@ def daemon_order(plan: Plan) -> list[str]:
 class GatewayProcess:
     """The HTTP gateway (``ntx.ctl.gateway``, with ``--http``): a plain protocol client of the
     supervisor, spawned beside the pipeline and restarted when it dies after running a while
-    (one that dies sooner cannot start: a port taken; retrying will not help)."""
+    (one that dies sooner cannot start: a port taken; retrying will not help). Its API key goes by
+    a file it takes (reads once and deletes): ``--api-key-file``, never its environment."""
 
-    def __init__(self, cfg: InstanceConfig, paths: InstancePaths, foreground: bool, say: Callable[[str], None]) -> None:
+    def __init__(self, cfg: InstanceConfig, paths: InstancePaths, foreground: bool, say: Callable[[str], None],
+                 api_key: str | None = None) -> None:
         self.cfg = cfg
         self.paths = paths
         self.foreground = foreground
         self.say = say
+        self.api_key = api_key
         self.proc: subprocess.Popen | None = None
         self.started_s = 0.0
 
@@ -348,13 +351,19 @@ class GatewayProcess:
     def running(self) -> bool:
         return self.proc is not None
 
+    def command(self) -> list[str]:
+        """The gateway's command line; with a key, the key handed over in its file first."""
+        argv = [sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", self.cfg.listen, "--http", self.cfg.http,
+                "--log-level", self.cfg.log_level]
+        if self.api_key:
+            key_file = self.paths.secret_file("gateway")
+            hand_over_secret(key_file, self.api_key)
+            argv += ["--api-key-file", str(key_file)]
+        return argv
+
     def spawn(self) -> None:
         logf = sys.stderr if self.foreground else open_private(self.paths.log_dir / "gateway.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", self.cfg.listen, "--http", self.cfg.http,
-             "--log-level", self.cfg.log_level],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-        )
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
         if not self.foreground:
             logf.close()
         self.started_s = time.monotonic()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -39,11 +40,11 @@ from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import RequestFront
 from ntx.ctl.status_map import InstanceStatus
 from ntx.shared import messages as m
-from ntx.shared.config import LOG_LEVELS, InstanceConfig, InstancePaths
+from ntx.shared.config import API_KEY_ENV, LOG_LEVELS, InstanceConfig, InstancePaths
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.plan import Plan
-from ntx.shared.run_files import open_private, private_dir, write_private
+from ntx.shared.run_files import open_private, private_dir, take_secret, write_private
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -80,7 +81,10 @@ class Supervisor:
         self.admission = Admission(self.front, requests, limits, send_compute=self.gens.send_compute,
                                    compute_ready=lambda: self.gens.compute_ready,
                                    log=self.say if log_requests else None)
-        self.gateway = GatewayProcess(cfg, self.paths, foreground, self.say)
+        # the HTTP API key, taken from the file ntxctl left (and deleted); handed on to each gateway
+        key_file = self.paths.secret_file("supervisor")
+        api_key = take_secret(key_file) if key_file.exists() else None
+        self.gateway = GatewayProcess(cfg, self.paths, foreground, self.say, api_key)
         self.status = InstanceStatus(cfg, plan, self.paths, self.gens, self.admission, self.gateway)
         self.stop_waiters: list[bytes] = []
         self.drain_deadline_s: float | None = None
@@ -257,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         data = json.load(f)
     cfg = InstanceConfig.from_dict(data["instance"])
     plan = Plan.from_dict(data["plan"])
+    os.environ.pop(API_KEY_ENV, None)  # the daemons inherit this environment; the key comes by file
     from ntx.shared.daemon import set_process_name
 
     set_process_name("ntx-supervisor")
