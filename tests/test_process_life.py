@@ -87,6 +87,15 @@ def test_model_files_name_each_kind_of_change(tmp_path):
     files = ModelFiles(str(model))
     os.utime(model, ns=(1, 1))
     assert "rewritten" in files.change()
+    # rewritten in place with its mtime restored (before: not noticed, every request failed)
+    model.write_bytes(bytes(range(256)) * 4096)
+    files = ModelFiles(str(model))
+    mtime_ns = model.stat().st_mtime_ns
+    with open(model, "r+b") as f:
+        f.seek(300_000)
+        f.write(b"\xff" * 200_000)
+    os.utime(model, ns=(mtime_ns, mtime_ns))
+    assert "its content changed; its size and modification time were kept" in files.change()
     model.unlink()
     assert str(model) in files.change() and "removed" in files.change()
 
