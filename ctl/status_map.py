@@ -3,8 +3,8 @@
 It is built on demand from what the other roles hold — the plan, the pipeline's generation and
 its daemons' last ``Stats`` (``ctl/generations.py``), the requests in flight and queued
 (``ctl/admission.py``) — so nothing keeps a second copy of it. Connections from elsewhere than
-this machine get it without what only operators see (paths, pids, the listen address, the
-reason of a failure): ``OPERATOR_STATUS_FIELDS``, and each daemon's ``pid``. docs/PROTOCOL.md
+this machine get it without what only operators see (paths, pids, the listen and HTTP
+addresses, the log folder, the reason of a failure): ``OPERATOR_STATUS_FIELDS``, and each daemon's ``pid``. docs/PROTOCOL.md
 (status) describes every field.
 """
 
@@ -22,7 +22,7 @@ from ntx.shared.plan import RAM, Plan
 from ntx.shared.stats import bottleneck
 
 # Status fields only operators see (connections from this machine; ntxctl status)
-OPERATOR_STATUS_FIELDS = ("model", "listen", "supervisor_pid", "reason")
+OPERATOR_STATUS_FIELDS = ("model", "listen", "supervisor_pid", "reason", "log_dir", "http")
 # A status map is built again at most this often: a flood of status requests costs a copy each,
 # not a build (about 0.3 ms) each. Daemons report every 0.5 s, so it is no staler than they are.
 STATUS_REUSE_S = 0.1

@@ -345,6 +345,7 @@ def test_a_listen_address_other_machines_reach_needs_curve(smollm2_path, tmp_pat
                         client_key=str(keys / "alice.key_secret")) as c:
                 st = c.status()
             assert st["state"] == "ready" and "model" not in st and "supervisor_pid" not in st
+            assert "log_dir" not in st and "http" not in st
             assert all("pid" not in d for d in st["daemons"].values())
     assert instance.leftovers("curve") == []
 
