@@ -11,8 +11,9 @@ next generation after a back-off; a model file that changed under it stops the i
 (``ctl/restart_policy.py`` has both rules). A ready daemon that stops sending its ``Stats``
 (stopped, deadlocked, stuck in a driver call) is *stalled*: after ``STALL_REPORT_S`` the
 state says ``stalled`` and names it (new requests wait, ``/health`` answers 503), after
-``--stall-timeout`` it is killed and the pipeline restarted like after a crash. The HTTP gateway (``GatewayProcess``) lives beside
-the generations: restarted alone when it dies, never with the pipeline.
+``--stall-timeout`` it is killed and the pipeline restarted like after a crash. The HTTP
+gateway (``GatewayProcess``) lives beside the generations: restarted alone when it dies, never
+with the pipeline.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def exit_description(code: int) -> str:
 
 class Generations:
     """The instance's life: its ``state`` (starting → ready; stalled while a ready daemon is
-    silent; restarting after a failure; stopping → stopped or failed, with a ``reason``), the current generation's daemons and
-    their last ``Stats``, and the control socket they talk on.
+    silent; restarting after a failure; stopping → stopped or failed, with a ``reason``), the
+    current generation's daemons and their last ``Stats``, and the control socket they talk on.
 
     The roles around it are told through two callbacks: ``on_ready()`` when the pipeline can
     take requests, ``fail_requests(code, message)`` when every request in flight must end with
