@@ -17,17 +17,16 @@ from typing import Any, Optional, get_args, get_type_hints
 import typer
 
 from ntx.ctl.bench_options import SpecOptions
-from ntx.shared.config import (DEFAULT_LISTEN, LISTEN_ENV, EngineOptions, InstanceConfig, cli_option, parse_layers,
-                               parse_size)
+from ntx.shared.config import (API_KEY_ENV, DEFAULT_LISTEN, LISTEN_ENV, EngineOptions, InstanceConfig, cli_option,
+                               parse_layers, parse_size)
 from ntx.shared.errors import ConfigError, NtxError
+from ntx.shared.run_files import write_private
 from ntx.shared.sampling_fields import SAMPLING_FIELDS, to_wire
 
 app = typer.Typer(
     no_args_is_help=True,
     help="ntx: run Llama-family GGUF models larger than the GPU by streaming layers through daemons.",
 )
-
-API_KEY_ENV = "NTX_API_KEY"
 
 
 def _name_option():
@@ -523,19 +522,21 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
     typer.echo(f"  kernels {cfg.kernel_options.describe()}")
     if plan_only:
         return
-    if api_key:  # to the gateway through the environment, never through files or the config
-        os.environ[API_KEY_ENV] = api_key
+    # the API key goes by a file the supervisor takes (and deletes), never in its environment
     if foreground:
-        cfg_file = instance.prepare_run(cfg, plan)
-        instance.InstancePaths(cfg.name).pid_file.write_text(f"{os.getpid()}\n")
+        paths = instance.InstancePaths(cfg.name)
+        cfg_file = instance.prepare_run(cfg, plan, api_key)
+        with instance.run_folder_writes(paths):
+            write_private(paths.pid_file, f"{os.getpid()}\n")
         sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file), "--foreground"])
+        os.execve(sys.executable, [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file), "--foreground"],
+                  instance.supervisor_env())
 
     def progress(st):
         ready = [n for n, d in st.get("daemons", {}).items() if d["state"] == "ready"]
         typer.echo(f"  starting… ready: {', '.join(ready) or 'none yet'}", err=True)
 
-    st = instance.start(cfg, plan, on_progress=progress)
+    st = instance.start(cfg, plan, on_progress=progress, api_key=api_key)
     pids = ", ".join(f"{n} {d['pid']}" for n, d in st["daemons"].items())
     typer.echo(f"instance {cfg.name!r} ready on {cfg.listen} (supervisor {st['supervisor_pid']}; {pids})")
     if cfg.http:

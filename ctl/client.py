@@ -6,7 +6,10 @@
             print(ev["text"], end="", flush=True)
 
 One ZeroMQ DEALER socket carries any number of concurrent requests; replies are sorted by
-request id, so several ``generate`` iterators can be consumed in any order.
+request id, so several ``generate`` iterators can be consumed in any order. An error for a
+frame whose id the server could not read names the frame's number on the connection instead
+(``frame``); the client counts the frames it sends, so that error still ends the request it
+belongs to. A request whose frame is over the server's frame bound is refused here, at once.
 
 A pipeline that listens where other machines can reach it requires CURVE: give the server's
 public key file and this client's secret key file (both from ``ntxctl keygen``), as arguments or
@@ -85,6 +88,9 @@ class Client:
         self.sock.connect(address)
         self._inbox: dict[Any, deque[dict]] = defaultdict(deque)
         self._ids = itertools.count()
+        self._frames_sent = 0  # frames sent on the connection: the server numbers them the same way
+        self._frame_rids: dict[int, str] = {}  # frame number -> the request it carried, until its last reply
+        self._rid_frames: dict[str, int] = {}
         self._prefix = f"c{os.getpid()}-{id(self) & 0xFFFF:x}-"
 
     def close(self) -> None:
@@ -100,11 +106,34 @@ class Client:
 
     # -- wire ------------------------------------------------------------------------------------
     def send(self, msg: dict[str, Any]) -> None:
-        self.sock.send(m.pack(msg))
+        self.send_raw(m.pack(msg))
 
     def send_raw(self, frame: bytes) -> None:
-        """Send a frame as is (for tests of the server's handling of bad input)."""
+        """Send a frame as is (``send`` and the tests of the server's handling of bad input)."""
         self.sock.send(frame)
+        self._frames_sent += 1
+
+    def _send_request(self, msg: dict[str, Any]) -> None:
+        """Send a generate or status map, remembering its frame's number until its last reply;
+        one over the frame bound is refused here (the server could only refuse it too, and
+        libzmq drops the connection of a frame over 16 MiB)."""
+        frame = m.pack(msg)
+        if len(frame) > m.MAX_FRAME_BYTES:
+            raise ClientError("bad_frame", f"request of {len(frame)} bytes is larger than the frame limit of "
+                                           f"{m.MAX_FRAME_BYTES} bytes (docs/PROTOCOL.md, Limits)")
+        self.send_raw(frame)
+        if isinstance(msg.get("id"), str):
+            self._frame_rids[self._frames_sent] = msg["id"]
+            self._rid_frames[msg["id"]] = self._frames_sent
+
+    def _sort(self, ev: Any) -> None:
+        """File a reply under its request: by ``id``, or for an id-less error by its ``frame``."""
+        rid = ev.get("id") if isinstance(ev, dict) else None
+        if rid is None and isinstance(ev, dict) and ev.get("type") == "error":
+            rid = self._frame_rids.get(ev.get("frame"))
+        if rid is not None and isinstance(ev, dict) and ev.get("type") in ("done", "error", "status"):
+            self._frame_rids.pop(self._rid_frames.pop(rid, None), None)
+        self._inbox[rid].append(ev)
 
     def _pump(self, timeout_s: float) -> bool:
         poller = zmq.Poller()
@@ -119,8 +148,7 @@ class Client:
         if not ready:
             return False
         while self.sock.poll(0):
-            ev = m.unpack(self.sock.recv())
-            self._inbox[ev.get("id") if isinstance(ev, dict) else None].append(ev)
+            self._sort(m.unpack(self.sock.recv()))
         return True
 
     def _connection_events(self) -> None:
@@ -164,7 +192,7 @@ class Client:
         if tokens is not None:
             msg["tokens"] = list(tokens)
         msg.update({k: v for k, v in params.items() if v is not None})
-        self.send(msg)
+        self._send_request(msg)
         return rid
 
     def events(self, rid: str) -> Iterator[dict]:
@@ -194,7 +222,7 @@ class Client:
 
     def status(self, timeout_s: float = 5.0) -> dict:
         rid = f"{self._prefix}status-{next(self._ids)}"
-        self.send({"op": "status", "id": rid})
+        self._send_request({"op": "status", "id": rid})
         return self.next_event(rid, timeout_s)["status"]
 
 

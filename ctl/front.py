@@ -23,16 +23,26 @@ that asked, and only that client:
   ``outbox`` and go out as the client reads. An outbox over ``OUTBOX_LIMIT_BYTES`` means the
   client reads far slower than it asks: ``on_slow`` cancels its requests, their queued tokens are
   dropped and each gets one ``client_too_slow`` error instead (bounded memory, a clear reason).
+  Replies that belong to no stream (status answers, errors) are bounded apart: a status request
+  is refused while more than ``STATUS_OUTBOX_LIMIT_BYTES`` wait (the supervisor's check), and an
+  outbox never holds more than ``OUTBOX_HARD_LIMIT_BYTES``: a reply past it is dropped, counted
+  and said in the log, the one case where a reply is dropped (its client left 64 MiB unread).
 * **Authentication.** A listen address other machines can reach requires CURVE
   (``InstanceConfig.validate``): the server's secret key and a folder of the clients' public
   keys, all made by ``ntxctl keygen``; pyzmq's ZAP authenticator refuses any other key.
 * **Operators.** Status details (model path, pids, listen address) go only to connections from
   this machine (loopback or ipc); ``Connection.operator`` says which.
+* **Any bytes.** The port is open to whatever a peer sends: a browser's GET, random bytes, a
+  ZMTP/1.0-style frame. libzmq takes a peer whose first byte is not ZMTP/3's signature for a
+  ZMTP/1.0 one and hands its messages up with no descriptor (``ZMQ_SRCFD`` is EINVAL): such a
+  message, like one of a shape no client sends, is dropped in ``receive`` (counted, and said at
+  most once per ``DROP_NOTE_INTERVAL_S``), never raised into the supervisor's loop.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -51,12 +61,21 @@ KEEPALIVE_INTERVAL_S = 5
 KEEPALIVE_PROBES = 3  # unanswered probes before the kernel closes it (about 45 s in all)
 # Replies waiting for one slow client: 64 streaming requests of 2,000 tokens come to about 6 MiB.
 OUTBOX_LIMIT_BYTES = 32 << 20
+# What one outbox holds at most, whatever it holds: past it replies are dropped (counted, logged).
+OUTBOX_HARD_LIMIT_BYTES = 2 * OUTBOX_LIMIT_BYTES
+# A status request is answered only while its connection has less than this unread (a status
+# reply is about 4 KiB: some 250 of them); beyond, it is refused ``overloaded`` in a few bytes.
+STATUS_OUTBOX_LIMIT_BYTES = 1 << 20
 # Replies in libzmq's pipe to one client, past which a send waits in the outbox (counted in
 # messages, not bytes, so kept small: a done reply with prompt_logprobs can be megabytes).
 PIPE_LIMIT_MESSAGES = 100
 # libzmq drops the connection of a peer that sends a frame larger than this (no reply is
 # possible then); frames up to m.MAX_FRAME_BYTES get a clear error, larger ones up to here too.
 CONNECTION_FRAME_LIMIT_BYTES = 16 * m.MAX_FRAME_BYTES
+# Frames taken in one ``receive``: the loop then serves compute's outputs and the other
+# connections' replies before it reads more (one client's 100k frames do not hold it).
+RECEIVE_BATCH_FRAMES = 512
+DROP_NOTE_INTERVAL_S = 10.0  # dropped messages are said at most this often, with their count
 
 
 @dataclass(eq=False)
@@ -69,11 +88,13 @@ class Connection:
     fd: int
     routing_id: bytes
     operator: bool
+    frames: int = 0  # messages received on it: the number an error for an id-less frame names
     rids: set[str] = field(default_factory=set)
     outbox: deque[tuple[str | None, bytes]] = field(default_factory=deque)  # (client request id, frame)
     outbox_bytes: int = 0
     alive: bool = True
     slow: bool = False  # over OUTBOX_LIMIT_BYTES until its outbox empties
+    dropped: int = 0  # replies dropped past OUTBOX_HARD_LIMIT_BYTES
 
 
 def _is_operator_peer(frame: zmq.Frame, listen: str) -> bool:
@@ -108,10 +129,14 @@ class ClientFront:
     outbox passes the limit. Both may call ``send``."""
 
     def __init__(self, ctx: zmq.Context, cfg: InstanceConfig, on_gone: Callable[[Connection], None],
-                 on_slow: Callable[[Connection], None]) -> None:
+                 on_slow: Callable[[Connection], None], say: Callable[[str], None] | None = None) -> None:
         self.listen = cfg.listen
         self.on_gone = on_gone
         self.on_slow = on_slow
+        self.say = say
+        self.dropped = 0  # messages of peers that are no client (since start)
+        self._dropped_said = 0
+        self._drop_note_s = float("-inf")
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 500)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -156,8 +181,13 @@ class ClientFront:
             if conn is not None:
                 self._end(conn)
 
-    def _connection(self, routing_id: bytes, frame: zmq.Frame) -> Connection:
-        fd = frame.get(zmq.SRCFD)
+    def _connection(self, routing_id: bytes, frame: zmq.Frame) -> Connection | None:
+        """The connection a frame came on; None for a peer libzmq gives no descriptor for (a
+        ZMTP/1.0-style peer), whose connection cannot be told apart from others'."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return None
         conn = self.by_fd.get(fd)
         if conn is not None and conn.routing_id != routing_id:
             self._end(conn)  # the descriptor was reused: the old connection is gone
@@ -169,15 +199,32 @@ class ClientFront:
         return conn
 
     def receive(self) -> Iterator[tuple[Connection, bytes]]:
-        """Every client frame waiting now, with the connection it came on."""
-        while True:
+        """The client frames waiting now (at most ``RECEIVE_BATCH_FRAMES``), each with the
+        connection it came on. A message of several frames is answered ``bad_frame`` here; one from
+        a peer without a descriptor (no client of this protocol) is dropped here."""
+        for _ in range(RECEIVE_BATCH_FRAMES):
             self.check_disconnects()
             if not self.sock.poll(0):
                 return
             parts = self.sock.recv_multipart(copy=False)
-            if len(parts) < 2:
+            conn = self._connection(parts[0].bytes, parts[-1]) if len(parts) >= 2 else None
+            if conn is None:
+                self._drop("a message from a peer that is no ZeroMQ client of this protocol (ZMTP/1.0 or stray bytes)")
                 continue
-            yield self._connection(parts[0].bytes, parts[-1]), parts[-1].bytes
+            conn.frames += 1
+            if len(parts) > 2:
+                self.send(conn, m.ErrorReply(None, "bad_frame", f"a request is one frame; this message had "
+                                                                f"{len(parts) - 1}", frame=conn.frames))
+            else:
+                yield conn, parts[1].bytes
+
+    def _drop(self, what: str) -> None:
+        self.dropped += 1
+        now = time.monotonic()
+        if self.say is not None and now - self._drop_note_s >= DROP_NOTE_INTERVAL_S:
+            self.say(f"client port: dropped {what}; {self.dropped - self._dropped_said} dropped since the last note")
+            self._dropped_said = self.dropped
+            self._drop_note_s = now
 
     # -- replies ---------------------------------------------------------------------------
     def send(self, conn: Connection, reply: m.Reply) -> None:
@@ -185,6 +232,13 @@ class ClientFront:
         if not conn.alive:
             return
         frame = m.pack(reply.to_wire())
+        if conn.outbox_bytes + len(frame) > OUTBOX_HARD_LIMIT_BYTES:
+            conn.dropped += 1
+            if conn.dropped == 1 and self.say is not None:
+                self.say(f"client connection {conn.serial} left {conn.outbox_bytes} bytes of replies unread; "
+                         "dropping its further replies until it reads")
+            self._flush(conn)
+            return
         conn.outbox.append((reply.id, frame))
         conn.outbox_bytes += len(frame)
         self.waiting.add(conn)
@@ -207,14 +261,15 @@ class ClientFront:
             except zmq.Again:
                 return  # its pipe is full: the client is not reading; try again later
             except zmq.ZMQError as e:
-                if e.errno == zmq.EHOSTUNREACH:  # gone before the monitor said so
-                    self._end(conn)
-                    return
-                raise
+                if e.errno != zmq.EHOSTUNREACH and self.say is not None:  # EHOSTUNREACH: gone before the monitor said so
+                    self.say(f"client connection {conn.serial}: a reply could not be sent ({e}); ending the connection")
+                self._end(conn)
+                return
             conn.outbox_bytes -= len(conn.outbox.popleft()[1])
         if not conn.outbox:
             self.waiting.discard(conn)
             conn.slow = False
+            conn.dropped = 0
 
     def flush(self) -> None:
         """Send what the waiting connections' clients take now."""

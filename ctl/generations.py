@@ -8,8 +8,12 @@ loads: each daemon does Hello → Config → Ready with a timeout, and its ``Rea
 the next one's ``Config``; a ``Fatal`` carries the daemon's own one-line reason to ``ntxctl
 start``. A dead daemon fails the requests in flight and restarts the whole pipeline under the
 next generation after a back-off; a model file that changed under it stops the instance instead
-(``ctl/restart_policy.py`` has both rules). The HTTP gateway (``GatewayProcess``) lives beside
-the generations: restarted alone when it dies, never with the pipeline.
+(``ctl/restart_policy.py`` has both rules). A ready daemon that stops sending its ``Stats``
+(stopped, deadlocked, stuck in a driver call) is *stalled*: after ``STALL_REPORT_S`` the
+state says ``stalled`` and names it (new requests wait, ``/health`` answers 503), after
+``--stall-timeout`` it is killed and the pipeline restarted like after a crash. The HTTP
+gateway (``GatewayProcess``) lives beside the generations: restarted alone when it dies, never
+with the pipeline.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ from typing import IO, Callable
 
 import zmq
 
-from ntx.ctl.restart_policy import FILE_CHECK_INTERVAL_S, ModelFiles, RestartPolicy
+from ntx.ctl.restart_policy import FILE_CHECK_INTERVAL_S, STALL_REPORT_S, ModelFiles, RestartPolicy
 from ntx.daemons.compute.threads import bound_blas_threads
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig, InstancePaths
 from ntx.shared.plan import STORAGE, Plan
-from ntx.shared.run_files import open_private, write_private
+from ntx.shared.run_files import hand_over_secret, open_private, write_private
 from ntx.shared.shm import unlink_all
 
 # A send to a daemon waits at most this long for room in its pipe (the compute window keeps it
@@ -44,8 +48,13 @@ class DaemonProc:
     name: str
     proc: subprocess.Popen
     started_s: float
-    state: str = "spawned"  # spawned -> configured -> ready
+    state: str = "spawned"  # spawned -> configured -> ready (<-> stalled: no Stats for STALL_REPORT_S)
     ready: m.Ready = field(default_factory=m.Ready)  # what its Ready handed on
+    heard_s: float = 0.0  # monotonic time of its Ready or last Stats: the age liveness measures
+
+    def silent_s(self, now_s: float) -> float:
+        """Seconds since the daemon last said anything its loop sends (Ready, Stats)."""
+        return now_s - self.heard_s
 
 
 def exit_description(code: int) -> str:
@@ -58,9 +67,9 @@ def exit_description(code: int) -> str:
 
 
 class Generations:
-    """The instance's life: its ``state`` (starting → ready; restarting after a failure;
-    stopping → stopped or failed, with a ``reason``), the current generation's daemons and
-    their last ``Stats``, and the control socket they talk on.
+    """The instance's life: its ``state`` (starting → ready; stalled while a ready daemon is
+    silent; restarting after a failure; stopping → stopped or failed, with a ``reason``), the
+    current generation's daemons and their last ``Stats``, and the control socket they talk on.
 
     The roles around it are told through two callbacks: ``on_ready()`` when the pipeline can
     take requests, ``fail_requests(code, message)`` when every request in flight must end with
@@ -152,6 +161,7 @@ class Generations:
         elif isinstance(msg, m.Ready):
             d.state = "ready"
             d.ready = msg
+            d.heard_s = time.monotonic()
             self.say(f"gen {self.gen}: {name} ready")
             nxt = self.order.index(name) + 1
             if nxt < len(self.order):
@@ -165,6 +175,9 @@ class Generations:
             self.pipeline_failed(msg.message)
         elif isinstance(msg, m.Stats):
             self.stage_stats[name] = msg.stats
+            d.heard_s = time.monotonic()
+            if d.state == "stalled":
+                self.stall_ended(d)
         else:
             return msg
         return None
@@ -228,6 +241,43 @@ class Generations:
         self.write_state()
         self.restart_at_s = time.monotonic() + delay_s
 
+    # -- liveness --------------------------------------------------------------------------
+    @property
+    def stalled(self) -> list[str]:
+        """The daemons of this generation that are ready but silent (stalled), in bring-up order."""
+        return [n for n, d in self.daemons.items() if d.state == "stalled"]
+
+    def check_liveness(self, now_s: float) -> bool:
+        """Report a ready daemon silent for ``STALL_REPORT_S`` as stalled (and the instance, when
+        it was ready); fail the pipeline (True) when one has been silent for ``--stall-timeout``.
+        Its own loop sends ``Stats`` every ``STATS_INTERVAL_S`` whatever it does, ring waits
+        included, so silence means that loop is not running."""
+        for d in self.daemons.values():
+            if d.state not in ("ready", "stalled"):
+                continue
+            silent_s = d.silent_s(now_s)
+            if silent_s > self.cfg.stall_timeout:
+                d.proc.kill()  # a stopped (SIGSTOP) or wedged process may not heed SIGTERM
+                self.pipeline_failed(f"{d.name} daemon (pid {d.proc.pid}) sent no stats for {silent_s:.1f} s "
+                                     f"(stalled; --stall-timeout {self.cfg.stall_timeout:g}); killed it")
+                return True
+            if silent_s > STALL_REPORT_S and d.state == "ready":
+                d.state = "stalled"
+                self.say(f"gen {self.gen}: {d.name} daemon (pid {d.proc.pid}) stalled: no stats for {silent_s:.1f} s")
+                if self.state == "ready":
+                    self.state = "stalled"
+                    self.write_state()
+        return False
+
+    def stall_ended(self, d: DaemonProc) -> None:
+        """``d`` spoke again: ready, and the instance too once no daemon is stalled."""
+        d.state = "ready"
+        self.say(f"gen {self.gen}: {d.name} daemon is sending stats again")
+        if self.state == "stalled" and not self.stalled:
+            self.state = "ready"
+            self.write_state()
+            self.on_ready()
+
     def model_changed(self, change: str) -> None:
         """Stop for good: the daemons would read another file than the one the plan was made for."""
         self.say(change)
@@ -242,9 +292,9 @@ class Generations:
         self.done = True
 
     def watch(self) -> None:
-        """Notice a dead daemon at once, a handshake that takes too long, a changed model file
-        within ``FILE_CHECK_INTERVAL_S`` (and before every restart); restart when the back-off
-        has passed."""
+        """Notice a dead daemon at once, a handshake that takes too long, a stalled daemon
+        (``check_liveness``), a changed model file within ``FILE_CHECK_INTERVAL_S`` (and before
+        every restart); restart when the back-off has passed."""
         now = time.monotonic()
         restart_due = self.restart_at_s is not None and now >= self.restart_at_s
         if now >= self.next_file_check_s or restart_due:
@@ -264,9 +314,10 @@ class Generations:
             if code is not None:
                 self.pipeline_failed(f"{d.name} daemon (pid {d.proc.pid}) {exit_description(code)}")
                 return
-            if d.state != "ready" and time.monotonic() - d.started_s > self.cfg.timeout:
+            if d.state in ("spawned", "configured") and time.monotonic() - d.started_s > self.cfg.timeout:
                 self.pipeline_failed(f"{d.name} daemon was not ready within {self.cfg.timeout:.0f} s")
                 return
+        self.check_liveness(time.monotonic())
 
 
 def daemon_order(plan: Plan) -> list[str]:
@@ -284,13 +335,16 @@ def daemon_order(plan: Plan) -> list[str]:
 class GatewayProcess:
     """The HTTP gateway (``ntx.ctl.gateway``, with ``--http``): a plain protocol client of the
     supervisor, spawned beside the pipeline and restarted when it dies after running a while
-    (one that dies sooner cannot start: a port taken; retrying will not help)."""
+    (one that dies sooner cannot start: a port taken; retrying will not help). Its API key goes by
+    a file it takes (reads once and deletes): ``--api-key-file``, never its environment."""
 
-    def __init__(self, cfg: InstanceConfig, paths: InstancePaths, foreground: bool, say: Callable[[str], None]) -> None:
+    def __init__(self, cfg: InstanceConfig, paths: InstancePaths, foreground: bool, say: Callable[[str], None],
+                 api_key: str | None = None) -> None:
         self.cfg = cfg
         self.paths = paths
         self.foreground = foreground
         self.say = say
+        self.api_key = api_key
         self.proc: subprocess.Popen | None = None
         self.started_s = 0.0
 
@@ -298,13 +352,19 @@ class GatewayProcess:
     def running(self) -> bool:
         return self.proc is not None
 
+    def command(self) -> list[str]:
+        """The gateway's command line; with a key, the key handed over in its file first."""
+        argv = [sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", self.cfg.listen, "--http", self.cfg.http,
+                "--log-level", self.cfg.log_level]
+        if self.api_key:
+            key_file = self.paths.secret_file("gateway")
+            hand_over_secret(key_file, self.api_key)
+            argv += ["--api-key-file", str(key_file)]
+        return argv
+
     def spawn(self) -> None:
         logf = sys.stderr if self.foreground else open_private(self.paths.log_dir / "gateway.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", self.cfg.listen, "--http", self.cfg.http,
-             "--log-level", self.cfg.log_level],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-        )
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
         if not self.foreground:
             logf.close()
         self.started_s = time.monotonic()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,24 +17,27 @@ import psutil
 import zmq
 
 from ntx.shared import messages as m
-from ntx.shared.config import InstanceConfig, InstancePaths, run_root
+from ntx.shared.config import API_KEY_ENV, InstanceConfig, InstancePaths, run_root
 from ntx.shared.errors import NtxError
 from ntx.shared.plan import Plan
-from ntx.shared.run_files import open_private, private_dir, write_private
+from ntx.shared.run_files import hand_over_secret, open_private, private_dir, write_private
 from ntx.shared.shm import list_segments, unlink_all
 
 SUPERVISOR_EXIT_S = 15.0  # how long a stopping supervisor, or a killed daemon, may take to be gone
 
 
 def supervisor_pid(paths: InstancePaths) -> int | None:
-    """The live supervisor's pid, or None (a stale pid file does not count)."""
+    """The live supervisor's pid, or None: a stale pid file does not count, nor a pid reused by
+    a process that is not this instance's supervisor (its command line names its config file)."""
     try:
         pid = int(paths.pid_file.read_text().strip())
     except (OSError, ValueError):
         return None
     try:
         p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE or "supervisor" not in " ".join(p.cmdline()):
+        cmd = p.cmdline()
+        if (p.status() == psutil.STATUS_ZOMBIE or "ntx.ctl.supervisor" not in cmd
+                or str(paths.config_file) not in cmd):
             return None
     except psutil.Error:
         return None
@@ -41,10 +45,12 @@ def supervisor_pid(paths: InstancePaths) -> int | None:
 
 
 def list_instances() -> list[str]:
+    """The instances whose supervisor runs (a run folder a dead one left is not one)."""
     root = run_root()
     if not root.exists():
         return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "logs" and (p / "supervisor.pid").exists())
+    return sorted(p.name for p in root.iterdir()
+                  if p.is_dir() and p.name != "logs" and supervisor_pid(InstancePaths(p.name)) is not None)
 
 
 def control_request(paths: InstancePaths, msg: m.CtlStatus | m.CtlStop, timeout_s: float = 5.0) -> m.Message | None:
@@ -77,19 +83,42 @@ def refuse_running(name: str) -> None:
         raise NtxError(f"instance {name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
 
 
-def prepare_run(cfg: InstanceConfig, plan: Plan) -> Path:
+def prepare_run(cfg: InstanceConfig, plan: Plan, api_key: str | None = None) -> Path:
     """Make an instance's run folder ready for a supervisor (``start`` detached, ``ntxctl serve``
     in the foreground): refuse a running one, free a dead one's leftovers, write the config the
-    supervisor reads; returns that config file."""
+    supervisor reads and the API key it takes (``secret_file``); returns the config file. A run
+    folder that cannot be written (read-only, full) is one NtxError line, and nothing is left."""
     paths = InstancePaths(cfg.name)
     refuse_running(cfg.name)
     cleanup_leftovers(paths)
-    private_dir(paths.root)
-    private_dir(paths.log_dir)
-    (paths.log_dir / "last_failure").unlink(missing_ok=True)
-    cfg_file = paths.root / "config.json"
-    write_private(cfg_file, json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
-    return cfg_file
+    with run_folder_writes(paths):
+        private_dir(paths.root)
+        private_dir(paths.log_dir)
+        (paths.log_dir / "last_failure").unlink(missing_ok=True)
+        write_private(paths.config_file, json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
+        if api_key:
+            hand_over_secret(paths.secret_file("supervisor"), api_key)
+    return paths.config_file
+
+
+@contextmanager
+def run_folder_writes(paths: InstancePaths):
+    """Writes to the run folder: an OSError (read-only, full, not a folder) or a refusal is one
+    NtxError line, and the run folder is removed so that nothing lists the instance."""
+    try:
+        yield
+    except (OSError, NtxError) as e:
+        paths.remove_runtime()
+        if isinstance(e, NtxError):
+            raise
+        where = e.filename or paths.root
+        raise NtxError(f"cannot write the run folder ({where}: {e.strerror or e}); free space there or choose "
+                       f"another folder with NTX_RUN_DIR") from None
+
+
+def supervisor_env() -> dict[str, str]:
+    """The supervisor's environment: this one without the API key (it has it by file)."""
+    return {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
 
 
 def instance_listen(name: str) -> str | None:
@@ -102,19 +131,33 @@ def instance_listen(name: str) -> str | None:
         return None
 
 
-def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None) -> dict[str, Any]:
+def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None,
+          api_key: str | None = None) -> dict[str, Any]:
     """Launch the supervisor detached, wait until the pipeline is ready; return its status.
 
     Raises NtxError with the failing daemon's own reason if the pipeline cannot start."""
     paths = InstancePaths(cfg.name)
-    cfg_file = prepare_run(cfg, plan)
-    log = open_private(paths.log_dir / "supervisor.out", "ab")
+    cfg_file = prepare_run(cfg, plan, api_key)
+    with run_folder_writes(paths):
+        log = open_private(paths.log_dir / "supervisor.out", "ab")
+        try:
+            write_private(paths.pid_file, "")  # fails here, before there is a process to stop
+        except BaseException:
+            log.close()
+            raise
     proc = subprocess.Popen(
         [sys.executable, "-m", "ntx.ctl.supervisor", "--config", str(cfg_file)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=supervisor_env(),
     )
     log.close()
-    write_private(paths.pid_file, f"{proc.pid}\n")
+    try:
+        write_private(paths.pid_file, f"{proc.pid}\n")
+    except (OSError, NtxError):
+        proc.kill()
+        proc.wait()
+        with run_folder_writes(paths):
+            raise
     wait_s = wait_s if wait_s is not None else cfg.timeout * 3 + 10
     deadline = time.monotonic() + wait_s
     last_state = None

@@ -9,29 +9,39 @@ Two rules, kept out of the supervisor's loop so that they can be tested without 
 - **The model's files.** Every daemon opens the model again at each restart and the plan was
   made from the file as it was at ``ntxctl start``. A file truncated, rewritten or replaced under
   a running pipeline would fail every request (``layer_unavailable``) or send a daemon into a
-  crash loop, so the supervisor compares the files' size, mtime, inode and device with their
-  stamps from start (``ModelFiles``), every ``FILE_CHECK_INTERVAL_S`` and before each restart,
-  and stops with the change as its reason.
+  crash loop, so the supervisor compares the files' size, mtime, inode, device and a digest of
+  ``SAMPLE_BLOCKS`` blocks spread over the file (a rewrite in place that restored the mtime
+  keeps the rest) with their stamps from start (``ModelFiles``), every ``FILE_CHECK_INTERVAL_S``
+  and before each restart, and stops with the change as its reason.
+- **Liveness.** A ready daemon that sends no ``Stats`` for ``STALL_REPORT_S`` is reported
+  stalled; for ``--stall-timeout`` it is killed and the pipeline restarted (the back-off above).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
 from ntx.shared.gguf_index import model_file_paths
 
 FILE_CHECK_INTERVAL_S = 1.0
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 16, 4096  # 64 KiB read per file and check, from the page cache mostly
+# A ready daemon that sent no Stats (every STATS_INTERVAL_S = 0.5 s) for this long is reported
+# stalled: with the gateway's status poll (1 s), /health shows it within 5 s of its last word.
+STALL_REPORT_S = 3.0
 
 
 @dataclass(frozen=True)
 class FileStamp:
-    """What identifies one file's content cheaply: one ``stat``, no read."""
+    """What identifies one file's content cheaply: one ``stat`` and ``SAMPLE_BLOCKS`` small
+    reads (``sample_digest``: empty when they failed, and then not compared)."""
 
     size_bytes: int
     mtime_ns: int
     inode: int
     device: int
+    sample_digest: bytes = b""
 
     @classmethod
     def of(cls, path: str) -> FileStamp | None:
@@ -40,7 +50,32 @@ class FileStamp:
             st = os.stat(path)
         except OSError:
             return None
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, _sample_digest(path, st.st_size))
+
+    def same_as(self, other: FileStamp | None) -> bool:
+        if other is None or (self.size_bytes, self.mtime_ns, self.inode, self.device) != (
+                other.size_bytes, other.mtime_ns, other.inode, other.device):
+            return False
+        return not (self.sample_digest and other.sample_digest) or self.sample_digest == other.sample_digest
+
+
+def _sample_digest(path: str, size_bytes: int) -> bytes:
+    """A digest of ``SAMPLE_BLOCKS`` blocks at fixed places from the file's start to its end;
+    empty when it cannot be read."""
+    h = hashlib.blake2b(digest_size=16)
+    step = max(1, (size_bytes - SAMPLE_BLOCK_BYTES) // max(1, SAMPLE_BLOCKS - 1))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return b""
+    try:
+        for offset in sorted({min(i * step, max(0, size_bytes - SAMPLE_BLOCK_BYTES)) for i in range(SAMPLE_BLOCKS)}):
+            h.update(os.pread(fd, SAMPLE_BLOCK_BYTES, offset))
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+    return h.digest()
 
 
 class ModelFiles:
@@ -54,7 +89,7 @@ class ModelFiles:
         """A line saying how the first changed file changed since the start, or None."""
         for path, was in self.stamps.items():
             now = FileStamp.of(path)
-            if now == was:
+            if now == was or (now is not None and now.same_as(was)):
                 continue
             if now is None:
                 how = "was removed"
@@ -66,8 +101,10 @@ class ModelFiles:
                 how = f"was truncated from {was.size_bytes} to {now.size_bytes} bytes"
             elif now.size_bytes != was.size_bytes:
                 how = f"grew from {was.size_bytes} to {now.size_bytes} bytes"
-            else:
+            elif now.mtime_ns != was.mtime_ns:
                 how = "was rewritten (its modification time changed)"
+            else:
+                how = "was rewritten (its content changed; its size and modification time were kept)"
             return f"model file {path} {how} while the pipeline ran"
         return None
 

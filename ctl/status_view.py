@@ -55,6 +55,9 @@ def render_status(st: dict[str, Any], renderable: bool = False):
     head.append(st["state"], style=state_style)
     head.append(f"  gen {st['gen']}  restarts {st['restarts']}  up {st['uptime_s']:.0f}s  {st['backend']}  {st['listen']}\n")
     head.append(f"model {st['model']}\n")
+    for name in st.get("stalled") or ():
+        head.append(f"{name} is stalled: no stats for {st['daemons'][name]['silent_s']:.1f} s "
+                    "(restarted after --stall-timeout)\n", style="red")
     if st.get("kernels"):
         head.append(f"kernels {st['kernels']}\n")
     if st.get("http"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -32,17 +33,18 @@ import time
 import zmq
 
 from ntx.ctl.admission import Admission
-from ntx.ctl.front import ClientFront, Connection
+from ntx.ctl.chat import RENDERER
+from ntx.ctl.front import STATUS_OUTBOX_LIMIT_BYTES, ClientFront, Connection
 from ntx.ctl.generations import CONTROL_SEND_TIMEOUT_S, GatewayProcess, Generations, daemon_order
 from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import RequestFront
 from ntx.ctl.status_map import InstanceStatus
 from ntx.shared import messages as m
-from ntx.shared.config import LOG_LEVELS, InstanceConfig, InstancePaths
+from ntx.shared.config import API_KEY_ENV, LOG_LEVELS, InstanceConfig, InstancePaths
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.plan import Plan
-from ntx.shared.run_files import open_private, private_dir, write_private
+from ntx.shared.run_files import open_private, private_dir, take_secret, write_private
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -72,14 +74,17 @@ class Supervisor:
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.control.setsockopt(zmq.SNDTIMEO, int(CONTROL_SEND_TIMEOUT_S * 1000))
         self.control.bind(self.paths.control)
-        self.front = ClientFront(self.ctx, cfg, on_gone=self.connection_gone, on_slow=self.connection_slow)
+        self.front = ClientFront(self.ctx, cfg, on_gone=self.connection_gone, on_slow=self.connection_slow, say=self.say)
         self.gens = Generations(cfg, plan, self.paths, self.control, self.say, self.daemon_logs,
                                 on_ready=self.on_pipeline_ready, fail_requests=self.fail_requests)
         log_requests = LOG_LEVELS.index(cfg.log_level) <= LOG_LEVELS.index("info")
         self.admission = Admission(self.front, requests, limits, send_compute=self.gens.send_compute,
                                    compute_ready=lambda: self.gens.compute_ready,
                                    log=self.say if log_requests else None)
-        self.gateway = GatewayProcess(cfg, self.paths, foreground, self.say)
+        # the HTTP API key, taken from the file ntxctl left (and deleted); handed on to each gateway
+        key_file = self.paths.secret_file("supervisor")
+        api_key = take_secret(key_file) if key_file.exists() else None
+        self.gateway = GatewayProcess(cfg, self.paths, foreground, self.say, api_key)
         self.status = InstanceStatus(cfg, plan, self.paths, self.gens, self.admission, self.gateway)
         self.stop_waiters: list[bytes] = []
         self.drain_deadline_s: float | None = None
@@ -153,15 +158,25 @@ class Supervisor:
             self.drain_deadline_s = time.monotonic() + DRAIN_TIMEOUT_S + 5.0
 
     # -- clients -----------------------------------------------------------------------------
+    def frame_error(self, conn: Connection, frame: bytes, code: str, message: str) -> None:
+        """Refuse a whole frame: under its request's id when it can be read, else under the
+        frame's number on its connection (``ErrorReply.frame``), so its client can match it."""
+        rid = m.client_frame_id(frame)
+        self.front.send(conn, m.ErrorReply(rid, code, message, frame=None if rid is not None else conn.frames))
+
     def on_client(self, conn: Connection, frame: bytes) -> None:
         try:
             msg = m.decode_client_frame(frame)
         except m.RequestError as e:
-            self.front.send(conn, m.ErrorReply(m.client_frame_id(frame), e.code, str(e)))
+            self.frame_error(conn, frame, e.code, str(e))
             return
         op = msg["op"]
         if op == "status":
-            self.front.send(conn, m.StatusReply(msg.get("id"), self.status.build(operator=conn.operator)))
+            if conn.outbox_bytes > STATUS_OUTBOX_LIMIT_BYTES:  # it asks faster than it reads
+                self.front.send(conn, m.ErrorReply(msg.get("id"), "overloaded", f"{conn.outbox_bytes} bytes of replies "
+                                                   "wait unread on this connection; read them before asking status"))
+            else:
+                self.front.send(conn, m.StatusReply(msg.get("id"), self.status.build(operator=conn.operator)))
         elif op == "cancel":
             self.admission.cancel(conn, msg["id"])
         else:
@@ -173,8 +188,8 @@ class Supervisor:
             self.on_client(conn, frame)
         except Exception as e:  # noqa: BLE001 - one bad frame must not take the instance down
             self.say(f"client frame of {len(frame)} bytes failed: {type(e).__name__}: {str(e)[:200]}")
-            self.front.send(conn, m.ErrorReply(None, "internal_error",
-                                               f"the server failed on this frame ({type(e).__name__}); it was dropped"))
+            self.frame_error(conn, frame, "internal_error",
+                             f"the server failed on this frame ({type(e).__name__}); it was dropped")
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -194,11 +209,11 @@ class Supervisor:
                 self.signalled = None
             if self.control in events:
                 while self.control.poll(0) and not self.done:
-                    ident, frame = self.control.recv_multipart()[:2]
+                    parts = self.control.recv_multipart()
                     try:
-                        self.on_control(ident, frame)
+                        self.on_control(parts[0], parts[1])
                     except Exception as e:  # one broken daemon message must not take the front down
-                        self.say(f"bad control message from {ident!r}: {e}")
+                        self.say(f"bad control message from {parts[0]!r:.80}: {type(e).__name__}: {str(e)[:200]}")
             if not self.done:
                 for conn, frame in self.front.receive():
                     self.on_client_frame(conn, frame)
@@ -228,6 +243,7 @@ class Supervisor:
                 pass
         time.sleep(0.05)
         self.front.close()
+        RENDERER.stop()
         self.control.close(linger=200)
         self.paths.remove_runtime()
         if not self.foreground:
@@ -245,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         data = json.load(f)
     cfg = InstanceConfig.from_dict(data["instance"])
     plan = Plan.from_dict(data["plan"])
+    os.environ.pop(API_KEY_ENV, None)  # the daemons inherit this environment; the key comes by file
     from ntx.shared.daemon import set_process_name
 
     set_process_name("ntx-supervisor")

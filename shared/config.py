@@ -99,6 +99,14 @@ class InstancePaths:
         return self.root / "state.json"
 
     @property
+    def config_file(self) -> Path:
+        return self.root / "config.json"
+
+    def secret_file(self, taker: str) -> Path:
+        """Where a secret (the HTTP API key) waits for ``taker`` (supervisor, gateway) to take it."""
+        return self.root / f"{taker}.secret"
+
+    @property
     def log_dir(self) -> Path:
         return run_root() / "logs" / self.name
 
@@ -135,6 +143,9 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:5555"  # an instance's client address when non
 # One way to name an instance, for every command: --name (or NTX_NAME); its client address is
 # found from the name. --listen (or NTX_LISTEN) gives an address directly and wins.
 NAME_ENV, LISTEN_ENV = "NTX_NAME", "NTX_LISTEN"
+# ntxctl takes the HTTP API key from here (or --api-key) and hands it on by file (secret_file),
+# never in the environment of the supervisor, the gateway or the daemons
+API_KEY_ENV = "NTX_API_KEY"
 MAX_DRAFT_TOKENS = 512
 LOOKUP_DRAFTS = ("ngram", "suffix")  # --draft: drafting without a model (daemons/compute/lookup.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -312,8 +323,12 @@ class InstanceConfig(EngineOptions):
     io: str = _option("auto", "storage reads: auto, direct, buffered or mmap")
     timeout: float = _option(120.0, "seconds each daemon may take to get ready")
     max_restarts: int = _option(3, "restarts within 5 minutes before giving up")
-    # the HTTP gateway (ctl/gateway): HOST:PORT, or None for none; its key travels in the
-    # environment (NTX_API_KEY), never in this record, which every daemon receives
+    # liveness (ctl/generations.py): a ready daemon silent this long is killed and the pipeline
+    # restarted; it is reported `stalled` long before (STALL_REPORT_S)
+    stall_timeout: float = _option(60.0, "seconds a ready daemon may send no stats before the pipeline is "
+                                   "restarted (it shows as stalled after 3 s)")
+    # the HTTP gateway (ctl/gateway): HOST:PORT, or None for none; its key travels by a file
+    # each taker deletes (InstancePaths.secret_file), never in this record, which every daemon receives
     http: str | None = _option(None, "also serve OpenAI's API, /metrics, /health and a live status page on "
                                "HOST:PORT (example: 127.0.0.1:8080)")
     log_level: str = _option("info", "debug, info, warning or error: info logs one line per request "
@@ -348,6 +363,8 @@ class InstanceConfig(EngineOptions):
             raise ConfigError(f"--placement {self.placement!r}: choose {' or '.join(PLACEMENTS)}")
         if self.io not in IO_MODES:
             raise ConfigError(f"--io {self.io!r}: choose {', '.join(IO_MODES[:-1])} or {IO_MODES[-1]}")
+        if not 10.0 <= self.stall_timeout <= 86400.0:
+            raise ConfigError(f"--stall-timeout {self.stall_timeout:g}: give 10 to 86400 seconds")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if self.log_level not in LOG_LEVELS:

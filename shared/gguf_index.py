@@ -645,6 +645,10 @@ def metadata_problem(md: dict[str, Any]) -> str | None:
             v = md.get(key)
             if v is not None and len(v) != len(tokens):
                 return f"metadata {key} has {len(v)} entries for {len(tokens)} tokens"
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):  # the ones every prompt and stop use
+            v = md.get(key)
+            if v is not None and not 0 <= v < len(tokens):
+                return f"metadata {key} is {v}, outside the vocabulary of {len(tokens)} tokens"
     return None
 
 

@@ -581,12 +581,24 @@ def unpack_client_frame(frame: bytes) -> Any:
 
 
 def client_frame_id(frame: bytes) -> str | None:
-    """The request id of a refused frame, for its error reply, if one can be read safely."""
+    """The request id of a refused frame, for its error reply, whenever one can be read: a frame
+    over the bounds (its size, nesting, lengths), or cut short after its id, still names the
+    request it was, so its client can end that request instead of waiting for ever. The
+    top-level map's keys are read and every other value skipped, never built (a 16 MiB prompt
+    costs no copy); the last ``id`` seen counts, as when the frame is unpacked whole."""
+    reader = msgpack.Unpacker(raw=False, max_buffer_size=max(len(frame), 1), max_str_len=len(frame),
+                              max_bin_len=len(frame), max_array_len=0, max_map_len=0, max_ext_len=0)
+    reader.feed(frame)
+    rid = None
     try:
-        msg = unpack_client_frame(frame)
-    except RequestError:
-        return None
-    rid = msg.get("id") if isinstance(msg, dict) else None
+        for _ in range(reader.read_map_header()):
+            key = reader.unpack()  # a list or map as a key raises: that is no map of this protocol
+            if key == "id":
+                rid = reader.unpack()
+            else:
+                reader.skip()
+    except Exception:  # noqa: BLE001 - garbage, a bound, the end of a cut frame: the id so far
+        pass
     return rid if isinstance(rid, str) and len(rid) <= MAX_ID_CHARS else None
 
 
@@ -740,14 +752,20 @@ class DoneReply(Reply):
 @dataclass(frozen=True)
 class ErrorReply(Reply):
     """The request failed or was refused (``code``, one line naming the problem); no further
-    replies for its id. ``id`` is nil for a frame whose id could not be read."""
+    replies for its id. ``id`` is nil for a frame whose id could not be read; such an error
+    carries ``frame`` instead, the number of the frame it answers on its connection (1 for the
+    connection's first), so the client that sent it can tell which of its requests it ends."""
 
     id: str | None
     code: str
     message: str
+    frame: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "error", "code": self.code, "message": self.message}
+        out = {"id": self.id, "type": "error", "code": self.code, "message": self.message}
+        if self.frame is not None:
+            out["frame"] = self.frame
+        return out
 
 
 @dataclass(frozen=True)

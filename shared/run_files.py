@@ -82,3 +82,35 @@ def write_private(path: Path | str, text: str) -> None:
     """Replace a run-folder file's content with ``text`` (not following a link)."""
     with open_private(path, "w") as f:
         f.write(text)
+
+
+def hand_over_secret(path: Path | str, secret: str) -> None:
+    """Leave ``secret`` in a new run-folder file (0600) for one other process to take
+    (``take_secret``): a secret in the environment is readable in ``/proc/PID/environ`` of every
+    process that inherits it, and a file only until the taker reads it."""
+    Path(path).unlink(missing_ok=True)  # a leftover (or a planted link) of an earlier run
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise NtxError(f"cannot write {path}: {e.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+
+
+def take_secret(path: Path | str) -> str:
+    """The secret ``hand_over_secret`` left at ``path``, the file deleted once read; NtxError if
+    it is not a private regular file of this user."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise NtxError(f"cannot read the secret in {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        _check_own(path, st, stat.S_ISREG, "regular file")
+        if st.st_mode & 0o077:
+            raise NtxError(f"{path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); refusing its secret")
+        with os.fdopen(os.dup(fd), "r") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+        Path(path).unlink(missing_ok=True)

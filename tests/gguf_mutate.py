@@ -25,6 +25,10 @@ HOSTILE_CHAT_TEMPLATE = (
     "{% macro deeper(n) %}{{ deeper(n + 1) }}{% endmacro %}"
     "{% for m in messages %}{% if m.content == 'overflow' %}{{ 10.0 ** 400 }}"
     "{% elif m.content == 'recursion' %}{{ deeper(0) }}{% elif m.content == 'zero' %}{{ 1 // 0 }}"
+    "{% elif m.content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{% elif m.content == 'memory' %}{% set s = 'x' * 100000 %}{{ (s * 100000)|length }}"
+    "{% elif m.content == 'center' %}{{ 'x'.center(10000000000) }}"
+    "{% elif m.content == 'output' %}{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}"
     "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import zmq
 
-from ntx.ctl.front import OUTBOX_LIMIT_BYTES, ClientFront, Connection
+from ntx.ctl.front import OUTBOX_HARD_LIMIT_BYTES, OUTBOX_LIMIT_BYTES, ClientFront, Connection
 from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig
 
@@ -94,6 +94,37 @@ def test_a_client_that_never_reads_is_cancelled_with_a_reason_once():
         f.close()
 
 
+def test_an_outbox_never_holds_more_than_its_hard_bound():
+    """Replies of no stream (errors, status answers) to a client that never reads: before, they
+    piled up without end (100k status answers: 270 MiB). Past the hard bound they are dropped,
+    counted and said once; once the client reads, replies flow again."""
+    said: list[str] = []
+    f = Front()
+    f.front.say = said.append
+    try:
+        sock = f.client(rcvhwm=1)
+        conn = f.connection_of(sock, "hello")
+        big = "x" * (256 << 10)
+        for i in range(3 * OUTBOX_HARD_LIMIT_BYTES // len(big)):
+            f.front.send(conn, m.ErrorReply(f"e{i}", "overloaded", big))
+            assert conn.outbox_bytes <= OUTBOX_HARD_LIMIT_BYTES
+        assert conn.dropped > 0 and len([s for s in said if "dropping" in s]) == 1, said
+
+        def read_all() -> bool:
+            f.front.flush()
+            while sock.poll(10):
+                sock.recv()
+            return not conn.outbox
+
+        wait_for(read_all, 60, "the client to read every queued reply", interval_s=0)
+        assert conn.dropped == 0
+        f.front.send(conn, m.ErrorReply("after", "overloaded", "small"))
+        assert m.unpack(sock.recv())["id"] == "after"
+        sock.close()
+    finally:
+        f.close()
+
+
 def test_a_disconnect_ends_the_connection():
     f = Front()
     try:
@@ -147,5 +178,61 @@ def test_a_newcomer_with_a_departed_clients_routing_id_is_another_connection():
         assert m.unpack(second.recv())["id"] == "second-req"  # the departed client's reply never came
         assert not second.poll(0)
         second.close()
+    finally:
+        f.close()
+
+
+# Bytes a peer may send to the port, none of them a ZeroMQ client's: a ZMTP/1.0-style frame
+# (libzmq takes it as a legacy peer whose messages carry no descriptor: ``ZMQ_SRCFD`` raised
+# EINVAL out of ``receive`` and killed the supervisor), a browser's GET, a ZMTP/3 greeting cut
+# short or followed by garbage.
+RAW_PAYLOADS = {
+    "zmtp1_frame": b"\x01\x00\x02\x00x",
+    "zmtp1_frames": b"\x01\x00" + b"\x06\x00hello!" * 20,
+    "browser_get": (b"GET / HTTP/1.1\r\nHost: 127.0.0.1:5555\r\nUser-Agent: Mozilla/5.0 (X11; Linux x86_64)\r\n"
+                    b"Accept: text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8\r\n"
+                    b"Accept-Language: en-US,en;q=0.5\r\nAccept-Encoding: gzip, deflate, br\r\n"
+                    b"Connection: keep-alive\r\nUpgrade-Insecure-Requests: 1\r\n\r\n"),
+    "zmtp3_greeting_garbage": b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 16 + b"\x00" * 31 + b"\x04\xffgarbage",
+    "zmtp3_greeting_short": b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03",
+    "zmtp2_greeting": b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x01\x05\x00\x00\x02\x00x",
+}
+
+
+def send_raw_tcp(port: int, payload: bytes) -> None:
+    """Send ``payload`` on a plain TCP connection and leave it open a moment (libzmq reads it)."""
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            s.sendall(payload)
+            time.sleep(0.05)
+        except OSError:
+            pass  # libzmq may close a connection whose greeting it refuses
+
+
+def test_bytes_that_are_no_zeromq_client_never_escape_receive():
+    """Every raw payload is read and dropped (or answered) inside ``receive``; a real client is
+    served after them."""
+    f = Front()
+    try:
+        port = int(f.listen.rpartition(":")[2])
+        for name, payload in RAW_PAYLOADS.items():
+            send_raw_tcp(port, payload)
+            for _ in range(5):
+                list(f.front.receive())  # raised ZMQError (EINVAL) for the ZMTP/1.0 frames
+                f.front.flush()
+        assert f.front.dropped >= 2  # the ZMTP/1.0 peers' messages: nobody to answer
+        sock = f.client()
+        conn = f.connection_of(sock, "still here")
+        f.front.send(conn, m.TokenReply("q", 1, "served"))
+        assert sock.poll(5000) and m.unpack(sock.recv())["text"] == "served"
+        # a client that sends a request in two frames is told so (the protocol is one frame a request)
+        sock.send_multipart([m.pack({"op": "status", "id": "a"}), b"more"])
+        wait_for(lambda: list(f.front.receive()) == [] and sock.poll(10), 5, "the answer to a two-frame message")
+        ev = m.unpack(sock.recv())
+        assert ev["code"] == "bad_frame" and "one frame" in ev["message"], ev
+        sock.close()
     finally:
         f.close()

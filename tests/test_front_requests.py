@@ -6,12 +6,16 @@ bytes, timings, seed and speculation from the engine's figures."""
 
 from __future__ import annotations
 
+import resource
+import time
+
 import pytest
 from gguf import GGUFValueType as VT
 
 from ntx.ctl.local import LocalEngine
 from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import RequestFront, parse_generate
+from ntx.ctl import chat
 from ntx.ctl.chat import ChatTemplate
 from ntx.daemons.compute.factory import build_engine
 from ntx.shared.config import EngineOptions
@@ -105,6 +109,26 @@ def test_a_template_that_fails_in_any_way_is_one_request_error(front):
         assert "\n" not in str(err.value)
     engine_req, _ = hostile.start("r", hostile.parse({"op": "generate", "id": "ok", "prompt": "fine"}))
     assert front.tokenizer.decode(engine_req.prompt_tokens, skip_special=True) == "user: fine\n"
+
+
+def test_a_template_that_loops_eats_memory_or_writes_without_end_is_one_bounded_error(front):
+    """Before: nested loops held the supervisor, ``'x' * 10**5 * 10**5`` took it to gigabytes or
+    a MemoryError wherever it struck. Now the worker renders under a time, memory and output
+    bound: each is the request's ``bad_request`` within the time limit (and a new worker's
+    start), this process does not grow, and the next chat request renders."""
+    hostile = RequestFront(front.tokenizer, ChatTemplate(HOSTILE), front.n_vocab, LIMITS)
+    peak_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for content, needle in (("loop", f"did not finish within {chat.RENDER_TIME_LIMIT_S:g} s"),
+                            ("memory", "MemoryError"), ("center", "MemoryError"), ("output", "wrote more than")):
+        req = hostile.parse({"op": "generate", "id": content, "messages": [{"role": "user", "content": content}]})
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as err:
+            hostile.start("r", req)
+        assert err.value.code == "bad_request" and needle in str(err.value), err.value
+        assert time.monotonic() - t0 < chat.RENDER_TIME_LIMIT_S + 5.0
+        engine_req, _ = hostile.start("r", hostile.parse({"op": "generate", "id": "ok", "prompt": "fine"}))
+        assert front.tokenizer.decode(engine_req.prompt_tokens, skip_special=True) == "user: fine\n"
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before_kib < 64 << 10
 
 
 def test_the_engine_gets_token_ids_a_fixed_seed_and_no_stop_strings(front):

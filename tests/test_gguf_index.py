@@ -475,9 +475,14 @@ ATTACKS = {
     "token_type_short": (_kv("tokenizer.ggml.token_type", VT.ARRAY, [1] * 10, VT.INT32), ["has 10 entries for 512 tokens"]),
     "bos_id_string": (_kv("tokenizer.ggml.bos_token_id", VT.STRING, "1"), ["tokenizer.ggml.bos_token_id", "not an integer"]),
     "add_bos_string": (_kv("tokenizer.ggml.add_bos_token", VT.STRING, "yes"), ["tokenizer.ggml.add_bos_token", "not a bool"]),
+    "bos_id_outside_vocab": (_kv("tokenizer.ggml.bos_token_id", VT.UINT32, 70000),
+                             ["tokenizer.ggml.bos_token_id is 70000, outside the vocabulary of"]),
+    "eos_id_outside_vocab": (_kv("tokenizer.ggml.eos_token_id", VT.UINT32, 512),
+                             ["tokenizer.ggml.eos_token_id is 512, outside the vocabulary of 512 tokens"]),
     "chat_template_number": (_kv("tokenizer.chat_template", VT.UINT32, 7), ["tokenizer.chat_template", "not a string"]),
-    "vocab_short": (lambda p: _kv("tokenizer.ggml.token_type", VT.ARRAY, [1] * 500, VT.INT32)(
-                        _kv("tokenizer.ggml.tokens", VT.ARRAY, [f"t{i}" for i in range(500)], VT.STRING)(p)),
+    "vocab_short": (lambda p: _kv("tokenizer.ggml.token_type", VT.ARRAY, [1] * 500, VT.INT32)(  # bos/eos kept inside
+                        _kv("tokenizer.ggml.tokens", VT.ARRAY, [f"t{i}" for i in range(500)], VT.STRING)(
+                            _kv("tokenizer.ggml.bos_token_id", VT.UINT32, 1)(_kv("tokenizer.ggml.eos_token_id", VT.UINT32, 2)(p)))),
                     ["the tokenizer has 500 tokens", "vocabulary has 512"]),
     # tensor records: layer numbers, ranges, names that speak to the terminal
     "layer_5000_digits": (_tensor("blk.0.attn_q.weight", name=b"blk." + b"7" * 5000 + b".attn_q.weight"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,25 @@ def test_protocol_doc_lists_every_sampling_field_with_its_default():
         shown = row.group(1).strip()
         expected = "random" if f.default is None else "[]" if f.kind is list else str(f.default)
         assert shown == expected, (f.name, shown, expected)
+
+
+@pytest.mark.parametrize("frame, rid", [
+    # over the frame bound: once answered with id nil, so no client could match the error
+    (m.pack({"op": "generate", "id": "big", "prompt": "hello " * 190_000}), "big"),
+    (m.pack({"op": "generate", "prompt": "x" * (3 << 20), "id": "id-after-the-prompt"}), "id-after-the-prompt"),
+    (m.pack({"op": "generate", "id": "deep", "messages": [[[[[[[[[[1]]]]]]]]]]}), "deep"),
+    (m.pack({"op": "generate", "id": "first", "id2": 1, "stop": ["a"] * 1_000_000}), "first"),
+    (m.pack({"op": "generate", "id": "cut", "prompt": "hi"})[:-3], "cut"),  # truncated after the id
+    (m.pack({"op": "generate", "id": "x" * 300}), None),  # too long to be an id
+    (m.pack({"op": "generate", "id": 7}), None),
+    (m.pack(["op", "id"]), None),
+    (b"\xc1garbage", None),
+    (b"", None),
+    (m.pack({"op": "generate", ("a" * 5000): 1, "id": "after-a-long-key"}), "after-a-long-key"),
+])
+def test_a_refused_frames_id_is_read_whenever_it_can_be(frame, rid):
+    """``client_frame_id`` reads the top-level ``id`` without unpacking the rest, so a frame over
+    the bounds (size, nesting, lengths) or cut short after its id is answered under its id."""
+    t0 = time.monotonic()
+    assert m.client_frame_id(frame) == rid
+    assert time.monotonic() - t0 < 0.5

@@ -6,21 +6,27 @@ without following links."""
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import signal
 import stat
+import subprocess
+import sys
 import time
 
+import httpx
 import psutil
 import pytest
 
 from ntx.ctl import instance
 from ntx.ctl.client import ClientError
+from ntx.ctl.generations import GatewayProcess
 from ntx.ctl.restart_policy import ModelFiles, RestartPolicy
 from ntx.shared import messages as m
-from ntx.shared.config import InstancePaths
+from ntx.shared.config import InstanceConfig, InstancePaths
 from ntx.shared.errors import NtxError
-from ntx.shared.run_files import open_private, private_dir, write_private
+from ntx.shared.run_files import hand_over_secret, open_private, private_dir, take_secret, write_private
 from ntx.shared.shm import ShmSegment, list_segments
 
 from .pipeline_util import free_port, ntxctl, running_pipeline, wait_for
@@ -82,6 +88,15 @@ def test_model_files_name_each_kind_of_change(tmp_path):
     files = ModelFiles(str(model))
     os.utime(model, ns=(1, 1))
     assert "rewritten" in files.change()
+    # rewritten in place with its mtime restored (before: not noticed, every request failed)
+    model.write_bytes(bytes(range(256)) * 4096)
+    files = ModelFiles(str(model))
+    mtime_ns = model.stat().st_mtime_ns
+    with open(model, "r+b") as f:
+        f.seek(300_000)
+        f.write(b"\xff" * 200_000)
+    os.utime(model, ns=(mtime_ns, mtime_ns))
+    assert "its content changed; its size and modification time were kept" in files.change()
     model.unlink()
     assert str(model) in files.change() and "removed" in files.change()
 
@@ -215,3 +230,137 @@ def test_a_send_to_a_vanished_peer_gives_up_once_the_daemon_must_stop(tmp_path):
         daemon.control.close(linger=0)
     finally:
         sock.close(linger=0)
+
+
+@pytest.mark.slow
+def test_a_stalled_daemon_is_reported_within_5_s_and_restarted_after_the_stall_timeout(smollm2_path, tmp_path):
+    """Before: compute stopped (SIGSTOP) for 25 s left the state ``ready`` and ``/health`` 200
+    while requests waited. Now a daemon silent for 3 s makes the state ``stalled`` with the
+    stage named (a short stall ends by itself, same generation, the request served), and one
+    silent for ``--stall-timeout`` is killed and the pipeline restarted."""
+    http = f"127.0.0.1:{free_port()}"
+    with running_pipeline(str(smollm2_path), tmp_path, "--gpu-layers", "0", "--ram-budget", "0",
+                          "--stall-timeout", "10", "--http", http, name="stall") as p:
+        st = p.wait_state("ready")
+        gen, pid = st["gen"], st["daemons"]["compute"]["pid"]
+        wait_for(lambda: httpx.get(f"http://{http}/health").status_code == 200, 30, "the gateway's /health 200")
+        try:
+            # a short stall: reported within 5 s (status and the gateway's /health), over when
+            # compute runs again
+            with p.client() as c:
+                os.kill(pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                rid = c.submit("The capital of France is", raw=True, temperature=0.0, max_tokens=2)
+                wait_for(lambda: httpx.get(f"http://{http}/health").status_code == 503, 10, "/health 503")
+                assert time.monotonic() - t0 < 5.0
+                assert httpx.get(f"http://{http}/health").json() == {"status": "stalled"}
+                st = p.status()
+                assert st["state"] == "stalled" and st["stalled"] == ["compute"]
+                assert st["daemons"]["compute"]["state"] == "stalled" and st["daemons"]["compute"]["silent_s"] > 3.0
+                assert st["daemons"]["dma"]["state"] == st["daemons"]["reader"]["state"] == "ready"
+                os.kill(pid, signal.SIGCONT)
+                st = p.wait_state("ready", timeout_s=10.0)
+                assert st["gen"] == gen and st["stalled"] == []
+                assert "Paris" in [e for e in c.events(rid)][-1]["text"]
+            # a long one: killed after --stall-timeout, the request in flight fails, the next
+            # generation serves
+            with p.client() as c:
+                os.kill(pid, signal.SIGSTOP)
+                t0 = time.monotonic()
+                rid = c.submit("Once upon a time", raw=True, temperature=0.0, max_tokens=4)
+                with pytest.raises(ClientError) as err:
+                    for _ in c.events(rid):
+                        pass
+                assert err.value.code == "pipeline_failure" and "stalled" in str(err.value), err.value
+                # silence counts from its last stats, sent every 0.5 s (later on a loaded machine)
+                assert 8.0 <= time.monotonic() - t0 < 20.0
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        st = p.wait_state("ready", min_gen=gen + 1)
+        assert not _alive(pid)
+        assert "Paris" in p.generate_greedy("The capital of France is", 2)["text"]
+
+
+def test_a_secret_handed_over_by_file_is_private_and_gone_once_taken(tmp_path, monkeypatch):
+    monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / "run"))
+    key_file = private_dir(InstancePaths("k").root) / "gateway.secret"
+    hand_over_secret(key_file, "s3cret key")
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert take_secret(key_file) == "s3cret key" and not key_file.exists()
+    key_file.write_text("open")
+    os.chmod(key_file, 0o644)
+    with pytest.raises(NtxError, match="readable by others"):
+        take_secret(key_file)
+    assert not key_file.exists()  # refused, and gone all the same
+    target = tmp_path / "target"
+    target.write_text("precious")
+    key_file.symlink_to(target)
+    with pytest.raises(NtxError, match="cannot read the secret"):
+        take_secret(key_file)
+    hand_over_secret(key_file, "new")  # a planted link is removed, never written through
+    assert target.read_text() == "precious" and take_secret(key_file) == "new"
+
+
+@pytest.mark.slow
+def test_the_api_key_reaches_no_environment_and_the_gateway_gets_it_by_file(smollm2_path, tmp_path):
+    """Before: ``NTX_API_KEY`` sat in the environment of the supervisor and compute (readable in
+    /proc/PID/environ). Now ntxctl leaves it in a 0600 file the supervisor takes and deletes, and
+    the supervisor hands it to each gateway the same way (``--api-key-file``)."""
+    os.environ["NTX_API_KEY"] = "s3cret-key"
+    try:
+        # no --http here: the gateway's side (reading --api-key-file) is tests/test_gateway.py's
+        with running_pipeline(str(smollm2_path), tmp_path, name="keyed") as p:
+            st = p.status()
+            for pid in (st["supervisor_pid"], st["daemons"]["compute"]["pid"]):
+                assert "NTX_API_KEY" not in psutil.Process(pid).environ()
+            paths = InstancePaths("keyed")
+            assert not paths.secret_file("supervisor").exists()
+            gateway = GatewayProcess(instance_config("keyed"), paths, False, lambda _: None, api_key="s3cret-key")
+            argv = gateway.command()
+            key_file = argv[argv.index("--api-key-file") + 1]
+            assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600 and "s3cret-key" not in argv
+            assert take_secret(key_file) == "s3cret-key"
+    finally:
+        del os.environ["NTX_API_KEY"]
+
+
+def instance_config(name: str) -> InstanceConfig:
+    return InstanceConfig.from_dict(json.loads(InstancePaths(name).config_file.read_text())["instance"])
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_line_and_leaves_nothing(smollm2_path, tmp_path):
+    """Before: a full or read-only run folder at ``start`` printed a 67-85 line traceback, and a
+    full one left files that made ``status`` list the instance as running."""
+    run_dir = tmp_path / "run"
+
+    def full_disk():  # every write to a file fails as on a full disk (EFBIG; Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+    env = {**os.environ, "NTX_RUN_DIR": str(run_dir)}
+    args = [sys.executable, "-m", "ntx.ctl.cli", "start", "--model", str(smollm2_path), "--name", "full",
+            "--backend", "cpu", "--listen", f"tcp://127.0.0.1:{free_port()}"]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, preexec_fn=full_disk, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("ntxctl: error: cannot write the run folder ("), r.stderr
+    assert not (run_dir / "full").exists()
+    assert "no instances are running" in ntxctl("ps", env={"NTX_RUN_DIR": str(run_dir)}).stdout
+    (tmp_path / "a-file").write_text("")
+    r = ntxctl(*args[3:], env={"NTX_RUN_DIR": str(tmp_path / "a-file" / "run")})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("ntxctl: error: cannot write the run folder ("), r.stderr
+
+
+def test_status_and_ps_check_the_pid_they_read(tmp_path, monkeypatch):
+    """Before: a run folder with a pid file listed the instance as running, whoever had the pid."""
+    monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / "run"))
+    paths = InstancePaths("ghost")
+    private_dir(paths.root)
+    write_private(paths.pid_file, f"{os.getpid()}\n")  # a live process, but not its supervisor
+    assert instance.supervisor_pid(paths) is None and instance.list_instances() == []
+    r = ntxctl("ps", env={"NTX_RUN_DIR": str(tmp_path / "run")})
+    assert "no instances are running" in r.stdout, r.stdout
+    r = ntxctl("status", "--name", "ghost", env={"NTX_RUN_DIR": str(tmp_path / "run")})
+    assert r.returncode == 1 and "is not running" in r.stderr and "(running:" not in r.stderr, r.stderr
