@@ -51,10 +51,16 @@ class DaemonProc:
     state: str = "spawned"  # spawned -> configured -> ready (<-> stalled: no Stats for STALL_REPORT_S)
     ready: m.Ready = field(default_factory=m.Ready)  # what its Ready handed on
     heard_s: float = 0.0  # monotonic time of its Ready or last Stats: the age liveness measures
+    longest_step_s: float = 0.0  # its loop's longest step so far (compute: a pass), from its Stats
 
     def silent_s(self, now_s: float) -> float:
         """Seconds since the daemon last said anything its loop sends (Ready, Stats)."""
         return now_s - self.heard_s
+
+    def stall_after_s(self, bound_s: float) -> float:
+        """How long a silence means stalled: ``bound_s``, or longer where the daemon's own steps
+        are long (a CPU backend's pass over a big model sends nothing while it runs)."""
+        return max(bound_s, 2 * self.longest_step_s + m.STATS_INTERVAL_S)
 
 
 def exit_description(code: int) -> str:
@@ -176,6 +182,7 @@ class Generations:
         elif isinstance(msg, m.Stats):
             self.stage_stats[name] = msg.stats
             d.heard_s = time.monotonic()
+            d.longest_step_s = float(msg.stats.get("longest_step_s") or 0.0)
             if d.state == "stalled":
                 self.stall_ended(d)
         else:
@@ -256,12 +263,12 @@ class Generations:
             if d.state not in ("ready", "stalled"):
                 continue
             silent_s = d.silent_s(now_s)
-            if silent_s > self.cfg.stall_timeout:
+            if silent_s > d.stall_after_s(self.cfg.stall_timeout):
                 d.proc.kill()  # a stopped (SIGSTOP) or wedged process may not heed SIGTERM
                 self.pipeline_failed(f"{d.name} daemon (pid {d.proc.pid}) sent no stats for {silent_s:.1f} s "
                                      f"(stalled; --stall-timeout {self.cfg.stall_timeout:g}); killed it")
                 return True
-            if silent_s > STALL_REPORT_S and d.state == "ready":
+            if silent_s > d.stall_after_s(STALL_REPORT_S) and d.state == "ready":
                 d.state = "stalled"
                 self.say(f"gen {self.gen}: {d.name} daemon (pid {d.proc.pid}) stalled: no stats for {silent_s:.1f} s")
                 if self.state == "ready":

@@ -518,10 +518,12 @@ def test_the_api_key_file_must_be_private_and_the_environment_is_the_fallback(tm
     r = subprocess.run([sys.executable, "-m", "ntx.ctl.gateway", "--pipeline", "tcp://127.0.0.1:9", "--http",
                         "0.0.0.0:9", "--api-key-file", str(key_file)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"ntx-gateway: error: --api-key-file {key_file}: others may read or write it (mode 644); make it 0600"]
+        f"ntx-gateway: error: --api-key-file {key_file} is readable by others (mode 644); refusing its secret"]
 
     from ntx.ctl.gateway.api_key import api_key
 
+    assert not key_file.exists()  # a refused secret file is deleted all the same: others may have read it
+    key_file.write_text("k")
     key_file.chmod(0o600)
     assert api_key(str(key_file)) == "k" and not key_file.exists()
     import os

@@ -364,3 +364,19 @@ def test_status_and_ps_check_the_pid_they_read(tmp_path, monkeypatch):
     assert "no instances are running" in r.stdout, r.stdout
     r = ntxctl("status", "--name", "ghost", env={"NTX_RUN_DIR": str(tmp_path / "run")})
     assert r.returncode == 1 and "is not running" in r.stderr and "(running:" not in r.stderr, r.stderr
+
+
+def test_a_daemon_whose_steps_are_long_is_given_room_before_it_counts_as_stalled():
+    """A cpu backend's pass over a big model sends no stats while it runs: the silence that
+    means stalled grows to twice the longest step compute reported (plus a stats interval),
+    and never shrinks below the fixed bound."""
+    from ntx.ctl.generations import DaemonProc
+    from ntx.ctl.restart_policy import STALL_REPORT_S
+
+    d = DaemonProc("compute", proc=None, started_s=0.0)
+    assert d.stall_after_s(STALL_REPORT_S) == STALL_REPORT_S
+    d.longest_step_s = 0.4  # a GPU pass: the fixed bound holds
+    assert d.stall_after_s(STALL_REPORT_S) == STALL_REPORT_S
+    d.longest_step_s = 4.0  # a CPU pass of an 8B model
+    assert d.stall_after_s(STALL_REPORT_S) == 2 * 4.0 + m.STATS_INTERVAL_S
+    assert d.stall_after_s(60.0) == 60.0

@@ -71,6 +71,7 @@ class ComputeDaemon(Daemon):
         self.active = False
         self.draining_until_s: float | None = None
         self.recent_tokens: deque[tuple[float, int]] = deque()
+        self.longest_step_s = 0.0  # the longest engine step since ready: the supervisor's liveness allows for it
         return m.Ready(device_slots=descriptors)
 
     def ready_note(self) -> str:
@@ -123,7 +124,10 @@ class ComputeDaemon(Daemon):
             if self.engine.has_work:
                 self._set_active(True)
                 n_before = self.engine.tokens_generated
-                self.send_events(self.engine.step())
+                t0 = time.monotonic()
+                events = self.engine.step()
+                self.longest_step_s = max(self.longest_step_s, time.monotonic() - t0)  # liveness allows for it
+                self.send_events(events)
                 if self.engine.last_pass is not None:
                     self.clock.add_rows(*self.engine.last_pass)
                     self.engine.last_pass = None
@@ -143,6 +147,7 @@ class ComputeDaemon(Daemon):
             active=self.engine.active_ids, queued=self.engine.queued_ids,
             tokens_generated=self.engine.tokens_generated, n_passes=self.engine.model.next_pass_id,
             tokens_per_s=round(window / span, 3) if span > 0 else 0.0, kv=self.engine.kv_report(),
+            longest_step_s=round(self.longest_step_s, 3),
         )
         if self.engine.drafter is not None:
             depth, width = self.engine.shape.best()
