@@ -372,3 +372,39 @@ def test_a_model_drafters_depth_time_leaves_out_its_catch_up(tmp_path):
     tree = drafter.propose([DraftRequest(7, prompt + [5], 3, 1, 128)])[0]
     assert len(tree.tokens) == 3 and drafter.depth_s is not None and drafter.depth_s > 0
     drafter.forget(7)
+
+
+def test_each_sequence_drafts_by_its_own_acceptance():
+    """Two sequences under one tree shape: one whose drafts are always rejected stops drafting
+    (probing every PROBE_EVERY passes) while the other, whose drafts are all accepted, keeps
+    drafting deep; a new sequence starts from what the instance measured."""
+    from ntx.daemons.compute.speculation import TreeShape
+
+    shape = TreeShape(budget=8, width=1)
+    shape.observe_times(verify_s=0.36, depth_s=0.007)
+    good, bad = shape.acc.copy(), shape.acc.copy()
+    for _ in range(40):
+        for acc, path in ((good, None), (bad, [])):
+            d, _ = shape.choose(acc)
+            if d:
+                shape.observe(DraftTree.chain([1] * d), list(range(d)) if path is None else path, acc)
+    assert shape.best(good) == (8, 1) and shape.best(bad) == (0, 1)
+    assert [shape.choose(bad)[0] for _ in range(16)].count(1) == 2  # one probe per 8 passes
+    assert 0.0 < shape.acc.chain_rate < 1.0 and shape.acc.copy().undrafted_passes == 0
+
+
+def test_drafting_stops_where_the_verify_pass_costs_more_than_its_tokens_bring():
+    """A verify pass dearer than a plain one (resident decode, the CPU: its extra rows cost)
+    needs more accepted tokens to pay: at half acceptance, a verify pass of 3x a plain pass does
+    not, while one of the same cost as a plain pass (a streamed pass) does. A sequence's first
+    verify passes are judged without the difference, so its own acceptance is measured first."""
+    from ntx.daemons.compute.speculation import Acceptance, TreeShape
+
+    half = Acceptance(chain_rate=0.5, observed=TreeShape.EXPLORE_PASSES)  # past its first passes
+    streamed = TreeShape(budget=8, width=1)
+    streamed.observe_times(verify_s=0.36, depth_s=0.0, plain_s=0.36)
+    assert streamed.best(half)[0] > 0
+    resident = TreeShape(budget=8, width=1)
+    resident.observe_times(verify_s=0.03, depth_s=0.0, plain_s=0.01)
+    assert resident.best(half) == (0, 1)
+    assert resident.best(Acceptance(chain_rate=0.5))[0] > 0  # a new sequence measures its own first

@@ -28,7 +28,7 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.kv_pages import KvPoolExhausted
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import NumericalError, Sampler, logprobs_topk
-from ntx.daemons.compute.speculation import Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
+from ntx.daemons.compute.speculation import Acceptance, Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
 from ntx.shared.errors import NtxError
 from ntx.shared.kv_sizing import PAGE_TOKENS
 from ntx.shared.messages import (EngineError, EngineEvent, EngineOutput, EngineRequest, RequestError, SpecCounts,
@@ -72,6 +72,7 @@ class _Seq:
     resumed: bool = False
     committed_pages: int = 0  # full pages of written tokens handed to the prefix cache so far
     paused: bool = False  # no page for what it writes next: sits out this pass
+    acceptance: Acceptance | None = None  # how its drafts fared (speculation): its own tree shape
 
     @property
     def prefilling(self) -> bool:
@@ -350,6 +351,8 @@ class EngineCore:
         self.last_pass = last_pass
         if any(s.draft for s in seqs):
             self.shape.observe_times(verify_s=time.monotonic() - t0)
+        elif self.drafter is not None and not last_pass[2]:  # a decode pass without drafts: what not drafting costs
+            self.shape.observe_times(plain_s=time.monotonic() - t0)
         return events + self._take(batch, seqs, picked)
 
     def _step_ahead(self) -> list[EngineEvent]:
@@ -440,14 +443,18 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for every decoding sequence's draft tree (one batched call), shaped
-        as ``TreeShape`` judges best from what it measured so far."""
+        as ``TreeShape`` judges best from what it measured so far, for each sequence by its own
+        acceptance (one whose drafts are rejected stops drafting, probing now and then, while
+        another drafts deep)."""
         if self.drafter is None:
             return
-        depth, width = self.shape.choose()
         reqs, owners = [], []
         for s in self.running:
             if s.prefilling or not s.req.speculative:
                 continue
+            if s.acceptance is None:
+                s.acceptance = self.shape.acc.copy()
+            depth, width = self.shape.choose(s.acceptance)
             d = self._draft_depth(s, depth, width)
             pos = len(s.req.prompt_tokens) + len(s.generated) - 1
             if d > 0 and not self.model.backend.grow_sequence(s.seq_id, pos + 1 + d * width):
@@ -470,7 +477,7 @@ class EngineCore:
         if path != list(range(len(path))):  # a sibling was taken: close the path's KV entries up
             pos = len(s.req.prompt_tokens) + len(s.generated)  # node i sits at pos + i
             self.model.backend.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
-        self.shape.observe(tree, path)
+        self.shape.observe(tree, path, s.acceptance)
         self.spec.add(len(tree), len(path))
         rows = [0] + [i + 1 for i in path]  # token k was drawn from the row of its parent
         return self._emit(s, [(tok, pk[row]) for tok, row in zip(tokens, rows)], len(tree), len(path))

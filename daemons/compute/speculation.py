@@ -271,97 +271,128 @@ def verify_tree(tree: DraftTree, rows: list[Picked], sampler: Sampler, history: 
         row = chosen
 
 
+@dataclass
+class Acceptance:
+    """How drafts fared, as running means: ``chain_rate``, how often the chain's node is accepted
+    where it is tried; ``rescue_rate[r]``, how often the sibling of rank r (2, 3, …) is accepted
+    when every better one was rejected; ``undrafted_passes``, passes in a row left undrafted since
+    drafting was judged a loss. The engine keeps one per sequence (texts differ: a request that
+    quotes its prompt accepts most drafts, a creative one few, and one must not switch drafting
+    off or on for the other); ``TreeShape`` keeps the instance's, all sequences' together, which
+    a new sequence starts from."""
+
+    chain_rate: float = 0.6
+    rescue_rate: dict[int, float] = field(default_factory=lambda: {r: 0.2 for r in TreeShape.WIDTHS[1:]})
+    undrafted_passes: int = 0
+    observed: int = 0  # verify passes learnt from
+
+    def copy(self) -> Acceptance:
+        """A new sequence's start: what the instance has measured, no pass of its own yet."""
+        return Acceptance(self.chain_rate, dict(self.rescue_rate))
+
+
 class TreeShape:
     """Chooses the draft tree's depth D and width w from measured acceptance and timings.
 
-    Measured (running means over the last verify passes): ``chain_rate``, how often the chain's
-    node is accepted where it is tried; ``rescue_rate[r]``, how often the sibling of rank r (2, 3,
-    …) is accepted when every better one was rejected; ``verify_s``, a verify pass; ``depth_s``,
-    one draft depth. Expected accepted tokens of (D, w):
+    Measured: acceptance (``Acceptance``: per sequence, and the instance's); ``verify_s``, a pass
+    with drafts; ``plain_s``, a decode pass without (until measured, and for a sequence's first
+    ``EXPLORE_PASSES`` verify passes, taken as ``verify_s``);
+    ``depth_s``, one draft depth. Expected accepted tokens of (D, w):
         E = sum_{d=1..D} a^(d-1) (a + (1 - a) R_w),  a = chain_rate, R_w = 1 - prod_{r=2..w} (1 - rescue_r)
     and the pass yields E + 1 tokens in verify_s + D depth_s. ``best`` returns the (D, w) with
     D w <= the budget that maximises (E + 1) / (verify_s + D depth_s), or (0, w) — no draft,
-    one token per verify_s — when no tree pays for its drafting (every draft wrong: the drafter's
-    time is then all loss). A fixed width fixes the tree (D = budget / w): drafting it or not is
-    then the only choice. ``choose``, asked
-    once per pass, follows ``best`` but drafts one token every ``PROBE_EVERY`` passes while
-    drafting is off, so that acceptance keeps being measured and drafting resumes when it
-    pays again. Priors stand in until the first measurements."""
+    one token per plain_s — when no tree pays for its drafting (every draft wrong: the drafter's
+    time and the verify pass's extra rows are then all loss). A fixed width fixes the tree
+    (D = budget / w): drafting it or not is then the only choice. ``choose``, asked once per pass
+    and sequence, follows ``best`` but drafts one token every ``PROBE_EVERY`` passes while
+    drafting is off, so that acceptance keeps being measured and drafting resumes when it pays
+    again. Priors stand in until the first measurements."""
 
     WIDTHS = (1, 2, 3, 4)
     DECAY = 0.9  # weight of the past in the running means
     PROBE_EVERY = 8  # passes: one probe per 8 undrafted passes costs ~1/8 of one draft depth
+    # A sequence's first verify passes are judged as if verifying cost no more than a plain pass:
+    # its own acceptance is measured before a dearer verify pass can switch its drafting off
+    # (text that quotes its prompt accepts far more than the instance's mean)
+    EXPLORE_PASSES = 2
 
     def __init__(self, budget: int, width: int | None = None) -> None:
         self.budget = budget
         self.width = width
-        self.chain_rate = 0.6
-        self.rescue_rate = {r: 0.2 for r in self.WIDTHS[1:]}
+        self.acc = Acceptance()  # the instance's
         self.verify_s = 1.0  # priors, replaced by the first measurement
         self.depth_s = 0.1
-        self.timed = set()  # which of the two times were measured
-        self.undrafted_passes = 0  # in a row, since drafting was judged a loss
+        self.plain_s: float | None = None
+        self.timed = set()  # which of the times were measured
 
     def _mean(self, old: float, new: float) -> float:
         return self.DECAY * old + (1 - self.DECAY) * new
 
-    def expected_accepted(self, depth: int, width: int) -> float:
-        a = min(self.chain_rate, 0.999)
-        rescue = 1.0 - math.prod(1.0 - self.rescue_rate[r] for r in range(2, width + 1))
+    def expected_accepted(self, depth: int, width: int, acc: Acceptance | None = None) -> float:
+        acc = acc or self.acc
+        a = min(acc.chain_rate, 0.999)
+        rescue = 1.0 - math.prod(1.0 - acc.rescue_rate[r] for r in range(2, width + 1))
         return (a + (1 - a) * rescue) * (1 - a ** depth) / (1 - a)
 
-    def best(self) -> tuple[int, int]:
-        """The shape that yields most tokens per second by what was measured; depth 0: none."""
+    def best(self, acc: Acceptance | None = None) -> tuple[int, int]:
+        """The shape that yields most tokens per second by what was measured (for ``acc``'s
+        sequence; None: the instance's); depth 0: none."""
         if self.width is not None:
             shapes = [(max(1, self.budget // self.width), self.width)]
         else:
             shapes = [(d, w) for w in self.WIDTHS for d in range(1, self.budget // w + 1)]
-        best, best_score = (0, shapes[0][1]), 1.0 / self.verify_s
+        acc = acc or self.acc
+        plain_s = self.plain_s if self.plain_s and acc.observed >= self.EXPLORE_PASSES else self.verify_s
+        best, best_score = (0, shapes[0][1]), 1.0 / plain_s
         for d, w in shapes:
-            score = (self.expected_accepted(d, w) + 1) / (self.verify_s + d * self.depth_s)
+            score = (self.expected_accepted(d, w, acc) + 1) / (self.verify_s + d * self.depth_s)
             if score > best_score:
                 best, best_score = (d, w), score
         return best
 
-    def choose(self) -> tuple[int, int]:
-        """This pass's shape: ``best``, or a one-token probe every ``PROBE_EVERY`` passes that
-        ``best`` leaves undrafted."""
-        depth, width = self.best()
+    def choose(self, acc: Acceptance | None = None) -> tuple[int, int]:
+        """This pass's shape for ``acc``'s sequence (None: the instance's): ``best``, or a
+        one-token probe every ``PROBE_EVERY`` passes that ``best`` leaves undrafted."""
+        acc = acc or self.acc
+        depth, width = self.best(acc)
         if depth > 0:
-            self.undrafted_passes = 0
+            acc.undrafted_passes = 0
             return depth, width
-        self.undrafted_passes += 1
-        if self.undrafted_passes % self.PROBE_EVERY == 0:
+        acc.undrafted_passes += 1
+        if acc.undrafted_passes % self.PROBE_EVERY == 0:
             return 1, 1
         return 0, width
 
-    def observe(self, tree: DraftTree, path: list[int]) -> None:
-        """Learn from one verified tree: at each node the pass reached, was the chain's child
-        accepted, or which sibling rank."""
+    def observe(self, tree: DraftTree, path: list[int], acc: Acceptance | None = None) -> None:
+        """Learn from one verified tree (into ``acc``, its sequence's, and the instance's): at
+        each node the pass reached, was the chain's child accepted, or which sibling rank."""
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):
             children.setdefault(p, []).append(i)
-        node = -1
-        for nxt in path + [None]:
-            kids = children.get(node, [])
-            if not kids:
-                break
-            rank = kids.index(nxt) + 1 if nxt in kids else None
-            self.chain_rate = self._mean(self.chain_rate, 1.0 if rank == 1 else 0.0)
-            for r in range(2, len(kids) + 1):  # siblings tried after a rejected chain node
-                if rank == 1:
+        for target in [self.acc] + ([acc] if acc is not None and acc is not self.acc else []):
+            target.observed += 1
+            node = -1
+            for nxt in path + [None]:
+                kids = children.get(node, [])
+                if not kids:
                     break
-                self.rescue_rate[r] = self._mean(self.rescue_rate[r], 1.0 if rank == r else 0.0)
-                if rank == r:
+                rank = kids.index(nxt) + 1 if nxt in kids else None
+                target.chain_rate = self._mean(target.chain_rate, 1.0 if rank == 1 else 0.0)
+                for r in range(2, len(kids) + 1):  # siblings tried after a rejected chain node
+                    if rank == 1:
+                        break
+                    target.rescue_rate[r] = self._mean(target.rescue_rate[r], 1.0 if rank == r else 0.0)
+                    if rank == r:
+                        break
+                if nxt is None:
                     break
-            if nxt is None:
-                break
-            node = nxt
+                node = nxt
 
-    def observe_times(self, verify_s: float | None = None, depth_s: float | None = None) -> None:
-        if verify_s is not None:
-            self.verify_s = self._mean(self.verify_s, verify_s) if "verify" in self.timed else verify_s
-            self.timed.add("verify")
-        if depth_s is not None:
-            self.depth_s = self._mean(self.depth_s, depth_s) if "depth" in self.timed else depth_s
-            self.timed.add("depth")
+    def observe_times(self, verify_s: float | None = None, depth_s: float | None = None,
+                      plain_s: float | None = None) -> None:
+        for name, value in (("verify", verify_s), ("depth", depth_s), ("plain", plain_s)):
+            if value is None:
+                continue
+            old = getattr(self, f"{name}_s")
+            setattr(self, f"{name}_s", self._mean(old, value) if name in self.timed else value)
+            self.timed.add(name)
