@@ -20,6 +20,8 @@ from ntx.shared.messages import EngineRequest  # noqa: E402
 from ntx.shared.plan import demotion_order  # noqa: E402
 import synth_gguf as sg  # noqa: E402  (scripts/synth_gguf, on sys.path through tests/conftest.py)
 
+from ..test_kv_memory import run  # noqa: E402  (greedy tokens of prompts submitted at once)
+
 N_LAYERS = 8
 STREAMED = (2, 5)  # read from the file every pass from the start
 
@@ -31,18 +33,6 @@ def index(tmp_path_factory):
                            vocab_size=1024, type="Q4_K_M", seed=5)
     sg.write_llama_gguf(path, cfg)
     return open_model(path)
-
-
-def _run(eng: LocalEngine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-    for rid, p in prompts.items():
-        eng.submit(EngineRequest(rid, list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens)))
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while eng.has_work:
-        for ev in eng.step():
-            assert ev["type"] != "error", ev
-            if ev["type"] == "token":
-                out[ev["id"]].append(ev["token"])
-    return out
 
 
 def _paged(index, n_chunks: int, max_chunks: int, **kw) -> LocalEngine:
@@ -58,18 +48,18 @@ def test_demoted_and_promoted_layers_keep_every_token_on_the_gpu(index):
     roomy = LocalEngine(build_engine(index, "cuda", EngineOptions(max_batch=2, ctx=512)))
     long = {"long": [(7 * i + 3) % 1000 + 1 for i in range(200)]}
     short = {"s": [504, 357, 282, 464, 314, 17, 300]}
-    want = _run(roomy, long, 10)
-    want_short = _run(roomy, short, PROMOTE_AFTER_PASSES + 10)
+    want = run(roomy, long, 10)
+    want_short = run(roomy, short, PROMOTE_AFTER_PASSES + 10)
     resident = [i for i in range(N_LAYERS) if i not in STREAMED]
     eng = _paged(index, n_chunks=2, max_chunks=400, resident_layers=resident)
     model = eng.core.model
     costs = model.backend.memory_costs(index, max_seqs=1, max_ctx=1, prefill_chunk_tokens=1)
     room = eng.core.kv_room = Residency(model, demotion_order(resident), costs.layer_bytes)
-    assert _run(eng, long, 10) == want
+    assert run(eng, long, 10) == want
     demoted = list(room.demoted)
     assert demoted and all(i not in model.resident for i in demoted)
     assert set(model.streamed_layers) == set(STREAMED) | set(demoted)
-    assert _run(eng, short, PROMOTE_AFTER_PASSES + 10) == want_short
+    assert run(eng, short, PROMOTE_AFTER_PASSES + 10) == want_short
     assert len(room.demoted) == len(demoted) - 1 and demoted[-1] in model.resident
 
 
@@ -78,7 +68,7 @@ def test_a_reused_prefix_gives_the_tokens_of_a_cold_run_on_the_gpu(index):
     last page is always run) and decodes the cold run's tokens."""
     eng = _paged(index, n_chunks=64, max_chunks=64)
     prompt = [(11 * i + 5) % 1000 + 1 for i in range(100)]
-    first = _run(eng, {"a": prompt}, 12)
+    first = run(eng, {"a": prompt}, 12)
     eng.submit(EngineRequest("b", list(prompt), SamplingParams(temperature=0.0, max_tokens=12)))
     events = eng.step()
     assert eng.core.last_pass[2] == 100 - 96  # prompt rows of that pass: the last page's 4 tokens
