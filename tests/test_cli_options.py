@@ -17,6 +17,8 @@ from ntx.ctl import cli
 from ntx.shared.config import EngineOptions, InstanceConfig, cli_option
 from ntx.shared.errors import ConfigError, NtxError
 
+from .pipeline_util import own_instance
+
 
 def _params(command: str) -> dict[str, object]:
     """The click parameters of ``ntxctl COMMAND``, by name."""
@@ -116,7 +118,8 @@ def _run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_plan_only_shows_ring_slots_and_kernels_and_slots_still_works(monkeypatch, capsys, smollm2_path, run_dir):
-    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--gpu-layers", "2")
+    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--gpu-layers", "2",
+            *own_instance("slots"))
     code, out, err = _run(monkeypatch, capsys, *base, "--ring-slots", "3", "--kernels", "pdl-matmul=on")
     assert code == 0 and err == "", err
     assert "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=on\n" in out
