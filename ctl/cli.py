@@ -17,7 +17,7 @@ from typing import Any, Optional, get_args, get_type_hints
 import typer
 
 from ntx.ctl.bench_options import SpecOptions
-from ntx.shared.config import (API_KEY_ENV, DEFAULT_LISTEN, LISTEN_ENV, EngineOptions, InstanceConfig, cli_option,
+from ntx.shared.config import (API_KEY_ENV, LISTEN_ENV, NAME_ENV, EngineOptions, InstanceConfig, cli_option,
                                parse_layers, parse_size)
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.run_files import write_private
@@ -37,14 +37,59 @@ def _listen_option(help_text: str = "address of a running pipeline (default: the
     return typer.Option(None, "--listen", envvar=LISTEN_ENV, help=help_text)
 
 
-def _pipeline_address(name: str, listen: str | None) -> str:
-    """Where to reach the pipeline: --listen if given, else instance ``name``'s address while it
-    runs, else the default address."""
-    if listen:
-        return listen
-    from ntx.ctl.instance import instance_listen
+def _client_name_option(help_text: str = "the running instance to talk to (default: the default instance)"):
+    """``--name`` of a command that talks to a running instance: None when neither the option nor
+    NTX_NAME was given, so that a name given and not running is never mistaken for no name."""
+    return typer.Option(None, "--name", envvar=NAME_ENV, help=help_text)
 
-    return instance_listen(name) or DEFAULT_LISTEN
+
+PROBE_S = 5.0  # how long a running instance (or --listen's address) may take to answer status
+
+
+def _not_running(name: str) -> str:
+    """Why instance ``name`` cannot be talked to: not running, the ones that are, the reason it
+    stopped, and how to start it."""
+    from ntx.ctl import instance
+
+    others = instance.list_instances()
+    text = f"instance {name!r} is not running" + (f" (running: {', '.join(others)})" if others else
+                                                   " (no instance is running)")
+    failure = instance.last_failure(name)
+    if failure:
+        text += f"; it stopped because: {failure}"
+    return text + f"; start it with `ntxctl start --name {name}`"
+
+
+def _reach_pipeline(name: str | None, listen: str | None) -> tuple[str, str] | None:
+    """(address, model file) of the pipeline a command talks to: at --listen's address, else
+    instance ``name``'s, else the default instance's. A named instance that does not run, an
+    address where no pipeline answers and a pipeline that refuses this client (CURVE) are each
+    one error line; None only when neither a name nor an address was given and the default
+    instance does not run (the caller may then run the model in this process)."""
+    import zmq
+
+    from ntx.ctl import instance
+    from ntx.ctl.client import Client, ClientError
+
+    if listen:
+        address = listen
+    else:
+        address = instance.instance_listen(name or "default")
+        if address is None:
+            if name is None:
+                return None
+            _fail(_not_running(name))
+    whose = f"instance {name!r}" if name and not listen else "the pipeline"
+    try:
+        with Client(address) as c:
+            return address, c.status(timeout_s=PROBE_S).get("model", "")
+    except zmq.ZMQError as e:
+        _fail(f"--listen {address!r}: not an address ZeroMQ can connect to ({e}); example: tcp://127.0.0.1:5555")
+    except ClientError as e:
+        if e.code == "auth_refused":
+            _fail(str(e))
+        _fail(f"{whose} does not answer on {address} within {PROBE_S:g} s: check the address, or start a pipeline "
+              f"there with `ntxctl start --listen {address}`")
 
 
 def _version(value: bool) -> None:
@@ -363,7 +408,8 @@ def generate(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
     raw: bool = typer.Option(False, "--raw", help="the prompt is raw text: no chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
-    name: str = _name_option(),
+    name: Optional[str] = _client_name_option("the running instance to talk to (default: the default instance "
+                                              "if it runs, else this process)"),
     listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
     speculative: bool = typer.Option(True, "--speculative/--no-speculative",
@@ -371,33 +417,28 @@ def generate(
     given: dict | None = None,  # the drafting options, from @record_options
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
-    """Generate text: through a running pipeline if one listens, else in this process (CPU).
-    Ctrl-C cancels the request in the pipeline."""
+    """Generate text: through the instance --name or --listen names (an error when it does not
+    run), else through the default instance if it runs, else in this process (CPU). Ctrl-C
+    cancels the request in the pipeline."""
     drafting = EngineOptions(**read_record(given, model))
     if not local:
-        listen = _pipeline_address(name, listen)
-        served = _served_model(listen)
-        if served is not None:
-            _check_same_model(model, served, listen)
-            _generate_remote(listen, prompt, raw, sampling, as_json, speculative)
+        target = _reach_pipeline(name, listen)
+        if target is not None:
+            address, served = target
+            _check_same_model(model, served, address)
+            _generate_remote(address, prompt, raw, sampling, as_json, speculative)
             return
-        typer.echo(
-            f"ntxctl: no pipeline listens on {listen}; running in this process on the CPU "
-            "(start a pipeline with `ntxctl start`)",
-            err=True,
-        )
+        typer.echo(f"ntxctl: {_no_default_instance()}; running in this process on the CPU "
+                   "(start a pipeline with `ntxctl start`)", err=True)
     _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
 
 
-def _served_model(listen: str) -> str | None:
-    """The model file of the pipeline answering on ``listen``, or None when none answers."""
-    from ntx.ctl.client import Client, ClientError
+def _no_default_instance() -> str:
+    """The default instance is not running: the ones that are, which --name reaches."""
+    from ntx.ctl import instance
 
-    try:
-        with Client(listen) as c:
-            return c.status(timeout_s=0.5).get("model", "")
-    except (ClientError, OSError):
-        return None
+    others = instance.list_instances()
+    return "instance 'default' is not running" + (f" (running: {', '.join(others)}; give --name)" if others else "")
 
 
 def _check_same_model(model: str | None, served: str, listen: str) -> None:
@@ -447,18 +488,19 @@ def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool,
 @app.command()
 @sampling_options(temperature=0.7, max_tokens=512)
 def chat(
-    name: str = _name_option(),
+    name: Optional[str] = _client_name_option(),
     listen: Optional[str] = _listen_option(),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Talk to a running pipeline turn by turn; the conversation is kept. Ctrl-C cancels the
     reply being written; Ctrl-D or /exit ends the chat."""
-    from ntx.ctl.client import Client, pipeline_available
+    from ntx.ctl.client import Client
 
-    listen = _pipeline_address(name, listen)
-    if not pipeline_available(listen):
-        _fail(f"no pipeline listens on {listen}: start one with `ntxctl start` (or give --name)")
+    target = _reach_pipeline(name, listen)
+    if target is None:
+        _fail(f"{_no_default_instance()}: chat talks to a running pipeline; start one with `ntxctl start`")
+    listen = target[0]
     messages = [{"role": "system", "content": system}] if system else []
     with Client(listen) as c:
         while True:
@@ -670,13 +712,7 @@ def status(
     def fetch():
         st = instance.get_status(name)
         if st is None:
-            others = instance.list_instances()
-            hint = f" (running: {', '.join(others)})" if others else ""
-            failure = instance.last_failure(name)
-            if failure:
-                hint += f"; it stopped because: {failure}"
-            hint += f"; start it with `ntxctl start --name {name}`"
-            _fail(f"instance {name!r} is not running{hint}")
+            _fail(_not_running(name))
         return st
 
     if as_json and not watch:
@@ -811,7 +847,8 @@ def perplexity(
     ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk; the second half of each is scored"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
-    name: str = _name_option(),
+    name: Optional[str] = _client_name_option("the running instance to score with (default: the default instance "
+                                              "if it runs, else this process)"),
     listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
@@ -821,13 +858,12 @@ def perplexity(
     scored): the running value per chunk, then PPL ± its standard error. Through a running
     pipeline if one listens, else in this process."""
     from ntx.ctl import perplexity as ppl
-    from ntx.ctl.client import pipeline_available
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    listen = _pipeline_address(name, listen)
-    if given["skip_layers"] is None and not local and pipeline_available(listen):
-        scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
+    target = _reach_pipeline(name, listen) if given["skip_layers"] is None and not local else None
+    if target is not None:
+        scorer = ppl.PipelineScorer(target[0], os.path.abspath(model) if model else None)
     else:
         model_path = _model_path(model)
         values = read_record(given, model_path)

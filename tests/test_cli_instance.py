@@ -69,6 +69,29 @@ def test_the_name_finds_the_instance_and_the_finish_reason_is_said(pipeline):
     assert r.returncode == 0 and r.stderr == ""  # a normal stop says nothing
 
 
+def test_a_name_that_is_not_running_is_an_error_naming_it_and_the_running_ones(pipeline, tmp_path):
+    """A mistyped --name (or NTX_NAME) never reaches another instance nor runs in this process:
+    every command that talks to an instance by name says the name is not running and lists the
+    running ones; with no name and no default instance, generate runs in this process."""
+    text = tmp_path / "text.txt"
+    text.write_text("Hello there. " * 20)
+    log = InstancePaths("cli").log_dir / "supervisor.log"
+    served_before = log.read_text().count(", finish ")
+    for argv, env in ((("generate", "--name", "nosuch", "--max-tokens", "2", "hi"), None),
+                      (("generate", "--max-tokens", "2", "hi"), {"NTX_NAME": "nosuch"}),
+                      (("chat", "--name", "nosuch"), None),
+                      (("perplexity", str(text), "--name", "nosuch"), None)):
+        r = ntxctl(*argv, env=env)
+        line = _one_error_line(r)
+        assert "instance 'nosuch' is not running (running: cli)" in line and "ntxctl start --name nosuch" in line
+        assert r.stdout == "" and "in this process" not in r.stderr, r.stderr
+    assert log.read_text().count(", finish ") == served_before  # nothing reached the running instance
+    r = ntxctl("generate", "--raw", "--temperature", "0", "--max-tokens", "2", FRANCE)  # no name, no default
+    assert r.returncode == 0 and r.stdout.startswith(" Paris"), r.stderr
+    assert r.stderr.startswith("ntxctl: instance 'default' is not running (running: cli; give --name); running in "
+                               "this process on the CPU"), r.stderr
+
+
 def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
     other = tmp_path / "other.gguf"
     r = ntxctl("generate", "--name", "cli", "--model", str(other), FRANCE)
