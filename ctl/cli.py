@@ -553,9 +553,11 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
     model_path = os.path.abspath(_model_path(given["model"]))
     index = open_model(model_path)
     cfg = InstanceConfig(**read_record({**given, "model": model_path}, model_path)).validate()
-    instance.refuse_running(cfg.name)  # said as such, not as its port being in use
-    _check_http(cfg.http, api_key)
-    _check_port_free(cfg.listen, "--listen")
+    if not plan_only:  # a plan starts nothing: the name and the ports may be in use
+        instance.refuse_running(cfg.name)  # said as such, not as its port being in use
+    _check_http(cfg.http, api_key, check_port=not plan_only)
+    if not plan_only:
+        _check_port_free(cfg.listen, "--listen")
     cfg = cfg.for_model(index.hparams.n_ctx_train)
     plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
@@ -586,8 +588,9 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
     typer.echo(f"logs: {st['log_dir']}")
 
 
-def _check_http(http: str | None, api_key: str | None) -> None:
-    """``--http``'s address, its key rule and its packages, checked before anything starts."""
+def _check_http(http: str | None, api_key: str | None, check_port: bool = True) -> None:
+    """``--http``'s address, its key rule and its packages, and (``check_port``) that its port is
+    free, checked before anything starts."""
     if http is None:
         return
     from ntx.ctl.gateway.address import check_exposure, parse_http_address
@@ -602,7 +605,8 @@ def _check_http(http: str | None, api_key: str | None) -> None:
     missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if find_spec(m) is None]
     if missing:
         _fail(f"--http needs the http extra ({', '.join(missing)} missing): pip install 'ntransformer[http]'")
-    _check_port_free(f"tcp://{host}:{port}", "--http")
+    if check_port:
+        _check_port_free(f"tcp://{host}:{port}", "--http")
 
 
 def _check_port_free(address: str, option: str) -> None:

@@ -178,6 +178,17 @@ def test_a_port_in_use_names_the_fix(pipeline, smollm2_path):
     assert instance.supervisor_pid(InstancePaths("clash")) is None
 
 
+def test_plan_only_needs_no_free_name_or_port(pipeline, smollm2_path):
+    """A plan starts nothing: the running instance's name and port, and the default port the
+    test run holds (tests/conftest.py), do not stop it."""
+    st = pipeline.status()
+    for args in (("--name", "cli", "--listen", pipeline.listen), ()):
+        r = ntxctl("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *args)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        assert "(Q4_1, 30 layers) on cpu" in r.stdout and "  kernels " in r.stdout
+    assert pipeline.status()["supervisor_pid"] == st["supervisor_pid"]  # the running one is left alone
+
+
 def test_serve_runs_in_the_foreground_and_stops_on_sigterm(smollm2_path, run_dir, tmp_path):
     listen = f"tcp://127.0.0.1:{free_port()}"
     err_path = tmp_path / "serve.stderr"
