@@ -557,7 +557,7 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
         instance.refuse_running(cfg.name)  # said as such, not as its port being in use
     _check_http(cfg.http, api_key, check_port=not plan_only)
     if not plan_only:
-        _check_port_free(cfg.listen, "--listen")
+        _check_listen_free(cfg.listen)
     cfg = cfg.for_model(index.hparams.n_ctx_train)
     plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
@@ -606,27 +606,43 @@ def _check_http(http: str | None, api_key: str | None, check_port: bool = True) 
     if missing:
         _fail(f"--http needs the http extra ({', '.join(missing)} missing): pip install 'ntransformer[http]'")
     if check_port:
-        _check_port_free(f"tcp://{host}:{port}", "--http")
+        _check_port_free(host, port, "--http", lambda p: f"{host if ':' not in host else f'[{host}]'}:{p}")
 
 
-def _check_port_free(address: str, option: str) -> None:
-    """A TCP address that something already listens on is one line naming the fix."""
-    import socket
-
+def _check_listen_free(address: str) -> None:
+    """``--listen``'s TCP address (``tcp://HOST:PORT``) is free, or one line naming the fix."""
     if not address.startswith("tcp://"):
         return
-    host, _, port = address[len("tcp://"):].rpartition(":")
-    host = {"*": "0.0.0.0"}.get(host, host).strip("[]")
-    if not port.isdigit():
-        return
+    host_text, _, port = address[len("tcp://"):].rpartition(":")
+    if port.isdigit():
+        _check_port_free({"*": "0.0.0.0"}.get(host_text, host_text).strip("[]"), int(port), "--listen",
+                         lambda p: f"tcp://{host_text}:{p}")
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why nothing could listen on ``host:port`` now, or None when it could."""
+    import socket
+
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         # as ZeroMQ and uvicorn bind: connections of a stopped instance in TIME_WAIT do not count
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, int(port)))
+            s.bind((host, port))
         except OSError as e:
-            _fail(f"{option} {address}: cannot listen there ({e.strerror}); another program (or ntx instance: "
-                  f"`ntxctl ps`) uses the port: pick another, e.g. {option} {address.rpartition(':')[0]}:{int(port) + 1}")
+            return e
+    return None
+
+
+def _check_port_free(host: str, port: int, option: str, address_of) -> None:
+    """A TCP port that something already listens on is one line naming the fix: the option with
+    the next port that is free now, written as the option reads it (``address_of(port)``)."""
+    error = _bind_error(host, port)
+    if error is None:
+        return
+    free = next((p for p in range(port + 1, min(port + 100, 65536)) if _bind_error(host, p) is None), None)
+    hint = f"pick another, e.g. {option} {address_of(free)}" if free else "pick another port"
+    _fail(f"{option} {address_of(port)}: cannot listen there ({error.strerror}); another program (or ntx instance: "
+          f"`ntxctl ps`) uses the port: {hint}")
 
 
 def _wait_for_gateway(name: str, http: str, timeout_s: float = 30.0) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -172,10 +173,36 @@ def test_status_reads_as_text_and_names_the_logs(pipeline):
 
 
 def test_a_port_in_use_names_the_fix(pipeline, smollm2_path):
+    """The hint's value works: a port free now, in the form the option reads (--http takes
+    HOST:PORT, not a tcp:// address)."""
     r = ntxctl("start", "--model", str(smollm2_path), "--name", "clash", "--backend", "cpu", "--listen", pipeline.listen)
     line = _one_error_line(r)
     assert f"--listen {pipeline.listen}: cannot listen there" in line and "pick another" in line
+    suggested = line.rpartition("e.g. --listen ")[2]
+    assert suggested.startswith("tcp://127.0.0.1:") and _can_listen(int(suggested.rpartition(":")[2])), line
     assert instance.supervisor_pid(InstancePaths("clash")) is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http = f"127.0.0.1:{taken.getsockname()[1]}"
+        r = ntxctl("start", "--model", str(smollm2_path), "--name", "clash", "--backend", "cpu",
+                   "--listen", f"tcp://127.0.0.1:{free_port()}", "--http", http)
+        line = _one_error_line(r)
+        assert f"--http {http}: cannot listen there" in line, line
+        suggested = line.rpartition("e.g. --http ")[2]
+        assert suggested.startswith("127.0.0.1:") and _can_listen(int(suggested.rpartition(":")[2])), line
+        r = ntxctl("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--http", suggested)
+        assert r.returncode == 0, r.stderr  # the address the hint gives is one --http takes
+    assert instance.supervisor_pid(InstancePaths("clash")) is None
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_plan_only_needs_no_free_name_or_port(pipeline, smollm2_path):
