@@ -712,10 +712,11 @@ def stop(
     name: str = _name_option(),
     force: bool = typer.Option(False, "--force", help="cancel in-flight requests instead of finishing them"),
 ) -> None:
-    """Stop an instance: finish (or with --force cancel) in-flight requests, free every resource."""
+    """Stop an instance: finish (or with --force cancel) in-flight requests, free every resource.
+    While requests finish, it says how many are left."""
     from ntx.ctl import instance
 
-    typer.echo(instance.stop(name, force=force))
+    typer.echo(instance.stop(name, force=force, on_progress=lambda line: typer.echo(f"ntxctl: {line}", err=True)))
 
 
 @app.command()

@@ -154,13 +154,32 @@ def test_a_forced_stop_ends_the_text_before_the_error_line(smollm2_path, run_dir
     with running_pipeline(str(smollm2_path), run_dir, name="forced"):
         proc, _ = _start_generating("--name", "forced", "--max-tokens", "3000", "Tell me a very long story.")
         try:
-            assert ntxctl("stop", "--name", "forced", "--force").returncode == 0
+            stopped = ntxctl("stop", "--name", "forced", "--force")
+            assert stopped.returncode == 0
             out, err = proc.communicate(timeout=30)
         finally:
             proc.kill()
+    assert stopped.stderr == "ntxctl: cancelling 1 request in flight\n"
     assert proc.returncode == 1
     assert out.endswith(b"\n")  # the text's line is ended before the error is said
     assert err.decode().strip().splitlines()[-1].startswith("ntxctl: error: shutdown: ")
+
+
+def test_a_graceful_stop_says_what_it_waits_for(smollm2_path, run_dir):
+    """The requests in flight, how many, and that --force cancels them; the request finishes."""
+    with running_pipeline(str(smollm2_path), run_dir, name="graceful"):
+        proc, _ = _start_generating("--name", "graceful", "--max-tokens", "40", "--raw", "--temperature", "0",
+                                    "Once upon a time")
+        try:
+            stopped = ntxctl("stop", "--name", "graceful")
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert stopped.returncode == 0 and stopped.stdout == "instance 'graceful' stopped\n", stopped
+    lines = stopped.stderr.splitlines()
+    assert lines[0] == ("ntxctl: waiting for 1 request in flight to finish (at most 30 s); "
+                        "`ntxctl stop --name graceful --force` cancels them instead"), stopped.stderr
+    assert proc.returncode == 0 and b"cancelled" not in err and b"error" not in err, err  # it finished
 
 
 def test_status_reads_as_text_and_names_the_logs(pipeline):
