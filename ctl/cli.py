@@ -291,6 +291,15 @@ def _read_auto_or_count(text: str, flag: str, _: _ReadContext) -> int | None:
     return int(text)
 
 
+def _read_layer_count(text: str, flag: str, _: _ReadContext) -> int | None:
+    """A count of layers, or all (``-1`` too, as llama.cpp's ``-ngl -1``): no cap (None)."""
+    if text in ("all", "-1"):
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"{flag} {text!r}: give a whole number of layers, or all (-1)")
+    return int(text)
+
+
 def _read_all_or_layers(text: str, flag: str, _: _ReadContext) -> bool | list[int]:
     return True if text == "all" else parse_layers(text, flag)
 
@@ -315,6 +324,7 @@ _READERS = {
     "path": lambda text, flag, ctx: os.path.abspath(text),
     "backend": lambda text, flag, ctx: _choose_backend(text),
     "auto_or_count": _read_auto_or_count,
+    "layer_count": _read_layer_count,
     "all_or_layers": _read_all_or_layers,
     "layers_or_profile": _read_layers_or_profile,
     "replay_file": _read_replay_file,

@@ -117,6 +117,18 @@ def _run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def test_gpu_layers_minus_one_means_all_layers(monkeypatch, capsys, smollm2_path, run_dir):
+    """As llama.cpp's -ngl -1: every layer that fits, the same plan as all and as no option."""
+    assert cli.read_record({"gpu_layers": "-1"}) == cli.read_record({"gpu_layers": "all"}) == {"gpu_layers": None}
+    assert cli.read_record({"gpu_layers": "7"}) == {"gpu_layers": 7}
+    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *own_instance("ngl"))
+    plans = [_run(monkeypatch, capsys, *base, *flags) for flags in (("--gpu-layers", "-1"), ("--gpu-layers", "all"), ())]
+    assert all(code == 0 and err == "" for code, _, err in plans), plans
+    assert plans[0][1] == plans[1][1] == plans[2][1] and "vram       30 layers" in plans[0][1]
+    code, out, err = _run(monkeypatch, capsys, *base, "--gpu-layers", "-2")
+    assert code == 1 and err == "ntxctl: error: --gpu-layers '-2': give a whole number of layers, or all (-1)\n"
+
+
 def test_plan_only_shows_ring_slots_and_kernels_and_slots_still_works(monkeypatch, capsys, smollm2_path, run_dir):
     base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--gpu-layers", "2",
             *own_instance("slots"))
