@@ -568,6 +568,7 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
     _check_http(cfg.http, api_key, check_port=not plan_only)
     if not plan_only:
         _check_listen_free(cfg.listen)
+    _refuse_ctx_beyond_training(cfg.ctx, index.hparams.n_ctx_train)
     cfg = cfg.for_model(index.hparams.n_ctx_train)
     plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
@@ -596,6 +597,14 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
     if cfg.http:
         _wait_for_gateway(cfg.name, cfg.http)
     typer.echo(f"logs: {st['log_dir']}")
+
+
+def _refuse_ctx_beyond_training(ctx: int | None, n_ctx_train: int) -> None:
+    """An instance's --ctx longer than the model was trained for is refused (its positions beyond
+    would be out of the model's range), never silently cut."""
+    if ctx is not None and ctx > n_ctx_train:
+        _fail(f"--ctx {ctx}: longer than the {n_ctx_train} positions the model was trained for; give --ctx "
+              f"{n_ctx_train} or less, or leave it out")
 
 
 def _check_http(http: str | None, api_key: str | None, check_port: bool = True) -> None:

@@ -129,6 +129,15 @@ def test_gpu_layers_minus_one_means_all_layers(monkeypatch, capsys, smollm2_path
     assert code == 1 and err == "ntxctl: error: --gpu-layers '-2': give a whole number of layers, or all (-1)\n"
 
 
+def test_ctx_beyond_the_trained_context_is_refused(monkeypatch, capsys, smollm2_path, run_dir):
+    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *own_instance("ctx"))
+    code, out, err = _run(monkeypatch, capsys, *base, "--ctx", "100000")
+    assert code == 1 and out == "" and err == ("ntxctl: error: --ctx 100000: longer than the 8192 positions the model "
+                                               "was trained for; give --ctx 8192 or less, or leave it out\n"), err
+    code, out, err = _run(monkeypatch, capsys, *base, "--ctx", "8192")
+    assert code == 0 and err == ""
+
+
 def test_plan_only_shows_ring_slots_and_kernels_and_slots_still_works(monkeypatch, capsys, smollm2_path, run_dir):
     base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--gpu-layers", "2",
             *own_instance("slots"))
