@@ -397,8 +397,10 @@ def _local_events(engine):
 
 def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, options: EngineOptions) -> None:
     from ntx.ctl.local import build_local_engine
+    from ntx.shared.gguf_index import open_model
     from ntx.shared.messages import EngineRequest
 
+    _refuse_ctx_beyond_training(options.ctx, open_model(model_path).hparams.n_ctx_train)
     t0 = time.monotonic()
     engine = build_local_engine(model_path, progress=True, options=options)
     load_s = time.monotonic() - t0
@@ -412,9 +414,12 @@ def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool,
 
 @app.command()
 @sampling_options()
-@record_options("draft_model", "self_draft", "self_draft_skip", "draft_tokens", "draft_width", prefix="in-process: ")
+@record_options("ctx", "draft_model", "self_draft", "self_draft_skip", "draft_tokens", "draft_width",
+                prefix="in-process: ")
 def generate(
-    prompt: str = typer.Argument(..., help="the prompt (a user message, or raw text with --raw)"),
+    prompt: Optional[str] = typer.Argument(None, help="the prompt (a user message, or raw text with --raw); - reads "
+                                           "it from stdin"),
+    prompt_file: Optional[str] = typer.Option(None, "--file", "-f", help="read the prompt from this file (UTF-8)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
     raw: bool = typer.Option(False, "--raw", help="the prompt is raw text: no chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
@@ -430,17 +435,41 @@ def generate(
     """Generate text: through the instance --name or --listen names (an error when it does not
     run), else through the default instance if it runs, else in this process (CPU). Ctrl-C
     cancels the request in the pipeline."""
+    prompt = _read_prompt(prompt, prompt_file)
     drafting = EngineOptions(**read_record(given, model))
     if not local:
         target = _reach_pipeline(name, listen)
         if target is not None:
             address, served = target
             _check_same_model(model, served, address)
+            if drafting.ctx is not None:
+                _fail(f"--ctx is for a run in this process; the pipeline on {address} has the context it was started "
+                      "with (ntxctl start --ctx): leave out --ctx, or pass --local")
             _generate_remote(address, prompt, raw, sampling, as_json, speculative)
             return
         typer.echo(f"ntxctl: {_no_default_instance()}; running in this process on the CPU "
                    "(start a pipeline with `ntxctl start`)", err=True)
     _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
+
+
+def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt: the argument, stdin for ``-``, or --file's text (exactly one of them)."""
+    if prompt is not None and prompt_file is not None:
+        _fail("give the prompt once: as an argument, - (stdin), or --file FILE, not both")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"--file {prompt_file}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})")
+    if prompt == "-":
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError as e:
+            _fail(f"the prompt on stdin is not UTF-8 text ({e})")
+    if prompt is None:
+        _fail("give a PROMPT, - to read it from stdin, or --file FILE")
+    return prompt
 
 
 def _no_default_instance() -> str:

@@ -99,6 +99,9 @@ def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
     line = _one_error_line(r)
     assert f"runs {pipeline.status()['model']}, not {other}" in line
     assert r.stdout == ""
+    r = ntxctl("generate", "--name", "cli", "--ctx", "512", FRANCE)  # the pipeline's context is its own
+    line = _one_error_line(r)
+    assert f"--ctx is for a run in this process; the pipeline on {pipeline.listen} has the context" in line
 
 
 def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
