@@ -17,7 +17,7 @@ from typing import Any, Optional, get_args, get_type_hints
 import typer
 
 from ntx.ctl.bench_options import SpecOptions
-from ntx.shared.config import (API_KEY_ENV, DEFAULT_LISTEN, LISTEN_ENV, EngineOptions, InstanceConfig, cli_option,
+from ntx.shared.config import (API_KEY_ENV, LISTEN_ENV, NAME_ENV, EngineOptions, InstanceConfig, cli_option,
                                parse_layers, parse_size)
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.run_files import write_private
@@ -37,14 +37,59 @@ def _listen_option(help_text: str = "address of a running pipeline (default: the
     return typer.Option(None, "--listen", envvar=LISTEN_ENV, help=help_text)
 
 
-def _pipeline_address(name: str, listen: str | None) -> str:
-    """Where to reach the pipeline: --listen if given, else instance ``name``'s address while it
-    runs, else the default address."""
-    if listen:
-        return listen
-    from ntx.ctl.instance import instance_listen
+def _client_name_option(help_text: str = "the running instance to talk to (default: the default instance)"):
+    """``--name`` of a command that talks to a running instance: None when neither the option nor
+    NTX_NAME was given, so that a name given and not running is never mistaken for no name."""
+    return typer.Option(None, "--name", envvar=NAME_ENV, help=help_text)
 
-    return instance_listen(name) or DEFAULT_LISTEN
+
+PROBE_S = 5.0  # how long a running instance (or --listen's address) may take to answer status
+
+
+def _not_running(name: str) -> str:
+    """Why instance ``name`` cannot be talked to: not running, the ones that are, the reason it
+    stopped, and how to start it."""
+    from ntx.ctl import instance
+
+    others = instance.list_instances()
+    text = f"instance {name!r} is not running" + (f" (running: {', '.join(others)})" if others else
+                                                   " (no instance is running)")
+    failure = instance.last_failure(name)
+    if failure:
+        text += f"; it stopped because: {failure}"
+    return text + f"; start it with `ntxctl start --name {name}`"
+
+
+def _reach_pipeline(name: str | None, listen: str | None) -> tuple[str, str] | None:
+    """(address, model file) of the pipeline a command talks to: at --listen's address, else
+    instance ``name``'s, else the default instance's. A named instance that does not run, an
+    address where no pipeline answers and a pipeline that refuses this client (CURVE) are each
+    one error line; None only when neither a name nor an address was given and the default
+    instance does not run (the caller may then run the model in this process)."""
+    import zmq
+
+    from ntx.ctl import instance
+    from ntx.ctl.client import Client, ClientError
+
+    if listen:
+        address = listen
+    else:
+        address = instance.instance_listen(name or "default")
+        if address is None:
+            if name is None:
+                return None
+            _fail(_not_running(name))
+    whose = f"instance {name!r}" if name and not listen else "the pipeline"
+    try:
+        with Client(address) as c:
+            return address, c.status(timeout_s=PROBE_S).get("model", "")
+    except zmq.ZMQError as e:
+        _fail(f"--listen {address!r}: not an address ZeroMQ can connect to ({e}); example: tcp://127.0.0.1:5555")
+    except ClientError as e:
+        if e.code == "auth_refused":
+            _fail(str(e))
+        _fail(f"{whose} does not answer on {address} within {PROBE_S:g} s: check the address, or start a pipeline "
+              f"there with `ntxctl start --listen {address}`")
 
 
 def _version(value: bool) -> None:
@@ -246,6 +291,15 @@ def _read_auto_or_count(text: str, flag: str, _: _ReadContext) -> int | None:
     return int(text)
 
 
+def _read_layer_count(text: str, flag: str, _: _ReadContext) -> int | None:
+    """A count of layers, or all (``-1`` too, as llama.cpp's ``-ngl -1``): no cap (None)."""
+    if text in ("all", "-1"):
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"{flag} {text!r}: give a whole number of layers, or all (-1)")
+    return int(text)
+
+
 def _read_all_or_layers(text: str, flag: str, _: _ReadContext) -> bool | list[int]:
     return True if text == "all" else parse_layers(text, flag)
 
@@ -270,6 +324,7 @@ _READERS = {
     "path": lambda text, flag, ctx: os.path.abspath(text),
     "backend": lambda text, flag, ctx: _choose_backend(text),
     "auto_or_count": _read_auto_or_count,
+    "layer_count": _read_layer_count,
     "all_or_layers": _read_all_or_layers,
     "layers_or_profile": _read_layers_or_profile,
     "replay_file": _read_replay_file,
@@ -342,8 +397,10 @@ def _local_events(engine):
 
 def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, options: EngineOptions) -> None:
     from ntx.ctl.local import build_local_engine
+    from ntx.shared.gguf_index import open_model
     from ntx.shared.messages import EngineRequest
 
+    _refuse_ctx_beyond_training(options.ctx, open_model(model_path).hparams.n_ctx_train)
     t0 = time.monotonic()
     engine = build_local_engine(model_path, progress=True, options=options)
     load_s = time.monotonic() - t0
@@ -357,13 +414,17 @@ def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool,
 
 @app.command()
 @sampling_options()
-@record_options("draft_model", "self_draft", "self_draft_skip", "draft_tokens", "draft_width", prefix="in-process: ")
+@record_options("ctx", "draft_model", "self_draft", "self_draft_skip", "draft_tokens", "draft_width",
+                prefix="in-process: ")
 def generate(
-    prompt: str = typer.Argument(..., help="the prompt (a user message, or raw text with --raw)"),
+    prompt: Optional[str] = typer.Argument(None, help="the prompt (a user message, or raw text with --raw); - reads "
+                                           "it from stdin"),
+    prompt_file: Optional[str] = typer.Option(None, "--file", "-f", help="read the prompt from this file (UTF-8)"),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
     raw: bool = typer.Option(False, "--raw", help="the prompt is raw text: no chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
-    name: str = _name_option(),
+    name: Optional[str] = _client_name_option("the running instance to talk to (default: the default instance "
+                                              "if it runs, else this process)"),
     listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
     speculative: bool = typer.Option(True, "--speculative/--no-speculative",
@@ -371,33 +432,52 @@ def generate(
     given: dict | None = None,  # the drafting options, from @record_options
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
-    """Generate text: through a running pipeline if one listens, else in this process (CPU).
-    Ctrl-C cancels the request in the pipeline."""
+    """Generate text: through the instance --name or --listen names (an error when it does not
+    run), else through the default instance if it runs, else in this process (CPU). Ctrl-C
+    cancels the request in the pipeline."""
+    prompt = _read_prompt(prompt, prompt_file)
     drafting = EngineOptions(**read_record(given, model))
     if not local:
-        listen = _pipeline_address(name, listen)
-        served = _served_model(listen)
-        if served is not None:
-            _check_same_model(model, served, listen)
-            _generate_remote(listen, prompt, raw, sampling, as_json, speculative)
+        target = _reach_pipeline(name, listen)
+        if target is not None:
+            address, served = target
+            _check_same_model(model, served, address)
+            if drafting.ctx is not None:
+                _fail(f"--ctx is for a run in this process; the pipeline on {address} has the context it was started "
+                      "with (ntxctl start --ctx): leave out --ctx, or pass --local")
+            _generate_remote(address, prompt, raw, sampling, as_json, speculative)
             return
-        typer.echo(
-            f"ntxctl: no pipeline listens on {listen}; running in this process on the CPU "
-            "(start a pipeline with `ntxctl start`)",
-            err=True,
-        )
+        typer.echo(f"ntxctl: {_no_default_instance()}; running in this process on the CPU "
+                   "(start a pipeline with `ntxctl start`)", err=True)
     _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
 
 
-def _served_model(listen: str) -> str | None:
-    """The model file of the pipeline answering on ``listen``, or None when none answers."""
-    from ntx.ctl.client import Client, ClientError
+def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt: the argument, stdin for ``-``, or --file's text (exactly one of them)."""
+    if prompt is not None and prompt_file is not None:
+        _fail("give the prompt once: as an argument, - (stdin), or --file FILE, not both")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"--file {prompt_file}: cannot read it as UTF-8 text ({getattr(e, 'strerror', None) or e})")
+    if prompt == "-":
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError as e:
+            _fail(f"the prompt on stdin is not UTF-8 text ({e})")
+    if prompt is None:
+        _fail("give a PROMPT, - to read it from stdin, or --file FILE")
+    return prompt
 
-    try:
-        with Client(listen) as c:
-            return c.status(timeout_s=0.5).get("model", "")
-    except (ClientError, OSError):
-        return None
+
+def _no_default_instance() -> str:
+    """The default instance is not running: the ones that are, which --name reaches."""
+    from ntx.ctl import instance
+
+    others = instance.list_instances()
+    return "instance 'default' is not running" + (f" (running: {', '.join(others)}; give --name)" if others else "")
 
 
 def _check_same_model(model: str | None, served: str, listen: str) -> None:
@@ -447,18 +527,19 @@ def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool,
 @app.command()
 @sampling_options(temperature=0.7, max_tokens=512)
 def chat(
-    name: str = _name_option(),
+    name: Optional[str] = _client_name_option(),
     listen: Optional[str] = _listen_option(),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Talk to a running pipeline turn by turn; the conversation is kept. Ctrl-C cancels the
     reply being written; Ctrl-D or /exit ends the chat."""
-    from ntx.ctl.client import Client, pipeline_available
+    from ntx.ctl.client import Client
 
-    listen = _pipeline_address(name, listen)
-    if not pipeline_available(listen):
-        _fail(f"no pipeline listens on {listen}: start one with `ntxctl start` (or give --name)")
+    target = _reach_pipeline(name, listen)
+    if target is None:
+        _fail(f"{_no_default_instance()}: chat talks to a running pipeline; start one with `ntxctl start`")
+    listen = target[0]
     messages = [{"role": "system", "content": system}] if system else []
     with Client(listen) as c:
         while True:
@@ -511,9 +592,12 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
     model_path = os.path.abspath(_model_path(given["model"]))
     index = open_model(model_path)
     cfg = InstanceConfig(**read_record({**given, "model": model_path}, model_path)).validate()
-    instance.refuse_running(cfg.name)  # said as such, not as its port being in use
-    _check_http(cfg.http, api_key)
-    _check_port_free(cfg.listen, "--listen")
+    if not plan_only:  # a plan starts nothing: the name and the ports may be in use
+        instance.refuse_running(cfg.name)  # said as such, not as its port being in use
+    _check_http(cfg.http, api_key, check_port=not plan_only)
+    if not plan_only:
+        _check_listen_free(cfg.listen)
+    _refuse_ctx_beyond_training(cfg.ctx, index.hparams.n_ctx_train)
     cfg = cfg.for_model(index.hparams.n_ctx_train)
     plan = plan_for(index, cfg)
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
@@ -544,8 +628,17 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
     typer.echo(f"logs: {st['log_dir']}")
 
 
-def _check_http(http: str | None, api_key: str | None) -> None:
-    """``--http``'s address, its key rule and its packages, checked before anything starts."""
+def _refuse_ctx_beyond_training(ctx: int | None, n_ctx_train: int) -> None:
+    """An instance's --ctx longer than the model was trained for is refused (its positions beyond
+    would be out of the model's range), never silently cut."""
+    if ctx is not None and ctx > n_ctx_train:
+        _fail(f"--ctx {ctx}: longer than the {n_ctx_train} positions the model was trained for; give --ctx "
+              f"{n_ctx_train} or less, or leave it out")
+
+
+def _check_http(http: str | None, api_key: str | None, check_port: bool = True) -> None:
+    """``--http``'s address, its key rule and its packages, and (``check_port``) that its port is
+    free, checked before anything starts."""
     if http is None:
         return
     from ntx.ctl.gateway.address import check_exposure, parse_http_address
@@ -560,27 +653,44 @@ def _check_http(http: str | None, api_key: str | None) -> None:
     missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if find_spec(m) is None]
     if missing:
         _fail(f"--http needs the http extra ({', '.join(missing)} missing): pip install 'ntransformer[http]'")
-    _check_port_free(f"tcp://{host}:{port}", "--http")
+    if check_port:
+        _check_port_free(host, port, "--http", lambda p: f"{host if ':' not in host else f'[{host}]'}:{p}")
 
 
-def _check_port_free(address: str, option: str) -> None:
-    """A TCP address that something already listens on is one line naming the fix."""
-    import socket
-
+def _check_listen_free(address: str) -> None:
+    """``--listen``'s TCP address (``tcp://HOST:PORT``) is free, or one line naming the fix."""
     if not address.startswith("tcp://"):
         return
-    host, _, port = address[len("tcp://"):].rpartition(":")
-    host = {"*": "0.0.0.0"}.get(host, host).strip("[]")
-    if not port.isdigit():
-        return
+    host_text, _, port = address[len("tcp://"):].rpartition(":")
+    if port.isdigit():
+        _check_port_free({"*": "0.0.0.0"}.get(host_text, host_text).strip("[]"), int(port), "--listen",
+                         lambda p: f"tcp://{host_text}:{p}")
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why nothing could listen on ``host:port`` now, or None when it could."""
+    import socket
+
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         # as ZeroMQ and uvicorn bind: connections of a stopped instance in TIME_WAIT do not count
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, int(port)))
+            s.bind((host, port))
         except OSError as e:
-            _fail(f"{option} {address}: cannot listen there ({e.strerror}); another program (or ntx instance: "
-                  f"`ntxctl ps`) uses the port: pick another, e.g. {option} {address.rpartition(':')[0]}:{int(port) + 1}")
+            return e
+    return None
+
+
+def _check_port_free(host: str, port: int, option: str, address_of) -> None:
+    """A TCP port that something already listens on is one line naming the fix: the option with
+    the next port that is free now, written as the option reads it (``address_of(port)``)."""
+    error = _bind_error(host, port)
+    if error is None:
+        return
+    free = next((p for p in range(port + 1, min(port + 100, 65536)) if _bind_error(host, p) is None), None)
+    hint = f"pick another, e.g. {option} {address_of(free)}" if free else "pick another port"
+    _fail(f"{option} {address_of(port)}: cannot listen there ({error.strerror}); another program (or ntx instance: "
+          f"`ntxctl ps`) uses the port: {hint}")
 
 
 def _wait_for_gateway(name: str, http: str, timeout_s: float = 30.0) -> None:
@@ -650,10 +760,11 @@ def stop(
     name: str = _name_option(),
     force: bool = typer.Option(False, "--force", help="cancel in-flight requests instead of finishing them"),
 ) -> None:
-    """Stop an instance: finish (or with --force cancel) in-flight requests, free every resource."""
+    """Stop an instance: finish (or with --force cancel) in-flight requests, free every resource.
+    While requests finish, it says how many are left."""
     from ntx.ctl import instance
 
-    typer.echo(instance.stop(name, force=force))
+    typer.echo(instance.stop(name, force=force, on_progress=lambda line: typer.echo(f"ntxctl: {line}", err=True)))
 
 
 @app.command()
@@ -670,13 +781,7 @@ def status(
     def fetch():
         st = instance.get_status(name)
         if st is None:
-            others = instance.list_instances()
-            hint = f" (running: {', '.join(others)})" if others else ""
-            failure = instance.last_failure(name)
-            if failure:
-                hint += f"; it stopped because: {failure}"
-            hint += f"; start it with `ntxctl start --name {name}`"
-            _fail(f"instance {name!r} is not running{hint}")
+            _fail(_not_running(name))
         return st
 
     if as_json and not watch:
@@ -811,7 +916,8 @@ def perplexity(
     ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk; the second half of each is scored"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
-    name: str = _name_option(),
+    name: Optional[str] = _client_name_option("the running instance to score with (default: the default instance "
+                                              "if it runs, else this process)"),
     listen: Optional[str] = _listen_option(),
     local: bool = typer.Option(False, "--local", help="run in this process, even if a pipeline is running"),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="score only the first N chunks"),
@@ -821,13 +927,12 @@ def perplexity(
     scored): the running value per chunk, then PPL ± its standard error. Through a running
     pipeline if one listens, else in this process."""
     from ntx.ctl import perplexity as ppl
-    from ntx.ctl.client import pipeline_available
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    listen = _pipeline_address(name, listen)
-    if given["skip_layers"] is None and not local and pipeline_available(listen):
-        scorer = ppl.PipelineScorer(listen, os.path.abspath(model) if model else None)
+    target = _reach_pipeline(name, listen) if given["skip_layers"] is None and not local else None
+    if target is not None:
+        scorer = ppl.PipelineScorer(target[0], os.path.abspath(model) if model else None)
     else:
         model_path = _model_path(model)
         values = read_record(given, model_path)

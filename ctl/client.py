@@ -82,9 +82,11 @@ class Client:
         # Only a connection that completed its handshake can be lost: a refused CURVE key is said
         # as such, and a server not up yet is simply retried (libzmq reconnects).
         self._lost = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                                                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                  | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._connected = False  # a handshake completed
         self._gone = False  # and that connection dropped since
+        self._curve = bool(server_key)  # this client offers CURVE (else ZeroMQ's NULL mechanism)
         self.sock.connect(address)
         self._inbox: dict[Any, deque[dict]] = defaultdict(deque)
         self._ids = itertools.count()
@@ -152,18 +154,28 @@ class Client:
         return True
 
     def _connection_events(self) -> None:
-        """Read the socket monitor: a handshake done, a key refused (``auth_refused``), or an
-        established connection lost (``_gone``: ``pipeline_lost`` once the replies that came
-        before it are read)."""
+        """Read the socket monitor: a handshake done, a key refused or CURVE on one side only
+        (``auth_refused``), or an established connection lost (``_gone``: ``pipeline_lost`` once
+        the replies that came before it are read)."""
         from zmq.utils.monitor import recv_monitor_message
 
         while self._lost.poll(0):
-            event = recv_monitor_message(self._lost)["event"]
+            message = recv_monitor_message(self._lost)
+            event, event_value = message["event"], message["value"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise ClientError("auth_refused", f"{self.address} refused this client's CURVE key: give the key "
                                                   "pair the operator let in (NTX_CURVE_CLIENT_KEY, ntxctl keygen)")
+            elif (event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  and event_value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+                if self._curve:
+                    raise ClientError("auth_refused", f"{self.address} does not use CURVE: leave out the CURVE keys "
+                                                      "(NTX_CURVE_SERVER_KEY, NTX_CURVE_CLIENT_KEY)")
+                raise ClientError("auth_refused", f"{self.address} requires CURVE keys and refused this client, "
+                                                  "which has none: give the server's public key and this client's "
+                                                  "key pair in NTX_CURVE_SERVER_KEY and NTX_CURVE_CLIENT_KEY "
+                                                  "(docs/PROTOCOL.md, Authentication)")
             elif event == zmq.EVENT_DISCONNECTED and self._connected:
                 self._gone = True
 

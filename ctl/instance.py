@@ -11,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import zmq
@@ -53,8 +53,10 @@ def list_instances() -> list[str]:
                   if p.is_dir() and p.name != "logs" and supervisor_pid(InstancePaths(p.name)) is not None)
 
 
-def control_request(paths: InstancePaths, msg: m.CtlStatus | m.CtlStop, timeout_s: float = 5.0) -> m.Message | None:
-    """One request/reply with the supervisor over its control socket; None if it does not answer."""
+def control_request(paths: InstancePaths, msg: m.CtlStatus | m.CtlStop, timeout_s: float = 5.0,
+                    while_waiting: Callable[[], None] | None = None) -> m.Message | None:
+    """One request/reply with the supervisor over its control socket; None if it does not answer.
+    ``while_waiting`` is called about once a second until the reply comes."""
     if not (paths.root / "ctl.sock").exists():
         return None
     ctx = zmq.Context.instance()
@@ -64,8 +66,12 @@ def control_request(paths: InstancePaths, msg: m.CtlStatus | m.CtlStop, timeout_
     try:
         sock.connect(paths.control)
         sock.send(msg.encode())
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(int(min(1.0, max(0.0, deadline - time.monotonic())) * 1000)):
+            if time.monotonic() >= deadline:
+                return None
+            if while_waiting is not None:
+                while_waiting()
         return m.SUPERVISOR_TO_CTL.decode(sock.recv())
     finally:
         sock.close(linger=0)
@@ -196,8 +202,20 @@ def _failure_reason(paths: InstancePaths, code: int) -> str:
     return reason
 
 
-def stop(name: str, force: bool = False, timeout_s: float = 60.0) -> str:
-    """Stop an instance; returns a line saying what happened."""
+def _in_flight(name: str) -> int | None:
+    """How many requests instance ``name`` has in flight (None: it does not answer)."""
+    st = get_status(name, timeout_s=1.0)
+    return st["requests"]["in_flight"] if st else None
+
+
+def _requests(n: int) -> str:
+    return f"{n} request{'s' if n != 1 else ''}"
+
+
+def stop(name: str, force: bool = False, timeout_s: float = 60.0, on_progress: Callable[[str], None] | None = None) -> str:
+    """Stop an instance; returns a line saying what happened. ``on_progress`` is told what the
+    stop waits for: the requests in flight a graceful stop lets finish (their count as it falls,
+    and that --force cancels them), or the ones a forced stop cancels."""
     paths = InstancePaths(name)
     pid = supervisor_pid(paths)
     if pid is None:
@@ -209,7 +227,25 @@ def stop(name: str, force: bool = False, timeout_s: float = 60.0) -> str:
         proc = psutil.Process(pid)
     except psutil.Error:
         proc = None
-    reply = control_request(paths, m.CtlStop(force=force), timeout_s=timeout_s)
+    say = on_progress or (lambda line: None)
+    in_flight = _in_flight(name) if on_progress else None
+    if in_flight and force:
+        say(f"cancelling {_requests(in_flight)} in flight")
+    elif in_flight:
+        from ntx.ctl.supervisor import DRAIN_TIMEOUT_S
+
+        say(f"waiting for {_requests(in_flight)} in flight to finish (at most {DRAIN_TIMEOUT_S:g} s); "
+            f"`ntxctl stop --name {name} --force` cancels them instead")
+
+    def progress() -> None:
+        nonlocal in_flight
+        now = _in_flight(name)
+        if now is not None and now != in_flight:
+            in_flight = now
+            say(f"{_requests(now)} still in flight" if now else "no requests in flight; stopping the daemons")
+
+    reply = control_request(paths, m.CtlStop(force=force), timeout_s=timeout_s,
+                            while_waiting=progress if in_flight and not force else None)
     if proc is not None:
         # Wait for the process itself, not its pid file: the supervisor removes its run files
         # before its interpreter exits, and a busy machine can take a while over the rest.

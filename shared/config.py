@@ -166,7 +166,7 @@ class CliOption:
 
     ``read``: how the option's text becomes the field's value, where it is not the field's own
     type (``ctl/cli.py``'s readers: ``size``, ``path``, ``backend``, ``auto_or_count``,
-    ``all_or_layers``, ``layers_or_profile``, ``replay_file``); ``cli_default``: the text the
+    ``layer_count``, ``all_or_layers``, ``layers_or_profile``, ``replay_file``); ``cli_default``: the text the
     command line shows for the field's default, where that is not the default itself (``auto``
     for a width of None); ``deprecated``: older flags, hidden, that still work and warn."""
 
@@ -317,7 +317,9 @@ class InstanceConfig(EngineOptions):
     ring_slots: int = _option(2, "ring slots per side (2 = double buffering)", deprecated=("--slots",))
     vram_budget: int | None = _option(None, "e.g. 24GiB (default: free device memory)", read="size")  # bytes
     ram_budget: int | None = _option(None, "pinned RAM for layers, e.g. 64GiB", read="size")  # bytes; None: from available RAM
-    gpu_layers: int | None = _option(None, "at most this many resident layers")  # like llama.cpp's -ngl
+    gpu_layers: int | None = _option(None, "at most this many resident layers; all (or -1, as llama.cpp's -ngl): "
+                                     "every layer that fits the budget", read="layer_count",
+                                     cli_default="all")  # like llama.cpp's -ngl; None: no cap
     placement: str = _option("spread", "where resident layers sit when not all fit: spread (evenly over the model, "
                              "so streamed copies overlap resident compute) or first")
     io: str = _option("auto", "storage reads: auto, direct, buffered or mmap")

@@ -4,23 +4,91 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import sys
+import threading
 
 import pytest
+
+from ntx.shared.config import DEFAULT_LISTEN, run_root
 
 # The synthetic GGUF writer (scripts/synth_gguf) is test tooling kept out of the runtime package;
 # the scripts import it from their own folder, the tests from here.
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 
 
+# What a user's own instance takes by default: a test that starts something or talks to a
+# pipeline uses a run folder, a port and a name of its own, never these.
+USER_ENV = ("NTX_RUN_DIR", "NTX_NAME", "NTX_LISTEN", "NTX_API_KEY", "NTX_CURVE_SERVER_KEY", "NTX_CURVE_CLIENT_KEY")
+
+
+class DefaultPortWatch:
+    """Holds the default client address (127.0.0.1:5555) for the whole test run, as a user's running
+    default instance would, and counts the connections made to it: a test that starts on the default
+    port then fails as it would beside the user's instance, and one that talks to the default
+    address is reported at the end. When something else holds the port already (the user's
+    instance, another test run), that is the same situation, and nothing is counted."""
+
+    def __init__(self, address: str) -> None:
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        self.address = address
+        self.connections = 0
+        self.sock = socket.socket()
+        try:
+            self.sock.bind((host, int(port)))
+        except OSError:
+            self.sock.close()
+            self.sock = None
+            return
+        self.sock.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed at the end of the run
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
+
+
+def _default_run_folder_entries(root: pathlib.Path) -> set[str]:
+    """The instances' run folders and log folders under the user's default run folder."""
+    entries = {p.name for p in root.iterdir() if p.name != "logs"} if root.is_dir() else set()
+    logs = root / "logs"
+    return entries | ({f"logs/{p.name}" for p in logs.iterdir()} if logs.is_dir() else set())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def run_root_of_this_test_run(tmp_path_factory):
     """Every instance a test starts keeps its run folder (and, through it, its shared memory names)
     under this test run's temporary folder, never in the user's ``/tmp/ntx-<uid>``: two test runs
-    on one machine, or a real instance beside them, never meet."""
+    on one machine, or a real instance beside them, never meet. The user's NTX_* settings do not
+    reach the tests. At the end, the run fails if a test connected to the default address or
+    left anything in the default run folder."""
     with pytest.MonkeyPatch.context() as mp:
+        for name in USER_ENV:
+            mp.delenv(name, raising=False)
+        default_root = run_root()
+        before = _default_run_folder_entries(default_root)
+        watch = DefaultPortWatch(DEFAULT_LISTEN)
         mp.setenv("NTX_RUN_DIR", str(tmp_path_factory.mktemp("run")))
-        yield
+        try:
+            yield watch
+        finally:
+            watch.close()
+    new = sorted(_default_run_folder_entries(default_root) - before)
+    assert not new, (f"tests wrote into the default run folder {default_root}: {new}; give each test that starts "
+                     "an instance the run folder of the test run (NTX_RUN_DIR)")
+    assert watch.connections == 0, (f"tests connected {watch.connections} time(s) to the default address "
+                                    f"{DEFAULT_LISTEN}, where a user's instance listens; give them --listen "
+                                    "tcp://127.0.0.1:<free_port()> or --name of their own instance")
 
 
 @pytest.fixture(scope="module")

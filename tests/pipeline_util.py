@@ -45,6 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def own_instance(name: str) -> list[str]:
+    """``--name NAME --listen`` a free port: the options that keep a start, plan-only ones too,
+    off the default instance a user may be running (its name and port 5555)."""
+    return ["--name", name, "--listen", f"tcp://127.0.0.1:{free_port()}"]
+
+
 def ntxctl(*args: str, env: dict | None = None, timeout: float = 240.0) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", *args], capture_output=True, text=True, timeout=timeout,

@@ -1,6 +1,7 @@
 """``ntxctl generate`` as a user runs it: the console entry point in a subprocess, with no
-pipeline to talk to (an empty ``NTX_RUN_DIR`` and an unused ``--listen`` port), so it runs the
-model in process on the CPU."""
+pipeline to talk to (an empty ``NTX_RUN_DIR``: no default instance, and neither --name nor
+--listen), so it runs the model in process on the CPU; an address where nothing answers is an
+error, never a run in process."""
 
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ FRANCE_IDS = [504, 3575, 282, 4649, 314]
 @pytest.fixture(scope="module")
 def ntxctl(tmp_path_factory, smollm2_path):
     run_dir = tmp_path_factory.mktemp("run")
-    listen = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, NTX_RUN_DIR=str(run_dir))
 
-    def run(*args: str, model: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run(*args: str, model: bool = True, timeout: float = 300, input: str | None = None) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "ntx.ctl.cli", *args]
         if args and args[0] == "generate":
-            argv += ["--listen", listen] + (["--model", str(smollm2_path)] if model else [])
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+            argv += ["--model", str(smollm2_path)] if model else []
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, input=input)
 
     return run
 
@@ -37,7 +37,45 @@ def test_generate_prints_paris(ntxctl):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "Traceback" not in r.stderr
-    assert "no pipeline listens" in r.stderr  # it says it fell back to running in process
+    # it says it runs in process, and why
+    assert r.stderr.startswith("ntxctl: instance 'default' is not running; running in this process on the CPU")
+
+
+def test_the_prompt_from_stdin_or_a_file(ntxctl, tmp_path):
+    """``generate -`` reads stdin and ``--file F`` reads F: the same text as the argument."""
+    flags = ("--raw", "--temperature", "0", "--max-tokens", "3", "--json")
+    path = tmp_path / "prompt.txt"
+    path.write_text(FRANCE)
+    for args, stdin in ((("-",), FRANCE), (("--file", str(path)), None)):
+        r = ntxctl("generate", *flags, *args, input=stdin)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["prompt_tokens"] == FRANCE_IDS
+    for args, says in ((("--file", str(path), FRANCE), "give the prompt once"), ((), "give a PROMPT, - to read it"),
+                       (("--file", str(tmp_path / "none.txt")), "cannot read it as UTF-8 text")):
+        r = ntxctl("generate", *flags, *args)
+        assert r.returncode == 1 and r.stdout == "" and r.stderr.startswith("ntxctl: error: ") and says in r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_generate_ctx_bounds_the_sequence(ntxctl):
+    r = ntxctl("generate", "--raw", "--temperature", "0", "--max-tokens", "20", "--json", "--ctx", "8", FRANCE)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "length" and len(out["tokens"]) == 8 - len(FRANCE_IDS), out
+    r = ntxctl("generate", "--ctx", "100000", FRANCE)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.splitlines()[-1] == (
+        "ntxctl: error: --ctx 100000: longer than the 8192 positions the model was trained for; give --ctx 8192 or "
+        "less, or leave it out")
+
+
+def test_an_address_where_nothing_answers_is_an_error_not_a_run_in_process(ntxctl):
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    r = ntxctl("generate", "--listen", listen, "--max-tokens", "2", FRANCE)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr == (f"ntxctl: error: the pipeline does not answer on {listen} within 5 s: check the address, or "
+                        f"start a pipeline there with `ntxctl start --listen {listen}`\n")
+    r = ntxctl("generate", "--listen", "nonsense", "--max-tokens", "2", FRANCE)
+    assert r.returncode == 1 and r.stderr.startswith("ntxctl: error: --listen 'nonsense': not an address ZeroMQ can")
 
 
 def test_generate_json(ntxctl):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,12 +70,38 @@ def test_the_name_finds_the_instance_and_the_finish_reason_is_said(pipeline):
     assert r.returncode == 0 and r.stderr == ""  # a normal stop says nothing
 
 
+def test_a_name_that_is_not_running_is_an_error_naming_it_and_the_running_ones(pipeline, tmp_path):
+    """A mistyped --name (or NTX_NAME) never reaches another instance nor runs in this process:
+    every command that talks to an instance by name says the name is not running and lists the
+    running ones; with no name and no default instance, generate runs in this process."""
+    text = tmp_path / "text.txt"
+    text.write_text("Hello there. " * 20)
+    log = InstancePaths("cli").log_dir / "supervisor.log"
+    served_before = log.read_text().count(", finish ")
+    for argv, env in ((("generate", "--name", "nosuch", "--max-tokens", "2", "hi"), None),
+                      (("generate", "--max-tokens", "2", "hi"), {"NTX_NAME": "nosuch"}),
+                      (("chat", "--name", "nosuch"), None),
+                      (("perplexity", str(text), "--name", "nosuch"), None)):
+        r = ntxctl(*argv, env=env)
+        line = _one_error_line(r)
+        assert "instance 'nosuch' is not running (running: cli)" in line and "ntxctl start --name nosuch" in line
+        assert r.stdout == "" and "in this process" not in r.stderr, r.stderr
+    assert log.read_text().count(", finish ") == served_before  # nothing reached the running instance
+    r = ntxctl("generate", "--raw", "--temperature", "0", "--max-tokens", "2", FRANCE)  # no name, no default
+    assert r.returncode == 0 and r.stdout.startswith(" Paris"), r.stderr
+    assert r.stderr.startswith("ntxctl: instance 'default' is not running (running: cli; give --name); running in "
+                               "this process on the CPU"), r.stderr
+
+
 def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
     other = tmp_path / "other.gguf"
     r = ntxctl("generate", "--name", "cli", "--model", str(other), FRANCE)
     line = _one_error_line(r)
     assert f"runs {pipeline.status()['model']}, not {other}" in line
     assert r.stdout == ""
+    r = ntxctl("generate", "--name", "cli", "--ctx", "512", FRANCE)  # the pipeline's context is its own
+    line = _one_error_line(r)
+    assert f"--ctx is for a run in this process; the pipeline on {pipeline.listen} has the context" in line
 
 
 def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
@@ -130,13 +157,32 @@ def test_a_forced_stop_ends_the_text_before_the_error_line(smollm2_path, run_dir
     with running_pipeline(str(smollm2_path), run_dir, name="forced"):
         proc, _ = _start_generating("--name", "forced", "--max-tokens", "3000", "Tell me a very long story.")
         try:
-            assert ntxctl("stop", "--name", "forced", "--force").returncode == 0
+            stopped = ntxctl("stop", "--name", "forced", "--force")
+            assert stopped.returncode == 0
             out, err = proc.communicate(timeout=30)
         finally:
             proc.kill()
+    assert stopped.stderr == "ntxctl: cancelling 1 request in flight\n"
     assert proc.returncode == 1
     assert out.endswith(b"\n")  # the text's line is ended before the error is said
     assert err.decode().strip().splitlines()[-1].startswith("ntxctl: error: shutdown: ")
+
+
+def test_a_graceful_stop_says_what_it_waits_for(smollm2_path, run_dir):
+    """The requests in flight, how many, and that --force cancels them; the request finishes."""
+    with running_pipeline(str(smollm2_path), run_dir, name="graceful"):
+        proc, _ = _start_generating("--name", "graceful", "--max-tokens", "40", "--raw", "--temperature", "0",
+                                    "Once upon a time")
+        try:
+            stopped = ntxctl("stop", "--name", "graceful")
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert stopped.returncode == 0 and stopped.stdout == "instance 'graceful' stopped\n", stopped
+    lines = stopped.stderr.splitlines()
+    assert lines[0] == ("ntxctl: waiting for 1 request in flight to finish (at most 30 s); "
+                        "`ntxctl stop --name graceful --force` cancels them instead"), stopped.stderr
+    assert proc.returncode == 0 and b"cancelled" not in err and b"error" not in err, err  # it finished
 
 
 def test_status_reads_as_text_and_names_the_logs(pipeline):
@@ -149,10 +195,47 @@ def test_status_reads_as_text_and_names_the_logs(pipeline):
 
 
 def test_a_port_in_use_names_the_fix(pipeline, smollm2_path):
+    """The hint's value works: a port free now, in the form the option reads (--http takes
+    HOST:PORT, not a tcp:// address)."""
     r = ntxctl("start", "--model", str(smollm2_path), "--name", "clash", "--backend", "cpu", "--listen", pipeline.listen)
     line = _one_error_line(r)
     assert f"--listen {pipeline.listen}: cannot listen there" in line and "pick another" in line
+    suggested = line.rpartition("e.g. --listen ")[2]
+    assert suggested.startswith("tcp://127.0.0.1:") and _can_listen(int(suggested.rpartition(":")[2])), line
     assert instance.supervisor_pid(InstancePaths("clash")) is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http = f"127.0.0.1:{taken.getsockname()[1]}"
+        r = ntxctl("start", "--model", str(smollm2_path), "--name", "clash", "--backend", "cpu",
+                   "--listen", f"tcp://127.0.0.1:{free_port()}", "--http", http)
+        line = _one_error_line(r)
+        assert f"--http {http}: cannot listen there" in line, line
+        suggested = line.rpartition("e.g. --http ")[2]
+        assert suggested.startswith("127.0.0.1:") and _can_listen(int(suggested.rpartition(":")[2])), line
+        r = ntxctl("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--http", suggested)
+        assert r.returncode == 0, r.stderr  # the address the hint gives is one --http takes
+    assert instance.supervisor_pid(InstancePaths("clash")) is None
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_plan_only_needs_no_free_name_or_port(pipeline, smollm2_path):
+    """A plan starts nothing: the running instance's name and port, and the default port the
+    test run holds (tests/conftest.py), do not stop it."""
+    st = pipeline.status()
+    for args in (("--name", "cli", "--listen", pipeline.listen), ()):
+        r = ntxctl("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *args)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        assert "(Q4_1, 30 layers) on cpu" in r.stdout and "  kernels " in r.stdout
+    assert pipeline.status()["supervisor_pid"] == st["supervisor_pid"]  # the running one is left alone
 
 
 def test_serve_runs_in_the_foreground_and_stops_on_sigterm(smollm2_path, run_dir, tmp_path):

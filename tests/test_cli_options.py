@@ -17,6 +17,8 @@ from ntx.ctl import cli
 from ntx.shared.config import EngineOptions, InstanceConfig, cli_option
 from ntx.shared.errors import ConfigError, NtxError
 
+from .pipeline_util import own_instance
+
 
 def _params(command: str) -> dict[str, object]:
     """The click parameters of ``ntxctl COMMAND``, by name."""
@@ -115,8 +117,33 @@ def _run(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def test_gpu_layers_minus_one_means_all_layers(monkeypatch, capsys, smollm2_path, run_dir):
+    """As llama.cpp's -ngl -1: every layer that fits, the same plan as all and as no option."""
+    assert cli.read_record({"gpu_layers": "-1"}) == cli.read_record({"gpu_layers": "all"}) == {"gpu_layers": None}
+    assert cli.read_record({"gpu_layers": "7"}) == {"gpu_layers": 7}
+    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *own_instance("ngl"))
+    plans = [_run(monkeypatch, capsys, *base, *flags) for flags in (("--gpu-layers", "-1"), ("--gpu-layers", "all"), ())]
+    assert all(code == 0 and err == "" for code, _, err in plans), plans
+    tiers = [[ln.split()[:3] for ln in out.splitlines() if ln.split()[:1] in (["vram"], ["ram"], ["storage"])]
+             for _, out, _ in plans]  # (the budget lines follow the machine's free memory, run to run)
+    assert tiers[0] == tiers[1] == tiers[2] == [["vram", "30", "layers"], ["ram", "0", "layers"],
+                                                ["storage", "0", "layers"]], plans
+    code, out, err = _run(monkeypatch, capsys, *base, "--gpu-layers", "-2")
+    assert code == 1 and err == "ntxctl: error: --gpu-layers '-2': give a whole number of layers, or all (-1)\n"
+
+
+def test_ctx_beyond_the_trained_context_is_refused(monkeypatch, capsys, smollm2_path, run_dir):
+    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *own_instance("ctx"))
+    code, out, err = _run(monkeypatch, capsys, *base, "--ctx", "100000")
+    assert code == 1 and out == "" and err == ("ntxctl: error: --ctx 100000: longer than the 8192 positions the model "
+                                               "was trained for; give --ctx 8192 or less, or leave it out\n"), err
+    code, out, err = _run(monkeypatch, capsys, *base, "--ctx", "8192")
+    assert code == 0 and err == ""
+
+
 def test_plan_only_shows_ring_slots_and_kernels_and_slots_still_works(monkeypatch, capsys, smollm2_path, run_dir):
-    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--gpu-layers", "2")
+    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", "--gpu-layers", "2",
+            *own_instance("slots"))
     code, out, err = _run(monkeypatch, capsys, *base, "--ring-slots", "3", "--kernels", "pdl-matmul=on")
     assert code == 0 and err == "", err
     assert "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=on\n" in out

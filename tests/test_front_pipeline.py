@@ -333,12 +333,19 @@ def test_a_listen_address_other_machines_reach_needs_curve(smollm2_path, tmp_pat
         with Client(loopback, server_key=str(keys / "server.key"), client_key=str(keys / "alice.key_secret")) as c:
             assert "Paris" in c.complete("The capital of France is", raw=True, temperature=0.0, max_tokens=4)["text"]
             assert "model" in c.status() and "pid" in c.status()["daemons"]["compute"]  # from this machine
-        # an unknown key is refused in the handshake (the client says so); no key gets no answer at all
-        for key, code in (("mallory.key_secret", "auth_refused"), (None, "timeout")):
+        # an unknown key, and no key at all, are refused in the handshake: the client says which
+        for key, says in (("mallory.key_secret", "refused this client's CURVE key"),
+                          (None, "requires CURVE keys and refused this client, which has none")):
             kw = {"server_key": str(keys / "server.key"), "client_key": str(keys / key)} if key else {}
             with Client(loopback, **kw) as c, pytest.raises(ClientError) as err:
                 c.status(timeout_s=2.0)
-            assert err.value.code == code, err.value
+            assert err.value.code == "auth_refused" and says in str(err.value), err.value
+        # ntxctl says so too, and never runs the model in process instead
+        for env in ({}, {"NTX_CURVE_SERVER_KEY": str(keys / "server.key"),
+                         "NTX_CURVE_CLIENT_KEY": str(keys / "mallory.key_secret")}):
+            r = ntxctl("generate", "--listen", loopback, "--max-tokens", "2", "hi", env=env)
+            assert r.returncode == 1 and r.stdout == "" and "in this process" not in r.stderr, r.stderr
+            assert r.stderr.startswith(f"ntxctl: error: auth_refused: {loopback} ") and "CURVE" in r.stderr
         outside = _outside_address()
         if outside is not None:  # a connection from another address: no paths, no pids
             with Client(f"tcp://{outside}:{port}", server_key=str(keys / "server.key"),

@@ -27,9 +27,11 @@ from ntx.shared.gguf_index import ModelIndex, open_model, read_header
 try:
     from . import synth_models as sm
     from .gguf_mutate import GGUFParts
+    from .pipeline_util import own_instance
 except ImportError:  # tests/ is not a package
     import synth_models as sm
     from gguf_mutate import GGUFParts
+    from pipeline_util import own_instance
 
 data_region_start, gguf_reader, reader_meta = sm.data_region_start, sm.gguf_reader, sm.reader_meta
 tiny_config, write_header_only_gguf, write_tiny = sm.tiny_config, sm.write_header_only_gguf, sm.write_tiny
@@ -528,7 +530,8 @@ def test_hostile_header_is_one_printable_error_line(tmp_path, monkeypatch, capsy
 def test_plan_only_refuses_a_hostile_header(tmp_path, monkeypatch, capsys, tiny_parts, attack):
     change, needles = ATTACKS[attack]
     p = change(copy.deepcopy(tiny_parts)).write(tmp_path / "hostile.gguf")
-    code, out, err = run_cli_inprocess(monkeypatch, capsys, "start", "--model", str(p), "--backend", "cpu", "--plan-only")
+    code, out, err = run_cli_inprocess(monkeypatch, capsys, "start", "--model", str(p), "--backend", "cpu", "--plan-only",
+                                         *own_instance("hostile"))
     assert_one_error_line(code, out, err, str(p), *needles)
     assert out == ""
 

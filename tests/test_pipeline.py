@@ -22,7 +22,7 @@ from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.shared.messages import EngineRequest
 
-from .pipeline_util import Pipeline, free_port, ntxctl, running_pipeline, wait_for
+from .pipeline_util import Pipeline, free_port, ntxctl, own_instance, running_pipeline, wait_for
 
 PROMPTS = [
     "The capital of France is",
@@ -227,7 +227,7 @@ def test_stop_leaves_nothing_and_start_errors_are_one_line(smollm2_path, run_dir
     assert "not a GGUF file" in r.stderr and "Traceback" not in r.stderr
     assert instance.leftovers("bad") == []
     # --plan-only prints the plan and starts nothing
-    r = ntxctl("start", "--model", str(smollm2_path), "--name", "plan", "--backend", "cpu", "--plan-only",
+    r = ntxctl("start", "--model", str(smollm2_path), *own_instance("plan"), "--backend", "cpu", "--plan-only",
                "--gpu-layers", "3", "--ram-budget", "0")
     assert r.returncode == 0 and "storage" in r.stdout and "vram" in r.stdout
     assert instance.leftovers("plan") == [] and not (run_dir / "plan").exists()

@@ -19,10 +19,10 @@ from ntx.shared.errors import ConfigError
 from ntx.shared.messages import EngineRequest
 
 try:
-    from .pipeline_util import ntxctl, running_pipeline
+    from .pipeline_util import ntxctl, own_instance, running_pipeline
     from .synth_models import write_tiny
 except ImportError:  # tests/ is not a package
-    from pipeline_util import ntxctl, running_pipeline
+    from pipeline_util import ntxctl, own_instance, running_pipeline
     from synth_models import write_tiny
 
 REF = (7, 8, 9, 10, 11, 12, 13, 14)
@@ -152,11 +152,13 @@ def test_replay_runs_the_drafter_it_wraps_and_ignores_its_proposals(tiny, tmp_pa
 def test_ntxctl_start_reads_the_replay_file_first(tmp_path, tiny):
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
-    r = ntxctl("start", "--model", str(tiny), "--backend", "cpu", "--plan-only", "--draft-replay", str(bad))
+    r = ntxctl("start", "--model", str(tiny), *own_instance("replay"), "--backend", "cpu", "--plan-only",
+               "--draft-replay", str(bad))
     assert r.returncode == 1 and r.stderr.strip().startswith("ntxctl: error: --draft-replay") and "Traceback" not in r.stderr
     good = tmp_path / "good.json"
     write_references(good, [list(REF)])
-    r = ntxctl("start", "--model", str(tiny), "--backend", "cpu", "--plan-only", "--draft-replay", str(good),
+    r = ntxctl("start", "--model", str(tiny), *own_instance("replay"), "--backend", "cpu", "--plan-only",
+               "--draft-replay", str(good),
                "--draft-replay-p", "2")
     assert r.returncode == 1 and "--draft-replay-p 2.0: a probability" in r.stderr
 

@@ -22,7 +22,7 @@ from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import EngineRequest
 from ntx.shared.plan import RAM, SKIPPED, STORAGE, VRAM
 
-from .pipeline_util import ntxctl, running_pipeline
+from .pipeline_util import ntxctl, own_instance, running_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +159,10 @@ def test_cli_bad_skip_sets_are_one_line(smollm2_path, tmp_path):
     bad_profile = tmp_path / "p.json"
     bad_profile.write_text("{}")
     for spec, says in (("40", "the model has layers 0 to 29"), (str(bad_profile), "not a skip profile")):
-        r = ntxctl("start", "--model", str(smollm2_path), "--name", "skipbad", "--backend", "cpu", "--plan-only",
+        r = ntxctl("start", "--model", str(smollm2_path), *own_instance("skipbad"), "--backend", "cpu", "--plan-only",
                    "--skip-layers", spec)
         assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = ntxctl("start", "--model", str(smollm2_path), "--name", "skipplan", "--backend", "cpu", "--plan-only",
+    r = ntxctl("start", "--model", str(smollm2_path), *own_instance("skipplan"), "--backend", "cpu", "--plan-only",
                "--gpu-layers", "4", "--ram-budget", "0", "--skip-layers", "0-1,29")
     assert r.returncode == 0, r.stderr
     assert "skipped" in r.stdout and "0-1,29" in r.stdout

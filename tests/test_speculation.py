@@ -21,8 +21,10 @@ from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.messages import EngineRequest
 
 try:
+    from .pipeline_util import own_instance
     from .synth_models import write_tiny
 except ImportError:  # tests/ is not a package
+    from pipeline_util import own_instance
     from synth_models import write_tiny
 
 GREEDY = dict(temperature=0.0)
@@ -349,10 +351,10 @@ def test_self_draft_skip_on_the_command_line(smollm2_path):
     import sys
 
     ok = run([sys.executable, "-m", "ntx.ctl.cli", "start", "--model", str(smollm2_path), "--backend", "cpu",
-              "--plan-only", "--self-draft-skip", "13-14"], capture_output=True, text=True)
+              *own_instance("selfdraft"), "--plan-only", "--self-draft-skip", "13-14"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     bad = run([sys.executable, "-m", "ntx.ctl.cli", "start", "--model", str(smollm2_path), "--backend", "cpu",
-               "--plan-only", "--self-draft-skip", "0-40"], capture_output=True, text=True)
+               *own_instance("selfdraft"), "--plan-only", "--self-draft-skip", "0-40"], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("ntxctl: error: --self-draft-skip 0-40") and "Traceback" not in bad.stderr
 
 
