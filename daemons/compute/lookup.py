@@ -26,7 +26,7 @@ from typing import Sequence
 from ntx.daemons.compute.speculation import DraftRequest, Drafter, DraftTree
 
 MIN_NGRAM, MAX_NGRAM = 2, 5  # suffix lengths looked up; one token alone matches too much to pay
-HISTORY_TOKENS = 1 << 18  # the instance's recent text that --draft suffix searches (about 100 MiB of index)
+HISTORY_TOKENS = 1 << 16  # the instance's recent text that --draft suffix searches (about 30 MiB of index)
 
 
 class NgramIndex:
