@@ -204,7 +204,7 @@ def _failure_reason(paths: InstancePaths, code: int) -> str:
 
 def _in_flight(name: str) -> int | None:
     """How many requests instance ``name`` has in flight (None: it does not answer)."""
-    st = get_status(name, timeout_s=1.0)
+    st = get_status(name, timeout_s=5.0)  # a busy machine's supervisor may take a second or more to answer
     return st["requests"]["in_flight"] if st else None
 
 
