@@ -20,7 +20,7 @@ verifies all of them in the same pass.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from typing import Sequence
 
 from ntx.daemons.compute.speculation import DraftRequest, Drafter, DraftTree
@@ -69,9 +69,8 @@ class RecentText:
 
     def __init__(self, max_tokens: int = HISTORY_TOKENS) -> None:
         self.max_tokens = max_tokens
-        self.seqs: OrderedDict[int, NgramIndex] = OrderedDict()
+        self.seqs: deque[NgramIndex] = deque()  # oldest first
         self.n_tokens = 0
-        self._next = 0
 
     def add(self, tokens: Sequence[int]) -> None:
         if len(tokens) <= MIN_NGRAM:
@@ -79,17 +78,15 @@ class RecentText:
         idx = NgramIndex()
         tokens = list(tokens)[-self.max_tokens:]
         idx.extend(tokens, len(tokens))
-        self.seqs[self._next] = idx
-        self._next += 1
+        self.seqs.append(idx)
         self.n_tokens += len(tokens)
         while self.n_tokens > self.max_tokens:
-            _, old = self.seqs.popitem(last=False)
-            self.n_tokens -= len(old.tokens)
+            self.n_tokens -= len(self.seqs.popleft().tokens)
 
     def continuations(self, suffix: tuple[int, ...], depth: int) -> list[list[int]]:
         """Continuations of ``suffix`` in the recent sequences, newest first."""
         out = []
-        for idx in reversed(self.seqs.values()):
+        for idx in reversed(self.seqs):
             c = idx.continuation(suffix, depth)
             if c:
                 out.append(c)
