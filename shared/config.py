@@ -215,7 +215,8 @@ class EngineOptions:
     skip_layers: list[int] | None = _option(None, "never run, read nor copy these layers: a list (20-27,29), a calibrate "
                                             "profile (its layers at cos >= 0.98), or PROFILE:N (its N most similar "
                                             "layers)", read="layers_or_profile")
-    kernels: str = _option("", "cuda kernel switches, NAME=on|off separated by commas "
+    kernels: str = _option("", "kernel switches, NAME=on|off separated by commas (cpu-quantized=off: the cpu "
+                           "backend's float32 numpy reference) "
                            f"(default {KernelOptions().describe()})")
     # speculative decoding (daemons/compute/speculation.py): one drafter at most
     draft_model: str | None = _option(None, "draft with this small GGUF (same vocabulary), resident", read="path")

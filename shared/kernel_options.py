@@ -1,7 +1,10 @@
-"""The cuda backend's kernel switches, as a value of the instance's configuration.
+"""The backends' kernel switches, as a value of the instance's configuration.
 
-They change how kernels are launched, never what they compute (tests/gpu/test_programmatic_launch.py
-holds the bits equal with and without), so they are measured, not tuned per device: part of
+The cuda switches change how kernels are launched, never what they compute
+(tests/gpu/test_programmatic_launch.py holds the bits equal with and without). The cpu backend's
+one chooses between its compiled kernels on the quantized weights and the float32 numpy reference
+(which differ by the activations' int8 rounding; daemons/compute/cpu_kernels.py). They are
+measured, not tuned per device: part of
 the configuration an instance starts with (``ntxctl start --kernels``), shown by ``status``,
 and handed to the backend (``make_backend(..., kernels=)``). No cupy here: the CLI and the
 planner parse and show it on machines without a GPU.
@@ -20,10 +23,11 @@ _ON, _OFF = ("on", "true", "1", "yes"), ("off", "false", "0", "no")
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The cuda backend's kernel switches: part of the instance's configuration, shown by status."""
+    """The backends' kernel switches: part of the instance's configuration, shown by status."""
 
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm_90)
     pdl_matmul: bool = False  # the tensor-core matmuls launched early too (measured slower at 8-32 rows)
+    cpu_quantized: bool = True  # cpu backend: numba kernels on the quantized weights (off: numpy float32)
 
     @classmethod
     def parse(cls, text: str) -> "KernelOptions":

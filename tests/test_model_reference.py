@@ -16,6 +16,7 @@ from gguf import quants as gq
 
 import synth_gguf as sg
 from ntx.daemons.compute.backend import make_backend
+from ntx.shared.kernel_options import KernelOptions
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.model import FileLayerStream, LlamaModel
 from ntx.daemons.compute.quants import dequantize
@@ -68,9 +69,15 @@ def prefill_logits(model: LlamaModel, tokens: list[int]) -> np.ndarray:
         model.backend.free_sequence(sid)
 
 
+# The float32 numpy reference (cpu-quantized=off): what these tests hold to float64 and llama.cpp
+# (tests/test_cpu_kernels.py holds the compiled kernels to it in turn).
+REFERENCE_KERNELS = KernelOptions(cpu_quantized=False)
+
+
 def load(path, resident_layers=None, stream=None) -> LlamaModel:
     idx = open_model(path)
-    return LlamaModel(idx, make_backend("cpu", idx), resident_layers=resident_layers, stream=stream)
+    return LlamaModel(idx, make_backend("cpu", idx, kernels=REFERENCE_KERNELS), resident_layers=resident_layers,
+                      stream=stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +175,8 @@ def test_smollm2_streamed_layers_equal_resident(smollm2_path, smol_prefill):
     idx = open_model(smollm2_path)
     stream = RecordingStream(idx)
     resident = list(range(0, 30, 3))
-    model = LlamaModel(idx, make_backend("cpu", idx), resident_layers=resident, stream=stream)
+    model = LlamaModel(idx, make_backend("cpu", idx, kernels=REFERENCE_KERNELS), resident_layers=resident,
+                       stream=stream)
     assert model.streamed_layers == [i for i in range(30) if i not in resident]
     got = prefill_logits(model, SMOL_PROMPT)
     assert [layer for _, layer in stream.acquired] == model.streamed_layers
@@ -221,7 +229,7 @@ def test_synthetic_matches_float64_reference(synth_dir, case):
     if "head_dim" in kw:
         assert hp.head_dim == kw["head_dim"] != hp.n_embd // hp.n_head
 
-    model = LlamaModel(idx, make_backend("cpu", idx))
+    model = LlamaModel(idx, make_backend("cpu", idx, kernels=REFERENCE_KERNELS))
     got = prefill_logits(model, SYNTH_PROMPT)
     w = ReferenceWeights(path)
     ref = reference_logits(w, SYNTH_PROMPT)
@@ -271,12 +279,13 @@ def test_synthetic_prefill_decode_batch_and_streaming(tmp_path):
     assert rel_err(np.concatenate([lb, lb2]), other_full[:9]) < SAME_ENGINE_TOL
 
     stream = RecordingStream(resident.index)
-    streamed = LlamaModel(resident.index, make_backend("cpu", resident.index), resident_layers=[0, 3], stream=stream)
+    streamed = LlamaModel(resident.index, make_backend("cpu", resident.index, kernels=REFERENCE_KERNELS),
+                          resident_layers=[0, 3], stream=stream)
     got = prefill_logits(streamed, SYNTH_PROMPT)
     assert [layer for _, layer in stream.acquired] == [1, 2]
     assert np.array_equal(got, full)
-    nothing_resident = LlamaModel(resident.index, make_backend("cpu", resident.index), resident_layers=[],
-                                  stream=FileLayerStream(resident.index))
+    nothing_resident = LlamaModel(resident.index, make_backend("cpu", resident.index, kernels=REFERENCE_KERNELS),
+                                  resident_layers=[], stream=FileLayerStream(resident.index))
     assert np.array_equal(prefill_logits(nothing_resident, SYNTH_PROMPT), full)
 
 

@@ -525,9 +525,6 @@ def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int 
                  kernels: KernelOptions | None = None, kv: KvSizing | None = None) -> Backend:
     """The backend called ``name``, with page-table rows for ``max_seqs`` sequences of up to
     ``max_ctx`` positions and the KV page pool ``kv`` (None: pages for every row at ``max_ctx``);
-    the cuda backend reserves its arena up front; ``kernels``: the cuda backend's kernel switches
-    (None: the defaults; the cpu backend has none)."""
-    cls = backend_class(name)
-    if name == "cuda":
-        return cls(index, max_seqs=max_seqs, max_ctx=max_ctx, kernels=kernels, kv=kv)
-    return cls(index, max_seqs=max_seqs, max_ctx=max_ctx, kv=kv)
+    the cuda backend reserves its arena up front; ``kernels``: the kernel switches (None: the
+    defaults)."""
+    return backend_class(name)(index, max_seqs=max_seqs, max_ctx=max_ctx, kernels=kernels, kv=kv)

@@ -1,10 +1,19 @@
-"""The numpy backend: the numerically plain reference of the Llama forward pass.
+"""The host's backend: the Llama forward pass on the CPU, and its numerically plain reference.
 
-Float32 throughout, with the order of operations llama.cpp uses for GGUF ``llama`` models:
+Float32 activations, with the order of operations llama.cpp uses for GGUF ``llama`` models:
 RMSNorm, RoPE in its "normal" mode (adjacent pairs, because the GGUF converter permuted Q and K),
 grouped-query attention over a per-sequence KV cache, SwiGLU, tied or separate output head.
-Resident layers are dequantized once; streamed layers are dequantized from the slot each pass.
-A matrix is a ``Weight`` of type F32 holding that float32 array.
+
+The matrix products run one of two ways (``KernelOptions.cpu_quantized``):
+
+* quantized (the default): numba kernels on the weights in a canonical form of their GGUF type
+  (``cpu_kernels``), activations rounded to int8 per 32 values as llama.cpp's CPU kernels do;
+* reference: every matrix dequantized to float32 and multiplied by numpy, each operation as its
+  formula: what the tests hold the other kernels to.
+
+Resident layers are converted once; streamed layers are converted from the slot each pass.
+A matrix is a ``Weight`` whose ``data`` is a ``cpu_kernels.PackedMatrix`` (quantized) or the
+float32 array (reference, type F32).
 """
 
 from __future__ import annotations
@@ -15,11 +24,13 @@ import numpy as np
 
 from gguf import GGMLQuantizationType as QT
 
+from ntx.daemons.compute import cpu_kernels, cpu_ops
 from ntx.daemons.compute.backend import Backend, Weight, Workspace
 from ntx.shared.kv_sizing import PAGE_TOKENS, KvSizing
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.quants import dequantize
-from ntx.shared.gguf_index import LayerInfo, ModelIndex
+from ntx.shared.gguf_index import LayerInfo, ModelIndex, TensorInfo
+from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.plan import MemoryCosts
 from ntx.shared.shm import ShmSegment
 
@@ -81,16 +92,22 @@ class _CpuWorkspace(Workspace):
 
 
 class CpuBackend(Backend):
-    """The numerically plain reference: float32 numpy, every operation as its formula."""
+    """The forward pass on the host: compiled kernels on the quantized weights, or (reference)
+    float32 numpy with every operation as its formula."""
 
     name = "cpu"
 
-    def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, kv: KvSizing | None = None) -> None:
+    def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, kv: KvSizing | None = None,
+                 kernels: KernelOptions | None = None) -> None:
         super().__init__(index)
+        self.quantized = (kernels or KernelOptions()).cpu_quantized and cpu_kernels.available()
+        self.threads = cpu_kernels.set_threads() if self.quantized else 0
         # KV pages: per chunk, keys and values [L, chunk_pages, Hkv, PAGE_TOKENS, hd] float32
         # (np.zeros: the memory is the system's only once a page is written)
         self.kv_chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.k_list = self.v_list = None  # quantized: the chunks' keys and values by chunk id (numba lists)
         self.row_pages: dict[int, tuple[int, ...]] = {}
+        self.row_page_ids: dict[int, np.ndarray] = {}  # the same page tables as int64 arrays
         self._init_kv(max_seqs, min(max_ctx, index.hparams.n_ctx_train), kv)
         self.inv_freq: np.ndarray | None = None
         self.tok_embd: np.ndarray | None = None
@@ -98,29 +115,43 @@ class CpuBackend(Backend):
         self.out_head: np.ndarray | None = None
         self.slot_segments: list[ShmSegment] = []
 
+    @staticmethod
+    def _held_bytes(t: TensorInfo) -> int:
+        """What a tensor takes here: a matrix in its kernels' canonical form, a vector float32."""
+        if len(t.shape) == 2 and cpu_kernels.available():
+            return cpu_kernels.packed_bytes(t.ggml_type, t.shape[0], t.shape[1])
+        return t.n_elements * 4
+
     @classmethod
     def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
-        """Resident layers and globals are kept dequantized to float32, and so are the KV pages."""
+        """Resident layers and globals are kept in the kernels' canonical forms (the float32
+        reference, ``cpu-quantized=off``, holds up to 8x more); the KV pages are float32."""
         hp = index.hparams
-        layer_bytes = tuple(sum(t.n_elements * 4 for t in layer.tensors.values()) for layer in index.layers)
+        layer_bytes = tuple(sum(cls._held_bytes(t) for t in layer.tensors.values()) for layer in index.layers)
         return MemoryCosts(
             memory_name="compute memory",
             layer_bytes=layer_bytes,
-            globals_bytes=sum(t.n_elements * 4 for t in index.globals.values()),  # a tied head shares token_embd
+            globals_bytes=sum(cls._held_bytes(t) for t in index.globals.values()),  # a tied head shares token_embd
             kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * 4,
             kv_tokens=min(max_ctx, hp.n_ctx_train) * max_seqs,
             workspace_bytes=max(layer_bytes),  # a streamed layer dequantized
         )
 
     # -- weights -------------------------------------------------------------------------------
+    def _matrix(self, raw: np.ndarray, t: TensorInfo) -> Weight:
+        """A matrix [N, K] from its GGUF bytes, as this backend's products take it (fresh arrays,
+        never views of ``raw``)."""
+        n, k = t.shape
+        if self.quantized:
+            packed = cpu_kernels.pack(raw[: t.nbytes], t.ggml_type, n, k)
+            return Weight(int(t.ggml_type), n, k, t.nbytes // n, packed)
+        return Weight(int(QT.F32), n, k, k * 4, dequantize(raw, t.ggml_type, t.shape))
+
     def load_globals(self, raw: dict[str, np.ndarray], rope_divisors: np.ndarray | None) -> None:
         g = self.index.globals
-        self.tok_embd = dequantize(raw["token_embd"], g["token_embd"].ggml_type, g["token_embd"].shape)  # [V, D]
+        self.tok_embd = self._matrix(raw["token_embd"], g["token_embd"])  # [V, D]
         self.out_norm = dequantize(raw["output_norm"], g["output_norm"].ggml_type, g["output_norm"].shape)  # [D]
-        if "output" in raw:
-            self.out_head = dequantize(raw["output"], g["output"].ggml_type, g["output"].shape)  # [V, D]
-        else:
-            self.out_head = self.tok_embd
+        self.out_head = self._matrix(raw["output"], g["output"]) if "output" in raw else self.tok_embd  # [V, D]
         self.inv_freq = rope_inv_freq(self.hp, rope_divisors)
 
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, Any]:
@@ -128,8 +159,8 @@ class CpuBackend(Backend):
         w: dict[str, Any] = {}
         for name, t in layer.tensors.items():
             off = layer.image_offset(name)
-            a = dequantize(buf[off : off + t.nbytes], t.ggml_type, t.shape)
-            w[name] = Weight(int(QT.F32), a.shape[0], a.shape[1], a.shape[1] * 4, a) if a.ndim == 2 else a  # a: [N, K]
+            raw = buf[off : off + t.nbytes]
+            w[name] = self._matrix(raw, t) if len(t.shape) == 2 else dequantize(raw, t.ggml_type, t.shape)
         return w
 
     # -- KV pages and slots --------------------------------------------------------------------
@@ -137,12 +168,25 @@ class CpuBackend(Backend):
         hp = self.hp
         shape = (hp.n_layers, self.kv_sizing.chunk_pages, hp.n_head_kv, PAGE_TOKENS, hp.head_dim)
         self.kv_chunks[chunk] = (np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32))
+        if self.quantized:  # the compiled attention's view of the pool: chunk id -> its arrays
+            if self.k_list is None:
+                self.k_list = cpu_ops.chunk_list(self.kv_chunks[chunk][0])
+                self.v_list = cpu_ops.chunk_list(self.kv_chunks[chunk][1])
+            gone = np.zeros((1,) * 5, dtype=np.float32)
+            while len(self.k_list) <= chunk:
+                self.k_list.append(gone)
+                self.v_list.append(gone)
+            self.k_list[chunk], self.v_list[chunk] = self.kv_chunks[chunk]
 
     def _kv_free_chunk(self, chunk: int) -> None:
         del self.kv_chunks[chunk]
+        if self.k_list is not None:
+            gone = np.zeros((1,) * 5, dtype=np.float32)
+            self.k_list[chunk], self.v_list[chunk] = gone, gone
 
     def _kv_set_row(self, row: int, pages) -> None:
         self.row_pages[row] = tuple(pages)
+        self.row_page_ids[row] = np.asarray(pages, dtype=np.int64)
 
     def _page(self, page: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Page ``page`` of layer ``layer``: keys and values [Hkv, PAGE_TOKENS, hd] (views)."""
@@ -170,16 +214,63 @@ class CpuBackend(Backend):
         return _CpuWorkspace(batch, self.hp)
 
     def embed(self, ws: Workspace) -> np.ndarray:
-        ws.x[...] = self.tok_embd[ws.tokens]  # x: [T, D]
+        table = self.tok_embd.data
+        if isinstance(table, np.ndarray):
+            ws.x[...] = table[ws.tokens]  # x: [T, D]
+        else:
+            ws.x[...] = cpu_kernels.dequantize_rows(table, np.asarray(ws.tokens, dtype=np.int64))
         return ws.x
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
         out[...] = rms_norm(x, w, self.hp.rms_eps)
         return out
 
-    def matmul(self, w: Weight, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        out[...] = x @ w.data.T  # [T, K] @ [K, N]
+    def matmul(self, w: Weight, x: Any, out: np.ndarray) -> np.ndarray:
+        """out = x @ w.T. x: [T, K] float32, or (quantized) ``cpu_kernels.QuantizedActivations``."""
+        if isinstance(w.data, np.ndarray):
+            out[...] = x @ w.data.T  # [T, K] @ [K, N]
+            return out
+        return cpu_kernels.matmul(w.data, x, out)
+
+    def matmuls(self, x: np.ndarray, products) -> None:
+        """x is rounded to int8 once for every product (quantized kernels, decode-sized T)."""
+        if self.quantized and x.shape[0] < cpu_kernels.DEQUANT_ROWS_FROM:
+            x = cpu_kernels.QuantizedActivations(x)
+        for w, out in products:
+            self.matmul(w, x, out=out)
+
+    # The compiled operations (quantized): one call each, writing into the pass's buffers, the
+    # products' int8 activations made in the same call as the values they round.
+    def _activations(self, x: np.ndarray) -> cpu_kernels.QuantizedActivations:
+        return cpu_kernels.QuantizedActivations(x, quantize=False)
+
+    def norm_matmuls(self, x, w, h, products, delta=None) -> None:
+        if not self.quantized:
+            return super().norm_matmuls(x, w, h, products, delta)
+        qx = self._activations(h)
+        small = x.shape[0] < cpu_kernels.DEQUANT_ROWS_FROM
+        cpu_ops.add_norm_quantize(x, x if delta is None else delta, delta is not None, w, self.hp.rms_eps, qx.x,
+                                  small, qx.xq, qx.xd, qx.xs)
+        for wm, out in products:
+            self.matmul(wm, qx if small else qx.x, out=out)
+
+    def swiglu_matmul_add(self, gate, up, act, w, out, tmp):
+        if not self.quantized:
+            return super().swiglu_matmul_add(gate, up, act, w, out, tmp)
+        qx = self._activations(act)
+        small = gate.shape[0] < cpu_kernels.DEQUANT_ROWS_FROM
+        cpu_ops.swiglu_quantize(gate, up, qx.x, small, qx.xq, qx.xd, qx.xs)
+        self.matmul(w, qx if small else qx.x, out=tmp)
+        np.add(out, tmp, out=out)
         return out
+
+    def rope_kv_write(self, layer_idx: int, q, k, v, ws: Workspace) -> None:
+        if not self.quantized:
+            return super().rope_kv_write(layer_idx, q, k, v, ws)
+        hp, pos = self.hp, ws.batch.positions
+        cpu_ops.rope(q, pos, self.inv_freq, hp.n_head, hp.head_dim)
+        cpu_ops.rope(k, pos, self.inv_freq, hp.n_head_kv, hp.head_dim)
+        self.kv_write(layer_idx, k, v, ws)
 
     def rope(self, q: np.ndarray, k: np.ndarray, ws: Workspace) -> None:
         hp, T = self.hp, ws.T
@@ -210,6 +301,17 @@ class CpuBackend(Backend):
         sees, of the chunk's own rows, only its ancestors and itself (``SeqChunk.visible``)."""
         hp = self.hp
         batch = ws.batch
+        if self.quantized:
+            scale = np.float32(1.0 / np.sqrt(hp.head_dim))
+            no_tree = np.zeros((1, 1), dtype=np.bool_)
+            for chunk, r0 in zip(batch.chunks, batch.row_starts):
+                n = chunk.n_tokens
+                vis = chunk.visible()
+                cpu_ops.attention(q[r0 : r0 + n], out[r0 : r0 + n], self.k_list, self.v_list, layer_idx,
+                                  self.row_page_ids[self.seq_row[chunk.seq_id]], self.kv_sizing.chunk_pages,
+                                  chunk.start_pos, no_tree if vis is None else vis, vis is not None, hp.n_head,
+                                  hp.n_head_kv, hp.head_dim, scale)
+            return out
         group = hp.n_head // hp.n_head_kv
         scale = np.float32(1.0 / np.sqrt(hp.head_dim))
         for chunk, r0 in zip(batch.chunks, batch.row_starts):
@@ -249,4 +351,5 @@ class CpuBackend(Backend):
 
     def logits(self, ws: Workspace) -> np.ndarray:
         h = rms_norm(ws.x[ws.batch.logit_rows], self.out_norm, self.hp.rms_eps)  # h: [N_out, D]
-        return h @ self.out_head.T  # [N_out, V] float32 (both operands are)
+        out = np.empty((h.shape[0], self.out_head.n_rows), dtype=np.float32)  # [N_out, V]
+        return self.matmul(self.out_head, h, out)

@@ -1,0 +1,417 @@
+"""Quantized matrix products on the host's cores: numba-compiled, multi-threaded, GIL-free.
+
+Why numba. The CPU backend must run GGUF's quantized types near the host's memory bandwidth
+(a decode step reads every weight once). numba compiles these loops with LLVM for the host's own
+vector unit (AVX2 here), runs ``prange`` loops on its thread pool and releases the GIL; it
+installs as two wheels from PyPI in seconds, with no compiler on the machine. ggml's CPU backend
+(llama.cpp's kernels) is faster per byte but reaches Python only through llama-cpp-python, which
+PyPI ships as source that builds the whole of llama.cpp with cmake and a C++ compiler at install
+(minutes on two cores), and through ctypes calls whose per-call cost is paid some 200 times a
+token. docs/PERFORMANCE.md has both measured side by side (``scripts/cpu_vs_llamacpp.py``).
+
+How. Every supported type is unpacked once, when a layer is prepared, into one of two canonical
+forms whose inner loops vectorize:
+
+* ``C4`` (Q4_0, Q4_1, Q4_K): 4-bit values q in [0, 15], 16 bytes per group of 32 weights (byte j
+  holds weight j in its low nibble and weight j + 16 in its high one), and per group a float32
+  scale and offset: w = scale * q + offset. 24 bytes per 32 weights.
+* ``C8`` (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0): one int8 per weight and per group (32 weights, 16 for
+  Q6_K) a float32 scale, and an offset for the types that have one.
+
+F16, BF16 and F32 matrices become float32 and go through BLAS (numpy's ``@``).
+
+Activations are quantized per 32 values to int8 with a float32 scale, as llama.cpp does (its
+q8_0/q8_1 blocks), and products are summed in int32 per group: ``x·w = Σ_g scale_g · (xd_b · Σ q·xq)
++ offset_g · xd_b · Σ xq``. The result differs from the float32 reference
+(``cpu_backend``'s numpy path) by the activation's rounding, about 0.5% of a row's largest output
+(the tests state the bound). From ``DEQUANT_ROWS_FROM`` rows of x on, a product is compute-bound
+rather than bandwidth-bound, and the weights are dequantized in tiles for BLAS instead.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import Q4_K
+
+from ntx.shared.errors import ConfigError
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - numba is a base dependency; the numpy path needs none
+    numba = None
+
+# x with this many rows or more is multiplied by dequantized tiles through BLAS (prefill).
+DEQUANT_ROWS_FROM = 16
+# Rows of a weight dequantized at once for BLAS: 256 rows of 4096 float32 are 4 MiB.
+TILE_ROWS = 256
+
+C4_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
+C8_TYPES = (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0)
+FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+SUPPORTED_TYPES = C4_TYPES + C8_TYPES + FLOAT_TYPES
+
+
+def available() -> bool:
+    """Whether the compiled kernels can run here (numba imports)."""
+    return numba is not None
+
+
+def set_threads(n: int | None = None) -> int:
+    """Use ``n`` threads (None: ``$NTX_CPU_THREADS``, else every core numba sees); returns it."""
+    if n is None:
+        env = os.environ.get("NTX_CPU_THREADS", "").strip()
+        if env:
+            try:
+                n = int(env)
+            except ValueError:
+                raise ConfigError(f"NTX_CPU_THREADS={env!r} is not a number of threads (unset it, or give e.g. 2)")
+    limit = numba.config.NUMBA_NUM_THREADS
+    n = limit if n is None else n
+    if not 1 <= n <= limit:
+        raise ConfigError(f"{n} CPU threads asked for, but this machine runs at most {limit} (NTX_CPU_THREADS)")
+    numba.set_num_threads(n)
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Unpacking GGUF blocks into the canonical forms (numpy, once per prepared layer)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two uint8 columns -> float32: GGUF's little-endian half floats."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] uint8 of a 32-weight block (low nibbles: weights 0-15, high: 16-31) -> [..., 32]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits_32(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] uint8, bit j of the little-endian word is weight j's fifth bit -> [..., 32] uint8."""
+    word = np.ascontiguousarray(qh).view(np.uint32)  # [..., 1]
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def unpack(raw: np.ndarray, ggml_type: int, n_rows: int,
+           n_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """A quantized matrix's integer values and group scales, exactly as GGUF stores them.
+
+    raw: the tensor's bytes (uint8) -> (q [N, K] uint8 or int8, scale [N, K/G] float32,
+    offset [N, K/G] float32 or None, G) with w = scale * q + offset per group of G weights.
+    """
+    t = QT(ggml_type)
+    rows = raw.reshape(n_rows, -1)
+    if t == QT.Q8_0:
+        b = rows.reshape(n_rows, -1, 34)
+        return b[..., 2:].view(np.int8).reshape(n_rows, n_cols), _f16(b[..., 0:2]), None, 32
+    if t in (QT.Q4_0, QT.Q4_1):
+        head = 2 if t == QT.Q4_0 else 4
+        b = rows.reshape(n_rows, -1, head + 16)
+        d = _f16(b[..., 0:2])
+        m = -8.0 * d if t == QT.Q4_0 else _f16(b[..., 2:4])
+        return _nibbles_32(b[..., head:]).reshape(n_rows, n_cols), d, m.astype(np.float32), 32
+    if t in (QT.Q5_0, QT.Q5_1):
+        head = 2 if t == QT.Q5_0 else 4
+        b = rows.reshape(n_rows, -1, head + 20)
+        d = _f16(b[..., 0:2])
+        q = _nibbles_32(b[..., head + 4:]) | (_high_bits_32(b[..., head:head + 4]) << 4)  # [N, nb, 32] 0..31
+        if t == QT.Q5_0:
+            return (q.astype(np.int8) - 16).reshape(n_rows, n_cols), d, None, 32
+        return q.reshape(n_rows, n_cols), d, _f16(b[..., 2:4]), 32
+    if t in (QT.Q4_K, QT.Q5_K):
+        size = 144 if t == QT.Q4_K else 176
+        b = rows.reshape(-1, size)  # [N*nsb, size], one 256-weight super-block a row
+        d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [nsb, 8] each
+        qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(-1, 8, 32)  # sub-block s: the low (s even) or high nibbles of 32 bytes
+        if t == QT.Q5_K:
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            q = q | ((qh & 1) << 4)
+        scale = (d * sc.astype(np.float32)).reshape(n_rows, -1)
+        offset = (-dmin * mn.astype(np.float32)).reshape(n_rows, -1)
+        return q.reshape(n_rows, n_cols), scale.astype(np.float32), offset.astype(np.float32), 32
+    if t == QT.Q6_K:
+        b = rows.reshape(-1, 210)
+        ql = b[:, 0:128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        ql = (ql & 0x0F).reshape(-1, 2, 4, 32)
+        qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = (ql | ((qh & 3) << 4)).astype(np.int8) - 32  # [nsb, 2, 4, 32] in weight order
+        scale = _f16(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)  # [nsb, 16]
+        return q.reshape(n_rows, n_cols), scale.reshape(n_rows, -1).astype(np.float32), None, 16
+    raise ConfigError(f"no CPU kernel for {t.name} (supported: {', '.join(x.name for x in SUPPORTED_TYPES)})")
+
+
+# Rows interleaved per group of a packed matrix: its products run across them in vector lanes
+# (measured on AVX2, one thread, Q4_K 4096x4096: 128 rows 19 GMAC/s, 64 rows 18, 32 rows 11).
+LANE_CHOICES = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def lanes_for(n_rows: int) -> int:
+    """The most rows per interleaved group that divide ``n_rows``."""
+    return next(r for r in LANE_CHOICES if n_rows % r == 0)
+
+
+@dataclass
+class PackedMatrix:
+    """A weight matrix [N, K] in a canonical form (see the module's docstring), its rows
+    interleaved in groups of ``lanes`` so that one vector instruction serves ``lanes`` rows.
+
+    ``form``: "c4", "c8" or "f32". c4: ``q`` [N/R, K/32, 16, R] uint8 (byte j of a block holds
+    columns j and j + 16 of the row); c8: ``q`` [N/R, K/G, G, R] int8; ``scale``/``offset``
+    [N/R, K/G, R] float32 (``offset`` all zeros where the type has none). f32: ``q`` [N, K]
+    float32 and no scales. ``span``: how many c8 products with an int8 activation (|xq| <= 127)
+    add up in int16 before they are widened: 8 when every value is within [-32, 32] (Q5_x, Q6_K),
+    2 for Q8_0's [-128, 127].
+    """
+
+    form: str
+    n_rows: int
+    n_cols: int
+    q: np.ndarray
+    scale: np.ndarray | None = None
+    offset: np.ndarray | None = None
+    group: int = 32
+    span: int = 8
+
+    @property
+    def lanes(self) -> int:
+        return self.q.shape[-1] if self.form != "f32" else 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+
+
+def _interleave(a: np.ndarray, lanes: int) -> np.ndarray:
+    """[N, ...] -> [N/R, ..., R]: row r of group g in lane r."""
+    n = a.shape[0]
+    a = a.reshape((n // lanes, lanes) + a.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+
+def pack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> PackedMatrix:
+    """The matrix ``raw`` (GGUF bytes of [n_rows, n_cols]) in its canonical form."""
+    t = QT(ggml_type)
+    if t in FLOAT_TYPES:
+        from ntx.daemons.compute.quants import dequantize
+
+        return PackedMatrix("f32", n_rows, n_cols, dequantize(raw, t, (n_rows, n_cols)))
+    if n_cols % 32:
+        raise ConfigError(f"a {t.name} matrix of {n_cols} columns: the CPU kernels need a multiple of 32")
+    q, scale, offset, group = unpack(raw, t, n_rows, n_cols)
+    lanes = lanes_for(n_rows)
+    off = np.zeros_like(scale) if offset is None else offset
+    scale, off = _interleave(scale, lanes), _interleave(off.astype(np.float32), lanes)
+    if t in C4_TYPES:
+        blocks = q.reshape(n_rows, -1, 32)
+        q4 = (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8)  # [N, K/32, 16]
+        return PackedMatrix("c4", n_rows, n_cols, _interleave(q4, lanes), scale, off, 32)
+    q8 = q.astype(np.int8).reshape(n_rows, -1, group)  # [N, K/G, G]
+    return PackedMatrix("c8", n_rows, n_cols, _interleave(q8, lanes), scale, off, group, span=2 if t == QT.Q8_0 else 8)
+
+
+def packed_bytes(ggml_type: int, n_rows: int, n_cols: int) -> int:
+    """What ``pack`` holds for such a matrix, without packing it (the planner's figure)."""
+    t = QT(ggml_type)
+    if t in FLOAT_TYPES:
+        return n_rows * n_cols * 4
+    group = 16 if t == QT.Q6_K else 32
+    scales = 2 * (n_rows * n_cols // group) * 4
+    return (n_rows * n_cols // 2 if t in C4_TYPES else n_rows * n_cols) + scales
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled loops
+
+# Products smaller than this many multiply-adds run on one thread: waking the others costs more
+# (and on a machine whose cores are busy, a descheduled worker stalls the whole product).
+PARALLEL_FROM_MACS = 1 << 20
+
+
+def _compiled(f):
+    """``f`` compiled twice: parallel over its ``prange`` (for big products) and serial (a copy
+    under its own name, so that numba's on-disk cache keeps the two apart)."""
+    serial = types.FunctionType(f.__code__, f.__globals__, f.__name__ + "_serial", f.__defaults__, f.__closure__)
+    serial.__qualname__ = f.__qualname__ + "_serial"
+    return njit(parallel=True, **_EXACT)(f), njit(parallel=False, **_EXACT)(serial)
+
+
+if numba is not None:
+    _JIT = dict(nogil=True, fastmath=True, cache=True, boundscheck=False)
+    # The products: no fast-math, so that the serial and the parallel build (and every row count)
+    # round each output the same way (fast-math lets LLVM fuse multiply-adds where it vectorizes);
+    # their integer loops vectorize without it, and their float sums run across rows, not along one.
+    _EXACT = dict(nogil=True, fastmath=False, cache=True, boundscheck=False)
+
+    @njit(**_JIT)
+    def _quantize_q8(x, xq, xd, xs):  # pragma: no cover - compiled
+        # x: [T, K] f32 -> xq [T, K] int8, xd [T, K/32] scale, xs [T, K/32] = xd * sum of xq
+        T, K = x.shape
+        nb = K // 32
+        for tb in range(T * nb):
+            t = tb // nb
+            b = tb - t * nb
+            amax = np.float32(0.0)
+            for j in range(32):
+                a = abs(x[t, b * 32 + j])
+                if a > amax:
+                    amax = a
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            s = np.int32(0)
+            for j in range(32):
+                v = np.int32(np.rint(x[t, b * 32 + j] * inv))
+                xq[t, b * 32 + j] = v
+                s += v
+            xd[t, b] = d
+            xs[t, b] = d * np.float32(s)
+
+    def _mm_c4(q, scale, offset, xq, xd, xs, out):  # pragma: no cover - compiled
+        # q: [G, K/32, 16, R] u8; scale/offset: [G, K/32, R]; xq: [T, K] int8; xd/xs: [T, K/32]
+        # -> out [T, G*R]. Eight byte-columns add up in int16 (8 * 2 * 15 * 127 < 2^15).
+        n_groups, nb, _, R = q.shape
+        T = xq.shape[0]
+        for g in prange(n_groups):
+            a16 = np.empty(R, np.int16)
+            acc = np.empty(R, np.int32)
+            accf = np.empty(R, np.float32)
+            for t in range(T):
+                accf[:] = 0
+                for b in range(nb):
+                    acc[:] = 0
+                    for h in range(2):
+                        a16[:] = 0
+                        for j in range(h * 8, h * 8 + 8):
+                            xl = np.int16(xq[t, b * 32 + j])
+                            xh = np.int16(xq[t, b * 32 + 16 + j])
+                            for r in range(R):
+                                v = np.int16(q[g, b, j, r])
+                                a16[r] += np.int16(v & 15) * xl + np.int16(v >> 4) * xh
+                        for r in range(R):
+                            acc[r] += np.int32(a16[r])
+                    d = xd[t, b]
+                    o = xs[t, b]
+                    for r in range(R):
+                        accf[r] += scale[g, b, r] * d * np.float32(acc[r]) + offset[g, b, r] * o
+                for r in range(R):
+                    out[t, g * R + r] = accf[r]
+
+    def _mm_c8(q, scale, offset, span, xq, xd, xs, out):  # pragma: no cover - compiled
+        # q: [G, K/GS, GS, R] int8 (GS: 16 or 32 columns a scale); scale/offset: [G, K/GS, R];
+        # -> out [T, G*R]. ``span`` products add up in int16 before int32 (PackedMatrix.span).
+        n_groups, ng, GS, R = q.shape
+        T = xq.shape[0]
+        per_block = 32 // GS
+        for g in prange(n_groups):
+            a16 = np.empty(R, np.int16)
+            acc = np.empty(R, np.int32)
+            accf = np.empty(R, np.float32)
+            for t in range(T):
+                accf[:] = 0
+                for s in range(ng):
+                    acc[:] = 0
+                    for h in range(0, GS, span):
+                        a16[:] = 0
+                        for j in range(h, h + span):
+                            xv = np.int16(xq[t, s * GS + j])
+                            for r in range(R):
+                                a16[r] += np.int16(q[g, s, j, r]) * xv
+                        for r in range(R):
+                            acc[r] += np.int32(a16[r])
+                    b = s // per_block
+                    d = xd[t, b]
+                    o = xs[t, b] if per_block == 1 else np.float32(0.0)
+                    for r in range(R):
+                        accf[r] += scale[g, s, r] * d * np.float32(acc[r]) + offset[g, s, r] * o
+                for r in range(R):
+                    out[t, g * R + r] = accf[r]
+
+    def _dequant_c4(q, scale, offset, rows, out):  # pragma: no cover - compiled
+        # the matrix's rows ``rows`` -> out [len(rows), K] float32
+        R = q.shape[3]
+        for i in prange(rows.shape[0]):
+            g, r = divmod(rows[i], R)
+            for b in range(q.shape[1]):
+                d = scale[g, b, r]
+                m = offset[g, b, r]
+                for j in range(16):
+                    v = q[g, b, j, r]
+                    out[i, b * 32 + j] = d * np.float32(v & 15) + m
+                    out[i, b * 32 + 16 + j] = d * np.float32(v >> 4) + m
+
+    def _dequant_c8(q, scale, offset, rows, out):  # pragma: no cover - compiled
+        _, ng, GS, R = q.shape
+        for i in prange(rows.shape[0]):
+            g, r = divmod(rows[i], R)
+            for s in range(ng):
+                d = scale[g, s, r]
+                m = offset[g, s, r]
+                for j in range(GS):
+                    out[i, s * GS + j] = d * np.float32(q[g, s, j, r]) + m
+
+
+    _mm_c4_par, _mm_c4_ser = _compiled(_mm_c4)
+    _mm_c8_par, _mm_c8_ser = _compiled(_mm_c8)
+    _dequant_c4_par, _dequant_c4_ser = _compiled(_dequant_c4)
+    _dequant_c8_par, _dequant_c8_ser = _compiled(_dequant_c8)
+
+
+class QuantizedActivations:
+    """x [T, K] rounded to int8 per 32 values, once for every product that reads it (a layer's
+    q, k and v): ``xq`` [T, K] int8, ``xd`` [T, K/32] scales, ``xs`` [T, K/32] = xd * sum of xq."""
+
+    def __init__(self, x: np.ndarray, quantize: bool = True) -> None:
+        """``quantize`` False: the arrays only, for a compiled operation to fill as it writes x."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        T, K = x.shape
+        self.x = x
+        self.xq = np.empty((T, K), np.int8)
+        self.xd = np.empty((T, K // 32), np.float32)
+        self.xs = np.empty((T, K // 32), np.float32)
+        if quantize:
+            _quantize_q8(x, self.xq, self.xd, self.xs)
+
+
+def dequantize_rows(w: PackedMatrix, rows: np.ndarray) -> np.ndarray:
+    """Rows ``rows`` (int64 [R]) of ``w`` as float32 [R, K]."""
+    if w.form == "f32":
+        return w.q[rows]
+    out = np.empty((rows.shape[0], w.n_cols), np.float32)
+    parallel = out.size >= PARALLEL_FROM_MACS
+    if w.form == "c4":
+        (_dequant_c4_par if parallel else _dequant_c4_ser)(w.q, w.scale, w.offset, rows, out)
+    else:
+        (_dequant_c8_par if parallel else _dequant_c8_ser)(w.q, w.scale, w.offset, rows, out)
+    return out
+
+
+def matmul(w: PackedMatrix, x: np.ndarray | QuantizedActivations, out: np.ndarray) -> np.ndarray:
+    """out = x @ w.T. x: [T, K] float32 (or already quantized) -> out: [T, N] float32."""
+    xf = x.x if isinstance(x, QuantizedActivations) else x
+    T = xf.shape[0]
+    if w.form == "f32":
+        np.matmul(xf, w.q.T, out=out)
+        return out
+    if T >= DEQUANT_ROWS_FROM:
+        for r0 in range(0, w.n_rows, TILE_ROWS):
+            r1 = min(r0 + TILE_ROWS, w.n_rows)
+            out[:, r0:r1] = xf @ dequantize_rows(w, np.arange(r0, r1)).T
+        return out
+    qx = x if isinstance(x, QuantizedActivations) else QuantizedActivations(xf)
+    dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    parallel = T * w.n_rows * w.n_cols >= PARALLEL_FROM_MACS
+    if w.form == "c4":
+        (_mm_c4_par if parallel else _mm_c4_ser)(w.q, w.scale, w.offset, qx.xq, qx.xd, qx.xs, dst)
+    else:
+        (_mm_c8_par if parallel else _mm_c8_ser)(w.q, w.scale, w.offset, w.span, qx.xq, qx.xd, qx.xs, dst)
+    if dst is not out:
+        out[...] = dst
+    return out

@@ -1,0 +1,156 @@
+"""The CPU backend's operations besides the matrix products, numba-compiled.
+
+Why. A decode step of a small model is some 300 operations of a few microseconds of arithmetic
+each; as numpy expressions each costs several array allocations and Python calls, which on
+SmolLM2 cost more than the products themselves. Here each operation is one compiled call that
+writes into the pass's buffers: the residual add and norm, with the int8 rounding of its output
+for the products that follow (``cpu_kernels.QuantizedActivations``); RoPE; attention over the
+KV pages where they lie (no gathering copy); SwiGLU. The numpy formulas in ``cpu_backend`` stay
+as the reference the tests hold these to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ntx.daemons.compute.cpu_kernels import numba
+
+if numba is not None:
+    from numba import njit, prange
+    from numba.typed import List as TypedList
+
+    _JIT = dict(nogil=True, fastmath=True, cache=True, boundscheck=False, error_model="numpy")
+
+    @njit(**_JIT)
+    def add_norm_quantize(x, delta, has_delta, w, eps, h, quantize, xq, xd, xs):  # pragma: no cover - compiled
+        # x: [T, D] (x += delta first when has_delta); h = x / sqrt(mean(x^2) + eps) * w: [T, D];
+        # with quantize: h rounded to int8 per 32 values -> xq [T, D], xd/xs [T, D/32]
+        T, D = x.shape
+        for t in range(T):
+            ss = np.float32(0.0)
+            for i in range(D):
+                if has_delta:
+                    x[t, i] += delta[t, i]
+                ss += x[t, i] * x[t, i]
+            r = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
+            for i in range(D):
+                h[t, i] = x[t, i] * r * w[i]
+            if quantize:
+                for b in range(D // 32):
+                    amax = np.float32(0.0)
+                    for j in range(32):
+                        a = abs(h[t, b * 32 + j])
+                        if a > amax:
+                            amax = a
+                    d = amax / np.float32(127.0)
+                    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+                    s = np.int32(0)
+                    for j in range(32):
+                        v = np.int32(np.rint(h[t, b * 32 + j] * inv))
+                        xq[t, b * 32 + j] = v
+                        s += v
+                    xd[t, b] = d
+                    xs[t, b] = d * np.float32(s)
+
+    @njit(**_JIT)
+    def swiglu_quantize(gate, up, act, quantize, xq, xd, xs):  # pragma: no cover - compiled
+        # act = silu(gate) * up: [T, F]; with quantize: act rounded to int8 as above
+        T, F = gate.shape
+        for t in range(T):
+            for i in range(F):
+                g = gate[t, i]
+                act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * up[t, i]
+            if quantize:
+                for b in range(F // 32):
+                    amax = np.float32(0.0)
+                    for j in range(32):
+                        a = abs(act[t, b * 32 + j])
+                        if a > amax:
+                            amax = a
+                    d = amax / np.float32(127.0)
+                    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+                    s = np.int32(0)
+                    for j in range(32):
+                        v = np.int32(np.rint(act[t, b * 32 + j] * inv))
+                        xq[t, b * 32 + j] = v
+                        s += v
+                    xd[t, b] = d
+                    xs[t, b] = d * np.float32(s)
+
+    @njit(**_JIT)
+    def rope(x, positions, inv_freq, n_heads, head_dim):  # pragma: no cover - compiled
+        # x: [T, n_heads*head_dim] in place; rotate adjacent pairs of the first 2*len(inv_freq)
+        # dims of each head by position * inv_freq (angles in float64, as the reference)
+        T = x.shape[0]
+        half = inv_freq.shape[0]
+        for t in range(T):
+            for i in range(half):
+                theta = np.float64(positions[t]) * inv_freq[i]
+                c = np.float32(np.cos(theta))
+                s = np.float32(np.sin(theta))
+                for h in range(n_heads):
+                    j = h * head_dim + 2 * i
+                    x0 = x[t, j]
+                    x1 = x[t, j + 1]
+                    x[t, j] = x0 * c - x1 * s
+                    x[t, j + 1] = x0 * s + x1 * c
+
+    @njit(parallel=True, **_JIT)
+    def attention(q, out, keys, values, layer, pages, chunk_pages, start_pos, vis, has_vis, n_head, n_head_kv,
+                  head_dim, scale):  # pragma: no cover - compiled
+        # One chunk of n rows of one sequence. q, out: [n, H*hd]. keys/values: per chunk of the
+        # KV pool, [L, chunk_pages, Hkv, PAGE, hd]; pages: the sequence's page table. Row i is at
+        # cache position start_pos + i and sees [0, start_pos) and, of the chunk's rows, those
+        # j <= i (causal) or with vis[i, j] (a tree).
+        n = q.shape[0]
+        page_tokens = keys[0].shape[3]
+        group = n_head // n_head_kv
+        end_pos = start_pos + n
+        n_pages = (end_pos + page_tokens - 1) // page_tokens
+        for ih in prange(n * n_head):
+            i = ih // n_head
+            h = ih - i * n_head
+            kh = h // group
+            qh = q[i, h * head_dim:(h + 1) * head_dim]
+            scores = np.empty(n_pages * page_tokens, np.float32)
+            best = -np.inf
+            for pg in range(n_pages):
+                page = pages[pg]
+                c = page // chunk_pages
+                k = keys[c][layer, page - c * chunk_pages, kh]  # [PAGE, hd]
+                for off in range(page_tokens):
+                    p = pg * page_tokens + off
+                    seen = p < end_pos
+                    if seen and p >= start_pos:
+                        seen = vis[i, p - start_pos] if has_vis else p - start_pos <= i
+                    if not seen:
+                        scores[p] = -np.inf
+                        continue
+                    s = np.float32(0.0)
+                    for d in range(head_dim):
+                        s += qh[d] * k[off, d]
+                    s *= scale
+                    scores[p] = s
+                    if s > best:
+                        best = s
+            acc = np.zeros(head_dim, np.float32)
+            total = np.float32(0.0)
+            for pg in range(n_pages):
+                page = pages[pg]
+                c = page // chunk_pages
+                v = values[c][layer, page - c * chunk_pages, kh]  # [PAGE, hd]
+                for off in range(page_tokens):
+                    sc = scores[pg * page_tokens + off]
+                    if sc == -np.inf:
+                        continue
+                    e = np.float32(np.exp(sc - best))
+                    total += e
+                    for d in range(head_dim):
+                        acc[d] += e * v[off, d]
+            for d in range(head_dim):
+                out[i, h * head_dim + d] = acc[d] / total
+
+
+def chunk_list(example: np.ndarray):
+    """An empty list of KV chunk arrays shaped like ``example``, as ``attention`` takes them."""
+    return TypedList.empty_list(numba.typeof(example))

@@ -1,0 +1,225 @@
+"""The CPU backend's compiled kernels (daemons/compute/cpu_kernels.py, cpu_ops.py) against the
+float32 numpy reference, for every type and shape class; then the whole model on the real
+SmolLM2, quantized against the reference.
+
+Tolerances. The packed forms hold GGUF's values exactly, so dequantizing them is bit for bit
+gguf-py's. A product with x rounded to int8 per 32 values (as llama.cpp's CPU kernels do) errs by
+at most half a step of that rounding per activation, amax/254 of its block: on random weights a
+product's largest error is measured at 0.3-0.7% of its largest output; the bound is 2%. With 16
+rows or more x stays float32 (dequantized tiles through BLAS), and only float32 rounding
+remains (bound 1e-5). On SmolLM2 the 30 layers' int8 rounding moves the prompt's logits by about
+4% of the largest logit; the bound that matters is what the model predicts: the same top token
+where the reference has a clear winner, and the mean log-likelihood of real text within 1%.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+import synth_gguf as sg
+from ntx.daemons.compute import cpu_kernels as ck
+from ntx.daemons.compute.backend import make_backend
+from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.model import LlamaModel
+from ntx.daemons.compute.quants import dequantize
+from ntx.shared.errors import ConfigError
+from ntx.shared.gguf_index import open_model
+from ntx.shared.kernel_options import KernelOptions
+
+try:
+    from .synth_models import rel_err
+except ImportError:
+    from synth_models import rel_err
+
+INT8_TOL = 0.02
+FLOAT_TOL = 1e-5
+# (rows, columns): rows interleaved by 128, 64, 32, 8 and 1 (lanes_for)
+SHAPES = [(256, 256), (192, 512), (96, 256), (40, 512), (33, 256)]
+
+
+def _matrix(qt: QT, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random valid GGUF bytes of an [n, k] matrix of type ``qt`` and their float32 values."""
+    block_elems, _ = GGML_QUANT_SIZES[qt]
+    raw = sg.make_blocks(qt, n * k // block_elems, 0.05, np.random.default_rng(seed)).reshape(-1)
+    return raw, dequantize(raw, qt, (n, k))
+
+
+@pytest.mark.parametrize("type_name", [t.name for t in ck.SUPPORTED_TYPES])
+def test_packed_rows_dequantize_bit_for_bit(type_name):
+    qt = QT[type_name]
+    for n, k in SHAPES:
+        raw, ref = _matrix(qt, n, k, n + k)
+        w = ck.pack(raw, qt, n, k)
+        assert w.lanes == ck.lanes_for(n) or w.form == "f32"
+        rows = np.array([0, n - 1, n // 2, 1], dtype=np.int64)
+        assert np.array_equal(ck.dequantize_rows(w, rows), ref[rows])
+        assert np.array_equal(ck.dequantize_rows(w, np.arange(n)), ref)
+        if w.form != "f32":
+            assert w.nbytes == ck.packed_bytes(qt, n, k)
+
+
+@pytest.mark.parametrize("type_name", [t.name for t in ck.SUPPORTED_TYPES])
+def test_products_match_the_float_reference(type_name):
+    qt = QT[type_name]
+    rng = np.random.default_rng(7)
+    for n, k in SHAPES:
+        raw, ref = _matrix(qt, n, k, n * k)
+        w = ck.pack(raw, qt, n, k)
+        for T in (1, 3, ck.DEQUANT_ROWS_FROM + 4):
+            x = rng.standard_normal((T, k)).astype(np.float32)
+            out = np.empty((T, n), np.float32)
+            ck.matmul(w, x, out)
+            tol = FLOAT_TOL if w.form == "f32" or T >= ck.DEQUANT_ROWS_FROM else INT8_TOL
+            assert rel_err(out, x @ ref.T) < tol, (type_name, n, k, T)
+
+
+def test_a_row_gets_the_same_bits_alone_or_batched_and_on_any_thread_count(monkeypatch):
+    """Below DEQUANT_ROWS_FROM rows each output is one thread's fixed sequence of operations:
+    its bits depend neither on the other rows nor on whether the product ran in parallel."""
+    raw, _ = _matrix(QT.Q4_K, 512, 1024, 3)
+    w = ck.pack(raw, QT.Q4_K, 512, 1024)
+    x = np.random.default_rng(4).standard_normal((7, 1024)).astype(np.float32)
+    batched = ck.matmul(w, x, np.empty((7, 512), np.float32))
+    alone = ck.matmul(w, x[3:4], np.empty((1, 512), np.float32))
+    assert np.array_equal(alone[0], batched[3])
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        monkeypatch.setattr(ck, "PARALLEL_FROM_MACS", 0)
+        parallel = ck.matmul(w, x, np.empty((7, 512), np.float32))
+        monkeypatch.setattr(ck, "PARALLEL_FROM_MACS", 1 << 62)
+        serial = ck.matmul(w, x, np.empty((7, 512), np.float32))
+    finally:
+        numba.set_num_threads(threads)
+    assert np.array_equal(parallel, serial) and np.array_equal(parallel, batched)
+
+
+def test_a_type_without_a_kernel_is_one_clear_error():
+    with pytest.raises(ConfigError, match="no CPU kernel for Q2_K .*supported: Q4_0"):
+        ck.pack(np.zeros(84 * 4, np.uint8), QT.Q2_K, 4, 256)
+
+
+def test_thread_count_comes_from_the_environment(monkeypatch):
+    threads = numba.get_num_threads()
+    try:
+        monkeypatch.setenv("NTX_CPU_THREADS", "1")
+        assert ck.set_threads() == 1 and numba.get_num_threads() == 1
+        monkeypatch.setenv("NTX_CPU_THREADS", "lots")
+        with pytest.raises(ConfigError, match="NTX_CPU_THREADS='lots' is not a number"):
+            ck.set_threads()
+        with pytest.raises(ConfigError, match="at most"):
+            ck.set_threads(numba.config.NUMBA_NUM_THREADS + 1)
+    finally:
+        numba.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole model on the real SmolLM2: quantized (the default) against the float32 reference
+
+_seq_ids = itertools.count(5000)
+TEXT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "draft_tasks" / "summarise.txt"
+
+
+@pytest.fixture(scope="module")
+def smol_pair(smollm2_path):
+    idx = open_model(smollm2_path)
+    quantized = LlamaModel(idx, make_backend("cpu", idx, max_seqs=4, max_ctx=512))
+    reference = LlamaModel(idx, make_backend("cpu", idx, max_seqs=4, max_ctx=512,
+                                             kernels=KernelOptions(cpu_quantized=False)))
+    assert quantized.backend.quantized and not reference.backend.quantized
+    return quantized, reference
+
+
+def _logits(model: LlamaModel, chunks: list[tuple[int, int, list[int]]]) -> list[np.ndarray]:
+    batch = StepBatch([SeqChunk(s, p, tuple(t), all_logits=True) for s, p, t in chunks])
+    logits = model.forward(batch)
+    return [logits[sl] for sl in batch.logit_slices()]
+
+
+def _decode_one_by_one(model: LlamaModel, tokens: list[int]) -> np.ndarray:
+    sid = next(_seq_ids)
+    model.backend.alloc_sequence(sid, len(tokens) + 8)
+    try:
+        return np.concatenate([_logits(model, [(sid, i, [t])])[0] for i, t in enumerate(tokens)])
+    finally:
+        model.backend.free_sequence(sid)
+
+
+def _prefill(model: LlamaModel, tokens: list[int]) -> np.ndarray:
+    sid = next(_seq_ids)
+    model.backend.alloc_sequence(sid, len(tokens) + 8)
+    try:
+        return _logits(model, [(sid, 0, tokens)])[0]
+    finally:
+        model.backend.free_sequence(sid)
+
+
+def _mean_nll(logits: np.ndarray, targets: list[int]) -> float:
+    z = logits.astype(np.float64)
+    lse = np.log(np.exp(z - z.max(axis=1, keepdims=True)).sum(axis=1)) + z.max(axis=1)
+    return float(np.mean(lse - z[np.arange(len(targets)), targets]))
+
+
+def test_quantized_decode_predicts_real_text_as_the_reference(smol_pair):
+    """Token by token (the int8 kernels' passes) over 96 tokens of real text: the same top token
+    wherever the reference's winner leads by more than 0.5, and the mean negative
+    log-likelihood within 1% of the reference's."""
+    quantized, reference = smol_pair
+    from ntx.ctl.tokenizer import Tokenizer
+
+    tokens = Tokenizer.from_metadata(quantized.index.metadata).encode(TEXT.read_text())[:97]
+    q = _decode_one_by_one(quantized, tokens[:-1])
+    r = _prefill(reference, tokens[:-1])  # [96, V] float32 reference
+    top2 = np.sort(r, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.5
+    assert clear.sum() > 40
+    assert np.array_equal(q.argmax(axis=1)[clear], r.argmax(axis=1)[clear])
+    nll_q, nll_r = _mean_nll(q, tokens[1:]), _mean_nll(r, tokens[1:])
+    assert abs(nll_q - nll_r) / nll_r < 0.01, (nll_q, nll_r)
+
+
+def test_quantized_prefill_decode_and_batch_agree_bit_for_bit(smol_pair):
+    """Passes below DEQUANT_ROWS_FROM rows give a row the same bits whatever else the pass holds:
+    a prompt prefilled in one pass, decoded token by token, or beside another sequence."""
+    quantized, _ = smol_pair
+    prompt = [504, 3575, 282, 4649, 314, 7042]
+    other = [1, 504, 2365, 1345, 282, 260]
+    together = _prefill(quantized, prompt)
+    assert np.array_equal(_decode_one_by_one(quantized, prompt), together)
+    a, b = next(_seq_ids), next(_seq_ids)
+    for sid in (a, b):
+        quantized.backend.alloc_sequence(sid, 16)
+    try:
+        _logits(quantized, [(a, 0, prompt[:5])])
+        _logits(quantized, [(b, 0, other[:3])])
+        la, _ = _logits(quantized, [(a, 5, prompt[5:]), (b, 3, other[3:5])])
+    finally:
+        for sid in (a, b):
+            quantized.backend.free_sequence(sid)
+    assert np.array_equal(la[0], together[5])
+
+
+def test_quantized_tree_rows_see_only_their_branch(smol_pair):
+    """A tree chunk's rows (speculation) get the logits each branch gets as a plain chain."""
+    quantized, _ = smol_pair
+    prompt = [504, 3575, 282, 4649]
+    tree_tokens, parents = (314, 7042, 2365, 1345), (-1, 0, 0, 2)  # branches 314-7042 and 314-2365-1345
+    sid = next(_seq_ids)
+    quantized.backend.alloc_sequence(sid, 32)
+    try:
+        _logits(quantized, [(sid, 0, prompt)])
+        batch = StepBatch([SeqChunk(sid, 4, tree_tokens, all_logits=True, parents=parents)])
+        tree = quantized.forward(batch)
+    finally:
+        quantized.backend.free_sequence(sid)
+    chain_a = _prefill(quantized, prompt + [314, 7042])[4:]
+    chain_b = _prefill(quantized, prompt + [314, 2365, 1345])[4:]
+    assert np.array_equal(tree[[0, 1]], chain_a)
+    assert np.array_equal(tree[[0, 2, 3]], chain_b)
