@@ -66,6 +66,23 @@ def _default_run_folder_entries(root: pathlib.Path) -> set[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_compiled():
+    """The CPU backend's numba kernels are compiled once, before the first test (a minute or two on
+    a fresh clone; numba's cache beside the modules then serves every process the tests start), so
+    that no test's own time limit pays for it. The daemons and engines of the tests run them on
+    one thread (``NTX_CPU_THREADS``): on a machine whose cores the test run keeps busy, a kernel
+    waiting for a descheduled worker thread would stall (tests/test_cpu_kernels.py runs the
+    parallel builds on purpose)."""
+    from ntx.daemons.compute import cpu_kernels, cpu_ops
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NTX_CPU_THREADS", os.environ.get("NTX_CPU_THREADS", "1"))
+        if cpu_kernels.available():
+            cpu_ops.compile_all()
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def run_root_of_this_test_run(tmp_path_factory):
     """Every instance a test starts keeps its run folder (and, through it, its shared memory names)
     under this test run's temporary folder, never in the user's ``/tmp/ntx-<uid>``: two test runs

@@ -18,6 +18,8 @@ float32 array (reference, type F32).
 
 from __future__ import annotations
 
+import mmap
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -82,13 +84,22 @@ def page_spans(pages: Sequence[int], start: int, end: int) -> list[tuple[int, in
     return out
 
 
-class _CpuWorkspace(Workspace):
-    """A pass's buffers as fresh float32 arrays (numpy needs no capture, so none are kept)."""
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python 3.11 does not name it
+_CAUSAL = np.zeros((1, 1), dtype=np.bool_)  # the compiled attention's "no tree" visibility
 
-    def __init__(self, batch: StepBatch, hp) -> None:
+
+class _CpuWorkspace(Workspace):
+    """A pass's buffers as fresh float32 arrays (numpy needs no capture, so none are kept), and
+    (quantized kernels) the int8 copies of h and act that the products read."""
+
+    def __init__(self, batch: StepBatch, hp, quantized: bool = False) -> None:
         self.batch = batch
         self.tokens = np.asarray(batch.tokens, dtype=np.int64)  # [T]; Backend.feed_tokens replaces it
         self.allocate(batch.n_tokens, hp, lambda name, shape: np.empty(shape, dtype=np.float32))
+        self.small = quantized and batch.n_tokens < cpu_kernels.DEQUANT_ROWS_FROM  # products on int8 x
+        if quantized:
+            self.h_q8 = cpu_kernels.QuantizedActivations(self.h, quantize=False)
+            self.act_q8 = cpu_kernels.QuantizedActivations(self.act, quantize=False)
 
 
 class CpuBackend(Backend):
@@ -105,7 +116,9 @@ class CpuBackend(Backend):
         # KV pages: per chunk, keys and values [L, chunk_pages, Hkv, PAGE_TOKENS, hd] float32
         # (np.zeros: the memory is the system's only once a page is written)
         self.kv_chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.k_list = self.v_list = None  # quantized: the chunks' keys and values by chunk id (numba lists)
+        self.kv_keys: np.ndarray | None = None  # every chunk's keys, then values: see _kv_map
+        self.kv_values: np.ndarray | None = None
+        self.kv_regions: list[mmap.mmap] = []
         self.row_pages: dict[int, tuple[int, ...]] = {}
         self.row_page_ids: dict[int, np.ndarray] = {}  # the same page tables as int64 arrays
         self._init_kv(max_seqs, min(max_ctx, index.hparams.n_ctx_train), kv)
@@ -114,6 +127,8 @@ class CpuBackend(Backend):
         self.out_norm: np.ndarray | None = None
         self.out_head: np.ndarray | None = None
         self.slot_segments: list[ShmSegment] = []
+        self.ws: _CpuWorkspace | None = None
+        self.attn_scale = np.float32(1.0 / np.sqrt(self.hp.head_dim))
 
     @staticmethod
     def _held_bytes(t: TensorInfo) -> int:
@@ -165,24 +180,27 @@ class CpuBackend(Backend):
 
     # -- KV pages and slots --------------------------------------------------------------------
     def _kv_alloc_chunk(self, chunk: int) -> None:
-        hp = self.hp
-        shape = (hp.n_layers, self.kv_sizing.chunk_pages, hp.n_head_kv, PAGE_TOKENS, hp.head_dim)
-        self.kv_chunks[chunk] = (np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32))
-        if self.quantized:  # the compiled attention's view of the pool: chunk id -> its arrays
-            if self.k_list is None:
-                self.k_list = cpu_ops.chunk_list(self.kv_chunks[chunk][0])
-                self.v_list = cpu_ops.chunk_list(self.kv_chunks[chunk][1])
-            gone = np.zeros((1,) * 5, dtype=np.float32)
-            while len(self.k_list) <= chunk:
-                self.k_list.append(gone)
-                self.v_list.append(gone)
-            self.k_list[chunk], self.v_list[chunk] = self.kv_chunks[chunk]
+        if self.kv_keys is None:
+            self.kv_keys, self.kv_values = self._kv_map(), self._kv_map()
+        self.kv_chunks[chunk] = (self.kv_keys[chunk], self.kv_values[chunk])
+
+    def _kv_map(self) -> np.ndarray:
+        """Keys or values of every chunk the pool may ever hold, [max_chunks, L, chunk_pages,
+        Hkv, PAGE_TOKENS, hd] float32, in anonymous memory that the system provides only where
+        it is written (a freed chunk's pages are given back: ``_kv_free_chunk``). One array, so
+        that the compiled attention reads any page without a list of chunks."""
+        hp, sizing = self.hp, self.kv_sizing
+        shape = (sizing.max_chunks, hp.n_layers, sizing.chunk_pages, hp.n_head_kv, PAGE_TOKENS, hp.head_dim)
+        nbytes = int(np.prod(shape)) * 4
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        self.kv_regions.append(region)
+        return np.frombuffer(region, dtype=np.float32).reshape(shape)
 
     def _kv_free_chunk(self, chunk: int) -> None:
         del self.kv_chunks[chunk]
-        if self.k_list is not None:
-            gone = np.zeros((1,) * 5, dtype=np.float32)
-            self.k_list[chunk], self.v_list[chunk] = gone, gone
+        chunk_bytes = self.kv_keys[0].nbytes  # a multiple of the system's page (PAGE_TOKENS * hd * 4 is)
+        for region in self.kv_regions:
+            region.madvise(mmap.MADV_DONTNEED, chunk * chunk_bytes, chunk_bytes)  # zero again, memory back
 
     def _kv_set_row(self, row: int, pages) -> None:
         self.row_pages[row] = tuple(pages)
@@ -209,9 +227,18 @@ class CpuBackend(Backend):
             seg.unlink()
         self.slot_segments = []
 
+    def warm_up(self, runs, spec, log, eager_ops=None) -> None:
+        """The compiled kernels built (or loaded from numba's cache) before the first request."""
+        if self.quantized:
+            t0 = time.monotonic()
+            log("warm-up: compiling the CPU kernels (a minute or two the first time on a machine; cached after)")
+            cpu_ops.compile_all(self.hp.head_dim)
+            log(f"warm-up: CPU kernels ready in {time.monotonic() - t0:.2f} s ({self.threads} threads)")
+
     # -- operations ----------------------------------------------------------------------------
     def begin_pass(self, batch: StepBatch) -> _CpuWorkspace:
-        return _CpuWorkspace(batch, self.hp)
+        self.ws = _CpuWorkspace(batch, self.hp, self.quantized)  # the pass the compiled operations serve
+        return self.ws
 
     def embed(self, ws: Workspace) -> np.ndarray:
         table = self.tok_embd.data
@@ -241,36 +268,43 @@ class CpuBackend(Backend):
 
     # The compiled operations (quantized): one call each, writing into the pass's buffers, the
     # products' int8 activations made in the same call as the values they round.
-    def _activations(self, x: np.ndarray) -> cpu_kernels.QuantizedActivations:
-        return cpu_kernels.QuantizedActivations(x, quantize=False)
+    def _products(self, ws: _CpuWorkspace, qx: cpu_kernels.QuantizedActivations, products) -> None:
+        for w, out in products:
+            if ws.small:
+                w.data.product(qx, out)
+            else:
+                self.matmul(w, qx.x, out=out)
 
     def norm_matmuls(self, x, w, h, products, delta=None) -> None:
-        if not self.quantized:
+        ws = self.ws
+        if not self.quantized or h is not getattr(ws, "h", None):
             return super().norm_matmuls(x, w, h, products, delta)
-        qx = self._activations(h)
-        small = x.shape[0] < cpu_kernels.DEQUANT_ROWS_FROM
-        cpu_ops.add_norm_quantize(x, x if delta is None else delta, delta is not None, w, self.hp.rms_eps, qx.x,
-                                  small, qx.xq, qx.xd, qx.xs)
-        for wm, out in products:
-            self.matmul(wm, qx if small else qx.x, out=out)
+        qx = ws.h_q8
+        cpu_ops.add_norm_quantize(x, x if delta is None else delta, delta is not None, w, self.hp.rms_eps, h,
+                                  ws.small, qx.xq, qx.xd, qx.xs)
+        self._products(ws, qx, products)
 
     def swiglu_matmul_add(self, gate, up, act, w, out, tmp):
-        if not self.quantized:
+        ws = self.ws
+        if not self.quantized or act is not getattr(ws, "act", None):
             return super().swiglu_matmul_add(gate, up, act, w, out, tmp)
-        qx = self._activations(act)
-        small = gate.shape[0] < cpu_kernels.DEQUANT_ROWS_FROM
-        cpu_ops.swiglu_quantize(gate, up, qx.x, small, qx.xq, qx.xd, qx.xs)
-        self.matmul(w, qx if small else qx.x, out=tmp)
+        qx = ws.act_q8
+        cpu_ops.swiglu_quantize(gate, up, act, ws.small, qx.xq, qx.xd, qx.xs)
+        self._products(ws, qx, ((w, tmp),))
         np.add(out, tmp, out=out)
         return out
 
     def rope_kv_write(self, layer_idx: int, q, k, v, ws: Workspace) -> None:
         if not self.quantized:
             return super().rope_kv_write(layer_idx, q, k, v, ws)
-        hp, pos = self.hp, ws.batch.positions
-        cpu_ops.rope(q, pos, self.inv_freq, hp.n_head, hp.head_dim)
-        cpu_ops.rope(k, pos, self.inv_freq, hp.n_head_kv, hp.head_dim)
-        self.kv_write(layer_idx, k, v, ws)
+        hp, batch = self.hp, ws.batch
+        cpu_ops.rope(q, batch.positions, self.inv_freq, hp.n_head, hp.head_dim)
+        cpu_ops.rope(k, batch.positions, self.inv_freq, hp.n_head_kv, hp.head_dim)
+        for chunk, r0 in zip(batch.chunks, batch.row_starts):
+            rows = slice(r0, r0 + chunk.n_tokens)
+            cpu_ops.kv_store(self.kv_keys, self.kv_values, layer_idx, self.row_page_ids[self.seq_row[chunk.seq_id]],
+                             self.kv_sizing.chunk_pages, chunk.start_pos, k[rows], v[rows], hp.n_head_kv,
+                             hp.head_dim)
 
     def rope(self, q: np.ndarray, k: np.ndarray, ws: Workspace) -> None:
         hp, T = self.hp, ws.T
@@ -302,15 +336,13 @@ class CpuBackend(Backend):
         hp = self.hp
         batch = ws.batch
         if self.quantized:
-            scale = np.float32(1.0 / np.sqrt(hp.head_dim))
-            no_tree = np.zeros((1, 1), dtype=np.bool_)
             for chunk, r0 in zip(batch.chunks, batch.row_starts):
                 n = chunk.n_tokens
-                vis = chunk.visible()
-                cpu_ops.attention(q[r0 : r0 + n], out[r0 : r0 + n], self.k_list, self.v_list, layer_idx,
+                vis = None if chunk.parents is None else chunk.visible()
+                cpu_ops.attention(q[r0 : r0 + n], out[r0 : r0 + n], self.kv_keys, self.kv_values, layer_idx,
                                   self.row_page_ids[self.seq_row[chunk.seq_id]], self.kv_sizing.chunk_pages,
-                                  chunk.start_pos, no_tree if vis is None else vis, vis is not None, hp.n_head,
-                                  hp.n_head_kv, hp.head_dim, scale)
+                                  chunk.start_pos, _CAUSAL if vis is None else vis, vis is not None, hp.n_head,
+                                  hp.n_head_kv, hp.head_dim, self.attn_scale)
             return out
         group = hp.n_head // hp.n_head_kv
         scale = np.float32(1.0 / np.sqrt(hp.head_dim))

@@ -185,6 +185,16 @@ class PackedMatrix:
     def lanes(self) -> int:
         return self.q.shape[-1] if self.form != "f32" else 1
 
+    def product(self, qx: "QuantizedActivations", out: np.ndarray) -> None:
+        """out [T, N] = qx @ self.T on the int8 kernels (T below ``DEQUANT_ROWS_FROM``; out
+        C-contiguous): the products' one call per matrix, so it chooses nothing it can know early."""
+        parallel = qx.xq.shape[0] * self.n_rows * self.n_cols >= PARALLEL_FROM_MACS
+        if self.form == "c4":
+            (_mm_c4_par if parallel else _mm_c4_ser)(self.q, self.scale, self.offset, qx.xq, qx.xd, qx.xs, out)
+        else:
+            (_mm_c8_par if parallel else _mm_c8_ser)(self.q, self.scale, self.offset, self.span, qx.xq, qx.xd,
+                                                     qx.xs, out)
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
@@ -360,8 +370,8 @@ if numba is not None:
 
     _mm_c4_par, _mm_c4_ser = _compiled(_mm_c4)
     _mm_c8_par, _mm_c8_ser = _compiled(_mm_c8)
-    _dequant_c4_par, _dequant_c4_ser = _compiled(_dequant_c4)
-    _dequant_c8_par, _dequant_c8_ser = _compiled(_dequant_c8)
+    _dequant_c4 = njit(parallel=True, **_EXACT)(_dequant_c4)  # prompt tiles and embedding rows: one build
+    _dequant_c8 = njit(parallel=True, **_EXACT)(_dequant_c8)
 
 
 class QuantizedActivations:
@@ -385,11 +395,7 @@ def dequantize_rows(w: PackedMatrix, rows: np.ndarray) -> np.ndarray:
     if w.form == "f32":
         return w.q[rows]
     out = np.empty((rows.shape[0], w.n_cols), np.float32)
-    parallel = out.size >= PARALLEL_FROM_MACS
-    if w.form == "c4":
-        (_dequant_c4_par if parallel else _dequant_c4_ser)(w.q, w.scale, w.offset, rows, out)
-    else:
-        (_dequant_c8_par if parallel else _dequant_c8_ser)(w.q, w.scale, w.offset, rows, out)
+    (_dequant_c4 if w.form == "c4" else _dequant_c8)(w.q, w.scale, w.offset, rows, out)
     return out
 
 
@@ -407,11 +413,7 @@ def matmul(w: PackedMatrix, x: np.ndarray | QuantizedActivations, out: np.ndarra
         return out
     qx = x if isinstance(x, QuantizedActivations) else QuantizedActivations(xf)
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-    parallel = T * w.n_rows * w.n_cols >= PARALLEL_FROM_MACS
-    if w.form == "c4":
-        (_mm_c4_par if parallel else _mm_c4_ser)(w.q, w.scale, w.offset, qx.xq, qx.xd, qx.xs, dst)
-    else:
-        (_mm_c8_par if parallel else _mm_c8_ser)(w.q, w.scale, w.offset, w.span, qx.xq, qx.xd, qx.xs, dst)
+    w.product(qx, dst)
     if dst is not out:
         out[...] = dst
     return out

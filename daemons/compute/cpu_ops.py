@@ -17,7 +17,6 @@ from ntx.daemons.compute.cpu_kernels import numba
 
 if numba is not None:
     from numba import njit, prange
-    from numba.typed import List as TypedList
 
     _JIT = dict(nogil=True, fastmath=True, cache=True, boundscheck=False, error_model="numpy")
 
@@ -98,12 +97,12 @@ if numba is not None:
     @njit(parallel=True, **_JIT)
     def attention(q, out, keys, values, layer, pages, chunk_pages, start_pos, vis, has_vis, n_head, n_head_kv,
                   head_dim, scale):  # pragma: no cover - compiled
-        # One chunk of n rows of one sequence. q, out: [n, H*hd]. keys/values: per chunk of the
-        # KV pool, [L, chunk_pages, Hkv, PAGE, hd]; pages: the sequence's page table. Row i is at
+        # One chunk of n rows of one sequence. q, out: [n, H*hd]. keys/values: the KV pool,
+        # [chunks, L, chunk_pages, Hkv, PAGE, hd]; pages: the sequence's page table. Row i is at
         # cache position start_pos + i and sees [0, start_pos) and, of the chunk's rows, those
         # j <= i (causal) or with vis[i, j] (a tree).
         n = q.shape[0]
-        page_tokens = keys[0].shape[3]
+        page_tokens = keys.shape[4]
         group = n_head // n_head_kv
         end_pos = start_pos + n
         n_pages = (end_pos + page_tokens - 1) // page_tokens
@@ -117,7 +116,7 @@ if numba is not None:
             for pg in range(n_pages):
                 page = pages[pg]
                 c = page // chunk_pages
-                k = keys[c][layer, page - c * chunk_pages, kh]  # [PAGE, hd]
+                k = keys[c, layer, page - c * chunk_pages, kh]  # [PAGE, hd]
                 for off in range(page_tokens):
                     p = pg * page_tokens + off
                     seen = p < end_pos
@@ -138,7 +137,7 @@ if numba is not None:
             for pg in range(n_pages):
                 page = pages[pg]
                 c = page // chunk_pages
-                v = values[c][layer, page - c * chunk_pages, kh]  # [PAGE, hd]
+                v = values[c, layer, page - c * chunk_pages, kh]  # [PAGE, hd]
                 for off in range(page_tokens):
                     sc = scores[pg * page_tokens + off]
                     if sc == -np.inf:
@@ -151,6 +150,55 @@ if numba is not None:
                 out[i, h * head_dim + d] = acc[d] / total
 
 
-def chunk_list(example: np.ndarray):
-    """An empty list of KV chunk arrays shaped like ``example``, as ``attention`` takes them."""
-    return TypedList.empty_list(numba.typeof(example))
+    @njit(**_JIT)
+    def kv_store(keys, values, layer, pages, chunk_pages, start_pos, k, v, n_head_kv, head_dim):  # pragma: no cover
+        # One chunk's n rows of keys and values k, v [n, Hkv*hd] at cache positions
+        # start_pos + i of its sequence (page table ``pages``), in layer ``layer`` of the pool.
+        page_tokens = keys.shape[4]
+        for i in range(k.shape[0]):
+            p = start_pos + i
+            page = pages[p // page_tokens]
+            c = page // chunk_pages
+            off = p - (p // page_tokens) * page_tokens
+            for h in range(n_head_kv):
+                for d in range(head_dim):
+                    keys[c, layer, page - c * chunk_pages, h, off, d] = k[i, h * head_dim + d]
+                    values[c, layer, page - c * chunk_pages, h, off, d] = v[i, h * head_dim + d]
+
+
+def compile_all(head_dim: int = 64) -> None:
+    """Compile (or load from numba's cache) every kernel the CPU backend calls, with the argument
+    types its passes use, so that no request pays for it (``CpuBackend.warm_up``). The first time
+    on a machine this takes a minute or two (LLVM builds every kernel for the host's CPU); then
+    numba's on-disk cache (``__pycache__`` beside the modules, or ``$NUMBA_CACHE_DIR``) serves
+    them in about a second."""
+    from ntx.daemons.compute import cpu_kernels as ck
+
+    rng = np.random.default_rng(0)
+    T, K, N = 2, 64, 8
+    for qt in (ck.QT.Q4_1, ck.QT.Q8_0):  # a c4 and a c8 matrix: each kernel, serial and parallel
+        raw = np.zeros(N * K // 32 * (20 if qt == ck.QT.Q4_1 else 34), np.uint8)
+        w = ck.pack(raw, qt, N, K)
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        for threshold in (0, 1 << 62):
+            saved, ck.PARALLEL_FROM_MACS = ck.PARALLEL_FROM_MACS, threshold
+            try:
+                ck.matmul(w, x, np.empty((T, N), np.float32))
+                ck.dequantize_rows(w, np.arange(N, dtype=np.int64))
+            finally:
+                ck.PARALLEL_FROM_MACS = saved
+    h = np.ones((T, K), np.float32)
+    qx = ck.QuantizedActivations(h, quantize=False)
+    for delta in (True, False):
+        add_norm_quantize(h, h, delta, np.ones(K, np.float32), 1e-5, h, delta, qx.xq, qx.xd, qx.xs)
+    swiglu_quantize(h, h, h, True, qx.xq, qx.xd, qx.xs)
+    inv_freq = np.ones(head_dim // 2, np.float64)
+    rope(np.ones((T, 2 * head_dim), np.float32), np.zeros(T, np.int32), inv_freq, 2, head_dim)
+    keys, values = (np.zeros((1, 1, 2, 1, 32, head_dim), np.float32) for _ in range(2))
+    pages = np.zeros(1, np.int64)
+    kv = np.ones((T, head_dim), np.float32)
+    kv_store(keys, values, 0, pages, 2, 0, kv, kv, 1, head_dim)
+    q = np.ones((T, 2 * head_dim), np.float32)
+    for vis in (np.zeros((1, 1), np.bool_), np.ones((T, T), np.bool_)):
+        attention(q, np.empty_like(q), keys, values, 0, pages, 2, 0, vis, vis.shape[0] > 1, 2, 1, head_dim,
+                  np.float32(0.125))
