@@ -114,6 +114,8 @@ fi
 echo "== source: $src ($(du -sh "$src" | cut -f1))"
 
 if [ -n "$pack_out" ]; then
+    pack_out=$(realpath -m "$pack_out")
+    mkdir -p "$(dirname "$pack_out")"
     echo "== packing the source into $pack_out"
     tar -C "$root" -cJf "$pack_out" --transform "s,^src,llama.cpp-$VERSION," src
     echo "== $pack_out: $(du -h "$pack_out" | cut -f1) (carry it, then: $0 --source $(basename "$pack_out") [--cuda])"
