@@ -28,6 +28,12 @@
 # --gemm-paths: time each matrix-product path per matrix (dev/cuda/bench_gemm_paths.py, GEMM_ARGS
 #   passed to it) into $OUT/gemm_paths.{json,log}.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
+# --cpu-compare: the CPU backend beside llama.cpp's CPU build on the host's cores
+#   (scripts/cpu_vs_llamacpp.py): SmolLM2 (when joined) at CPU_SMOL_THREADS (default 2) threads and a
+#   Llama-3-8B-shaped Q4_K_M at CPU_8B_THREADS (default: every core) into $OUT/cpu-*.json. llama.cpp
+#   is built first (scripts/build_llama_cpp.sh, cached in ~/.cache/ntx) from a carried source
+#   tarball, .dev/src/llama.cpp-*-src.tar.xz (build_llama_cpp.sh --pack writes it); numba and
+#   llvmlite come as carried wheels (.whl, or .dev/llvm for llvmlite's 60 MB in a call of its own).
 # BASELINE=DIR (a copy of another revision's tree, e.g. `git archive REV | tar x -C .baseline`,
 #   carried): the decode and stream benchmarks run for that tree too, right after this one's, on
 #   the same models in the same call, into $OUT/baseline-*: a before/after on one machine.
@@ -42,7 +48,8 @@ export PYTHONUNBUFFERED=1
 # whatever happens (a hang killed at the time limit included), bring the daemons' logs back
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
-QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; PYTEST_ARGS=()
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0
+CPU_COMPARE=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -56,6 +63,7 @@ for a in "$@"; do
     --only-copy) ONLY_COPY=1 ;;
     --first-requests) FIRST=1 ;;
     --gemm-paths) GEMM=1 ;;
+    --cpu-compare) CPU_COMPARE=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
 done
@@ -70,10 +78,12 @@ fi
 ls -la "$MODELS"
 [ "$ONLY_COPY" = 1 ] && exit 0
 
-if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$REPO"/.whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-fi
+for wheels in "$REPO"/.whl "$REPO"/.dev/llvm; do
+  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl \
+      || { echo "wheel install failed"; exit 1; }
+  fi
+done
 # ntx namespace without installing: NSROOT/ntx/{daemons,shared,ctl} -> the tree's folders
 farm() {  # farm TREE NSROOT
   rm -rf "$2" && mkdir -p "$2/ntx"
@@ -91,6 +101,22 @@ cd /tmp  # not the repo root: its ntx/ would shadow the namespace farm
   python3 -c "import gguf; print('gguf', gguf.__file__)"
   python3 -c "import ntx.daemons.compute.cuda.runtime as k; print('ntx kernels from', k.__file__)"
 } 2>&1 | tee "$OUT/env.txt"
+
+if [ "$CPU_COMPARE" = 1 ]; then
+  src=$(ls "$REPO"/.dev/src/llama.cpp-*-src.tar.xz 2>/dev/null | head -1)
+  bash "$REPO/scripts/build_llama_cpp.sh" ${src:+--source "$src"} 2>&1 | tail -5 | tee "$OUT/llama-build.log"
+  bench=$(bash "$REPO/scripts/build_llama_cpp.sh" --print-bin)/llama-bench
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)" | tee "$OUT/cpu.txt"
+  if [ -f "$MODELS/SmolLM2.gguf" ]; then
+    python3 "$REPO/scripts/cpu_vs_llamacpp.py" --model "$MODELS/SmolLM2.gguf" --threads "${CPU_SMOL_THREADS:-2}" \
+      --llama-bench "$bench" --rounds 5 --json "$OUT/cpu-smol.json" 2>&1 | tee "$OUT/cpu-smol.log"
+  fi
+  [ -f "$MODELS/llama3-8b-Q4_K_M.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/llama3-8b-Q4_K_M.gguf" \
+    --preset llama3-8b --type Q4_K_M -q
+  python3 "$REPO/scripts/cpu_vs_llamacpp.py" --model "$MODELS/llama3-8b-Q4_K_M.gguf" --threads "${CPU_8B_THREADS:-$(nproc)}" \
+    --llama-bench "$bench" --rounds 3 --tokens 32 --json "$OUT/cpu-8b.json" 2>&1 | tee "$OUT/cpu-8b.log"
+  exit 0
+fi
 
 t0=$(date +%s)
 python3 "$REPO/scripts/bench_kernels.py" --precompile --jobs "$(nproc)" 2>&1 | tee "$OUT/precompile.log"
