@@ -242,8 +242,10 @@ def packed_bytes(ggml_type: int, n_rows: int, n_cols: int) -> int:
 # The compiled loops
 
 # Products smaller than this many multiply-adds run on one thread: waking the others costs more
-# (and on a machine whose cores are busy, a descheduled worker stalls the whole product).
-PARALLEL_FROM_MACS = 1 << 20
+# (and on a machine whose cores are busy, a descheduled worker stalls the whole product). Above
+# it, even a 576x576 matrix (SmolLM2's) gains: a decode step reads every layer from memory,
+# and one thread alone reads at a fraction of the memory's bandwidth.
+PARALLEL_FROM_MACS = 1 << 17
 
 
 def _compiled(f):

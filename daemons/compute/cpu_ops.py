@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ntx.daemons.compute import cpu_kernels
 from ntx.daemons.compute.cpu_kernels import numba
 
 if numba is not None:
@@ -94,7 +95,6 @@ if numba is not None:
                     x[t, j] = x0 * c - x1 * s
                     x[t, j + 1] = x0 * s + x1 * c
 
-    @njit(parallel=True, **_JIT)
     def attention(q, out, keys, values, layer, pages, chunk_pages, start_pos, vis, has_vis, n_head, n_head_kv,
                   head_dim, scale):  # pragma: no cover - compiled
         # One chunk of n rows of one sequence. q, out: [n, H*hd]. keys/values: the KV pool,
@@ -149,6 +149,7 @@ if numba is not None:
             for d in range(head_dim):
                 out[i, h * head_dim + d] = acc[d] / total
 
+    attention_parallel, attention_serial = cpu_kernels._compiled(attention)  # serial for short contexts (decode)
 
     @njit(**_JIT)
     def kv_store(keys, values, layer, pages, chunk_pages, start_pos, k, v, n_head_kv, head_dim):  # pragma: no cover
@@ -166,14 +167,22 @@ if numba is not None:
                     values[c, layer, page - c * chunk_pages, h, off, d] = v[i, h * head_dim + d]
 
 
+def attention(q, out, keys, values, layer, pages, chunk_pages, start_pos, vis, has_vis, n_head, n_head_kv, head_dim,
+              scale) -> None:
+    """Grouped-query attention of one chunk of rows over its sequence's KV pages (see
+    ``attention_parallel``): in parallel over rows and heads once there is enough to share."""
+    work = q.shape[0] * n_head * (start_pos + q.shape[0]) * head_dim * 2
+    kernel = attention_parallel if work >= cpu_kernels.PARALLEL_FROM_MACS else attention_serial
+    kernel(q, out, keys, values, layer, pages, chunk_pages, start_pos, vis, has_vis, n_head, n_head_kv, head_dim, scale)
+
+
 def compile_all(head_dim: int = 64) -> None:
     """Compile (or load from numba's cache) every kernel the CPU backend calls, with the argument
     types its passes use, so that no request pays for it (``CpuBackend.warm_up``). The first time
     on a machine this takes a minute or two (LLVM builds every kernel for the host's CPU); then
     numba's on-disk cache (``__pycache__`` beside the modules, or ``$NUMBA_CACHE_DIR``) serves
     them in about a second."""
-    from ntx.daemons.compute import cpu_kernels as ck
-
+    ck = cpu_kernels
     rng = np.random.default_rng(0)
     T, K, N = 2, 64, 8
     for qt in (ck.QT.Q4_1, ck.QT.Q8_0):  # a c4 and a c8 matrix: each kernel, serial and parallel
@@ -200,5 +209,6 @@ def compile_all(head_dim: int = 64) -> None:
     kv_store(keys, values, 0, pages, 2, 0, kv, kv, 1, head_dim)
     q = np.ones((T, 2 * head_dim), np.float32)
     for vis in (np.zeros((1, 1), np.bool_), np.ones((T, T), np.bool_)):
-        attention(q, np.empty_like(q), keys, values, 0, pages, 2, 0, vis, vis.shape[0] > 1, 2, 1, head_dim,
-                  np.float32(0.125))
+        for kernel in (attention_parallel, attention_serial):
+            kernel(q, np.empty_like(q), keys, values, 0, pages, 2, 0, vis, vis.shape[0] > 1, 2, 1, head_dim,
+                   np.float32(0.125))
