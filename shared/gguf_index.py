@@ -548,16 +548,28 @@ def model_file_paths(path: str | os.PathLike) -> list[str]:
     return _split_paths(os.fspath(path))
 
 
+def split_name(file_name: str) -> tuple[str, int, int] | None:
+    """(stem, shard number, shard count) of a split set's file name as llama.cpp's gguf-split
+    writes it, ``STEM-00001-of-00003.gguf``; None for the name of a file outside a split set."""
+    m = _SPLIT_RE.fullmatch(file_name)
+    return (m["stem"], int(m["no"]), int(m["count"])) if m else None
+
+
+def split_file_name(stem: str, no: int, count: int) -> str:
+    """The file name of shard ``no`` (from 1) of ``count`` of split set ``stem``."""
+    return f"{stem}-{no:05d}-of-{count:05d}.gguf"
+
+
 def _split_paths(path: str) -> list[str]:
     """All shard paths of a split set that ``path`` belongs to, or [path]."""
-    m = _SPLIT_RE.fullmatch(os.path.basename(path))
-    if not m:
+    split = split_name(os.path.basename(path))
+    if split is None:
         return [path]
-    no, count = int(m["no"]), int(m["count"])
+    stem, no, count = split
     if not 1 <= no <= count:
         raise ModelError(path, f"a split set's file name, but it says shard {no} of {count}")
     folder = os.path.dirname(path)
-    paths = [os.path.join(folder, f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    paths = [os.path.join(folder, split_file_name(stem, i, count)) for i in range(1, count + 1)]
     for p in paths:
         if not os.path.exists(p):
             raise ModelError(path, f"split set is missing shard {os.path.basename(p)}")
