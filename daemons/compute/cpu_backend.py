@@ -96,7 +96,6 @@ class _CpuWorkspace(Workspace):
         self.batch = batch
         self.tokens = np.asarray(batch.tokens, dtype=np.int64)  # [T]; Backend.feed_tokens replaces it
         self.allocate(batch.n_tokens, hp, lambda name, shape: np.empty(shape, dtype=np.float32))
-        self.small = quantized and batch.n_tokens < cpu_kernels.DEQUANT_ROWS_FROM  # products on int8 x
         if quantized:
             self.h_q8 = cpu_kernels.QuantizedActivations(self.h, quantize=False)
             self.act_q8 = cpu_kernels.QuantizedActivations(self.act, quantize=False)
@@ -260,20 +259,20 @@ class CpuBackend(Backend):
         return cpu_kernels.matmul(w.data, x, out)
 
     def matmuls(self, x: np.ndarray, products) -> None:
-        """x is rounded to int8 once for every product (quantized kernels, decode-sized T)."""
-        if self.quantized and x.shape[0] < cpu_kernels.DEQUANT_ROWS_FROM:
+        """x is rounded to int8 once for every product (quantized kernels)."""
+        if self.quantized:
             x = cpu_kernels.QuantizedActivations(x)
         for w, out in products:
             self.matmul(w, x, out=out)
 
     # The compiled operations (quantized): one call each, writing into the pass's buffers, the
     # products' int8 activations made in the same call as the values they round.
-    def _products(self, ws: _CpuWorkspace, qx: cpu_kernels.QuantizedActivations, products) -> None:
+    def _products(self, qx: cpu_kernels.QuantizedActivations, products) -> None:
         for w, out in products:
-            if ws.small:
-                w.data.product(qx, out)
-            else:
+            if w.data.form == "f32":
                 self.matmul(w, qx.x, out=out)
+            else:
+                w.data.product(qx, out)
 
     def norm_matmuls(self, x, w, h, products, delta=None) -> None:
         ws = self.ws
@@ -281,16 +280,16 @@ class CpuBackend(Backend):
             return super().norm_matmuls(x, w, h, products, delta)
         qx = ws.h_q8
         cpu_ops.add_norm_quantize(x, x if delta is None else delta, delta is not None, w, self.hp.rms_eps, h,
-                                  ws.small, qx.xq, qx.xd, qx.xs)
-        self._products(ws, qx, products)
+                                  True, qx.xq, qx.xd, qx.xs)
+        self._products(qx, products)
 
     def swiglu_matmul_add(self, gate, up, act, w, out, tmp):
         ws = self.ws
         if not self.quantized or act is not getattr(ws, "act", None):
             return super().swiglu_matmul_add(gate, up, act, w, out, tmp)
         qx = ws.act_q8
-        cpu_ops.swiglu_quantize(gate, up, act, ws.small, qx.xq, qx.xd, qx.xs)
-        self._products(ws, qx, ((w, tmp),))
+        cpu_ops.swiglu_quantize(gate, up, act, True, qx.xq, qx.xd, qx.xs)
+        self._products(qx, ((w, tmp),))
         np.add(out, tmp, out=out)
         return out
 

@@ -24,8 +24,11 @@ Activations are quantized per 32 values to int8 with a float32 scale, as llama.c
 q8_0/q8_1 blocks), and products are summed in int32 per group: ``x·w = Σ_g scale_g · (xd_b · Σ q·xq)
 + offset_g · xd_b · Σ xq``. The result differs from the float32 reference
 (``cpu_backend``'s numpy path) by the activation's rounding, about 0.5% of a row's largest output
-(the tests state the bound). From ``DEQUANT_ROWS_FROM`` rows of x on, a product is compute-bound
-rather than bandwidth-bound, and the weights are dequantized in tiles for BLAS instead.
+(the tests state the bound). Every row of x, a prompt's too, takes this same path, and each output
+is one thread's fixed sequence of operations: a row's result does not depend on the other rows of
+its pass nor on the thread count (batch-invariant), so greedy output is the same alone, batched
+or verified in a speculation tree. (Dequantized tiles through BLAS would be about twice as fast
+on long prompts, but BLAS rounds a row differently with the pass's row count.)
 """
 
 from __future__ import annotations
@@ -46,10 +49,6 @@ try:
 except ImportError:  # pragma: no cover - numba is a base dependency; the numpy path needs none
     numba = None
 
-# x with this many rows or more is multiplied by dequantized tiles through BLAS (prefill).
-DEQUANT_ROWS_FROM = 16
-# Rows of a weight dequantized at once for BLAS: 256 rows of 4096 float32 are 4 MiB.
-TILE_ROWS = 256
 
 C4_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
 C8_TYPES = (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0)
@@ -186,8 +185,8 @@ class PackedMatrix:
         return self.q.shape[-1] if self.form != "f32" else 1
 
     def product(self, qx: "QuantizedActivations", out: np.ndarray) -> None:
-        """out [T, N] = qx @ self.T on the int8 kernels (T below ``DEQUANT_ROWS_FROM``; out
-        C-contiguous): the products' one call per matrix, so it chooses nothing it can know early."""
+        """out [T, N] = qx @ self.T on the int8 kernels (out C-contiguous): the products' one call
+        per matrix, so it chooses nothing it could have known early."""
         parallel = qx.xq.shape[0] * self.n_rows * self.n_cols >= PARALLEL_FROM_MACS
         if self.form == "c4":
             (_mm_c4_par if parallel else _mm_c4_ser)(self.q, self.scale, self.offset, qx.xq, qx.xd, qx.xs, out)
@@ -263,28 +262,28 @@ if numba is not None:
     # their integer loops vectorize without it, and their float sums run across rows, not along one.
     _EXACT = dict(nogil=True, fastmath=False, cache=True, boundscheck=False)
 
-    @njit(**_JIT)
-    def _quantize_q8(x, xq, xd, xs):  # pragma: no cover - compiled
-        # x: [T, K] f32 -> xq [T, K] int8, xd [T, K/32] scale, xs [T, K/32] = xd * sum of xq
+    @njit(**_EXACT)  # no fast-math: its NaN test must stay
+    def round_rows(x, xq, xd, xs):  # pragma: no cover - compiled
+        # x: [T, K] f32 -> xq [T, K] int8, xd [T, K/32] scale, xs [T, K/32] = xd * sum of xq.
+        # A block holding NaN or inf gets that as its scale, so the products that read it are
+        # NaN too and the engine reports the numerical error (rounding would hide it).
         T, K = x.shape
-        nb = K // 32
-        for tb in range(T * nb):
-            t = tb // nb
-            b = tb - t * nb
-            amax = np.float32(0.0)
-            for j in range(32):
-                a = abs(x[t, b * 32 + j])
-                if a > amax:
-                    amax = a
-            d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            s = np.int32(0)
-            for j in range(32):
-                v = np.int32(np.rint(x[t, b * 32 + j] * inv))
-                xq[t, b * 32 + j] = v
-                s += v
-            xd[t, b] = d
-            xs[t, b] = d * np.float32(s)
+        for t in range(T):
+            for b in range(K // 32):
+                amax = np.float32(0.0)
+                for j in range(32):
+                    a = abs(x[t, b * 32 + j])
+                    if not a <= amax:  # NaN wins too
+                        amax = a
+                d = amax / np.float32(127.0)
+                inv = np.float32(1.0) / d if d > 0 and d < np.inf else np.float32(0.0)
+                s = np.int32(0)
+                for j in range(32):
+                    v = np.int32(np.rint(x[t, b * 32 + j] * inv)) if inv > 0 else np.int32(0)
+                    xq[t, b * 32 + j] = v
+                    s += v
+                xd[t, b] = d
+                xs[t, b] = d * np.float32(s)
 
     def _mm_c4(q, scale, offset, xq, xd, xs, out):  # pragma: no cover - compiled
         # q: [G, K/32, 16, R] u8; scale/offset: [G, K/32, R]; xq: [T, K] int8; xd/xs: [T, K/32]
@@ -389,7 +388,7 @@ class QuantizedActivations:
         self.xd = np.empty((T, K // 32), np.float32)
         self.xs = np.empty((T, K // 32), np.float32)
         if quantize:
-            _quantize_q8(x, self.xq, self.xd, self.xs)
+            round_rows(x, self.xq, self.xd, self.xs)
 
 
 def dequantize_rows(w: PackedMatrix, rows: np.ndarray) -> np.ndarray:
@@ -403,17 +402,10 @@ def dequantize_rows(w: PackedMatrix, rows: np.ndarray) -> np.ndarray:
 
 def matmul(w: PackedMatrix, x: np.ndarray | QuantizedActivations, out: np.ndarray) -> np.ndarray:
     """out = x @ w.T. x: [T, K] float32 (or already quantized) -> out: [T, N] float32."""
-    xf = x.x if isinstance(x, QuantizedActivations) else x
-    T = xf.shape[0]
-    if w.form == "f32":
-        np.matmul(xf, w.q.T, out=out)
+    if w.form == "f32":  # F32/F16/BF16 matrices: BLAS on float32
+        np.matmul(x.x if isinstance(x, QuantizedActivations) else x, w.q.T, out=out)
         return out
-    if T >= DEQUANT_ROWS_FROM:
-        for r0 in range(0, w.n_rows, TILE_ROWS):
-            r1 = min(r0 + TILE_ROWS, w.n_rows)
-            out[:, r0:r1] = xf @ dequantize_rows(w, np.arange(r0, r1)).T
-        return out
-    qx = x if isinstance(x, QuantizedActivations) else QuantizedActivations(xf)
+    qx = x if isinstance(x, QuantizedActivations) else QuantizedActivations(x)
     dst = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     w.product(qx, dst)
     if dst is not out:

@@ -19,7 +19,9 @@ from ntx.daemons.compute.cpu_kernels import numba
 if numba is not None:
     from numba import njit, prange
 
-    _JIT = dict(nogil=True, fastmath=True, cache=True, boundscheck=False, error_model="numpy")
+    # Fast-math without "no NaN/inf": attention masks with -inf, and a NaN must reach the logits.
+    _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+    _JIT = dict(nogil=True, fastmath=_FAST, cache=True, boundscheck=False, error_model="numpy")
 
     @njit(**_JIT)
     def add_norm_quantize(x, delta, has_delta, w, eps, h, quantize, xq, xd, xs):  # pragma: no cover - compiled
@@ -35,22 +37,8 @@ if numba is not None:
             r = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
             for i in range(D):
                 h[t, i] = x[t, i] * r * w[i]
-            if quantize:
-                for b in range(D // 32):
-                    amax = np.float32(0.0)
-                    for j in range(32):
-                        a = abs(h[t, b * 32 + j])
-                        if a > amax:
-                            amax = a
-                    d = amax / np.float32(127.0)
-                    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-                    s = np.int32(0)
-                    for j in range(32):
-                        v = np.int32(np.rint(h[t, b * 32 + j] * inv))
-                        xq[t, b * 32 + j] = v
-                        s += v
-                    xd[t, b] = d
-                    xs[t, b] = d * np.float32(s)
+        if quantize:
+            cpu_kernels.round_rows(h, xq, xd, xs)
 
     @njit(**_JIT)
     def swiglu_quantize(gate, up, act, quantize, xq, xd, xs):  # pragma: no cover - compiled
@@ -60,22 +48,8 @@ if numba is not None:
             for i in range(F):
                 g = gate[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * up[t, i]
-            if quantize:
-                for b in range(F // 32):
-                    amax = np.float32(0.0)
-                    for j in range(32):
-                        a = abs(act[t, b * 32 + j])
-                        if a > amax:
-                            amax = a
-                    d = amax / np.float32(127.0)
-                    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-                    s = np.int32(0)
-                    for j in range(32):
-                        v = np.int32(np.rint(act[t, b * 32 + j] * inv))
-                        xq[t, b * 32 + j] = v
-                        s += v
-                    xd[t, b] = d
-                    xs[t, b] = d * np.float32(s)
+        if quantize:
+            cpu_kernels.round_rows(act, xq, xd, xs)
 
     @njit(**_JIT)
     def rope(x, positions, inv_freq, n_heads, head_dim):  # pragma: no cover - compiled
@@ -149,7 +123,10 @@ if numba is not None:
             for d in range(head_dim):
                 out[i, h * head_dim + d] = acc[d] / total
 
-    attention_parallel, attention_serial = cpu_kernels._compiled(attention)  # serial for short contexts (decode)
+    # One build only: the serial and the parallel build of a fast-math loop may round differently,
+    # and a row's attention must not depend on its chunk's size (a prompt's last row decoded alone
+    # gets the bits it gets in the prompt's pass).
+    attention = njit(parallel=True, **_JIT)(attention)
 
     @njit(**_JIT)
     def kv_store(keys, values, layer, pages, chunk_pages, start_pos, k, v, n_head_kv, head_dim):  # pragma: no cover
@@ -165,15 +142,6 @@ if numba is not None:
                 for d in range(head_dim):
                     keys[c, layer, page - c * chunk_pages, h, off, d] = k[i, h * head_dim + d]
                     values[c, layer, page - c * chunk_pages, h, off, d] = v[i, h * head_dim + d]
-
-
-def attention(q, out, keys, values, layer, pages, chunk_pages, start_pos, vis, has_vis, n_head, n_head_kv, head_dim,
-              scale) -> None:
-    """Grouped-query attention of one chunk of rows over its sequence's KV pages (see
-    ``attention_parallel``): in parallel over rows and heads once there is enough to share."""
-    work = q.shape[0] * n_head * (start_pos + q.shape[0]) * head_dim * 2
-    kernel = attention_parallel if work >= cpu_kernels.PARALLEL_FROM_MACS else attention_serial
-    kernel(q, out, keys, values, layer, pages, chunk_pages, start_pos, vis, has_vis, n_head, n_head_kv, head_dim, scale)
 
 
 def compile_all(head_dim: int = 64) -> None:
@@ -209,6 +177,5 @@ def compile_all(head_dim: int = 64) -> None:
     kv_store(keys, values, 0, pages, 2, 0, kv, kv, 1, head_dim)
     q = np.ones((T, 2 * head_dim), np.float32)
     for vis in (np.zeros((1, 1), np.bool_), np.ones((T, T), np.bool_)):
-        for kernel in (attention_parallel, attention_serial):
-            kernel(q, np.empty_like(q), keys, values, 0, pages, 2, 0, vis, vis.shape[0] > 1, 2, 1, head_dim,
-                   np.float32(0.125))
+        attention(q, np.empty_like(q), keys, values, 0, pages, 2, 0, vis, vis.shape[0] > 1, 2, 1, head_dim,
+                  np.float32(0.125))
