@@ -168,7 +168,8 @@ class PackedMatrix:
     [N/R, K/G, R] float32 (``offset`` all zeros where the type has none). f32: ``q`` [N, K]
     float32 and no scales. ``span``: how many c8 products with an int8 activation (|xq| <= 127)
     add up in int16 before they are widened: 8 when every value is within [-32, 32] (Q5_x, Q6_K),
-    2 for Q8_0's [-128, 127].
+    2 for Q8_0's [-128, 127]. ``has_offset``: the type has offsets (Q5_1, Q5_K); the others' zeros
+    are kept for dequantizing but never read by the products.
     """
 
     form: str
@@ -179,6 +180,7 @@ class PackedMatrix:
     offset: np.ndarray | None = None
     group: int = 32
     span: int = 8
+    has_offset: bool = True
 
     @property
     def lanes(self) -> int:
@@ -191,8 +193,8 @@ class PackedMatrix:
         if self.form == "c4":
             (_mm_c4_par if parallel else _mm_c4_ser)(self.q, self.scale, self.offset, qx.xq, qx.xd, qx.xs, out)
         else:
-            (_mm_c8_par if parallel else _mm_c8_ser)(self.q, self.scale, self.offset, self.span, qx.xq, qx.xd,
-                                                     qx.xs, out)
+            (_mm_c8_par if parallel else _mm_c8_ser)(self.q, self.scale, self.offset, self.has_offset, self.span,
+                                                     qx.xq, qx.xd, qx.xs, out)
 
     @property
     def nbytes(self) -> int:
@@ -224,7 +226,8 @@ def pack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> PackedMat
         q4 = (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8)  # [N, K/32, 16]
         return PackedMatrix("c4", n_rows, n_cols, _interleave(q4, lanes), scale, off, 32)
     q8 = q.astype(np.int8).reshape(n_rows, -1, group)  # [N, K/G, G]
-    return PackedMatrix("c8", n_rows, n_cols, _interleave(q8, lanes), scale, off, group, span=2 if t == QT.Q8_0 else 8)
+    return PackedMatrix("c8", n_rows, n_cols, _interleave(q8, lanes), scale, off, group, span=2 if t == QT.Q8_0 else 8,
+                        has_offset=offset is not None)
 
 
 def packed_bytes(ggml_type: int, n_rows: int, n_cols: int) -> int:
@@ -315,8 +318,9 @@ if numba is not None:
                 for r in range(R):
                     out[t, g * R + r] = accf[r]
 
-    def _mm_c8(q, scale, offset, span, xq, xd, xs, out):  # pragma: no cover - compiled
-        # q: [G, K/GS, GS, R] int8 (GS: 16 or 32 columns a scale); scale/offset: [G, K/GS, R];
+    def _mm_c8(q, scale, offset, has_offset, span, xq, xd, xs, out):  # pragma: no cover - compiled
+        # q: [G, K/GS, GS, R] int8 (GS: 16 or 32 columns a scale); scale/offset: [G, K/GS, R]
+        # (offset read only when has_offset: the types without one save its bytes);
         # -> out [T, G*R]. ``span`` products add up in int16 before int32 (PackedMatrix.span).
         n_groups, ng, GS, R = q.shape
         T = xq.shape[0]
@@ -339,9 +343,13 @@ if numba is not None:
                             acc[r] += np.int32(a16[r])
                     b = s // per_block
                     d = xd[t, b]
-                    o = xs[t, b] if per_block == 1 else np.float32(0.0)
-                    for r in range(R):
-                        accf[r] += scale[g, s, r] * d * np.float32(acc[r]) + offset[g, s, r] * o
+                    if has_offset:  # groups of 32 (only Q6_K's are 16, and it has no offset)
+                        o = xs[t, b]
+                        for r in range(R):
+                            accf[r] += scale[g, s, r] * d * np.float32(acc[r]) + offset[g, s, r] * o
+                    else:
+                        for r in range(R):
+                            accf[r] += scale[g, s, r] * d * np.float32(acc[r])
                 for r in range(R):
                     out[t, g * R + r] = accf[r]
 
