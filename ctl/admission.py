@@ -19,6 +19,7 @@ compute's last output for it, which is dropped.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -30,11 +31,13 @@ from ntx.shared import messages as m
 
 @dataclass
 class Flight:
-    """An admitted request: the connection and client id that own it, and its output processor."""
+    """An admitted request: the connection and client id that own it, its output processor (the
+    tokens generated so far) and when it was admitted (``time.monotonic``: its age in status)."""
 
     conn: Connection
     client_id: str
     out: OutputProcessor
+    admitted_s: float = field(default_factory=time.monotonic)
 
 
 def request_log_line(rid: str, reply: m.DoneReply | m.ErrorReply) -> str:

@@ -10,6 +10,7 @@ addresses, the log folder, the reason of a failure): ``OPERATOR_STATUS_FIELDS``,
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from ntx.shared.stats import bottleneck
 
 # Status fields only operators see (connections from this machine; ntxctl status)
 OPERATOR_STATUS_FIELDS = ("model", "listen", "supervisor_pid", "reason", "log_dir", "http")
+# The status lists at most this many requests in flight, the oldest first (``requests.in_flight``
+# counts them all), so that a map stays small while a thousand wait in the queue.
+LISTED_REQUESTS = 64
 # A status map is built again at most this often: a flood of status requests costs a copy each,
 # not a build (about 0.3 ms) each. Daemons report every 0.5 s, so it is no staler than they are.
 STATUS_REUSE_S = 0.1
@@ -66,7 +70,7 @@ class InstanceStatus:
             "uptime_s": round(now - self.started_s, 3), "restarts": gens.restarts,
             "supervisor_pid": os.getpid(), "log_dir": str(self.paths.log_dir),
             "http": self.cfg.http if self.gateway.running else None,
-            "plan": {**self.plan.to_dict(), "lines": self.plan.describe()},
+            "plan": {**self.plan.to_dict(), "lines": self.plan.describe(), "tier_rows": self.plan.tier_rows()},
             "daemons": {
                 n: {**({"pid": d.proc.pid} if operator else {}), "state": d.state,
                     "uptime_s": round(now - d.started_s, 3), "restarts": gens.restarts,
@@ -81,6 +85,7 @@ class InstanceStatus:
                 "queued": len(compute.get("queued", [])) + len(self.admission.pending),
                 "in_flight": len(self.admission.inflight),
             },
+            "requests_in_flight": request_rows(self.admission, set(compute.get("queued", [])), now),
             "tokens_per_s": compute.get("tokens_per_s", 0.0),
             "tokens_generated": compute.get("tokens_generated", 0),
             "speculation": compute.get("speculation"),
@@ -97,3 +102,23 @@ class InstanceStatus:
             for key in OPERATOR_STATUS_FIELDS:
                 del st[key]
         return st
+
+
+def request_rows(admission: Admission, compute_queued: set[str], now_s: float) -> list[dict[str, Any]]:
+    """The oldest ``LISTED_REQUESTS`` requests in flight, each as its internal id, its state,
+    its prompt and generated token counts so far, its ``max_tokens`` and its age. The state is
+    ``queued`` (at the supervisor, or at compute waiting for a row or KV pages: compute's last
+    ``Stats`` say which), ``cancelling``, ``decoding`` (tokens came back) or else ``prefill``."""
+    rows = []
+    for rid, flight in itertools.islice(admission.inflight.items(), LISTED_REQUESTS):
+        n_tokens = len(flight.out.tokens)
+        if rid in admission.pending or rid in compute_queued:
+            state = "queued"
+        elif rid in admission.cancel_sent:
+            state = "cancelling"
+        else:
+            state = "decoding" if n_tokens else "prefill"
+        rows.append({"id": rid, "state": state, "prompt_tokens": len(flight.out.req.prompt_tokens),
+                     "tokens": n_tokens, "max_tokens": flight.out.req.params.max_tokens,
+                     "age_s": round(now_s - flight.admitted_s, 3)})
+    return rows

@@ -29,6 +29,7 @@ from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kv_sizing import FLOOR_TOKENS, PAGE_TOKENS, chunk_pages_for, pages_for_positions
 
 VRAM, RAM, STORAGE, SKIPPED = "vram", "ram", "storage", "skipped"
+TIER_LABELS = {RAM: "pinned RAM", STORAGE: "storage", SKIPPED: "skipped"}  # the resident tier's: Plan.memory_name
 DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
 RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
 KV_POOL_CAP_ROWS = 2  # the KV pool holds at most this many full contexts per --max-batch row (the rest: the prefix cache's)
@@ -125,12 +126,27 @@ class Plan:
         d["standby_layers"] = tuple(d.get("standby_layers", ()))
         return cls(**d)
 
-    def describe(self) -> list[str]:
-        """Human lines for ``--plan-only`` and ``status``."""
-        lines = []
+    def tier_label(self, tier: str) -> str:
+        """A tier's name as people read it: the resident tier is named by the backend's memory
+        (``memory_name``: "VRAM" on cuda, "compute memory" on cpu, which has no VRAM)."""
+        return self.memory_name if tier == VRAM else TIER_LABELS[tier]
+
+    def tier_rows(self) -> list[dict]:
+        """The resident, pinned-RAM and storage tiers, one row each: the tier's key, its label,
+        how many layers and which, their bytes (``describe``'s first lines; the status page's table)."""
+        rows = []
         for tier, layer_bytes in ((VRAM, self.vram_layer_bytes), (RAM, self.ram_layer_bytes), (STORAGE, self.storage_layer_bytes)):
             layers = self.layers_on(tier)
-            lines.append(f"{tier:8s} {len(layers):4d} layers {_brief(layers):>14s}  {format_bytes(layer_bytes):>11s}")
+            rows.append({"tier": tier, "label": self.tier_label(tier), "layers": len(layers), "which": _brief(layers),
+                         "bytes": layer_bytes})
+        return rows
+
+    def describe(self) -> list[str]:
+        """Human lines for ``--plan-only`` and ``status``: first one per ``tier_rows`` row."""
+        rows = self.tier_rows()
+        w = max(len(label) for label in [r["label"] for r in rows] + ["standby", SKIPPED])  # the label column
+        lines = [f"{r['label']:{w}s} {r['layers']:4d} layers {r['which']:>14s}  {format_bytes(r['bytes']):>11s}"
+                 for r in rows]
         lines.append(
             f"reserved in {self.memory_name}: globals {format_bytes(self.globals_bytes)}, "
             f"KV cache {format_bytes(self.kv_bytes)}, workspace {format_bytes(self.workspace_bytes)}, "
@@ -144,12 +160,12 @@ class Plan:
             f"{self.n_slots} slots of {format_bytes(self.slot_bytes)}"
         )
         if self.standby_layers:
-            lines.append(f"standby  {len(self.standby_layers):4d} layers {_brief(sorted(self.standby_layers)):>14s}  "
+            lines.append(f"{'standby':{w}s} {len(self.standby_layers):4d} layers {_brief(sorted(self.standby_layers)):>14s}  "
                          f"{format_bytes(self.standby_bytes):>11s}  resident, also in pinned RAM: demoted to streamed "
                          "when the KV cache needs their memory")
         skipped = self.layers_on(SKIPPED)
         if skipped:
-            lines.append(f"{SKIPPED:8s} {len(skipped):4d} layers {layer_ranges(skipped):>14s}  {format_bytes(self.skipped_layer_bytes):>11s}"
+            lines.append(f"{SKIPPED:{w}s} {len(skipped):4d} layers {layer_ranges(skipped):>14s}  {format_bytes(self.skipped_layer_bytes):>11s}"
                          "  never read, copied nor run")
         lines.append(f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}"
                      + (f" ({format_bytes(self.skipped_layer_bytes)} of skipped layers saved)" if skipped else ""))

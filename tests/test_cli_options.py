@@ -124,10 +124,12 @@ def test_gpu_layers_minus_one_means_all_layers(monkeypatch, capsys, smollm2_path
     base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *own_instance("ngl"))
     plans = [_run(monkeypatch, capsys, *base, *flags) for flags in (("--gpu-layers", "-1"), ("--gpu-layers", "all"), ())]
     assert all(code == 0 and err == "" for code, _, err in plans), plans
-    tiers = [[ln.split()[:3] for ln in out.splitlines() if ln.split()[:1] in (["vram"], ["ram"], ["storage"])]
+    labels = ("compute memory", "pinned RAM", "storage")  # the tier lines' labels on the cpu backend
+    tiers = [[(label, ln.strip()[len(label):].split()[:2]) for ln in out.splitlines() for label in labels
+              if ln.strip().startswith(label + " ")]
              for _, out, _ in plans]  # (the budget lines follow the machine's free memory, run to run)
-    assert tiers[0] == tiers[1] == tiers[2] == [["vram", "30", "layers"], ["ram", "0", "layers"],
-                                                ["storage", "0", "layers"]], plans
+    assert tiers[0] == tiers[1] == tiers[2] == [("compute memory", ["30", "layers"]), ("pinned RAM", ["0", "layers"]),
+                                                ("storage", ["0", "layers"])], plans
     code, out, err = _run(monkeypatch, capsys, *base, "--gpu-layers", "-2")
     assert code == 1 and err == "ntxctl: error: --gpu-layers '-2': give a whole number of layers, or all (-1)\n"
 

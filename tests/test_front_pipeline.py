@@ -249,7 +249,14 @@ def test_a_disconnected_clients_requests_are_cancelled(pipe):
         sock.send(m.pack({"op": "generate", "id": f"d{i}", "prompt": "Once upon a time", "raw": True,
                           "max_tokens": 400}))
     assert sock.poll(120_000)  # they are running
-    assert pipe.status()["requests"]["in_flight"] == 50
+    st = pipe.status()
+    assert st["requests"]["in_flight"] == 50
+    # status lists each, oldest first: some decoding (a token came back), the last ones queued
+    # (compute has rows for 16 and takes 32 at most)
+    listed = st["requests_in_flight"]
+    assert len(listed) == 50 and {r["max_tokens"] for r in listed} == {400}
+    assert [r["age_s"] for r in listed] == sorted((r["age_s"] for r in listed), reverse=True)
+    assert any(r["state"] == "decoding" and r["tokens"] > 0 for r in listed) and listed[-1]["state"] == "queued"
     sock.close()
     pipe.wait_status(lambda s: s["requests"]["in_flight"] == 0 and not s["requests"]["active"],
                      "the departed client's requests to be cancelled", timeout_s=30)

@@ -325,21 +325,113 @@ def _headless_chromium():
     return webdriver.Chrome(service=Service(driver), options=opts)
 
 
-def test_status_page_in_a_headless_browser(served):
-    """The page loads, shows every stage and the plan, and updates while a request runs."""
+# Where the status page's layout breaks, as a list of sentences (empty: it fits): the page wider
+# than the window, an element out of the window or out of the panel it belongs to, or one whose
+# content (a line of text that does not wrap) is wider than the element.
+LAYOUT_FAULTS_JS = """
+const vw = window.innerWidth, doc = document.documentElement, faults = [];
+const name = e => `${e.tagName.toLowerCase()}${e.id ? "#" + e.id : ""} "${(e.textContent || "").trim().slice(0, 30)}"`;
+if (doc.scrollWidth > vw) faults.push(`the page is ${doc.scrollWidth} px wide in a ${vw} px window`);
+for (const e of document.body.querySelectorAll("*")) {
+  const r = e.getBoundingClientRect();
+  if (r.width && (r.left < -0.5 || r.right > vw + 0.5)) faults.push(`${name(e)} spans ${r.left}-${r.right} px of ${vw}`);
+}
+for (const panel of document.querySelectorAll(".panel")) {
+  const p = panel.getBoundingClientRect();
+  for (const e of panel.querySelectorAll("*")) {
+    const r = e.getBoundingClientRect();
+    if (r.width && (r.left < p.left - 0.5 || r.right > p.right + 0.5))
+      faults.push(`${name(e)} spans ${r.left}-${r.right} px, out of its panel (${p.left}-${p.right} px)`);
+    if (!(e instanceof SVGElement) && e.clientWidth && e.scrollWidth > e.clientWidth + 1)
+      faults.push(`${name(e)} holds ${e.scrollWidth} px of content in ${e.clientWidth} px`);
+  }
+}
+return faults;
+"""
+
+
+def _window(browser, width_px: int, height_px: int = 900) -> None:
+    """The page as a window ``width_px`` wide shows it (a phone's below 600 px: touch, its viewport)."""
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": width_px, "height": height_px, "deviceScaleFactor": 1, "mobile": width_px < 600})
+
+
+def _check_layout(browser, width_px: int, shot) -> None:
+    """At ``width_px``: after two redraws, nothing sticks out of the window or of its panel, the
+    charts take most of the width, and a screenshot of the whole page is left at ``shot``."""
     from selenium.webdriver.common.by import By
+
+    _window(browser, width_px)
+    samples = int(browser.find_element(By.ID, "samples").text)
+    wait_for(lambda: int(browser.find_element(By.ID, "samples").text) >= samples + 2, 30.0,
+             f"the page to redraw at {width_px} px")
+    assert browser.execute_script("return window.innerWidth") == width_px
+    assert browser.execute_script(LAYOUT_FAULTS_JS) == [], f"at {width_px} px"
+    for svg in browser.find_elements(By.CSS_SELECTOR, "svg.chart"):
+        assert svg.rect["width"] >= 0.8 * min(width_px, 1100), f"a chart {svg.rect['width']} px wide at {width_px} px"
+    _window(browser, width_px, browser.execute_script("return document.documentElement.scrollHeight"))
+    browser.save_screenshot(str(shot))
+    _window(browser, width_px)
+
+
+def test_status_page_in_a_headless_browser(served, tmp_path):
+    """The page shows every stage with a chart on a time axis with units, the processes with
+    their pids, the plan with the cpu backend's tier names (no "vram": it has none) and says
+    idle while nothing runs; while a request runs it lists it with its tokens, and it updates.
+    At a desktop's 1280 px and a phone's 390 px, idle and busy, nothing sticks out of the window
+    or its panel (screenshots of each are left in the test's folder, ``status-WIDTH-STATE.png``)."""
+    from selenium.webdriver.common.by import By
+
+    def text(element_id: str) -> str:
+        return browser.find_element(By.ID, element_id).text
+
+    # tables and charts are drawn anew each second: their texts are read in one script
+    def texts(css: str) -> list[str]:
+        return browser.execute_script("return Array.from(document.querySelectorAll(arguments[0]), e => e.textContent)",
+                                      css)
+
+    def rows(table_id: str) -> list[list[str]]:
+        return browser.execute_script("return Array.from(document.querySelectorAll(`#${arguments[0]} tbody tr`), "
+                                      "tr => Array.from(tr.cells, td => td.textContent))", table_id)
+
+    def figure(element_id: str) -> int:
+        return int(text(element_id))
+
+    def request_rows() -> list[list[str]]:
+        return rows("requests")
 
     browser = _headless_chromium()
     try:
+        _window(browser, 1280)
         browser.get(f"{served.base}/")
         for stage in ("reader", "dma", "compute"):
             wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, f'.stage[data-stage="{stage}"]'), 30.0,
                      f"the page to show the {stage} stage")
-        assert "storage" in browser.find_element(By.ID, "plan").text
-        assert browser.find_element(By.ID, "state").text == "ready"
+        assert text("state") == "ready"
+        wait_for(lambda: text("bottleneck") == "idle", 30.0, lambda: f"idle, not {text('bottleneck')!r}")
+        assert not browser.find_elements(By.CSS_SELECTOR, ".stage.bottleneck") and not request_rows()
+        assert text("requests-none") == "none: idle"
 
-        def figure(element_id: str) -> int:
-            return int(browser.find_element(By.ID, element_id).text)
+        # the plan: the resident tier is compute's memory on the cpu backend
+        assert [row[0] for row in rows("tiers")] == ["compute memory", "pinned RAM", "storage"]
+        assert "storage" in text("plan") and "vram" not in text("plan").lower()
+        # processes: the supervisor and each daemon with its pid, as status says
+        st = served.status()
+        procs = {row[0]: row for row in rows("daemons")}
+        assert procs["supervisor"][1] == str(st["supervisor_pid"])
+        for name in ("compute", "dma", "reader"):
+            assert procs[name][1] == str(st["daemons"][name]["pid"]) and procs[name][2] == "ready"
+            assert procs[name][4] == str(st["restarts"]) and procs[name][3].endswith((" s", " min", " h"))
+        assert procs["http gateway"][1].isdigit()
+        # charts: a time axis in seconds before now, y axes with their units
+        x_ticks = texts('[data-chart="tok-s"] .x-tick')
+        assert x_ticks[0] == "\u221260 s" and x_ticks[-1] == "now" and all(t.endswith(" s") for t in x_ticks[:-1])
+        assert texts('[data-chart="tok-s"] .y-unit') == ["tok/s"]
+        for stage in ("reader", "dma", "compute"):
+            assert texts(f'.stage[data-stage="{stage}"] .y-tick') == ["0%", "50%", "100%"]
+            assert texts(f'.stage[data-stage="{stage}"] .y-unit') == ["% time"]
+        for width in (1280, 390):
+            _check_layout(browser, width, tmp_path / f"status-{width}-idle.png")
 
         before = figure("tokens-generated")
         body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 3000,
@@ -349,12 +441,22 @@ def test_status_page_in_a_headless_browser(served):
                      "the page to show the running request and its tokens")
             seen = figure("tokens-generated")
             wait_for(lambda: figure("tokens-generated") > seen, 30.0, "the page to update again while it runs")
+            assert text("bottleneck") in ("reader", "dma", "compute")
+            # the request, by the id status gives it, with its tokens so far out of its max_tokens
+            rid = served.status()["requests_in_flight"][0]["id"]
+            row = wait_for(lambda: next((r for r in request_rows() if r[0] == rid and r[1] == "decoding"), None),
+                           30.0, lambda: f"a decoding row for {rid}, not {request_rows()}")
+            generated, max_tokens = row[2].split(" / ")
+            assert int(generated) > 0 and max_tokens == "3000" and row[4].endswith(" s")
             # the compute chart has drawn busy time
-            painted = browser.execute_script(
-                'const c = document.querySelector(\'.stage[data-stage="compute"] canvas\');'
-                "return Array.from(c.getContext('2d').getImageData(0, 0, c.width, c.height).data).some(v => v > 0);")
-            assert painted
-        wait_for(lambda: figure("in-flight") == 0, 30.0, "the page to show the request gone")
+            busy = browser.execute_script(
+                """return document.querySelectorAll('.stage[data-stage="compute"] rect[fill="#2a9d4b"]').length""")
+            assert busy > 0
+            for width in (1280, 390):
+                _check_layout(browser, width, tmp_path / f"status-{width}-busy.png")
+        wait_for(lambda: figure("in-flight") == 0 and text("bottleneck") == "idle", 30.0,
+                 "the page to show the request gone and the pipeline idle")
+        assert not request_rows()
     finally:
         browser.quit()
 

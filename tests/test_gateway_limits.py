@@ -494,7 +494,8 @@ def test_status_for_key_holders_elsewhere_has_no_operator_fields(supervisor, gat
 
     assert set(OPERATOR_STATUS_FIELDS) <= set(OPERATOR_FIELDS)
     base, _ = gateway
-    assert httpx.get(f"{base}/api/status").json()["status"]["model"] == READY["model"]
+    mine = httpx.get(f"{base}/api/status").json()
+    assert mine["status"]["model"] == READY["model"] and mine["gateway"]["pid"] > 0  # the gateway's own pid
     # through a reverse proxy on this machine: the client it names
     proxied = httpx.get(f"{base}/api/status", headers={"X-Forwarded-For": "203.0.113.9"}).json()["status"]
     assert "model" not in proxied and proxied["state"] == "ready"
@@ -503,8 +504,10 @@ def test_status_for_key_holders_elsewhere_has_no_operator_fields(supervisor, gat
     with TestClient(create_app(f"tcp://127.0.0.1:{free_port()}", "k")) as http:  # no poll overwrites the status
         link = http.app.state.gateway.link
         link.status, link.status_at_s = full, time.monotonic()
-        st = http.get("/api/status", headers={"Authorization": "Bearer k"}).json()["status"]
+        page = http.get("/api/status", headers={"Authorization": "Bearer k"}).json()
+    st = page["status"]
     assert not set(OPERATOR_FIELDS) & set(st) and st["backend"] == "cpu"
+    assert "pid" not in page["gateway"] and page["gateway"]["uptime_s"] >= 0
     assert st["daemons"] == {"compute": {"state": "ready"}}
 
 

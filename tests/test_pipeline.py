@@ -229,7 +229,7 @@ def test_stop_leaves_nothing_and_start_errors_are_one_line(smollm2_path, run_dir
     # --plan-only prints the plan and starts nothing
     r = ntxctl("start", "--model", str(smollm2_path), *own_instance("plan"), "--backend", "cpu", "--plan-only",
                "--gpu-layers", "3", "--ram-budget", "0")
-    assert r.returncode == 0 and "storage" in r.stdout and "vram" in r.stdout
+    assert r.returncode == 0 and "storage" in r.stdout and "compute memory" in r.stdout
     assert instance.leftovers("plan") == [] and not (run_dir / "plan").exists()
 
 

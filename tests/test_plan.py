@@ -84,10 +84,16 @@ def test_budget_too_small_is_one_clear_line(index):
 
 
 def test_describe_names_every_tier(index):
-    lines = plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=parse_size("20MiB"),
-                                  gpu_layers=5, placement="first")).describe()
+    """Each tier by its name on the backend: the resident one is VRAM on cuda and compute's own
+    memory on the cpu backend, which has no VRAM."""
+    cfg = dict(vram_budget=parse_size("8GiB"), ram_budget=parse_size("20MiB"), gpu_layers=5, placement="first")
+    lines = plan_for(index, _cfg(backend="cpu", **cfg)).describe()
+    for line, label in zip(lines, ("compute memory ", "pinned RAM ", "storage ")):
+        assert line.startswith(label), line
     text = "\n".join(lines)
-    assert "vram" in text and "ram" in text and "storage" in text and "0-4" in text
+    assert "vram" not in text.lower() and "0-4" in text
+    rows = plan_for(index, _cfg(backend="cuda", **cfg)).tier_rows()
+    assert [(r["tier"], r["label"]) for r in rows] == [(VRAM, "VRAM"), (RAM, "pinned RAM"), (STORAGE, "storage")]
     # a long spread set is shown by its span (status's JSON lists every layer's tier)
     text = "\n".join(plan_for(index, _cfg(vram_budget=parse_size("8GiB"), ram_budget=0, gpu_layers=14)).describe())
     assert "14 layers    within 1-28" in text

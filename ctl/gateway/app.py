@@ -57,6 +57,7 @@ class Gateway:
         self.metrics = GatewayMetrics(lambda: self.link.fresh_status if self.link else None)
         self.slots = Shares(limits.max_requests, limits.max_requests_per_client)
         self.body_bytes_in_flight = 0
+        self.started_s = time.monotonic()  # the status page's uptime of this process
 
     def take_slot(self, client: str) -> None:
         """One generation slot for ``client``, or ApiError: 429 when the client holds its share,
@@ -439,14 +440,17 @@ def status_for(st: dict | None, operator: bool) -> dict | None:
 
 
 async def api_status(request: HttpRequest) -> Response:
-    """The status page's data. Operators (requests from this machine's loopback) see all of
-    the status; anyone else, with the key where one is needed, sees it without paths, pids and
+    """The status page's data: the status, its last minute, and this gateway process (its
+    requests in flight, uptime and pid). Operators (requests from this machine's loopback) see
+    all of it; anyone else, with the key where one is needed, sees it without paths, pids and
     addresses."""
     gw: Gateway = request.app.state.gateway
     gw.check_key(request)
     operator = request.client is not None and is_loopback(request.client.host)
+    own = {"in_flight": gw.link.in_flight, "uptime_s": round(time.monotonic() - gw.started_s, 3),
+           **({"pid": os.getpid()} if operator else {})}
     return JSONResponse({"status": status_for(gw.link.fresh_status, operator), "history": list(gw.link.history),
-                         "gateway": {"in_flight": gw.link.in_flight}})
+                         "gateway": own})
 
 
 async def _api_error(request: HttpRequest, exc: oa.ApiError) -> Response:
