@@ -169,7 +169,7 @@ class LocalScorer:
         self.max_ctx = self.index.hparams.n_ctx_train
         self.backend = backend
         self.skip_layers = sorted(skip_layers or [])
-        self.kernels = kernels  # the cuda kernels' switches (--kernels)
+        self.kernels = kernels  # the kernels' switches (--kernels)
         self.name = f"in-process ({backend})" + (f", layers {self.skip_layers} skipped" if self.skip_layers else "")
         self.model = None
 

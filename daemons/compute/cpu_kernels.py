@@ -288,15 +288,18 @@ if numba is not None:
                 xd[t, b] = d
                 xs[t, b] = d * np.float32(s)
 
+    @njit(inline="always", **_EXACT)
+    def _lane_sums(R):  # pragma: no cover - compiled
+        """A thread's sums across R rows: int16 (a few products), int32 (a group), float32 (the row)."""
+        return np.empty(R, np.int16), np.empty(R, np.int32), np.empty(R, np.float32)
+
     def _mm_c4(q, scale, offset, xq, xd, xs, out):  # pragma: no cover - compiled
         # q: [G, K/32, 16, R] u8; scale/offset: [G, K/32, R]; xq: [T, K] int8; xd/xs: [T, K/32]
         # -> out [T, G*R]. Eight byte-columns add up in int16 (8 * 2 * 15 * 127 < 2^15).
         n_groups, nb, _, R = q.shape
         T = xq.shape[0]
         for g in prange(n_groups):
-            a16 = np.empty(R, np.int16)
-            acc = np.empty(R, np.int32)
-            accf = np.empty(R, np.float32)
+            a16, acc, accf = _lane_sums(R)
             for t in range(T):
                 accf[:] = 0
                 for b in range(nb):
@@ -326,9 +329,7 @@ if numba is not None:
         T = xq.shape[0]
         per_block = 32 // GS
         for g in prange(n_groups):
-            a16 = np.empty(R, np.int16)
-            acc = np.empty(R, np.int32)
-            accf = np.empty(R, np.float32)
+            a16, acc, accf = _lane_sums(R)
             for t in range(T):
                 accf[:] = 0
                 for s in range(ng):
