@@ -111,8 +111,9 @@ def layer_similarity(model, chunks: list[list[int]], on_chunk: Callable[[int], N
 
 def calibrate(model_path: str, text_path: str | Path, ctx: int, *,
               on_start: Callable[[int], None] | None = None,
-              on_chunk: Callable[[int], None] | None = None) -> SkipProfile:
-    """The skip profile of ``model_path`` over the text file (in-process, cpu)."""
+              on_chunk: Callable[[int], None] | None = None, kernels: str = "") -> SkipProfile:
+    """The skip profile of ``model_path`` over the text file (in-process, cpu; ``kernels``: the
+    switches, as ``--kernels``)."""
     from ntx.daemons.compute.factory import build_engine
     from ntx.shared.config import EngineOptions
     from ntx.shared.gguf_index import open_model
@@ -124,7 +125,8 @@ def calibrate(model_path: str, text_path: str | Path, ctx: int, *,
                         max_ctx=index.hparams.n_ctx_train, source=str(text_path))
     if on_start:
         on_start(len(chunks))
-    model = build_engine(index, "cpu", EngineOptions(max_batch=1, ctx=ctx, prefill_chunk_tokens=ctx)).model
+    model = build_engine(index, "cpu", EngineOptions(max_batch=1, ctx=ctx, prefill_chunk_tokens=ctx,
+                                                     kernels=kernels)).model
     sim = layer_similarity(model, chunks, on_chunk)
     return SkipProfile(model=str(model_path), n_layers=index.hparams.n_layers, text=str(text_path), ctx=ctx,
                        n_tokens=len(chunks) * ctx, similarity=[round(float(s), 6) for s in sim])

@@ -19,6 +19,8 @@ from .pipeline_util import free_port, ntxctl, running_pipeline
 from .synth_models import ReferenceWeights, log_softmax64, reference_logits, write_tiny
 
 CTX = 16
+# the float32 reference kernels: the figures are held to a float64 hand computation at 1e-4
+REFERENCE = "cpu-quantized=off"
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3
         + "Pack my box with five dozen liquor jugs; how vexingly quick daft zebras jump! " * 2)
 
@@ -35,8 +37,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_result(tiny):
     model, text = tiny
-    # the float32 reference kernels: the figure is held to a float64 hand computation at 1e-4
-    return ppl.measure(ppl.LocalScorer(str(model), kernels="cpu-quantized=off"), text, CTX)
+    return ppl.measure(ppl.LocalScorer(str(model), kernels=REFERENCE), text, CTX)
 
 
 def test_ppl_equals_the_hand_computed_one(tiny, local_result):
@@ -68,7 +69,7 @@ def test_ppl_equals_the_hand_computed_one(tiny, local_result):
 
 def test_pipeline_gives_the_in_process_numbers(tiny, local_result, tmp_path):
     model, text = tiny
-    with running_pipeline(str(model), tmp_path, "--ctx", "256", "--kernels", "cpu-quantized=off") as p:
+    with running_pipeline(str(model), tmp_path, "--ctx", "256", "--kernels", REFERENCE) as p:
         r = ntxctl("perplexity", str(text), "--ctx", str(CTX), "--json", "--listen", p.listen)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
@@ -114,7 +115,7 @@ def test_skipped_layers_leave_the_pass(tiny):
     """``--skip-layers``: the PPL of the model without layer 1, by hand from the reference pass
     that leaves layer 1 out, and different from the whole model's."""
     model, text = tiny
-    r = ppl.measure(ppl.LocalScorer(str(model), skip_layers=[1]), text, CTX, max_chunks=2)
+    r = ppl.measure(ppl.LocalScorer(str(model), skip_layers=[1], kernels=REFERENCE), text, CTX, max_chunks=2)
     tok = Tokenizer.from_metadata(open_model(model).metadata)
     ids = tok.encode(TEXT)
     w = ReferenceWeights(model)
@@ -124,5 +125,5 @@ def test_skipped_layers_leave_the_pass(tiny):
         logp = log_softmax64(reference_logits(w, chunk, skip=(1,)))
         nll += [-logp[p - 1, chunk[p]] for p in range(CTX // 2 + 1, CTX)]
     assert r.n_chunks == 2 and r.ppl == pytest.approx(math.exp(np.mean(nll)), rel=1e-4)
-    whole = ppl.measure(ppl.LocalScorer(str(model)), text, CTX, max_chunks=2)
+    whole = ppl.measure(ppl.LocalScorer(str(model), kernels=REFERENCE), text, CTX, max_chunks=2)
     assert abs(whole.ppl - r.ppl) > 1e-3 * r.ppl

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from ntx.ctl.instance import InstancePaths
-from ntx.daemons.compute.backend import Backend, WarmUp
+from ntx.daemons.compute.backend import WarmUp
+from ntx.daemons.compute.cpu_backend import CpuBackend
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import SamplingParams
@@ -41,13 +42,17 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     return tokens
 
 
-def test_warm_up_is_a_no_op_on_cpu(tiny):
+def test_the_cpu_warm_up_compiles_the_kernels_and_runs_no_pass(tiny):
     lines: list[str] = []
     warm = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64), log=lines.append)
     cold = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64), warm_up=False)
-    assert len(lines) == 1 and lines[0].startswith("warm-up done in "), lines
+    assert len(lines) == 3 and lines[0].startswith("warm-up: compiling the CPU kernels"), lines
+    assert lines[1].startswith("warm-up: CPU kernels ready in ") and lines[2].startswith("warm-up done in "), lines
     assert warm.model.next_pass_id == 0  # no pass ran
     assert _greedy(warm, [1, 2, 3, 4], 8) == _greedy(cold, [1, 2, 3, 4], 8)
+    reference: list[str] = []  # the numpy reference has nothing to build
+    build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, kernels="cpu-quantized=off"), log=reference.append)
+    assert len(reference) == 1 and reference[0].startswith("warm-up done in "), reference
 
 
 def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatch):
@@ -84,7 +89,7 @@ def test_a_failing_warm_up_fails_the_build_with_one_line(tiny, monkeypatch):
     def broken(self, runs, spec, log, eager_ops=None):
         raise RuntimeError("no kernel image is available")
 
-    monkeypatch.setattr(Backend, "warm_up", broken)
+    monkeypatch.setattr(CpuBackend, "warm_up", broken)
     with pytest.raises(NtxError, match=r"^warm-up failed: RuntimeError: no kernel image is available$"):
         build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64))
 
