@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more llama-bench options, one string split as a shell would: --llama-args='-ngl 0' "
                          "(a CUDA build on the host's cores)")
     ap.add_argument("--no-llama", action="store_true", help="measure ntx alone")
-    ap.add_argument("--pipeline", action="store_true", help="also ntx through a real pipeline (ntxctl start --backend cpu)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="also ntx through a real pipeline (ntxctl start --backend cpu)")
     ap.add_argument("--bw-mib", type=int, default=1024, help="the read bandwidth probe's array, MiB (default 1024)")
     ap.add_argument("--bw-repeats", type=int, default=5, help="read bandwidth: best of this many sums (default 5)")
     ap.add_argument("--json", dest="json_out", default=None, help="write the results here as JSON")
@@ -212,7 +213,8 @@ class NtxDecode:
         from ntx.shared.sampling_fields import SamplingParams
 
         self._n += 1
-        self.engine.submit(EngineRequest(f"bench-{self._n}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.engine.submit(EngineRequest(f"bench-{self._n}", prompt, params))
         times_s = []
         while self.engine.has_work:
             t = time.perf_counter()
@@ -322,18 +324,19 @@ def render_report(res: dict[str, Any]) -> str:
     h = res["host"]
     bw = res["host_read_gbps"]
     bpt = res["model"]["bytes_per_token"]
+    threads = f"{res['threads']} thread{'s' * (res['threads'] > 1)}"
+    pp_head = f" {'pp' + str(res['pp']) + ' tok/s':>18s}" if res["pp"] else ""
     lines = [
         f"host: {h['cpu']}, {h['cores']} usable cores of {h['cpu_count']}, "
         f"{(h['mem_bytes'] or 0) / GIB:.1f} GiB; threads {res['threads']} for both engines; load average (1 min) "
         f"{h['load_avg_1m_before']:.2f} before, {h['load_avg_1m_after']:.2f} after",
-        f"limit: memory read {bw:.1f} GB/s (numpy sum, {res['threads']} threads, best of {res['bw_repeats']} before "
+        f"limit: memory read {bw:.1f} GB/s (numpy sum, {threads}, best of {res['bw_repeats']} before "
         f"the rounds and {res['bw_repeats']} after); "
         f"{bpt / 1e6:.1f} MB of weights per token -> at most {bw * 1e9 / bpt:.1f} tok/s",
         f"model: {res['model']['path']} ({res['model']['type']}, {res['model']['layers']} layers); "
         f"{res['tokens']} tokens decoded per round, {res['rounds']} rounds interleaved",
         "",
-        f"{'engine':30s} {'decode tok/s':>18s} {'GB/s':>6s} {'of bw':>6s}" + (f" {'pp' + str(res['pp']) + ' tok/s':>18s}"
-                                                                             if res["pp"] else ""),
+        f"{'engine':30s} {'decode tok/s':>18s} {'GB/s':>6s} {'of bw':>6s}{pp_head}",
     ]
     for e in res["engines"]:
         if "tg_tps" not in e:
@@ -372,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"path": model, "type": index.file_type, "layers": index.hparams.n_layers,
                   "bytes_per_token": bytes_per_token(index)},
     }
-    print(f"measuring the memory read bandwidth ({args.bw_mib} MiB, {args.threads} threads)", file=sys.stderr, flush=True)
+    print(f"measuring the memory read bandwidth ({args.bw_mib} MiB, {args.threads} thread{'s' * (args.threads > 1)})",
+          file=sys.stderr, flush=True)
     bw_gbps = [host_read_gbps(args.bw_mib << 20, args.bw_repeats, args.threads)]
 
     print("loading ntx's engine", file=sys.stderr, flush=True)
