@@ -49,7 +49,10 @@ from typing import Any
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 GOAL_RATIO = 0.8  # ntx's decode tok/s over llama.cpp's, at least
 GIB = 1 << 30
-DECODE_PROMPT = "The capital of France is"
+BUSY_LOAD = 0.5  # load average beyond the cores the threads leave free: the report warns
+# SmolLM2 continues this greedily for more than 64 tokens (the README's "The capital of France is"
+# ends after 29), so a pipeline's request, which stops at end of generation, decodes as many as the rest
+DECODE_PROMPT = "Once upon a time, in a small village by the sea,"
 PP_TEXT = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill, and "
            "the miller counts the sacks of flour he will carry to the market in the morning. ")
 
@@ -68,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="more llama-bench options, one string split as a shell would: --llama-args='-ngl 0' "
                          "(a CUDA build on the host's cores)")
     ap.add_argument("--no-llama", action="store_true", help="measure ntx alone")
-    ap.add_argument("--pipeline", action="store_true", help="also ntx through a real pipeline (ntxctl start --backend cpu)")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="also ntx through a real pipeline (ntxctl start --backend cpu)")
     ap.add_argument("--bw-mib", type=int, default=1024, help="the read bandwidth probe's array, MiB (default 1024)")
     ap.add_argument("--bw-repeats", type=int, default=5, help="read bandwidth: best of this many sums (default 5)")
     ap.add_argument("--json", dest="json_out", default=None, help="write the results here as JSON")
@@ -212,7 +216,8 @@ class NtxDecode:
         from ntx.shared.sampling_fields import SamplingParams
 
         self._n += 1
-        self.engine.submit(EngineRequest(f"bench-{self._n}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.engine.submit(EngineRequest(f"bench-{self._n}", prompt, params))
         times_s = []
         while self.engine.has_work:
             t = time.perf_counter()
@@ -322,18 +327,19 @@ def render_report(res: dict[str, Any]) -> str:
     h = res["host"]
     bw = res["host_read_gbps"]
     bpt = res["model"]["bytes_per_token"]
+    threads = f"{res['threads']} thread{'s' * (res['threads'] > 1)}"
+    pp_head = f" {'pp' + str(res['pp']) + ' tok/s':>18s}" if res["pp"] else ""
     lines = [
         f"host: {h['cpu']}, {h['cores']} usable cores of {h['cpu_count']}, "
         f"{(h['mem_bytes'] or 0) / GIB:.1f} GiB; threads {res['threads']} for both engines; load average (1 min) "
         f"{h['load_avg_1m_before']:.2f} before, {h['load_avg_1m_after']:.2f} after",
-        f"limit: memory read {bw:.1f} GB/s (numpy sum, {res['threads']} threads, best of {res['bw_repeats']} before "
+        f"limit: memory read {bw:.1f} GB/s (numpy sum, {threads}, best of {res['bw_repeats']} before "
         f"the rounds and {res['bw_repeats']} after); "
         f"{bpt / 1e6:.1f} MB of weights per token -> at most {bw * 1e9 / bpt:.1f} tok/s",
         f"model: {res['model']['path']} ({res['model']['type']}, {res['model']['layers']} layers); "
         f"{res['tokens']} tokens decoded per round, {res['rounds']} rounds interleaved",
         "",
-        f"{'engine':30s} {'decode tok/s':>18s} {'GB/s':>6s} {'of bw':>6s}" + (f" {'pp' + str(res['pp']) + ' tok/s':>18s}"
-                                                                             if res["pp"] else ""),
+        f"{'engine':30s} {'decode tok/s':>18s} {'GB/s':>6s} {'of bw':>6s}{pp_head}",
     ]
     for e in res["engines"]:
         if "tg_tps" not in e:
@@ -345,6 +351,11 @@ def render_report(res: dict[str, Any]) -> str:
         if "pp_tps" in e:
             row += f" {e['pp_tps']['mean']:9.1f} ± {e['pp_tps']['std']:6.1f}"
         lines.append(row)
+    load = max(h["load_avg_1m_before"], h["load_avg_1m_after"])
+    if load + res["threads"] - h["cores"] > BUSY_LOAD:
+        lines += ["", f"warning: the machine is busy: load average up to {load:.1f} on {h['cores']} cores, "
+                  f"with {threads} wanted here; other work takes these threads' cores, and thread pools that spin (llama.cpp's, "
+                  "OpenBLAS's) lose most of their speed then: these figures are not the machine's"]
     if res.get("ratio") is not None:
         verdict = "met" if res["ratio"] >= GOAL_RATIO else "not met"
         lines += ["", f"ntx / llama.cpp decode: {res['ratio']:.2f}x (goal: at least {GOAL_RATIO}x: {verdict})"]
@@ -372,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"path": model, "type": index.file_type, "layers": index.hparams.n_layers,
                   "bytes_per_token": bytes_per_token(index)},
     }
-    print(f"measuring the memory read bandwidth ({args.bw_mib} MiB, {args.threads} threads)", file=sys.stderr, flush=True)
+    print(f"measuring the memory read bandwidth ({args.bw_mib} MiB, {args.threads} thread{'s' * (args.threads > 1)})",
+          file=sys.stderr, flush=True)
     bw_gbps = [host_read_gbps(args.bw_mib << 20, args.bw_repeats, args.threads)]
 
     print("loading ntx's engine", file=sys.stderr, flush=True)

@@ -59,6 +59,30 @@ def test_bad_options_are_refused_with_one_line(args, said):
     assert "Traceback" not in r.stderr
 
 
+def report_for(load: float, threads: int, cores: int = 2) -> str:
+    """The script's table for a made-up result (one engine, no llama.cpp) at this load average."""
+    import runpy
+
+    render = runpy.run_path(str(SCRIPT))["render_report"]
+    tg = {"mean": 10.0, "std": 1.0, "n": 2, "samples": [9.0, 11.0]}
+    return render({
+        "host": {"cpu": "x", "cores": cores, "cpu_count": cores, "mem_bytes": 1 << 30, "load_avg_1m_before": load,
+                 "load_avg_1m_after": load},
+        "threads": threads, "tokens": 4, "pp": 0, "rounds": 2, "bw_repeats": 2, "host_read_gbps": 10.0,
+        "model": {"path": "m.gguf", "type": "Q4_1", "layers": 2, "bytes_per_token": 10**8},
+        "engines": [{"label": "ntx cpu (in-process)", "tg_tps": tg}], "ratio": None,
+    })
+
+
+def test_report_warns_when_other_work_takes_the_cores():
+    assert "warning: the machine is busy" not in report_for(load=0.2, threads=2)
+    assert "warning: the machine is busy" not in report_for(load=1.2, threads=1)  # one core left free for it
+    assert "load average up to 1.2 on 2 cores, with 2 threads wanted" in report_for(load=1.2, threads=2)
+    assert "warning: the machine is busy" in report_for(load=2.0, threads=1)
+    row = next(line for line in report_for(load=0.0, threads=1).splitlines() if line.startswith("ntx cpu"))
+    assert row.split()[-4:] == ["±", "1.0", "1.00", "10.0%"]  # 10 tok/s x 100 MB = 1 GB/s, of 10 GB/s
+
+
 def test_ntx_half_table_and_json_with_llama_bench_missing(tiny_model, tmp_path):
     """No llama-bench where the build would put it (an empty cache): the ntx figures, the limit
     and the skip reason; the JSON holds every round's sample and the thread count given to ntx."""
