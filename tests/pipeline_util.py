@@ -51,10 +51,10 @@ def own_instance(name: str) -> list[str]:
     return ["--name", name, "--listen", f"tcp://127.0.0.1:{free_port()}"]
 
 
-def ntxctl(*args: str, env: dict | None = None, timeout: float = 240.0) -> subprocess.CompletedProcess:
+def ntxctl(*args: str, env: dict | None = None, timeout: float = 240.0, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {})}, input=input,
     )
 
 

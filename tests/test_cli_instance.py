@@ -5,7 +5,9 @@ cancelling the request in the pipeline, the per-request log line, status without
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import select
 import signal
 import socket
@@ -139,6 +141,33 @@ def test_ctrl_c_in_chat_cancels_the_reply_and_the_chat_goes_on(pipeline):
         proc.kill()
     assert proc.returncode == 0, err  # the chat went on after the cancelled reply, and /exit ended it
     assert b"finish: cancelled" in err and b"Traceback" not in err
+
+
+def test_chat_sends_the_model_messages_only(pipeline):
+    """Through a pipeline, chat's commands never reach it: the supervisor logs one request per
+    message; after /clear a question is sent alone again (as many prompt tokens as the first
+    time), without it the conversation is kept (more); a message of several lines is one message,
+    its lines joined as typed."""
+    log = InstancePaths("cli").log_dir / "supervisor.log"
+    before = len(log.read_text().splitlines())
+    question = "What is the capital of France?"
+    script = [question, "/help", "/nosuch", "/clear", question, question, "/clear", '"""Name the capital', 'of France."""',
+              "/exit"]
+    r = ntxctl("chat", "--name", "cli", "--temperature", "0", "--max-tokens", "4", input="\n".join(script) + "\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "in this process" not in r.stderr
+
+    def prompts() -> list[int]:
+        new = log.read_text().splitlines()[before:]
+        return [int(m.group(1)) for ln in new if (m := re.search(r"prompt (\d+) tokens, generated", ln))]
+
+    counts = wait_for(lambda: len(prompts()) >= 4 and prompts(), 10.0, "four requests in supervisor.log")
+    assert len(counts) == 4, counts
+    alone = json.loads(ntxctl("generate", "--name", "cli", "--json", "--max-tokens", "1", question).stdout)
+    block = json.loads(ntxctl("generate", "--name", "cli", "--json", "--max-tokens", "1",
+                              "Name the capital\nof France.").stdout)
+    assert counts[0] == counts[1] == len(alone["prompt_tokens"]) < counts[2]
+    assert counts[3] == len(block["prompt_tokens"])
 
 
 def _start_generating(*args: str) -> tuple[subprocess.Popen, bytes]:
