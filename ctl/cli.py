@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from inspect import Parameter, Signature, signature  # (the module name is taken: `ntxctl inspect`)
+from inspect import Parameter, Signature, cleandoc, signature  # (the module name is taken: `ntxctl inspect`)
 from typing import Any, Optional, get_args, get_type_hints
 
 import typer
@@ -23,7 +23,59 @@ from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.run_files import write_private
 from ntx.shared.sampling_fields import SAMPLING_FIELDS, to_wire
 
-app = typer.Typer(
+def _paragraphs(text: str | None) -> str | None:
+    """``text`` (a docstring) with each paragraph on one line: the terminal wraps it, not the
+    source's line breaks."""
+    if not text:
+        return text
+    return "\n\n".join(" ".join(p.split()) for p in cleandoc(text).split("\n\n"))
+
+
+def _without_type(param) -> None:
+    """Show no value type for ``param`` in --help (typer's ``<str>``, ``<bool>``, ``<list[str]>``
+    say nothing an option's help does not): an option's metavar is empty, an argument's is its
+    name in capitals, as the README writes it."""
+    if param.param_type_name == "argument":
+        if param.metavar is None:
+            param.metavar = param.name.upper()
+        if hasattr(param, "display_type_rich"):  # typer >= 0.22 shows an argument's type beside its name
+            param.display_type_rich = lambda ctx: None
+    elif param.metavar is None:
+        param.metavar = ""
+
+
+class _ProseHelp:
+    """--help as prose: descriptions wrapped by the terminal, no value types (a mixin for typer's
+    command and group classes)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.help = _paragraphs(self.help)
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)  # --help's own option is made here
+        for p in params:
+            _without_type(p)
+        return params
+
+
+class _Command(_ProseHelp, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_ProseHelp, typer.core.TyperGroup):
+    pass
+
+
+class _App(typer.Typer):
+    """ntxctl's commands, each a ``_Command`` (``_ProseHelp``) unless it names another class."""
+
+    def command(self, *args, cls=None, **kw):
+        return super().command(*args, cls=cls or _Command, **kw)
+
+
+app = _App(
+    cls=_Group,
     no_args_is_help=True,
     help="ntx: run Llama-family GGUF models larger than the GPU by streaming layers through daemons.",
 )
@@ -579,11 +631,13 @@ def chat(
     given: dict | None = None,  # --ctx, from @record_options
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
-    """Talk with the model turn by turn; the conversation is kept. Through the instance --name or
-    --listen names (an error when it does not run), else through the default instance if it runs,
-    else in this process (CPU). /help lists the commands: /clear forgets the conversation, /exit
-    (or Ctrl-D) ends the chat; a line starting with \"\"\" opens a message of several lines that a
-    line ending with \"\"\" closes. Ctrl-C cancels the reply being written."""
+    """Talk with the model turn by turn; the conversation is kept.
+
+    Through the instance --name or --listen names (an error when it does not run), else through
+    the default instance if it runs, else in this process (CPU). /help lists the commands: /clear
+    forgets the conversation, /exit (or Ctrl-D) ends the chat; a line starting with \"\"\" opens a
+    message of several lines that a line ending with \"\"\" closes. Ctrl-C cancels the reply being
+    written."""
     import contextlib
 
     from ntx.ctl.chat_input import HELP, read_turn
@@ -911,7 +965,8 @@ def bench(
                                   help="any of a,a512,b,c,d,check,spec,skip,long,ctx,prefix"),
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
-    listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
+    listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen", help="address of the instances the scenarios "
+                               "start, one at a time (instance name bench)"),
     spec_verify_draft_tokens: str = typer.Option(",".join(map(str, SpecOptions.verify_draft_tokens)),
                                                  "--spec-verify-draft-tokens",
                                                  help="spec: chain lengths whose verify pass is timed"),

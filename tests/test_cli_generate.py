@@ -173,3 +173,19 @@ def test_ctrl_c_in_chat_in_process_cancels_the_reply_and_the_chat_goes_on(smollm
         proc.kill()
     assert proc.returncode == 0, err  # the chat went on after the cancelled reply, and /exit ended it
     assert b"finish: cancelled" in err and b"Traceback" not in err
+
+
+def test_the_seed_is_what_its_help_says(ntxctl):
+    """--seed's help: a seed is drawn for each request that gives none, generate --json reports it,
+    and that seed gives the same text again."""
+    from typer.main import get_command
+
+    from ntx.ctl import cli
+
+    seed_help = next(p.help for p in get_command(cli.app).commands["generate"].params if p.name == "seed")
+    assert "drawn anew for each request; generate --json reports it as seed" in seed_help
+    flags = ("--temperature", "1.5", "--max-tokens", "12", "--json", "Tell me a story.")
+    first = json.loads(ntxctl("generate", *flags).stdout)
+    assert isinstance(first["seed"], int)
+    again = json.loads(ntxctl("generate", "--seed", str(first["seed"]), *flags).stdout)
+    assert again["seed"] == first["seed"] and again["tokens"] == first["tokens"]
