@@ -8,15 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from .pipeline_util import free_port
+from .pipeline_util import chat_interrupted, free_port
 
 FRANCE = "The capital of France is"
 FRANCE_IDS = [504, 3575, 282, 4649, 314]
@@ -154,24 +151,8 @@ def test_chat_runs_in_process_and_keeps_its_commands_from_the_model(ntxctl):
 
 
 def test_ctrl_c_in_chat_in_process_cancels_the_reply_and_the_chat_goes_on(smollm2_path, tmp_path):
-    env = dict(os.environ, NTX_RUN_DIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--model", str(smollm2_path), "--max-tokens",
-                             "3000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        proc.stdin.write(b"Tell me a very long story.\n")
-        proc.stdin.flush()
-        out = b""
-        deadline = time.monotonic() + 120
-        while len(out.strip()) < 8 and time.monotonic() < deadline:  # the prompt, then the reply
-            if select.select([proc.stdout], [], [], 1.0)[0]:
-                out += os.read(proc.stdout.fileno(), 4096)
-        proc.send_signal(signal.SIGINT)
-        proc.stdin.write(b"/exit\n")
-        proc.stdin.flush()
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err  # the chat went on after the cancelled reply, and /exit ended it
+    code, err = chat_interrupted("--model", str(smollm2_path), env={"NTX_RUN_DIR": str(tmp_path)})
+    assert code == 0, err  # the chat went on after the cancelled reply, and /exit ended it
     assert b"finish: cancelled" in err and b"Traceback" not in err
 
 

@@ -21,7 +21,7 @@ import pytest
 from ntx.ctl import instance
 from ntx.shared.config import InstancePaths
 
-from .pipeline_util import free_port, ntxctl, running_pipeline, wait_for
+from .pipeline_util import chat_interrupted, free_port, ntxctl, running_pipeline, wait_for
 
 FRANCE = "The capital of France is"
 
@@ -122,24 +122,9 @@ def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
 
 
 def test_ctrl_c_in_chat_cancels_the_reply_and_the_chat_goes_on(pipeline):
-    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--name", "cli", "--max-tokens", "3000"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        proc.stdin.write(b"Tell me a very long story.\n")
-        proc.stdin.flush()
-        out = b""
-        deadline = time.monotonic() + 120
-        while len(out.strip()) < 8 and time.monotonic() < deadline:  # the prompt, then the reply
-            if select.select([proc.stdout], [], [], 1.0)[0]:
-                out += os.read(proc.stdout.fileno(), 4096)
-        proc.send_signal(signal.SIGINT)
-        wait_for(lambda: pipeline.status()["requests"]["in_flight"] == 0, 10.0, "the reply to be cancelled")
-        proc.stdin.write(b"/exit\n")
-        proc.stdin.flush()
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err  # the chat went on after the cancelled reply, and /exit ended it
+    code, err = chat_interrupted("--name", "cli", after_interrupt=lambda: wait_for(
+        lambda: pipeline.status()["requests"]["in_flight"] == 0, 10.0, "the reply to be cancelled"))
+    assert code == 0, err  # the chat went on after the cancelled reply, and /exit ended it
     assert b"finish: cancelled" in err and b"Traceback" not in err
 
 
