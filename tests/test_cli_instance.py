@@ -208,6 +208,27 @@ def test_status_reads_as_text_and_names_the_logs(pipeline):
     assert "kernels pdl=on,pdl-matmul=off\n" in r.stdout  # the instance's --kernels, defaults here
 
 
+def test_status_figures_are_true_while_compute_works(pipeline):
+    """Every layer resident (nothing streams): compute's clock still charges each pass its time,
+    so status shows compute busy in its recent passes and its last complete pass took time."""
+    with pipeline.client() as c:
+        rid = c.submit("1, 2, 3, 4, 5,", raw=True, temperature=0, max_tokens=2000)  # counts on, never stops
+        try:
+            st = pipeline.wait_status(lambda st: st["requests"]["active"] >= 1 and
+                                      st["stages"]["compute"]["recent"]["n_passes"] >= 4,
+                                      "compute's status to show a few passes of the request")
+            compute = st["stages"]["compute"]
+            recent = [compute["passes"][k] for k in sorted(compute["passes"], key=int)[:-1]]
+            assert compute["recent"]["busy"] > 0 and all(p["busy"] > 0 for p in recent if p["rows"]), compute
+            assert st["bottleneck"] == "compute"
+            r = ntxctl("status", "--name", "cli")
+            assert r.returncode == 0, r.stderr
+            line = next(ln for ln in r.stdout.splitlines() if "compute last complete pass #" in ln)
+            assert float(line.split(": ")[1].split("s busy")[0]) > 0, line
+        finally:
+            c.cancel(rid)
+
+
 def test_a_port_in_use_names_the_fix(pipeline, smollm2_path):
     """The hint's value works: a port free now, in the form the option reads (--http takes
     HOST:PORT, not a tcp:// address)."""
