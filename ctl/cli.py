@@ -23,6 +23,7 @@ from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.run_files import write_private
 from ntx.shared.sampling_fields import SAMPLING_FIELDS, to_wire
 
+
 def _paragraphs(text: str | None) -> str | None:
     """``text`` (a docstring) with each paragraph on one line: the terminal wraps it, not the
     source's line breaks."""
@@ -639,6 +640,7 @@ def chat(
     message of several lines that a line ending with \"\"\" closes. Ctrl-C cancels the reply being
     written."""
     import contextlib
+    import itertools
 
     from ntx.ctl.chat_input import HELP, read_turn
     from ntx.ctl.client import Client
@@ -654,7 +656,7 @@ def chat(
             reply = lambda: _stream_remote(client, False, messages=messages, **wire)  # noqa: E731
         else:
             engine = _local_engine(_model_path(model), options)
-            turns = iter(range(1, 1 << 62))
+            turns = itertools.count(1)
             reply = lambda: _stream_local(engine, f"chat-{next(turns)}", messages=messages, **wire)  # noqa: E731
         while True:
             try:
