@@ -701,6 +701,19 @@ def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
     return batch / t if t > 0 else None
 
 
+# the scenarios whose figures are about layers streamed at (a)'s flags
+STREAMING_SCENARIOS = {"a", "a512", "b", "c", "skip", "spec", "long", "ctx", "prefix"}
+
+
+def nothing_streams(plan) -> str:
+    """What a run whose plan streams nothing measures, and what makes layers stream."""
+    n = len(plan.layers_on(VRAM))
+    return (f"nothing streams: all {n} layers fit the --vram-budget of {format_bytes(plan.vram_budget)} "
+            f"({plan.memory_name}), so every scenario times compute alone (busy all the time, the link unused); "
+            f"to measure streaming pass --gpu-layers N with N below {n} (e.g. --gpu-layers {n // 2}: "
+            f"{n - n // 2} layers stream), or a --vram-budget too small for every layer")
+
+
 def run_bench(
     base: InstanceConfig, *, tokens: int, batch: int, scenarios: list[str], resident_model: str | None, out_dir: Path,
     log=print, spec: SpecOptions | None = None, skip_layers: list[int] | None = None,
@@ -721,6 +734,8 @@ def run_bench(
         f"{format_bytes(index.layer_bytes_total)} of layers; backend {backend}")
     limits = measure_copy_limits(backend)
     streamed = plan_a.streamed_layers
+    if not streamed and set(scenarios) & STREAMING_SCENARIOS:
+        log(nothing_streams(plan_a))
     limits.update(measure_disk(index, streamed[::-1] or list(range(index.hparams.n_layers))[::-1]))
     log("limits: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in limits.items()))
     report: dict[str, Any] = {"model": model, "backend": backend, "batch": batch, "tokens": tokens,
@@ -825,6 +840,8 @@ def _kv_line(r: dict) -> str:
 
 def _line(r: dict) -> str:
     s = f"({r['label']}) {r['tokens_per_s']:.3f} tok/s, {r['pass_s'] * 1e3:.1f} ms/pass"
+    if r.get("streamed_bytes_per_pass") == 0 and r["label"] not in ("d", "check"):  # those are all resident
+        s += "; nothing streamed (every layer resident)"
     if r.get("skipped_layers"):
         s += (f"; {len(r['skipped_layers'])} layers skipped ({layer_ranges(r['skipped_layers'])}), "
               f"{format_bytes(r['skipped_bytes_per_pass'])} per pass never read nor copied")

@@ -312,4 +312,7 @@ def serve_renders() -> None:
 
 
 if __name__ == "__main__":
-    serve_renders()
+    try:
+        serve_renders()
+    except BrokenPipeError:  # the parent ended (before this worker was even ready, say): nobody to answer
+        os._exit(0)  # (not sys.exit: flushing stdout at exit would fail again, with a traceback)

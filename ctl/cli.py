@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from inspect import Parameter, Signature, signature  # (the module name is taken: `ntxctl inspect`)
+from inspect import Parameter, Signature, cleandoc, signature  # (the module name is taken: `ntxctl inspect`)
 from typing import Any, Optional, get_args, get_type_hints
 
 import typer
@@ -23,7 +23,60 @@ from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.run_files import write_private
 from ntx.shared.sampling_fields import SAMPLING_FIELDS, to_wire
 
-app = typer.Typer(
+
+def _paragraphs(text: str | None) -> str | None:
+    """``text`` (a docstring) with each paragraph on one line: the terminal wraps it, not the
+    source's line breaks."""
+    if not text:
+        return text
+    return "\n\n".join(" ".join(p.split()) for p in cleandoc(text).split("\n\n"))
+
+
+def _without_type(param) -> None:
+    """Show no value type for ``param`` in --help (typer's ``<str>``, ``<bool>``, ``<list[str]>``
+    say nothing an option's help does not): an option's metavar is empty, an argument's is its
+    name in capitals, as the README writes it."""
+    if param.param_type_name == "argument":
+        if param.metavar is None:
+            param.metavar = param.name.upper()
+        if hasattr(param, "display_type_rich"):  # typer >= 0.22 shows an argument's type beside its name
+            param.display_type_rich = lambda ctx: None
+    elif param.metavar is None:
+        param.metavar = ""
+
+
+class _ProseHelp:
+    """--help as prose: descriptions wrapped by the terminal, no value types (a mixin for typer's
+    command and group classes)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.help = _paragraphs(self.help)
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)  # --help's own option is made here
+        for p in params:
+            _without_type(p)
+        return params
+
+
+class _Command(_ProseHelp, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_ProseHelp, typer.core.TyperGroup):
+    pass
+
+
+class _App(typer.Typer):
+    """ntxctl's commands, each a ``_Command`` (``_ProseHelp``) unless it names another class."""
+
+    def command(self, *args, cls=None, **kw):
+        return super().command(*args, cls=cls or _Command, **kw)
+
+
+app = _App(
+    cls=_Group,
     no_args_is_help=True,
     help="ntx: run Llama-family GGUF models larger than the GPU by streaming layers through daemons.",
 )
@@ -460,14 +513,21 @@ def _local_events(engine):
         yield from engine.step()
 
 
-def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, options: EngineOptions) -> None:
+def _local_engine(model_path: str, options: EngineOptions):
+    """The model loaded in this process (``LocalEngine``), with its loading progress on a
+    terminal; --ctx beyond the trained context refused first."""
     from ntx.ctl.local import build_local_engine
     from ntx.shared.gguf_index import open_model
-    from ntx.shared.messages import EngineRequest
 
     _refuse_ctx_beyond_training(options.ctx, open_model(model_path).hparams.n_ctx_train)
+    return build_local_engine(model_path, progress=True, options=options)
+
+
+def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool, options: EngineOptions) -> None:
+    from ntx.shared.messages import EngineRequest
+
     t0 = time.monotonic()
-    engine = build_local_engine(model_path, progress=True, options=options)
+    engine = _local_engine(model_path, options)
     load_s = time.monotonic() - t0
     ids = engine.prompt_tokens(prompt=prompt, raw=raw)
     engine.submit(EngineRequest(id="cli", prompt_tokens=ids, params=params, speculative=speculative), stream=not as_json)
@@ -503,19 +563,31 @@ def generate(
     cancels the request in the pipeline."""
     prompt = _read_prompt(prompt, prompt_file)
     drafting = EngineOptions(**read_record(given, model))
-    if not local:
-        target = _reach_pipeline(name, listen)
-        if target is not None:
-            address, served = target
-            _check_same_model(model, served, address)
-            if drafting.ctx is not None:
-                _fail(f"--ctx is for a run in this process; the pipeline on {address} has the context it was started "
-                      "with (ntxctl start --ctx): leave out --ctx, or pass --local")
-            _generate_remote(address, prompt, raw, sampling, as_json, speculative)
-            return
+    address = _pipeline_or_this_process(name, listen, local, model, drafting.ctx)
+    if address is not None:
+        _generate_remote(address, prompt, raw, sampling, as_json, speculative)
+        return
+    _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
+
+
+def _pipeline_or_this_process(name: str | None, listen: str | None, local: bool, model: str | None,
+                              ctx: int | None) -> str | None:
+    """Where a command that can run the model itself (generate, chat) runs it: the address of the
+    pipeline it reaches (``_reach_pipeline``; ``--model`` must be the model it runs, and ``--ctx``
+    is refused there), or None for this process, said on stderr unless ``--local`` asked for it."""
+    if local:
+        return None
+    target = _reach_pipeline(name, listen)
+    if target is None:
         typer.echo(f"ntxctl: {_no_default_instance()}; running in this process on the CPU "
                    "(start a pipeline with `ntxctl start`)", err=True)
-    _generate_local(_model_path(model), prompt, raw, sampling, as_json, speculative, drafting)
+        return None
+    address, served = target
+    _check_same_model(model, served, address)
+    if ctx is not None:
+        _fail(f"--ctx is for a run in this process; the pipeline on {address} has the context it was started "
+              "with (ntxctl start --ctx): leave out --ctx, or pass --local")
+    return address
 
 
 def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
@@ -590,41 +662,91 @@ def _generate_remote(listen: str, prompt: str, raw: bool, params, as_json: bool,
         _print_json(done)
 
 
+def _stream_local(engine, rid: str, **request) -> dict:
+    """Run one request in this process, printing as it streams (``_stream_remote``'s twin).
+    Ctrl-C is taken between passes, so the engine is never cut off inside one: the request is
+    cancelled there and Cancelled raised."""
+    import signal
+
+    interrupted = []
+    engine.generate(rid, {**request, "stream": True})
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+
+    def events():
+        while engine.has_work:
+            yield from engine.cancel(rid) if interrupted else engine.step()
+
+    try:
+        done = _print_stream(events(), False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise Cancelled()
+    return done
+
+
 @app.command()
 @sampling_options(temperature=0.7, max_tokens=512)
+@record_options("ctx", prefix="in-process: ")
 def chat(
-    name: Optional[str] = _client_name_option(),
+    name: Optional[str] = _client_name_option("the running instance to talk to (default: the default instance "
+                                              "if it runs, else this process)"),
     listen: Optional[str] = _listen_option(),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
+    given: dict | None = None,  # --ctx, from @record_options
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
-    """Talk to a running pipeline turn by turn; the conversation is kept. Ctrl-C cancels the
-    reply being written; Ctrl-D or /exit ends the chat."""
+    """Talk with the model turn by turn; the conversation is kept.
+
+    Through the instance --name or --listen names (an error when it does not run), else through
+    the default instance if it runs, else in this process (CPU). /help lists the commands: /clear
+    forgets the conversation, /exit (or Ctrl-D) ends the chat; a line starting with \"\"\" opens a
+    message of several lines that a line ending with \"\"\" closes. Ctrl-C cancels the reply being
+    written."""
+    import contextlib
+    import itertools
+
+    from ntx.ctl.chat_input import HELP, read_turn
     from ntx.ctl.client import Client
 
-    target = _reach_pipeline(name, listen)
-    if target is None:
-        _fail(f"{_no_default_instance()}: chat talks to a running pipeline; start one with `ntxctl start`")
-    listen = target[0]
-    messages = [{"role": "system", "content": system}] if system else []
-    with Client(listen) as c:
+    options = EngineOptions(max_batch=1, **read_record(given, model))  # one conversation at a time
+    address = _pipeline_or_this_process(name, listen, local, model, options.ctx)
+    wire = to_wire(sampling)
+    first = [{"role": "system", "content": system}] if system else []
+    messages = list(first)
+    with contextlib.ExitStack() as stack:
+        if address is not None:
+            client = stack.enter_context(Client(address))
+            reply = lambda: _stream_remote(client, False, messages=messages, **wire)  # noqa: E731
+        else:
+            engine = _local_engine(_model_path(model), options)
+            turns = itertools.count(1)
+            reply = lambda: _stream_local(engine, f"chat-{next(turns)}", messages=messages, **wire)  # noqa: E731
         while True:
             try:
-                line = input("> ")
+                turn = read_turn()
             except EOFError:
                 typer.echo("")
                 return
-            if line.strip() in ("/exit", "/quit"):
+            if turn.error:
+                typer.echo(f"ntxctl: {turn.error}", err=True)
+            elif turn.command == "/exit":
                 return
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line})
-            try:
-                done = _stream_remote(c, False, messages=messages, **to_wire(sampling))
-            except Cancelled:
-                messages.pop()  # the unanswered turn is not kept
-                continue
-            messages.append({"role": "assistant", "content": done.get("text", "")})
+            elif turn.command == "/help":
+                typer.echo(HELP)
+            elif turn.command == "/clear":
+                messages[:] = first
+                typer.echo("(the conversation is forgotten)")
+            else:
+                messages.append({"role": "user", "content": turn.text})
+                try:
+                    done = reply()
+                except Cancelled:
+                    messages.pop()  # the unanswered turn is not kept
+                    continue
+                messages.append({"role": "assistant", "content": done.get("text", "")})
 
 
 def _launch_command(foreground: bool):
@@ -911,7 +1033,8 @@ def bench(
                                   help="any of a,a512,b,c,d,check,spec,skip,long,ctx,prefix"),
     resident_model: Optional[str] = typer.Option(None, "--resident-model", help="model for (d), e.g. an 8B shape"),
     out: str = typer.Option("bench-out", "--out", help="folder for bench.json and bench.png"),
-    listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen"),
+    listen: str = typer.Option("tcp://127.0.0.1:5590", "--listen", help="address of the instances the scenarios "
+                               "start, one at a time (instance name bench)"),
     spec_verify_draft_tokens: str = typer.Option(",".join(map(str, SpecOptions.verify_draft_tokens)),
                                                  "--spec-verify-draft-tokens",
                                                  help="spec: chain lengths whose verify pass is timed"),

@@ -48,6 +48,15 @@ def kv_line(kv: dict[str, Any]) -> str:
     return line
 
 
+def last_done_pass(stage: dict[str, Any]) -> str | None:
+    """The newest pass a stage has finished (its key in ``passes``): the newest of all once the
+    stage is idle, else the one before it (the newest may still be running, as ``recent`` says)."""
+    keys = sorted(stage.get("passes") or (), key=int)
+    if stage.get("state") != "idle":
+        keys = keys[:-1]
+    return keys[-1] if keys else None
+
+
 def render_status(st: dict[str, Any], renderable: bool = False):
     head = Text()
     head.append(f"instance {st['instance']}  ", style="bold")
@@ -80,10 +89,10 @@ def render_status(st: dict[str, Any], renderable: bool = False):
         if not s:
             continue
         t = window(s)
-        if s.get("passes"):
-            k = max(s["passes"], key=int)
+        k = last_done_pass(s)
+        if k is not None:
             p = s["passes"][k]
-            passes.append(f"  {name} last pass #{k}: {p['busy']:.3f}s busy, {p['starved']:.3f}s starved, "
+            passes.append(f"  {name} last complete pass #{k}: {p['busy']:.3f}s busy, {p['starved']:.3f}s starved, "
                           f"{p['blocked']:.3f}s blocked, {format_bytes(p['bytes'])}\n")
         mark = " ◀" if st.get("bottleneck") == name else ""
         limit = s.get("limit_gbps")

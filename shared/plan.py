@@ -90,6 +90,8 @@ class Plan:
     kv_chunks: int = 0
     kv_max_chunks: int = 0
     kv_floor_tokens: int = 0
+    # what makes layers stream, setting by setting, with its cost a pass (make_plan's _speed_notes)
+    speed_notes: tuple[str, ...] = ()
 
     @property
     def kv_floor_bytes(self) -> int:
@@ -117,6 +119,7 @@ class Plan:
         d = asdict(self)
         d["tiers"] = list(self.tiers)
         d["standby_layers"] = list(self.standby_layers)
+        d["speed_notes"] = list(self.speed_notes)
         return d
 
     @classmethod
@@ -124,6 +127,7 @@ class Plan:
         d = dict(d)
         d["tiers"] = tuple(d["tiers"])
         d["standby_layers"] = tuple(d.get("standby_layers", ()))
+        d["speed_notes"] = tuple(d.get("speed_notes", ()))
         return cls(**d)
 
     def tier_label(self, tier: str) -> str:
@@ -169,6 +173,7 @@ class Plan:
                          "  never read, copied nor run")
         lines.append(f"streamed per pass: {format_bytes(self.streamed_bytes_per_pass)}"
                      + (f" ({format_bytes(self.skipped_layer_bytes)} of skipped layers saved)" if skipped else ""))
+        lines.extend(f"slower: {note}" for note in self.speed_notes)
         return lines
 
 
@@ -258,6 +263,52 @@ def _resident_layers(kept: list[int], max_count: int, layer_costs: tuple[int, ..
         count -= 1
 
 
+def _resident_set(kept: list[int], cap: int, layer_costs: tuple[int, ...], avail_bytes: int, slots_bytes: int,
+                  placement: str) -> list[int] | None:
+    """The resident layers of ``kept`` with ``avail_bytes`` left for layers, at most ``cap`` of
+    them: every one when all fit (nothing streams, no device slots), else those
+    ``_resident_layers`` places in what the device slots (``slots_bytes``) leave; None when the
+    slots alone do not fit."""
+    if cap == len(kept) and sum(layer_costs[i] for i in kept) <= avail_bytes:
+        return list(kept)
+    if avail_bytes < slots_bytes:
+        return None
+    return _resident_layers(kept, cap, layer_costs, avail_bytes - slots_bytes, placement)
+
+
+def _speed_notes(index: ModelIndex, cfg: InstanceConfig, kept: list[int], resident: list[int], resident_with,
+                 *, cap: int, avail: int, vram_budget: int, floor: tuple[int, int], all_layers_bytes: int) -> list[str]:
+    """What streams because of which setting, and what it costs a pass, for a plan that streams
+    layers: each setting's plan is placed again without it (``resident_with(cap, avail_bytes)``:
+    the resident layers at that cap and room) and the layers it moved off compared. The lines
+    ``Plan.describe`` prints under "slower:"."""
+    def streamed_bytes(res: list[int] | None) -> int:
+        kept_res = set(res or ())
+        return sum(index.layers[i].nbytes for i in kept if i not in kept_res)
+
+    now = streamed_bytes(resident)
+    notes = []
+    uncapped = resident_with(len(kept), avail) or []
+    if cfg.gpu_layers is not None and len(uncapped) > len(resident):
+        notes.append(f"--gpu-layers {cfg.gpu_layers} streams {len(uncapped) - len(resident)} layers that fit the "
+                     f"budget: {format_bytes(now - streamed_bytes(uncapped))} more to move every pass")
+    if len(uncapped) < len(kept):
+        budget = f"--vram-budget {format_bytes(vram_budget)}" + (" (the default, from the memory free now)"
+                                                                 if cfg.vram_budget is None else "")
+        notes.append(f"{budget} holds {len(uncapped)} of {len(kept)} layers: {len(kept) - len(uncapped)} stream, "
+                     f"{format_bytes(streamed_bytes(uncapped))} every pass; every layer resident needs "
+                     f"{format_bytes(vram_budget - avail + all_layers_bytes)}")
+    floor_tokens, floor_bytes = floor
+    unfloored = resident_with(cap, avail + floor_bytes) or []
+    if len(unfloored) > len(resident):
+        notes.append(f"the KV cache's floor ({floor_tokens} positions, {format_bytes(floor_bytes)}, reserved before "
+                     f"any layer) streams {len(unfloored) - len(resident)} layers: "
+                     f"{format_bytes(now - streamed_bytes(unfloored))} every pass (a shorter --ctx lowers it)")
+    if notes and cfg.backend == "cpu":
+        notes.append("on the cpu backend a streamed layer is also dequantized again on every pass")
+    return notes
+
+
 def demotion_order(resident: list[int]) -> list[int]:
     """The order in which resident layers give their memory to the KV cache: every other one
     first, then every other one of those left, and so on, so that the layers still resident stay
@@ -322,20 +373,26 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         )
     max_vram_layers = len(kept) if cfg.gpu_layers is None else min(cfg.gpu_layers, len(kept))
     tiers = [SKIPPED if i in skip else STORAGE for i in range(n)]
-    device_slots_total = 0
-    if max_vram_layers == len(kept) and sum(layer_costs[i] for i in kept) <= avail:
-        for i in kept:
-            tiers[i] = VRAM
-    else:
-        device_slots_total = cfg.ring_slots * slot_bytes
-        avail -= device_slots_total
-        if avail < 0:
-            raise ConfigError(
-                f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.ring_slots} device slots of "
-                f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail)}; raise it"
-            )
-        for i in _resident_layers(kept, max_vram_layers, layer_costs, avail, cfg.placement):
-            tiers[i] = VRAM
+    slots_bytes = cfg.ring_slots * slot_bytes
+
+    def resident_with(cap: int, avail_bytes: int) -> list[int] | None:
+        return _resident_set(kept, cap, layer_costs, avail_bytes, slots_bytes, cfg.placement)
+
+    resident = resident_with(max_vram_layers, avail)
+    if resident is None:
+        raise ConfigError(
+            f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.ring_slots} device slots of "
+            f"{format_bytes(slot_bytes)} it needs {format_bytes(vram_budget - avail + slots_bytes)}; raise it"
+        )
+    for i in resident:
+        tiers[i] = VRAM
+    device_slots_total = slots_bytes if len(resident) < len(kept) else 0
+    speed_notes: list[str] = []
+    if device_slots_total:
+        speed_notes = _speed_notes(index, cfg, kept, resident, resident_with, cap=max_vram_layers, avail=avail,
+                                   vram_budget=vram_budget, floor=(floor_tokens, kv_bytes),
+                                   all_layers_bytes=sum(layer_costs[i] for i in kept))
+    avail -= device_slots_total
 
     rest = [i for i in kept if tiers[i] != VRAM]
     host_slots_total = 0
@@ -386,5 +443,5 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         vram_layer_bytes=total(VRAM), ram_layer_bytes=total(RAM), storage_layer_bytes=total(STORAGE),
         skipped_layer_bytes=total(SKIPPED), standby_layers=tuple(standby), standby_bytes=standby_bytes,
         ctx=ctx, kv_page_bytes=page_bytes, kv_chunk_pages=chunk_pages, kv_chunks=kv_chunks, kv_max_chunks=kv_max_chunks,
-        kv_floor_tokens=floor_tokens,
+        kv_floor_tokens=floor_tokens, speed_notes=tuple(speed_notes),
     )

@@ -104,7 +104,8 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         lambda v: _is_number(v) and math.isfinite(v) and v > 0,
     ),
     SamplingField(
-        "seed", int, None, "random seed (default: drawn and reported)",
+        "seed", int, None, "random seed: the same seed and request give the same text (default: drawn anew "
+        "for each request; generate --json reports it as seed)",
         "must be an integer in [0, 2**64) or null",
         lambda v: _is_int(v) and 0 <= v < 2**64, nullable=True,
     ),

@@ -4,6 +4,8 @@ the two every test that talks to a process needs: a free port and a poll for a c
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -51,11 +53,36 @@ def own_instance(name: str) -> list[str]:
     return ["--name", name, "--listen", f"tcp://127.0.0.1:{free_port()}"]
 
 
-def ntxctl(*args: str, env: dict | None = None, timeout: float = 240.0) -> subprocess.CompletedProcess:
+def ntxctl(*args: str, env: dict | None = None, timeout: float = 240.0, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {})}, input=input,
     )
+
+
+def chat_interrupted(*args: str, env: dict | None = None, after_interrupt: Callable[[], object] = lambda: None
+                     ) -> tuple[int, bytes]:
+    """``ntxctl chat ARGS`` asked for a long story, Ctrl-C once the reply is being written, then
+    (after ``after_interrupt()``) /exit: its exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--max-tokens", "3000", *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
+    try:
+        proc.stdin.write(b"Tell me a very long story.\n")
+        proc.stdin.flush()
+        out = b""
+        deadline = time.monotonic() + 120
+        while len(out.strip()) < 8 and time.monotonic() < deadline:  # the prompt, then the reply
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                out += os.read(proc.stdout.fileno(), 4096)
+        proc.send_signal(signal.SIGINT)
+        after_interrupt()
+        proc.stdin.write(b"/exit\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, err
 
 
 class Pipeline:

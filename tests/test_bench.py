@@ -151,3 +151,27 @@ def test_bench_kv_scenarios_default_flags_long_prompts_one_long_sequence_and_a_c
     assert by["ctx"]["completed"] == 1 and by["ctx"]["prompt_tokens"] == 600
     assert by["prefix"]["prefix_hit_tokens"] >= 192  # the cached 200-token prefix: six whole pages
     assert by["prefix"]["first_token_reused_s"] > 0 and by["prefix"]["first_token_short_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_on_a_model_that_streams_nothing_says_so_and_what_to_pass(tmp_path):
+    """Every layer fits (no --gpu-layers, the cpu backend's default budget): bench says nothing
+    streams and how to make layers stream; compute's figures are true (busy, the bottleneck),
+    not 0 % and none."""
+    model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
+    out = tmp_path / "out"
+    env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
+    r = subprocess.run(
+        [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu", "--tokens", "6",
+         "--scenarios", "a", "--out", str(out), "--listen", f"tcp://127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    note = next(ln for ln in r.stdout.splitlines() if ln.startswith("nothing streams: "))
+    assert note.startswith("nothing streams: all 4 layers fit the --vram-budget of ") and "--gpu-layers 2: 2 layers " \
+        "stream" in note and "a --vram-budget too small for every layer" in note, note
+    (a,) = json.loads((out / "bench.json").read_text())["scenarios"]
+    assert a["plan_tiers"]["vram"] == 4 and a["streamed_bytes_per_pass"] == 0
+    assert "(a) " in r.stdout and "nothing streamed (every layer resident)" in r.stdout
+    assert a["stages"]["compute"]["n_passes"] == 5 and a["stages"]["compute"]["busy_share"] > 0.9, a["stages"]
+    assert a["bottleneck"] == "compute" and "bottleneck: None" not in r.stdout

@@ -1,18 +1,19 @@
-"""``ntxctl generate`` as a user runs it: the console entry point in a subprocess, with no
-pipeline to talk to (an empty ``NTX_RUN_DIR``: no default instance, and neither --name nor
---listen), so it runs the model in process on the CPU; an address where nothing answers is an
-error, never a run in process."""
+"""``ntxctl generate`` and ``chat`` as a user runs them: the console entry point in a subprocess,
+with no pipeline to talk to (an empty ``NTX_RUN_DIR``: no default instance, and neither --name
+nor --listen), so they run the model in process on the CPU; an address where nothing answers is
+an error, never a run in process."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from .pipeline_util import free_port
+from .pipeline_util import chat_interrupted, free_port
 
 FRANCE = "The capital of France is"
 FRANCE_IDS = [504, 3575, 282, 4649, 314]
@@ -25,7 +26,7 @@ def ntxctl(tmp_path_factory, smollm2_path):
 
     def run(*args: str, model: bool = True, timeout: float = 300, input: str | None = None) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "ntx.ctl.cli", *args]
-        if args and args[0] == "generate":
+        if args and args[0] in ("generate", "chat"):
             argv += ["--model", str(smollm2_path)] if model else []
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, input=input)
 
@@ -120,3 +121,52 @@ def test_bad_model_path_is_one_error_line(ntxctl, tmp_path):
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("ntxctl: error: ")]
     assert len(errors) == 1 and "missing.gguf: no such file" in errors[0]
     assert r.stdout == ""
+
+
+def _replies(stdout: str) -> list[str]:
+    """chat's output lines without its prompts ("> ", and "... " inside a message of several lines)."""
+    return [re.sub(r"^(> |\.\.\. )+", "", line) for line in stdout.splitlines()]
+
+
+def test_chat_runs_in_process_and_keeps_its_commands_from_the_model(ntxctl):
+    """With no pipeline, chat runs the model in this process as generate does. /help lists the
+    commands, a mistyped command is one line naming them, /clear forgets the conversation (the
+    same question then gets the same greedy answer), a message of several lines is one turn, and
+    /exit ends the chat (what follows is never read)."""
+    question = "What is the capital of France?"
+    script = ["/help", "/nosuch", question, "/clear", question, '"""', "Name the capital of France", 'in one word."""',
+              "/exit", "never read"]
+    r = ntxctl("chat", "--temperature", "0", "--max-tokens", "8", input="\n".join(script) + "\n")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("ntxctl: instance 'default' is not running; running in this process on the CPU")
+    assert [ln for ln in r.stderr.splitlines() if "/nosuch" in ln] == [
+        "ntxctl: unknown command /nosuch: the commands are /help, /clear, /exit (// starts a message with /)"]
+    lines = _replies(r.stdout)
+    assert lines[0].startswith("/help   this list") and any(ln.startswith("/clear  forget the conversation") for ln in lines)
+    first = next(i for i, ln in enumerate(lines) if "Paris" in ln)
+    assert lines[first + 1] == "(the conversation is forgotten)"
+    assert lines[first + 2] == lines[first], r.stdout  # the same prompt again: nothing of the first turn kept
+    assert lines[first + 3].strip() and lines[first + 4:] == [""], r.stdout  # the block's reply, then the end
+
+
+def test_ctrl_c_in_chat_in_process_cancels_the_reply_and_the_chat_goes_on(smollm2_path, tmp_path):
+    code, err = chat_interrupted("--model", str(smollm2_path), env={"NTX_RUN_DIR": str(tmp_path)})
+    assert code == 0, err  # the chat went on after the cancelled reply, and /exit ended it
+    assert b"finish: cancelled" in err and b"Traceback" not in err
+
+
+def test_the_seed_is_what_its_help_says(ntxctl):
+    """--seed's help: a seed is drawn for each request that gives none, generate --json reports it,
+    and that seed gives the same text again."""
+    from typer.main import get_command
+
+    from ntx.ctl import cli
+
+    seed_help = next(p.help for p in get_command(cli.app).commands["generate"].params if p.name == "seed")
+    assert "drawn anew for each request; generate --json reports it as seed" in seed_help
+    flags = ("--temperature", "1.5", "--max-tokens", "12", "--json", "Tell me a story.")
+    first = json.loads(ntxctl("generate", *flags).stdout)
+    assert isinstance(first["seed"], int)
+    again = json.loads(ntxctl("generate", "--seed", str(first["seed"]), *flags).stdout)
+    assert again["seed"] == first["seed"] and again["tokens"] == first["tokens"]

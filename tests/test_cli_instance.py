@@ -5,7 +5,9 @@ cancelling the request in the pipeline, the per-request log line, status without
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import select
 import signal
 import socket
@@ -19,7 +21,7 @@ import pytest
 from ntx.ctl import instance
 from ntx.shared.config import InstancePaths
 
-from .pipeline_util import free_port, ntxctl, running_pipeline, wait_for
+from .pipeline_util import chat_interrupted, free_port, ntxctl, running_pipeline, wait_for
 
 FRANCE = "The capital of France is"
 
@@ -120,25 +122,37 @@ def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
 
 
 def test_ctrl_c_in_chat_cancels_the_reply_and_the_chat_goes_on(pipeline):
-    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--name", "cli", "--max-tokens", "3000"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        proc.stdin.write(b"Tell me a very long story.\n")
-        proc.stdin.flush()
-        out = b""
-        deadline = time.monotonic() + 120
-        while len(out.strip()) < 8 and time.monotonic() < deadline:  # the prompt, then the reply
-            if select.select([proc.stdout], [], [], 1.0)[0]:
-                out += os.read(proc.stdout.fileno(), 4096)
-        proc.send_signal(signal.SIGINT)
-        wait_for(lambda: pipeline.status()["requests"]["in_flight"] == 0, 10.0, "the reply to be cancelled")
-        proc.stdin.write(b"/exit\n")
-        proc.stdin.flush()
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err  # the chat went on after the cancelled reply, and /exit ended it
+    code, err = chat_interrupted("--name", "cli", after_interrupt=lambda: wait_for(
+        lambda: pipeline.status()["requests"]["in_flight"] == 0, 10.0, "the reply to be cancelled"))
+    assert code == 0, err  # the chat went on after the cancelled reply, and /exit ended it
     assert b"finish: cancelled" in err and b"Traceback" not in err
+
+
+def test_chat_sends_the_model_messages_only(pipeline):
+    """Through a pipeline, chat's commands never reach it: the supervisor logs one request per
+    message; after /clear a question is sent alone again (as many prompt tokens as the first
+    time), without it the conversation is kept (more); a message of several lines is one message,
+    its lines joined as typed."""
+    log = InstancePaths("cli").log_dir / "supervisor.log"
+    before = len(log.read_text().splitlines())
+    question = "What is the capital of France?"
+    script = [question, "/help", "/nosuch", "/clear", question, question, "/clear", '"""Name the capital', 'of France."""',
+              "/exit"]
+    r = ntxctl("chat", "--name", "cli", "--temperature", "0", "--max-tokens", "4", input="\n".join(script) + "\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "in this process" not in r.stderr
+
+    def prompts() -> list[int]:
+        new = log.read_text().splitlines()[before:]
+        return [int(m.group(1)) for ln in new if (m := re.search(r"prompt (\d+) tokens, generated", ln))]
+
+    counts = wait_for(lambda: len(prompts()) >= 4 and prompts(), 10.0, "four requests in supervisor.log")
+    assert len(counts) == 4, counts
+    alone = json.loads(ntxctl("generate", "--name", "cli", "--json", "--max-tokens", "1", question).stdout)
+    block = json.loads(ntxctl("generate", "--name", "cli", "--json", "--max-tokens", "1",
+                              "Name the capital\nof France.").stdout)
+    assert counts[0] == counts[1] == len(alone["prompt_tokens"]) < counts[2]
+    assert counts[3] == len(block["prompt_tokens"])
 
 
 def _start_generating(*args: str) -> tuple[subprocess.Popen, bytes]:
@@ -192,6 +206,27 @@ def test_status_reads_as_text_and_names_the_logs(pipeline):
     assert f"logs  {InstancePaths('cli').log_dir}\n" in r.stdout
     assert "slots: 2 × 2.12 MiB per side\n" in r.stdout  # every layer resident: no host slots to show
     assert "kernels pdl=on,pdl-matmul=off\n" in r.stdout  # the instance's --kernels, defaults here
+
+
+def test_status_figures_are_true_while_compute_works(pipeline):
+    """Every layer resident (nothing streams): compute's clock still charges each pass its time,
+    so status shows compute busy in its recent passes and its last complete pass took time."""
+    with pipeline.client() as c:
+        rid = c.submit("1, 2, 3, 4, 5,", raw=True, temperature=0, max_tokens=2000)  # counts on, never stops
+        try:
+            st = pipeline.wait_status(lambda st: st["requests"]["active"] >= 1 and
+                                      st["stages"]["compute"]["recent"]["n_passes"] >= 4,
+                                      "compute's status to show a few passes of the request")
+            compute = st["stages"]["compute"]
+            recent = [compute["passes"][k] for k in sorted(compute["passes"], key=int)[:-1]]
+            assert compute["recent"]["busy"] > 0 and all(p["busy"] > 0 for p in recent if p["rows"]), compute
+            assert st["bottleneck"] == "compute"
+            r = ntxctl("status", "--name", "cli")
+            assert r.returncode == 0, r.stderr
+            line = next(ln for ln in r.stdout.splitlines() if "compute last complete pass #" in ln)
+            assert float(line.split(": ")[1].split("s busy")[0]) > 0, line
+        finally:
+            c.cancel(rid)
 
 
 def test_a_port_in_use_names_the_fix(pipeline, smollm2_path):

@@ -155,3 +155,15 @@ def test_plan_only_shows_ring_slots_and_kernels_and_slots_still_works(monkeypatc
     assert "--slots" not in CliRunner().invoke(cli.app, ["start", "--help"]).output  # hidden
     code, out, err = _run(monkeypatch, capsys, *base, "--kernels", "pdl=of")
     assert code == 1 and out == "" and err.startswith("ntxctl: error: --kernels: pdl=of must be ") and err.count("\n") == 1
+
+
+def test_the_plan_says_when_a_setting_makes_speed_fall(monkeypatch, capsys, smollm2_path, run_dir):
+    """--plan-only (and start, which prints the same plan) names the setting that streams layers
+    and what it costs a pass; with every layer resident it says nothing of the kind."""
+    base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *own_instance("slower"))
+    code, out, err = _run(monkeypatch, capsys, *base)
+    assert code == 0 and "  vram       30 layers" in out and "slower" not in out, out + err
+    code, out, err = _run(monkeypatch, capsys, *base, "--gpu-layers", "10")
+    assert code == 0, err
+    assert ("\n  slower: --gpu-layers 10 streams 20 layers that fit the budget: 42.28 MiB more to move every pass\n"
+            "  slower: on the cpu backend a streamed layer is also dequantized again on every pass\n") in out, out

@@ -167,3 +167,36 @@ def test_a_ctx_no_pool_can_hold_is_one_clear_line(index):
     with pytest.raises(ConfigError, match="^--ctx 8192: one sequence of 8192 positions needs .* of KV cache, and this "
                                           r"plan holds at most \d+ positions .* lower --ctx, or raise --vram-budget"):
         plan_for(index, _cfg(backend="cuda", vram_budget=tight, ram_budget=0, ctx=8192, gpu_layers=0))
+
+
+def test_the_plan_names_what_streams_layers_and_its_cost(index):
+    """Each note is checked against the planner itself: without the cap the capped layers are
+    resident; the budget named as enough for every layer is (a byte less is not); a budget larger
+    by the KV floor's bytes holds as many more layers as the floor's note says it streams."""
+    from ntx.shared.config import format_bytes
+
+    ram = parse_size("1GiB")
+    assert plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=ram)).speed_notes == ()
+    capped = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=ram, gpu_layers=10))
+    assert capped.speed_notes == (f"--gpu-layers 10 streams 20 layers that fit the budget: "
+                                  f"{format_bytes(capped.streamed_bytes_per_pass)} more to move every pass",)
+    assert f"slower: {capped.speed_notes[0]}" in capped.describe()
+    assert type(capped).from_dict(capped.to_dict()) == capped
+
+    cost = index.layers[0].nbytes
+    big = plan_for(index, _cfg(backend="cuda", vram_budget=parse_size("8GiB"), ram_budget=0, ctx=1024))
+    budget = big.globals_bytes + big.kv_floor_bytes + big.workspace_bytes + 2 * big.slot_bytes + 7 * cost + cost // 2
+    p = plan_for(index, _cfg(backend="cuda", vram_budget=budget, ram_budget=ram, ctx=1024))
+    held, floor = p.speed_notes
+    assert held.startswith(f"--vram-budget {format_bytes(budget)} holds 7 of 30 layers: 23 stream, "
+                           f"{format_bytes(p.streamed_bytes_per_pass)} every pass; every layer resident needs ")
+    lo, hi = budget, parse_size("8GiB")  # the least budget that holds every layer, as the planner places them
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        fits = not plan_for(index, _cfg(backend="cuda", vram_budget=mid, ram_budget=ram, ctx=1024)).streamed_layers
+        lo, hi = (lo, mid) if fits else (mid, hi)
+    assert held.endswith(f"every layer resident needs {format_bytes(hi)}"), (held, hi)
+    wider = plan_for(index, _cfg(backend="cuda", vram_budget=budget + p.kv_floor_bytes, ram_budget=ram, ctx=1024))
+    more = len(wider.layers_on(VRAM)) - 7
+    assert more > 0 and floor.startswith(f"the KV cache's floor (1024 positions, {format_bytes(p.kv_floor_bytes)}, "
+                                         f"reserved before any layer) streams {more} layers: ")

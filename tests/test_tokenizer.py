@@ -347,3 +347,14 @@ def test_template_extras_and_errors():
         ChatTemplate("{% for %}", "", "")
     with pytest.raises(NtxError, match="role"):
         ChatTemplate(None).render([{"content": "no role"}])
+
+
+def test_a_program_that_ends_before_its_renderer_is_ready_leaves_no_traceback():
+    """A template starts the renderer worker, which may be ready only after its program ended (a
+    short ntxctl run): it finds nobody to answer and ends quietly (it shares the program's stderr)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "from ntx.ctl.chat import ChatTemplate; ChatTemplate(None)"],
+                       capture_output=True, text=True, timeout=60)  # (waits for the worker: it holds stderr)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -123,6 +123,9 @@ class ComputeDaemon(Daemon):
                     self.draining_until_s = None
             if self.engine.has_work:
                 self._set_active(True)
+                # the step's time is its pass's, whether or not a layer streams (the ring stream
+                # enters its states for the pass too, as it waits for a layer and gets it)
+                self.clock.enter("busy", self.engine.pass_taken_next)
                 n_before = self.engine.tokens_generated
                 t0 = time.monotonic()
                 events = self.engine.step()

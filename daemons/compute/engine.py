@@ -321,6 +321,12 @@ class EngineCore:
             seqs.append(s)
         return StepBatch(chunks), seqs
 
+    @property
+    def pass_taken_next(self) -> int:
+        """The pass whose rows the next step takes: the queued one (run ahead), else the one it
+        runs. The compute daemon's clock charges the step's time to it."""
+        return self._ahead.last_pass[0] if self._ahead is not None else self.model.next_pass_id
+
     def step(self) -> list[EngineEvent]:
         """Run one pass; return the events it produced (an output per request that gained tokens
         or ended, an error per request that failed)."""
