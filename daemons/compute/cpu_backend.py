@@ -112,8 +112,8 @@ class CpuBackend(Backend):
         super().__init__(index)
         self.quantized = (kernels or KernelOptions()).cpu_quantized and cpu_kernels.available()
         self.threads = cpu_kernels.set_threads() if self.quantized else 0
-        # KV pages: per chunk, keys and values [L, chunk_pages, Hkv, PAGE_TOKENS, hd] float32
-        # (np.zeros: the memory is the system's only once a page is written)
+        # KV pages: per chunk in use, keys and values [L, chunk_pages, Hkv, PAGE_TOKENS, hd] float32,
+        # views of the pool's mapped arrays (_kv_map: memory only where written)
         self.kv_chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.kv_keys: np.ndarray | None = None  # every chunk's keys, then values: see _kv_map
         self.kv_values: np.ndarray | None = None
@@ -196,10 +196,15 @@ class CpuBackend(Backend):
         return np.frombuffer(region, dtype=np.float32).reshape(shape)
 
     def _kv_free_chunk(self, chunk: int) -> None:
+        """The chunk's memory goes back to the system (its whole memory pages; a page shared with
+        a neighbour chunk stays: a KV page is always written before it is read)."""
         del self.kv_chunks[chunk]
-        chunk_bytes = self.kv_keys[0].nbytes  # a multiple of the system's page (PAGE_TOKENS * hd * 4 is)
-        for region in self.kv_regions:
-            region.madvise(mmap.MADV_DONTNEED, chunk * chunk_bytes, chunk_bytes)  # zero again, memory back
+        chunk_bytes = self.kv_keys[0].nbytes
+        first = -(-chunk * chunk_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (chunk + 1) * chunk_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first:
+            for region in self.kv_regions:
+                region.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def _kv_set_row(self, row: int, pages) -> None:
         self.row_pages[row] = tuple(pages)
