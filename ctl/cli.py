@@ -692,7 +692,8 @@ def chat(
     name: Optional[str] = _client_name_option("the running instance to talk to (default: the default instance "
                                               "if it runs, else this process)"),
     listen: Optional[str] = _listen_option(),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file (default: SmolLM2-135M, pulled on first use)"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or local model name (default: "
+                                        "SmolLM2-135M, pulled on first use)"),
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
     given: dict | None = None,  # --ctx, from @record_options
