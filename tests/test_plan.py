@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ntx.daemons.compute.cpu_kernels import packed_bytes
 from ntx.shared.config import InstanceConfig, parse_size
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
@@ -56,14 +57,16 @@ def test_layers_fill_vram_then_ram_then_storage_in_order(index):
 
 
 def test_each_backend_reports_its_costs(index):
-    """cpu keeps layers, globals and KV pages as float32; cuda its GGUF bytes and f16 KV pages.
+    """cpu keeps its kernels' packed forms (bigger than the GGUF bytes: float32 scales) and float32
+    KV pages; cuda its GGUF bytes and f16 KV pages.
     A plan's KV pool is the floor and what the layers leave, in whole chunks, at most
     KV_POOL_CAP_ROWS full contexts per --max-batch row."""
     hp, layer = index.hparams, index.layers[0]
     sizes = dict(max_seqs=8, max_ctx=1024, prefill_chunk_tokens=512)
     cpu, cuda = memory_costs("cpu", index, **sizes), memory_costs("cuda", index, **sizes)
     assert cuda.layer_bytes[0] == layer.nbytes
-    assert cpu.layer_bytes[0] == sum(t.n_elements * 4 for t in layer.tensors.values()) > 5 * layer.nbytes
+    assert cpu.layer_bytes[0] == sum(packed_bytes(t.ggml_type, *t.shape) if len(t.shape) == 2 else t.n_elements * 4
+                                     for t in layer.tensors.values()) > layer.nbytes
     assert cuda.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 2 and cuda.kv_tokens == 8 * 1024
     assert cpu.kv_bytes_per_token == 2 * hp.n_layers * hp.kv_dim * 4 and cpu.kv_tokens == 8 * 1024
     assert cuda.globals_bytes == index.global_bytes_total and cpu.globals_bytes > cuda.globals_bytes
