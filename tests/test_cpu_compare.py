@@ -142,3 +142,6 @@ def test_side_by_side_with_llama_bench(tiny_model, tmp_path):
     assert llama["llama_bench"]["n_threads"] == 1
     assert res["ratio"] == pytest.approx(ntx["tg_tps"]["mean"] / llama["tg_tps"]["mean"])
     assert f"ntx / llama.cpp decode: {res['ratio']:.2f}x (goal: at least 0.8x" in r.stdout
+    assert res["round_ratios"] == pytest.approx([a / b for a, b in zip(ntx["tg_tps"]["samples"],
+                                                                        llama["tg_tps"]["samples"])])
+    assert "round by round" in r.stdout
