@@ -133,7 +133,7 @@ def test_chat_runs_in_process_and_keeps_its_commands_from_the_model(ntxctl):
     commands, a mistyped command is one line naming them, /clear forgets the conversation (the
     same question then gets the same greedy answer), a message of several lines is one turn, and
     /exit ends the chat (what follows is never read)."""
-    question = "What is the capital of France?"
+    question = "What is the capital of France? Answer with the city name."  # "Paris" with a clear margin
     script = ["/help", "/nosuch", question, "/clear", question, '"""', "Name the capital of France", 'in one word."""',
               "/exit", "never read"]
     r = ntxctl("chat", "--temperature", "0", "--max-tokens", "8", input="\n".join(script) + "\n")

@@ -185,7 +185,7 @@ def test_a_forced_stop_ends_the_text_before_the_error_line(smollm2_path, run_dir
 def test_a_graceful_stop_says_what_it_waits_for(smollm2_path, run_dir):
     """The requests in flight, how many, and that --force cancels them; the request finishes."""
     with running_pipeline(str(smollm2_path), run_dir, name="graceful"):
-        proc, _ = _start_generating("--name", "graceful", "--max-tokens", "40", "--raw", "--temperature", "0",
+        proc, _ = _start_generating("--name", "graceful", "--max-tokens", "200", "--raw", "--temperature", "0",
                                     "Once upon a time")
         try:
             stopped = ntxctl("stop", "--name", "graceful")
@@ -205,7 +205,7 @@ def test_status_reads_as_text_and_names_the_logs(pipeline):
     assert "None" not in r.stdout and "{'" not in r.stdout
     assert f"logs  {InstancePaths('cli').log_dir}\n" in r.stdout
     assert "slots: 2 × 2.12 MiB per side\n" in r.stdout  # every layer resident: no host slots to show
-    assert "kernels pdl=on,pdl-matmul=off\n" in r.stdout  # the instance's --kernels, defaults here
+    assert "kernels pdl=on,pdl-matmul=off,cpu-quantized=on\n" in r.stdout  # the instance's --kernels, defaults here
 
 
 def test_status_figures_are_true_while_compute_works(pipeline):

@@ -148,9 +148,9 @@ def test_plan_only_shows_ring_slots_and_kernels_and_slots_still_works(monkeypatc
             *own_instance("slots"))
     code, out, err = _run(monkeypatch, capsys, *base, "--ring-slots", "3", "--kernels", "pdl-matmul=on")
     assert code == 0 and err == "", err
-    assert "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=on\n" in out
+    assert "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=on,cpu-quantized=on\n" in out
     code, out, err = _run(monkeypatch, capsys, *base, "--slots", "3")
-    assert code == 0 and "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=off\n" in out
+    assert code == 0 and "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=off,cpu-quantized=on\n" in out
     assert err == "ntxctl: warning: --slots is deprecated: use --ring-slots\n"
     assert "--slots" not in CliRunner().invoke(cli.app, ["start", "--help"]).output  # hidden
     code, out, err = _run(monkeypatch, capsys, *base, "--kernels", "pdl=of")
@@ -162,7 +162,7 @@ def test_the_plan_says_when_a_setting_makes_speed_fall(monkeypatch, capsys, smol
     and what it costs a pass; with every layer resident it says nothing of the kind."""
     base = ("start", "--model", str(smollm2_path), "--backend", "cpu", "--plan-only", *own_instance("slower"))
     code, out, err = _run(monkeypatch, capsys, *base)
-    assert code == 0 and "  vram       30 layers" in out and "slower" not in out, out + err
+    assert code == 0 and "  compute memory   30 layers" in out and "slower" not in out, out + err
     code, out, err = _run(monkeypatch, capsys, *base, "--gpu-layers", "10")
     assert code == 0, err
     assert ("\n  slower: --gpu-layers 10 streams 20 layers that fit the budget: 42.28 MiB more to move every pass\n"

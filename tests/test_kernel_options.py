@@ -16,12 +16,13 @@ from ntx.shared.kernel_options import KernelOptions
 def test_defaults_and_empty_text():
     assert KernelOptions.parse("") == KernelOptions() == KernelOptions(pdl=True, pdl_matmul=False)
     assert KernelOptions.parse(" , ") == KernelOptions()
-    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off"
+    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off,cpu-quantized=on"
 
 
 @pytest.mark.parametrize("text,want", [
     ("pdl=off", KernelOptions(pdl=False)),
     ("pdl-matmul=on", KernelOptions(pdl_matmul=True)),
+    ("cpu-quantized=off", KernelOptions(cpu_quantized=False)),
     ("pdl_matmul=ON, pdl=0", KernelOptions(pdl=False, pdl_matmul=True)),
     ("pdl=true,pdl=no", KernelOptions(pdl=False)),  # the last one wins
 ])
@@ -35,7 +36,7 @@ def test_describe_round_trips(opts):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul)"),
+    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized)"),
     ("pdl=maybe", "pdl=maybe must be pdl=on or pdl=off"),
     ("pdl", "pdl= must be pdl=on or pdl=off"),
 ])
