@@ -97,6 +97,7 @@ def _client_name_option(help_text: str = "the running instance to talk to (defau
 
 
 PROBE_S = 5.0  # how long a running instance (or --listen's address) may take to answer status
+HANDSHAKE_WAIT_S = 15.0  # more, where a listener took the connection but its handshake is not done
 
 
 def _not_running(name: str) -> str:
@@ -135,7 +136,14 @@ def _reach_pipeline(name: str | None, listen: str | None) -> tuple[str, str] | N
     whose = f"instance {name!r}" if name and not listen else "the pipeline"
     try:
         with Client(address) as c:
-            return address, c.status(timeout_s=PROBE_S).get("model", "")
+            try:
+                return address, c.status(timeout_s=PROBE_S).get("model", "")
+            except ClientError as e:
+                if e.code == "auth_refused" or not c.listener_found:
+                    raise
+                # something listens but has not finished the handshake: a CURVE server's refusal
+                # of a client without keys was seen to take up to 10 s
+                return address, c.status(timeout_s=HANDSHAKE_WAIT_S).get("model", "")
     except zmq.ZMQError as e:
         _fail(f"--listen {address!r}: not an address ZeroMQ can connect to ({e}); example: tcp://127.0.0.1:5555")
     except ClientError as e:

@@ -81,9 +81,11 @@ class Client:
         # the replies, and the heartbeat would cut it off (docs/PROTOCOL.md: TCP keepalive finds a vanished peer).
         # Only a connection that completed its handshake can be lost: a refused CURVE key is said
         # as such, and a server not up yet is simply retried (libzmq reconnects).
-        self._lost = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self._lost = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                                  | zmq.EVENT_HANDSHAKE_SUCCEEDED
                                                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self.listener_found = False  # a TCP connection was made (something listens there)
         self._connected = False  # a handshake completed
         self._gone = False  # and that connection dropped since
         self._curve = bool(server_key)  # this client offers CURVE (else ZeroMQ's NULL mechanism)
@@ -162,7 +164,9 @@ class Client:
         while self._lost.poll(0):
             message = recv_monitor_message(self._lost)
             event, event_value = message["event"], message["value"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event == zmq.EVENT_CONNECTED:
+                self.listener_found = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise ClientError("auth_refused", f"{self.address} refused this client's CURVE key: give the key "
