@@ -285,7 +285,7 @@ class CpuBackend(Backend):
             return super().norm_matmuls(x, w, h, products, delta)
         qx = ws.h_q8
         cpu_ops.add_norm_quantize(x, x if delta is None else delta, delta is not None, w, self.hp.rms_eps, h,
-                                  True, qx.xq, qx.xd, qx.xs)
+                                  qx.xq, qx.xd, qx.xs)
         self._products(qx, products)
 
     def swiglu_matmul_add(self, gate, up, act, w, out, tmp):
@@ -293,7 +293,7 @@ class CpuBackend(Backend):
         if not self.quantized or act is not getattr(ws, "act", None):
             return super().swiglu_matmul_add(gate, up, act, w, out, tmp)
         qx = ws.act_q8
-        cpu_ops.swiglu_quantize(gate, up, act, True, qx.xq, qx.xd, qx.xs)
+        cpu_ops.swiglu_quantize(gate, up, act, qx.xq, qx.xd, qx.xs)
         self._products(qx, ((w, tmp),))
         np.add(out, tmp, out=out)
         return out

@@ -24,9 +24,9 @@ if numba is not None:
     _JIT = dict(nogil=True, fastmath=_FAST, cache=True, boundscheck=False, error_model="numpy")
 
     @njit(**_JIT)
-    def add_norm_quantize(x, delta, has_delta, w, eps, h, quantize, xq, xd, xs):  # pragma: no cover - compiled
+    def add_norm_quantize(x, delta, has_delta, w, eps, h, xq, xd, xs):  # pragma: no cover - compiled
         # x: [T, D] (x += delta first when has_delta); h = x / sqrt(mean(x^2) + eps) * w: [T, D];
-        # with quantize: h rounded to int8 per 32 values -> xq [T, D], xd/xs [T, D/32]
+        # then h rounded to int8 per 32 values -> xq [T, D], xd/xs [T, D/32]
         T, D = x.shape
         for t in range(T):
             ss = np.float32(0.0)
@@ -37,19 +37,17 @@ if numba is not None:
             r = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
             for i in range(D):
                 h[t, i] = x[t, i] * r * w[i]
-        if quantize:
-            cpu_kernels.round_rows(h, xq, xd, xs)
+        cpu_kernels.round_rows(h, xq, xd, xs)
 
     @njit(**_JIT)
-    def swiglu_quantize(gate, up, act, quantize, xq, xd, xs):  # pragma: no cover - compiled
-        # act = silu(gate) * up: [T, F]; with quantize: act rounded to int8 as above
+    def swiglu_quantize(gate, up, act, xq, xd, xs):  # pragma: no cover - compiled
+        # act = silu(gate) * up: [T, F], then rounded to int8 as above
         T, F = gate.shape
         for t in range(T):
             for i in range(F):
                 g = gate[t, i]
                 act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * up[t, i]
-        if quantize:
-            cpu_kernels.round_rows(act, xq, xd, xs)
+        cpu_kernels.round_rows(act, xq, xd, xs)
 
     @njit(**_JIT)
     def rope(x, positions, inv_freq, n_heads, head_dim):  # pragma: no cover - compiled
@@ -167,8 +165,8 @@ def compile_all(head_dim: int = 64) -> None:
     h = np.ones((T, K), np.float32)
     qx = ck.QuantizedActivations(h, quantize=False)
     for delta in (True, False):
-        add_norm_quantize(h, h, delta, np.ones(K, np.float32), 1e-5, h, delta, qx.xq, qx.xd, qx.xs)
-    swiglu_quantize(h, h, h, True, qx.xq, qx.xd, qx.xs)
+        add_norm_quantize(h, h, delta, np.ones(K, np.float32), 1e-5, h, qx.xq, qx.xd, qx.xs)
+    swiglu_quantize(h, h, h, qx.xq, qx.xd, qx.xs)
     inv_freq = np.ones(head_dim // 2, np.float64)
     rope(np.ones((T, 2 * head_dim), np.float32), np.zeros(T, np.int32), inv_freq, 2, head_dim)
     keys, values = (np.zeros((1, 1, 2, 1, 32, head_dim), np.float32) for _ in range(2))
