@@ -57,7 +57,7 @@ def _logits_both(model: str, prompt: list[int], decode_steps: int):
     """Logits of a prefill (all positions) and of decode steps, on cpu and cuda."""
     outs = []
     for backend in ("cpu", "cuda"):
-        eng = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256))
+        eng = build_local_engine(model, backend=backend, options=_options(backend, ctx=256))
         m = eng.core.model
         m.backend.alloc_sequence(0, 256)
         pre = m.forward(StepBatch([SeqChunk(0, 0, tuple(prompt), all_logits=True)]))
@@ -71,8 +71,15 @@ def _logits_both(model: str, prompt: list[int], decode_steps: int):
     return outs
 
 
+def _options(backend: str, ctx: int) -> EngineOptions:
+    """The engine options of a comparison: on cpu the float32 numpy reference (``cpu-quantized=off``),
+    which these tests hold the cuda backend to (the cpu backend's own int8 kernels are held to it
+    in tests/test_cpu_kernels.py)."""
+    return EngineOptions(max_batch=4, ctx=ctx, kernels="cpu-quantized=off" if backend == "cpu" else "")
+
+
 def _greedy(model: str, backend: str, prompt_ids: list[int], n: int, **kw) -> list[int]:
-    eng = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=512), **kw)
+    eng = build_local_engine(model, backend=backend, options=_options(backend, ctx=512), **kw)
     eng.submit(EngineRequest("g", list(prompt_ids), SamplingParams(temperature=0.0, max_tokens=n)))
     while eng.has_work:
         for ev in eng.step():
@@ -238,7 +245,7 @@ def test_tree_verify_logits_match_cpu(synth_dir):
     model = _synth(synth_dir, "Q8_0")
     outs = []
     for backend in ("cpu", "cuda"):
-        m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).core.model
+        m = build_local_engine(model, backend=backend, options=_options(backend, ctx=256)).core.model
         for sid in range(3):
             m.backend.alloc_sequence(sid, 256)
         m.forward(StepBatch([SeqChunk(0, 0, PROMPT), SeqChunk(1, 0, PROMPT[:4]), SeqChunk(2, 0, PROMPT[2:])]))
@@ -258,7 +265,7 @@ def test_kv_keep_path_decodes_as_the_plain_path(synth_dir, backend):
     logits of a sequence that was fed that path as a plain chunk: the kept keys and values are
     the path's, in its order, in every layer."""
     model = _synth(synth_dir, "Q8_0")
-    m = build_local_engine(model, backend=backend, options=EngineOptions(max_batch=4, ctx=256)).core.model
+    m = build_local_engine(model, backend=backend, options=_options(backend, ctx=256)).core.model
     n = len(PROMPT)
     path_tokens = tuple(TREE_TOKENS[r] for r in TREE_PATH)
     for sid in (0, 1):
