@@ -44,7 +44,7 @@ from ntx.daemons.compute.replay import write_references
 from ntx.shared.config import EngineOptions, InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
-from ntx.shared.plan import RAM, SKIPPED, STORAGE, VRAM, layer_ranges
+from ntx.shared.plan import CPU, RAM, SKIPPED, STORAGE, VRAM, layer_ranges
 from ntx.shared.stats import bottleneck, combine, summarize
 
 GB = 1e9
@@ -70,9 +70,10 @@ def measure_copy_limits(backend: str, nbytes: int = 1 << 30) -> dict[str, float]
         return out
     import cupy as cp
 
-    from ntx.daemons.compute.probes import device_copy_gbps
+    from ntx.daemons.compute.probes import device_copy_gbps, host_read_gbps
     from ntx.shared.shm import ShmSegment
 
+    out["host_read_gbps"] = host_read_gbps(nbytes, 3, len(os.sched_getaffinity(0)))  # the cpu tier's road
     dev = cp.empty(nbytes, dtype=cp.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
 
@@ -204,7 +205,8 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     last = int(after.get("stages", {}).get("compute", {}).get("n_passes", 0))
     stages = _decode_passes(after, first, last)
     return {
-        "label": label, "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE, SKIPPED)},
+        "label": label, "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, CPU, RAM, STORAGE, SKIPPED)},
+        "cpu_bytes_per_pass": plan.cpu_layer_bytes, "cpu_tier": after.get("stages", {}).get("compute", {}).get("cpu_tier"),
         "skipped_layers": plan.layers_on(SKIPPED), "skipped_bytes_per_pass": plan.skipped_layer_bytes,
         "streamed_bytes_per_pass": plan.streamed_bytes_per_pass, "ram_bytes_per_pass": plan.ram_layer_bytes,
         "storage_bytes_per_pass": plan.storage_layer_bytes, "start_s": round(start_s, 2),
@@ -691,12 +693,17 @@ def chart(report: dict, path: Path) -> str | None:
 
 
 def limit_tokens_per_s(s: dict, limits: dict, batch: int) -> float | None:
-    """What the link or disk allows: batch / (streamed bytes per pass / bandwidth)."""
+    """What the link or disk allows: batch / (streamed bytes per pass / bandwidth). With a cpu
+    tier the two roads together: the bytes not resident over the link's and the host's read
+    bandwidth summed (what the best split of them between the roads would reach)."""
     h2d = _link_gbps(limits)
     t = 0.0
     if s.get("storage_bytes_per_pass") and limits.get("disk_read_gbps"):
         t = max(t, s["storage_bytes_per_pass"] / (limits["disk_read_gbps"] * GB))
-    if s.get("streamed_bytes_per_pass") and h2d:
+    if s.get("cpu_bytes_per_pass") and h2d and limits.get("host_read_gbps"):
+        t = max(t, (s["cpu_bytes_per_pass"] + s.get("streamed_bytes_per_pass", 0))
+                / ((h2d + limits["host_read_gbps"]) * GB))
+    elif s.get("streamed_bytes_per_pass") and h2d:
         t = max(t, s["streamed_bytes_per_pass"] / (h2d * GB))
     return batch / t if t > 0 else None
 
@@ -845,8 +852,16 @@ def _line(r: dict) -> str:
     if r.get("skipped_layers"):
         s += (f"; {len(r['skipped_layers'])} layers skipped ({layer_ranges(r['skipped_layers'])}), "
               f"{format_bytes(r['skipped_bytes_per_pass'])} per pass never read nor copied")
+    if r.get("cpu_bytes_per_pass"):
+        tiers = r.get("plan_tiers", {})
+        s += (f"; cpu tier {tiers.get(CPU, '?')} layers ({format_bytes(r['cpu_bytes_per_pass'])} a pass on the host) "
+              f"beside {tiers.get(RAM, 0) + tiers.get(STORAGE, 0)} streamed ({format_bytes(r['streamed_bytes_per_pass'])})")
+        if r.get("cpu_tier"):
+            s += f", host {r['cpu_tier']['busy_gbps']:.1f} GB/s while busy"
     if r.get("limit_tokens_per_s"):
         s += f"; limit {r['limit_tokens_per_s']:.3f} tok/s ({100 * r['ratio_to_limit']:.1f}%)"
+        if r.get("cpu_bytes_per_pass"):
+            s += " (link + host read bandwidth)"
     if r.get("share_of_copy_bw") is not None:
         s += f"; weights {r['weight_gbps']:.0f} GB/s = {100 * r['share_of_copy_bw']:.1f}% of copy bandwidth"
     for name, st in r.get("stages", {}).items():

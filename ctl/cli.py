@@ -796,7 +796,7 @@ def _launch(foreground: bool, given: dict[str, Any], *, plan_only: bool, api_key
         _check_listen_free(cfg.listen)
     _refuse_ctx_beyond_training(cfg.ctx, index.hparams.n_ctx_train)
     cfg = cfg.for_model(index.hparams.n_ctx_train)
-    plan = plan_for(index, cfg)
+    plan = plan_for(index, cfg, log=lambda line: typer.echo(f"  {line}", err=True))
     typer.echo(f"model {index.name} ({index.file_type}, {index.hparams.n_layers} layers) on {cfg.backend}")
     for line in plan.describe():
         typer.echo(f"  {line}")
@@ -1031,7 +1031,7 @@ def _duration(seconds: float) -> str:
 
 
 @app.command()
-@record_options("backend", "vram_budget", "ram_budget", "gpu_layers", "placement", "skip_layers", "kernels", help={
+@record_options("backend", "vram_budget", "ram_budget", "gpu_layers", "cpu_layers", "placement", "skip_layers", "kernels", help={
     "vram_budget": "for (a), (b), (c): e.g. 24GiB", "ram_budget": "for (a); (b) uses 0",
     "skip_layers": "skip: (a) without these layers: a list, a calibrate profile, or PROFILE:N"})
 def bench(

@@ -99,7 +99,17 @@ def render_status(st: dict[str, Any], renderable: bool = False):
         stages.add_row(name + mark, s.get("state", ""), str(t.get("n_passes", "all")), _pct(t["busy_share"]),
                        _pct(t["starved_share"]), _pct(t["blocked_share"]),
                        f"{t['busy_gbps']:.2f}", f"{t['active_gbps']:.2f}", f"{limit:.2f}" if limit else "")
-    legend = Text("  GB/s: while busy · avg: over active time · limit: link speed dma measured\n", style="dim")
+    tier = (st["stages"].get("compute") or {}).get("cpu_tier")
+    if tier:  # the cpu tier's layers run inside compute's passes: its share is of compute's busy time
+        compute_busy_s = st["stages"]["compute"]["total"]["busy"]
+        stages.add_row("  cpu tier", f"{tier['layers']} layers", "", _pct(tier["busy_s"] / compute_busy_s if compute_busy_s
+                                                                        else 0.0),
+                       "", "", f"{tier['busy_gbps']:.2f}", "", "")
+        passes.append(f"  cpu tier: {tier['recent_pass_s'] * 1e3:.1f} ms of each recent pass on {tier['threads']} host "
+                      f"threads, {format_bytes(tier['bytes_per_pass'])} of weights read in place\n")
+    legend = Text("  GB/s: while busy · avg: over active time · limit: link speed dma measured"
+                  + (" · cpu tier: its share of compute's busy time, GB/s of weights the host's cores read"
+                     if tier else "") + "\n", style="dim")
 
     tail = Text()
     if st.get("bottleneck"):

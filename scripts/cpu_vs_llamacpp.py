@@ -136,26 +136,6 @@ def host_info() -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "mem_bytes": mem_bytes, "load_avg_1m_before": os.getloadavg()[0]}
 
 
-def host_read_gbps(nbytes: int, repeats: int, threads: int) -> float:
-    """GB/s (1e9 bytes read) of summing an ``nbytes`` float64 array, split into one slice per
-    thread (numpy releases the GIL in the sum), best of ``repeats`` after one untimed pass. What
-    a decode step that reads every weight once could at best reach on this host."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
-    a = np.ones(nbytes // 8, dtype=np.float64)
-    parts = np.array_split(a, threads)
-    best_s = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.sum, parts))
-        for _ in range(repeats):
-            t = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            best_s = min(best_s, time.perf_counter() - t)
-    return a.nbytes / best_s / 1e9
-
-
 def bytes_per_token(index) -> int:
     """Weight bytes one decode step reads: every layer, and the output head (the embedding matrix
     when the head is tied to it). The embedding row of the input token is left out (kilobytes)."""
@@ -387,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"measuring the memory read bandwidth ({args.bw_mib} MiB, {args.threads} thread{'s' * (args.threads > 1)})",
           file=sys.stderr, flush=True)
+    from ntx.daemons.compute.probes import host_read_gbps
+
     bw_gbps = [host_read_gbps(args.bw_mib << 20, args.bw_repeats, args.threads)]
 
     print("loading ntx's engine", file=sys.stderr, flush=True)

@@ -324,6 +324,10 @@ class InstanceConfig(EngineOptions):
     gpu_layers: int | None = _option(None, "at most this many resident layers; all (or -1, as llama.cpp's -ngl): "
                                      "every layer that fits the budget", read="layer_count",
                                      cli_default="all")  # like llama.cpp's -ngl; None: no cap
+    cpu_layers: int | None = _option(None, "layers kept in host RAM and computed by the host's cores beside the "
+                                     "streamed ones (the cpu tier): a number, or auto (cuda: split by the link's and "
+                                     "the host's speeds measured at start; cpu: none)", read="auto_or_count",
+                                     cli_default="auto")  # None: auto
     placement: str = _option("spread", "where resident layers sit when not all fit: spread (evenly over the model, "
                              "so streamed copies overlap resident compute) or first")
     io: str = _option("auto", "storage reads: auto, direct, buffered or mmap")
@@ -365,6 +369,8 @@ class InstanceConfig(EngineOptions):
             raise ConfigError(f"--ring-slots {self.ring_slots}: need between {MIN_RING_SLOTS} and {MAX_RING_SLOTS} slots")
         if self.gpu_layers is not None and self.gpu_layers < 0:
             raise ConfigError(f"--gpu-layers {self.gpu_layers}: must be 0 or more")
+        if self.cpu_layers is not None and self.cpu_layers < 0:
+            raise ConfigError(f"--cpu-layers {self.cpu_layers}: must be 0 or more, or auto")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"--placement {self.placement!r}: choose {' or '.join(PLACEMENTS)}")
         if self.io not in IO_MODES:

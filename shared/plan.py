@@ -5,7 +5,10 @@ and — only when something streams — the device slots; then as many layers as
 stay resident, spread evenly over the model (``--placement spread``: a streamed layer's copy then
 overlaps a resident layer's compute) or the first ones (``first``); the rest fills the RAM budget
 (less the host staging slots, when something is left for storage), and whatever remains streams
-from storage on every pass. Layers the user skips
+from storage on every pass. Of the layers that do not fit, some may stay in host RAM and be
+computed by the host's cores (the ``cpu`` tier, ``--cpu-layers``; daemons/compute/host_tier.py):
+the link streams the others meanwhile, and ``_cpu_split`` sizes the two shares from the
+speeds measured at start (``HostRates``) so that both roads take about as long a pass. Layers the user skips
 (``--skip-layers``: a calibrate profile's most input-like layers) take no tier at all: they
 cost no memory, are never read nor copied, and the layers after them move up.
 
@@ -28,8 +31,8 @@ from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kv_sizing import FLOOR_TOKENS, PAGE_TOKENS, chunk_pages_for, pages_for_positions
 
-VRAM, RAM, STORAGE, SKIPPED = "vram", "ram", "storage", "skipped"
-TIER_LABELS = {RAM: "pinned RAM", STORAGE: "storage", SKIPPED: "skipped"}  # the resident tier's: Plan.memory_name
+VRAM, CPU, RAM, STORAGE, SKIPPED = "vram", "cpu", "ram", "storage", "skipped"
+TIER_LABELS = {CPU: "host CPU", RAM: "pinned RAM", STORAGE: "storage", SKIPPED: "skipped"}  # the resident tier's: Plan.memory_name
 DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
 RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
 KV_POOL_CAP_ROWS = 2  # the KV pool holds at most this many full contexts per --max-batch row (the rest: the prefix cache's)
@@ -58,8 +61,43 @@ class MemoryCosts:
 
 
 @dataclass(frozen=True)
+class HostRates:
+    """The two roads' speeds, as the cpu tier's split needs them: ``link_gbps`` the host-to-device
+    link (what a streamed layer's copy runs at), ``cpu_gbps`` the file bytes of a layer the host's
+    cores compute per second in a one-row pass (decode at batch 1). ``how``: where they came from,
+    for the plan's line."""
+
+    link_gbps: float
+    cpu_gbps: float
+    how: str = "measured at start"
+
+
+def cpu_split(layer_bytes: list[int], rates: HostRates) -> int:
+    """How many of the candidate layers (``layer_bytes`` each, taken evenly spread as
+    ``spread_pick`` does) go to the cpu tier so that a pass's slower road is fastest: the count
+    that minimises max(cpu bytes / cpu_gbps, streamed bytes / link_gbps); ties to fewer."""
+    n = len(layer_bytes)
+    best_n, best_s = 0, float("inf")
+    for count in range(n + 1):
+        picked = set(spread_pick(list(range(n)), count))
+        cpu = sum(b for i, b in enumerate(layer_bytes) if i in picked)
+        t_s = max(cpu / (rates.cpu_gbps * 1e9), (sum(layer_bytes) - cpu) / (rates.link_gbps * 1e9))
+        if t_s < best_s * (1 - 1e-9):
+            best_n, best_s = count, t_s
+    return best_n
+
+
+def spread_pick(items: list[int], count: int) -> list[int]:
+    """``count`` of ``items`` spaced evenly (one in each of ``count`` equal stretches)."""
+    count = min(count, len(items))
+    if count <= 0:
+        return []
+    return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(count)]
+
+
+@dataclass(frozen=True)
 class Plan:
-    tiers: tuple[str, ...]  # per layer: vram | ram | storage | skipped
+    tiers: tuple[str, ...]  # per layer: vram | cpu | ram | storage | skipped
     backend: str
     memory_name: str  # where "vram" layers live: VRAM on cuda, compute's own memory on cpu
     n_slots: int
@@ -92,6 +130,13 @@ class Plan:
     kv_floor_tokens: int = 0
     # what makes layers stream, setting by setting, with its cost a pass (make_plan's _speed_notes)
     speed_notes: tuple[str, ...] = ()
+    # the cpu tier: its layers' bytes in the file (what a pass reads on the host) and as held in
+    # host RAM (the cpu kernels' forms), and the speeds its share was sized by (0: none given)
+    cpu_layer_bytes: int = 0
+    cpu_held_bytes: int = 0
+    link_gbps: float = 0.0
+    cpu_gbps: float = 0.0
+    rates_how: str = ""
 
     @property
     def kv_floor_bytes(self) -> int:
@@ -136,10 +181,15 @@ class Plan:
         return self.memory_name if tier == VRAM else TIER_LABELS[tier]
 
     def tier_rows(self) -> list[dict]:
-        """The resident, pinned-RAM and storage tiers, one row each: the tier's key, its label,
-        how many layers and which, their bytes (``describe``'s first lines; the status page's table)."""
+        """The resident, host CPU (when it holds layers), pinned-RAM and storage tiers, one row
+        each: the tier's key, its label, how many layers and which, their bytes in the file
+        (``describe``'s first lines; the status page's table)."""
         rows = []
-        for tier, layer_bytes in ((VRAM, self.vram_layer_bytes), (RAM, self.ram_layer_bytes), (STORAGE, self.storage_layer_bytes)):
+        tiers = ((VRAM, self.vram_layer_bytes), (CPU, self.cpu_layer_bytes), (RAM, self.ram_layer_bytes),
+                 (STORAGE, self.storage_layer_bytes))
+        for tier, layer_bytes in tiers:
+            if tier == CPU and not self.layers_on(CPU):
+                continue
             layers = self.layers_on(tier)
             rows.append({"tier": tier, "label": self.tier_label(tier), "layers": len(layers), "which": _brief(layers),
                          "bytes": layer_bytes})
@@ -163,6 +213,7 @@ class Plan:
             f"pinned RAM: host slots {format_bytes(self.host_slot_bytes_total)}; budget {format_bytes(self.ram_budget)}; "
             f"{self.n_slots} slots of {format_bytes(self.slot_bytes)}"
         )
+        lines.extend(self.describe_cpu())
         if self.standby_layers:
             lines.append(f"{'standby':{w}s} {len(self.standby_layers):4d} layers {_brief(sorted(self.standby_layers)):>14s}  "
                          f"{format_bytes(self.standby_bytes):>11s}  resident, also in pinned RAM: demoted to streamed "
@@ -176,6 +227,27 @@ class Plan:
         lines.extend(f"slower: {note}" for note in self.speed_notes)
         return lines
 
+
+    def describe_cpu(self) -> list[str]:
+        """The cpu tier's lines: what it holds in host RAM and, with the speeds it was sized by,
+        each road's time a one-row pass (decode at batch 1)."""
+        if not self.layers_on(CPU):
+            if self.link_gbps and self.cpu_gbps:
+                return [f"host CPU: no layer ({self.rates_how}: link {self.link_gbps:.1f} GB/s, host cores "
+                        f"{self.cpu_gbps:.1f} GB/s of weights; streaming alone is as fast)"]
+            return []
+        lines = [f"host CPU: {len(self.layers_on(CPU))} layers held in host RAM as "
+                 f"{format_bytes(self.cpu_held_bytes)} (inside the RAM budget), computed by the host's cores; only "
+                 "the hidden state crosses the link"]
+        if self.link_gbps and self.cpu_gbps:
+            cpu_ms = self.cpu_layer_bytes / (self.cpu_gbps * 1e9) * 1e3
+            link_ms = self.streamed_bytes_per_pass / (self.link_gbps * 1e9) * 1e3
+            lines.append(f"  a one-row pass: host cores {cpu_ms:.0f} ms ({format_bytes(self.cpu_layer_bytes)} at "
+                         f"{self.cpu_gbps:.1f} GB/s) beside the link {link_ms:.0f} ms "
+                         f"({format_bytes(self.streamed_bytes_per_pass)} at {self.link_gbps:.1f} GB/s); "
+                         f"{self.rates_how}. Wide passes (long prompts, large batches) compute these layers at "
+                         "the host's arithmetic speed, slower than a GPU's")
+        return lines
 
     def describe_kv(self) -> list[str]:
         """The KV cache's lines: the pool at the start, its floor, how far it grows and what
@@ -257,7 +329,7 @@ def _resident_layers(kept: list[int], max_count: int, layer_costs: tuple[int, ..
     if placement == "first" or count == 0:
         return kept[:count]
     while True:  # layers differ a little in size (mixed quant types): fewer if the spread set is larger
-        chosen = [kept[(2 * j + 1) * len(kept) // (2 * count)] for j in range(count)]
+        chosen = spread_pick(kept, count)
         if sum(layer_costs[i] for i in chosen) <= avail_bytes or count == 1:
             return chosen if sum(layer_costs[i] for i in chosen) <= avail_bytes else []
         count -= 1
@@ -325,9 +397,14 @@ def demotion_order(resident: list[int]) -> list[int]:
     return order
 
 
-def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft: MemoryCosts | None = None) -> Plan:
+def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft: MemoryCosts | None = None,
+              rates: HostRates | None = None, host_layer_bytes: tuple[int, ...] | None = None) -> Plan:
     """Place every layer of ``index`` on a tier under ``cfg``'s budgets, with the memory the
     backend says it needs (``costs``) and, first, a draft model's whole footprint (``draft``).
+    Of the layers left off the resident tier, ``cfg.cpu_layers`` (auto: ``cpu_split`` by
+    ``rates``, on cuda only; none without rates) go to the cpu tier, spread among them, each
+    holding ``host_layer_bytes`` of host RAM (the cpu kernels' forms; default its file bytes)
+    out of the RAM budget.
     ``cfg.skip_layers`` are placed nowhere (tier ``skipped``); the cap ``cfg.gpu_layers``
     counts the layers that run; ``cfg.placement`` says where the resident ones sit
     (``_resident_layers``). ``cfg`` is validated (``InstanceConfig.validate``); the rules here
@@ -395,14 +472,22 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     avail -= device_slots_total
 
     rest = [i for i in kept if tiers[i] != VRAM]
+    cpu_layers, cpu_held = _cpu_layers(index, cfg, rest, rates, host_layer_bytes, ram_budget)
+    for i in cpu_layers:
+        tiers[i] = CPU
+    if device_slots_total and all(tiers[i] in (VRAM, CPU) for i in kept):  # nothing streams after all
+        avail += device_slots_total
+        device_slots_total = 0
+    rest = [i for i in rest if tiers[i] != CPU]
+    layers_ram_budget = ram_budget - cpu_held  # what pinned copies and host slots may take
     host_slots_total = 0
     rest_bytes = sum(index.layers[i].image_bytes for i in rest)
-    if rest_bytes <= ram_budget:
+    if rest_bytes <= layers_ram_budget:
         for i in rest:
             tiers[i] = RAM
     else:
         host_slots_total = cfg.ring_slots * slot_bytes
-        ram_avail = ram_budget - host_slots_total
+        ram_avail = layers_ram_budget - host_slots_total
         used = 0
         for i in rest:
             if used + index.layers[i].image_bytes > ram_avail:
@@ -415,7 +500,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     standby_bytes = 0
     if any(tiers[i] in (RAM, STORAGE) for i in kept):  # only where dma runs: it holds the copies
         for i in demotion_order([i for i in kept if tiers[i] == VRAM]):
-            if ram_used + standby_bytes + index.layers[i].image_bytes > ram_budget:
+            if ram_used + standby_bytes + index.layers[i].image_bytes > layers_ram_budget:
                 break
             standby.append(i)
             standby_bytes += index.layers[i].image_bytes
@@ -444,4 +529,30 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         skipped_layer_bytes=total(SKIPPED), standby_layers=tuple(standby), standby_bytes=standby_bytes,
         ctx=ctx, kv_page_bytes=page_bytes, kv_chunk_pages=chunk_pages, kv_chunks=kv_chunks, kv_max_chunks=kv_max_chunks,
         kv_floor_tokens=floor_tokens, speed_notes=tuple(speed_notes),
+        cpu_layer_bytes=total(CPU), cpu_held_bytes=cpu_held,
+        link_gbps=rates.link_gbps if rates else 0.0, cpu_gbps=rates.cpu_gbps if rates else 0.0,
+        rates_how=rates.how if rates else "",
     )
+
+
+def _cpu_layers(index: ModelIndex, cfg: InstanceConfig, rest: list[int], rates: HostRates | None,
+                host_layer_bytes: tuple[int, ...] | None, ram_budget: int) -> tuple[list[int], int]:
+    """The cpu tier's layers among ``rest`` (those not resident) and the host RAM they hold:
+    ``cfg.cpu_layers`` of them, or (auto) ``cpu_split``'s count by ``rates`` on cuda, spread
+    evenly among ``rest`` so that they alternate with streamed ones. Auto holds fewer where the
+    RAM budget would not hold them; a count the user gave that does not fit is an error."""
+    held = host_layer_bytes or tuple(layer.nbytes for layer in index.layers)
+    if cfg.cpu_layers is not None:
+        count = min(cfg.cpu_layers, len(rest))
+    elif rates is not None and cfg.backend == "cuda" and rest:
+        count = cpu_split([index.layers[i].nbytes for i in rest], rates)
+    else:
+        count = 0
+    chosen = spread_pick(rest, count)
+    if cfg.cpu_layers is not None and sum(held[i] for i in chosen) > ram_budget:
+        raise ConfigError(f"--cpu-layers {cfg.cpu_layers}: those layers take {format_bytes(sum(held[i] for i in chosen))} "
+                          f"of host RAM and --ram-budget is {format_bytes(ram_budget)}: fewer layers, or a larger budget")
+    while chosen and sum(held[i] for i in chosen) > ram_budget:
+        count -= 1
+        chosen = spread_pick(rest, count)
+    return chosen, sum(held[i] for i in chosen)

@@ -32,10 +32,10 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     assert rep["limits"]["host_copy_gbps"] > 0 and rep["limits"]["disk_read_gbps"] > 0
     by = {s["label"]: s for s in rep["scenarios"]}
     assert set(by) == {"a", "b", "c", "check", "skip"}
-    assert by["a"]["plan_tiers"] == {"vram": 1, "ram": 3, "storage": 0, "skipped": 0}
-    assert by["b"]["plan_tiers"] == {"vram": 1, "ram": 0, "storage": 3, "skipped": 0}
+    assert by["a"]["plan_tiers"] == {"vram": 1, "cpu": 0, "ram": 3, "storage": 0, "skipped": 0}
+    assert by["b"]["plan_tiers"] == {"vram": 1, "cpu": 0, "ram": 0, "storage": 3, "skipped": 0}
     # (skip): (a) without layer 2, whose bytes no pass moves any more
-    assert by["skip"]["plan_tiers"] == {"vram": 1, "ram": 2, "storage": 0, "skipped": 1}
+    assert by["skip"]["plan_tiers"] == {"vram": 1, "cpu": 0, "ram": 2, "storage": 0, "skipped": 1}
     assert by["skip"]["skipped_layers"] == [2]
     assert by["skip"]["streamed_bytes_per_pass"] == by["a"]["streamed_bytes_per_pass"] - by["skip"]["skipped_bytes_per_pass"]
     assert rep["skip_over_a"] > 0 and "(skip)/(a)" in r.stdout and "never read nor copied" in r.stdout

@@ -34,7 +34,7 @@ from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex, open_model
 from ntx.shared.config import InstanceConfig
 from ntx.shared.errors import NtxError
 from ntx.shared.kernel_options import KernelOptions
-from ntx.shared.plan import MemoryCosts, Plan, make_plan
+from ntx.shared.plan import HostRates, MemoryCosts, Plan, make_plan
 
 MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the whole row is copied
 
@@ -234,8 +234,36 @@ class Backend(ABC):
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.seq_row: dict[int, int] = {}  # sequence id -> its page-table row
         self.seq_pages: dict[int, SeqPages] = {}
+        self.kv_mirrors: list[Backend] = []  # backends holding other layers' K/V in the same pages
         for _ in range(sizing.n_chunks):
             self.grow_kv()
+
+    def attach_kv_mirror(self, mirror: Backend) -> None:
+        """``mirror`` keeps the K/V of some layers (the plan's cpu tier: ``host_tier.py``) in
+        pages of its own memory, numbered as this backend's: it shares this backend's sequence
+        rows and page accounting, and from now on allocates, frees and maps pages as this one
+        does (``_kv_alloc_chunk``, ``_kv_free_chunk``, ``_kv_set_row``)."""
+        mirror.max_seqs, mirror.max_pages, mirror.kv_sizing = self.max_seqs, self.max_pages, self.kv_sizing
+        mirror.kv_pool, mirror.free_rows, mirror.seq_row, mirror.seq_pages = (self.kv_pool, self.free_rows,
+                                                                              self.seq_row, self.seq_pages)
+        mirror.kv_mirrors = []
+        for chunk in self.kv_pool.chunk_ids():
+            mirror._kv_alloc_chunk(chunk)
+        for seq_id, row in self.seq_row.items():
+            mirror._kv_set_row(row, self.seq_pages[seq_id].page_ids)
+        self.kv_mirrors.append(mirror)
+
+    def _chunk_added(self, chunk: int) -> None:
+        for b in (self, *self.kv_mirrors):
+            b._kv_alloc_chunk(chunk)
+
+    def _chunk_freed(self, chunk: int) -> None:
+        for b in (self, *self.kv_mirrors):
+            b._kv_free_chunk(chunk)
+
+    def _row_set(self, row: int, pages: Sequence[int]) -> None:
+        for b in (self, *self.kv_mirrors):
+            b._kv_set_row(row, pages)
 
     @abstractmethod
     def _kv_alloc_chunk(self, chunk: int) -> None:
@@ -261,7 +289,7 @@ class Backend(ABC):
         if not self.kv_can_grow:
             raise ValueError(f"the KV pool holds its most chunks already ({self.kv_sizing.max_chunks})")
         chunk = self.kv_pool.add_chunk()
-        self._kv_alloc_chunk(chunk)
+        self._chunk_added(chunk)
         return chunk
 
     def shrink_kv(self) -> int | None:
@@ -271,7 +299,7 @@ class Backend(ABC):
         if not chunks:
             return None
         self.kv_pool.release_chunk(chunks[0])
-        self._kv_free_chunk(chunks[0])
+        self._chunk_freed(chunks[0])
         return chunks[0]
 
     def open_sequence(self, seq_id: int, prompt_tokens: Sequence[int], n_positions: int, reuse: bool = True) -> int:
@@ -285,7 +313,7 @@ class Backend(ABC):
         seq, reused = self.kv_pool.new_sequence(list(prompt_tokens) if reuse else [], n_positions)
         row = self.free_rows.pop()
         self.seq_row[seq_id], self.seq_pages[seq_id] = row, seq
-        self._kv_set_row(row, seq.page_ids)
+        self._row_set(row, seq.page_ids)
         return reused
 
     def grow_sequence(self, seq_id: int, n_positions: int) -> bool:
@@ -296,7 +324,7 @@ class Backend(ABC):
         if not seq.ensure(n_positions):
             return False
         if seq.n_pages != n:
-            self._kv_set_row(self.seq_row[seq_id], seq.page_ids)
+            self._row_set(self.seq_row[seq_id], seq.page_ids)
         return True
 
     def commit_sequence(self, seq_id: int, tokens: Sequence[int]) -> None:
@@ -480,6 +508,17 @@ class Backend(ABC):
         the pass's first operation."""
         ws.tokens = np.asarray(top1, dtype=np.int64)[: ws.T]
 
+    # -- the hidden state to and from the host (the plan's cpu tier runs between these) ----------
+    def hidden_to_host(self, ws: Workspace) -> np.ndarray:
+        """The pass's hidden state as a host array [T, D] float32, once the work queued so far
+        has written it: ``ws.x`` itself on a backend that computes on the host (the default)."""
+        return ws.x
+
+    def hidden_from_host(self, ws: Workspace, x: np.ndarray) -> None:
+        """``ws.x``'s first T rows = ``x`` [T, D] (what ``hidden_to_host`` gave, updated)."""
+        if x is not ws.x:
+            ws.x[: x.shape[0]] = x
+
 
 def backend_class(name: str) -> type[Backend]:
     """The backend class called ``name`` ("cpu" or "cuda"); cuda only where a GPU and cupy are."""
@@ -510,15 +549,47 @@ def memory_costs(name: str, index: ModelIndex, *, max_seqs: int, max_ctx: int, p
                                             prefill_chunk_tokens=prefill_chunk_tokens)
 
 
-def plan_for(index: ModelIndex, cfg: InstanceConfig) -> Plan:
+def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = None,
+             log: Callable[[str], None] | None = None) -> Plan:
     """The tier plan of an instance: ``cfg``'s budgets against what its backend reports it holds
-    (for the model, and for the draft model first when there is one)."""
+    (for the model, and for the draft model first when there is one). The cpu tier's layers hold
+    what the cpu backend would (``host_layer_bytes``); with ``--cpu-layers auto`` on cuda, when
+    layers would stream, the link's and the host's speeds are measured here (``measure_rates``,
+    a few seconds; ``log`` says so) unless ``rates`` are given."""
     sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx_for(index.hparams.n_ctx_train),
                  prefill_chunk_tokens=cfg.prefill_chunk_tokens)
     draft = None
     if cfg.draft_model:
         draft = memory_costs(cfg.backend, open_model(cfg.draft_model), **sizes)
-    return make_plan(index, cfg, memory_costs(cfg.backend, index, **sizes), draft)
+    costs = memory_costs(cfg.backend, index, **sizes)
+    host_bytes = None if cfg.cpu_layers == 0 else memory_costs("cpu", index, **sizes).layer_bytes
+    plan = make_plan(index, cfg, costs, draft, rates, host_bytes)
+    if rates is None and cfg.backend == "cuda" and cfg.cpu_layers is None and plan.streamed_layers:
+        say = log or (lambda line: None)
+        say("measuring the link and the host's cores for the cpu tier (--cpu-layers auto)")
+        try:
+            rates = measure_rates(index, plan.streamed_layers[0])
+        except Exception as e:  # noqa: BLE001 - the plan without a cpu tier still serves
+            say(f"could not measure them ({type(e).__name__}: {e}): no cpu tier (give --cpu-layers N to set one)")
+            return plan
+        plan = make_plan(index, cfg, costs, draft, rates, host_bytes)
+    return plan
+
+
+def measure_rates(index: ModelIndex, layer: int) -> HostRates:
+    """The speeds the cpu tier's split needs (``HostRates``), on this machine now: the link with
+    pinned memory (in a child process, ``probes.link_gbps_apart``) and the host's cores on layer
+    ``layer`` (``probes.host_layer_gbps``)."""
+    from ntx.daemons.compute.probes import host_layer_gbps, link_gbps_apart
+
+    key = (index.layers[layer].spans[0].path, layer)
+    if key not in _MEASURED_RATES:  # a benchmark plans many instances of one model in a process
+        _MEASURED_RATES[key] = HostRates(link_gbps=link_gbps_apart(), cpu_gbps=host_layer_gbps(index, layer),
+                                         how=f"measured at start (layer {layer})")
+    return _MEASURED_RATES[key]
+
+
+_MEASURED_RATES: dict[tuple[str, int], HostRates] = {}
 
 
 def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096,

@@ -108,7 +108,12 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, kv: KvSizing | None = None,
-                 kernels: KernelOptions | None = None) -> None:
+                 kernels: KernelOptions | None = None, kv_of: Backend | None = None,
+                 kv_layers: Sequence[int] | None = None) -> None:
+        """``kv_of``: another backend whose pages this one mirrors for the layers ``kv_layers``
+        (the plan's cpu tier, ``host_tier.py``): sequences, rows and pages are that backend's,
+        keys and values of those layers this one's; ``max_seqs``, ``max_ctx`` and ``kv`` are then
+        that backend's too."""
         super().__init__(index)
         self.quantized = (kernels or KernelOptions()).cpu_quantized and cpu_kernels.available()
         self.threads = cpu_kernels.set_threads() if self.quantized else 0
@@ -120,7 +125,11 @@ class CpuBackend(Backend):
         self.kv_regions: list[mmap.mmap] = []
         self.row_pages: dict[int, tuple[int, ...]] = {}
         self.row_page_ids: dict[int, np.ndarray] = {}  # the same page tables as int64 arrays
-        self._init_kv(max_seqs, min(max_ctx, index.hparams.n_ctx_train), kv)
+        self.kv_layers = list(range(self.hp.n_layers)) if kv_layers is None else sorted(kv_layers)
+        if kv_of is None:
+            self._init_kv(max_seqs, min(max_ctx, index.hparams.n_ctx_train), kv)
+        else:
+            kv_of.attach_kv_mirror(self)
         self.inv_freq: np.ndarray | None = None
         self.tok_embd: np.ndarray | None = None
         self.out_norm: np.ndarray | None = None
@@ -166,6 +175,11 @@ class CpuBackend(Backend):
         self.tok_embd = self._matrix(raw["token_embd"], g["token_embd"])  # [V, D]
         self.out_norm = dequantize(raw["output_norm"], g["output_norm"].ggml_type, g["output_norm"].shape)  # [D]
         self.out_head = self._matrix(raw["output"], g["output"]) if "output" in raw else self.tok_embd  # [V, D]
+        self.set_rope(rope_divisors)
+
+    def set_rope(self, rope_divisors: np.ndarray | None) -> None:
+        """The RoPE frequencies (``Backend.load_globals``'s ``rope_divisors``): all a backend that
+        runs layers but no embedding nor head needs of the globals (the cpu tier's)."""
         self.inv_freq = rope_inv_freq(self.hp, rope_divisors)
 
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, Any]:
@@ -371,11 +385,12 @@ class CpuBackend(Backend):
 
     def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
         pages, cp = self._pages_of(seq_id), self.kv_sizing.chunk_pages
+        layers = slice(None) if len(self.kv_layers) == self.hp.n_layers else self.kv_layers  # only those it holds
         for src, dst in zip(src_positions, dst_positions):  # in order: dst[i] < src[i], both increasing
             (sc, si), so = divmod(pages[src // PAGE_TOKENS], cp), src % PAGE_TOKENS
             (dc, di), do = divmod(pages[dst // PAGE_TOKENS], cp), dst % PAGE_TOKENS
             for s_arr, d_arr in zip(self.kv_chunks[sc], self.kv_chunks[dc]):  # keys, then values
-                d_arr[:, di, :, do] = s_arr[:, si, :, so]  # [L, Hkv, hd]
+                d_arr[layers, di, :, do] = s_arr[layers, si, :, so]  # [L, Hkv, hd]
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
         out[...] = silu(gate) * up

@@ -24,7 +24,7 @@ from ntx.shared import messages as m
 from ntx.shared.config import InstanceConfig
 from ntx.shared.daemon import Daemon, daemon_main
 from ntx.shared.gguf_index import open_model
-from ntx.shared.plan import VRAM, Plan
+from ntx.shared.plan import CPU, VRAM, Plan
 from ntx.shared.stats import StageClock
 
 
@@ -54,13 +54,16 @@ class ComputeDaemon(Daemon):
             )
         # the plan's skipped layers are cfg.skip_layers (make_plan)
         t0 = time.monotonic()
+        host_layers = self.plan.layers_on(CPU)
         self.engine: EngineCore = build_engine(self.index, self.backend, cfg, resident_layers=self.plan.layers_on(VRAM),
-                                               stream=stream, warm_up=False)
-        resident_bytes = sum(self.index.layers[i].nbytes for i in self.plan.layers_on(VRAM))
+                                               stream=stream, host_layers=host_layers, warm_up=False)
+        loaded = self.plan.layers_on(VRAM) + host_layers
+        loaded_bytes = sum(self.index.layers[i].nbytes for i in loaded)
         load_s = time.monotonic() - t0
-        self.say(f"{len(self.plan.layers_on(VRAM))} resident layers ({resident_bytes / 2**30:.2f} GiB) and the globals "
-                 f"loaded in {load_s:.2f} s ({(resident_bytes + self.index.global_bytes_total) / max(load_s, 1e-9) / 1e9:.2f} "
-                 f"GB/s); KV pool {self.backend.kv_stats().pages_total} pages")
+        self.say(f"{len(self.plan.layers_on(VRAM))} resident layers, {len(host_layers)} on the host CPU "
+                 f"({loaded_bytes / 2**30:.2f} GiB in all) and the globals loaded in {load_s:.2f} s "
+                 f"({(loaded_bytes + self.index.global_bytes_total) / max(load_s, 1e-9) / 1e9:.2f} GB/s); "
+                 f"KV pool {self.backend.kv_stats().pages_total} pages")
         if stream is not None and self.plan.standby_layers:  # the KV cache may take resident layers' memory
             drafter = self.engine.drafter
             costs = self.backend.memory_costs(self.index, max_seqs=1, max_ctx=1, prefill_chunk_tokens=1)
@@ -152,6 +155,9 @@ class ComputeDaemon(Daemon):
             tokens_per_s=round(window / span, 3) if span > 0 else 0.0, kv=self.engine.kv_report(),
             longest_step_s=round(self.longest_step_s, 3),
         )
+        host = self.engine.model.host
+        if host is not None:  # the cpu tier's share of compute's time (its layers run inside compute's passes)
+            snap["cpu_tier"] = host.report()
         if self.engine.drafter is not None:
             depth, width = self.engine.shape.best()
             snap["speculation"] = {"drafter": self.engine.drafter.name, "draft_tokens": self.engine.draft_tokens,

@@ -482,7 +482,7 @@ class EngineCore:
         tokens, path = verify_tree(tree, pk, s.sampler, history)
         if path != list(range(len(path))):  # a sibling was taken: close the path's KV entries up
             pos = len(s.req.prompt_tokens) + len(s.generated)  # node i sits at pos + i
-            self.model.backend.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
+            self.model.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
         self.shape.observe(tree, path, s.acceptance)
         self.spec.add(len(tree), len(path))
         rows = [0] + [i + 1 for i in path]  # token k was drawn from the row of its parent

@@ -31,6 +31,7 @@ def build_engine(
     *,
     resident_layers: Iterable[int] | None = None,
     stream: LayerStream | None = None,
+    host_layers: Iterable[int] = (),
     progress: Callable[[int], None] | None = None,
     warm_up: bool = True,
     log: Callable[[str], None] | None = None,
@@ -39,8 +40,10 @@ def build_engine(
     already made — the compute daemon makes its own first, to allocate the ring's slots), shaped
     by ``options`` (validated here; the compute daemon passes its ``InstanceConfig``).
 
-    ``resident_layers`` None keeps every layer resident; the others come from ``stream``, or are
-    re-read from the file every pass when no stream is given; ``options.skip_layers`` never run.
+    ``resident_layers`` None keeps every layer resident; ``host_layers`` (the plan's cpu tier)
+    are held in host memory and computed by the host's cores whatever the backend; the others come
+    from ``stream``, or are re-read from the file every pass when no stream is given;
+    ``options.skip_layers`` never run.
     Contexts hold ``options.ctx`` positions (at most what the model was trained for), for up to
     ``options.max_batch`` sequences at once. ``progress(i)`` is called as resident layer i is loaded.
 
@@ -64,10 +67,11 @@ def build_engine(
         backend = backend_for(backend, index, options)
     skip_layers = options.skip_layers or ()
     kept = set(range(index.hparams.n_layers)) - set(skip_layers)
-    if stream is None and resident_layers is not None and set(resident_layers) != kept:
-        stream = FileLayerStream(index, sorted(kept - set(resident_layers)))
+    host = set(host_layers)
+    if stream is None and resident_layers is not None and set(resident_layers) | host != kept:
+        stream = FileLayerStream(index, sorted(kept - set(resident_layers) - host))
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress,
-                       skip_layers=skip_layers)
+                       skip_layers=skip_layers, host_layers=host, kernels=options.kernel_options)
     drafter = _drafter(llama, backend.name, options)
     if options.draft is not None:
         lookup = LookupDrafter(options.draft)

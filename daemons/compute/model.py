@@ -19,9 +19,11 @@ import numpy as np
 from ntx.daemons.compute.backend import (Backend, CaptureRun, PendingPicks, Pick, Picked, WarmUp, Workspace,
                                         rope_divisors)
 from ntx.daemons.compute.batch import StepBatch
+from ntx.daemons.compute.host_tier import HostTier
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex
+from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into, read_tensor
 
 
@@ -118,17 +120,23 @@ class FileLayerStream:
         return max(pass_id, self._begun + 1)
 
 
-def _runs(resident: set[int], n_layers: int, skipped: set[int] = frozenset()) -> list[tuple[int, int, bool]]:
-    """The layers that run, cut into maximal runs of consecutive layers of equal residency:
-    (first, end, resident). A skipped layer ends a run and belongs to none."""
-    runs: list[tuple[int, int, bool]] = []
+RESIDENT, STREAMED, HOST = "resident", "streamed", "host"  # how a run of layers reaches a pass
+
+
+def _runs(resident: set[int], n_layers: int, skipped: set[int] = frozenset(),
+          host: set[int] = frozenset()) -> list[tuple[int, int, str]]:
+    """The layers that run, cut into maximal runs of consecutive layers of one kind: (first,
+    end, kind), kind RESIDENT (held by the backend), HOST (the cpu tier's, ``host_tier.py``) or
+    STREAMED. A skipped layer ends a run and belongs to none."""
+    runs: list[tuple[int, int, str]] = []
     for i in range(n_layers):
         if i in skipped:
             continue
-        if runs and runs[-1][1] == i and runs[-1][2] == (i in resident):
-            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        kind = RESIDENT if i in resident else HOST if i in host else STREAMED
+        if runs and runs[-1][1] == i and runs[-1][2] == kind:
+            runs[-1] = (runs[-1][0], i + 1, kind)
         else:
-            runs.append((i, i + 1, i in resident))
+            runs.append((i, i + 1, kind))
     return runs
 
 
@@ -150,7 +158,9 @@ class LlamaModel:
     the backend as one request each (``run_captured``, keyed by the run), so a GPU backend may
     replay a recorded graph of the whole run; the first run also embeds the tokens.
     ``skip_layers`` never run (``--skip-layers``): the hidden state passes them unchanged, they
-    are neither loaded nor streamed, and their KV entries are never written nor read."""
+    are neither loaded nor streamed, and their KV entries are never written nor read.
+    ``host_layers`` (the plan's cpu tier) are held in host memory and run by the host's cores
+    (``HostTier``), whatever the backend; ``kernels`` switches those host kernels."""
 
     def __init__(
         self,
@@ -160,6 +170,8 @@ class LlamaModel:
         stream: LayerStream | None = None,
         progress=None,
         skip_layers: Iterable[int] = (),
+        host_layers: Iterable[int] = (),
+        kernels: KernelOptions | None = None,
     ) -> None:
         self.index = index
         self.hp = index.hparams
@@ -169,23 +181,29 @@ class LlamaModel:
         kept = [i for i in range(self.hp.n_layers) if i not in skipped]
         if not kept:
             raise ValueError("every layer skipped")
-        resident = set(kept if resident_layers is None else resident_layers) - skipped
-        self.streamed_layers = [i for i in kept if i not in resident]
+        host = set(host_layers) - skipped
+        resident = set(kept if resident_layers is None else resident_layers) - skipped - host
+        self.host_layers = sorted(host)
+        self.streamed_layers = [i for i in kept if i not in resident and i not in host]
         if self.streamed_layers and stream is None:
             raise ValueError("streamed layers need a LayerStream")
         self.stream = stream if self.streamed_layers else None
         if isinstance(self.stream, FileLayerStream) and not self.stream.layers:
             self.stream.layers = list(self.streamed_layers)
         self._skipped = skipped
-        self.runs = _runs(resident, self.hp.n_layers, skipped)
-        self._runs_of: dict[tuple[int, ...], list[tuple[int, int, bool]]] = {tuple(self.streamed_layers): self.runs}
+        self.runs = _runs(resident, self.hp.n_layers, skipped, host)
+        self._runs_of: dict[tuple[int, ...], list[tuple[int, int, str]]] = {tuple(self.streamed_layers): self.runs}
         self.residency_gen = 0  # bumped when a layer becomes resident again: its graphs are recorded anew
         raw = {name: read_tensor(t) for name, t in index.globals.items()}
         freqs = None
         if "rope_freqs" in raw:
             t = index.globals["rope_freqs"]
             freqs = dequantize(raw.pop("rope_freqs"), t.ggml_type, t.shape)
-        backend.load_globals(raw, rope_divisors(self.hp, freqs))
+        divisors = rope_divisors(self.hp, freqs)
+        backend.load_globals(raw, divisors)
+        self.host: HostTier | None = None
+        if self.host_layers:
+            self.host = HostTier(index, self.host_layers, backend, kernels, divisors, progress)
         self.resident: dict[int, Any] = {}
         for i in sorted(resident):
             self.resident[i] = backend.prepare_layer(index.layers[i], read_layer(index.layers[i]), keep=True)
@@ -196,8 +214,9 @@ class LlamaModel:
     @property
     def can_feed(self) -> bool:
         """Whether ``launch`` takes ``feed``: every layer resident. A streamed layer's pass waits
-        on the ring from the host, so a pass queued behind it would overlap nothing."""
-        return self.stream is None
+        on the ring from the host, and a cpu-tier layer's on the host's cores, so a pass queued
+        behind it would overlap nothing."""
+        return self.stream is None and self.host is None
 
     def forward(self, batch: StepBatch, picks: list[Pick] | None = None) -> np.ndarray | list[Picked]:
         """Run one pass; returns logits [N_out, V] for ``batch.logit_rows``, or with ``picks``
@@ -233,14 +252,17 @@ class LlamaModel:
             if self.stream:
                 self.stream.begin_pass(pass_id)
             try:
-                for n, (first, end, resident) in enumerate(self._runs_for(pass_id)):
+                for n, (first, end, kind) in enumerate(self._runs_for(pass_id)):
                     embed = n == 0
-                    if resident:
+                    if kind == RESIDENT:
                         key, run = self._capture_request(first, end, embed)
                         be.run_captured(key, ws, partial(run, ws))
+                        continue
+                    if embed:
+                        be.embed(ws)
+                    if kind == HOST:
+                        self.host.run(first, end, ws, pass_id)
                     else:
-                        if embed:
-                            be.embed(ws)
                         for i in range(first, end):
                             self._streamed_layer(i, pass_id, ws)
             except NtxError:
@@ -273,13 +295,15 @@ class LlamaModel:
         the warm passes: the operations they share with no resident layer (matrix types only
         they have; attention and the rest when no layer is resident) are built apart."""
         runs = [self._capture_request(first, end, n == 0)
-                for n, (first, end, resident) in enumerate(self.runs) if resident]
+                for n, (first, end, kind) in enumerate(self.runs) if kind == RESIDENT]
         eager_ops = None
         if self.streamed_layers:
             spec = replace(spec, compile_qtypes=spec.compile_qtypes | (self._qtypes(self.streamed_layers)
                                                                        - self._qtypes(self.resident)))
             eager_ops = partial(self._weightless_ops, self.streamed_layers[0])
         self.backend.warm_up(runs, spec, log, eager_ops)
+        if self.host is not None:
+            self.host.warm_up(log)
         if draft_layers:
             spans = [self._capture_request(first, end, n == 0) for n, (first, end) in enumerate(_spans(draft_layers))]
             self.backend.warm_up(spans, WarmUp(max_rows=draft_rows), log)
@@ -293,7 +317,7 @@ class LlamaModel:
         return ("layers", first, end, embed, self.residency_gen), partial(self._resident_run, first, end, embed)
 
     # -- residency: layers demoted to streamed and back (residency.py decides when) -------------
-    def _runs_for(self, pass_id: int) -> list[tuple[int, int, bool]]:
+    def _runs_for(self, pass_id: int) -> list[tuple[int, int, str]]:
         """The runs of pass ``pass_id``: resident where the stream does not bring the layer in."""
         if self.stream is None:
             return self.runs
@@ -301,7 +325,8 @@ class LlamaModel:
         runs = self._runs_of.get(streamed)
         if runs is None:
             kept = set(range(self.hp.n_layers)) - self._skipped
-            runs = self._runs_of[streamed] = _runs(kept - set(streamed), self.hp.n_layers, self._skipped)
+            host = set(self.host_layers)
+            runs = self._runs_of[streamed] = _runs(kept - set(streamed) - host, self.hp.n_layers, self._skipped, host)
         return runs
 
     def demote(self, layers: Sequence[int]) -> int:
@@ -332,6 +357,12 @@ class LlamaModel:
         streamed = [i for i in self.stream.layers if i != layer]
         self.streamed_layers = streamed
         return self.stream.set_layers(streamed)
+
+    def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        """``Backend.kv_keep`` in every layer: the backend's and the cpu tier's."""
+        self.backend.kv_keep(seq_id, src_positions, dst_positions)
+        if self.host is not None:
+            self.host.kv_keep(seq_id, src_positions, dst_positions)
 
     def _qtypes(self, layers: Iterable[int]) -> frozenset[int]:
         """The GGUF types of the matrices of ``layers``."""

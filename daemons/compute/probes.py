@@ -6,11 +6,15 @@ compares with. A kernel or a decode step that reads weights cannot beat the devi
 scripts/bench_kernels.py, scripts/profile_pass.py and dev/cuda's sweeps report their GB/s beside
 this figure, measured in the same run by this one function. It lives here, not in the cuda
 backend's package, so that ctl reaches no cuda internals.
+
+``pinned_link_gbps`` / ``link_gbps_apart`` and ``host_layer_gbps``: the two roads a layer that
+does not fit the GPU can take (streamed over the link, or computed by the host's cores: the cpu
+tier), measured at start so that the planner splits the layers between them (``plan_for``).
 """
 
 from __future__ import annotations
 
-__all__ = ["device_copy_gbps"]
+__all__ = ["device_copy_gbps", "host_layer_gbps", "host_read_gbps", "link_gbps_apart", "pinned_link_gbps"]
 
 
 def device_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -32,3 +36,94 @@ def device_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
     del src, dst
     cp.get_default_memory_pool().free_all_blocks()
     return 2 * nbytes * iters / elapsed_s / 1e9
+
+
+def pinned_link_gbps(nbytes: int = 256 << 20, iters: int = 3) -> float:
+    """GB/s of the host-to-device link as a streamed layer crosses it: the best of ``iters``
+    copies of ``nbytes`` from pinned host memory to the device, after one untimed copy."""
+    import time
+
+    import cupy as cp
+
+    dev = cp.empty(nbytes, dtype=cp.uint8)
+    pinned = cp.cuda.alloc_pinned_memory(nbytes)
+    stream = cp.cuda.Stream(non_blocking=True)
+    best_s = float("inf")
+    for i in range(iters + 1):
+        t0 = time.perf_counter()
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, pinned.ptr, nbytes, 1, stream.ptr)
+        stream.synchronize()
+        if i:
+            best_s = min(best_s, time.perf_counter() - t0)
+    return nbytes / best_s / 1e9
+
+
+def link_gbps_apart(timeout_s: float = 60.0) -> float:
+    """``pinned_link_gbps`` measured in a child process, so that the CUDA context it needs (and
+    its device memory) is gone before the pipeline starts. Raises RuntimeError with the child's
+    last line when it fails."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from ntx.daemons.compute.probes import pinned_link_gbps; "
+                          "print(pinned_link_gbps())"], capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError((out.stderr.strip().splitlines() or ["no output"])[-1])
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def host_layer_gbps(index, layer: int, min_time_s: float = 0.3) -> float:
+    """File bytes of layer ``layer``'s matrices that the host's cores compute per second in a
+    one-row pass, with the cpu kernels on every thread they use (``NTX_CPU_THREADS``): the cpu
+    tier's speed at decode (``shared/plan.py``'s ``HostRates``). Each matrix is packed as the
+    tier holds it and timed over at least ``min_time_s`` after one untimed product."""
+    import time
+
+    import numpy as np
+
+    from ntx.daemons.compute import cpu_kernels
+    from ntx.shared.layer_bytes import read_layer
+
+    cpu_kernels.set_threads()
+    info = index.layers[layer]
+    buf = read_layer(info)
+    products = []
+    for name, t in info.tensors.items():
+        if len(t.shape) != 2:
+            continue
+        off = info.image_offset(name)
+        n, k = t.shape
+        w = cpu_kernels.pack(buf[off: off + t.nbytes], t.ggml_type, n, k)
+        x = cpu_kernels.QuantizedActivations(np.ones((1, k), dtype=np.float32))
+        products.append((w, x, np.empty((1, n), dtype=np.float32), t.nbytes))
+    for w, x, out, _ in products:
+        cpu_kernels.matmul(w, x, out)
+    nbytes, reps, t0 = sum(p[3] for p in products), 0, time.perf_counter()
+    while True:
+        for w, x, out, _ in products:
+            cpu_kernels.matmul(w, x, out)
+        reps += 1
+        elapsed_s = time.perf_counter() - t0
+        if elapsed_s >= min_time_s:
+            return nbytes * reps / elapsed_s / 1e9
+
+
+def host_read_gbps(nbytes: int, repeats: int, threads: int) -> float:
+    """GB/s (1e9 bytes read) of summing an ``nbytes`` float64 array, split into one slice per
+    thread (numpy releases the GIL in the sum), best of ``repeats`` after one untimed pass. What
+    a decode step that reads every weight once could at best reach on this host."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    parts = np.array_split(a, threads)
+    best_s = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, parts))
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best_s = min(best_s, time.perf_counter() - t)
+    return a.nbytes / best_s / 1e9

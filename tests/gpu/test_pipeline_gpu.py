@@ -43,7 +43,7 @@ def test_three_tier_pipeline_on_gpu_equals_resident(tmp_path):
                 ref[ev["id"]] = ev["tokens"]
     del eng
     with running_pipeline(model, tmp_path / "run", "--gpu-layers", "10", "--ram-budget", "30MiB", "--ctx", "512",
-                          "--max-batch", "4", name="gpu", backend="cuda") as pipe:
+                          "--max-batch", "4", "--cpu-layers", "0", name="gpu", backend="cuda") as pipe:
         st = pipe.status()
         assert {"vram", "ram", "storage"} <= set(st["plan"]["tiers"])
         for p in prompts:

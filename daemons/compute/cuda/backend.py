@@ -517,6 +517,17 @@ class CudaBackend(Backend):
         with self.stream:
             ws.tokens[:n] = top1
 
+    def hidden_to_host(self, ws: _Work) -> np.ndarray:
+        """ws.x's T rows [T, D] on the host, after the pass's work so far (a synchronous copy on the
+        pass stream: the cpu tier's layers read it next)."""
+        host = cp.asnumpy(ws.x[: ws.batch.n_tokens], stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def hidden_from_host(self, ws: _Work, x: np.ndarray) -> None:
+        """ws.x[:T] = x [T, D], queued on the pass stream before the layers that follow."""
+        ws.x[: x.shape[0]].set(np.ascontiguousarray(x, dtype=np.float32), stream=self.stream)
+
 
 def _to_host(got: dict, name: str, a, stream) -> None:
     """got[name] = a pinned host twin of device array ``a``, its copy queued on ``stream``."""

@@ -1,0 +1,94 @@
+"""The plan's cpu tier: layers that stay in the host's RAM and are computed by the host's cores.
+
+A layer streamed to a GPU crosses the PCIe link whole on every pass; a layer on the cpu tier
+never moves: the host reads it from its own memory (tens of GB/s on a server) while the link
+brings the streamed layers in. Only the hidden state crosses, [T, D] floats each way (16 KB at
+batch 1 for a 4096-wide model). The two roads add up: the planner (``shared/plan.py``) splits
+the layers that do not fit the GPU between them by the rates it measured, and places them
+alternately, so that the copy of a streamed layer overlaps the host's work on a cpu-tier layer.
+
+The layers run on the cpu backend's compiled kernels (``CpuBackend``) in this process: a
+``CpuBackend`` that holds only these layers, whose KV pages mirror the main backend's
+(``Backend.attach_kv_mirror``: the same sequences, rows and page numbers, so the prefix cache,
+speculation's moves and the pool's growth stay one accounting), with the keys and values of its
+layers in host memory. On the cpu backend itself the tier is the same code beside a cpu main
+backend (CI runs it there).
+
+Each pass's time on the tier and the bytes it read are kept (``report``) for ``ntxctl status``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from ntx.daemons.compute.backend import Backend, Workspace
+from ntx.daemons.compute.cpu_backend import CpuBackend
+from ntx.shared.gguf_index import ModelIndex
+from ntx.shared.kernel_options import KernelOptions
+from ntx.shared.layer_bytes import read_layer
+
+
+class HostTier:
+    """Layers ``layers`` of ``index``, prepared once in host memory and run on the host's cores
+    between the passes' other layers (``run``). ``backend`` computes the rest; its hidden state
+    comes to the host and goes back (``Backend.hidden_to_host`` / ``hidden_from_host``)."""
+
+    def __init__(self, index: ModelIndex, layers: Sequence[int], backend: Backend,
+                 kernels: KernelOptions | None = None, rope_divisors: Any = None,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.index = index
+        self.layers = sorted(layers)
+        self.backend = backend
+        self.cpu = CpuBackend(index, kernels=kernels, kv_of=backend, kv_layers=self.layers)
+        self.cpu.set_rope(rope_divisors)
+        self.weights: dict[int, Any] = {}
+        for i in self.layers:
+            self.weights[i] = self.cpu.prepare_layer(index.layers[i], read_layer(index.layers[i]), keep=True)
+            if progress:
+                progress(i)
+        self.layer_bytes = {i: index.layers[i].nbytes for i in self.layers}  # what a pass reads, as in the file
+        self.busy_s = 0.0  # host time in run(), copies of the hidden state included
+        self.bytes_read = 0
+        self.runs = 0
+        self.last_pass_s: dict[int, float] = {}  # pass id -> its time on the tier (kept short)
+
+    def warm_up(self, log: Callable[[str], None]) -> None:
+        """The host kernels built (or loaded from numba's cache) before the first request."""
+        self.cpu.warm_up((), None, log)
+
+    def run(self, first: int, end: int, ws: Workspace, pass_id: int) -> None:
+        """Layers [first, end) (all on this tier) on the pass's hidden state ``ws.x``, in place."""
+        from ntx.daemons.compute.model import llama_block  # the one block; model.py imports this module
+
+        t0 = time.perf_counter()
+        x = self.backend.hidden_to_host(ws)  # x: [T, D] float32 on the host
+        hws = self.cpu.begin_pass(ws.batch)
+        hws.x = x
+        for i in range(first, end):
+            llama_block(self.cpu, i, self.weights[i], hws)
+            self.bytes_read += self.layer_bytes[i]
+        self.backend.hidden_from_host(ws, hws.x)
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        self.runs += 1
+        self.last_pass_s[pass_id] = self.last_pass_s.get(pass_id, 0.0) + dt
+        while len(self.last_pass_s) > 32:
+            del self.last_pass_s[next(iter(self.last_pass_s))]
+
+    def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        """Speculation's accepted path moved in this tier's layers too (``Backend.kv_keep``)."""
+        self.cpu.kv_keep(seq_id, src_positions, dst_positions)
+
+    def report(self) -> dict:
+        """For ``ntxctl status``: the tier's layers, its busy time and GB/s while busy, the
+        threads it runs on, its time in each of the last passes (mean)."""
+        recent = list(self.last_pass_s.values())[:-1]
+        return {"layers": len(self.layers), "bytes_per_pass": sum(self.layer_bytes.values()),
+                "busy_s": round(self.busy_s, 6), "bytes": self.bytes_read,
+                "busy_gbps": round(self.bytes_read / self.busy_s / 1e9, 3) if self.busy_s > 0 else 0.0,
+                "threads": self.cpu.threads, "quantized": self.cpu.quantized,
+                "recent_pass_s": round(sum(recent) / len(recent), 6) if recent else 0.0}
+
+    def close(self) -> None:
+        self.weights.clear()

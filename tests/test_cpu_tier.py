@@ -1,0 +1,217 @@
+"""The cpu tier: layers kept in host RAM and computed by the host's cores beside streamed ones.
+
+The planner's split from given rates (unit); an engine with resident, cpu-tier and streamed
+layers together gives the all-CPU engine's greedy tokens on the real SmolLM2, bit for bit on the
+cpu backend (the same kernels run every layer), with speculation's KV moves and several
+sequences; the real pipeline with the three kinds of layers matches it, dma never moves a
+cpu-tier layer, status shows the tier; compute killed in the middle of a pass recovers like
+without the tier. (On the GPU: tests/gpu/test_cpu_tier_gpu.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from ntx.ctl import instance
+from ntx.ctl.client import ClientError
+from ntx.ctl.local import build_local_engine
+from ntx.daemons.compute.backend import memory_costs, plan_for
+from ntx.daemons.compute.sampler import SamplingParams
+from ntx.shared.config import EngineOptions, InstanceConfig
+from ntx.shared.errors import ConfigError
+from ntx.shared.gguf_index import open_model
+from ntx.shared.messages import EngineRequest
+from ntx.shared.plan import CPU, RAM, STORAGE, VRAM, HostRates, Plan, cpu_split, make_plan, spread_pick
+
+from .pipeline_util import ntxctl, running_pipeline
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
+N_TOKENS = 12
+
+
+# -- the planner's split (unit) -----------------------------------------------------------------
+@pytest.mark.parametrize("link, cpu, layers, want", [
+    (50.0, 50.0, 10, 5),  # equal roads: half each
+    (60.0, 20.0, 8, 2),  # the host a third of the link: a quarter on the host
+    (20.0, 60.0, 8, 6),
+    (50.0, 0.5, 10, 0),  # a host this slow takes nothing
+    (0.5, 50.0, 10, 10),  # a link this slow: everything on the host
+])
+def test_cpu_split_balances_the_two_roads(link, cpu, layers, want):
+    assert cpu_split([100] * layers, HostRates(link, cpu)) == want
+
+
+def test_cpu_split_minimises_the_slower_road_with_unequal_layers():
+    sizes = [300, 100, 100, 100, 100, 300]
+    rates = HostRates(10.0, 10.0)
+    n = cpu_split(sizes, rates)
+
+    def slower(count: int) -> float:
+        cpu = sum(sizes[i] for i in spread_pick(list(range(len(sizes))), count))
+        return max(cpu / rates.cpu_gbps, (sum(sizes) - cpu) / rates.link_gbps)
+
+    assert slower(n) == min(slower(c) for c in range(len(sizes) + 1))
+
+
+def test_spread_pick_alternates():
+    assert spread_pick(list(range(10)), 5) == [1, 3, 5, 7, 9]
+    assert spread_pick([4, 5, 6], 0) == [] and spread_pick([4, 5, 6], 9) == [4, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def index(smollm2_path):
+    return open_model(str(smollm2_path))
+
+
+def _cfg(index, backend="cpu", **kw) -> InstanceConfig:
+    kw = {"vram_budget": 80 << 20, "ram_budget": 1 << 30, "ctx": 512, "max_batch": 2, **kw}
+    return InstanceConfig(model=index.paths[0], backend=backend, **kw).validate()
+
+
+def _plan(index, cfg: InstanceConfig, rates: HostRates | None = None) -> Plan:
+    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    return make_plan(index, cfg, memory_costs(cfg.backend, index, **sizes), rates=rates,
+                     host_layer_bytes=memory_costs("cpu", index, **sizes).layer_bytes)
+
+
+def test_plan_places_the_cpu_tier_among_the_streamed_layers(index):
+    plan = _plan(index, _cfg(index, cpu_layers=8))
+    cpu, vram = plan.layers_on(CPU), plan.layers_on(VRAM)
+    streamed = plan.streamed_layers
+    assert len(cpu) == 8 and not set(cpu) & set(vram) and not set(cpu) & set(streamed)
+    assert sorted(cpu + vram + streamed) == list(range(30))
+    rest = sorted(cpu + streamed)
+    assert cpu == spread_pick(rest, 8)  # spread: they alternate with streamed layers
+    assert plan.cpu_layer_bytes == sum(index.layers[i].nbytes for i in cpu)
+    assert plan.streamed_bytes_per_pass == sum(index.layers[i].nbytes for i in streamed)
+    assert plan.cpu_held_bytes == sum(memory_costs("cpu", index, max_seqs=1, max_ctx=32,
+                                                   prefill_chunk_tokens=1).layer_bytes[i] for i in cpu)
+    lines = "\n".join(plan.describe())
+    assert "host CPU          8 layers" in lines and "held in host RAM" in lines
+    assert Plan.from_dict(plan.to_dict()) == plan
+    # without the flag the cpu backend keeps none (its resident layers are host memory already)
+    assert not _plan(index, _cfg(index)).layers_on(CPU)
+
+
+def test_plan_auto_split_from_rates_on_cuda(index):
+    cfg = _cfg(index, backend="cuda", vram_budget=470 << 20)
+    base = _plan(index, cfg)
+    assert not base.layers_on(CPU)  # no rates given, none measured here: no tier
+    plan = _plan(index, cfg, HostRates(link_gbps=30.0, cpu_gbps=10.0, how="given"))
+    n_rest = len(base.streamed_layers)
+    assert len(plan.layers_on(CPU)) == cpu_split([index.layers[i].nbytes for i in base.streamed_layers],
+                                                 HostRates(30.0, 10.0)) > 0
+    assert len(plan.layers_on(CPU)) + len(plan.streamed_layers) == n_rest
+    text = "\n".join(plan.describe())
+    assert "a one-row pass: host cores" in text and "given" in text
+    # everything on the host: nothing streams, so no device slots are reserved
+    every = _plan(index, _cfg(index, backend="cuda", vram_budget=470 << 20, cpu_layers=30))
+    assert not every.streamed_layers and every.device_slot_bytes_total == 0
+
+
+def test_plan_cpu_tier_within_the_ram_budget(index):
+    with pytest.raises(ConfigError, match="--cpu-layers 20: .* --ram-budget"):
+        _plan(index, _cfg(index, cpu_layers=20, ram_budget=10 << 20))
+    # auto holds fewer where the budget is short
+    plan = _plan(index, _cfg(index, backend="cuda", vram_budget=470 << 20, ram_budget=10 << 20), HostRates(1.0, 100.0))
+    assert 0 < plan.cpu_held_bytes <= 10 << 20
+    assert not plan.layers_on(RAM)  # the pinned copies had no room left
+    with pytest.raises(ConfigError, match="--cpu-layers -1"):
+        _cfg(index, cpu_layers=-1)
+
+
+# -- the engine: three kinds of layers, the all-CPU tokens --------------------------------------
+def _greedy_all(engine, prompts: list[str], n: int, **fields) -> dict[str, list[int]]:
+    for p in prompts:
+        engine.submit(EngineRequest(p, engine.prompt_tokens(prompt=p, raw=True),
+                                    SamplingParams(temperature=0.0, max_tokens=n), **fields))
+    out = {}
+    while engine.has_work:
+        for ev in engine.step():
+            if ev["type"] == "done":
+                out[ev["id"]] = ev["tokens"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path) -> dict[str, list[int]]:
+    """Greedy tokens of PROMPTS, batched, every layer resident on the cpu backend."""
+    return _greedy_all(build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4, ctx=256)),
+                       PROMPTS, N_TOKENS)
+
+
+RESIDENT = [0, 1, 2, 10, 11, 20, 29]
+HOST = [3, 4, 12, 13, 14, 21, 22, 23, 24, 25]  # runs of one and of several; the rest streams from the file
+
+
+def test_engine_with_resident_host_and_streamed_layers_equals_all_resident(smollm2_path, reference):
+    eng = build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4, ctx=256),
+                             resident_layers=RESIDENT, host_layers=HOST)
+    model = eng.core.model
+    kinds = {kind for _, _, kind in model.runs}
+    assert kinds == {"resident", "host", "streamed"} and model.host_layers == HOST
+    assert set(model.resident) == set(RESIDENT) and not set(model.streamed_layers) & set(HOST)
+    assert _greedy_all(eng, PROMPTS, N_TOKENS) == reference
+    report = model.host.report()
+    assert report["layers"] == len(HOST) and report["bytes"] > 0 and report["busy_s"] > 0
+    # the tier holds K/V only of its own layers, in pages numbered as the backend's
+    host_cpu = model.host.cpu
+    assert host_cpu.kv_pool is model.backend.kv_pool and host_cpu.kv_layers == HOST
+
+
+def test_speculation_moves_the_cpu_tiers_keys_too(smollm2_path, reference):
+    """Prompt lookup drafts, and the accepted path's K/V move (``kv_keep``) in every layer, the
+    tier's included: the greedy tokens stay the reference's."""
+    eng = build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4, ctx=256, draft="ngram",
+                                                                       draft_tokens=4),
+                             resident_layers=RESIDENT, host_layers=HOST)
+    prompt = "one two three four five one two three four five one two three four five one two"
+    want = _greedy_all(build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4, ctx=256)),
+                       [prompt], 24)
+    got = _greedy_all(eng, [prompt], 24)
+    assert got == want
+    assert eng.core.spec.accepted > 0  # drafts were accepted: K/V moved
+
+
+# -- the pipeline -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_pipeline_with_a_cpu_tier_equals_reference_and_recovers(smollm2_path, run_dir, reference):
+    with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "6", "--cpu-layers", "8", "--ram-budget",
+                          "40MiB", "--ctx", "256", "--max-batch", "4", name="cputier") as p:
+        st = p.status()
+        tiers = st["plan"]["tiers"]
+        cpu = [i for i, t in enumerate(tiers) if t == CPU]
+        streamed = [i for i, t in enumerate(tiers) if t in (RAM, STORAGE)]
+        assert len(cpu) == 8 and streamed and tiers.count(VRAM) == 6, tiers
+        assert any(line.startswith("host CPU") for line in st["plan"]["lines"]), st["plan"]["lines"]
+        for prompt in PROMPTS:
+            assert p.generate_greedy(prompt, N_TOKENS)["tokens"] == reference[prompt], prompt
+        st = p.wait_status(lambda s: "cpu_tier" in s["stages"].get("compute", {})
+                           and {int(k) for k in s["stages"].get("dma", {}).get("layer_moves", {})} >= set(streamed),
+                           "compute to report its cpu tier and dma the layers it moved")
+        tier = st["stages"]["compute"]["cpu_tier"]
+        assert tier["layers"] == 8 and tier["bytes"] > 0 and tier["busy_gbps"] > 0
+        assert not {int(k) for k in st["stages"]["dma"]["layer_moves"]} & set(cpu)  # never copied
+        r = ntxctl("status", "--name", "cputier")
+        assert r.returncode == 0 and "host CPU" in r.stdout and "cpu tier" in r.stdout, r.stdout
+
+        # compute killed while a request runs (its passes go through the tier): one clear
+        # error to that client, the pipeline restarts and serves the same tokens
+        gen = st["gen"]
+        pid = st["daemons"]["compute"]["pid"]
+        with p.client() as c:
+            rid = c.submit("Once upon a time", raw=True, temperature=0.0, max_tokens=200)
+            assert c.next_event(rid, 120)["type"] == "token"
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(ClientError) as err:
+                for _ in c.events(rid):
+                    pass
+            assert err.value.code == "pipeline_failure" and "compute" in str(err.value)
+        st = p.wait_state("ready", min_gen=gen + 1)
+        assert st["daemons"]["compute"]["pid"] != pid
+        assert p.generate_greedy(PROMPTS[0], N_TOKENS)["tokens"] == reference[PROMPTS[0]]
+        left = [x for x in instance.leftovers("cputier") if x.startswith("shm:")]
+        assert all(f"-g{st['gen']}-" in x for x in left), left
