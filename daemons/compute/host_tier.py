@@ -19,7 +19,9 @@ Each pass's time on the tier and the bytes it read are kept (``report``) for ``n
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from ntx.daemons.compute.backend import Backend, Workspace
@@ -27,6 +29,9 @@ from ntx.daemons.compute.cpu_backend import CpuBackend
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer
+
+
+PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
 
 
 class HostTier:
@@ -43,10 +48,16 @@ class HostTier:
         self.cpu = CpuBackend(index, kernels=kernels, kv_of=backend, kv_layers=self.layers)
         self.cpu.set_rope(rope_divisors)
         self.weights: dict[int, Any] = {}
-        for i in self.layers:
-            self.weights[i] = self.cpu.prepare_layer(index.layers[i], read_layer(index.layers[i]), keep=True)
-            if progress:
-                progress(i)
+
+        def prepare(i: int) -> Any:
+            return self.cpu.prepare_layer(index.layers[i], read_layer(index.layers[i]), keep=True)
+
+        # numpy's unpacking releases the GIL: a 70B's tier (GBs) packs in seconds, not minutes
+        with ThreadPoolExecutor(max(1, min(PREPARE_THREADS, os.cpu_count() or 1))) as pool:
+            for i, w in zip(self.layers, pool.map(prepare, self.layers)):
+                self.weights[i] = w
+                if progress:
+                    progress(i)
         self.layer_bytes = {i: index.layers[i].nbytes for i in self.layers}  # what a pass reads, as in the file
         self.busy_s = 0.0  # host time in run(), copies of the hidden state included
         self.bytes_read = 0
