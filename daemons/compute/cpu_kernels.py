@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - numba is a base dependency; the numpy 
     numba = None
 
 
+TIER_SPARE_CORES = 2  # cores the cpu tier leaves to compute's thread and the dma daemon (set_threads)
 C4_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
 C8_TYPES = (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0)
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
@@ -61,8 +62,11 @@ def available() -> bool:
     return numba is not None
 
 
-def set_threads(n: int | None = None) -> int:
-    """Use ``n`` threads (None: ``$NTX_CPU_THREADS``, else every core numba sees); returns it."""
+def set_threads(n: int | None = None, spare: int = 0) -> int:
+    """Use ``n`` threads (None: ``$NTX_CPU_THREADS``, else every core numba sees less ``spare``);
+    returns it. The cpu tier beside a GPU spares two cores (``TIER_SPARE_CORES``): compute's own
+    thread and the dma daemon's copies run beside it, and a parallel product waits for its
+    slowest thread, so one descheduled worker costs the whole product."""
     if n is None:
         env = os.environ.get("NTX_CPU_THREADS", "").strip()
         if env:
@@ -71,7 +75,7 @@ def set_threads(n: int | None = None) -> int:
             except ValueError:
                 raise ConfigError(f"NTX_CPU_THREADS={env!r} is not a number of threads (unset it, or give e.g. 2)")
     limit = numba.config.NUMBA_NUM_THREADS
-    n = limit if n is None else n
+    n = max(1, limit - spare) if n is None else n
     if not 1 <= n <= limit:
         raise ConfigError(f"{n} CPU threads asked for, but this machine runs at most {limit} (NTX_CPU_THREADS)")
     numba.set_num_threads(n)

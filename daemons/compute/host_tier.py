@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+from ntx.daemons.compute import cpu_kernels
 from ntx.daemons.compute.backend import Backend, Workspace
 from ntx.daemons.compute.cpu_backend import CpuBackend
 from ntx.shared.gguf_index import ModelIndex
@@ -46,6 +47,8 @@ class HostTier:
         self.layers = sorted(layers)
         self.backend = backend
         self.cpu = CpuBackend(index, kernels=kernels, kv_of=backend, kv_layers=self.layers)
+        if self.cpu.quantized and backend.name != "cpu":  # beside a GPU pipeline: spare its other threads
+            self.cpu.threads = cpu_kernels.set_threads(spare=cpu_kernels.TIER_SPARE_CORES)
         self.cpu.set_rope(rope_divisors)
         self.weights: dict[int, Any] = {}
 

@@ -84,7 +84,7 @@ def host_layer_gbps(index, layer: int, min_time_s: float = 0.3) -> float:
     from ntx.daemons.compute import cpu_kernels
     from ntx.shared.layer_bytes import read_layer
 
-    cpu_kernels.set_threads()
+    cpu_kernels.set_threads(spare=cpu_kernels.TIER_SPARE_CORES)  # as the tier runs (host_tier.py)
     info = index.layers[layer]
     buf = read_layer(info)
     products = []
