@@ -455,6 +455,22 @@ def _at_draft_tokens(pass_s: dict[int, float], k: int) -> tuple[float, str] | No
     return pass_s[lo] + (pass_s[hi] - pass_s[lo]) * (k - lo) / (hi - lo), f"interpolated between {lo} and {hi}"
 
 
+def spec_positions(opts: SpecOptions, index: ModelIndex) -> int:
+    """The positions each spec run's context holds (the prompt, then the longest run's tokens);
+    one line naming the fix when the model was trained for fewer, so that no chain length asked
+    for goes untimed."""
+    positions = opts.reference_tokens + SPEC_PROMPT_POSITIONS
+    n_ctx = index.hparams.n_ctx_train
+    if positions > n_ctx:
+        room = n_ctx - SPEC_PROMPT_POSITIONS  # tokens a run may generate
+        fix = (f"--spec-tokens at most {room}" if opts.accept_tokens > room else
+               f"chains (--spec-verify-draft-tokens) of at most {(room - 1) // opts.verify_passes - 1} tokens at "
+               f"--spec-verify-passes {opts.verify_passes}, or fewer passes")
+        raise ConfigError(f"bench spec: its runs need {positions} positions but {index.name} was trained for "
+                          f"{n_ctx}: {fix}")
+    return positions
+
+
 def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, limits: dict, opts: SpecOptions,
              out_dir: Path, log, save) -> None:
     """The spec scenario, batch 1 in (a)'s setting, through the real daemons; fills ``entry``
@@ -462,7 +478,10 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
 
     (i) a plain greedy run of ``opts.reference_tokens`` tokens: plain tokens/s, the 1-token pass
     time from compute's per-pass clock, and the reference continuation (``replay.json``);
-    (ii) per chain length K, replay with p = 0 and ``--draft-tokens K``: the mean time of the
+    (ii) per chain length K, replay with p = 0 and ``--draft-tokens K``, the tree fixed at that
+    chain (``draft_fixed``: the tree shape's back-off would judge a wide pass that does not pay
+    on this plan, a compute-bound one on the CPU say, and draft less, and its priors hold chains
+    over 14 tokens back until it has measured): the mean time of the ``opts.verify_passes``
     verify passes of K + 1 rows against the 1-token pass and the link's limit for the plan;
     (iii) replay with K = ``opts.accept_draft_tokens`` at the p whose expected acceptance length is
     ``opts.accept_length``, and at p = 1 (every draft wrong): tokens/s against plain, and the
@@ -473,10 +492,7 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     Every run has the same context and workspace (the largest chain's rows), so the same layers
     stream in all of them; only ``--draft-model`` moves layers out of VRAM, and its runs say so.
     """
-    positions = opts.reference_tokens + SPEC_PROMPT_POSITIONS
-    if positions > index.hparams.n_ctx_train:
-        raise ConfigError(f"bench spec: its runs need {positions} positions but {index.name} holds "
-                          f"{index.hparams.n_ctx_train}: fewer --spec-verify-passes or shorter chains")
+    positions = spec_positions(opts, index)
     rows = max(base.prefill_chunk_tokens, max(opts.verify_draft_tokens) + 1, opts.accept_draft_tokens + 1)
     plain_cfg = replace(base, max_batch=1, ctx=positions, prefill_chunk_tokens=rows).validate()
     link_gbps = _link_gbps(limits)
@@ -504,13 +520,13 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         log(f"(spec) the plain run stopped after {len(done['tokens'])} tokens ({done['finish_reason']}): "
             "runs that need more replay what there is")
 
-    def replay_cfg(k: int, p_wrong: float, draft_model: str | None = None) -> InstanceConfig:
-        return replace(plain_cfg, draft_tokens=k, draft_width=1,  # chains of k
+    def replay_cfg(k: int, p_wrong: float, draft_model: str | None = None, fixed: bool = False) -> InstanceConfig:
+        return replace(plain_cfg, draft_tokens=k, draft_width=1, draft_fixed=fixed,  # chains of k
                        draft_replay=str(replay_path), draft_replay_p=p_wrong, draft_model=draft_model).validate()
 
-    # (ii) verify-pass time per chain length, every draft right
+    # (ii) verify-pass time per chain length, every draft right; the warm-up's one pass is of K + 1 rows
     for k in opts.verify_draft_tokens:
-        run = _timed_instance(replay_cfg(k, 0.0), index, k + 2, opts.verify_tokens(k))
+        run = _timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k))
         times = run["pass_s_by_rows"].get(k + 1, [])
         pass_s = _mean(times)
         entry["verify"].append({
@@ -736,6 +752,8 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     model, backend = base.model, base.backend
     index = open_model(model)
+    if spec_opts is not None:
+        spec_positions(spec_opts, index)  # before any scenario runs
     plan_a = plan_for(index, base)
     log(f"model {index.name}: {index.file_type}, {index.hparams.n_layers} layers, "
         f"{format_bytes(index.layer_bytes_total)} of layers; backend {backend}")

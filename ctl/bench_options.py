@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ntx.shared.config import MAX_DRAFT_TOKENS
 from ntx.shared.errors import ConfigError
+from ntx.shared.stats import KEEP_PASSES
 
 BENCH_CTX = 512  # positions per sequence in (a), (b), (c), (d), check and skip: the prompt and the generated tokens fit
 
@@ -35,8 +36,9 @@ class SpecOptions:
                          ("--spec-accept-draft-tokens", (self.accept_draft_tokens,))):
             if not ks or not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
                 raise ConfigError(f"{flag} {','.join(map(str, ks))}: each from 1 to {MAX_DRAFT_TOKENS}")
-        if self.verify_passes < 1:
-            raise ConfigError(f"--spec-verify-passes {self.verify_passes}: at least 1")
+        if not 1 <= self.verify_passes < KEEP_PASSES:  # the timed run's passes on compute's clock, its prefill's too
+            raise ConfigError(f"--spec-verify-passes {self.verify_passes}: from 1 to {KEEP_PASSES - 1} (compute's "
+                              f"status keeps its last {KEEP_PASSES} passes)")
         if not 0 <= self.accept_length <= self.accept_draft_tokens:
             raise ConfigError(f"--spec-accept-length {self.accept_length}: from 0 to --spec-accept-draft-tokens "
                               f"({self.accept_draft_tokens})")

@@ -238,6 +238,9 @@ class EngineOptions:
                                        "`ntxctl bench --scenarios spec`); the drafter named otherwise runs and is "
                                        "ignored", read="replay_file")
     draft_replay_p: float = _option(0.0, "for benchmarks: probability that each replayed draft token is made wrong")
+    # benchmarks timing one tree shape: draft --draft-tokens every pass (a chain unless --draft-width),
+    # never backing off nor probing (speculation.TreeShape, fixed)
+    draft_fixed: bool = _inner(False)
 
     @property
     def drafts_itself(self) -> bool:

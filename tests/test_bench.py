@@ -127,6 +127,58 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
 
 
 @pytest.mark.slow
+def test_bench_spec_times_every_chain_length_asked_for_its_passes_of_k_plus_1_rows(tmp_path):
+    """Every chain length asked for gets ``--spec-verify-passes`` timed verify passes of exactly
+    K + 1 rows, whatever the plan and ``--spec-tokens``: here nothing streams, so on the CPU a
+    pass of K + 1 rows costs many 1-token passes and the tree shape's back-off, left to itself,
+    would draft less (or nothing) in some of those passes and leave their chains untimed."""
+    model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
+    out = tmp_path / "out"
+    env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
+    ks = [1, 16, 32, 64]
+    r = subprocess.run(
+        [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
+         "--gpu-layers", "4", "--scenarios", "spec", "--out", str(out), "--listen", f"tcp://127.0.0.1:{free_port()}",
+         "--spec-verify-draft-tokens", ",".join(map(str, ks)), "--spec-verify-passes", "3",
+         "--spec-accept-draft-tokens", "2", "--spec-accept-length", "1", "--spec-tokens", "2"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (spec,) = json.loads((out / "bench.json").read_text())["scenarios"]
+    assert [(v["draft_tokens"], v["n_passes"], v["accepted_per_pass"]) for v in spec["verify"]] == \
+        [(k, 3, float(k)) for k in ks], r.stdout
+    chains = [ln for ln in r.stdout.splitlines() if "verify pass, chain of" in ln]
+    assert len(chains) == len(ks) and not any("n/a" in ln for ln in chains), r.stdout
+    assert all(v["pass_s"] > 0 for v in spec["verify"])
+
+
+def test_bench_spec_says_up_front_what_it_cannot_time(tmp_path):
+    """A chain that the model's context cannot hold, or more timed passes than compute's status
+    keeps, is one line naming the fix before anything runs, not a chain reported as n/a."""
+    from ntx.ctl.bench import spec_positions
+    from ntx.ctl.bench_options import SpecOptions
+    from ntx.shared.errors import ConfigError
+    from ntx.shared.gguf_index import open_model
+
+    index = open_model(write_tiny(tmp_path, context_length=512))
+    assert spec_positions(SpecOptions(verify_draft_tokens=(1, 128)), index) == 1 + 2 * 129 + 64
+    with pytest.raises(ConfigError, match=r"need 579 positions .* trained for 512: chains "
+                                          r"\(--spec-verify-draft-tokens\) of at most 222 tokens at --spec-verify-passes 2"):
+        spec_positions(SpecOptions(verify_draft_tokens=(1, 256)), index)
+    with pytest.raises(ConfigError, match=r"--spec-tokens at most 448"):
+        spec_positions(SpecOptions(verify_draft_tokens=(1,), accept_tokens=600), index)
+    with pytest.raises(ConfigError, match=r"--spec-verify-passes 40: from 1 to 31"):
+        SpecOptions(verify_passes=40).validate()
+    # the CLI says it before the limits are measured or any scenario runs
+    r = subprocess.run(
+        [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(index.path), "--backend", "cpu",
+         "--scenarios", "a,spec", "--out", str(tmp_path / "out"), "--spec-verify-draft-tokens", "1,256"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run")),
+    )
+    assert r.returncode == 1 and "at most 222 tokens" in r.stderr and "limits:" not in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.slow
 def test_bench_kv_scenarios_default_flags_long_prompts_one_long_sequence_and_a_cached_prefix(tmp_path):
     """(a) at start's default flags beside (a512) at --ctx 512; (long) concurrent long prompts all
     complete, reported against the plan in force; (ctx) one sequence's long prompt; (prefix) a

@@ -410,3 +410,20 @@ def test_drafting_stops_where_the_verify_pass_costs_more_than_its_tokens_bring()
     resident.observe_times(verify_s=0.03, depth_s=0.0, plain_s=0.01)
     assert resident.best(half) == (0, 1)
     assert resident.best(Acceptance(chain_rate=0.5))[0] > 0  # a new sequence measures its own first
+
+
+def test_a_fixed_tree_shape_drafts_its_whole_budget_whatever_was_measured():
+    """Benchmarks that time one shape (``ntxctl bench --scenarios spec``'s chains) fix it: from
+    the priors (which hold chains over 14 tokens back), with every draft rejected, and with a
+    verify pass far dearer than a plain one, a fixed shape still drafts the whole budget."""
+    from ntx.daemons.compute.speculation import Acceptance, TreeShape
+
+    assert TreeShape(budget=64, width=1).choose() == (0, 1)  # the priors: not worth it, yet
+    fixed = TreeShape(budget=64, fixed=True)  # auto width: a chain
+    assert fixed.choose() == (64, 1) and fixed.best() == (64, 1)
+    fixed.observe_times(verify_s=0.5, depth_s=0.001, plain_s=0.001)
+    rejected = Acceptance(chain_rate=0.0, observed=TreeShape.EXPLORE_PASSES)
+    for _ in range(20):
+        assert fixed.choose(rejected) == (64, 1)
+        fixed.observe(DraftTree.chain([1] * 64), [], rejected)
+    assert TreeShape(budget=12, width=3, fixed=True).choose() == (4, 3)

@@ -121,6 +121,7 @@ class EngineCore:
         drafter: Drafter | None = None,
         draft_tokens: int = 4,
         draft_width: int | None = None,
+        draft_fixed: bool = False,
         run_ahead: bool | None = None,
     ) -> None:
         self.model = model
@@ -129,7 +130,7 @@ class EngineCore:
         self.passes_fed = 0  # passes queued ahead, fed on the device (run_ahead)
         self.drafter = drafter
         self.draft_tokens = draft_tokens
-        self.shape = TreeShape(draft_tokens, draft_width)  # None: the width is chosen as it measures
+        self.shape = TreeShape(draft_tokens, draft_width, draft_fixed)  # None: the width is chosen as it measures
         self.spec = SpecCounts()  # over every request
         self.stop_token_ids = frozenset(stop_token_ids)
         self.kv_room = kv_room  # more KV pages when the pool runs out (demoted layers); None: none

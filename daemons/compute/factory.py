@@ -81,7 +81,8 @@ def build_engine(
                                 inner=drafter)
     engine = EngineCore(llama, stop_token_ids=end_of_generation_ids(index.metadata), max_batch=options.max_batch,
                         prefill_chunk_tokens=options.prefill_chunk_tokens, max_context=options.ctx,
-                        drafter=drafter, draft_tokens=options.draft_tokens, draft_width=options.draft_width)
+                        drafter=drafter, draft_tokens=options.draft_tokens, draft_width=options.draft_width,
+                        draft_fixed=options.draft_fixed)
     if warm_up:
         warm_up_engine(engine, log or (lambda line: None))
     return engine

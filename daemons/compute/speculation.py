@@ -306,7 +306,9 @@ class TreeShape:
     (D = budget / w): drafting it or not is then the only choice. ``choose``, asked once per pass
     and sequence, follows ``best`` but drafts one token every ``PROBE_EVERY`` passes while
     drafting is off, so that acceptance keeps being measured and drafting resumes when it pays
-    again. Priors stand in until the first measurements."""
+    again. Priors stand in until the first measurements. ``fixed`` (benchmarks timing a given
+    shape): every pass drafts the whole budget in a tree of the fixed width (a chain when auto),
+    whatever was measured, so that what is timed is that shape and not the shape's judgement."""
 
     WIDTHS = (1, 2, 3, 4)
     DECAY = 0.9  # weight of the past in the running means
@@ -316,9 +318,10 @@ class TreeShape:
     # (text that quotes its prompt accepts far more than the instance's mean)
     EXPLORE_PASSES = 2
 
-    def __init__(self, budget: int, width: int | None = None) -> None:
+    def __init__(self, budget: int, width: int | None = None, fixed: bool = False) -> None:
         self.budget = budget
-        self.width = width
+        self.width = (width or 1) if fixed else width
+        self.fixed = fixed
         self.acc = Acceptance()  # the instance's
         self.verify_s = 1.0  # priors, replaced by the first measurement
         self.depth_s = 0.1
@@ -339,6 +342,8 @@ class TreeShape:
         sequence; None: the instance's); depth 0: none."""
         if self.width is not None:
             shapes = [(max(1, self.budget // self.width), self.width)]
+            if self.fixed:
+                return shapes[0]
         else:
             shapes = [(d, w) for w in self.WIDTHS for d in range(1, self.budget // w + 1)]
         acc = acc or self.acc
