@@ -56,6 +56,22 @@ def test_cpu_split_minimises_the_slower_road_with_unequal_layers():
     assert slower(n) == min(slower(c) for c in range(len(sizes) + 1))
 
 
+def test_the_two_roads_share_the_host_memory():
+    """The pass model the split uses, against the 70B runs on the H200 (PERFORMANCE.md, "The cpu
+    tier"): link 55.27 GB/s, cores 44.5 GB/s alone, host memory 79.87 GB/s. With 8 and 17
+    cpu-tier layers the passes took 302.5 and 296.7 ms (compute's own ~10 ms on top of the model's
+    two roads); the split it picks puts about a third of the bytes on the host, not half."""
+    rates = HostRates(55.27, 44.5, 79.87)
+    assert rates.pass_s(int(4.10e9), int(15.95e9)) == pytest.approx(0.2925, rel=0.05)
+    assert rates.pass_s(int(8.63e9), int(11.41e9)) == pytest.approx(0.2867, rel=0.05)
+    layer = int(20.05e9 / 39)
+    n = cpu_split([layer] * 39, rates)
+    assert 11 <= n <= 15  # C / S about (79.87 - 55.27) / 55.27
+    assert rates.pass_s(n * layer, (39 - n) * layer) < rates.pass_s(17 * layer, 22 * layer)
+    # without the shared memory the split would be the old one, about half
+    assert cpu_split([layer] * 39, HostRates(55.27, 44.5)) >= 17
+
+
 def test_spread_pick_alternates():
     assert spread_pick(list(range(10)), 5) == [1, 3, 5, 7, 9]
     assert spread_pick([4, 5, 6], 0) == [] and spread_pick([4, 5, 6], 9) == [4, 5, 6]
@@ -101,15 +117,16 @@ def test_plan_auto_split_from_rates_on_cuda(index):
     base = _plan(index, cfg)
     assert not base.layers_on(CPU)  # no rates given, none measured here: no tier
     plan = _plan(index, cfg, HostRates(link_gbps=30.0, cpu_gbps=10.0, how="given"))
-    n_rest = len(base.streamed_layers)
-    assert len(plan.layers_on(CPU)) == cpu_split([index.layers[i].nbytes for i in base.streamed_layers],
-                                                 HostRates(30.0, 10.0)) > 0
-    assert len(plan.layers_on(CPU)) + len(plan.streamed_layers) == n_rest
+    rest = sorted(plan.layers_on(CPU) + plan.streamed_layers)
+    assert len(plan.layers_on(CPU)) == cpu_split([index.layers[i].nbytes for i in rest], HostRates(30.0, 10.0)) > 0
+    # the tier's staging buffer for wide passes is reserved beside the ring's slots (one layer fewer resident)
+    assert plan.device_slot_bytes_total == (cfg.ring_slots + 1) * plan.slot_bytes
+    assert len(rest) == len(base.streamed_layers) + 1
     text = "\n".join(plan.describe())
-    assert "a one-row pass: host cores" in text and "given" in text
-    # everything on the host: nothing streams, so no device slots are reserved
+    assert "a one-row pass: about" in text and "given" in text
+    # everything on the host: nothing streams, so only the tier's staging buffer is reserved
     every = _plan(index, _cfg(index, backend="cuda", vram_budget=470 << 20, cpu_layers=30))
-    assert not every.streamed_layers and every.device_slot_bytes_total == 0
+    assert not every.streamed_layers and every.device_slot_bytes_total == every.slot_bytes
 
 
 def test_plan_cpu_tier_within_the_ram_budget(index):
@@ -174,6 +191,28 @@ def test_speculation_moves_the_cpu_tiers_keys_too(smollm2_path, reference):
     got = _greedy_all(eng, [prompt], 24)
     assert got == want
     assert eng.core.spec.accepted > 0  # drafts were accepted: K/V moved
+
+
+def test_wide_passes_run_the_tier_on_the_backend_and_keep_both_caches(smollm2_path, reference):
+    """Passes wider than ``wide_rows`` (here 2: prompts and the 3-sequence decode) run the tier's
+    layers on the backend from their file bytes, narrower ones on the host's cores; each path
+    writes both caches of those layers, so the tokens stay the reference's whichever path ran
+    which pass (on a GPU the backend is cuda; here the cpu backend stands in for it)."""
+    from ntx.shared.layer_bytes import read_layer
+
+    eng = build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4, ctx=256),
+                             resident_layers=RESIDENT, host_layers=HOST)
+    tier = eng.core.model.host
+    assert tier.wide_rows is None  # beside a cpu backend the tier never leaves the host by itself
+    tier.raw = {i: read_layer(eng.core.model.index.layers[i]) for i in tier.layers}
+    tier.wide_rows = 2
+    assert _greedy_all(eng, PROMPTS, N_TOKENS) == reference  # prompts and batched decode: wide
+    wide = tier.wide_passes
+    assert wide > 0
+    runs = tier.runs
+    assert _greedy_all(eng, PROMPTS[:1], N_TOKENS) == {PROMPTS[0]: reference[PROMPTS[0]]}  # decode alone: host
+    assert tier.runs > runs and tier.wide_passes == wide + 1  # its prompt ran wide, its decode on the host
+    assert tier.report()["wide_passes"] == tier.wide_passes
 
 
 # -- the pipeline -------------------------------------------------------------------------------

@@ -519,6 +519,25 @@ class Backend(ABC):
         if x is not ws.x:
             ws.x[: x.shape[0]] = x
 
+    def to_host(self, a: Any, n_rows: int) -> np.ndarray:
+        """The first ``n_rows`` rows of a pass buffer as a host array, once written."""
+        return np.asarray(a[:n_rows])
+
+    def kv_from_host(self, layer_idx: int, k: np.ndarray, v: np.ndarray, ws: Workspace) -> None:
+        """Store host keys (rotated) and values [n, Hkv*hd] of the pass's first n rows in this
+        backend's cache for ``layer_idx``: the cpu tier keeps the two caches of its layers alike."""
+        n = k.shape[0]
+        ws.k[:n], ws.v[:n] = k, v
+        self.kv_write(layer_idx, ws.k, ws.v, ws)
+
+    def pin_host(self, buf: np.ndarray) -> None:
+        """Make host buffer ``buf`` fast to copy from (page-locked on a GPU; nothing here)."""
+
+    def layer_from_host(self, layer: LayerInfo, buf: np.ndarray) -> Any:
+        """Weights for one pass of a layer whose image ``buf`` is in host memory (a cpu-tier
+        layer computed here in a wide pass): ``prepare_layer`` without keeping it."""
+        return self.prepare_layer(layer, buf, keep=False)
+
 
 def backend_class(name: str) -> type[Backend]:
     """The backend class called ``name`` ("cpu" or "cuda"); cuda only where a GPU and cupy are."""
@@ -562,7 +581,11 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
     if cfg.draft_model:
         draft = memory_costs(cfg.backend, open_model(cfg.draft_model), **sizes)
     costs = memory_costs(cfg.backend, index, **sizes)
-    host_bytes = None if cfg.cpu_layers == 0 else memory_costs("cpu", index, **sizes).layer_bytes
+    host_bytes = None
+    if cfg.cpu_layers != 0:  # packed for the host's kernels; on cuda the file bytes too (wide passes)
+        packed = memory_costs("cpu", index, **sizes).layer_bytes
+        host_bytes = tuple(b + (layer.image_bytes if cfg.backend == "cuda" else 0)
+                           for b, layer in zip(packed, index.layers))
     plan = make_plan(index, cfg, costs, draft, rates, host_bytes)
     if rates is None and cfg.backend == "cuda" and cfg.cpu_layers is None and plan.streamed_layers:
         say = log or (lambda line: None)
@@ -578,13 +601,17 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
 
 def measure_rates(index: ModelIndex, layer: int) -> HostRates:
     """The speeds the cpu tier's split needs (``HostRates``), on this machine now: the link with
-    pinned memory (in a child process, ``probes.link_gbps_apart``) and the host's cores on layer
-    ``layer`` (``probes.host_layer_gbps``)."""
-    from ntx.daemons.compute.probes import host_layer_gbps, link_gbps_apart
+    pinned memory (in a child process, ``probes.link_gbps_apart``), the host's cores on layer
+    ``layer`` (``probes.host_layer_gbps``) and the host memory's read bandwidth
+    (``probes.host_read_gbps``)."""
+    import os
+
+    from ntx.daemons.compute.probes import host_layer_gbps, host_read_gbps, link_gbps_apart
 
     key = (index.layers[layer].spans[0].path, layer)
     if key not in _MEASURED_RATES:  # a benchmark plans many instances of one model in a process
         _MEASURED_RATES[key] = HostRates(link_gbps=link_gbps_apart(), cpu_gbps=host_layer_gbps(index, layer),
+                                         mem_gbps=host_read_gbps(512 << 20, 3, len(os.sched_getaffinity(0))),
                                          how=f"measured at start (layer {layer})")
     return _MEASURED_RATES[key]
 

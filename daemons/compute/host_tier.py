@@ -33,6 +33,31 @@ from ntx.shared.layer_bytes import read_layer
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
+# Passes of more rows than this run the tier's layers on the GPU (copied from pinned host memory):
+# the host's cores are bound by arithmetic there, and the int8 products of 8 rows cost several
+# times those of one, while the copy costs the same whatever the rows.
+WIDE_PASS_ROWS = 4
+
+
+class _KvTee:
+    """A backend's operations for ``llama_block``, except that the keys and values a layer
+    stores also go to ``mirror(layer, k, v)`` (k rotated): the other cache of a cpu-tier layer.
+    A cpu backend's fused RoPE rotates k in place; another's is done in two steps so that it does."""
+
+    def __init__(self, ops: Backend, mirror: Callable[[int, Any, Any], None]) -> None:
+        self.ops = ops
+        self.mirror = mirror
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ops, name)
+
+    def rope_kv_write(self, layer_idx: int, q: Any, k: Any, v: Any, ws: Workspace) -> None:
+        if self.ops.name == "cpu":
+            self.ops.rope_kv_write(layer_idx, q, k, v, ws)
+        else:
+            self.ops.rope(q, k, ws)
+            self.ops.kv_write(layer_idx, k, v, ws)
+        self.mirror(layer_idx, k, v)
 
 
 class HostTier:
@@ -42,7 +67,11 @@ class HostTier:
 
     def __init__(self, index: ModelIndex, layers: Sequence[int], backend: Backend,
                  kernels: KernelOptions | None = None, rope_divisors: Any = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, wide_rows: int | None = None) -> None:
+        """``wide_rows``: passes of more rows run these layers on ``backend`` instead, from their
+        file bytes kept (pinned) in host memory (None: never; the default beside a GPU:
+        ``WIDE_PASS_ROWS``). The keys and values of the tier's layers are then kept in both
+        caches, each path writing both, so that either path can run any pass."""
         self.index = index
         self.layers = sorted(layers)
         self.backend = backend
@@ -50,21 +79,29 @@ class HostTier:
         if self.cpu.quantized and backend.name != "cpu":  # beside a GPU pipeline: spare its other threads
             self.cpu.threads = cpu_kernels.set_threads(spare=cpu_kernels.TIER_SPARE_CORES)
         self.cpu.set_rope(rope_divisors)
+        self.wide_rows = wide_rows if wide_rows is not None else (WIDE_PASS_ROWS if backend.name != "cpu" else None)
         self.weights: dict[int, Any] = {}
+        self.raw: dict[int, Any] = {}  # the layers' file bytes, for wide passes (with wide_rows)
 
-        def prepare(i: int) -> Any:
-            return self.cpu.prepare_layer(index.layers[i], read_layer(index.layers[i]), keep=True)
+        def prepare(i: int) -> tuple[Any, Any]:
+            buf = read_layer(index.layers[i])
+            return self.cpu.prepare_layer(index.layers[i], buf, keep=True), buf if self.wide_rows is not None else None
 
         # numpy's unpacking releases the GIL: a 70B's tier (GBs) packs in seconds, not minutes
         with ThreadPoolExecutor(max(1, min(PREPARE_THREADS, os.cpu_count() or 1))) as pool:
-            for i, w in zip(self.layers, pool.map(prepare, self.layers)):
+            for i, (w, buf) in zip(self.layers, pool.map(prepare, self.layers)):
                 self.weights[i] = w
+                if buf is not None:
+                    backend.pin_host(buf)
+                    self.raw[i] = buf
                 if progress:
                     progress(i)
         self.layer_bytes = {i: index.layers[i].nbytes for i in self.layers}  # what a pass reads, as in the file
         self.busy_s = 0.0  # host time in run(), copies of the hidden state included
         self.bytes_read = 0
         self.runs = 0
+        self.wide_passes = 0  # passes whose tier layers ran on the backend
+        self._last_wide_pass = -1
         self.last_pass_s: dict[int, float] = {}  # pass id -> its time on the tier (kept short)
 
     def warm_up(self, log: Callable[[str], None]) -> None:
@@ -72,15 +109,30 @@ class HostTier:
         self.cpu.warm_up((), None, log)
 
     def run(self, first: int, end: int, ws: Workspace, pass_id: int) -> None:
-        """Layers [first, end) (all on this tier) on the pass's hidden state ``ws.x``, in place."""
+        """Layers [first, end) (all on this tier) on the pass's hidden state ``ws.x``, in place:
+        on the host's cores, or on the backend when the pass is wider than ``wide_rows``."""
         from ntx.daemons.compute.model import llama_block  # the one block; model.py imports this module
 
+        n = ws.batch.n_tokens
+        if self.wide_rows is not None and n > self.wide_rows:
+            # the host's cores would be compute-bound here: the backend runs these layers, each
+            # copied from host memory, and the tier's cache gets their K/V too
+            hws = self.cpu.begin_pass(ws.batch)
+            be = self.backend
+            tee = _KvTee(be, lambda i, k, v: self.cpu.kv_write(i, be.to_host(k, n), be.to_host(v, n), hws))
+            for i in range(first, end):
+                llama_block(tee, i, be.layer_from_host(self.index.layers[i], self.raw[i]), ws)
+            if pass_id != self._last_wide_pass:
+                self.wide_passes, self._last_wide_pass = self.wide_passes + 1, pass_id
+            return
         t0 = time.perf_counter()
         x = self.backend.hidden_to_host(ws)  # x: [T, D] float32 on the host
         hws = self.cpu.begin_pass(ws.batch)
         hws.x = x
+        ops = self.cpu if self.wide_rows is None else _KvTee(self.cpu, lambda i, k, v: self.backend.kv_from_host(
+            i, k[:n], v[:n], ws))
         for i in range(first, end):
-            llama_block(self.cpu, i, self.weights[i], hws)
+            llama_block(ops, i, self.weights[i], hws)
             self.bytes_read += self.layer_bytes[i]
         self.backend.hidden_from_host(ws, hws.x)
         dt = time.perf_counter() - t0
@@ -95,14 +147,16 @@ class HostTier:
         self.cpu.kv_keep(seq_id, src_positions, dst_positions)
 
     def report(self) -> dict:
-        """For ``ntxctl status``: the tier's layers, its busy time and GB/s while busy, the
-        threads it runs on, its time in each of the last passes (mean)."""
-        recent = list(self.last_pass_s.values())[:-1]
+        """For ``ntxctl status``: the tier's layers, its busy time and GB/s while busy (prompt
+        passes included), the threads it runs on, its time in the last passes (median)."""
+        recent = sorted(list(self.last_pass_s.values())[:-1])  # the newest may still run
         return {"layers": len(self.layers), "bytes_per_pass": sum(self.layer_bytes.values()),
                 "busy_s": round(self.busy_s, 6), "bytes": self.bytes_read,
                 "busy_gbps": round(self.bytes_read / self.busy_s / 1e9, 3) if self.busy_s > 0 else 0.0,
+                "wide_rows": self.wide_rows, "wide_passes": self.wide_passes,
                 "threads": self.cpu.threads, "quantized": self.cpu.quantized,
-                "recent_pass_s": round(sum(recent) / len(recent), 6) if recent else 0.0}
+                "recent_pass_s": round(recent[len(recent) // 2], 6) if recent else 0.0}  # median: a prompt's
+        # passes (many rows, at the cores' arithmetic speed) do not colour the decode passes' figure
 
     def close(self) -> None:
         self.weights.clear()

@@ -297,10 +297,11 @@ class LlamaModel:
         runs = [self._capture_request(first, end, n == 0)
                 for n, (first, end, kind) in enumerate(self.runs) if kind == RESIDENT]
         eager_ops = None
-        if self.streamed_layers:
-            spec = replace(spec, compile_qtypes=spec.compile_qtypes | (self._qtypes(self.streamed_layers)
-                                                                       - self._qtypes(self.resident)))
-            eager_ops = partial(self._weightless_ops, self.streamed_layers[0])
+        outside = self.streamed_layers + (self.host_layers if self.host is not None and self.host.wide_rows is not None
+                                          else [])  # layers the backend runs outside the warm passes
+        if outside:
+            spec = replace(spec, compile_qtypes=spec.compile_qtypes | (self._qtypes(outside) - self._qtypes(self.resident)))
+            eager_ops = partial(self._weightless_ops, outside[0])
         self.backend.warm_up(runs, spec, log, eager_ops)
         if self.host is not None:
             self.host.warm_up(log)
@@ -374,6 +375,9 @@ class LlamaModel:
         that write or read no cache entry: the warm-up's)."""
         be = self.backend
         be.rope_kv_write(layer_idx, ws.q, ws.k, ws.v, ws)
+        if self.host is not None and self.host.wide_rows is not None:  # the tier's wide passes: in two steps
+            be.rope(ws.q, ws.k, ws)
+            be.kv_write(layer_idx, ws.k, ws.v, ws)
         be.attention(layer_idx, ws.q, ws, out=ws.attn)
         be.swiglu(ws.gate, ws.up, out=ws.act)
         be.add(ws.x, ws.o, out=ws.x)

@@ -161,6 +161,7 @@ class CudaBackend(Backend):
         self.works: dict[int, _Work] = {}  # by bucket: the graphs point into them
         self.graphs: dict[tuple, Any] = {}  # (run key, bucket rows, has_trees) -> cupy Graph
         self.ipc_slots: list[Any] = []
+        self.tier_stage = None  # the cpu tier's staging buffer for its layers in wide passes (layer_from_host)
 
     @classmethod
     def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
@@ -527,6 +528,34 @@ class CudaBackend(Backend):
     def hidden_from_host(self, ws: _Work, x: np.ndarray) -> None:
         """ws.x[:T] = x [T, D], queued on the pass stream before the layers that follow."""
         ws.x[: x.shape[0]].set(np.ascontiguousarray(x, dtype=np.float32), stream=self.stream)
+
+    def to_host(self, a, n_rows: int) -> np.ndarray:
+        host = cp.asnumpy(a[:n_rows], stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def kv_from_host(self, layer_idx: int, k: np.ndarray, v: np.ndarray, ws: _Work) -> None:
+        """The host rows' K/V up to the device and into the cache (inert rows store nothing)."""
+        n = k.shape[0]
+        ws.k[:n].set(np.ascontiguousarray(k, dtype=np.float32), stream=self.stream)
+        ws.v[:n].set(np.ascontiguousarray(v, dtype=np.float32), stream=self.stream)
+        with self.stream:
+            self.kv_write(layer_idx, ws.k, ws.v, ws)
+
+    def pin_host(self, buf: np.ndarray) -> None:
+        """Page-lock ``buf`` (cudaHostRegister) so that its copies run at the link's speed."""
+        cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, 0)
+
+    def layer_from_host(self, layer: LayerInfo, buf: np.ndarray) -> dict[str, Any]:
+        """A cpu-tier layer's image copied (from pinned memory) into the backend's one staging
+        buffer and prepared there, queued on the pass stream: the next copy into the buffer is
+        ordered after this layer's kernels."""
+        if self.tier_stage is None or self.tier_stage.nbytes < buf.nbytes:
+            self.tier_stage = cp.ndarray((self.index.max_layer_image_bytes,), dtype=cp.uint8,
+                                         memptr=cp.cuda.MemoryPointer(cp.cuda.Memory(self.index.max_layer_image_bytes), 0))
+        dst = self.tier_stage[: buf.nbytes]
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, buf.ctypes.data, buf.nbytes, 1, self.stream.ptr)
+        return self.prepare_layer(layer, dst, keep=False)
 
 
 def _to_host(got: dict, name: str, a, stream) -> None:
