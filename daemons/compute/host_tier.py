@@ -19,17 +19,20 @@ Each pass's time on the tier and the bytes it read are kept (``report``) for ``n
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from ntx.daemons.compute import cpu_kernels
 from ntx.daemons.compute.backend import Backend, Workspace
 from ntx.daemons.compute.cpu_backend import CpuBackend
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
-from ntx.shared.layer_bytes import read_layer
+from ntx.shared.layer_bytes import read_layer, read_layer_into
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
@@ -84,8 +87,13 @@ class HostTier:
         self.raw: dict[int, Any] = {}  # the layers' file bytes, for wide passes (with wide_rows)
 
         def prepare(i: int) -> tuple[Any, Any]:
-            buf = read_layer(index.layers[i])
-            return self.cpu.prepare_layer(index.layers[i], buf, keep=True), buf if self.wide_rows is not None else None
+            info = index.layers[i]
+            if self.wide_rows is None:
+                return self.cpu.prepare_layer(info, read_layer(info), keep=True), None
+            # pages of its own (an anonymous mapping): page-locking one buffer never meets another's pages
+            buf = read_layer_into(info, np.frombuffer(mmap.mmap(-1, max(info.image_bytes, 1)), dtype=np.uint8,
+                                                      count=info.image_bytes))
+            return self.cpu.prepare_layer(info, buf, keep=True), buf
 
         # numpy's unpacking releases the GIL: a 70B's tier (GBs) packs in seconds, not minutes
         with ThreadPoolExecutor(max(1, min(PREPARE_THREADS, os.cpu_count() or 1))) as pool:
