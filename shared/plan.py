@@ -35,6 +35,10 @@ VRAM, CPU, RAM, STORAGE, SKIPPED = "vram", "cpu", "ram", "storage", "skipped"
 TIER_LABELS = {CPU: "host CPU", RAM: "pinned RAM", STORAGE: "storage", SKIPPED: "skipped"}  # the resident tier's: Plan.memory_name
 DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
 RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
+# Passes of more rows than this run the cpu tier's layers on the GPU (copied from pinned host memory,
+# daemons/compute/host_tier.py): the host's cores are bound by arithmetic there, and the int8
+# products of 8 rows cost several times those of one, while the copy costs the same whatever the rows.
+WIDE_PASS_ROWS = 4
 KV_POOL_CAP_ROWS = 2  # the KV pool holds at most this many full contexts per --max-batch row (the rest: the prefix cache's)
 
 
@@ -250,8 +254,10 @@ class Plan:
                         f"{self.cpu_gbps:.1f} GB/s of weights; streaming alone is as fast)"]
             return []
         lines = [f"host CPU: {len(self.layers_on(CPU))} layers held in host RAM as "
-                 f"{format_bytes(self.cpu_held_bytes)} (inside the RAM budget), computed by the host's cores; only "
-                 "the hidden state crosses the link"]
+                 f"{format_bytes(self.cpu_held_bytes)} (inside the RAM budget"
+                 + (f"; their file bytes too, for passes of more than {WIDE_PASS_ROWS} rows, which run them on the GPU"
+                    if self.backend == "cuda" else "")
+                 + "), computed by the host's cores; only the hidden state crosses the link"]
         if self.link_gbps and self.cpu_gbps:
             rates = HostRates(self.link_gbps, self.cpu_gbps, self.mem_gbps)
             link_ms = self.streamed_bytes_per_pass / (self.link_gbps * 1e9) * 1e3
@@ -260,8 +266,7 @@ class Plan:
                          f"{self.link_gbps:.1f} GB/s) while the host's cores read {format_bytes(self.cpu_layer_bytes)} "
                          f"({self.cpu_gbps:.1f} GB/s alone"
                          + (f", host memory {self.mem_gbps:.1f} GB/s shared with the link" if self.mem_gbps else "")
-                         + f"); {self.rates_how}. Wide passes (long prompts, large batches) compute these layers at "
-                         "the host's arithmetic speed, slower than a GPU's")
+                         + f"); {self.rates_how}")
         return lines
 
     def describe_kv(self) -> list[str]:

@@ -33,13 +33,10 @@ from ntx.daemons.compute.cpu_backend import CpuBackend
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into
+from ntx.shared.plan import WIDE_PASS_ROWS
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
-# Passes of more rows than this run the tier's layers on the GPU (copied from pinned host memory):
-# the host's cores are bound by arithmetic there, and the int8 products of 8 rows cost several
-# times those of one, while the copy costs the same whatever the rows.
-WIDE_PASS_ROWS = 4
 
 
 class _KvTee:
