@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ntx.ctl.cluster.link import ClusterLink
-from ntx.ctl.cluster.replica import NtxReplica
+from ntx.ctl.cluster.replica import STOP_TIMEOUT_S, NtxReplica
 from ntx.ctl.gateway.app import create_app
 from ntx.ctl.gateway.limits import GatewayLimits
 
@@ -39,7 +39,7 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 NtxReplicaDeployment = serve.deployment(
     NtxReplica, name="ntx-replica", max_ongoing_requests=REPLICA_MAX_ONGOING,
     health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
-    graceful_shutdown_timeout_s=5.0)
+    graceful_shutdown_timeout_s=STOP_TIMEOUT_S + 5.0)
 
 # The ingress' construction arguments, for the app builder Serve calls right after the ingress'
 # constructor in the same process (Serve builds the ASGI app of an ingress without arguments).

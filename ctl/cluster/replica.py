@@ -40,6 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _instance_process_setup() -> None:
+    """In the instance's process before it runs: the signals Ray's worker thread blocks or
+    ignores (a child inherits both) are delivered again, and the replica's death is SIGTERM."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    die_with_parent()
+
+
 class NtxReplica:
     """One replica's instance and what the ingress asks of it (module docstring)."""
 
@@ -62,7 +71,7 @@ class NtxReplica:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ntx.ctl.cli", "serve", "--model", model, "--name", name, "--backend", backend,
                  "--listen", self.listen, *instance_args],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_instance_process_setup)
         self.started_s = time.monotonic()
         self.link: PipelineLink | None = None
         self.not_ready_since_s: float | None = None
