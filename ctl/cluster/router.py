@@ -45,6 +45,7 @@ MAX_BLOCKS = 200_000  # block names remembered (about 100 bytes each with their 
 
 MESSAGE_END = "\x1f"  # between messages of a chat key (a unit separator: not in ordinary text)
 ROLE_END = "\x1e"
+TOKENS_KEY = "\x1dtokens\x1d"  # the start of a token-id key: never a raw prompt's
 
 
 def request_key(wire: dict) -> str:
@@ -52,7 +53,7 @@ def request_key(wire: dict) -> str:
     if "messages" in wire:
         return "".join(message_key(m.get("role", ""), m.get("content", "")) for m in wire["messages"])
     if "tokens" in wire:
-        return "".join(f"{t}," for t in wire["tokens"])
+        return TOKENS_KEY + "".join(f"{t}," for t in wire["tokens"])
     return str(wire.get("prompt", ""))
 
 
