@@ -57,7 +57,7 @@ class ReplicaView:
         self.in_flight = 0
         self.routed: Counter[str] = Counter()  # by reason: prefix, least_loaded, retry
         self.failed = 0  # requests that failed here (retried elsewhere, or ended with an error)
-        self.restarts = 0  # instance restarts seen (a new epoch after the first)
+        self.restarts = 0  # instance restarts seen (a new supervisor; its pipeline's restarts are its status')
 
     @property
     def status(self) -> dict | None:
@@ -79,6 +79,7 @@ class ReplicaView:
         return {
             "name": self.name, "ready": self.ready, "state": st.get("state", "not answering"),
             "instance": (self.report or {}).get("instance"), "node": (self.report or {}).get("node"),
+            "pid": (self.report or {}).get("pid"),
             "tokens_per_s": st.get("tokens_per_s", 0.0), "tokens_generated": st.get("tokens_generated", 0),
             "in_flight": self.in_flight, "queued": st.get("requests", {}).get("queued", 0),
             "active": st.get("requests", {}).get("active", 0),
@@ -124,13 +125,16 @@ class ClusterStream:
             streamed = False
             try:
                 async for ev in self._replies(replica):
-                    if ev["type"] == "error" and not streamed and ev.get("code") in RETRY_CODES and not self.cancel_sent:
-                        raise _Retry(f"{ev.get('code')}: {ev.get('message')}")
+                    if ev["type"] == "error" and ev.get("code") in RETRY_CODES and not self.cancel_sent:
+                        if not streamed:
+                            raise _Retry(f"{ev.get('code')}: {ev.get('message')}")
+                        replica.failed += 1
                     streamed = True
                     if ev["type"] in ("done", "error"):
                         self.finished = True
                         if ev["type"] == "done":
                             self.link.router.record(answered_key(self.wire, ev.get("text", "")), replica.name)
+                            ev = {**ev, "replica": replica.name}  # the response's ntx.replica
                     yield ev
                     if self.finished:
                         return
@@ -303,7 +307,7 @@ class ClusterLink:
         epoch = (st.get("supervisor_pid"), st.get("gen")) if st else None
         if epoch is not None and epoch != replica.epoch:
             if replica.epoch is not None:
-                replica.restarts += 1
+                replica.restarts += epoch[0] != replica.epoch[0]
                 self.router.forget_replica(replica.name)
             replica.epoch = epoch
 
