@@ -46,10 +46,24 @@ def read_state(name: str) -> dict[str, Any]:
 
 
 def require_ray() -> None:
+    """Ray Serve is installed (one NtxError line if not); the auth mode is set before Ray is imported."""
+    align_ray_auth_mode()
     from importlib.util import find_spec
 
     if find_spec("ray") is None or find_spec("ray.serve") is None:
         raise NtxError("ntxctl cluster needs Ray Serve: pip install 'ntransformer[ray]'")
+
+
+def align_ray_auth_mode() -> None:
+    """Ray (2.5x on) turns token authentication on for a head started where a token exists
+    (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``) and ``RAY_AUTH_MODE`` is
+    unset, but a driver connecting to it keeps it off and is refused. ntxctl sets the mode the
+    head will take for itself and for the head it starts (its child): the same on both ends."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _free_port() -> int:
@@ -107,6 +121,19 @@ def stop_head(pid: int) -> None:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def forget_current_cluster(address: str) -> None:
+    """Ray records the newest local head in ``ray_current_cluster`` under its temp folder (what a
+    plain ``ray.init()`` or ``serve run`` connects to); a head that ``down`` stopped is removed
+    from there, as ``ray stop`` would do, when it is the one recorded."""
+    current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    try:
+        recorded = current.read_text().strip()
+    except OSError:
+        return
+    if recorded.rpartition(":")[2] == address.rpartition(":")[2]:
+        current.unlink(missing_ok=True)
 
 
 def up(model: str, replicas: int, backend: str, address: str | None, http: str, name: str,
@@ -176,6 +203,7 @@ def down(name: str, say: Callable[[str], None]) -> None:
     """Delete the application (its replicas stop their instances) and stop the Ray head ``up``
     started; the state file goes last."""
     state = read_state(name)
+    align_ray_auth_mode()  # before Ray is imported: it reads the mode once
     try:
         import ray
         from ray import serve
@@ -191,6 +219,7 @@ def down(name: str, say: Callable[[str], None]) -> None:
         say(f"the Ray cluster did not answer ({type(e).__name__}: {e}); stopping what is left")
     if state.get("head_pid"):
         stop_head(state["head_pid"])
+        forget_current_cluster(state["address"])
         say(f"stopped the local Ray head (pid {state['head_pid']})")
     state_file(name).unlink(missing_ok=True)
 

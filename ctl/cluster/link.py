@@ -33,7 +33,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ntx.ctl.cluster.router import Candidate, PrefixRouter, answered_key, request_key
-from ntx.ctl.gateway.link import HISTORY_S, STATUS_INTERVAL_S, STATUS_STALE_S, PipelineGone, generate_frame
+from ntx.ctl.gateway.link import (HISTORY_S, STATUS_INTERVAL_S, STATUS_STALE_S, PipelineGone, StreamTable,
+                                  generate_frame)
 from ntx.ctl.gateway.openai_schema import WIRE_ERRORS
 
 log = logging.getLogger("ray.serve")
@@ -223,7 +224,7 @@ class ClusterStream:
         self._ended.put_nowait(self._error(code, message))
 
 
-class ClusterLink:
+class ClusterLink(StreamTable):
     """The gateway link of a cluster ingress: its replicas, their status (polled each
     ``STATUS_INTERVAL_S``), the router, and the requests being read."""
 
@@ -272,13 +273,6 @@ class ClusterLink:
         replica = self.replicas[choice.name]
         replica.routed[reason or choice.reason] += 1
         return replica
-
-    def forget(self, stream: ClusterStream) -> None:
-        self._streams.pop(stream.rid, None)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._streams)
 
     def end_all(self, code: str, message: str, cancel: bool = True) -> None:
         for stream in list(self._streams.values()):

@@ -125,7 +125,21 @@ class RequestStream:
             self.link.send({"op": "cancel", "id": self.rid})
 
 
-class PipelineLink:
+class StreamTable:
+    """The request streams a link is reading, by request id (a link's ``forget`` and
+    ``in_flight``, the same for one pipeline's link and a cluster's)."""
+
+    _streams: dict
+
+    def forget(self, stream) -> None:
+        self._streams.pop(stream.rid, None)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+
+class PipelineLink(StreamTable):
     """The gateway's client of the supervisor (docs/PROTOCOL.md), for use inside one event loop."""
 
     def __init__(self, address: str, reply_timeout_s: float) -> None:
@@ -184,13 +198,6 @@ class PipelineLink:
             del self._streams[rid]
             raise PipelineGone(f"no connection to the pipeline on {self.address}")
         return stream
-
-    def forget(self, stream: RequestStream) -> None:
-        self._streams.pop(stream.rid, None)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._streams)
 
     # -- status ----------------------------------------------------------------------------
     @property
