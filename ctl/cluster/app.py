@@ -41,8 +41,8 @@ NtxReplicaDeployment = serve.deployment(
     health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
     graceful_shutdown_timeout_s=STOP_TIMEOUT_S + 5.0)
 
-# The ingress' construction arguments, for the app builder Serve calls right after the ingress'
-# constructor in the same process (Serve builds the ASGI app of an ingress without arguments).
+# The ingress' construction arguments, which its app reads at startup (Serve builds an ingress'
+# ASGI app before its first request, and the app object is fixed when the class is decorated).
 _ingress_args: dict[str, Any] = {}
 
 
@@ -53,20 +53,19 @@ async def api_cluster(request: HttpRequest) -> Response:
     return JSONResponse(gw.link.cluster_status())
 
 
-def _ingress_app():
-    args = dict(_ingress_args)
-    limits = GatewayLimits()
+def _cluster_link(gw) -> ClusterLink:
+    """The ingress gateway's link (its app's startup): the replicas' handles, and its API key."""
+    gw.api_key = _ingress_args["api_key"]
+    return ClusterLink(list(zip(_ingress_args["names"], _ingress_args["replicas"])), gw.limits.reply_timeout_s,
+                       registry=gw.metrics.registry)
 
-    def make_link(gw) -> ClusterLink:
-        return ClusterLink(list(zip(args["names"], args["replicas"])), limits.reply_timeout_s,
-                           registry=gw.metrics.registry)
 
-    return create_app("ray-serve", args["api_key"], limits, make_link=make_link,
-                      extra_routes=(Route("/api/cluster", api_cluster, methods=["GET"]),))
+INGRESS_APP = create_app("ray-serve", None, GatewayLimits(), make_link=_cluster_link,
+                         extra_routes=(Route("/api/cluster", api_cluster, methods=["GET"]),))
 
 
 @serve.deployment(name="ntx-ingress", max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
-@serve.ingress(_ingress_app)
+@serve.ingress(INGRESS_APP)
 class NtxIngress:
     """The HTTP entry of the cluster: the gateway's routes over the replicas' handles."""
 

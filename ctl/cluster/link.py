@@ -33,13 +33,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ntx.ctl.cluster.router import Candidate, PrefixRouter, answered_key, request_key
-from ntx.ctl.gateway.link import (HISTORY_S, STATUS_INTERVAL_S, STATUS_STALE_S, PipelineGone, StreamTable,
-                                  generate_frame)
+from ntx.ctl.gateway.link import HISTORY_S, STATUS_INTERVAL_S, PipelineGone, StreamTable, generate_frame
 from ntx.ctl.gateway.openai_schema import WIRE_ERRORS
 
 log = logging.getLogger("ray.serve")
 
-STATUS_CALL_TIMEOUT_S = 2.0  # a replica whose status call takes longer is taken as not answering
+STATUS_CALL_TIMEOUT_S = 5.0  # a status call unanswered by then is no answer (on a busy machine, not a failure)
+# A replica whose instance's status has not been seen for this long is left out as not ready. A
+# slow answer is no evidence of a fault (a replica relaying tokens on busy cores answers late);
+# a failed request, a status saying so, or this long a silence is.
+STATUS_LOST_S = 30.0
 # pipeline error codes after which a request that streamed nothing yet goes to another replica:
 # those whose HTTP answer says "retry" (the instance as a whole could not serve it now)
 RETRY_CODES = frozenset(code for code, (_, _, retry) in WIRE_ERRORS.items() if retry) - {"reply_timeout"}
@@ -47,30 +50,49 @@ RETRY_CODES = frozenset(code for code, (_, _, retry) in WIRE_ERRORS.items() if r
 
 class ReplicaView:
     """What the ingress knows of one replica: its handle, its last status, the requests it sent
-    there and is still reading, and what it routed there."""
+    there and is still reading, and what it routed there.
+
+    It is ready while its instance's last status says ready, that status is at most
+    ``STATUS_LOST_S`` old, and no request failed there since that status came."""
 
     def __init__(self, name: str, handle: Any) -> None:
         self.name = name
         self.handle = handle
         self.report: dict | None = None  # the replica's last answer to ``status`` (replica.NtxReplica.status)
-        self.report_at_s = 0.0
+        self.instance_status: dict | None = None  # the last instance status it held
+        self.status_at_s = -float("inf")  # when that came
+        self.failed_at_s = -float("inf")  # when a request last failed here
         self.epoch: tuple | None = None  # (supervisor pid, pipeline generation): a new one empties its cache
         self.in_flight = 0
         self.routed: Counter[str] = Counter()  # by reason: prefix, least_loaded, retry
         self.failed = 0  # requests that failed here (retried elsewhere, or ended with an error)
         self.restarts = 0  # instance restarts seen (a new supervisor; its pipeline's restarts are its status')
 
+    def observe(self, report: dict) -> None:
+        """A status answer of the replica: its instance's status, if it has one now (an
+        instance that exited is a status of its own; one that did not answer keeps the last)."""
+        self.report = report
+        if not report.get("instance_running", True):
+            self.instance_status, self.status_at_s = {"state": "exited"}, time.monotonic()
+        elif report.get("status") is not None:
+            self.instance_status, self.status_at_s = report["status"], time.monotonic()
+
+    def mark_failed(self) -> None:
+        """A request failed here: not ready until a status comes after this."""
+        self.failed += 1
+        self.failed_at_s = time.monotonic()
+
     @property
     def status(self) -> dict | None:
-        """The instance's status, if the replica answered within ``STATUS_STALE_S``."""
-        if self.report is None or time.monotonic() - self.report_at_s > STATUS_STALE_S:
+        """The instance's last status, if at most ``STATUS_LOST_S`` old."""
+        if time.monotonic() - self.status_at_s > STATUS_LOST_S:
             return None
-        return self.report.get("status")
+        return self.instance_status
 
     @property
     def ready(self) -> bool:
         st = self.status
-        return st is not None and st.get("state") == "ready"
+        return st is not None and st.get("state") == "ready" and self.status_at_s > self.failed_at_s
 
     def summary(self) -> dict:
         """This replica in ``ntxctl cluster status`` and /api/cluster."""
@@ -129,7 +151,7 @@ class ClusterStream:
                     if ev["type"] == "error" and ev.get("code") in RETRY_CODES and not self.cancel_sent:
                         if not streamed:
                             raise _Retry(f"{ev.get('code')}: {ev.get('message')}")
-                        replica.failed += 1
+                        replica.mark_failed()
                     streamed = True
                     if ev["type"] in ("done", "error"):
                         self.finished = True
@@ -141,7 +163,7 @@ class ClusterStream:
                         return
                 raise _Retry("the replica's reply stream ended without an answer")
             except _Retry as e:
-                replica.failed += 1
+                replica.mark_failed()
                 log.warning("request %s: replica %s failed it before any reply (%s); routing it again",
                             self.rid, replica.name, e)
                 reason = "retry"
@@ -152,7 +174,7 @@ class ClusterStream:
                     self.finished = True
                     yield {"type": "done", "id": self.rid, "finish_reason": "cancelled", "text": "", "usage": {}}
                     return
-                replica.failed += 1
+                replica.mark_failed()
                 if streamed:
                     self.finished = True
                     yield self._error("pipeline_lost", f"replica {replica.name} was lost during the request "
@@ -294,9 +316,9 @@ class ClusterLink(StreamTable):
             report = await asyncio.wait_for(replica.handle.status.remote(), STATUS_CALL_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - dead, restarting or too slow: the report goes stale
+        except Exception:  # noqa: BLE001 - dead, restarting or slow: no answer this time
             return
-        replica.report, replica.report_at_s = report, time.monotonic()
+        replica.observe(report)
         st = report.get("status") or {}
         epoch = (st.get("supervisor_pid"), st.get("gen")) if st else None
         if epoch is not None and epoch != replica.epoch:
