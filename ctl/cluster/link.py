@@ -194,7 +194,7 @@ class ClusterStream:
         reply a replica's death is Ray's error on the stream, its pipeline's failure an error
         reply: a status answered late on a busy machine ends nothing.)"""
         self._call = replica.handle.options(stream=True).generate.remote(self.wire)
-        replies = aiter(self._call)
+        replies = aiter(self._call)  # lists of replies (NtxReplica.generate)
         first = True
         while True:
             nxt = asyncio.ensure_future(anext(replies))
@@ -216,11 +216,12 @@ class ClusterStream:
                 return
             if nxt in done:
                 try:
-                    ev = nxt.result()
+                    batch = nxt.result()
                 except StopAsyncIteration:
                     return
                 first = False
-                yield ev
+                for ev in batch:
+                    yield ev
                 continue
             if lost in done:
                 raise _Retry(f"replica {replica.name} is not ready any more")

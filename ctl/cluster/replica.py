@@ -104,21 +104,27 @@ class NtxReplica:
             self.link.start()
         return self.link
 
-    async def generate(self, wire: dict) -> AsyncIterator[dict]:
-        """The instance's replies to one ``generate`` request (``wire``: the gateway's map).
+    async def generate(self, wire: dict) -> AsyncIterator[list[dict]]:
+        """The instance's replies to one ``generate`` request (``wire``: the gateway's map), in
+        lists: each holds the replies that had arrived when the last was sent, so a busy
+        replica sends fewer Ray messages (one reply each while the caller keeps up).
         Cancelling the caller's stream ends this generator, which cancels the request."""
         link = await self._ensure_link()
         try:
             stream = link.submit(wire)
         except PipelineGone as e:
-            yield {"type": "error", "code": "pipeline_lost", "message": f"replica {self.name}: {e}"}
+            yield [{"type": "error", "code": "pipeline_lost", "message": f"replica {self.name}: {e}"}]
             return
         except FrameRefused as e:  # the ingress checks frames first: not reached
-            yield {"type": "error", "code": "bad_frame", "message": str(e)}
+            yield [{"type": "error", "code": "bad_frame", "message": str(e)}]
             return
+        replies = aiter(stream)
         try:
-            async for ev in stream:
-                yield ev
+            async for ev in replies:
+                batch = [ev]
+                while not stream.finished and not stream.queue.empty():
+                    batch.append(await anext(replies))
+                yield batch
         finally:
             stream.cancel()
             link.forget(stream)
