@@ -6,8 +6,10 @@ behind its own gateway (``ntxctl start --http``), and against clusters of 1, 2, 
 The load: ``--concurrency`` clients, each sending non-streamed chat requests with a prompt of
 its own (no shared prefix: the router balances by load) and ``--max-tokens`` tokens, until
 ``--requests`` have been answered. Throughput is generated tokens over the wall time of the
-load; latency is per request, as the client sees it. The 1-replica cluster against the single
-gateway is the Ray path's overhead; N replicas against 1 is the scaling.
+load; latency is per request, as the client sees it. Then ``--light-requests`` one at a time
+(``--light-max-tokens`` each): the latency a request pays on an idle setup. The 1-replica
+cluster against the single gateway is the Ray path's overhead (its added latency per request,
+idle and loaded, and its throughput); N replicas against 1 is the scaling.
 
     python scripts/bench_cluster.py --replicas 1,2 --concurrency 16 --requests 96 --max-tokens 32
 
@@ -99,6 +101,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16, help="clients at once")
     ap.add_argument("--requests", type=int, default=96, help="requests per setup")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
+    ap.add_argument("--light-requests", type=int, default=20, help="requests one at a time, after the load")
+    ap.add_argument("--light-max-tokens", type=int, default=8, help="tokens per request of those")
     ap.add_argument("--instance-args", default="", help="more ntxctl start options for every instance")
     ap.add_argument("--no-single", action="store_true", help="skip the single gateway")
     ap.add_argument("--run-dir", default=None, help="run folder (default: a temporary one)")
@@ -116,18 +120,21 @@ def main() -> None:
     results: dict = {"model": os.path.basename(model), "backend": args.backend, "concurrency": args.concurrency,
                      "requests": args.requests, "max_tokens": args.max_tokens, "cpus": os.cpu_count(), "setups": {}}
 
-    def report(name: str, r: dict) -> None:
+    def measure(name: str, base: str) -> None:
+        r = load(base, args.concurrency, args.requests, args.max_tokens)
+        r["light"] = load(base, 1, args.light_requests, args.light_max_tokens)
         results["setups"][name] = r
         print(f"{name:12s} {r['tokens_per_s']:8.1f} tok/s  {r['requests']} requests ({r['n_errors']} errors) in "
               f"{r['wall_s']:.1f} s; latency mean {r['latency_mean_s']} s, p50 {r['latency_p50_s']} s, "
-              f"p95 {r['latency_p95_s']} s", flush=True)
+              f"p95 {r['latency_p95_s']} s; one at a time: {1000 * r['light']['latency_mean_s']:.1f} ms mean, "
+              f"{1000 * r['light']['latency_p50_s']:.1f} ms p50", flush=True)
 
     if not args.no_single:
         http = f"127.0.0.1:{free_port()}"
         ntxctl("start", "--model", model, "--name", "bench-single", "--backend", args.backend,
                "--listen", f"tcp://127.0.0.1:{free_port()}", "--http", http, *extra, env=env)
         try:
-            report("single", load(f"http://{http}", args.concurrency, args.requests, args.max_tokens))
+            measure("single", f"http://{http}")
         finally:
             ntxctl("stop", "--name", "bench-single", "--force", env=env)
     for n in (int(x) for x in args.replicas.split(",")):
@@ -135,7 +142,7 @@ def main() -> None:
         ntxctl("cluster", "up", "--model", model, "--replicas", str(n), "--backend", args.backend, "--name",
                "bench-cluster", "--http", http, *(["--instance-args", args.instance_args] if extra else []), env=env)
         try:
-            report(f"cluster x{n}", load(f"http://{http}", args.concurrency, args.requests, args.max_tokens))
+            measure(f"cluster x{n}", f"http://{http}")
         finally:
             ntxctl("cluster", "down", "--name", "bench-cluster", env=env)
     setups = results["setups"]
@@ -147,11 +154,13 @@ def main() -> None:
                 print(f"{name} / cluster x1: {r['scaling_vs_x1']:.2f}x")
         if "single" in setups:
             s, c = setups["single"], setups["cluster x1"]
-            results["ray_overhead"] = {
+            over = results["ray_overhead"] = {
                 "throughput_loss": round(1 - c["tokens_per_s"] / s["tokens_per_s"], 4),
-                "latency_added_mean_s": round(c["latency_mean_s"] - s["latency_mean_s"], 4)}
-            print(f"Ray path vs single gateway (1 replica): throughput {100 * results['ray_overhead']['throughput_loss']:+.1f}% "
-                  f"lost, mean latency {1000 * results['ray_overhead']['latency_added_mean_s']:+.1f} ms")
+                "latency_added_loaded_mean_s": round(c["latency_mean_s"] - s["latency_mean_s"], 4),
+                "latency_added_idle_p50_s": round(c["light"]["latency_p50_s"] - s["light"]["latency_p50_s"], 4)}
+            print(f"Ray path vs single gateway (1 replica): throughput {100 * over['throughput_loss']:+.1f}% lost; "
+                  f"latency added {1000 * over['latency_added_idle_p50_s']:+.1f} ms a request idle (p50), "
+                  f"{1000 * over['latency_added_loaded_mean_s']:+.1f} ms loaded (mean)")
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"written {args.out}")
 

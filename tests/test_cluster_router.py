@@ -116,3 +116,60 @@ def test_the_map_is_bounded_least_recent_first():
     assert len(r.holders) == 8
     assert r.match(block_names(new), "r1") == 6  # the newest is whole
     assert r.match(block_names(old), "r0") == 0  # the oldest blocks went first
+
+
+# ------------------------------------------------------------------ which replicas the ingress routes to
+from ntx.ctl.cluster.link import STATUS_LOST_S, ClusterLink  # noqa: E402
+from ntx.ctl.gateway.link import FrameTooLarge, PipelineGone  # noqa: E402
+
+
+def _link(*names: str) -> ClusterLink:
+    """A cluster link over replicas without handles: routing reads only what it observed."""
+    return ClusterLink([(n, None) for n in names], reply_timeout_s=60, router=PrefixRouter(random.Random(0)))
+
+
+def _report(state: str, pid: int = 100, gen: int = 0, running: bool = True) -> dict:
+    return {"instance": "i", "instance_running": running,
+            "status": {"state": state, "supervisor_pid": pid, "gen": gen, "requests": {}}}
+
+
+def test_only_replicas_ready_on_evidence_are_routed_to():
+    link = _link("r0", "r1")
+    assert link.route("k", set()) is None  # nothing observed yet
+    link.replicas["r0"].observe(_report("ready"))
+    link.replicas["r1"].observe(_report("restarting"))
+    assert {link.route(f"k{i}", set()).name for i in range(20)} == {"r0"}
+    assert link.route("k", {"r0"}) is None  # tried already
+    link.replicas["r1"].observe({"instance": "i", "instance_running": True, "status": None})
+    assert not link.replicas["r1"].ready  # an instance that did not answer keeps its last status
+    link.replicas["r1"].observe(_report("ready"))
+    assert link.replicas["r1"].ready
+
+
+def test_a_failure_or_a_long_silence_takes_a_replica_out_a_slow_answer_does_not():
+    link = _link("r0")
+    r0 = link.replicas["r0"]
+    r0.observe(_report("ready"))
+    r0.observe({"instance": "i", "instance_running": True, "status": None})  # late: no evidence
+    assert r0.ready
+    r0.mark_failed()
+    assert not r0.ready and r0.failed == 1
+    r0.observe(_report("ready"))  # a status after the failure
+    assert r0.ready
+    r0.status_at_s -= STATUS_LOST_S + 1
+    assert not r0.ready and r0.status is None
+    r0.observe(_report("ready", running=False))
+    assert not r0.ready and r0.status == {"state": "exited"}
+
+
+def test_submit_checks_the_frame_and_that_a_replica_is_ready():
+    link = _link("r0")
+    with pytest.raises(PipelineGone):
+        link.submit({"prompt": "hi", "raw": True})
+    link.replicas["r0"].observe(_report("ready"))
+    with pytest.raises(FrameTooLarge):
+        link.submit({"prompt": "x" * (17 << 20), "raw": True})
+    stream = link.submit({"prompt": "hi", "raw": True})
+    assert link.in_flight == 1 and not stream.finished
+    link.forget(stream)
+    assert link.in_flight == 0

@@ -31,6 +31,9 @@ from ntx.shared.run_files import open_private, private_dir, write_private
 HEAD_START_TIMEOUT_S = 120.0
 APP_START_TIMEOUT_S = 900.0  # replicas start their instances (and a model's first start compiles kernels)
 HEAD_STOP_TIMEOUT_S = 30.0
+# The local head's object store: the cluster passes small replies, never tensors, so it needs
+# little (Ray's default reserves 30% of the machine's memory in /dev/shm).
+HEAD_OBJECT_STORE_BYTES = 256 << 20
 
 
 def state_file(name: str) -> Path:
@@ -81,7 +84,8 @@ def start_head(name: str, num_cpus: int, num_gpus: int | None, say: Callable[[st
     port = _free_port()
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
            "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", str(num_cpus),
-           "--include-dashboard", "false", "--ray-client-server-port", str(_free_port()),
+           "--include-dashboard", "false", "--object-store-memory", str(HEAD_OBJECT_STORE_BYTES),
+           "--ray-client-server-port", str(_free_port()),
            "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port())]
     if num_gpus is not None:
         cmd += ["--num-gpus", str(num_gpus)]
