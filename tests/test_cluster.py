@@ -161,11 +161,14 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_replica(cluster):
         # (a status map may be up to 0.1 s old: the request may not be in it yet)
         wait_for(lambda: _instances_in_flight(cluster) == 1, 5.0, "the request to be in flight in an instance")
     wait_for(lambda: _instances_in_flight(cluster) == 0, 10.0,
-             "the replicas' instances to have no request in flight after the client hung up")
+             lambda: f"the replicas' instances to have no request in flight after the client hung up "
+                     f"(now {_instances_in_flight(cluster)}; ingress: {cluster.report()['in_flight']})")
 
 
-def _instances_in_flight(cluster: Cluster) -> int:
-    return sum(instance.get_status(f"{cluster.name}-r{i}", timeout_s=5.0)["requests"]["in_flight"] for i in range(2))
+def _instances_in_flight(cluster: Cluster) -> int | None:
+    """Requests in flight in the replicas' instances (None while one does not answer)."""
+    sts = [instance.get_status(f"{cluster.name}-r{i}", timeout_s=5.0) for i in range(2)]
+    return None if None in sts else sum(st["requests"]["in_flight"] for st in sts)
 
 
 def test_status_and_metrics(cluster):

@@ -4,6 +4,7 @@ holding the longest prefix while the load allows, else the less loaded of two.""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -173,3 +174,22 @@ def test_submit_checks_the_frame_and_that_a_replica_is_ready():
     assert link.in_flight == 1 and not stream.finished
     link.forget(stream)
     assert link.in_flight == 0
+
+
+def test_only_a_fault_since_a_request_was_sent_sends_it_elsewhere():
+    """A stalled pipeline (its first prefill of a batch on busy cores) or a refusal for load
+    takes a replica out of the choice for new requests, but a request already waiting there
+    for its first reply goes elsewhere only on a fault since it was sent."""
+    link = _link("r0")
+    r0 = link.replicas["r0"]
+    r0.observe(_report("ready"))
+    sent_s = time.monotonic()
+    r0.observe(_report("stalled"))
+    assert not r0.ready and not r0.lost_since(sent_s)
+    r0.mark_failed(fault=False)  # overloaded
+    assert not r0.lost_since(sent_s) and r0.failed == 1
+    r0.mark_failed()
+    assert r0.lost_since(sent_s) and not r0.lost_since(time.monotonic())
+    later_s = time.monotonic()
+    r0.observe(_report("ready", running=False))
+    assert r0.lost_since(later_s)

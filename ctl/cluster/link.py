@@ -10,7 +10,8 @@ instance's own replies (``token``, ``done``, ``error``).
 Faults. A request that has given its client nothing yet is sent again to another replica when
 its replica fails it: the replica's process died (Ray's error), its instance's pipeline failed
 or restarts (the instance's ``pipeline_failure``, ``pipeline_lost``, ``overloaded``, ...: the
-codes whose HTTP answer says retry), or it stopped answering its status. A request that has
+codes whose HTTP answer says retry), or another request failed there by a fault since it was
+sent (``ReplicaView.lost_since``). A request that has
 already streamed tokens gets one ``pipeline_lost`` error naming the replica, never a hang, and
 never a silent end. Ray Serve restarts the dead replica (``check_health`` in ``replica``); the
 router leaves it out until its status says ready again and forgets its prefixes (its KV cache
@@ -44,8 +45,10 @@ STATUS_CALL_TIMEOUT_S = 5.0  # a status call unanswered by then is no answer (on
 # a failed request, a status saying so, or this long a silence is.
 STATUS_LOST_S = 30.0
 # pipeline error codes after which a request that streamed nothing yet goes to another replica:
-# those whose HTTP answer says "retry" (the instance as a whole could not serve it now)
+# those whose HTTP answer says "retry" (the instance as a whole could not serve it now); all but
+# "overloaded" (load, not a fault) also take the replica out until its next status
 RETRY_CODES = frozenset(code for code, (_, _, retry) in WIRE_ERRORS.items() if retry) - {"reply_timeout"}
+LOAD_CODES = frozenset({"overloaded"})
 
 
 class ReplicaView:
@@ -77,10 +80,19 @@ class ReplicaView:
         elif report.get("status") is not None:
             self.instance_status, self.status_at_s = report["status"], time.monotonic()
 
-    def mark_failed(self) -> None:
-        """A request failed here: not ready until a status comes after this."""
+    def mark_failed(self, fault: bool = True) -> None:
+        """A request failed here; by a ``fault`` (not load): not ready until a status comes
+        after this, and the requests still waiting for their first reply here go elsewhere."""
         self.failed += 1
-        self.failed_at_s = time.monotonic()
+        if fault:
+            self.failed_at_s = time.monotonic()
+
+    def lost_since(self, since_s: float) -> bool:
+        """Evidence since ``since_s`` that requests sent here will not be answered: a request
+        failed here by a fault, or the instance exited. (A stalled or late status is not: the
+        instance queues what it has and answers when it can, as a single gateway's would.)"""
+        exited = (self.instance_status or {}).get("state") == "exited" and self.status_at_s > since_s
+        return self.failed_at_s > since_s or exited
 
     @property
     def status(self) -> dict | None:
@@ -114,6 +126,10 @@ class ReplicaView:
 
 class _Retry(Exception):
     """The replica failed the request before it streamed anything: route it again."""
+
+    def __init__(self, reason: str, fault: bool = True) -> None:
+        super().__init__(reason)
+        self.fault = fault  # False: the replica refused it for load
 
 
 class ClusterStream:
@@ -149,9 +165,10 @@ class ClusterStream:
             try:
                 async for ev in self._replies(replica):
                     if ev["type"] == "error" and ev.get("code") in RETRY_CODES and not self.cancel_sent:
+                        fault = ev.get("code") not in LOAD_CODES
                         if not streamed:
-                            raise _Retry(f"{ev.get('code')}: {ev.get('message')}")
-                        replica.mark_failed()
+                            raise _Retry(f"{ev.get('code')}: {ev.get('message')}", fault)
+                        replica.mark_failed(fault)
                     streamed = True
                     if ev["type"] in ("done", "error"):
                         self.finished = True
@@ -163,7 +180,7 @@ class ClusterStream:
                         return
                 raise _Retry("the replica's reply stream ended without an answer")
             except _Retry as e:
-                replica.mark_failed()
+                replica.mark_failed(e.fault)
                 log.warning("request %s: replica %s failed it before any reply (%s); routing it again",
                             self.rid, replica.name, e)
                 reason = "retry"
@@ -189,10 +206,11 @@ class ClusterStream:
 
     async def _replies(self, replica: ReplicaView) -> AsyncIterator[dict]:
         """The replica's replies, each raced by ``end_all``'s error and the reply timeout; the
-        first one also by the replica's loss: a request waiting for its first reply on a replica
-        that stops being ready goes elsewhere (``_Retry``) instead of waiting. (After the first
-        reply a replica's death is Ray's error on the stream, its pipeline's failure an error
-        reply: a status answered late on a busy machine ends nothing.)"""
+        first one also by evidence that the replica is lost (``ReplicaView.lost_since``): a
+        request waiting for its first reply there goes elsewhere (``_Retry``) instead of waiting
+        for Serve to restart it. (After the first reply a replica's death is Ray's error on the
+        stream, its pipeline's failure an error reply; a stalled or late status ends nothing.)"""
+        sent_s = time.monotonic()
         self._call = replica.handle.options(stream=True).generate.remote(self.wire)
         replies = aiter(self._call)  # lists of replies (NtxReplica.generate)
         first = True
@@ -200,7 +218,7 @@ class ClusterStream:
             nxt = asyncio.ensure_future(anext(replies))
             ended = asyncio.ensure_future(self._ended.get())
             racing = {nxt, ended}
-            lost = asyncio.ensure_future(self.link.replica_lost(replica)) if first else None
+            lost = asyncio.ensure_future(self.link.replica_lost(replica, sent_s)) if first else None
             if lost is not None:
                 racing.add(lost)
             try:
@@ -224,7 +242,7 @@ class ClusterStream:
                     yield ev
                 continue
             if lost in done:
-                raise _Retry(f"replica {replica.name} is not ready any more")
+                raise _Retry(f"replica {replica.name} failed other requests or its instance exited", fault=False)
             yield self._error("reply_timeout", f"no reply from replica {replica.name} for "
                                                f"{self.link.reply_timeout_s:g} s; the request was cancelled")
             return
@@ -304,11 +322,12 @@ class ClusterLink(StreamTable):
                     stream.cancel()
                 stream.end(code, message)
 
-    async def replica_lost(self, replica: ReplicaView) -> None:
-        """Returns once ``replica`` is seen not ready (by a status poll)."""
+    async def replica_lost(self, replica: ReplicaView, since_s: float) -> None:
+        """Returns once there is evidence since ``since_s`` that ``replica`` will not answer
+        (``ReplicaView.lost_since``), looked at after each status poll."""
         while True:
             await self._polled.wait()
-            if not replica.ready:
+            if replica.lost_since(since_s):
                 return
 
     # -- status ----------------------------------------------------------------------------
