@@ -181,6 +181,11 @@ class ClusterStream:
                 raise _Retry("the replica's reply stream ended without an answer")
             except _Retry as e:
                 replica.mark_failed(e.fault)
+                if streamed:  # (a stream that ended without an answer): its client has part of one
+                    self.finished = True
+                    yield self._error("pipeline_lost", f"replica {replica.name} ended the request without an "
+                                                       "answer; it was not finished")
+                    return
                 log.warning("request %s: replica %s failed it before any reply (%s); routing it again",
                             self.rid, replica.name, e)
                 reason = "retry"
