@@ -49,6 +49,7 @@ STATUS_LOST_S = 30.0
 # "overloaded" (load, not a fault) also take the replica out until its next status
 RETRY_CODES = frozenset(code for code, (_, _, retry) in WIRE_ERRORS.items() if retry) - {"reply_timeout"}
 LOAD_CODES = frozenset({"overloaded"})
+LOST_CHECK_S = 0.25  # how often a request waiting for its first reply looks for evidence its replica is lost
 
 
 class ReplicaView:
@@ -284,13 +285,13 @@ class ClusterLink(StreamTable):
         self._ids = itertools.count()
         self._streams: dict[str, ClusterStream] = {}
         self._tasks: list[asyncio.Task] = []
-        self._polled: asyncio.Event | None = None  # set after each poll round (replica_lost waits on it)
         if registry is not None:
             registry.register(ClusterCollector(self))
 
     def start(self) -> None:
-        self._polled = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._poll_status())]
+        """One status poll per replica (a slow or dead one delays no other), and the history."""
+        self._tasks = [asyncio.create_task(self._poll(r)) for r in self.replicas.values()]
+        self._tasks.append(asyncio.create_task(self._keep_history()))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -327,13 +328,12 @@ class ClusterLink(StreamTable):
                     stream.cancel()
                 stream.end(code, message)
 
-    async def replica_lost(self, replica: ReplicaView, since_s: float) -> None:
+    @staticmethod
+    async def replica_lost(replica: ReplicaView, since_s: float) -> None:
         """Returns once there is evidence since ``since_s`` that ``replica`` will not answer
-        (``ReplicaView.lost_since``), looked at after each status poll."""
-        while True:
-            await self._polled.wait()
-            if replica.lost_since(since_s):
-                return
+        (``ReplicaView.lost_since``), looked at every ``LOST_CHECK_S``."""
+        while not replica.lost_since(since_s):
+            await asyncio.sleep(LOST_CHECK_S)
 
     # -- status ----------------------------------------------------------------------------
     async def _ask(self, replica: ReplicaView) -> None:
@@ -352,11 +352,14 @@ class ClusterLink(StreamTable):
                 self.router.forget_replica(replica.name)
             replica.epoch = epoch
 
-    async def _poll_status(self) -> None:
+    async def _poll(self, replica: ReplicaView) -> None:
         while True:
-            await asyncio.gather(*(self._ask(r) for r in self.replicas.values()))
-            self._polled.set()
-            self._polled = asyncio.Event()
+            await self._ask(replica)
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
+    async def _keep_history(self) -> None:
+        """The status page's last minute, one sample per interval."""
+        while True:
             st = self.fresh_status
             if st is not None:
                 self.history.append({"t": round(time.time(), 3), "tokens_per_s": st.get("tokens_per_s", 0.0),
@@ -373,7 +376,7 @@ class ClusterLink(StreamTable):
         requests: Counter[str] = Counter()
         for st in statuses:
             requests.update(st.get("requests", {}))
-        state = "ready" if any(st.get("state") == "ready" for st in statuses) else "starting"
+        state = "ready" if any(r.ready for r in self.replicas.values()) else "starting"
         return {"state": state, "model": statuses[0].get("model", ""), "backend": statuses[0].get("backend"),
                 "uptime_s": round(time.monotonic() - self.started_s, 3),
                 "tokens_per_s": round(sum(st.get("tokens_per_s", 0.0) for st in statuses), 3),
