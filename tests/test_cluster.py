@@ -39,13 +39,17 @@ HANG_UP_CANCELLED_S = 3.0  # from a client's hang-up to its request's end in the
 
 
 class Cluster:
-    def __init__(self, name: str, http: str) -> None:
+    """The cluster under test; it has an API key, sent by ``http`` and ``oai``."""
+
+    def __init__(self, name: str, http: str, key: str) -> None:
         self.name = name
         self.base = f"http://{http}"
-        self.oai = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=180)
+        self.key = key
+        self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        self.oai = openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, timeout=180)
 
     def report(self) -> dict:
-        return httpx.get(f"{self.base}/api/cluster", timeout=10).json()
+        return self.http.get("/api/cluster", timeout=10).json()
 
     def replica(self, name: str) -> dict:
         return next(r for r in self.report()["replicas"] if r["name"] == name)
@@ -61,15 +65,16 @@ class Cluster:
 def cluster(smollm2_path, run_dir):
     name = f"t{uuid.uuid4().hex[:6]}"
     http = f"127.0.0.1:{free_port()}"
-    # 4 sequences at once per instance: under the fault test's load some wait in a queue
-    r = ntxctl("cluster", "up", "--model", str(smollm2_path), "--replicas", "2", "--backend", "cpu", "--name", name,
-               "--http", http, "--instance-args", "--max-batch 4", timeout=600)
+    key = uuid.uuid4().hex
     try:
+        # 4 sequences at once per instance: under the fault test's load some wait in a queue
+        r = ntxctl("cluster", "up", "--model", str(smollm2_path), "--replicas", "2", "--backend", "cpu", "--name",
+                   name, "--http", http, "--instance-args", "--max-batch 4", "--api-key", key, timeout=600)
         assert r.returncode == 0, f"cluster up failed:\n{r.stdout}\n{r.stderr}"
-        yield Cluster(name, http)
-    finally:
+        yield Cluster(name, http, key)
+    finally:  # (also after an up that failed or timed out: what it started is stopped)
         d = ntxctl("cluster", "down", "--name", name, timeout=180)
-        assert d.returncode == 0, d.stderr
+        assert d.returncode == 0 or "is not up" in d.stderr, d.stderr
         for i in range(2):
             assert instance.leftovers(f"{name}-r{i}") == []
 
@@ -112,7 +117,7 @@ def test_the_openai_client_gets_one_instance_s_greedy_text(cluster, single):
 def test_bad_requests_get_the_gateway_s_errors(cluster, single, path, body):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     want = httpx.post(f"{single.base}{path}", timeout=60, **kw)
-    got = httpx.post(f"{cluster.base}{path}", timeout=60, **kw)
+    got = cluster.http.post(path, **kw)
     assert got.status_code == want.status_code >= 400, got.text
     assert got.json() == want.json()
 
@@ -156,7 +161,7 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_replica(cluster):
     # counting never meets an end of text: the request runs until it is cancelled
     body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "temperature": 0, "stream": True}
     wait_for(lambda: _instances_in_flight(cluster) == 0, 10.0, "no request in flight before the test")
-    with httpx.stream("POST", f"{cluster.base}/v1/completions", timeout=60, json=body) as r:
+    with cluster.http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data:"))  # a token came: the request runs
         # (a status map may be up to 0.1 s old: the request may not be in it yet)
@@ -175,19 +180,24 @@ def _instances_in_flight(cluster: Cluster) -> int | None:
 
 
 def test_status_and_metrics(cluster):
-    r = ntxctl("cluster", "status", "--name", cluster.name)
+    r = ntxctl("cluster", "status", "--name", cluster.name, "--api-key", cluster.key)
     assert r.returncode == 0, r.stderr
     assert "2 of 2 replicas ready" in r.stdout
     for i in range(2):
         assert f"{cluster.name}-r{i}" in r.stdout
-    report = json.loads(ntxctl("cluster", "status", "--name", cluster.name, "--json").stdout)
+    report = json.loads(ntxctl("cluster", "status", "--name", cluster.name, "--json", env={"NTX_API_KEY": cluster.key}).stdout)
     assert {"tokens_per_s", "queued", "in_flight", "prefix_hit_rate", "bottleneck", "routed"} <= set(report["replicas"][0])
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{cluster.base}/metrics").text)}
+    families = {f.name: f for f in text_string_to_metric_families(cluster.http.get("/metrics").text)}
     ready = {s.labels["replica"]: s.value for s in families["ntx_cluster_replica_ready"].samples}
     assert ready == {f"{cluster.name}-r0": 1.0, f"{cluster.name}-r1": 1.0}
     assert sum(s.value for s in families["ntx_http_requests"].samples if s.name == "ntx_http_requests_total") > 0
     assert "ntx_cluster_routed_requests" in families and "ntx_cluster_replica_prefix_hit_rate" in families
-    assert httpx.get(f"{cluster.base}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{cluster.base}/health").json() == {"status": "ok"}  # no key needed
+    for path in ("/v1/models", "/metrics", "/api/cluster"):  # the key is
+        r = httpx.get(f"{cluster.base}{path}", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    r = httpx.post(f"{cluster.base}/v1/completions", json={"prompt": FRANCE})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def _load(cluster: Cluster, n: int, max_tokens: int, outcomes: list) -> list[threading.Thread]:

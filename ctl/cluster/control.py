@@ -172,7 +172,7 @@ def up(model: str, replicas: int, backend: str, address: str | None, http: str, 
         app = build_app(model, replicas, backend, name, instance_args, os.environ.get("NTX_RUN_DIR"), api_key,
                         replica_cpus)
         serve.run(app, name=name, route_prefix="/", blocking=False)
-        wait_ready(state, APP_START_TIMEOUT_S)
+        wait_ready(state, APP_START_TIMEOUT_S, api_key)
     except BaseException as e:
         say(f"the cluster did not come up ({type(e).__name__}: {str(e)[:2000]}); taking down what started")
         down(name, say)
