@@ -1199,6 +1199,83 @@ def calibrate(
     typer.echo(f"{len(skip)} of {profile.n_layers} layers at cos >= {threshold}: {skip}; profile written to {out}")
 
 
+cluster_app = _App(cls=_Group, no_args_is_help=True, help="ntx replicas under Ray Serve: one OpenAI endpoint in "
+                   "front of several instances (one GPU each), routed by prefix and load (docs/CLUSTER.md).")
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("up")
+def cluster_up(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="GGUF file or local model name, the same path on "
+                                        "every node (default: SmolLM2-135M, pulled on first use)"),
+    replicas: int = typer.Option(2, "--replicas", help="instances, each a Ray Serve replica"),
+    address: Optional[str] = typer.Option(None, "--address", help="a running Ray cluster's address (ray start --head "
+                                          "prints it); default: start a local Ray head on free ports"),
+    backend: str = typer.Option("auto", "--backend", help="auto, cuda (one GPU per replica) or cpu"),
+    name: str = typer.Option("ntx", "--name", help="the cluster's name: its Serve application, its instances NAME-rI"),
+    http: str = typer.Option("127.0.0.1:8000", "--http", help="HOST:PORT of the OpenAI endpoint (Ray Serve's proxy)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, help="the Bearer token HTTP clients "
+                                          "must send; required beyond loopback"),
+    replica_cpus: float = typer.Option(1.0, "--replica-cpus", help="logical CPUs Ray reserves per cpu replica"),
+    instance_args: str = typer.Option("", "--instance-args", help="more of ntxctl start's options for every "
+                                      "instance, as one string (e.g. \"--max-batch 32\")"),
+) -> None:
+    """Bring up the cluster: replicas that each start an ntx instance, behind one OpenAI endpoint; returns once
+    every replica is ready."""
+    import shlex
+
+    from ntx.ctl.cluster import control
+    from ntx.ctl.gateway.address import check_exposure, parse_http_address
+
+    if replicas < 1:
+        _fail(f"--replicas {replicas}: give 1 or more")
+    try:
+        host, port = parse_http_address(http)
+        check_exposure(host, api_key)
+    except ValueError as e:
+        _fail(str(e))
+    control.require_ray()
+    if address is None:
+        _check_port_free(host, port, "--http", lambda p: f"{host}:{p}")
+    model_path = os.path.abspath(_model_path(model))
+    # --address with cuda: the GPUs are the cluster nodes', not necessarily this machine's
+    chosen = "cuda" if backend == "cuda" and address else _choose_backend(backend)
+    say = lambda line: typer.echo(f"ntxctl: {line}", err=True)  # noqa: E731
+    st = control.up(model_path, replicas, chosen, address, http, name, shlex.split(instance_args), api_key,
+                    replica_cpus, say)
+    typer.echo(f"cluster {name!r} ready: {replicas} replica(s) of {os.path.basename(model_path)} on {chosen}, Ray at "
+               f"{st['address']}")
+    typer.echo(f"HTTP on http://{st['http']}/v1 (OpenAI API), /metrics, /health, /api/cluster")
+
+
+@cluster_app.command("status")
+def cluster_status(
+    name: str = typer.Option("ntx", "--name", help="the cluster's name"),
+    as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, help="the cluster's key, if it has one"),
+) -> None:
+    """Each replica: state, tokens/s, requests in flight and queued, prefix cache hit rate, bottleneck, requests routed
+    (by prefix, least loaded, retry), failures, restarts and node."""
+    from ntx.ctl.cluster import control
+
+    state = control.read_state(name)
+    try:
+        report = control.cluster_status(state, api_key)
+    except OSError as e:
+        _fail(f"cluster {name!r} does not answer on http://{state['http']} ({e}); `ntxctl cluster down --name {name}` "
+              "cleans up what is left")
+    typer.echo(json.dumps(report, indent=2) if as_json else control.render(report))
+
+
+@cluster_app.command("down")
+def cluster_down(name: str = typer.Option("ntx", "--name", help="the cluster's name")) -> None:
+    """Take the cluster down: its replicas stop their instances, and the local Ray head `up` started stops."""
+    from ntx.ctl.cluster import control
+
+    control.down(name, lambda line: typer.echo(f"ntxctl: {line}", err=True))
+    typer.echo(f"cluster {name!r} is down")
+
+
 def main() -> None:
     """Console entry point: user errors become one line and exit status 1."""
     from ntx.daemons.compute.threads import bound_blas_threads

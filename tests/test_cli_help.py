@@ -16,6 +16,8 @@ from ntx.ctl import cli
 README = Path(__file__).resolve().parents[1] / "README.md"
 ROOT = typer.main.get_command(cli.app)
 COMMANDS = dict(ROOT.commands)
+# a group's commands (``ntxctl cluster up``) by their two words
+SUBCOMMANDS = {f"{g} {n}": c for g, group in COMMANDS.items() for n, c in getattr(group, "commands", {}).items()}
 
 
 def _help(*args: str, width: int = 200) -> str:
@@ -24,15 +26,15 @@ def _help(*args: str, width: int = 200) -> str:
     return r.output
 
 
-@pytest.mark.parametrize("command", [""] + sorted(COMMANDS))
+@pytest.mark.parametrize("command", [""] + sorted(COMMANDS) + sorted(SUBCOMMANDS))
 def test_help_shows_no_value_types(command):
-    text = _help(*([command] if command else []), width=100)
+    text = _help(*command.split(), width=100)
     assert not re.search(r"<(bool|str|int|float|path|list\[[a-z]+\])>", text), text
     assert not re.search(r"\b(TEXT|INTEGER|FLOAT|BOOLEAN)\b", text), text  # what older typer showed
 
 
 def test_every_command_and_option_is_described():
-    for name, command in COMMANDS.items():
+    for name, command in {**COMMANDS, **SUBCOMMANDS}.items():
         assert (command.help or "").strip(), f"ntxctl {name} has no description"
         for p in command.params:
             if not getattr(p, "hidden", False):
@@ -64,7 +66,10 @@ def _readme_commands() -> list[tuple[str, str]]:
         syntax = re.split(r"\s#", " " + line, maxsplit=1)[0].strip()
         if line.startswith("ntxctl "):
             words = syntax.split()
-            entries.append(["" if words[1].startswith("-") else words[1], " ".join(words[1:])])
+            command = "" if words[1].startswith("-") else words[1]
+            if f"{command} {words[2] if len(words) > 2 else ''}" in SUBCOMMANDS:
+                command = f"{command} {words[2]}"
+            entries.append([command, " ".join(words[len(command.split()) or 1:])])
         elif syntax and entries:
             entries[-1][1] += " " + syntax
     return [(c, s) for c, s in entries]
@@ -87,7 +92,7 @@ def _is_placeholder(value: str) -> bool:
 
 
 def _params(command: str) -> dict[str, object]:
-    cmd = COMMANDS[command] if command else ROOT
+    cmd = {**COMMANDS, **SUBCOMMANDS}[command] if command else ROOT
     ctx = cmd.make_context("ntxctl", [], resilient_parsing=True)
     return {opt: p for p in cmd.get_params(ctx) for opt in [*p.opts, *p.secondary_opts] if opt.startswith("--")}
 
@@ -100,7 +105,7 @@ def test_readme_and_help_agree():
     assert {c for c, _ in entries} >= {"generate", "chat", "start", "bench", "status", "stop", ""}, entries
     problems = []
     for command, syntax in entries:
-        if command and command not in COMMANDS:
+        if command and command not in COMMANDS and command not in SUBCOMMANDS:
             problems.append(f"README names `ntxctl {command}`, which is no command")
             continue
         params = _params(command)

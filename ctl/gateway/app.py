@@ -22,7 +22,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -398,15 +398,21 @@ async def models(request: HttpRequest) -> Response:
          "owned_by": "ntx"}]})
 
 
+def health_of(st: dict | None) -> tuple[int, dict]:
+    """/health's answer (HTTP status, body) for a pipeline status (None: it does not answer):
+    the gateway's, and a cluster replica's own health check (ctl/cluster)."""
+    if st is None:
+        return 503, {"status": "unavailable", "message": "the pipeline does not answer"}
+    if st.get("state") != "ready":
+        return 503, {"status": "loading" if st.get("state") == "starting" else st.get("state")}
+    return 200, {"status": "ok"}
+
+
 async def health(request: HttpRequest) -> Response:
     """200 when the pipeline is ready, 503 while it loads, restarts, stops or does not answer
     (no key needed: load balancers and orchestrators probe it)."""
-    st = request.app.state.gateway.link.fresh_status
-    if st is None:
-        return JSONResponse({"status": "unavailable", "message": "the pipeline does not answer"}, 503)
-    if st.get("state") != "ready":
-        return JSONResponse({"status": "loading" if st["state"] == "starting" else st["state"]}, 503)
-    return JSONResponse({"status": "ok"})
+    code, body = health_of(request.app.state.gateway.link.fresh_status)
+    return JSONResponse(body, code)
 
 
 async def metrics(request: HttpRequest) -> Response:
@@ -463,13 +469,19 @@ async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
                         exc.status_code)
 
 
-def create_app(listen: str, api_key: str | None = None, limits: GatewayLimits | None = None) -> Starlette:
-    """The gateway for the pipeline whose client address is ``listen``."""
+def create_app(listen: str, api_key: str | None = None, limits: GatewayLimits | None = None,
+               make_link: Callable[[Gateway], Any] | None = None, extra_routes: tuple[Route, ...] = ()) -> Starlette:
+    """The gateway for the pipeline whose client address is ``listen``.
+
+    ``make_link(gateway)`` gives another link than one pipeline's ``PipelineLink`` (a cluster's
+    replicas, ctl/cluster/link.py: the same ``submit``/``forget``/``fresh_status`` and stream
+    interface), made at startup; ``extra_routes`` are added to the gateway's own. Every route,
+    check and error is then the same for either."""
     gw = Gateway(listen, api_key, limits or GatewayLimits())
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        gw.link = PipelineLink(listen, gw.limits.reply_timeout_s)
+        gw.link = make_link(gw) if make_link else PipelineLink(listen, gw.limits.reply_timeout_s)
         gw.link.start()
         try:
             yield
@@ -485,6 +497,7 @@ def create_app(listen: str, api_key: str | None = None, limits: GatewayLimits | 
             Route("/metrics", metrics, methods=["GET"]),
             Route("/api/status", api_status, methods=["GET"]),
             Route("/", status_page, methods=["GET"]),
+            *extra_routes,
         ],
         exception_handlers={oa.ApiError: _api_error, HTTPException: _http_error},
         lifespan=lifespan,

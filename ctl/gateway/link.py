@@ -49,6 +49,25 @@ class FrameTooLarge(FrameRefused):
 
 
 
+def generate_frame(rid: str, request: dict) -> bytes:
+    """The ``generate`` frame of ``request`` (without ``op``/``id``) as id ``rid``, checked as the
+    supervisor checks a frame: FrameRefused (FrameTooLarge) names what keeps it off the wire.
+    Every client of the gateway's routes (one pipeline, or a cluster's replicas) sends only
+    frames that pass this."""
+    try:
+        frame = m.pack({"op": "generate", "id": rid, **request})
+    except (OverflowError, ValueError, TypeError) as e:  # msgpack: an integer beyond 64 bits, ...
+        raise FrameRefused(f"the request holds a value that cannot be sent ({e})") from None
+    if len(frame) > m.MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"the request is {len(frame)} bytes on the wire, more than the pipeline's limit of "
+                            f"{m.MAX_FRAME_BYTES} bytes")
+    try:  # the supervisor's own frame checks: a frame it would refuse as a frame is never sent
+        m.decode_client_frame(frame)
+    except m.RequestError as e:
+        raise FrameRefused(f"the request cannot be sent as it is: {e}") from None
+    return frame
+
+
 def connect_address(listen: str) -> str:
     """The address to connect to for a ``--listen`` address: a wildcard bind (``tcp://*:5555``,
     ``tcp://0.0.0.0:5555``) is reached on loopback."""
@@ -106,7 +125,21 @@ class RequestStream:
             self.link.send({"op": "cancel", "id": self.rid})
 
 
-class PipelineLink:
+class StreamTable:
+    """The request streams a link is reading, by request id (a link's ``forget`` and
+    ``in_flight``, the same for one pipeline's link and a cluster's)."""
+
+    _streams: dict
+
+    def forget(self, stream) -> None:
+        self._streams.pop(stream.rid, None)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+
+class PipelineLink(StreamTable):
     """The gateway's client of the supervisor (docs/PROTOCOL.md), for use inside one event loop."""
 
     def __init__(self, address: str, reply_timeout_s: float) -> None:
@@ -159,29 +192,12 @@ class PipelineLink:
         FrameRefused when it cannot be sent as it is, PipelineGone when no connection is up;
         neither leaves anything behind."""
         rid = f"gw-{next(self._ids)}"
-        try:
-            frame = m.pack({"op": "generate", "id": rid, **request})
-        except (OverflowError, ValueError, TypeError) as e:  # msgpack: an integer beyond 64 bits, ...
-            raise FrameRefused(f"the request holds a value that cannot be sent ({e})") from None
-        if len(frame) > m.MAX_FRAME_BYTES:
-            raise FrameTooLarge(f"the request is {len(frame)} bytes on the wire, more than the pipeline's limit of "
-                               f"{m.MAX_FRAME_BYTES} bytes")
-        try:  # the supervisor's own frame checks: a frame it would refuse as a frame is never sent
-            m.decode_client_frame(frame)
-        except m.RequestError as e:
-            raise FrameRefused(f"the request cannot be sent as it is: {e}") from None
+        frame = generate_frame(rid, request)
         stream = self._streams[rid] = RequestStream(self, rid)
         if not self._send_frame(frame):
             del self._streams[rid]
             raise PipelineGone(f"no connection to the pipeline on {self.address}")
         return stream
-
-    def forget(self, stream: RequestStream) -> None:
-        self._streams.pop(stream.rid, None)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._streams)
 
     # -- status ----------------------------------------------------------------------------
     @property

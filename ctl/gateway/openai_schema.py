@@ -241,8 +241,12 @@ class LogprobsBuilder:
 
 
 def ntx_extra(done: dict) -> dict:
-    """What ntx adds to a response (clients ignore unknown keys): its own finish reason and timings."""
-    return {"ntx": {"finish_reason": done.get("finish_reason"), "timings": done.get("timings", {})}}
+    """What ntx adds to a response (clients ignore unknown keys): its own finish reason and
+    timings, and in a cluster the replica that answered."""
+    extra = {"finish_reason": done.get("finish_reason"), "timings": done.get("timings", {})}
+    if "replica" in done:
+        extra["replica"] = done["replica"]
+    return {"ntx": extra}
 
 
 def chat_response(rid: str, model: str, done: dict, logprobs: list[dict] | None) -> dict:
