@@ -14,7 +14,10 @@ Two facts that are easy to confuse and must stay distinct:
 
 from __future__ import annotations
 
+import mmap
 import os
+
+import numpy as np
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 """The OS page size: the granule of mmap and of shared-memory segment sizes."""
@@ -26,3 +29,14 @@ DIRECT_ALIGN_BYTES = 4096
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``n``."""
     return -(-n // multiple) * multiple
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A page-aligned, uninitialised uint8 buffer of ``nbytes`` (anonymous mmap), in pages of its
+    own: what O_DIRECT reads need (numpy's own allocations are only 16- or 64-byte aligned), and
+    what page-locking wants (two such buffers never share a page). The array keeps its mapping
+    alive; it is unmapped when the array goes."""
+    if nbytes < 0:
+        raise ValueError(f"buffer size must be >= 0, got {nbytes}")
+    mm = mmap.mmap(-1, max(nbytes, 1))  # mappings start on a page boundary
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes)

@@ -19,17 +19,16 @@ Each pass's time on the tier and the bytes it read are kept (``report``) for ``n
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-import numpy as np
 
 from ntx.daemons.compute import cpu_kernels
 from ntx.daemons.compute.backend import Backend, Workspace
 from ntx.daemons.compute.cpu_backend import CpuBackend
+from ntx.shared.align import aligned_empty
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into
@@ -87,9 +86,8 @@ class HostTier:
             info = index.layers[i]
             if self.wide_rows is None:
                 return self.cpu.prepare_layer(info, read_layer(info), keep=True), None
-            # pages of its own (an anonymous mapping): page-locking one buffer never meets another's pages
-            buf = read_layer_into(info, np.frombuffer(mmap.mmap(-1, max(info.image_bytes, 1)), dtype=np.uint8,
-                                                      count=info.image_bytes))
+            # pages of its own: page-locking one buffer never meets another's pages
+            buf = read_layer_into(info, aligned_empty(info.image_bytes))
             return self.cpu.prepare_layer(info, buf, keep=True), buf
 
         # numpy's unpacking releases the GIL: a 70B's tier (GBs) packs in seconds, not minutes
@@ -107,6 +105,7 @@ class HostTier:
         self.runs = 0
         self.wide_passes = 0  # passes whose tier layers ran on the backend
         self._last_wide_pass = -1
+        self._pass_ws: tuple[int, Workspace] | None = None  # (pass id, the tier's workspace of it)
         self.last_pass_s: dict[int, float] = {}  # pass id -> its time on the tier (kept short)
 
     def warm_up(self, log: Callable[[str], None]) -> None:
@@ -119,10 +118,10 @@ class HostTier:
         from ntx.daemons.compute.model import llama_block  # the one block; model.py imports this module
 
         n = ws.batch.n_tokens
+        hws = self._workspace(pass_id, ws)
         if self.wide_rows is not None and n > self.wide_rows:
             # the host's cores would be compute-bound here: the backend runs these layers, each
             # copied from host memory, and the tier's cache gets their K/V too
-            hws = self.cpu.begin_pass(ws.batch)
             be = self.backend
             tee = _KvTee(be, lambda i, k, v: self.cpu.kv_write(i, be.to_host(k, n), be.to_host(v, n), hws))
             for i in range(first, end):
@@ -131,9 +130,7 @@ class HostTier:
                 self.wide_passes, self._last_wide_pass = self.wide_passes + 1, pass_id
             return
         t0 = time.perf_counter()
-        x = self.backend.hidden_to_host(ws)  # x: [T, D] float32 on the host
-        hws = self.cpu.begin_pass(ws.batch)
-        hws.x = x
+        hws.x = self.backend.hidden_to_host(ws)  # x: [T, D] float32 on the host
         ops = self.cpu if self.wide_rows is None else _KvTee(self.cpu, lambda i, k, v: self.backend.kv_from_host(
             i, k[:n], v[:n], ws))
         for i in range(first, end):
@@ -146,6 +143,13 @@ class HostTier:
         self.last_pass_s[pass_id] = self.last_pass_s.get(pass_id, 0.0) + dt
         while len(self.last_pass_s) > 32:
             del self.last_pass_s[next(iter(self.last_pass_s))]
+
+    def _workspace(self, pass_id: int, ws: Workspace) -> Workspace:
+        """The tier's workspace for pass ``pass_id``: made by its first run of tier layers, kept
+        for the pass's other runs (spread placement makes several a pass)."""
+        if self._pass_ws is None or self._pass_ws[0] != pass_id:
+            self._pass_ws = (pass_id, self.cpu.begin_pass(ws.batch))
+        return self._pass_ws[1]
 
     def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
         """Speculation's accepted path moved in this tier's layers too (``Backend.kv_keep``)."""

@@ -29,7 +29,7 @@ import stat
 
 import numpy as np
 
-from ntx.shared.align import DIRECT_ALIGN_BYTES, round_up
+from ntx.shared.align import DIRECT_ALIGN_BYTES, aligned_empty, round_up
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import Span
 
@@ -47,18 +47,6 @@ class ReadError(NtxError):
         self.nbytes = nbytes
         self.got_bytes = got_bytes
         super().__init__(f"{self.path}: {message}")
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """A page-aligned, uninitialised uint8 buffer of ``nbytes`` (anonymous mmap).
-
-    For O_DIRECT reads in-process and in tests; numpy's own allocations are only 16- or
-    64-byte aligned. The array keeps its mapping alive; it is unmapped when the array goes.
-    """
-    if nbytes < 0:
-        raise NtxError(f"buffer size must be >= 0, got {nbytes}")
-    mm = mmap.mmap(-1, max(nbytes, 1))  # mappings start on a page boundary
-    return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
 
 def filesystem_type(path: str | os.PathLike) -> str:

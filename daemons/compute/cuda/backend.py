@@ -550,7 +550,7 @@ class CudaBackend(Backend):
         """A cpu-tier layer's image copied (from pinned memory) into the backend's one staging
         buffer and prepared there, queued on the pass stream: the next copy into the buffer is
         ordered after this layer's kernels."""
-        if self.tier_stage is None or self.tier_stage.nbytes < buf.nbytes:
+        if self.tier_stage is None:  # the largest layer's image: every layer fits
             self.tier_stage = cp.ndarray((self.index.max_layer_image_bytes,), dtype=cp.uint8,
                                          memptr=cp.cuda.MemoryPointer(cp.cuda.Memory(self.index.max_layer_image_bytes), 0))
         dst = self.tier_stage[: buf.nbytes]
