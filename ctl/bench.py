@@ -207,6 +207,7 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
     return {
         "label": label, "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, CPU, RAM, STORAGE, SKIPPED)},
         "cpu_bytes_per_pass": plan.cpu_layer_bytes, "cpu_tier": after.get("stages", {}).get("compute", {}).get("cpu_tier"),
+        "host_rates": _host_rates(plan),
         "skipped_layers": plan.layers_on(SKIPPED), "skipped_bytes_per_pass": plan.skipped_layer_bytes,
         "streamed_bytes_per_pass": plan.streamed_bytes_per_pass, "ram_bytes_per_pass": plan.ram_layer_bytes,
         "storage_bytes_per_pass": plan.storage_layer_bytes, "start_s": round(start_s, 2),
@@ -217,6 +218,17 @@ def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int
         "ctx": plan.ctx, "max_batch": cfg.max_batch, "kv_tokens": plan.kv_tokens,
         "first_token_s": round(max(ttfts), 4) if ttfts else None,
     }
+
+
+def _host_rates(plan) -> dict | None:
+    """The speeds the plan's cpu tier was sized by and the one-row pass they predict (the split's
+    model, ``HostRates.pass_s``), to set beside the pass measured; None without them."""
+    rates = plan.host_rates
+    if rates is None:
+        return None
+    return {"link_gbps": rates.link_gbps, "cpu_gbps": rates.cpu_gbps, "mem_gbps": rates.mem_gbps,
+            "cpu_beside_link_gbps": rates.cpu_beside_link_gbps, "link_beside_cpu_gbps": rates.link_beside_cpu_gbps,
+            "how": rates.how, "predicted_pass_s": rates.pass_s(plan.cpu_layer_bytes, plan.streamed_bytes_per_pass)}
 
 
 def _streamed_in_force(plan, status: dict, index: ModelIndex) -> int:
@@ -876,6 +888,11 @@ def _line(r: dict) -> str:
               f"beside {tiers.get(RAM, 0) + tiers.get(STORAGE, 0)} streamed ({format_bytes(r['streamed_bytes_per_pass'])})")
         if r.get("cpu_tier"):
             s += f", host {r['cpu_tier']['busy_gbps']:.1f} GB/s while busy"
+    if r.get("host_rates"):
+        h = r["host_rates"]
+        s += (f"; sized by link {h['link_gbps']:.1f} GB/s, cores {h['cpu_gbps']:.1f} alone"
+              + (f" / {h['cpu_beside_link_gbps']:.1f} beside the link" if h.get("cpu_beside_link_gbps") else "")
+              + f": {h['predicted_pass_s'] * 1e3:.0f} ms a pass predicted")
     if r.get("limit_tokens_per_s"):
         s += f"; limit {r['limit_tokens_per_s']:.3f} tok/s ({100 * r['ratio_to_limit']:.1f}%)"
         if r.get("cpu_bytes_per_pass"):

@@ -70,22 +70,50 @@ class HostRates:
     link (what a streamed layer's copy runs at), ``cpu_gbps`` the file bytes of a layer the host's
     cores compute per second in a one-row pass (decode at batch 1) with nothing else running,
     ``mem_gbps`` the host memory's read bandwidth, which both roads draw on (0: not measured, no
-    sharing assumed). ``how``: where they came from, for the plan's line."""
+    sharing assumed). ``cpu_beside_link_gbps`` / ``link_beside_cpu_gbps``: each road's speed
+    measured while the other runs (``probes.roads_together``; 0: not measured). Measured so because
+    the two roads slow each other by more than the memory's bandwidth says: on the H200 host the
+    cores computed the 70B's tier at ~32 GB/s in the pipeline against 44.5 alone, whether the
+    link was busy or not. ``how``: where they came from, for the plan's line."""
 
     link_gbps: float
     cpu_gbps: float
     mem_gbps: float = 0.0
     how: str = "measured at start"
+    cpu_beside_link_gbps: float = 0.0
+    link_beside_cpu_gbps: float = 0.0
+
+    def shared_gbps(self) -> tuple[float, float]:
+        """(cores, link) in GB/s while both roads run: as measured together where they were,
+        else the cores get what the memory leaves the link (``mem_gbps - link_gbps``, at most
+        ``cpu_gbps``; all of it when the memory was not measured) and the link its own speed."""
+        if self.cpu_beside_link_gbps:
+            return self.cpu_beside_link_gbps, self.link_beside_cpu_gbps or self.link_gbps
+        cpu = self.cpu_gbps if not self.mem_gbps else max(0.0, min(self.cpu_gbps, self.mem_gbps - self.link_gbps))
+        return cpu, self.link_gbps
 
     def pass_s(self, cpu_bytes: int, streamed_bytes: int) -> float:
-        """A one-row pass's time on the two roads at once. The link copies ``streamed_bytes`` from
-        host memory meanwhile, so while it runs the cores get what the memory has left
-        (``mem_gbps - link_gbps``, at most ``cpu_gbps``), and all of ``cpu_gbps`` after it ends.
-        (On the H200 host this model came within 5% of the 70B runs at 8 and 17 cpu-tier layers.)"""
-        link_s = streamed_bytes / (self.link_gbps * 1e9)
-        shared_gbps = self.cpu_gbps if not self.mem_gbps else max(0.0, min(self.cpu_gbps, self.mem_gbps - self.link_gbps))
-        during = shared_gbps * 1e9 * link_s  # what the cores read while the link runs
-        return link_s if cpu_bytes <= during else link_s + (cpu_bytes - during) / (self.cpu_gbps * 1e9)
+        """A one-row pass's time on the two roads at once: both run at their shared speeds
+        (``shared_gbps``) until one is done, then the other at its own speed alone. (On the H200
+        host the memory-sharing model came within 5% of the 70B runs at 8 and 17 cpu-tier layers.)"""
+        cpu_sh, link_sh = self.shared_gbps()
+        link_alone_s = streamed_bytes / (link_sh * 1e9)
+        cpu_alone_s = cpu_bytes / (cpu_sh * 1e9) if cpu_sh > 0 else float("inf") if cpu_bytes else 0.0
+        if link_alone_s >= cpu_alone_s:  # the cores finish first (or have nothing): the link runs on
+            together_s = cpu_alone_s
+            return together_s + (streamed_bytes - link_sh * 1e9 * together_s) / (self.link_gbps * 1e9)
+        together_s = link_alone_s
+        return together_s + (cpu_bytes - cpu_sh * 1e9 * together_s) / (self.cpu_gbps * 1e9)
+
+    def describe(self) -> str:
+        """The speeds in a few words, for the plan's lines."""
+        text = f"link {self.link_gbps:.1f} GB/s, host cores {self.cpu_gbps:.1f} GB/s of weights alone"
+        if self.cpu_beside_link_gbps:
+            text += (f", {self.cpu_beside_link_gbps:.1f} beside the link (the link "
+                     f"{self.link_beside_cpu_gbps or self.link_gbps:.1f} beside them)")
+        elif self.mem_gbps:
+            text += f", host memory {self.mem_gbps:.1f} GB/s shared with the link"
+        return text
 
 
 def cpu_split(layer_bytes: list[int], rates: HostRates) -> int:
@@ -154,6 +182,16 @@ class Plan:
     cpu_gbps: float = 0.0
     mem_gbps: float = 0.0
     rates_how: str = ""
+    cpu_beside_link_gbps: float = 0.0
+    link_beside_cpu_gbps: float = 0.0
+
+    @property
+    def host_rates(self) -> HostRates | None:
+        """The speeds the cpu tier was sized by (None: none given)."""
+        if not (self.link_gbps and self.cpu_gbps):
+            return None
+        return HostRates(self.link_gbps, self.cpu_gbps, self.mem_gbps, self.rates_how,
+                         self.cpu_beside_link_gbps, self.link_beside_cpu_gbps)
 
     @property
     def kv_floor_bytes(self) -> int:
@@ -248,25 +286,22 @@ class Plan:
     def describe_cpu(self) -> list[str]:
         """The cpu tier's lines: what it holds in host RAM and, with the speeds it was sized by,
         each road's time a one-row pass (decode at batch 1)."""
+        rates = self.host_rates
         if not self.layers_on(CPU):
-            if self.link_gbps and self.cpu_gbps:
-                return [f"host CPU: no layer ({self.rates_how}: link {self.link_gbps:.1f} GB/s, host cores "
-                        f"{self.cpu_gbps:.1f} GB/s of weights; streaming alone is as fast)"]
+            if rates:
+                return [f"host CPU: no layer ({self.rates_how}: {rates.describe()}; streaming alone is as fast)"]
             return []
         lines = [f"host CPU: {len(self.layers_on(CPU))} layers held in host RAM as "
                  f"{format_bytes(self.cpu_held_bytes)} (inside the RAM budget"
                  + (f"; their file bytes too, for passes of more than {WIDE_PASS_ROWS} rows, which run them on the GPU"
                     if self.backend == "cuda" else "")
                  + "), computed by the host's cores; only the hidden state crosses the link"]
-        if self.link_gbps and self.cpu_gbps:
-            rates = HostRates(self.link_gbps, self.cpu_gbps, self.mem_gbps)
+        if rates:
             link_ms = self.streamed_bytes_per_pass / (self.link_gbps * 1e9) * 1e3
             lines.append(f"  a one-row pass: about {rates.pass_s(self.cpu_layer_bytes, self.streamed_bytes_per_pass) * 1e3:.0f} ms "
-                         f"on the two roads: the link {link_ms:.0f} ms ({format_bytes(self.streamed_bytes_per_pass)} at "
-                         f"{self.link_gbps:.1f} GB/s) while the host's cores read {format_bytes(self.cpu_layer_bytes)} "
-                         f"({self.cpu_gbps:.1f} GB/s alone"
-                         + (f", host memory {self.mem_gbps:.1f} GB/s shared with the link" if self.mem_gbps else "")
-                         + f"); {self.rates_how}")
+                         f"on the two roads: the link {link_ms:.0f} ms alone ({format_bytes(self.streamed_bytes_per_pass)}) "
+                         f"while the host's cores read {format_bytes(self.cpu_layer_bytes)}; {rates.describe()}; "
+                         f"{self.rates_how}")
         return lines
 
     def describe_kv(self) -> list[str]:
@@ -558,6 +593,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         cpu_layer_bytes=total(CPU), cpu_held_bytes=cpu_held,
         link_gbps=rates.link_gbps if rates else 0.0, cpu_gbps=rates.cpu_gbps if rates else 0.0,
         mem_gbps=rates.mem_gbps if rates else 0.0, rates_how=rates.how if rates else "",
+        cpu_beside_link_gbps=rates.cpu_beside_link_gbps if rates else 0.0,
+        link_beside_cpu_gbps=rates.link_beside_cpu_gbps if rates else 0.0,
     )
 
 

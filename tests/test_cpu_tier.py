@@ -72,6 +72,45 @@ def test_the_two_roads_share_the_host_memory():
     assert cpu_split([layer] * 39, HostRates(55.27, 44.5)) >= 17
 
 
+def test_the_roads_measured_together_size_the_split():
+    """With each road's speed measured while the other runs (``probes.roads_together``), both run
+    at those speeds until one is done, then the other alone. The 70B on the H200 computed its tier
+    at ~32 GB/s in the pipeline against 44.5 alone, whether the link was busy or not: with that,
+    the balance lies where the cores' and the link's shares end together."""
+    rates = HostRates(55.0, 44.5, 80.0, cpu_beside_link_gbps=32.0, link_beside_cpu_gbps=54.0)
+    assert rates.shared_gbps() == (32.0, 54.0)
+    # the link ends first: the cores run on alone at 44.5
+    assert rates.pass_s(int(6.4e9), int(10.8e9)) == pytest.approx(0.2 + (6.4 - 6.4) / 44.5, rel=1e-6)
+    assert rates.pass_s(int(8.0e9), int(5.4e9)) == pytest.approx(0.1 + (8.0 - 3.2) / 44.5, rel=1e-6)
+    # the cores end first: the link runs on alone at 55
+    assert rates.pass_s(int(3.2e9), int(10.8e9)) == pytest.approx(0.1 + (10.8 - 5.4) / 55.0, rel=1e-6)
+    assert rates.pass_s(0, int(11e9)) == pytest.approx(0.2, rel=1e-6)
+    layer = int(0.513e9)
+    n = cpu_split([layer] * 40, rates)
+    assert 13 <= n <= 16  # 40 * 32 / (32 + 54) = 14.9: where both roads take the same time
+    assert rates.pass_s(n * layer, (40 - n) * layer) < min(rates.pass_s(10 * layer, 30 * layer),
+                                                           rates.pass_s(17 * layer, 23 * layer))
+    # measured together, the memory's bandwidth no longer steers the split
+    assert cpu_split([layer] * 40, HostRates(55.0, 44.5, 60.0, cpu_beside_link_gbps=32.0)) == n
+    assert "32.0 beside the link" in rates.describe() and "54.0 beside them" in rates.describe()
+
+
+def test_the_roads_probe_says_why_it_could_not_measure(smollm2_path, monkeypatch):
+    """Where the link cannot be measured (here: no cupy, or no GPU), the probe raises one line
+    naming why, and plan_for then plans without a cpu tier."""
+    pytest.importorskip("numba")
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("cupy is here: the probe would measure")
+    except ImportError:
+        pass
+    from ntx.daemons.compute.probes import roads_together
+
+    index = open_model(str(smollm2_path))
+    with pytest.raises(RuntimeError, match="the link probe: .*cupy"):
+        roads_together(index, [0, 1], min_time_s=0.01, timeout_s=60)
+
+
 def test_spread_pick_alternates():
     assert spread_pick(list(range(10)), 5) == [1, 3, 5, 7, 9]
     assert spread_pick([4, 5, 6], 0) == [] and spread_pick([4, 5, 6], 9) == [4, 5, 6]

@@ -34,7 +34,7 @@ from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex, open_model
 from ntx.shared.config import InstanceConfig
 from ntx.shared.errors import NtxError
 from ntx.shared.kernel_options import KernelOptions
-from ntx.shared.plan import HostRates, MemoryCosts, Plan, make_plan
+from ntx.shared.plan import HostRates, MemoryCosts, Plan, make_plan, spread_pick
 
 MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the whole row is copied
 
@@ -591,7 +591,7 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
         say = log or (lambda line: None)
         say("measuring the link and the host's cores for the cpu tier (--cpu-layers auto)")
         try:
-            rates = measure_rates(index, plan.streamed_layers[0])
+            rates = measure_rates(index, spread_pick(plan.streamed_layers, 3))
         except Exception as e:  # noqa: BLE001 - the plan without a cpu tier still serves
             say(f"could not measure them ({type(e).__name__}: {e}): no cpu tier (give --cpu-layers N to set one)")
             return plan
@@ -599,20 +599,24 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
     return plan
 
 
-def measure_rates(index: ModelIndex, layer: int) -> HostRates:
+def measure_rates(index: ModelIndex, layers: list[int]) -> HostRates:
     """The speeds the cpu tier's split needs (``HostRates``), on this machine now: the link with
-    pinned memory (in a child process, ``probes.link_gbps_apart``), the host's cores on layer
-    ``layer`` (``probes.host_layer_gbps``) and the host memory's read bandwidth
-    (``probes.host_read_gbps``)."""
+    pinned memory and the host's cores on ``layers`` (up to three of them, taken in turn), each
+    alone and each while the other runs (``probes.roads_together``), and the host memory's read
+    bandwidth (``probes.host_read_gbps``)."""
     import os
 
-    from ntx.daemons.compute.probes import host_layer_gbps, host_read_gbps, link_gbps_apart
+    from ntx.daemons.compute.probes import host_read_gbps, roads_together
 
-    key = (index.layers[layer].spans[0].path, layer)
+    layers = list(layers)[:3]
+    key = (index.layers[layers[0]].spans[0].path, tuple(layers))
     if key not in _MEASURED_RATES:  # a benchmark plans many instances of one model in a process
-        _MEASURED_RATES[key] = HostRates(link_gbps=link_gbps_apart(), cpu_gbps=host_layer_gbps(index, layer),
-                                         mem_gbps=host_read_gbps(512 << 20, 3, len(os.sched_getaffinity(0))),
-                                         how=f"measured at start (layer {layer})")
+        roads = roads_together(index, layers)
+        _MEASURED_RATES[key] = HostRates(
+            link_gbps=roads["link"], cpu_gbps=roads["cpu"],
+            mem_gbps=host_read_gbps(512 << 20, 3, len(os.sched_getaffinity(0))),
+            how=f"measured at start (layers {', '.join(map(str, layers))})",
+            cpu_beside_link_gbps=roads["cpu_beside_link"], link_beside_cpu_gbps=roads["link_beside_cpu"])
     return _MEASURED_RATES[key]
 
 

@@ -14,7 +14,8 @@ tier), measured at start so that the planner splits the layers between them (``p
 
 from __future__ import annotations
 
-__all__ = ["device_copy_gbps", "host_layer_gbps", "host_read_gbps", "link_gbps_apart", "pinned_link_gbps"]
+__all__ = ["device_copy_gbps", "host_layer_gbps", "host_read_gbps", "link_gbps_apart", "pinned_link_gbps",
+           "roads_together"]
 
 
 def device_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -72,32 +73,38 @@ def link_gbps_apart(timeout_s: float = 60.0) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def host_layer_gbps(index, layer: int, min_time_s: float = 0.3) -> float:
-    """File bytes of layer ``layer``'s matrices that the host's cores compute per second in a
-    one-row pass, with the cpu kernels on every thread they use (``NTX_CPU_THREADS``): the cpu
-    tier's speed at decode (``shared/plan.py``'s ``HostRates``). Each matrix is packed as the
-    tier holds it and timed over at least ``min_time_s`` after one untimed product."""
-    import time
-
+def _packed_products(index, layers) -> list:
+    """Each matrix of ``layers`` packed as the cpu tier holds it, with a one-row input and an
+    output: (packed, x, out, file bytes)."""
     import numpy as np
 
     from ntx.daemons.compute import cpu_kernels
     from ntx.shared.layer_bytes import read_layer
 
     cpu_kernels.set_threads(spare=cpu_kernels.TIER_SPARE_CORES)  # as the tier runs (host_tier.py)
-    info = index.layers[layer]
-    buf = read_layer(info)
     products = []
-    for name, t in info.tensors.items():
-        if len(t.shape) != 2:
-            continue
-        off = info.image_offset(name)
-        n, k = t.shape
-        w = cpu_kernels.pack(buf[off: off + t.nbytes], t.ggml_type, n, k)
-        x = cpu_kernels.QuantizedActivations(np.ones((1, k), dtype=np.float32))
-        products.append((w, x, np.empty((1, n), dtype=np.float32), t.nbytes))
+    for layer in layers:
+        info = index.layers[layer]
+        buf = read_layer(info)
+        for name, t in info.tensors.items():
+            if len(t.shape) != 2:
+                continue
+            off = info.image_offset(name)
+            n, k = t.shape
+            w = cpu_kernels.pack(buf[off: off + t.nbytes], t.ggml_type, n, k)
+            x = cpu_kernels.QuantizedActivations(np.ones((1, k), dtype=np.float32))
+            products.append((w, x, np.empty((1, n), dtype=np.float32), t.nbytes))
     for w, x, out, _ in products:
-        cpu_kernels.matmul(w, x, out)
+        cpu_kernels.matmul(w, x, out)  # compiled and warm before any timing
+    return products
+
+
+def _products_gbps(products, min_time_s: float) -> float:
+    """File bytes per second of running ``products`` in turn over at least ``min_time_s``."""
+    import time
+
+    from ntx.daemons.compute import cpu_kernels
+
     nbytes, reps, t0 = sum(p[3] for p in products), 0, time.perf_counter()
     while True:
         for w, x, out, _ in products:
@@ -106,6 +113,87 @@ def host_layer_gbps(index, layer: int, min_time_s: float = 0.3) -> float:
         elapsed_s = time.perf_counter() - t0
         if elapsed_s >= min_time_s:
             return nbytes * reps / elapsed_s / 1e9
+
+
+def host_layer_gbps(index, layer: int, min_time_s: float = 0.3) -> float:
+    """File bytes of layer ``layer``'s matrices that the host's cores compute per second in a
+    one-row pass, with the cpu kernels on every thread they use (``NTX_CPU_THREADS``): the cpu
+    tier's speed at decode (``shared/plan.py``'s ``HostRates``). Each matrix is packed as the
+    tier holds it and timed over at least ``min_time_s`` after one untimed product."""
+    return _products_gbps(_packed_products(index, [layer]), min_time_s)
+
+
+def _copy_until_told(nbytes: int = 256 << 20, iters: int = 3) -> None:
+    """roads_together's child: prints ``alone GBPS`` (``pinned_link_gbps``), waits for a line on
+    stdin, prints ``copying`` and copies pinned host memory to the device until the next line,
+    then prints ``beside GBPS``, the link's speed over that stretch."""
+    import select
+    import sys
+    import time
+
+    import cupy as cp
+
+    print(f"alone {pinned_link_gbps(nbytes, iters)}", flush=True)
+    sys.stdin.readline()
+    dev = cp.empty(nbytes, dtype=cp.uint8)
+    pinned = cp.cuda.alloc_pinned_memory(nbytes)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.runtime.memcpyAsync(dev.data.ptr, pinned.ptr, nbytes, 1, stream.ptr)
+    stream.synchronize()
+    print("copying", flush=True)
+    copied, t0 = 0, time.perf_counter()
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, pinned.ptr, nbytes, 1, stream.ptr)
+        stream.synchronize()
+        copied += nbytes
+    print(f"beside {copied / (time.perf_counter() - t0) / 1e9}", flush=True)
+
+
+def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 120.0) -> dict[str, float]:
+    """The two roads of a layer that does not fit the GPU, each alone and each while the other
+    runs: ``link`` / ``link_beside_cpu`` (pinned host memory to the device, in a child process so
+    that no CUDA context outlives the probe) and ``cpu`` / ``cpu_beside_link`` (the file bytes of
+    ``layers``' matrices the host's cores compute per second in one-row products, packed as the
+    cpu tier holds them, taken in turn so that several layers exceed the caches as in a pass).
+    Why together: in the pipeline the cores computed the 70B's tier at ~32 GB/s against 44.5
+    alone (H200 host), more than the memory's bandwidth left them explained. Raises RuntimeError
+    with the child's last line when the child fails."""
+    import subprocess
+    import sys
+    import threading
+
+    child = subprocess.Popen([sys.executable, "-c", "from ntx.daemons.compute.probes import _copy_until_told; "
+                              "_copy_until_told()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    killer = threading.Timer(timeout_s, child.kill)
+    killer.start()
+
+    def expect(word: str) -> str:
+        line = child.stdout.readline().strip()
+        if not line.startswith(word):
+            child.kill()
+            err = child.stderr.read().strip().splitlines() or [line or "no output"]
+            raise RuntimeError(f"the link probe: {err[-1]}")
+        return line.partition(" ")[2]
+
+    try:
+        products = _packed_products(index, layers)  # while the child makes its CUDA context
+        link = float(expect("alone"))
+        cpu = _products_gbps(products, min_time_s)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        expect("copying")
+        cpu_beside = _products_gbps(products, min_time_s)
+        child.stdin.write("stop\n")
+        child.stdin.flush()
+        link_beside = float(expect("beside"))
+        child.wait()
+    finally:
+        killer.cancel()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return {"link": link, "link_beside_cpu": link_beside, "cpu": cpu, "cpu_beside_link": cpu_beside}
 
 
 def host_read_gbps(nbytes: int, repeats: int, threads: int) -> float:
