@@ -228,7 +228,7 @@ def _host_rates(plan) -> dict | None:
         return None
     return {"link_gbps": rates.link_gbps, "cpu_gbps": rates.cpu_gbps, "mem_gbps": rates.mem_gbps,
             "cpu_beside_link_gbps": rates.cpu_beside_link_gbps, "link_beside_cpu_gbps": rates.link_beside_cpu_gbps,
-            "how": rates.how, "predicted_pass_s": rates.pass_s(plan.cpu_layer_bytes, plan.streamed_bytes_per_pass)}
+            "gpu_gbps": rates.gpu_gbps, "how": rates.how, "predicted_pass_s": plan.predicted_pass_s}
 
 
 def _streamed_in_force(plan, status: dict, index: ModelIndex) -> int:

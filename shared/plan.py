@@ -82,6 +82,7 @@ class HostRates:
     how: str = "measured at start"
     cpu_beside_link_gbps: float = 0.0
     link_beside_cpu_gbps: float = 0.0
+    gpu_gbps: float = 0.0  # file bytes the GPU multiplies by one row a second (0: its time not counted)
 
     def shared_gbps(self) -> tuple[float, float]:
         """(cores, link) in GB/s while both roads run: as measured together where they were,
@@ -92,18 +93,25 @@ class HostRates:
         cpu = self.cpu_gbps if not self.mem_gbps else max(0.0, min(self.cpu_gbps, self.mem_gbps - self.link_gbps))
         return cpu, self.link_gbps
 
-    def pass_s(self, cpu_bytes: int, streamed_bytes: int) -> float:
-        """A one-row pass's time on the two roads at once: both run at their shared speeds
-        (``shared_gbps``) until one is done, then the other at its own speed alone. (On the H200
-        host the memory-sharing model came within 5% of the 70B runs at 8 and 17 cpu-tier layers.)"""
+    def pass_s(self, cpu_bytes: int, streamed_bytes: int, gpu_bytes: int = 0) -> float:
+        """A one-row pass's time on the two roads at once. A pass is one chain: the GPU computes
+        ``gpu_bytes`` of layers (resident and streamed, at ``gpu_gbps``) and the host's cores the
+        tier's ``cpu_bytes``, one after the other, while the link copies ``streamed_bytes`` for
+        the layers ahead. While both roads run they go at their shared speeds (``shared_gbps``);
+        when the link is done the chain goes on alone (its host part at ``cpu_gbps``), when the
+        chain is done the link goes on at ``link_gbps``. (On the H200 host the memory-sharing
+        model came within 5% of the 70B runs at 8 and 17 cpu-tier layers.)"""
         cpu_sh, link_sh = self.shared_gbps()
-        link_alone_s = streamed_bytes / (link_sh * 1e9)
-        cpu_alone_s = cpu_bytes / (cpu_sh * 1e9) if cpu_sh > 0 else float("inf") if cpu_bytes else 0.0
-        if link_alone_s >= cpu_alone_s:  # the cores finish first (or have nothing): the link runs on
-            together_s = cpu_alone_s
-            return together_s + (streamed_bytes - link_sh * 1e9 * together_s) / (self.link_gbps * 1e9)
-        together_s = link_alone_s
-        return together_s + (cpu_bytes - cpu_sh * 1e9 * together_s) / (self.cpu_gbps * 1e9)
+        gpu_s = gpu_bytes / (self.gpu_gbps * 1e9) if self.gpu_gbps and gpu_bytes else 0.0
+        link_s = streamed_bytes / (link_sh * 1e9)
+        host_s = cpu_bytes / (cpu_sh * 1e9) if cpu_sh > 0 else (float("inf") if cpu_bytes else 0.0)
+        chain_s = host_s + gpu_s
+        if link_s >= chain_s:  # the chain ends first (or is empty): the link runs on
+            return chain_s + (streamed_bytes - link_sh * 1e9 * chain_s) / (self.link_gbps * 1e9)
+        # the link ends first; the rest of the chain (host and GPU parts in proportion, the
+        # GPU's spread along it) goes on without it
+        host_share = host_s / chain_s
+        return link_s + (chain_s - link_s) * ((1 - host_share) + host_share * cpu_sh / self.cpu_gbps)
 
     def describe(self) -> str:
         """The speeds in a few words, for the plan's lines."""
@@ -113,19 +121,23 @@ class HostRates:
                      f"{self.link_beside_cpu_gbps or self.link_gbps:.1f} beside them)")
         elif self.mem_gbps:
             text += f", host memory {self.mem_gbps:.1f} GB/s shared with the link"
+        if self.gpu_gbps:
+            text += f", the GPU's products {self.gpu_gbps:.0f} GB/s"
         return text
 
 
-def cpu_split(layer_bytes: list[int], rates: HostRates) -> int:
+def cpu_split(layer_bytes: list[int], rates: HostRates, gpu_bytes: int = 0) -> int:
     """How many of the candidate layers (``layer_bytes`` each, taken evenly spread as
     ``spread_pick`` does) go to the cpu tier so that a pass on both roads is fastest
-    (``HostRates.pass_s``); ties to fewer."""
+    (``HostRates.pass_s``; the candidates not taken stream and the GPU computes them beside its
+    ``gpu_bytes`` of resident layers); ties to fewer."""
     n = len(layer_bytes)
     best_n, best_s = 0, float("inf")
     for count in range(n + 1):
         picked = set(spread_pick(list(range(n)), count))
         cpu = sum(b for i, b in enumerate(layer_bytes) if i in picked)
-        t_s = rates.pass_s(cpu, sum(layer_bytes) - cpu)
+        streamed = sum(layer_bytes) - cpu
+        t_s = rates.pass_s(cpu, streamed, gpu_bytes + streamed)
         if t_s < best_s * (1 - 1e-9):
             best_n, best_s = count, t_s
     return best_n
@@ -184,6 +196,16 @@ class Plan:
     rates_how: str = ""
     cpu_beside_link_gbps: float = 0.0
     link_beside_cpu_gbps: float = 0.0
+    gpu_gbps: float = 0.0
+
+    @property
+    def predicted_pass_s(self) -> float:
+        """A one-row pass's time by the cpu tier's model (``HostRates.pass_s``); 0 without its speeds."""
+        rates = self.host_rates
+        if rates is None:
+            return 0.0
+        return rates.pass_s(self.cpu_layer_bytes, self.streamed_bytes_per_pass,
+                            self.vram_layer_bytes + self.streamed_bytes_per_pass)
 
     @property
     def host_rates(self) -> HostRates | None:
@@ -191,7 +213,7 @@ class Plan:
         if not (self.link_gbps and self.cpu_gbps):
             return None
         return HostRates(self.link_gbps, self.cpu_gbps, self.mem_gbps, self.rates_how,
-                         self.cpu_beside_link_gbps, self.link_beside_cpu_gbps)
+                         self.cpu_beside_link_gbps, self.link_beside_cpu_gbps, self.gpu_gbps)
 
     @property
     def kv_floor_bytes(self) -> int:
@@ -298,7 +320,7 @@ class Plan:
                  + "), computed by the host's cores; only the hidden state crosses the link"]
         if rates:
             link_ms = self.streamed_bytes_per_pass / (self.link_gbps * 1e9) * 1e3
-            lines.append(f"  a one-row pass: about {rates.pass_s(self.cpu_layer_bytes, self.streamed_bytes_per_pass) * 1e3:.0f} ms "
+            lines.append(f"  a one-row pass: about {self.predicted_pass_s * 1e3:.0f} ms "
                          f"on the two roads: the link {link_ms:.0f} ms alone ({format_bytes(self.streamed_bytes_per_pass)}) "
                          f"while the host's cores read {format_bytes(self.cpu_layer_bytes)}; {rates.describe()}; "
                          f"{self.rates_how}")
@@ -530,7 +552,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     avail -= device_slots_total
 
     rest = [i for i in kept if tiers[i] != VRAM]
-    cpu_layers, cpu_held = _cpu_layers(index, cfg, rest, rates, host_layer_bytes, ram_budget)
+    cpu_layers, cpu_held = _cpu_layers(index, cfg, rest, rates, host_layer_bytes, ram_budget,
+                                       sum(index.layers[i].nbytes for i in resident))
     for i in cpu_layers:
         tiers[i] = CPU
     if device_slots_total and not cpu_layers:  # no tier: no staging buffer
@@ -595,12 +618,14 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         mem_gbps=rates.mem_gbps if rates else 0.0, rates_how=rates.how if rates else "",
         cpu_beside_link_gbps=rates.cpu_beside_link_gbps if rates else 0.0,
         link_beside_cpu_gbps=rates.link_beside_cpu_gbps if rates else 0.0,
+        gpu_gbps=rates.gpu_gbps if rates else 0.0,
     )
 
 
 def _cpu_layers(index: ModelIndex, cfg: InstanceConfig, rest: list[int], rates: HostRates | None,
-                host_layer_bytes: tuple[int, ...] | None, ram_budget: int) -> tuple[list[int], int]:
-    """The cpu tier's layers among ``rest`` (those not resident) and the host RAM they hold:
+                host_layer_bytes: tuple[int, ...] | None, ram_budget: int, resident_bytes: int) -> tuple[list[int], int]:
+    """The cpu tier's layers among ``rest`` (those not resident; ``resident_bytes`` the resident
+    ones' file bytes, which the GPU computes in the same chain) and the host RAM they hold:
     ``cfg.cpu_layers`` of them, or (auto) ``cpu_split``'s count by ``rates`` on cuda, spread
     evenly among ``rest`` so that they alternate with streamed ones. Auto holds fewer where the
     RAM budget would not hold them; a count the user gave that does not fit is an error."""
@@ -608,7 +633,7 @@ def _cpu_layers(index: ModelIndex, cfg: InstanceConfig, rest: list[int], rates: 
     if cfg.cpu_layers is not None:
         count = min(cfg.cpu_layers, len(rest))
     elif rates is not None and cfg.backend == "cuda" and rest:
-        count = cpu_split([index.layers[i].nbytes for i in rest], rates)
+        count = cpu_split([index.layers[i].nbytes for i in rest], rates, resident_bytes)
     else:
         count = 0
     chosen = spread_pick(rest, count)

@@ -95,6 +95,25 @@ def test_the_roads_measured_together_size_the_split():
     assert "32.0 beside the link" in rates.describe() and "54.0 beside them" in rates.describe()
 
 
+def test_the_gpus_share_of_the_chain_moves_layers_to_the_link():
+    """A pass is one chain: the cores wait while the GPU computes the other layers. The 70B run on
+    the H200 with 16 tier layers (rates measured at its start: link 55.1 / 51.2 beside the cores,
+    cores 42.1 / 34.4 beside the link) took 288 ms, compute busy 99.4%: the cores' 8.21 GB at
+    31.9 GB/s (258 ms) and ~29 ms of the GPU's work. Counting the GPU's time, the split moves
+    layers back to the link, and a pass is never predicted shorter than its chain."""
+    rates = HostRates(55.14, 42.14, 66.58, cpu_beside_link_gbps=34.38, link_beside_cpu_gbps=51.21)
+    with_gpu = HostRates(55.14, 42.14, 66.58, cpu_beside_link_gbps=34.38, link_beside_cpu_gbps=51.21, gpu_gbps=1000.0)
+    layer, resident = int(0.5132e9), 40 * int(0.5132e9)
+    n_plain, n_gpu = cpu_split([layer] * 40, rates), cpu_split([layer] * 40, with_gpu, resident)
+    assert n_gpu < n_plain == 16
+    for n in (8, 14, 16, 24):
+        gpu_bytes = resident + (40 - n) * layer
+        chain_s = n * layer / 34.38e9 + gpu_bytes / 1000e9
+        assert with_gpu.pass_s(n * layer, (40 - n) * layer, gpu_bytes) >= min(chain_s, n * layer / 42.14e9 + gpu_bytes / 1000e9)
+        assert with_gpu.pass_s(n * layer, (40 - n) * layer, gpu_bytes) >= (40 - n) * layer / 55.14e9
+    assert with_gpu.pass_s(0, 0, resident) == pytest.approx(resident / 1000e9)
+
+
 def test_the_roads_probe_says_why_it_could_not_measure(smollm2_path, monkeypatch):
     """Where the link cannot be measured (here: no cupy, or no GPU), the probe raises one line
     naming why, and plan_for then plans without a cpu tier."""

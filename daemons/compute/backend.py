@@ -616,7 +616,8 @@ def measure_rates(index: ModelIndex, layers: list[int]) -> HostRates:
             link_gbps=roads["link"], cpu_gbps=roads["cpu"],
             mem_gbps=host_read_gbps(512 << 20, 3, len(os.sched_getaffinity(0))),
             how=f"measured at start (layers {', '.join(map(str, layers))})",
-            cpu_beside_link_gbps=roads["cpu_beside_link"], link_beside_cpu_gbps=roads["link_beside_cpu"])
+            cpu_beside_link_gbps=roads["cpu_beside_link"], link_beside_cpu_gbps=roads["link_beside_cpu"],
+            gpu_gbps=roads["gpu"])
     return _MEASURED_RATES[key]
 
 

@@ -14,7 +14,7 @@ tier), measured at start so that the planner splits the layers between them (``p
 
 from __future__ import annotations
 
-__all__ = ["device_copy_gbps", "host_layer_gbps", "host_read_gbps", "link_gbps_apart", "pinned_link_gbps",
+__all__ = ["device_copy_gbps", "gpu_layers_gbps", "host_layer_gbps", "host_read_gbps", "link_gbps_apart", "pinned_link_gbps",
            "roads_together"]
 
 
@@ -123,10 +123,46 @@ def host_layer_gbps(index, layer: int, min_time_s: float = 0.3) -> float:
     return _products_gbps(_packed_products(index, [layer]), min_time_s)
 
 
-def _copy_until_told(nbytes: int = 256 << 20, iters: int = 3) -> None:
-    """roads_together's child: prints ``alone GBPS`` (``pinned_link_gbps``), waits for a line on
-    stdin, prints ``copying`` and copies pinned host memory to the device until the next line,
-    then prints ``beside GBPS``, the link's speed over that stretch."""
+def gpu_layers_gbps(index, layers, min_time_s: float = 0.2) -> float:
+    """File bytes of ``layers``' matrices that the GPU multiplies per second by one row (the
+    matrix products of a decode step at batch 1, each launched on its own, in turn): the GPU's
+    share of a pass's chain when the cpu tier computes the other layers (``HostRates.gpu_gbps``)."""
+    import time
+
+    import cupy as cp
+
+    from ntx.daemons.compute.cuda import gemm, runtime
+    from ntx.shared.layer_bytes import read_layer
+
+    ctx = runtime.standalone()
+    products = []
+    for layer in layers:
+        info = index.layers[layer]
+        dev = cp.asarray(read_layer(info))
+        for name, t in info.tensors.items():
+            if len(t.shape) == 2:
+                off = info.image_offset(name)
+                w = gemm.weight(dev[off: off + t.nbytes], t.ggml_type, t.shape[0], t.shape[1])
+                products.append((w, cp.ones((1, t.shape[1]), dtype=cp.float32), t.nbytes))
+    for w, x, _ in products:  # compiled and warm before any timing
+        gemm.gemm(ctx, w, x)
+    cp.cuda.Device().synchronize()
+    nbytes, reps, t0 = sum(p[2] for p in products), 0, time.perf_counter()
+    while True:
+        for w, x, _ in products:
+            gemm.gemm(ctx, w, x)
+        cp.cuda.Device().synchronize()
+        reps += 1
+        elapsed_s = time.perf_counter() - t0
+        if elapsed_s >= min_time_s:
+            return nbytes * reps / elapsed_s / 1e9
+
+
+def _copy_until_told(model_path: str = "", layers: str = "", nbytes: int = 256 << 20, iters: int = 3) -> None:
+    """roads_together's child: prints ``alone GBPS`` (``pinned_link_gbps``) and, given a model
+    and its layers (\"3,9\"), ``gpu GBPS`` (``gpu_layers_gbps``); waits for a line on stdin,
+    prints ``copying`` and copies pinned host memory to the device until the next line, then
+    prints ``beside GBPS``, the link's speed over that stretch."""
     import select
     import sys
     import time
@@ -134,6 +170,12 @@ def _copy_until_told(nbytes: int = 256 << 20, iters: int = 3) -> None:
     import cupy as cp
 
     print(f"alone {pinned_link_gbps(nbytes, iters)}", flush=True)
+    if model_path:
+        from ntx.shared.gguf_index import open_model
+
+        gpu = gpu_layers_gbps(open_model(model_path), [int(i) for i in layers.split(",")])
+        cp.get_default_memory_pool().free_all_blocks()
+        print(f"gpu {gpu}", flush=True)
     sys.stdin.readline()
     dev = cp.empty(nbytes, dtype=cp.uint8)
     pinned = cp.cuda.alloc_pinned_memory(nbytes)
@@ -151,7 +193,8 @@ def _copy_until_told(nbytes: int = 256 << 20, iters: int = 3) -> None:
 
 def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 120.0) -> dict[str, float]:
     """The two roads of a layer that does not fit the GPU, each alone and each while the other
-    runs: ``link`` / ``link_beside_cpu`` (pinned host memory to the device, in a child process so
+    runs, and the GPU's speed on the same layers (``gpu``: ``gpu_layers_gbps``, the part of a
+    pass's chain the cores wait for): ``link`` / ``link_beside_cpu`` (pinned host memory to the device, in a child process so
     that no CUDA context outlives the probe) and ``cpu`` / ``cpu_beside_link`` (the file bytes of
     ``layers``' matrices the host's cores compute per second in one-row products, packed as the
     cpu tier holds them, taken in turn so that several layers exceed the caches as in a pass).
@@ -162,9 +205,9 @@ def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 12
     import sys
     import threading
 
-    child = subprocess.Popen([sys.executable, "-c", "from ntx.daemons.compute.probes import _copy_until_told; "
-                              "_copy_until_told()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from ntx.daemons.compute.probes import _copy_until_told; "
+                              "_copy_until_told(*sys.argv[1:])", str(index.paths[0]), ",".join(map(str, layers))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killer = threading.Timer(timeout_s, child.kill)
     killer.start()
 
@@ -179,6 +222,7 @@ def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 12
     try:
         products = _packed_products(index, layers)  # while the child makes its CUDA context
         link = float(expect("alone"))
+        gpu = float(expect("gpu"))
         cpu = _products_gbps(products, min_time_s)
         child.stdin.write("go\n")
         child.stdin.flush()
@@ -193,7 +237,7 @@ def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 12
         if child.poll() is None:
             child.kill()
             child.wait()
-    return {"link": link, "link_beside_cpu": link_beside, "cpu": cpu, "cpu_beside_link": cpu_beside}
+    return {"link": link, "link_beside_cpu": link_beside, "cpu": cpu, "cpu_beside_link": cpu_beside, "gpu": gpu}
 
 
 def host_read_gbps(nbytes: int, repeats: int, threads: int) -> float:

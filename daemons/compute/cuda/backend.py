@@ -35,6 +35,7 @@ each tree row's tree mask (the masked kernel: a graph of its own). After verific
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import cupy as cp
@@ -543,8 +544,12 @@ class CudaBackend(Backend):
             self.kv_write(layer_idx, ws.k, ws.v, ws)
 
     def pin_host(self, buf: np.ndarray) -> None:
-        """Page-lock ``buf`` (cudaHostRegister) so that its copies run at the link's speed."""
-        cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, 0)
+        """Page-lock ``buf`` (cudaHostRegister) so that its copies run at the link's speed, until
+        ``buf`` goes: then it is unregistered before its pages are unmapped, so that a later
+        mapping at the same addresses can be registered again (CUDA would say "already mapped")."""
+        ptr = buf.ctypes.data
+        cp.cuda.runtime.hostRegister(ptr, buf.nbytes, 0)
+        weakref.finalize(buf, _host_unregister, ptr)
 
     def layer_from_host(self, layer: LayerInfo, buf: np.ndarray) -> dict[str, Any]:
         """A cpu-tier layer's image copied (from pinned memory) into the backend's one staging
@@ -556,6 +561,14 @@ class CudaBackend(Backend):
         dst = self.tier_stage[: buf.nbytes]
         cp.cuda.runtime.memcpyAsync(dst.data.ptr, buf.ctypes.data, buf.nbytes, 1, self.stream.ptr)
         return self.prepare_layer(layer, dst, keep=False)
+
+
+def _host_unregister(ptr: int) -> None:
+    """pin_host's undo, when its buffer goes (at exit the context may be gone first: nothing to undo then)."""
+    try:
+        cp.cuda.runtime.hostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - a finalizer must not raise
+        pass
 
 
 def _to_host(got: dict, name: str, a, stream) -> None:
