@@ -16,7 +16,7 @@ from ntx.shared.kernel_options import KernelOptions
 def test_defaults_and_empty_text():
     assert KernelOptions.parse("") == KernelOptions() == KernelOptions(pdl=True, pdl_matmul=False)
     assert KernelOptions.parse(" , ") == KernelOptions()
-    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off,cpu-quantized=on"
+    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off,cpu-quantized=on,tier-mapped=off"
 
 
 @pytest.mark.parametrize("text,want", [
@@ -36,7 +36,7 @@ def test_describe_round_trips(opts):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized)"),
+    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized, tier-mapped)"),
     ("pdl=maybe", "pdl=maybe must be pdl=on or pdl=off"),
     ("pdl", "pdl= must be pdl=on or pdl=off"),
 ])
