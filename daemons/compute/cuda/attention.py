@@ -70,6 +70,10 @@ def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, ou
                the tree row i (at tree_base[t] + i) where bit i of tree_mask[t] is set (its
                ancestors and itself). Rows with tree_base[t] = -1 keep the rule above. Without
                them the kernel has no mask code at all (a separate instantiation).
+               Batch-invariant mode (``ctx.batch_invariant``): a tree row's kv_lens[t] is its
+               logical length, its RoPE position + 1 (the keys before tree_base[t], then its
+               ancestors and itself), and its keys are taken in its path's order, so that its
+               result is the bits a plain row of that path gets (attention.cu, ORDERED TREE).
     out: f32 [T, H, hd]. n_splits: key splits (multiple of 4; default attention_splits); pass the
     same n_splits and a workspace (attention_workspace) to make the call allocation-free. A
     workspace of fewer than T rows (at least one) runs the rows in launches of as many rows as
@@ -126,7 +130,9 @@ def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, ou
         args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     names = instances.attn_names(G, hd)
     with stream_ctx(stream):
-        ctx.launch(function("attention.cu", names[int(tree)], names), (S // _ATTN_WARPS, n_kv, T),
+        # tree rows: masked in place, or in the batch-invariant mode in their paths' order (kv_lens logical)
+        kind = (2 if ctx.batch_invariant else 1) if tree else 0
+        ctx.launch(function("attention.cu", names[kind], names), (S // _ATTN_WARPS, n_kv, T),
                    (32 * _ATTN_WARPS,), args, shared_mem=smem)
         # the combine reads only the splits the row's length uses (kv_lens, slots as above)
         ctx.launch(function("attention.cu", "attn_combine_kernel"), (H, T), (min(hd, 256),), (

@@ -268,6 +268,9 @@ class CudaBackend(Backend):
         bucket = row_bucket(T, self.max_graph_rows)
         work = self._work(bucket or T, keep=bucket is not None)
         host = pass_rows(batch, [self.seq_row[c.seq_id] for c in batch.chunks], work.rows)
+        if self.kernels.batch_invariant and host.has_trees:
+            # tree rows see their path in its order (attention.attention): their logical length
+            host.kv_lens = np.where(host.tree_base >= 0, host.positions + 1, host.kv_lens).astype(np.int32)
         work.set_rows(host, _tree_mask(batch, work.rows), self.stream)
         work.batch = batch
         work.logit_rows = batch.logit_rows
