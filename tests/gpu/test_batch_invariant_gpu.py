@@ -235,10 +235,11 @@ def test_greedy_tokens_alone_batched_and_speculated(which, q4km):
     model = _model_path(which, q4km)
     prompt = _quoting_prompt(model)
     n = 48
-    alone = _run(_engine(model), {"w": (prompt, n)}, {})["w"]["tokens"]
+    plain = _engine(model)  # one engine for both runs: the second starts after the first has ended
+    alone = _run(plain, {"w": (prompt, n)}, {})["w"]["tokens"]
     others = {"j1": ([17, 300, 4, 61, 9], 6), "j2": (prompt[5:60], 20), "j3": ([40, 41, 42], 30)}
-    batched = _run(_engine(model), {"w": (prompt, n), **others}, {"j1": 2, "j2": 5})
-    assert batched["w"]["tokens"] == alone
+    batched = _run(plain, {"wb": (prompt, n), **others}, {"j1": 2, "j2": 5})
+    assert batched["wb"]["tokens"] == alone
     spec_engine = _engine(model, draft="ngram", draft_tokens=511, draft_width=16, draft_fixed=True)
     backend = spec_engine.core.model.backend
     pass_rows: list[int] = []
