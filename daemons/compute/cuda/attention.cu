@@ -193,7 +193,8 @@ __device__ __forceinline__ void attn_split_body(const float* q, const unsigned l
         }
         const int nk = min(32, L - tile * 32);
         const u16* vp = cv + lane * EPL;
-        const unsigned valid_bits = __ballot_sync(0xffffffffu, valid);  // TREE 2: keys with a V row to load
+        // TREE 2: the keys with a V row to load (the other kernels load every key below nk)
+        const unsigned valid_bits = TREE == 2 ? __ballot_sync(0xffffffffu, valid) : 0xffffffffu;
         // key u's V row: at vp + u * HD, or (TREE 2) at lane u's own address
         auto v_row = [&](int u) -> const u16* {
             if constexpr (TREE == 2)
