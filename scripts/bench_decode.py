@@ -9,6 +9,11 @@ compared with the device-to-device copy bandwidth measured in the same run (byte
 / time).
 
     python scripts/bench_decode.py MODEL.gguf [MODEL2.gguf ...] [--tokens 128] [--batch 1 8] [--out bench.json]
+                                   [--kernels "" batch-invariant=on]
+
+--kernels: the kernel switches (``--kernels`` of ntxctl start) of each run, every model timed
+under each in turn, in one process on one device; with more than one, each later setting's pass
+time is also given relative to the first's (e.g. the batch-invariant mode's cost).
 """
 
 from __future__ import annotations
@@ -25,19 +30,22 @@ from ntx.ctl.local import build_local_engine
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.probes import device_copy_gbps
 from ntx.shared.config import EngineOptions
+from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.messages import EngineRequest
 from ntx.shared.sampling_fields import SamplingParams
 
 
-def bench_model(path: str, tokens: int, batches: list[int]) -> dict:
+def bench_model(path: str, tokens: int, batches: list[int], kernels: str = "") -> dict:
     t0 = time.monotonic()
-    eng = build_local_engine(path, backend="cuda", options=EngineOptions(max_batch=max(batches), ctx=tokens + 64))
+    eng = build_local_engine(path, backend="cuda", options=EngineOptions(max_batch=max(batches), ctx=tokens + 64,
+                                                                         kernels=kernels))
     load_s = time.monotonic() - t0
     m = eng.core.model
     idx = m.index
     head = idx.globals.get("output", idx.globals["token_embd"])
     bytes_per_pass = idx.layer_bytes_total + head.nbytes
     res = {"model": os.path.basename(path), "type": idx.file_type, "layers": idx.hparams.n_layers,
+           "kernels": KernelOptions.parse(kernels).describe(),
            "weight_bytes_per_pass": bytes_per_pass, "load_s": round(load_s, 2), "batches": {}}
     prompt = list(range(100, 108))
     for B in batches:
@@ -99,25 +107,42 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels", nargs="+", default=[""],
+                    help='kernel switches of each run, e.g. "" batch-invariant=on (default: the defaults)')
     args = ap.parse_args()
+    for text in args.kernels:
+        KernelOptions.parse(text)  # a bad switch stops here, before any model loads
     props = cp.cuda.runtime.getDeviceProperties(0)
     copy_gbps = device_copy_gbps()
     report = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
               "copy_gbps": round(copy_gbps, 1), "models": []}
     print(f"device {report['device']}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
     for path in args.models:
-        r = bench_model(path, args.tokens, args.batch)
-        report["models"].append(r)
-        for B, b in r["batches"].items():
-            print(f"{r['model']:40s} {r['type']:7s} batch {B:2d}: pass {b['pass_ms']:7.3f} ms  "
-                  f"model {b['model_tokens_per_s']:8.1f} tok/s  {b['model_weight_gbps']:7.1f} GB/s "
-                  f"({100 * b['model_weight_gbps'] / copy_gbps:4.1f}% of copy)  "
-                  f"engine {b['engine_tokens_per_s']:8.1f} tok/s ({100 * b['engine_weight_gbps'] / copy_gbps:4.1f}%; "
-                  f"{b['engine_serial_tokens_per_s']:.1f} one pass at a time)",
-                  flush=True)
+        first = None
+        for kernels in args.kernels:
+            r = bench_model(path, args.tokens, args.batch, kernels)
+            report["models"].append(r)
+            print(f"{r['model']}: kernels {r['kernels']}", flush=True)
+            if first is None:
+                first = r
+            else:  # this setting's pass time against the first setting's, per batch size
+                for B, b in r["batches"].items():
+                    b["pass_vs_first"] = round(b["pass_ms"] / first["batches"][B]["pass_ms"] - 1.0, 4)
+            print_model(r, copy_gbps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def print_model(r: dict, copy_gbps: float) -> None:
+    for B, b in r["batches"].items():
+        cost = f"  pass {100 * b['pass_vs_first']:+.1f}% vs the first --kernels" if "pass_vs_first" in b else ""
+        print(f"{r['model']:40s} {r['type']:7s} batch {B:2d}: pass {b['pass_ms']:7.3f} ms  "
+              f"model {b['model_tokens_per_s']:8.1f} tok/s  {b['model_weight_gbps']:7.1f} GB/s "
+              f"({100 * b['model_weight_gbps'] / copy_gbps:4.1f}% of copy)  "
+              f"engine {b['engine_tokens_per_s']:8.1f} tok/s ({100 * b['engine_weight_gbps'] / copy_gbps:4.1f}%; "
+              f"{b['engine_serial_tokens_per_s']:.1f} one pass at a time){cost}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -217,7 +217,8 @@ class EngineOptions:
                                             "profile (its layers at cos >= 0.98), or PROFILE:N (its N most similar "
                                             "layers)", read="layers_or_profile")
     kernels: str = _option("", "kernel switches, NAME=on|off separated by commas (cpu-quantized=off: the cpu "
-                           "backend's float32 numpy reference) "
+                           "backend's float32 numpy reference; batch-invariant=on: cuda logits that do not depend "
+                           "on the rows beside them) "
                            f"(default {KernelOptions().describe()})")
     # speculative decoding (daemons/compute/speculation.py): one drafter at most
     draft_model: str | None = _option(None, "draft with this small GGUF or local model (same vocabulary), resident",

@@ -1,7 +1,9 @@
 """The backends' kernel switches, as a value of the instance's configuration.
 
-The cuda switches change how kernels are launched, never what they compute
-(tests/gpu/test_programmatic_launch.py holds the bits equal with and without). The cpu backend's
+The cuda launch switches (pdl, pdl-matmul) change how kernels are launched, never what they
+compute (tests/gpu/test_programmatic_launch.py holds the bits equal with and without);
+batch-invariant changes which kernels and launch shapes the cuda backend chooses, so that a
+row's result does not depend on how many rows share its pass. The cpu backend's
 one chooses between its compiled kernels on the quantized weights and the float32 numpy reference
 (which differ by the activations' int8 rounding; daemons/compute/cpu_kernels.py). They are
 measured, not tuned per device: part of
@@ -33,6 +35,12 @@ class KernelOptions:
     # crosses the link as a kernel reads it) instead of being copied into a staging buffer first,
     # which the plan then does not reserve (one resident layer more). dev/cuda/bench_mapped_weights.py
     tier_mapped: bool = False
+    # cuda backend: every kernel that reduces over the hidden size or the context keeps one
+    # reduction order per row whatever the pass's row count (tuning.batch_invariant), so a
+    # row's logits do not depend on the rows beside it (docs/ARCHITECTURE.md, "Batch-invariant
+    # mode"). Off until its cost on the GPU is measured. The cpu backend is batch-invariant
+    # either way (cpu_kernels.py): there it changes nothing.
+    batch_invariant: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "KernelOptions":

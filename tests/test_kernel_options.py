@@ -16,13 +16,15 @@ from ntx.shared.kernel_options import KernelOptions
 def test_defaults_and_empty_text():
     assert KernelOptions.parse("") == KernelOptions() == KernelOptions(pdl=True, pdl_matmul=False)
     assert KernelOptions.parse(" , ") == KernelOptions()
-    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off,cpu-quantized=on,tier-mapped=off"
+    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off,cpu-quantized=on,tier-mapped=off,batch-invariant=off"
 
 
 @pytest.mark.parametrize("text,want", [
     ("pdl=off", KernelOptions(pdl=False)),
     ("pdl-matmul=on", KernelOptions(pdl_matmul=True)),
     ("cpu-quantized=off", KernelOptions(cpu_quantized=False)),
+    ("batch-invariant=on", KernelOptions(batch_invariant=True)),
+    ("batch_invariant=1,pdl=off", KernelOptions(batch_invariant=True, pdl=False)),
     ("pdl_matmul=ON, pdl=0", KernelOptions(pdl=False, pdl_matmul=True)),
     ("pdl=true,pdl=no", KernelOptions(pdl=False)),  # the last one wins
 ])
@@ -30,13 +32,14 @@ def test_parse(text, want):
     assert KernelOptions.parse(text) == want
 
 
-@pytest.mark.parametrize("opts", [KernelOptions(), KernelOptions(pdl=False), KernelOptions(pdl=False, pdl_matmul=True)])
+@pytest.mark.parametrize("opts", [KernelOptions(), KernelOptions(pdl=False), KernelOptions(pdl=False, pdl_matmul=True),
+                                  KernelOptions(batch_invariant=True)])
 def test_describe_round_trips(opts):
     assert KernelOptions.parse(opts.describe()) == opts
 
 
 @pytest.mark.parametrize("text,message", [
-    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized, tier-mapped)"),
+    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized, tier-mapped, batch-invariant)"),
     ("pdl=maybe", "pdl=maybe must be pdl=on or pdl=off"),
     ("pdl", "pdl= must be pdl=on or pdl=off"),
 ])

@@ -146,9 +146,11 @@ class CpuBackend(Backend):
         return t.n_elements * 4
 
     @classmethod
-    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+                     kernels: KernelOptions | None = None) -> MemoryCosts:
         """Resident layers and globals are kept in the kernels' canonical forms (the float32
-        reference, ``cpu-quantized=off``, holds up to 8x more); the KV pages are float32."""
+        reference, ``cpu-quantized=off``, holds up to 8x more; counted as the defaults whatever
+        ``kernels`` says, as before); the KV pages are float32."""
         hp = index.hparams
         layer_bytes = tuple(sum(cls._held_bytes(t) for t in layer.tensors.values()) for layer in index.layers)
         return MemoryCosts(

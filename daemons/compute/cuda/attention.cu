@@ -26,6 +26,14 @@ __device__ __forceinline__ float warp_max(float v) {
 // words per row) is set: its ancestors and itself, not its siblings' branches. Masked keys
 // weigh nothing; a tile whose keys are all masked is skipped (every row sees itself, so no row
 // is left without keys).
+// ORDERED TREE (attn_ordered_tree_split_kernel, the batch-invariant mode): the same rows, but a
+// tree row's keys in the order a plain row of its path would see them: kv_lens[t] is the row's
+// logical length (its RoPE position + 1: the keys before tree_base[t], then its ancestors and
+// itself), and logical key j >= tree_base[t] is the tree row of the (j - tree_base[t])-th set bit
+// of its mask (the rows come after their parents, so by row index is by depth). Tiles, splits,
+// lanes and every sum then run exactly as for that plain row: a verified row's result is the bits
+// a decode of its path gets, whatever its tree's shape. Each lane finds its key's page (a
+// logical tile's keys may lie on several pages) and the V rows' addresses go round by shuffle.
 // Split-K ("flash decoding"): warp s of the S = gridDim.x * warps_per_cta splits of (t, kv-head g)
 // handles key tiles s, s+S, ... of 32 keys with an online softmax in f32 and writes its partial
 // (m, l, acc) to part_ml [T, H, S, 2] / part_acc [T, H, S, HD]; attn_combine merges them.
@@ -77,7 +85,25 @@ template <int EPL> struct AttnV {
     static __device__ __forceinline__ float elem(const u32 (&r)[VW], int e) { return h2f(r[e >> 1] >> (16 * (e & 1))); }
 };
 
-template <int G, int HD, bool TREE>
+// Where logical key `key` of an ordered tree row lies (see ORDERED TREE above): its cache
+// position, or -1 where the row's mask has fewer set bits than the key needs.
+__device__ __forceinline__ int attn_ordered_position(int key, int base, const u32* row_mask, int mask_words) {
+    if (base < 0 || key < base) return key;
+    int rank = key - base;  // the rank-th set bit of the mask (0 first)
+    for (int w = 0; w < mask_words; w++) {
+        u32 bits = __ldca(row_mask + w);
+        const int c = __popc(bits);
+        if (rank < c) {
+            for (int j = 0; j < rank; j++) bits &= bits - 1u;  // clear the lowest `rank` set bits
+            return base + 32 * w + __ffs(bits) - 1;
+        }
+        rank -= c;
+    }
+    return -1;
+}
+
+// TREE: 0 plain rows, 1 tree rows masked in place, 2 ordered tree rows (see above)
+template <int G, int HD, int TREE>
 __device__ __forceinline__ void attn_split_body(const float* q, const unsigned long long* kchunks,
                                                 const unsigned long long* vchunks, const int* page_table,
                                                 const int* slots, const int* kv_lens, float* __restrict__ part_ml,
@@ -100,7 +126,7 @@ __device__ __forceinline__ void attn_split_body(const float* q, const unsigned l
     __syncwarp();
     int base = -1;  // TREE: cache position of the tree's row 0 (-1: a plain causal row)
     const u32* row_mask = nullptr;  // TREE: the row's visibility bits over the tree's rows
-    if constexpr (TREE) {
+    if constexpr (TREE != 0) {
         base = tree_base[t];
         row_mask = tree_mask + (long long)t * mask_words;
     }
@@ -112,13 +138,26 @@ __device__ __forceinline__ void attn_split_body(const float* q, const unsigned l
         for (int e = 0; e < EPL; e++) acc[h][e] = 0.f;
     }
     for (int tile = s; tile * 32 < L; tile += S) {
-        const int page = kv_page_of(page_table, slot, max_pages, tile * 32);  // the tile's 32 keys: one page
-        if (page < 0) continue;  // (a tile of positions without a page: the engine never asks for one)
-        const u16* ck = kv_page_rows(kchunks, page, layer, g, cp, n_kv, HD);  // [KV_PAGE, HD]
-        const u16* cv = kv_page_rows(vchunks, page, layer, g, cp, n_kv, HD);
         const int key = tile * 32 + lane;
         bool valid = key < L;
-        if constexpr (TREE) {
+        const u16* ck;  // the lane's key row is ck + lane * HD
+        const u16* cv;  // key u's V rows: cv + u * HD (TREE 2: the lane's own key's, shuffled from lane u)
+        if constexpr (TREE == 2) {
+            const int pos = valid ? attn_ordered_position(key, base, row_mask, mask_words) : -1;
+            const int page = pos >= 0 ? kv_page_of(page_table, slot, max_pages, pos) : -1;
+            valid = valid && page >= 0;
+            if (__ballot_sync(0xffffffffu, valid) == 0u) continue;  // (no key with a page: never asked for)
+            const int in_page = pos & (KV_PAGE - 1);
+            const int pg = page >= 0 ? page : 0;  // an address to form; an invalid lane loads nothing from it
+            ck = kv_page_rows(kchunks, pg, layer, g, cp, n_kv, HD) + (long long)(in_page - lane) * HD;
+            cv = kv_page_rows(vchunks, pg, layer, g, cp, n_kv, HD) + (long long)in_page * HD;
+        } else {
+            const int page = kv_page_of(page_table, slot, max_pages, tile * 32);  // the tile's 32 keys: one page
+            if (page < 0) continue;  // (a tile of positions without a page: the engine never asks for one)
+            ck = kv_page_rows(kchunks, page, layer, g, cp, n_kv, HD);  // [KV_PAGE, HD]
+            cv = kv_page_rows(vchunks, page, layer, g, cp, n_kv, HD);
+        }
+        if constexpr (TREE == 1) {
             const int i = key - base;  // the key's row in the tree
             if (valid && base >= 0 && i >= 0)
                 valid = i < 32 * mask_words && ((__ldca(row_mask + (i >> 5)) >> (i & 31)) & 1u);
@@ -154,13 +193,24 @@ __device__ __forceinline__ void attn_split_body(const float* q, const unsigned l
         }
         const int nk = min(32, L - tile * 32);
         const u16* vp = cv + lane * EPL;
+        // TREE 2: the keys with a V row to load (the other kernels load every key below nk)
+        const unsigned valid_bits = TREE == 2 ? __ballot_sync(0xffffffffu, valid) : 0xffffffffu;
+        // key u's V row: at vp + u * HD, or (TREE 2) at lane u's own address
+        auto v_row = [&](int u) -> const u16* {
+            if constexpr (TREE == 2)
+                return (const u16*)__shfl_sync(0xffffffffu, (unsigned long long)cv, u) + lane * EPL;
+            else
+                return vp + (long long)u * HD;
+        };
+        auto v_loads = [&](int u) -> bool { return TREE == 2 ? ((valid_bits >> u) & 1u) != 0u : true; };
         // the first group's V rows are loaded here, before the softmax's shuffles, so their
         // latency overlaps them; a key past nk is not loaded (zero) and has p = 0
         u32 vr[VG][V::VW];
 #pragma unroll
         for (int u = 0; u < VG; u++) {
-            if (u < nk) {
-                V::load(vp + (long long)u * HD, vr[u]);
+            const u16* vu = v_row(u);
+            if (u < nk && v_loads(u)) {
+                V::load(vu, vr[u]);
             } else {
 #pragma unroll
                 for (int w = 0; w < V::VW; w++) vr[u][w] = 0u;
@@ -186,8 +236,9 @@ __device__ __forceinline__ void attn_split_body(const float* q, const unsigned l
             if (j0 > 0) {
 #pragma unroll
                 for (int u = 0; u < VG; u++) {
-                    if (j0 + u < nk) {
-                        V::load(vp + (long long)(j0 + u) * HD, vr[u]);
+                    const u16* vu = v_row(j0 + u);
+                    if (j0 + u < nk && v_loads(j0 + u)) {
+                        V::load(vu, vr[u]);
                     } else {
 #pragma unroll
                         for (int w = 0; w < V::VW; w++) vr[u][w] = 0u;
@@ -226,7 +277,7 @@ __global__ void __launch_bounds__(128) attn_split_kernel(const float* q, const u
                                                          float scale) {
     pdl_enter();
     extern __shared__ float qs_all[];
-    attn_split_body<G, HD, false>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
+    attn_split_body<G, HD, 0>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
                                   max_pages, cp, layer, scale, qs_all, nullptr, nullptr, 0);
 }
 
@@ -241,8 +292,21 @@ __global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* q, co
                                                               int mask_words) {
     pdl_enter();
     extern __shared__ float qs_all[];
-    attn_split_body<G, HD, true>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
-                                 max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words);
+    attn_split_body<G, HD, 1>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
+                              max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words);
+}
+
+// the batch-invariant mode's tree rows (ORDERED TREE above): kv_lens logical, the same arguments
+template <int G, int HD>
+__global__ void __launch_bounds__(128) attn_ordered_tree_split_kernel(
+    const float* q, const unsigned long long* kchunks, const unsigned long long* vchunks, const int* page_table,
+    const int* slots, const int* kv_lens, float* __restrict__ part_ml, float* __restrict__ part_acc, int n_slots,
+    int n_kv, int max_pages, int cp, int layer, float scale, const int* tree_base, const u32* tree_mask,
+    int mask_words) {
+    pdl_enter();
+    extern __shared__ float qs_all[];
+    attn_split_body<G, HD, 2>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
+                              max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words);
 }
 
 // out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the row's used splits

@@ -41,11 +41,12 @@ def pack_tree_mask(visible, n_words: int):
     return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
 
 
-def attention_splits(T: int, n_kv: int, max_ctx: int) -> int:
+def attention_splits(T: int, n_kv: int, max_ctx: int, ctx: KernelContext | None = None) -> int:
     """Default number of key splits (a multiple of 4) for attention over T queries: enough
     (query, kv-head, split) warps to fill the device (its tuning entry), at most one split per
-    32-key tile."""
-    return tuning().attn_splits(T, n_kv, max_ctx)
+    32-key tile; on ``ctx``'s table (the batch-invariant mode: the one-row splits at every T),
+    else the device's."""
+    return (ctx.tuning() if ctx is not None else tuning()).attn_splits(T, n_kv, max_ctx)
 
 
 def attention_workspace(T: int, H: int, hd: int, n_splits: int):
@@ -69,8 +70,15 @@ def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, ou
                the tree row i (at tree_base[t] + i) where bit i of tree_mask[t] is set (its
                ancestors and itself). Rows with tree_base[t] = -1 keep the rule above. Without
                them the kernel has no mask code at all (a separate instantiation).
+               Batch-invariant mode (``ctx.batch_invariant``): a tree row's kv_lens[t] is its
+               logical length, its RoPE position + 1 (the keys before tree_base[t], then its
+               ancestors and itself), and its keys are taken in its path's order, so that its
+               result is the bits a plain row of that path gets (attention.cu, ORDERED TREE).
     out: f32 [T, H, hd]. n_splits: key splits (multiple of 4; default attention_splits); pass the
-    same n_splits and a workspace (attention_workspace) to make the call allocation-free.
+    same n_splits and a workspace (attention_workspace) to make the call allocation-free. A
+    workspace of fewer than T rows (at least one) runs the rows in launches of as many rows as
+    it holds: each row's result is the same bits (rows never meet; the batch-invariant mode's
+    wide passes, ``memory.attention_rows``).
     planes: ``matvec.i16_planes(ctx, T, H * hd)``, written with out's i16 activations
     (``matvec.i16_quantize`` of out as [T, H * hd], the same bits) by the combine kernel: see
     ``attention_gemm``.
@@ -98,14 +106,22 @@ def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, ou
     out = out_array(out, (T, H, hd), cp.float32)
     if T == 0:
         return out
-    S = n_splits or attention_splits(T, n_kv, max_ctx)
+    S = n_splits or attention_splits(T, n_kv, max_ctx, ctx)
     if S % _ATTN_WARPS or S > _ATTN_MAX_SPLITS:
         raise ValueError(f"n_splits={S} must be a multiple of {_ATTN_WARPS} up to {_ATTN_MAX_SPLITS}")
     if workspace is None:
         workspace = attention_workspace(T, H, hd, S)
     part_ml, part_acc = workspace
-    if part_ml.size < T * H * S * 2 or part_acc.size < T * H * S * hd:
+    rows_per_launch = min(T, part_ml.size // (H * S * 2), part_acc.size // (H * S * hd))
+    if rows_per_launch < 1 or (rows_per_launch < T and planes is not None):
         raise ValueError("workspace too small for this T, H, hd, n_splits")
+    if rows_per_launch < T:  # rows in launches of what the workspace holds (q, out, fields: row slices)
+        for i in range(0, T, rows_per_launch):
+            j = min(i + rows_per_launch, T)
+            attention(ctx, q[i:j], kv, layer, slots[i:j], kv_lens[i:j], out[i:j], n_splits=S, workspace=workspace,
+                      scale=scale, tree_base=None if tree_base is None else tree_base[i:j],
+                      tree_mask=None if tree_mask is None else tree_mask[i:j], stream=stream)
+        return out
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(hd)
     smem = _ATTN_WARPS * G * hd * 4
     args = (q, kv.k_chunks, kv.v_chunks, kv.page_table, slots, kv_lens, part_ml, part_acc, np.int32(n_slots),
@@ -114,7 +130,9 @@ def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, ou
         args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     names = instances.attn_names(G, hd)
     with stream_ctx(stream):
-        ctx.launch(function("attention.cu", names[int(tree)], names), (S // _ATTN_WARPS, n_kv, T),
+        # tree rows: masked in place, or in the batch-invariant mode in their paths' order (kv_lens logical)
+        kind = (2 if ctx.batch_invariant else 1) if tree else 0
+        ctx.launch(function("attention.cu", names[kind], names), (S // _ATTN_WARPS, n_kv, T),
                    (32 * _ATTN_WARPS,), args, shared_mem=smem)
         # the combine reads only the splits the row's length uses (kv_lens, slots as above)
         ctx.launch(function("attention.cu", "attn_combine_kernel"), (H, T), (min(hd, 256),), (

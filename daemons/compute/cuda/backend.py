@@ -53,8 +53,8 @@ from ntx.daemons.compute.cuda.buckets import (MAX_GRAPH_ROWS, PassRows, bucket_s
                                               row_bucket, tree_chunks)
 from ntx.daemons.compute.cuda.dequant import get_rows
 from ntx.daemons.compute.cuda.kv_pages import KvPages
-from ntx.daemons.compute.cuda.memory import (ROW_FIELDS, attention_splits, backend_layout, cuda_memory_costs,
-                                             eager_layout, tree_mask_words)
+from ntx.daemons.compute.cuda.memory import (ROW_FIELDS, attention_rows, attention_splits, backend_layout,
+                                             cuda_memory_costs, eager_layout, tree_mask_words)
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
 from ntx.shared.kernel_options import KernelOptions
@@ -72,7 +72,8 @@ class _Work(Workspace):
     ``tree_base``/``tree_mask`` this pass; ``logit_rows``: the rows whose logits the head
     computes."""
 
-    def __init__(self, rows: int, hp, n_splits: int, arena: Arena, prefix: str = "", head: Arena | None = None) -> None:
+    def __init__(self, rows: int, hp, n_splits: int, arena: Arena, prefix: str = "", head: Arena | None = None,
+                 attn_rows: int | None = None) -> None:
         self.rows = rows
         self.arena = arena  # an eager pass's own arena lives as long as its workspace
         # the rows' int32 fields, one device array (and one pinned host twin) so that a pass
@@ -92,7 +93,9 @@ class _Work(Workspace):
         self.logit_rows = np.zeros(0, dtype=np.int64)
         self.allocate(rows, hp, lambda name, shape: arena.view(prefix + name, shape, cp.float32))
         self.n_splits = n_splits
-        n = rows * hp.n_head * n_splits
+        # attention's partials: for every row, or for the rows one attention launch takes
+        # (memory.attention_rows: the batch-invariant mode's wide passes)
+        n = (attn_rows if attn_rows is not None else rows) * hp.n_head * n_splits
         self.attn_ws = (arena.view(prefix + "attention ml", (n * 2,), cp.float32),
                         arena.view(prefix + "attention acc", (n * hp.head_dim,), cp.float32))
         head = head if head is not None else arena
@@ -150,7 +153,8 @@ class CudaBackend(Backend):
         self.use_graphs = use_graphs
         self.max_graph_rows = MAX_GRAPH_ROWS if use_graphs else 0  # passes up to this are bucketed and captured
         self.kernels = kernels if kernels is not None else KernelOptions()
-        self.tuning = runtime.tuning()
+        # the device's table, or its batch-invariant form (the ctx below launches from the same)
+        self.tuning = runtime.invariant_tuning(runtime.tuning()) if self.kernels.batch_invariant else runtime.tuning()
         with self.stream:
             self.arena = Arena(backend_layout(index, self.max_ctx, self.max_graph_rows, self.tuning))
         self.scratch = ArenaScratch(self.arena)
@@ -165,8 +169,10 @@ class CudaBackend(Backend):
         self.tier_stage = None  # the cpu tier's staging buffer for its layers in wide passes (layer_from_host)
 
     @classmethod
-    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
-        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, prefill_chunk_tokens=prefill_chunk_tokens)
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+                     kernels: KernelOptions | None = None) -> MemoryCosts:
+        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, prefill_chunk_tokens=prefill_chunk_tokens,
+                                 kernels=kernels)
 
     # -- weights -------------------------------------------------------------------------------
     def load_globals(self, raw: dict[str, np.ndarray], rope_divisors: np.ndarray | None) -> None:
@@ -246,11 +252,14 @@ class CudaBackend(Backend):
         w = self.works.get(rows)
         if w is None:
             splits = attention_splits(rows, self.hp.n_head_kv, self.max_ctx, self.tuning)
+            attn_rows = attention_rows(rows, self.tuning)
             with self.stream:
                 if keep:
-                    w = self.works[rows] = _Work(rows, self.hp, splits, self.arena, prefix=f"bucket{rows}/")
+                    w = self.works[rows] = _Work(rows, self.hp, splits, self.arena, prefix=f"bucket{rows}/",
+                                                 attn_rows=attn_rows)
                 else:
-                    w = _Work(rows, self.hp, splits, Arena(eager_layout(self.hp, rows, self.max_ctx)))
+                    w = _Work(rows, self.hp, splits, Arena(eager_layout(self.hp, rows, self.max_ctx, self.tuning)),
+                              attn_rows=attn_rows)
         if not keep:
             self.scratch.eager = w.arena
         return w
@@ -260,6 +269,9 @@ class CudaBackend(Backend):
         bucket = row_bucket(T, self.max_graph_rows)
         work = self._work(bucket or T, keep=bucket is not None)
         host = pass_rows(batch, [self.seq_row[c.seq_id] for c in batch.chunks], work.rows)
+        if self.kernels.batch_invariant and host.has_trees:
+            # tree rows see their path in its order (attention.attention): their logical length
+            host.kv_lens = np.where(host.tree_base >= 0, host.positions + 1, host.kv_lens).astype(np.int32)
         work.set_rows(host, _tree_mask(batch, work.rows), self.stream)
         work.batch = batch
         work.logit_rows = batch.logit_rows

@@ -15,6 +15,12 @@ call for every bucket before any request):
     types, ~2e-5, f32 for the float types), in chunks of 8 rows;
   * more rows: ``gemm_dequant`` (an f16 copy of W and cuBLAS), eager passes only.
 
+In the batch-invariant mode (``KernelOptions.batch_invariant``: the context's table is
+``tuning.batch_invariant``'s) a format takes one path at every row count
+(``memory.invariant_path``): mmq for the K-quants, mm for the other types it decodes, the
+matvec for the rest, in chunks of MAX_MM_ROWS (MAX_MATVEC_B) rows beyond those, never cuBLAS,
+so that a row's products are the same bits whatever rows share its pass.
+
 The products of one x — a layer's q, k and v, its gate and up — go through ``gemm_group``,
 which quantizes x once for all the products that take the same quantized x, and runs the i16
 products of one type as one launch.
@@ -33,8 +39,8 @@ from ntx.daemons.compute.cuda import mm as tc
 from ntx.daemons.compute.cuda import norm_rope_kv as nrk
 from ntx.daemons.compute.cuda.dequant import dequantize_f16
 from ntx.daemons.compute.cuda.memory import gemm_path
-from ntx.daemons.compute.cuda.runtime import (KernelContext, aligned_x, check_f32, out_array, stream_ctx, tuning)
-from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B
+from ntx.daemons.compute.cuda.runtime import KernelContext, aligned_x, check_f32, out_array, stream_ctx
+from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS
 from ntx.shared.quant_types import quant_type, row_nbytes
 
 __all__ = ["weight", "path", "gemm", "gemm_dequant", "gemm_group", "norm_gemm_group", "swiglu_gemm_add"]
@@ -60,11 +66,12 @@ def weight(raw, qtype, n_rows: int, n_cols: int) -> Weight:
 
 def path(ctx: KernelContext, w: Weight, T: int) -> str:
     """The path gemm takes for T rows of x against ``w`` (``memory.gemm_path`` on the device's
-    table), chosen once per format and T and kept in the context."""
-    key = ("gemm", w.format_key, T)
+    table, or its batch-invariant form), chosen once per format, T and mode and kept in the
+    context."""
+    key = ("gemm", w.format_key, T, ctx.batch_invariant)
     p = ctx.plans.get(key)
     if p is None:
-        p = ctx.plans[key] = gemm_path(quant_type(w.qtype), w.n_cols, T, tuning())
+        p = ctx.plans[key] = gemm_path(quant_type(w.qtype), w.n_cols, T, ctx.tuning())
     return p
 
 
@@ -85,10 +92,16 @@ def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate:
             return nrk.add(ctx, out, tmp, out=out, stream=stream)
     if p == "dequant":
         return gemm_dequant(ctx, w, x, out, stream=stream)
-    if p == "mmq":
-        return tc.mmq(ctx, w, x, out, stream=stream)
-    if p == "mm":
-        return tc.mm(ctx, w, x, out, stream=stream)
+    if p in ("mmq", "mm"):
+        product = tc.mmq if p == "mmq" else tc.mm
+        if T <= MAX_MM_ROWS:
+            return product(ctx, w, x, out, stream=stream)
+        # the batch-invariant mode beyond one launch's rows: chunks, each row as in a narrower pass
+        out = out_array(out, (T, w.n_rows), cp.float32)
+        for i in range(0, T, MAX_MM_ROWS):
+            j = min(i + MAX_MM_ROWS, T)
+            product(ctx, w, x[i:j], out[i:j], stream=stream)
+        return out
     if T <= MAX_MATVEC_B:
         return mv.matvec(ctx, w, x, out, stream=stream)
     out = out_array(out, (T, w.n_rows), cp.float32)
@@ -141,6 +154,14 @@ def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) ->
     outs. i16_planes: x's i16 planes, made already (``norm_rope_kv.rmsnorm_i16``)."""
     x = aligned_x(x, parts[0][0].n_cols)
     T = x.shape[0]
+    if T > MAX_MM_ROWS and i16_planes is None and any(path(ctx, w, T) == "mmq" for w, _ in parts):
+        # the batch-invariant mode beyond one matmul launch's rows: the group chunk by chunk
+        # (mmq's planes are made for up to MAX_MM_ROWS rows)
+        outs = [out_array(out, (T, w.n_rows), cp.float32) for w, out in parts]
+        for i in range(0, T, MAX_MM_ROWS):
+            j = min(i + MAX_MM_ROWS, T)
+            gemm_group(ctx, x[i:j], [(w, o[i:j]) for (w, _), o in zip(parts, outs)], stream=stream)
+        return outs
     shared: dict[str, Any] = {} if i16_planes is None else {"i16": i16_planes}
     outs: list[Any] = [None] * len(parts)
     i16_by_type: dict[int, list[int]] = {}

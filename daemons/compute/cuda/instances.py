@@ -47,7 +47,10 @@ def mmq_names(qt: int) -> tuple[str, ...]:
 
 
 def attn_names(g: int, hd: int) -> tuple[str, ...]:
-    return (f"attn_split_kernel<{g},{hd}>", f"attn_tree_split_kernel<{g},{hd}>")
+    """attention's split kernels: plain, tree rows masked in place, tree rows in their paths'
+    order (the batch-invariant mode)."""
+    return (f"attn_split_kernel<{g},{hd}>", f"attn_tree_split_kernel<{g},{hd}>",
+            f"attn_ordered_tree_split_kernel<{g},{hd}>")
 
 
 def extern_kernels() -> dict[str, tuple[str, ...]]:

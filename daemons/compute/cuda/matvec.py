@@ -28,7 +28,7 @@ import numpy as np
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda.memory import i16_plane_bytes, i16_planes_bytes
-from ntx.daemons.compute.cuda.runtime import KernelContext, function, rows_and_out, stream_ctx, tuning
+from ntx.daemons.compute.cuda.runtime import KernelContext, function, rows_and_out, stream_ctx
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B
 from ntx.shared.quant_types import quant_type
 
@@ -50,18 +50,18 @@ class MatvecPlan:
 
 def matvec_plan(ctx: KernelContext, w: Weight, B: int) -> MatvecPlan:
     """The plan of ``w``'s format and shape at B rows, made on first use and kept in ``ctx``."""
-    key = ("matvec", w.format_key, B)
+    key = ("matvec", w.format_key, B, ctx.batch_invariant)
     plan = ctx.plans.get(key)
     if plan is None:
         q = quant_type(w.qtype)
         qt = int(q.qtype)
         if instances.matvec_kind(q) == "i16":
-            nr, nw, u = tuning().i16(q.qtype, B)
+            nr, nw, u = ctx.tuning().i16(q.qtype, B)
             names = instances.i16_names(qt, nr, u)
             kern = function("matvec.cu", f"mvq2_kernel<{qt},{B},{nr},{u}>", names)
             group = function("matvec.cu", f"mvq2g_kernel<{qt},{B},{nr},{u}>", names)
         else:
-            nr, nw, u = tuning().mv(q.qtype, B)
+            nr, nw, u = ctx.tuning().mv(q.qtype, B)
             kern = function("matvec.cu", instances.mv_names(qt, nr, u)[B - 1], instances.mv_names(qt, nr, u))
             group = None
         plan = ctx.plans[key] = MatvecPlan(instances.matvec_kind(q) == "i16", kern, group,

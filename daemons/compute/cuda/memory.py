@@ -25,13 +25,14 @@ from ntx.daemons.compute.backend import Workspace
 from ntx.daemons.compute.cuda import tuning
 from ntx.daemons.compute.cuda.buckets import MAX_GRAPH_ROWS, bucket_sizes
 from ntx.shared.gguf_index import HParams, ModelIndex
+from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.plan import MemoryCosts
 from ntx.shared.quant_types import QuantType, quant_type
 
 __all__ = ["Region", "Layout", "ALIGN_BYTES", "KV_ELEMENT_BYTES", "ALLOCATOR_SLACK_BYTES", "ROW_FIELDS",
-           "attention_splits", "pass_regions", "scratch_regions", "backend_layout", "eager_layout",
+           "attention_splits", "attention_rows", "gemm_path", "invariant_path", "gemm_scratch_bytes", "pass_regions", "scratch_regions", "backend_layout", "eager_layout",
            "i16_plane_bytes", "i16_planes_bytes", "mmq_planes_bytes", "mm_scratch_bytes", "mmq_scratch_bytes",
-           "tree_mask_words", "matrix_shapes", "cuda_memory_costs"]
+           "tree_mask_words", "matrix_shapes", "backend_tuning", "cuda_memory_costs"]
 
 ALIGN_BYTES = 256  # every region starts on this boundary (the i16 planes need 256, vector loads 16)
 KV_ELEMENT_BYTES = 2  # the KV cache is f16 (norm_rope_kv.alloc_kv_cache)
@@ -94,6 +95,14 @@ def attention_splits(T: int, n_kv: int, max_ctx: int, t: tuning.KernelTuning = t
     return t.attn_splits(T, n_kv, max_ctx)
 
 
+def attention_rows(rows: int, t: tuning.KernelTuning = tuning.DEFAULT) -> int:
+    """Query rows one attention launch takes in a pass of ``rows`` rows: all of them, or in the
+    batch-invariant mode at most MAX_GRAPH_ROWS (its key splits do not shrink as rows grow, so a
+    wider pass runs attention in launches of that many rows over one workspace of that size:
+    ``attention.attention`` cuts the rows to fit its workspace)."""
+    return min(rows, tuning.MAX_GRAPH_ROWS) if t.batch_invariant else rows
+
+
 def tree_mask_words(n_rows: int) -> int:
     """u32 words per row of a tree mask over trees of up to n_rows rows."""
     return max(1, -(-n_rows // 32))
@@ -146,11 +155,30 @@ def mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
     return None
 
 
+def invariant_path(q: QuantType, n_cols: int) -> str:
+    """The one path of the batch-invariant mode for rows of n_cols of type q, at every row count:
+    "mmq" for the K-quants, "mm" for the other types mm decodes at this row length (Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0, F16), "matvec" for the rest (F32, BF16, an F16 row mm cannot cut), beyond
+    MAX_MM_ROWS (MAX_MATVEC_B for the matvec) in chunks of that many rows. Never cuBLAS: its
+    kernel and split of K change with the shape, and it rounds x to f16. Why the tensor-core
+    matmuls rather than the matvec even at one row (slower there): docs/ARCHITECTURE.md,
+    "Batch-invariant mode"."""
+    if q.mm_staged and n_cols % 256 == 0:
+        return "mmq"
+    if mm_cut(q, n_cols) is not None:
+        return "mm"
+    return "matvec"
+
+
 def gemm_path(q: QuantType, n_cols: int, T: int, t: tuning.KernelTuning) -> str:
     """Which path gemm takes for T rows of x against rows of n_cols of type q: "dequant"
     (beyond MAX_MM_ROWS: an f16 copy and cuBLAS), "mmq" (the K-quants from mmq_min_rows rows),
     "mm" (the other types mm decodes, from mm_min_rows rows), "i16" (one i16 matvec launch, up
-    to 8 rows of the block-quantized types), or "matvec" (the matvec in chunks of 8 rows)."""
+    to 8 rows of the block-quantized types), or "matvec" (the matvec in chunks of 8 rows). On a
+    batch-invariant table (``tuning.batch_invariant``) the same path at every T
+    (``invariant_path``)."""
+    if t.batch_invariant:
+        return invariant_path(q, n_cols)
     if T > tuning.MAX_MM_ROWS:
         return "dequant"
     if q.mm_staged and n_cols % 256 == 0:  # the K-quants (mm.MMQ_TYPES)
@@ -165,8 +193,11 @@ def gemm_path(q: QuantType, n_cols: int, T: int, t: tuning.KernelTuning) -> str:
 
 def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning.KernelTuning) -> dict[str, int]:
     """The scratch gemm takes for T rows of x against W [n_rows, n_cols] of type q, by purpose
-    (the i16 planes of one quantization; the chunked matvec's are per chunk of 8 rows)."""
+    (the i16 planes of one quantization; the chunked matvec's are per chunk of 8 rows; the
+    batch-invariant mode's matmuls are per chunk of MAX_MM_ROWS rows)."""
     path = gemm_path(q, n_cols, T, t)
+    if t.batch_invariant:
+        T = min(T, tuning.MAX_MM_ROWS)
     if path == "mmq":
         wr, wk, ks = t.mmq_launch(T, n_rows, n_cols // 256 * 8)
         return mmq_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
@@ -190,16 +221,19 @@ def matrix_shapes(index: ModelIndex) -> set[tuple[int, int, int]]:
 
 
 # ------------------------------------------------------------------------------ the layouts
-def pass_regions(hp: HParams, rows: int, max_ctx: int, prefix: str = "") -> list[Region]:
+def pass_regions(hp: HParams, rows: int, max_ctx: int, prefix: str = "",
+                 t: tuning.KernelTuning = tuning.DEFAULT) -> list[Region]:
     """A pass of ``rows`` rows (``backend._Work``): the int32 row fields [6, rows], the tree mask
     (u32 [rows, tree_mask_words(rows)]), the block's f32 buffers (``Workspace.allocate``) and
-    attention's split partials (its splits for ``rows`` rows at ``max_ctx``)."""
-    S = attention_splits(rows, hp.n_head_kv, max_ctx)
+    attention's split partials (its splits for ``rows`` rows at ``max_ctx`` on ``t``, for the
+    rows one attention launch takes: ``attention_rows``)."""
+    S = attention_splits(rows, hp.n_head_kv, max_ctx, t)
+    attn_rows = attention_rows(rows, t)
     regions = [Region("row fields", len(ROW_FIELDS) * rows * 4), Region("tree mask", rows * tree_mask_words(rows) * 4)]
     for name, width in Workspace.buffer_widths(hp):
         regions.append(Region(name, rows * width * 4))
-    regions += [Region("attention ml", rows * hp.n_head * S * 2 * 4),
-                Region("attention acc", rows * hp.n_head * S * hp.head_dim * 4)]
+    regions += [Region("attention ml", attn_rows * hp.n_head * S * 2 * 4),
+                Region("attention acc", attn_rows * hp.n_head * S * hp.head_dim * 4)]
     return [Region(prefix + r.name, r.nbytes, r.zero) for r in regions]
 
 
@@ -232,41 +266,56 @@ def backend_layout(index: ModelIndex, max_ctx: int, max_graph_rows: int = MAX_GR
     each row bucket's pass workspace (``bucket{rows}/…``) and the head's buffers for the largest
     bucket (``max_graph_rows``: 0 without graphs), the kernels' scratch for every product of up
     to MAX_MM_ROWS rows (the head multiplies in chunks of that many), and the f16 copy of the
-    largest layer matrix (``dequant w16``: the cuBLAS path of eager passes)."""
+    largest layer matrix (``dequant w16``: the cuBLAS path of eager passes; none in the
+    batch-invariant mode, which never takes it)."""
     hp = index.hparams
     regions: list[Region] = []
     for rows in bucket_sizes(max_graph_rows):
-        regions += pass_regions(hp, rows, max_ctx, prefix=f"bucket{rows}/")
+        regions += pass_regions(hp, rows, max_ctx, prefix=f"bucket{rows}/", t=t)
     if max_graph_rows:
         regions += head_regions(hp, max_graph_rows)
     regions += scratch_regions(matrix_shapes(index), tuning.MAX_MM_ROWS, hp.n_embd, t)
+    if t.batch_invariant:
+        return Layout(tuple(regions))
     largest = max(m.shape[0] * m.shape[1] for layer in index.layers for m in layer.tensors.values() if len(m.shape) == 2)
     regions.append(Region("dequant w16", largest * 2))
     return Layout(tuple(regions))
 
 
-def eager_layout(hp: HParams, rows: int, max_ctx: int) -> Layout:
+def eager_layout(hp: HParams, rows: int, max_ctx: int, t: tuning.KernelTuning = tuning.DEFAULT) -> Layout:
     """A pass above the buckets (made per pass, freed after): its workspace and head for
     ``rows`` rows, the f16 copy of x the cuBLAS path multiplies (``dequant x16``, the widest
-    row multiplied) and gemm(accumulate)'s product (the down matrix's [rows, D])."""
+    row multiplied; not in the batch-invariant mode) and gemm(accumulate)'s product (the down
+    matrix's [rows, D])."""
     widest = max(hp.n_embd, hp.q_dim, hp.n_ff)
-    return Layout(tuple(pass_regions(hp, rows, max_ctx) + head_regions(hp, rows)
-                        + [Region("dequant x16", rows * widest * 2), Region("gemm accumulate", rows * hp.n_embd * 4)]))
+    dequant = [] if t.batch_invariant else [Region("dequant x16", rows * widest * 2)]
+    return Layout(tuple(pass_regions(hp, rows, max_ctx, t=t) + head_regions(hp, rows)
+                        + dequant + [Region("gemm accumulate", rows * hp.n_embd * 4)]))
 
 
-def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int) -> MemoryCosts:
+def backend_tuning(kernels: KernelOptions | None, t: tuning.KernelTuning = tuning.DEFAULT) -> tuning.KernelTuning:
+    """The table the cuda backend launches from under ``kernels``: ``t``, or its batch-invariant
+    form (``tuning.batch_invariant``) when the switch asks for it."""
+    return tuning.batch_invariant(t) if kernels is not None and kernels.batch_invariant else t
+
+
+def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+                      kernels: KernelOptions | None = None) -> MemoryCosts:
     """Resident layers as their GGUF bytes; the KV cache of ``max_seqs`` sequences at full
     context, reserved up front; the workspace: the backend's arena (``backend_layout``), the
     arena of an eager pass of a prompt chunk (``eager_layout`` of ``prefill_chunk_tokens``
-    rows, when that is above the buckets) and ``ALLOCATOR_SLACK_BYTES``."""
+    rows, when that is above the buckets) and ``ALLOCATOR_SLACK_BYTES``, on the table
+    ``kernels`` makes (``backend_tuning``: the batch-invariant mode's attention partials are
+    larger, it keeps no f16 copy for cuBLAS)."""
     hp = index.hparams
     ctx = min(max_ctx, hp.n_ctx_train)
-    eager = eager_layout(hp, prefill_chunk_tokens, ctx).total_bytes if prefill_chunk_tokens > MAX_GRAPH_ROWS else 0
+    t = backend_tuning(kernels)
+    eager = eager_layout(hp, prefill_chunk_tokens, ctx, t).total_bytes if prefill_chunk_tokens > MAX_GRAPH_ROWS else 0
     return MemoryCosts(
         memory_name="VRAM",
         layer_bytes=tuple(layer.nbytes for layer in index.layers),
         globals_bytes=index.global_bytes_total,
         kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * KV_ELEMENT_BYTES,
         kv_tokens=ctx * max_seqs,
-        workspace_bytes=ALLOCATOR_SLACK_BYTES + backend_layout(index, ctx).total_bytes + eager,
+        workspace_bytes=ALLOCATOR_SLACK_BYTES + backend_layout(index, ctx, t=t).total_bytes + eager,
     )

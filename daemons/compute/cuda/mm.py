@@ -28,8 +28,7 @@ import numpy as np
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda.memory import mm_cut, mm_scratch_bytes, mmq_planes_bytes, mmq_scratch_bytes
-from ntx.daemons.compute.cuda.runtime import (DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx,
-                                              tuning)
+from ntx.daemons.compute.cuda.runtime import DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx
 from ntx.daemons.compute.cuda.tuning import MAX_MM_ROWS
 from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type
 
@@ -79,7 +78,7 @@ class MmPlan:
 def mm_plan(ctx: KernelContext, w: Weight, B: int) -> MmPlan:
     """The plan of ``w``'s format and shape at B rows (mmq for the K-quants, else mm), made on
     first use and kept in ``ctx``."""
-    key = ("mm", w.format_key, B)
+    key = ("mm", w.format_key, B, ctx.batch_invariant)
     plan = ctx.plans.get(key)
     if plan is None:
         q = quant_type(w.qtype)
@@ -88,7 +87,7 @@ def mm_plan(ctx: KernelContext, w: Weight, B: int) -> MmPlan:
             if not mmq_supported(qt, w.n_cols):
                 raise ValueError(f"the int8 tensor-core matmul does not decode {q.name} rows of {w.n_cols} columns; "
                                  "use gemm")
-            wr, wk, ks = tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+            wr, wk, ks = ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
             tiles = -(-w.n_rows // (16 * wr))
             smem = staged_smem_bytes(q, wr * wk, nt)
             kern = function("mmq.cu", f"mmq_kernel<{qt},{nt},1>", instances.mmq_names(qt))
@@ -99,7 +98,7 @@ def mm_plan(ctx: KernelContext, w: Weight, B: int) -> MmPlan:
             cut = mm_cut(q, w.n_cols)
             if cut is None:
                 raise ValueError(f"the tensor-core matmul does not decode {q.name} rows of {w.n_cols} columns; use gemm")
-            wr, wk, ks = tuning().mm_launch(B, w.n_rows, cut[1])
+            wr, wk, ks = ctx.tuning().mm_launch(B, w.n_rows, cut[1])
             tiles = -(-w.n_rows // (16 * wr))
             smem = 0
             names = instances.mm_names(qt, cut[0])

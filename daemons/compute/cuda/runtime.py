@@ -40,6 +40,7 @@ from ntx.daemons.compute.cuda.sources import kernel_source
 from ntx.shared.kernel_options import KernelOptions
 
 __all__ = ["KernelContext", "Launcher", "StandaloneScratch", "standalone", "module", "function", "tuning",
+           "invariant_tuning",
            "sm_count", "check_f32", "check_i32", "out_array", "stream_ctx", "ptr_or_null", "aligned_x", "rows_and_out",
            "DEFAULT_SMEM_LIMIT"]
 
@@ -59,6 +60,17 @@ def tuning() -> tuning_tables.KernelTuning:
         name = cp.cuda.runtime.getDeviceProperties(dev)["name"]
         t = _tunings[dev] = tuning_tables.for_device(name.decode() if isinstance(name, bytes) else str(name))
     return t
+
+
+_invariant_tunings: dict[str, tuning_tables.KernelTuning] = {}
+
+
+def invariant_tuning(t: tuning_tables.KernelTuning) -> tuning_tables.KernelTuning:
+    """``t``'s batch-invariant form (``tuning.batch_invariant``), made once per table."""
+    got = _invariant_tunings.get(t.name)
+    if got is None:
+        got = _invariant_tunings[t.name] = tuning_tables.batch_invariant(t)
+    return got
 
 
 def sm_count() -> int:
@@ -230,6 +242,18 @@ class KernelContext:
     launch: Launcher
     scratch: Callable[..., Any]
     plans: dict = field(default_factory=dict)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this context's kernels keep a row's result independent of its pass's rows
+        (``KernelOptions.batch_invariant``); part of every plan key that depends on it."""
+        return self.launch.options.batch_invariant
+
+    def tuning(self) -> tuning_tables.KernelTuning:
+        """The launch table this context's kernels take: the device's (``tuning()``), or its
+        batch-invariant form when the context's options ask for it."""
+        t = tuning()
+        return invariant_tuning(t) if self.batch_invariant else t
 
 
 def standalone(options: KernelOptions | None = None) -> KernelContext:

@@ -15,11 +15,11 @@ cupy (the planner, scripts/compile_check.py and instances.py read it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gguf import GGMLQuantizationType as QT
 
-__all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "MAX_MATVEC_B",
+__all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant", "MAX_MATVEC_B",
            "MV_ROWS_PER_CTA", "MV_MAX_WARPS", "MV_UNROLLS", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
            "ATTN_SPLIT_STEP"]
 
@@ -72,6 +72,9 @@ class KernelTuning:
     rmsnorm_threads: tuple[tuple[int, int], ...]
     # layout cut of each type's dequantizer (types not listed: "v1")
     deq_cut: dict[QT, str] = field(default_factory=dict)
+    # the batch-invariant form of a table (``batch_invariant``): memory.gemm_path takes one path
+    # per weight format at every row count and attn_splits one split count at every row count
+    batch_invariant: bool = False
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
         """The f32 matvec launch for qtype at batch size B."""
@@ -111,7 +114,10 @@ class KernelTuning:
     def attn_splits(self, T: int, n_kv: int, max_ctx: int) -> int:
         """Key splits of attention over T query rows: enough (row, kv-head, split) warps to fill
         the device (attn_target_warps), at most attn_max_splits and one split per 32-key tile,
-        a multiple of ATTN_SPLIT_STEP (the split kernel's warps per CTA)."""
+        a multiple of ATTN_SPLIT_STEP (the split kernel's warps per CTA). Batch-invariant: the
+        splits of one row whatever T is (a row's keys are merged in an order fixed by S)."""
+        if self.batch_invariant:
+            T = 1
         tiles = -(-max_ctx // 32)
         s = -(-self.attn_target_warps // max(1, T * n_kv))
         s = min(s, self.attn_max_splits, tiles)
@@ -143,6 +149,27 @@ H200 = KernelTuning(
 )
 DEFAULT = H200  # the only device measured
 TUNINGS: dict[str, KernelTuning] = {"H200": H200}
+
+
+def batch_invariant(t: KernelTuning) -> KernelTuning:
+    """``t``'s batch-invariant form (``KernelOptions.batch_invariant``): a row's result does not
+    depend on how many rows share its pass.
+
+    What a row's reduction order depends on, per family: the matvec's warps per CTA (its lanes
+    take pieces warp * 32 + lane, stepping by all the CTA's lanes; the launch's rows per CTA and
+    unroll do not move the order, nor does B), so one launch for every B, the table's B = 8 one
+    (the ``MAX_MATVEC_B`` launch: the widest chunk a matvec takes), without the B = 1 overrides.
+    The tensor-core matmuls' launches (mm_launch, mmq_launch) depend on the matrix's shape only,
+    their tiles of 8 x rows never meet, and split-K partials are added in a fixed order: per row
+    they are invariant as they are; from one row (mm_min_rows = mmq_min_rows = 1) so that gemm
+    never mixes them with the matvec, whose f32 sums round differently (memory.gemm_path).
+    Attention: the one-row key splits at every T (attn_splits)."""
+    mv_one = t.mv_launch[MAX_MATVEC_B]
+    i16_one = t.i16_launch[MAX_MATVEC_B]
+    return replace(t, name=f"{t.name} batch-invariant", batch_invariant=True,
+                   mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
+                   i16_launch={B: i16_one for B in t.i16_launch}, i16_launch_override={},
+                   mm_min_rows=1, mmq_min_rows=1)
 
 
 def for_device(device_name: str) -> KernelTuning:
