@@ -30,11 +30,6 @@ class KernelOptions:
     pdl: bool = True  # programmatic dependent launch where the GPU has it (sm_90)
     pdl_matmul: bool = False  # the tensor-core matmuls launched early too (measured slower at 8-32 rows)
     cpu_quantized: bool = True  # cpu backend: numba kernels on the quantized weights (off: numpy float32)
-    # cuda: in passes too wide for the host's cores, the cpu tier's layers are multiplied straight
-    # from their page-locked host memory (mapped into the device's address space; each weight
-    # crosses the link as a kernel reads it) instead of being copied into a staging buffer first,
-    # which the plan then does not reserve (one resident layer more). dev/cuda/bench_mapped_weights.py
-    tier_mapped: bool = False
     # cuda backend: every kernel that reduces over the hidden size or the context keeps one
     # reduction order per row whatever the pass's row count (tuning.batch_invariant), so a
     # row's logits do not depend on the rows beside it (docs/ARCHITECTURE.md, "Batch-invariant

@@ -529,9 +529,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     tiers = [SKIPPED if i in skip else STORAGE for i in range(n)]
     # on cuda the cpu tier runs its layers on the device in wide passes, through one staging
     # buffer (host_tier.py): reserved with the slots where a tier may be placed, given back if not
-    # (none with --kernels tier-mapped=on: the device reads those layers from host memory)
-    stage_bytes = (slot_bytes if backend == "cuda" and cfg.cpu_layers != 0 and (cfg.cpu_layers or rates)
-                   and not cfg.kernel_options.tier_mapped else 0)
+    # (reading those layers from mapped host memory instead measured slower: dev/cuda/bench_mapped_weights.py)
+    stage_bytes = slot_bytes if backend == "cuda" and cfg.cpu_layers != 0 and (cfg.cpu_layers or rates) else 0
     slots_bytes = cfg.ring_slots * slot_bytes + stage_bytes
 
     def resident_with(cap: int, avail_bytes: int) -> list[int] | None:

@@ -205,7 +205,7 @@ def test_status_reads_as_text_and_names_the_logs(pipeline):
     assert "None" not in r.stdout and "{'" not in r.stdout
     assert f"logs  {InstancePaths('cli').log_dir}\n" in r.stdout
     assert "slots: 2 × 2.12 MiB per side\n" in r.stdout  # every layer resident: no host slots to show
-    assert "kernels pdl=on,pdl-matmul=off,cpu-quantized=on,tier-mapped=off,batch-invariant=off\n" in r.stdout  # the instance's --kernels, defaults here
+    assert "kernels pdl=on,pdl-matmul=off,cpu-quantized=on,batch-invariant=off\n" in r.stdout  # the instance's --kernels, defaults here
 
 
 def test_status_figures_are_true_while_compute_works(pipeline):

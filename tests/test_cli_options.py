@@ -148,9 +148,9 @@ def test_plan_only_shows_ring_slots_and_kernels_and_slots_still_works(monkeypatc
             *own_instance("slots"))
     code, out, err = _run(monkeypatch, capsys, *base, "--ring-slots", "3", "--kernels", "pdl-matmul=on")
     assert code == 0 and err == "", err
-    assert "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=on,cpu-quantized=on,tier-mapped=off,batch-invariant=off\n" in out
+    assert "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=on,cpu-quantized=on,batch-invariant=off\n" in out
     code, out, err = _run(monkeypatch, capsys, *base, "--slots", "3")
-    assert code == 0 and "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=off,cpu-quantized=on,tier-mapped=off,batch-invariant=off\n" in out
+    assert code == 0 and "3 slots of 2.12 MiB" in out and "  kernels pdl=on,pdl-matmul=off,cpu-quantized=on,batch-invariant=off\n" in out
     assert err == "ntxctl: warning: --slots is deprecated: use --ring-slots\n"
     assert "--slots" not in CliRunner().invoke(cli.app, ["start", "--help"]).output  # hidden
     code, out, err = _run(monkeypatch, capsys, *base, "--kernels", "pdl=of")

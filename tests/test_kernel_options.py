@@ -16,7 +16,7 @@ from ntx.shared.kernel_options import KernelOptions
 def test_defaults_and_empty_text():
     assert KernelOptions.parse("") == KernelOptions() == KernelOptions(pdl=True, pdl_matmul=False)
     assert KernelOptions.parse(" , ") == KernelOptions()
-    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off,cpu-quantized=on,tier-mapped=off,batch-invariant=off"
+    assert KernelOptions().describe() == "pdl=on,pdl-matmul=off,cpu-quantized=on,batch-invariant=off"
 
 
 @pytest.mark.parametrize("text,want", [
@@ -39,7 +39,7 @@ def test_describe_round_trips(opts):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized, tier-mapped, batch-invariant)"),
+    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized, batch-invariant)"),
     ("pdl=maybe", "pdl=maybe must be pdl=on or pdl=off"),
     ("pdl", "pdl= must be pdl=on or pdl=off"),
 ])

@@ -1,10 +1,11 @@
 """Can a wide pass multiply a cpu-tier layer's matrices straight from page-locked host memory
 (mapped into the device's address space: each weight crosses the link once, as the kernel reads
 it), instead of copying the layer into a staging buffer first? The staging buffer costs the
-plan one resident layer of VRAM, which is what a tier costs batched decode (PERFORMANCE.md,
-"The cpu tier": 0.97x at batch 16). For 70B shapes at T rows this times ``gemm.gemm`` with the
+plan one resident layer of VRAM. For 70B shapes at T rows this times ``gemm.gemm`` with the
 weights in device memory, mapped from host memory, and a pinned copy of the same bytes (the
-link's figure in the same run): GB/s of weight bytes.
+link's figure in the same run): GB/s of weight bytes. On the H200 (2026-12-03,
+docs/results/mapped-weights-h200.json) the kernels read mapped memory at 37-40 GB/s against the
+copy's 51-54, the same bits: copying first stays (cuda/backend.py ``layer_from_host``).
 
     python3 dev/cuda/bench_mapped_weights.py [--ts 8,16,32,64] [--out mapped.json]
 """
@@ -55,7 +56,7 @@ def main() -> None:
         host = aligned_empty(nbytes)
         host[:] = make_blocks(qt, n * k // quant_type(qt).block_elems, 0.02, rng).reshape(-1).view(np.uint8)
         cp.cuda.runtime.hostRegister(host.ctypes.data, nbytes, 2)  # cudaHostRegisterMapped
-        dptr = cp.cuda.runtime.hostGetDevicePointer(host.ctypes.data, 0)
+        dptr = host.ctypes.data  # the device reads registered memory at its host address (UVA, sm_90)
         mapped_raw = cp.ndarray((nbytes,), dtype=cp.uint8,
                                 memptr=cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(dptr, nbytes, host), 0))
         dev_raw = cp.asarray(host)

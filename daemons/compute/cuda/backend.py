@@ -556,24 +556,19 @@ class CudaBackend(Backend):
             self.kv_write(layer_idx, ws.k, ws.v, ws)
 
     def pin_host(self, buf: np.ndarray) -> None:
-        """Page-lock ``buf`` (cudaHostRegister) so that its copies run at the link's speed (and,
-        mapped, so that kernels may read it: ``layer_from_host`` with ``tier_mapped``), until
+        """Page-lock ``buf`` (cudaHostRegister) so that its copies run at the link's speed, until
         ``buf`` goes: then it is unregistered before its pages are unmapped, so that a later
         mapping at the same addresses can be registered again (CUDA would say "already mapped")."""
         ptr = buf.ctypes.data
-        cp.cuda.runtime.hostRegister(ptr, buf.nbytes, 2)  # cudaHostRegisterMapped
+        cp.cuda.runtime.hostRegister(ptr, buf.nbytes, 0)
         weakref.finalize(buf, _host_unregister, ptr)
 
     def layer_from_host(self, layer: LayerInfo, buf: np.ndarray) -> dict[str, Any]:
-        """A cpu-tier layer's image (page-locked by ``pin_host``) prepared for the device's
-        kernels: with ``KernelOptions.tier_mapped`` read in place through its device mapping,
-        else copied into the backend's one staging buffer on the pass stream (the next copy into
-        the buffer is ordered after this layer's kernels)."""
-        if self.kernels.tier_mapped:
-            dptr = cp.cuda.runtime.hostGetDevicePointer(buf.ctypes.data, 0)
-            mapped = cp.ndarray((buf.nbytes,), dtype=cp.uint8,
-                                memptr=cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(dptr, buf.nbytes, buf), 0))
-            return self.prepare_layer(layer, mapped, keep=False)
+        """A cpu-tier layer's image (page-locked by ``pin_host``) copied into the backend's one
+        staging buffer and prepared there, queued on the pass stream: the next copy into the
+        buffer is ordered after this layer's kernels. (Kernels reading the layer in place from
+        mapped host memory instead got 37-40 GB/s against the copy's 51-54 on the H200:
+        dev/cuda/bench_mapped_weights.py, docs/PERFORMANCE.md.)"""
         if self.tier_stage is None:  # the largest layer's image: every layer fits
             self.tier_stage = cp.ndarray((self.index.max_layer_image_bytes,), dtype=cp.uint8,
                                          memptr=cp.cuda.MemoryPointer(cp.cuda.Memory(self.index.max_layer_image_bytes), 0))
