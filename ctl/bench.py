@@ -658,7 +658,15 @@ def _spec_verify_line(v: dict) -> str:
         s += f" = {v['ratio_to_plain_pass']:.3f}x a 1-token pass"
     if v["ratio_to_link_pass"]:
         s += f", {v['ratio_to_link_pass']:.3f}x the link limit"
-    return s + f" (timed passes: {v['n_passes']}; accepted per pass {v['accepted_per_pass']:.2f})"
+    s += f" (timed passes: {v['n_passes']}; accepted per pass {v['accepted_per_pass']:.2f})"
+    if v["p_wrong"] == 0.0 and v["accepted_per_pass"] < v["draft_tokens"]:
+        # every draft is the recording's own greedy token, so a rejection means the target's
+        # wide pass rounded differently from the one-row passes that recorded it (a near tie
+        # of a synthetic model flips); once the sequence leaves its recording the replay has
+        # nothing to draft and the pass of K + 1 rows may be gone from compute's pass history
+        s += ("; the target left its recording: its passes of that many rows round differently from the "
+              "one-row passes that recorded it (add --kernels batch-invariant=on to keep them the same bits)")
+    return s
 
 
 def _spec_verify_goal_line(g: dict) -> str:

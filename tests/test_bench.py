@@ -227,3 +227,18 @@ def test_bench_on_a_model_that_streams_nothing_says_so_and_what_to_pass(tmp_path
     assert "(a) " in r.stdout and "nothing streamed (every layer resident)" in r.stdout
     assert a["stages"]["compute"]["n_passes"] == 5 and a["stages"]["compute"]["busy_share"] > 0.9, a["stages"]
     assert a["bottleneck"] == "compute" and "bottleneck: None" not in r.stdout
+
+
+def test_a_verify_run_that_left_its_recording_says_why_and_the_fix():
+    """A chain run drafts the recording's own greedy tokens (p = 0): fewer accepted means the
+    target's wide pass rounded differently from the one-row passes that recorded it (on the
+    H200 every chain over 64 rows, through cuBLAS, left the synthetic 70B's recording)."""
+    from ntx.ctl.bench import _spec_verify_line
+
+    kept = {"draft_tokens": 16, "p_wrong": 0.0, "pass_s": 0.3746, "ratio_to_plain_pass": 1.011,
+            "ratio_to_link_pass": 1.024, "n_passes": 1, "accepted_per_pass": 16.0}
+    left = dict(kept, draft_tokens=64, pass_s=None, ratio_to_plain_pass=None, ratio_to_link_pass=None, n_passes=0,
+                accepted_per_pass=13.0)
+    assert "left its recording" not in _spec_verify_line(kept)
+    line = _spec_verify_line(left)
+    assert "chain of 64 drafted: n/a" in line and "--kernels batch-invariant=on" in line and "\n" not in line
