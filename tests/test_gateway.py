@@ -159,7 +159,7 @@ def test_metrics_parse_and_count(served, oai):
     shares = {(s.labels["stage"], s.labels["state"]) for s in families["ntx_stage_share"].samples}
     assert ("compute", "busy") in shares and ("compute", "starved") in shares
     tiers = {s.labels["tier"]: s.value for s in families["ntx_streamed_bytes"].samples if s.name.endswith("_total")}
-    assert tiers["storage"] > 0 and tiers["ram"] == 0  # 4 layers on storage, none in pinned RAM
+    assert tiers["storage"] > 0 and tiers["ram"] == 0, tiers  # 4 layers on storage, none in pinned RAM
     generated = [s.value for s in families["ntx_generated_tokens"].samples if s.name == "ntx_generated_tokens_total"]
     assert generated[0] >= 3
 
