@@ -39,7 +39,7 @@ except ImportError:
 
 INT8_TOL = 0.02
 FLOAT_TOL = 1e-5
-# (rows, columns): rows interleaved by 128, 64, 32, 8 and 1 (lanes_for)
+# (rows, columns): whole groups of 128 rows (lanes_for), and the last one padded
 SHAPES = [(256, 256), (192, 512), (96, 256), (40, 512), (33, 256)]
 
 

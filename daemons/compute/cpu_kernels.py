@@ -13,10 +13,19 @@ How. Every supported type is unpacked once, when a layer is prepared, into one o
 forms whose inner loops vectorize:
 
 * ``C4`` (Q4_0, Q4_1, Q4_K): 4-bit values q in [0, 15], 16 bytes per group of 32 weights (byte j
-  holds weight j in its low nibble and weight j + 16 in its high one), and per group a float32
-  scale and offset: w = scale * q + offset. 24 bytes per 32 weights.
+  holds weight j in its low nibble and weight j + 16 in its high one), and per group a scale and
+  an offset: w = scale * q + offset.
 * ``C8`` (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0): one int8 per weight and per group (32 weights, 16 for
-  Q6_K) a float32 scale, and an offset for the types that have one.
+  Q6_K) a scale, and an offset for the types that have one.
+
+Scales come in one of two levels, as the GGUF type has them. The legacy types (Q4_0 ... Q8_0) have
+a half float per group: it is held as float32 (Q4_0/Q4_1: 24 bytes per 32 weights). The K-quants
+have a float per 256-weight super-block times a small integer per group: they keep that, an int8
+per group and a float32 per super-block (Q4_K: 19 bytes per 32 weights, against 18 in the file
+and 24 as one float32 pair per group; Q6_K: 33.5 read, against 40). The products multiply the two
+levels back, exactly (an 11-bit half times a 6- or 8-bit integer fits float32's 24 bits), so
+the two forms give the same bits; a decode step reads every weight once, and on the host's memory
+bandwidth the fifth fewer bytes are about a fifth less time.
 
 F16, BF16 and F32 matrices become float32 and go through BLAS (numpy's ``@``).
 
@@ -54,6 +63,7 @@ TIER_SPARE_CORES = 2  # cores the cpu tier leaves to compute's thread and the dm
 C4_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
 C8_TYPES = (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0)
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
+K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)  # two-level scales (``Unpacked``)
 SUPPORTED_TYPES = C4_TYPES + C8_TYPES + FLOAT_TYPES
 
 
@@ -102,32 +112,51 @@ def _high_bits_32(qh: np.ndarray) -> np.ndarray:
     return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
-def unpack(raw: np.ndarray, ggml_type: int, n_rows: int,
-           n_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
-    """A quantized matrix's integer values and group scales, exactly as GGUF stores them.
+@dataclass
+class Unpacked:
+    """A quantized matrix's integer values and scales, exactly as GGUF stores them:
+    w = scale * q + offset per group of ``group`` weights, where for the K-quants (``two_level``)
+    scale = super_scale * sub_scale and offset = super_offset * sub_offset per 256-weight
+    super-block and group.
 
-    raw: the tensor's bytes (uint8) -> (q [N, K] uint8 or int8, scale [N, K/G] float32,
-    offset [N, K/G] float32 or None, G) with w = scale * q + offset per group of G weights.
+    q [N, K] uint8 or int8; scale / offset [N, K/G]: float32 (one level) or the groups' small
+    integers as int8 (two levels; offset None where the type has none); super_scale /
+    super_offset [N, K/256] float32 (two levels only).
     """
+
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray | None
+    group: int
+    super_scale: np.ndarray | None = None
+    super_offset: np.ndarray | None = None
+
+    @property
+    def two_level(self) -> bool:
+        return self.super_scale is not None
+
+
+def unpack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> Unpacked:
+    """A quantized matrix's integer values and scales (``Unpacked``). raw: the tensor's bytes."""
     t = QT(ggml_type)
     rows = raw.reshape(n_rows, -1)
     if t == QT.Q8_0:
         b = rows.reshape(n_rows, -1, 34)
-        return b[..., 2:].view(np.int8).reshape(n_rows, n_cols), _f16(b[..., 0:2]), None, 32
+        return Unpacked(b[..., 2:].view(np.int8).reshape(n_rows, n_cols), _f16(b[..., 0:2]), None, 32)
     if t in (QT.Q4_0, QT.Q4_1):
         head = 2 if t == QT.Q4_0 else 4
         b = rows.reshape(n_rows, -1, head + 16)
         d = _f16(b[..., 0:2])
         m = -8.0 * d if t == QT.Q4_0 else _f16(b[..., 2:4])
-        return _nibbles_32(b[..., head:]).reshape(n_rows, n_cols), d, m.astype(np.float32), 32
+        return Unpacked(_nibbles_32(b[..., head:]).reshape(n_rows, n_cols), d, m.astype(np.float32), 32)
     if t in (QT.Q5_0, QT.Q5_1):
         head = 2 if t == QT.Q5_0 else 4
         b = rows.reshape(n_rows, -1, head + 20)
         d = _f16(b[..., 0:2])
         q = _nibbles_32(b[..., head + 4:]) | (_high_bits_32(b[..., head:head + 4]) << 4)  # [N, nb, 32] 0..31
         if t == QT.Q5_0:
-            return (q.astype(np.int8) - 16).reshape(n_rows, n_cols), d, None, 32
-        return q.reshape(n_rows, n_cols), d, _f16(b[..., 2:4]), 32
+            return Unpacked((q.astype(np.int8) - 16).reshape(n_rows, n_cols), d, None, 32)
+        return Unpacked(q.reshape(n_rows, n_cols), d, _f16(b[..., 2:4]), 32)
     if t in (QT.Q4_K, QT.Q5_K):
         size = 144 if t == QT.Q4_K else 176
         b = rows.reshape(-1, size)  # [N*nsb, size], one 256-weight super-block a row
@@ -138,28 +167,39 @@ def unpack(raw: np.ndarray, ggml_type: int, n_rows: int,
         if t == QT.Q5_K:
             qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             q = q | ((qh & 1) << 4)
-        scale = (d * sc.astype(np.float32)).reshape(n_rows, -1)
-        offset = (-dmin * mn.astype(np.float32)).reshape(n_rows, -1)
-        return q.reshape(n_rows, n_cols), scale.astype(np.float32), offset.astype(np.float32), 32
+        # sc, mn: 6-bit, so int8 holds them; w = (d * sc) * q + (-dmin * mn), each product exact
+        return Unpacked(q.reshape(n_rows, n_cols), sc.astype(np.int8).reshape(n_rows, -1),
+                        mn.astype(np.int8).reshape(n_rows, -1), 32,
+                        d.reshape(n_rows, -1).astype(np.float32), (-dmin).reshape(n_rows, -1).astype(np.float32))
     if t == QT.Q6_K:
         b = rows.reshape(-1, 210)
         ql = b[:, 0:128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         ql = (ql & 0x0F).reshape(-1, 2, 4, 32)
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         q = (ql | ((qh & 3) << 4)).astype(np.int8) - 32  # [nsb, 2, 4, 32] in weight order
-        scale = _f16(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)  # [nsb, 16]
-        return q.reshape(n_rows, n_cols), scale.reshape(n_rows, -1).astype(np.float32), None, 16
+        sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8)  # [nsb, 16]: w = (d * sc) * q
+        return Unpacked(q.reshape(n_rows, n_cols), sc.reshape(n_rows, -1), None, 16,
+                        _f16(b[:, 208:210]).reshape(n_rows, -1))
     raise ConfigError(f"no CPU kernel for {t.name} (supported: {', '.join(x.name for x in SUPPORTED_TYPES)})")
 
 
-# Rows interleaved per group of a packed matrix: its products run across them in vector lanes
-# (measured on AVX2, one thread, Q4_K 4096x4096: 128 rows 19 GMAC/s, 64 rows 18, 32 rows 11).
-LANE_CHOICES = (128, 64, 32, 16, 8, 4, 2, 1)
+# Rows interleaved per group of a packed matrix: its products run across them in vector lanes.
+# Always 128: LLVM vectorizes the loops across lanes by blocks of 128 int16 (four 512-bit
+# registers), and a group of 64 runs its lanes in the loop's remainder at half the speed
+# (measured on the 2-core AMD EPYC, Q4_1, one row: 576x576 in 64-row groups 31 us, the same rows
+# padded to 640 in 128-row groups 17 us). A matrix whose rows are not a multiple of 128 (SmolLM2's
+# 576 and 192) gets zero rows up to the next one; their outputs are never written.
+LANES = 128
 
 
 def lanes_for(n_rows: int) -> int:
-    """The most rows per interleaved group that divide ``n_rows``."""
-    return next(r for r in LANE_CHOICES if n_rows % r == 0)
+    """Rows per interleaved group (``LANES``, whatever ``n_rows``; the last group is padded)."""
+    return LANES
+
+
+def padded_rows(n_rows: int) -> int:
+    """``n_rows`` up to a whole number of interleaved groups."""
+    return -(-n_rows // LANES) * LANES
 
 
 @dataclass
@@ -167,10 +207,13 @@ class PackedMatrix:
     """A weight matrix [N, K] in a canonical form (see the module's docstring), its rows
     interleaved in groups of ``lanes`` so that one vector instruction serves ``lanes`` rows.
 
-    ``form``: "c4", "c8" or "f32". c4: ``q`` [N/R, K/32, 16, R] uint8 (byte j of a block holds
+    ``form``: "c4", "c8" or "f32". N/R below is rounded up: the last group's rows past N are
+    zeros (``LANES``). c4: ``q`` [N/R, K/32, 16, R] uint8 (byte j of a block holds
     columns j and j + 16 of the row); c8: ``q`` [N/R, K/G, G, R] int8; ``scale``/``offset``
-    [N/R, K/G, R] float32 (``offset`` all zeros where the type has none). f32: ``q`` [N, K]
-    float32 and no scales. ``span``: how many c8 products with an int8 activation (|xq| <= 127)
+    [N/R, K/G, R] (``offset`` all zeros where the type has none), float32 for the one-level types
+    and int8 for the K-quants, whose ``super_scale``/``super_offset`` [N/R, K/256, R] float32
+    multiply them (the one-level types' are [N/R, 1, R] ones: the kernels have one form). f32:
+    ``q`` [N, K] float32 and no scales. ``span``: how many c8 products with an int8 activation (|xq| <= 127)
     add up in int16 before they are widened: 8 when every value is within [-32, 32] (Q5_x, Q6_K),
     2 for Q8_0's [-128, 127]. ``has_offset``: the type has offsets (Q5_1, Q5_K); the others' zeros
     are kept for dequantizing but never read by the products.
@@ -185,6 +228,8 @@ class PackedMatrix:
     group: int = 32
     span: int = 8
     has_offset: bool = True
+    super_scale: np.ndarray | None = None
+    super_offset: np.ndarray | None = None
 
     @property
     def lanes(self) -> int:
@@ -195,20 +240,26 @@ class PackedMatrix:
         per matrix, so it chooses nothing it could have known early."""
         parallel = qx.xq.shape[0] * self.n_rows * self.n_cols >= PARALLEL_FROM_MACS
         if self.form == "c4":
-            (_mm_c4_par if parallel else _mm_c4_ser)(self.q, self.scale, self.offset, qx.xq, qx.xd, qx.xs, out)
+            (_mm_c4_par if parallel else _mm_c4_ser)(self.q, self.scale, self.offset, self.super_scale,
+                                                     self.super_offset, qx.xq, qx.xd, qx.xs, out)
         else:
-            (_mm_c8_par if parallel else _mm_c8_ser)(self.q, self.scale, self.offset, self.has_offset, self.span,
+            (_mm_c8_par if parallel else _mm_c8_ser)(self.q, self.scale, self.offset, self.super_scale,
+                                                     self.super_offset, self.has_offset, self.span,
                                                      qx.xq, qx.xd, qx.xs, out)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+        return sum(a.nbytes for a in (self.q, self.scale, self.offset, self.super_scale, self.super_offset)
+                   if a is not None)
 
 
-def _interleave(a: np.ndarray, lanes: int) -> np.ndarray:
-    """[N, ...] -> [N/R, ..., R]: row r of group g in lane r."""
+def _interleave(a: np.ndarray, lanes: int, fill: float = 0) -> np.ndarray:
+    """[N, ...] -> [ceil(N/R), ..., R]: row r of group g in lane r; the rows past N hold ``fill``."""
     n = a.shape[0]
-    a = a.reshape((n // lanes, lanes) + a.shape[1:])
+    pad = -n % lanes
+    if pad:
+        a = np.concatenate([a, np.full((pad,) + a.shape[1:], fill, a.dtype)])
+    a = a.reshape((a.shape[0] // lanes, lanes) + a.shape[1:])
     return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
 
@@ -221,17 +272,23 @@ def pack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> PackedMat
         return PackedMatrix("f32", n_rows, n_cols, dequantize(raw, t, (n_rows, n_cols)))
     if n_cols % 32:
         raise ConfigError(f"a {t.name} matrix of {n_cols} columns: the CPU kernels need a multiple of 32")
-    q, scale, offset, group = unpack(raw, t, n_rows, n_cols)
+    u = unpack(raw, t, n_rows, n_cols)
     lanes = lanes_for(n_rows)
-    off = np.zeros_like(scale) if offset is None else offset
-    scale, off = _interleave(scale, lanes), _interleave(off.astype(np.float32), lanes)
+    off = np.zeros_like(u.scale) if u.offset is None else u.offset.astype(u.scale.dtype)
+    if u.two_level:
+        sup_scale = u.super_scale
+        sup_off = np.zeros_like(sup_scale) if u.super_offset is None else u.super_offset
+    else:
+        sup_scale = sup_off = np.ones((n_rows, 1), np.float32)
+    scales = dict(scale=_interleave(u.scale, lanes), offset=_interleave(off, lanes),
+                  super_scale=_interleave(sup_scale, lanes, 1), super_offset=_interleave(sup_off, lanes))
     if t in C4_TYPES:
-        blocks = q.reshape(n_rows, -1, 32)
+        blocks = u.q.reshape(n_rows, -1, 32)
         q4 = (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8)  # [N, K/32, 16]
-        return PackedMatrix("c4", n_rows, n_cols, _interleave(q4, lanes), scale, off, 32)
-    q8 = q.astype(np.int8).reshape(n_rows, -1, group)  # [N, K/G, G]
-    return PackedMatrix("c8", n_rows, n_cols, _interleave(q8, lanes), scale, off, group, span=2 if t == QT.Q8_0 else 8,
-                        has_offset=offset is not None)
+        return PackedMatrix("c4", n_rows, n_cols, _interleave(q4, lanes), group=32, **scales)
+    q8 = u.q.astype(np.int8).reshape(n_rows, -1, u.group)  # [N, K/G, G]
+    return PackedMatrix("c8", n_rows, n_cols, _interleave(q8, lanes), group=u.group,
+                        span=2 if t == QT.Q8_0 else 8, has_offset=u.offset is not None, **scales)
 
 
 def packed_bytes(ggml_type: int, n_rows: int, n_cols: int) -> int:
@@ -240,7 +297,11 @@ def packed_bytes(ggml_type: int, n_rows: int, n_cols: int) -> int:
     if t in FLOAT_TYPES:
         return n_rows * n_cols * 4
     group = 16 if t == QT.Q6_K else 32
-    scales = 2 * (n_rows * n_cols // group) * 4
+    n_rows = padded_rows(n_rows)
+    if t in K_TYPES:  # an int8 scale and offset per group, two float32 per super-block
+        scales = 2 * (n_rows * n_cols // group) + 2 * (n_rows * n_cols // 256) * 4
+    else:  # a float32 scale and offset per group, and the [N, 1] ones of the second level
+        scales = 2 * (n_rows * n_cols // group) * 4 + 2 * n_rows * 4
     return (n_rows * n_cols // 2 if t in C4_TYPES else n_rows * n_cols) + scales
 
 
@@ -297,11 +358,14 @@ if numba is not None:
         """A thread's sums across R rows: int16 (a few products), int32 (a group), float32 (the row)."""
         return np.empty(R, np.int16), np.empty(R, np.int32), np.empty(R, np.float32)
 
-    def _mm_c4(q, scale, offset, xq, xd, xs, out):  # pragma: no cover - compiled
-        # q: [G, K/32, 16, R] u8; scale/offset: [G, K/32, R]; xq: [T, K] int8; xd/xs: [T, K/32]
-        # -> out [T, G*R]. Eight byte-columns add up in int16 (8 * 2 * 15 * 127 < 2^15).
+    def _mm_c4(q, scale, offset, sscale, soffset, xq, xd, xs, out):  # pragma: no cover - compiled
+        # q: [G, K/32, 16, R] u8; scale/offset: [G, K/32, R] f32 or int8; sscale/soffset:
+        # [G, S, R] f32 (S super-blocks; a group's scale is sscale * scale); xq: [T, K] int8;
+        # xd/xs: [T, K/32] -> out [T, N] (N <= G*R: the padded rows are not written). Eight
+        # byte-columns add up in int16 (8 * 2 * 15 * 127 < 2^15).
         n_groups, nb, _, R = q.shape
-        T = xq.shape[0]
+        T, N = out.shape
+        per_super = nb // sscale.shape[1]
         for g in prange(n_groups):
             a16, acc, accf = _lane_sums(R)
             for t in range(T):
@@ -320,18 +384,22 @@ if numba is not None:
                             acc[r] += np.int32(a16[r])
                     d = xd[t, b]
                     o = xs[t, b]
+                    sb = b // per_super
                     for r in range(R):
-                        accf[r] += scale[g, b, r] * d * np.float32(acc[r]) + offset[g, b, r] * o
-                for r in range(R):
+                        accf[r] += ((sscale[g, sb, r] * np.float32(scale[g, b, r])) * d * np.float32(acc[r])
+                                    + (soffset[g, sb, r] * np.float32(offset[g, b, r])) * o)
+                for r in range(min(R, N - g * R)):
                     out[t, g * R + r] = accf[r]
 
-    def _mm_c8(q, scale, offset, has_offset, span, xq, xd, xs, out):  # pragma: no cover - compiled
+    def _mm_c8(q, scale, offset, sscale, soffset, has_offset, span, xq, xd, xs, out):  # pragma: no cover
         # q: [G, K/GS, GS, R] int8 (GS: 16 or 32 columns a scale); scale/offset: [G, K/GS, R]
-        # (offset read only when has_offset: the types without one save its bytes);
-        # -> out [T, G*R]. ``span`` products add up in int16 before int32 (PackedMatrix.span).
+        # f32 or int8, times sscale/soffset [G, S, R] (as in _mm_c4); offset read only when
+        # has_offset: the types without one save its bytes;
+        # -> out [T, N] as in _mm_c4. ``span`` products add up in int16 before int32 (PackedMatrix.span).
         n_groups, ng, GS, R = q.shape
-        T = xq.shape[0]
+        T, N = out.shape
         per_block = 32 // GS
+        per_super = ng // sscale.shape[1]
         for g in prange(n_groups):
             a16, acc, accf = _lane_sums(R)
             for t in range(T):
@@ -348,36 +416,40 @@ if numba is not None:
                             acc[r] += np.int32(a16[r])
                     b = s // per_block
                     d = xd[t, b]
+                    sb = s // per_super
                     if has_offset:  # groups of 32 (only Q6_K's are 16, and it has no offset)
                         o = xs[t, b]
                         for r in range(R):
-                            accf[r] += scale[g, s, r] * d * np.float32(acc[r]) + offset[g, s, r] * o
+                            accf[r] += ((sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
+                                        + (soffset[g, sb, r] * np.float32(offset[g, s, r])) * o)
                     else:
                         for r in range(R):
-                            accf[r] += scale[g, s, r] * d * np.float32(acc[r])
-                for r in range(R):
+                            accf[r] += (sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
+                for r in range(min(R, N - g * R)):
                     out[t, g * R + r] = accf[r]
 
-    def _dequant_c4(q, scale, offset, rows, out):  # pragma: no cover - compiled
+    def _dequant_c4(q, scale, offset, sscale, soffset, rows, out):  # pragma: no cover - compiled
         # the matrix's rows ``rows`` -> out [len(rows), K] float32
         R = q.shape[3]
+        per_super = q.shape[1] // sscale.shape[1]
         for i in prange(rows.shape[0]):
             g, r = divmod(rows[i], R)
             for b in range(q.shape[1]):
-                d = scale[g, b, r]
-                m = offset[g, b, r]
+                d = sscale[g, b // per_super, r] * np.float32(scale[g, b, r])
+                m = soffset[g, b // per_super, r] * np.float32(offset[g, b, r])
                 for j in range(16):
                     v = q[g, b, j, r]
                     out[i, b * 32 + j] = d * np.float32(v & 15) + m
                     out[i, b * 32 + 16 + j] = d * np.float32(v >> 4) + m
 
-    def _dequant_c8(q, scale, offset, rows, out):  # pragma: no cover - compiled
+    def _dequant_c8(q, scale, offset, sscale, soffset, rows, out):  # pragma: no cover - compiled
         _, ng, GS, R = q.shape
+        per_super = ng // sscale.shape[1]
         for i in prange(rows.shape[0]):
             g, r = divmod(rows[i], R)
             for s in range(ng):
-                d = scale[g, s, r]
-                m = offset[g, s, r]
+                d = sscale[g, s // per_super, r] * np.float32(scale[g, s, r])
+                m = soffset[g, s // per_super, r] * np.float32(offset[g, s, r])
                 for j in range(GS):
                     out[i, s * GS + j] = d * np.float32(q[g, s, j, r]) + m
 
@@ -409,7 +481,8 @@ def dequantize_rows(w: PackedMatrix, rows: np.ndarray) -> np.ndarray:
     if w.form == "f32":
         return w.q[rows]
     out = np.empty((rows.shape[0], w.n_cols), np.float32)
-    (_dequant_c4 if w.form == "c4" else _dequant_c8)(w.q, w.scale, w.offset, rows, out)
+    (_dequant_c4 if w.form == "c4" else _dequant_c8)(w.q, w.scale, w.offset, w.super_scale, w.super_offset,
+                                                     rows, out)
     return out
 
 

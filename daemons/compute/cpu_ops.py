@@ -12,6 +12,7 @@ as the reference the tests hold these to.
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from ntx.daemons.compute import cpu_kernels
 from ntx.daemons.compute.cpu_kernels import numba
@@ -150,9 +151,12 @@ def compile_all(head_dim: int = 64) -> None:
     them in about a second."""
     ck = cpu_kernels
     rng = np.random.default_rng(0)
-    T, K, N = 2, 64, 8
-    for qt in (ck.QT.Q4_1, ck.QT.Q8_0):  # a c4 and a c8 matrix: each kernel, serial and parallel
-        raw = np.zeros(N * K // 32 * (20 if qt == ck.QT.Q4_1 else 34), np.uint8)
+    T, K, N = 2, 256, 8
+    # a c4 and a c8 matrix with one-level scales, and each with two (the K-quants' int8 scales):
+    # each kernel, serial and parallel
+    for qt in (ck.QT.Q4_1, ck.QT.Q8_0, ck.QT.Q4_K, ck.QT.Q6_K):
+        block_weights, block_bytes = GGML_QUANT_SIZES[qt]
+        raw = np.zeros(N * K // block_weights * block_bytes, np.uint8)
         w = ck.pack(raw, qt, N, K)
         x = rng.standard_normal((T, K)).astype(np.float32)
         for threshold in (0, 1 << 62):
