@@ -26,6 +26,7 @@ import synth_gguf as sg
 from ntx.daemons.compute import cpu_kernels as ck
 from ntx.daemons.compute.backend import make_backend
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
+from ntx.daemons.compute.cpu_backend import CpuBackend
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import ConfigError
@@ -98,6 +99,30 @@ def test_a_row_gets_the_same_bits_alone_or_batched_and_on_any_thread_count(monke
     finally:
         numba.set_num_threads(threads)
     assert np.array_equal(parallel, serial) and np.array_equal(parallel, batched)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q4_1", "Q4_1"), ("Q6_K", "Q6_K"), ("Q8_0", "Q8_0")])
+def test_fused_products_give_each_matrix_its_own_bits(types):
+    """q, k and v (or gate and up) held end to end and multiplied as one product give each
+    matrix's outputs bit for bit, rows not a multiple of 128 included; the parts are views."""
+    rows = (576, 192, 192)[: len(types)]
+    mats = [ck.pack(_matrix(QT[t], n, 512, i)[0], QT[t], n, 512) for i, (t, n) in enumerate(zip(types, rows))]
+    alone = [ck.pack(_matrix(QT[t], n, 512, i)[0], QT[t], n, 512) for i, (t, n) in enumerate(zip(types, rows))]
+    group = ck.fuse(mats)
+    assert group is not None and all(np.shares_memory(p.q, group.whole.q) for p in group.parts)
+    x = ck.QuantizedActivations(np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32))
+    outs = [np.empty((3, n), np.float32) for n in rows]
+    group.product(x, outs)
+    for w, part, out in zip(alone, group.parts, outs):
+        assert np.array_equal(out, ck.matmul(w, x, np.empty_like(out)))
+        assert np.array_equal(ck.dequantize_rows(part, np.arange(part.n_rows)), ck.dequantize_rows(w, np.arange(w.n_rows)))
+
+
+def test_matrices_of_different_forms_are_not_fused():
+    """A Q4_K_M layer's v is often Q6_K beside a Q4_K q and k: those three stay apart."""
+    q4k = ck.pack(_matrix(QT.Q4_K, 256, 512, 1)[0], QT.Q4_K, 256, 512)
+    q6k = ck.pack(_matrix(QT.Q6_K, 128, 512, 2)[0], QT.Q6_K, 128, 512)
+    assert ck.fuse([q4k, q6k]) is None and ck.fuse([q4k]) is None
 
 
 def test_a_type_without_a_kernel_is_one_clear_error():
@@ -182,6 +207,21 @@ def test_quantized_decode_predicts_real_text_as_the_reference(smol_pair):
     assert np.array_equal(q.argmax(axis=1)[clear], r.argmax(axis=1)[clear])
     nll_q, nll_r = _mean_nll(q, tokens[1:]), _mean_nll(r, tokens[1:])
     assert abs(nll_q - nll_r) / nll_r < 0.01, (nll_q, nll_r)
+
+
+def test_kept_layers_fuse_their_products_with_the_same_logits(smol_pair, smollm2_path, monkeypatch):
+    """SmolLM2's resident layers hold q, k, v and gate, up end to end (one product each); a
+    model whose layers keep them apart gives the same logits bit for bit."""
+    quantized, _ = smol_pair
+    w = quantized.resident[0]
+    assert w["attn_q"].data.fused is w["attn_v"].data.fused and w["ffn_gate"].data.fused is w["ffn_up"].data.fused
+    idx = open_model(smollm2_path)
+    monkeypatch.setattr(CpuBackend, "FUSED", ())
+    apart = LlamaModel(idx, make_backend("cpu", idx, max_seqs=4, max_ctx=512))
+    assert getattr(apart.resident[0]["attn_q"].data, "fused", None) is None
+    prompt = [504, 3575, 282, 4649, 314, 7042]
+    assert np.array_equal(_prefill(apart, prompt), _prefill(quantized, prompt))
+    assert np.array_equal(_decode_one_by_one(apart, prompt), _decode_one_by_one(quantized, prompt))
 
 
 def test_quantized_prefill_decode_and_batch_agree_bit_for_bit(smol_pair):

@@ -105,6 +105,10 @@ def top_entries(row: np.ndarray, k: int) -> np.ndarray:
     n = row.shape[0]
     if k >= n:
         return np.lexsort((np.arange(n), -row))
+    if k == 1:  # greedy: one pass over the row (argmax takes the first of equal maxima, as below)
+        best = int(np.argmax(row))
+        # a NaN is the maximum for both: the partition below then selects nothing
+        return np.zeros(0, np.int64) if np.isnan(row[best]) else np.array([best], np.int64)
     kth = np.partition(row, n - k)[n - k]  # the k-th largest value
     cand = np.flatnonzero(row >= kth)  # ascending ids, >= k of them (ties at kth)
     return cand[np.lexsort((cand, -row[cand]))[:k]]

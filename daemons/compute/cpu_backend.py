@@ -18,6 +18,7 @@ float32 array (reference, type F32).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import time
 from typing import Any, Sequence
@@ -184,6 +185,10 @@ class CpuBackend(Backend):
         runs layers but no embedding nor head needs of the globals (the cpu tier's)."""
         self.inv_freq = rope_inv_freq(self.hp, rope_divisors)
 
+    # Products of one x that a kept layer runs as one (cpu_kernels.FusedProduct), in the order
+    # llama_block asks for them
+    FUSED = (("attn_q", "attn_k", "attn_v"), ("attn_q", "attn_k"), ("ffn_gate", "ffn_up"))
+
     def prepare_layer(self, layer: LayerInfo, buf: Any, *, keep: bool) -> dict[str, Any]:
         # buf: [image_bytes] uint8, the layer's image; the result owns fresh arrays either way.
         w: dict[str, Any] = {}
@@ -191,7 +196,24 @@ class CpuBackend(Backend):
             off = layer.image_offset(name)
             raw = buf[off : off + t.nbytes]
             w[name] = self._matrix(raw, t) if len(t.shape) == 2 else dequantize(raw, t.ggml_type, t.shape)
+        if keep and self.quantized:  # a streamed layer is packed every pass: no second copy for it
+            self._fuse(w)
         return w
+
+    def _fuse(self, w: dict[str, Any]) -> None:
+        """Hold the layer's q, k, v (or q, k) and its gate, up end to end where their formats
+        allow it; each Weight's data becomes a view of the whole, tagged with it (``_products``)."""
+        fused: set[str] = set()
+        for names in self.FUSED:
+            if fused & set(names) or not all(isinstance(w.get(n), Weight) for n in names):
+                continue
+            group = cpu_kernels.fuse([w[n].data for n in names])
+            if group is None:
+                continue
+            for n, part in zip(names, group.parts):
+                part.fused = group
+                w[n] = dataclasses.replace(w[n], data=part)
+            fused |= set(names)
 
     # -- KV pages and slots --------------------------------------------------------------------
     def _kv_alloc_chunk(self, chunk: int) -> None:
@@ -289,6 +311,11 @@ class CpuBackend(Backend):
     # The compiled operations (quantized): one call each, writing into the pass's buffers, the
     # products' int8 activations made in the same call as the values they round.
     def _products(self, qx: cpu_kernels.QuantizedActivations, products) -> None:
+        group = getattr(products[0][0].data, "fused", None)
+        if group is not None and len(products) >= len(group.parts) and all(
+                w.data is part for (w, _), part in zip(products, group.parts)):
+            group.product(qx, [out for _, out in products[: len(group.parts)]])
+            products = products[len(group.parts):]
         for w, out in products:
             if w.data.form == "f32":
                 self.matmul(w, qx.x, out=out)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -230,6 +230,7 @@ class PackedMatrix:
     has_offset: bool = True
     super_scale: np.ndarray | None = None
     super_offset: np.ndarray | None = None
+    fused: "FusedProduct | None" = field(default=None, repr=False, compare=False)  # the whole it is part of
 
     @property
     def lanes(self) -> int:
@@ -289,6 +290,52 @@ def pack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> PackedMat
     q8 = u.q.astype(np.int8).reshape(n_rows, -1, u.group)  # [N, K/G, G]
     return PackedMatrix("c8", n_rows, n_cols, _interleave(q8, lanes), group=u.group,
                         span=2 if t == QT.Q8_0 else 8, has_offset=u.offset is not None, **scales)
+
+
+@dataclass
+class FusedProduct:
+    """Matrices that multiply the same x, held end to end in one ``PackedMatrix`` (``whole``) so
+    that one parallel product serves them all: a layer's q, k and v, or its gate and up. A
+    decode step of a small model (SmolLM2: 576-wide) runs some 200 products, each a parallel
+    region whose threads start and wait for the slowest; k and v (192 rows: two groups of 128)
+    leave one of two threads idle. ``parts`` are views of ``whole`` (no bytes twice), each at
+    its column ``starts[i]`` of ``whole``'s output."""
+
+    whole: PackedMatrix
+    parts: list[PackedMatrix]
+    starts: list[int]
+
+    def product(self, qx: "QuantizedActivations", outs: list[np.ndarray]) -> None:
+        """outs[i] [T, parts[i].n_rows] = qx @ parts[i].T, through one product."""
+        full = np.empty((qx.xq.shape[0], self.whole.n_rows), np.float32)
+        self.whole.product(qx, full)
+        for part, start, out in zip(self.parts, self.starts, outs):
+            out[...] = full[:, start:start + part.n_rows]
+
+
+def _signature(w: PackedMatrix) -> tuple:
+    """What two matrices must share to run as one product."""
+    return (w.form, w.n_cols, w.group, w.span, w.has_offset, w.q.dtype, w.scale.dtype, w.super_scale.shape[1:])
+
+
+def fuse(mats: list[PackedMatrix]) -> FusedProduct | None:
+    """``mats`` (products of one x) as one ``FusedProduct``, or None where their forms differ
+    (a Q4_K_M layer's Q6_K v beside its Q4_K q and k) or there is one matrix."""
+    if len(mats) < 2 or any(w.form == "f32" for w in mats) or len({_signature(w) for w in mats}) != 1:
+        return None
+    arrays = {name: np.concatenate([getattr(w, name) for w in mats]) for name in
+              ("q", "scale", "offset", "super_scale", "super_offset")}
+    groups = [w.q.shape[0] for w in mats]
+    whole = PackedMatrix(mats[0].form, sum(groups) * LANES, mats[0].n_cols, group=mats[0].group, span=mats[0].span,
+                         has_offset=mats[0].has_offset, **arrays)
+    parts, starts, g0 = [], [], 0
+    for w, n_groups in zip(mats, groups):
+        views = {name: a[g0:g0 + n_groups] for name, a in arrays.items()}
+        parts.append(PackedMatrix(w.form, w.n_rows, w.n_cols, group=w.group, span=w.span, has_offset=w.has_offset,
+                                  **views))
+        starts.append(g0 * LANES)
+        g0 += n_groups
+    return FusedProduct(whole, parts, starts)
 
 
 def packed_bytes(ggml_type: int, n_rows: int, n_cols: int) -> int:
