@@ -24,8 +24,10 @@ have a float per 256-weight super-block times a small integer per group: they ke
 per group and a float32 per super-block (Q4_K: 19 bytes per 32 weights, against 18 in the file
 and 24 as one float32 pair per group; Q6_K: 33.5 read, against 40). The products multiply the two
 levels back, exactly (an 11-bit half times a 6- or 8-bit integer fits float32's 24 bits), so
-the two forms give the same bits; a decode step reads every weight once, and on the host's memory
-bandwidth the fifth fewer bytes are about a fifth less time.
+the two forms give the same bits. A decode step reads every weight once: where the memory bounds
+it, a fifth fewer bytes is up to a fifth less time (the 70B's cpu tier: 1.08x in one A/B on the
+H200's host). Half-float scales for the legacy types were measured and dropped: widening a half
+exactly cost more than its bytes saved (docs/PERFORMANCE.md, "The CPU backend").
 
 F16, BF16 and F32 matrices become float32 and go through BLAS (numpy's ``@``).
 
