@@ -144,10 +144,19 @@ def test_context_overflow_and_unknown_routes(served, oai):
     assert r.status_code == 405 and "error" in r.json()
 
 
+def _metric_families(served) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{served.base}/metrics").text)}
+
+
+def _streamed_by_tier(families: dict) -> dict[str, float]:
+    return {s.labels["tier"]: s.value for s in families["ntx_streamed_bytes"].samples if s.name.endswith("_total")}
+
+
 def test_metrics_parse_and_count(served, oai):
     oai.chat.completions.create(model="any", messages=HI, temperature=0, max_tokens=3)
-    text = httpx.get(f"{served.base}/metrics").text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # the daemons report their counters every status interval: wait for the request's passes
+    wait_for(lambda: _streamed_by_tier(_metric_families(served))["storage"] > 0, 15.0, "dma's storage bytes in /metrics")
+    families = _metric_families(served)
     requests = {tuple(sorted(s.labels.items())): s.value for s in families["ntx_http_requests"].samples
                 if s.name == "ntx_http_requests_total"}
     assert requests[(("endpoint", "chat"), ("finish", "length"))] >= 1
@@ -158,7 +167,7 @@ def test_metrics_parse_and_count(served, oai):
     assert [s.value for s in families["ntx_pipeline_ready"].samples] == [1.0]
     shares = {(s.labels["stage"], s.labels["state"]) for s in families["ntx_stage_share"].samples}
     assert ("compute", "busy") in shares and ("compute", "starved") in shares
-    tiers = {s.labels["tier"]: s.value for s in families["ntx_streamed_bytes"].samples if s.name.endswith("_total")}
+    tiers = _streamed_by_tier(families)
     assert tiers["storage"] > 0 and tiers["ram"] == 0, tiers  # 4 layers on storage, none in pinned RAM
     generated = [s.value for s in families["ntx_generated_tokens"].samples if s.name == "ntx_generated_tokens_total"]
     assert generated[0] >= 3

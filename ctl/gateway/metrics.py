@@ -46,14 +46,14 @@ class PipelineCollector(Collector):
         yield share
         yield seconds
         yield stage_bytes
-        # bytes streamed per tier: the reader moves the storage tier; dma copies that and the
-        # pinned-RAM tier to the device, so the RAM tier is dma's bytes less the reader's
+        # bytes streamed per tier, as dma counts them when it copies a layer to the device (one
+        # snapshot: the reader's and dma's totals, taken at different moments, disagree by the
+        # layers between them, which once showed as RAM-tier bytes that no RAM tier had moved)
         stages = st.get("stages", {})
-        storage_b = float(stages.get("reader", {}).get("total", {}).get("bytes", 0))
-        dma_b = float(stages.get("dma", {}).get("total", {}).get("bytes", 0))
+        by_tier = stages.get("dma", {}).get("tier_bytes") or {}
         tiers = CounterMetricFamily("ntx_streamed_bytes", "layer bytes streamed to compute, per tier", labels=["tier"])
-        tiers.add_metric(["storage"], storage_b)
-        tiers.add_metric(["ram"], max(0.0, dma_b - storage_b))
+        tiers.add_metric(["storage"], float(by_tier.get("storage", 0)))
+        tiers.add_metric(["ram"], float(by_tier.get("ram", 0)))
         yield tiers
         bottleneck = GaugeMetricFamily("ntx_bottleneck", "1 for the stage named the bottleneck", labels=["stage"])
         for name in stages:

@@ -85,6 +85,7 @@ class DmaDaemon(Daemon):
         self.standby_segs: dict[int, ShmSegment] = {
             i: self._create(f"{names['ram']}-sb{i}", self.index.layers[i].image_bytes) for i in self.plan.standby_layers}
         self.standby_arrays: dict[int, Any] = {}  # loaded and pinned: layer -> its bytes
+        self.tier_bytes = {"storage": 0, "ram": 0}  # layer bytes delivered, by where they came from (stats)
         self.standby_loaded: queue.SimpleQueue = queue.SimpleQueue()  # layer ids from the loader (or an error text)
         self.standby_stop = threading.Event()
         # the loader reads while compute is idle, or at any time once compute asked (StandbyWanted)
@@ -233,6 +234,9 @@ class DmaDaemon(Daemon):
             dslot, hslot = ring.next_delivery()
             self.clock.enter("busy", pass_id)
             nbytes = self.index.layers[layer].image_bytes
+            # which tier the layer came from: through a host slot the reader filled (storage),
+            # or from this daemon's pinned copy (the RAM tier, or a demoted layer's standby)
+            self.tier_bytes["storage" if hslot is not None else "ram"] += self.index.layers[layer].nbytes
             if hslot is not None:
                 self.copier.copy(self.host_arrays[hslot][:nbytes], dslot)
             elif layer in self.ram_offsets:
@@ -252,6 +256,7 @@ class DmaDaemon(Daemon):
         snap["host_slots"] = {"free": len(ring.free_host), "reading": len(ring.reading), "filled": len(ring.filled)}
         snap["device_slots_free_seen"] = len(ring.free_dev)
         snap["wanted"] = len(ring.wanted)
+        snap["tier_bytes"] = dict(self.tier_bytes)  # layer bytes copied to the device, by the tier they came from
         if self.standby_segs:
             snap["standby"] = {"loaded": len(self.standby_arrays), "layers": len(self.standby_segs)}
         return snap
