@@ -164,8 +164,10 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_replica(cluster):
     with cluster.http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data:"))  # a token came: the request runs
-        # (a status map may be up to 0.1 s old: the request may not be in it yet)
-        wait_for(lambda: _instances_in_flight(cluster) == 1, 5.0, "the request to be in flight in an instance")
+        # (a status map may be up to 0.1 s old: the request may not be in it yet; one look asks
+        # both instances, up to 5 s each on a loaded machine: CI once ran out of a 5 s wait)
+        wait_for(lambda: _instances_in_flight(cluster) == 1, 20.0,
+                 lambda: f"the request to be in flight in an instance (now {_instances_in_flight(cluster)})")
     hung_up_s = time.monotonic()  # leaving the block closed the connection
     wait_for(lambda: _instances_in_flight(cluster) == 0, 10.0,
              lambda: f"the replicas' instances to have no request in flight after the client hung up "
