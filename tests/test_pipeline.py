@@ -201,6 +201,15 @@ def test_mixed_plan_equals_reference(smollm2_path, run_dir, reference, slots):
         assert st["plan"]["n_slots"] == slots
         for prompt in PROMPTS[2:4]:
             assert p.generate_greedy(prompt, N_TOKENS)["tokens"] == reference[prompt]
+        # dma counts what it copied by the tier it came from, in the same report as its total
+        wait_for(lambda: all(_dma(p).get("tier_bytes", {}).get(t, 0) > 0 for t in ("ram", "storage")), 15.0,
+                 lambda: f"dma's report to count both tiers (now {_dma(p).get('tier_bytes')})")
+        dma = _dma(p)
+        assert sum(dma["tier_bytes"].values()) == dma["total"]["bytes"], dma
+
+
+def _dma(p) -> dict:
+    return p.status()["stages"].get("dma", {})
 
 
 def test_stop_leaves_nothing_and_start_errors_are_one_line(smollm2_path, run_dir, tmp_path):
@@ -248,6 +257,8 @@ def test_ram_tier_without_storage_layers(smollm2_path, run_dir, reference):
         assert "storage" not in st["plan"]["tiers"] and "ram" in st["plan"]["tiers"]
         assert "reader" not in st["daemons"]
         assert p.generate_greedy(PROMPTS[4], N_TOKENS)["tokens"] == reference[PROMPTS[4]]
+        wait_for(lambda: _dma(p).get("tier_bytes", {}).get("ram", 0) > 0, 15.0, "dma's report to count the RAM tier")
+        assert _dma(p)["tier_bytes"]["storage"] == 0
 
 
 @pytest.mark.slow
