@@ -163,7 +163,11 @@ def test_a_client_that_hangs_up_is_cancelled_in_the_replica(cluster):
     wait_for(lambda: _instances_in_flight(cluster) == 0, 10.0, "no request in flight before the test")
     with cluster.http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data:"))  # a token came: the request runs
+        # a token came: the request runs. The lines' iterator stays referenced: a generator left
+        # to the garbage collector closes the ones under it, down to the connection, so the
+        # client would hang up here already (and the request end before it is looked for)
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
         # (a status map may be up to 0.1 s old: the request may not be in it yet; one look asks
         # both instances, up to 5 s each on a loaded machine: CI once ran out of a 5 s wait)
         wait_for(lambda: _instances_in_flight(cluster) == 1, 20.0,

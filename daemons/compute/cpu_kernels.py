@@ -29,13 +29,15 @@ it, a fifth fewer bytes is up to a fifth less time (the 70B's cpu tier: 1.08x in
 H200's host). Half-float scales for the legacy types were measured and dropped: widening a half
 exactly cost more than its bytes saved (docs/PERFORMANCE.md, "The CPU backend").
 
-Where the CPU has AVX-512 VNNI (``VNNI``), the 4-bit forms take a layout of their own ("c4v":
+Where the CPU has AVX-512 VNNI (``VNNI``), both forms take a layout of their own ("c4v", "c8v":
 each lane's bytes four by four) and their products go through ``vpdpbusd``, called as an LLVM
-intrinsic (``_block16_vnni``): eight instructions sum a 32-weight block for 16 rows, against
-some 60 for the int16 lanes. The integer sums are the same integers, and the float steps after
-them the same, so the bits are too. Measured on the 2-core VM (AMD EPYC, Zen 4), one row: 2.2x
-the int16 kernel on a 4096x4096 Q4_K in cache; the 8B-shaped Q4_K_M decodes 1.75x faster at
-2 threads (docs/PERFORMANCE.md).
+intrinsic (``_block16_vnni``, ``_quads4_vnni``): eight instructions sum a 32-weight 4-bit block
+for 16 rows, against some 60 for the int16 lanes. The 8-bit values are stored shifted by 128
+(unsigned, as vpdpbusd takes them) and 128 times the activations' sum is taken off. The integer
+sums are the same integers, and the float steps after them the same, so the bits are too.
+Measured on the 2-core VM (AMD EPYC, Zen 4), one row: 2.2x the int16 kernel on a 4096x4096
+Q4_K in cache; the 8B-shaped Q4_K_M from 0.75x to 0.94x llama.cpp at 2 threads
+(docs/PERFORMANCE.md).
 
 F16, BF16 and F32 matrices become float32 and go through BLAS (numpy's ``@``).
 
@@ -263,6 +265,7 @@ class PackedMatrix:
     has_offset: bool = True
     super_scale: np.ndarray | None = None
     super_offset: np.ndarray | None = None
+    shift: int = 0  # c8v: what was added to each value to make it unsigned (128 for the signed types)
     fused: "FusedProduct | None" = field(default=None, repr=False, compare=False)  # the whole it is part of
 
     @property
@@ -279,6 +282,10 @@ class PackedMatrix:
         elif self.form == "c4v":
             (_mm_c4v_par if parallel else _mm_c4v_ser)(self.q, self.scale, self.offset, self.super_scale,
                                                        self.super_offset, qx.xq, qx.xd, qx.xs, out)
+        elif self.form == "c8v":
+            (_mm_c8v_par if parallel else _mm_c8v_ser)(self.q, self.scale, self.offset, self.super_scale,
+                                                       self.super_offset, self.has_offset, self.shift,
+                                                       qx.xq, qx.xd, qx.xs, out)
         else:
             (_mm_c8_par if parallel else _mm_c8_ser)(self.q, self.scale, self.offset, self.super_scale,
                                                      self.super_offset, self.has_offset, self.span,
@@ -327,9 +334,15 @@ def pack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> PackedMat
             q4 = np.ascontiguousarray(q4.reshape(G, nb, 4, 4, lanes // 16, 16).transpose(0, 1, 4, 2, 5, 3))
             return PackedMatrix("c4v", n_rows, n_cols, q4, group=32, **scales)
         return PackedMatrix("c4", n_rows, n_cols, q4, group=32, **scales)
-    q8 = u.q.astype(np.int8).reshape(n_rows, -1, u.group)  # [N, K/G, G]
-    return PackedMatrix("c8", n_rows, n_cols, _interleave(q8, lanes), group=u.group,
-                        span=2 if t == QT.Q8_0 else 8, has_offset=u.offset is not None, **scales)
+    q8 = _interleave(u.q.astype(np.int8).reshape(n_rows, -1, u.group), lanes)  # [G, K/GS, GS, R]
+    span, has_offset = (2 if t == QT.Q8_0 else 8), u.offset is not None
+    if VNNI:  # unsigned for vpdpbusd (the signed types shifted by 128), each lane's bytes four by four
+        shift = 0 if t in (QT.Q5_1, QT.Q5_K) else 128  # Q5_1, Q5_K: values 0..31 already
+        G, ng, GS = q8.shape[:3]
+        qu = (q8.astype(np.int16) + shift).astype(np.uint8).reshape(G, ng, GS // 4, 4, lanes // 16, 16)
+        return PackedMatrix("c8v", n_rows, n_cols, np.ascontiguousarray(qu.transpose(0, 1, 4, 2, 5, 3)), group=u.group,
+                            span=span, has_offset=has_offset, shift=shift, **scales)
+    return PackedMatrix("c8", n_rows, n_cols, q8, group=u.group, span=span, has_offset=has_offset, **scales)
 
 
 @dataclass
@@ -355,7 +368,8 @@ class FusedProduct:
 
 def _signature(w: PackedMatrix) -> tuple:
     """What two matrices must share to run as one product."""
-    return (w.form, w.n_cols, w.group, w.span, w.has_offset, w.q.dtype, w.scale.dtype, w.super_scale.shape[1:])
+    return (w.form, w.n_cols, w.group, w.span, w.has_offset, w.shift, w.q.dtype, w.scale.dtype,
+            w.super_scale.shape[1:])
 
 
 def fuse(mats: list[PackedMatrix]) -> FusedProduct | None:
@@ -367,12 +381,12 @@ def fuse(mats: list[PackedMatrix]) -> FusedProduct | None:
               ("q", "scale", "offset", "super_scale", "super_offset")}
     groups = [w.q.shape[0] for w in mats]
     whole = PackedMatrix(mats[0].form, sum(groups) * LANES, mats[0].n_cols, group=mats[0].group, span=mats[0].span,
-                         has_offset=mats[0].has_offset, **arrays)
+                         has_offset=mats[0].has_offset, shift=mats[0].shift, **arrays)
     parts, starts, g0 = [], [], 0
     for w, n_groups in zip(mats, groups):
         views = {name: a[g0:g0 + n_groups] for name, a in arrays.items()}
         parts.append(PackedMatrix(w.form, w.n_rows, w.n_cols, group=w.group, span=w.span, has_offset=w.has_offset,
-                                  **views))
+                                  shift=w.shift, **views))
         starts.append(g0 * LANES)
         g0 += n_groups
     return FusedProduct(whole, parts, starts)
@@ -575,6 +589,91 @@ if numba is not None:
 
         return sig, codegen
 
+    @intrinsic
+    def _quads4_vnni(typingctx, acc_addr, w_addr, x_addr):  # pragma: no cover - compiled
+        """acc_addr[0:16] (int32) += 16 columns' products for 16 rows: w_addr, their 256 unsigned
+        bytes ([4][16][4], c8v), x_addr, the 16 int8 activations. Four ``vpdpbusd``."""
+        sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp)
+
+        def codegen(context, builder, signature, args):
+            acc_a, w_a, x_a = args
+            i32 = ir.IntType(32)
+            v16 = ir.VectorType(i32, 16)
+            dpbusd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512",
+                                                      fnty=ir.FunctionType(v16, [v16, v16, v16]))
+            x = builder.load(builder.inttoptr(x_a, ir.VectorType(i32, 4).as_pointer()), align=1)
+            w_base = builder.inttoptr(w_a, v16.as_pointer())
+            acc_p = builder.inttoptr(acc_a, v16.as_pointer())
+            zero16 = ir.Constant(v16, [0] * 16)
+            acc = builder.load(acc_p, align=4)
+            for k in range(4):
+                w = builder.load(builder.gep(w_base, [ir.Constant(i32, k)]), align=1)
+                word = builder.insert_element(ir.Constant(v16, None), builder.extract_element(x, ir.Constant(i32, k)),
+                                              ir.Constant(i32, 0))
+                acc = builder.call(dpbusd, [acc, w, builder.shuffle_vector(word, ir.Constant(v16, None), zero16)])
+            builder.store(acc, acc_p, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _mm_c8v(q, scale, offset, sscale, soffset, has_offset, shift, xq, xd, xs, out):  # pragma: no cover
+        # _mm_c8 on the c8v layout: q [G, K/GS, R/16, GS/4, 16, 4] u8, each value + shift. A
+        # group's sum is sum((q + shift) x) - shift * sum(x): _mm_c8's integers exactly, and the
+        # float steps after them are _mm_c8's: the same bits.
+        n_groups, ng, n_chunks, n_quads = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+        GS = n_quads * 4
+        R = n_chunks * 16
+        T, N = out.shape
+        K = xq.shape[1]
+        per_block = 32 // GS
+        per_super = ng // sscale.shape[1]
+        q_base, x_base = q.ctypes.data, xq.ctypes.data
+        for g in prange(n_groups):
+            acc = np.empty(R, np.int32)
+            accf = np.empty(R, np.float32)
+            acc_base = acc.ctypes.data
+            for t in range(T):
+                accf[:] = 0
+                for s in range(ng):
+                    acc[:] = 0
+                    for c in range(n_chunks):
+                        for k0 in range(0, n_quads, 4):
+                            _quads4_vnni(acc_base + c * 64, q_base + (((g * ng + s) * n_chunks + c) * n_quads + k0) * 64,
+                                         x_base + t * K + s * GS + k0 * 4)
+                    if shift != 0:
+                        sx = np.int32(0)
+                        for j in range(GS):
+                            sx += np.int32(xq[t, s * GS + j])
+                        corr = np.int32(shift) * sx
+                        for r in range(R):
+                            acc[r] -= corr
+                    b = s // per_block
+                    d = xd[t, b]
+                    sb = s // per_super
+                    if has_offset:
+                        o = xs[t, b]
+                        for r in range(R):
+                            accf[r] += ((sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
+                                        + (soffset[g, sb, r] * np.float32(offset[g, s, r])) * o)
+                    else:
+                        for r in range(R):
+                            accf[r] += (sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
+                for r in range(min(R, N - g * R)):
+                    out[t, g * R + r] = accf[r]
+
+    def _dequant_c8v(q, scale, offset, sscale, soffset, shift, rows, out):  # pragma: no cover - compiled
+        ng, n_chunks, n_quads = q.shape[1], q.shape[2], q.shape[3]
+        GS = n_quads * 4
+        per_super = ng // sscale.shape[1]
+        for i in prange(rows.shape[0]):
+            g, r = divmod(rows[i], n_chunks * 16)
+            c, lane = divmod(r, 16)
+            for s in range(ng):
+                d = sscale[g, s // per_super, r] * np.float32(scale[g, s, r])
+                m = soffset[g, s // per_super, r] * np.float32(offset[g, s, r])
+                for j in range(GS):
+                    out[i, s * GS + j] = d * np.float32(np.int32(q[g, s, c, j // 4, lane, j % 4]) - shift) + m
+
     def _mm_c4v(q, scale, offset, sscale, soffset, xq, xd, xs, out):  # pragma: no cover - compiled
         # _mm_c4 on the c4v layout: q [G, K/32, R/16, 4, 16, 4] u8 (C-contiguous), xq C-contiguous.
         # A group's integer sums are the same integers as _mm_c4's, and the float steps after
@@ -620,6 +719,8 @@ if numba is not None:
     _mm_c4_par, _mm_c4_ser = _compiled(_mm_c4)
     _mm_c4v_par, _mm_c4v_ser = _compiled(_mm_c4v)
     _dequant_c4v = njit(parallel=True, **_EXACT)(_dequant_c4v)
+    _mm_c8v_par, _mm_c8v_ser = _compiled(_mm_c8v)
+    _dequant_c8v = njit(parallel=True, **_EXACT)(_dequant_c8v)
     _mm_c8_par, _mm_c8_ser = _compiled(_mm_c8)
     _dequant_c4 = njit(parallel=True, **_EXACT)(_dequant_c4)  # prompt tiles and embedding rows: one build
     _dequant_c8 = njit(parallel=True, **_EXACT)(_dequant_c8)
@@ -646,6 +747,9 @@ def dequantize_rows(w: PackedMatrix, rows: np.ndarray) -> np.ndarray:
     if w.form == "f32":
         return w.q[rows]
     out = np.empty((rows.shape[0], w.n_cols), np.float32)
+    if w.form == "c8v":
+        _dequant_c8v(w.q, w.scale, w.offset, w.super_scale, w.super_offset, w.shift, rows, out)
+        return out
     kernel = {"c4": _dequant_c4, "c4v": _dequant_c4v, "c8": _dequant_c8}[w.form]
     kernel(w.q, w.scale, w.offset, w.super_scale, w.super_offset, rows, out)
     return out
