@@ -555,6 +555,20 @@ if numba is not None:
                     out[i, s * GS + j] = d * np.float32(q[g, s, j, r]) + m
 
 
+    def _vnni_ir(builder):  # pragma: no cover - compiled
+        """The pieces both VNNI intrinsics build with: the 16-lane int32 vector type, vpdpbusd,
+        and a broadcast of one int32 (four int8 activations) to every lane."""
+        i32 = ir.IntType(32)
+        v16 = ir.VectorType(i32, 16)
+        dpbusd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(v16, [v16, v16, v16]))
+        zero16 = ir.Constant(v16, [0] * 16)
+
+        def broadcast(word):
+            return builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), word, ir.Constant(i32, 0)),
+                                          ir.Constant(v16, None), zero16)
+
+        return i32, v16, dpbusd, broadcast, zero16
+
     @intrinsic
     def _block16_vnni(typingctx, acc_addr, w_addr, x_addr):  # pragma: no cover - compiled
         """acc_addr[0:16] (int32) = one 32-weight block's integer sums for 16 rows: w_addr, the
@@ -565,19 +579,10 @@ if numba is not None:
 
         def codegen(context, builder, signature, args):
             acc_a, w_a, x_a = args
-            i32 = ir.IntType(32)
-            v16 = ir.VectorType(i32, 16)
-            dpbusd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512",
-                                                      fnty=ir.FunctionType(v16, [v16, v16, v16]))
+            i32, v16, dpbusd, broadcast, zero16 = _vnni_ir(builder)
             x = builder.load(builder.inttoptr(x_a, ir.VectorType(i32, 8).as_pointer()), align=1)
             w_base = builder.inttoptr(w_a, v16.as_pointer())
             nibble, four = ir.Constant(v16, [0x0F0F0F0F] * 16), ir.Constant(v16, [4] * 16)
-            zero16 = ir.Constant(v16, [0] * 16)
-
-            def broadcast(word):
-                return builder.shuffle_vector(builder.insert_element(ir.Constant(v16, None), word, ir.Constant(i32, 0)),
-                                              ir.Constant(v16, None), zero16)
-
             acc = zero16
             for k in range(4):  # columns 4k..4k+3 (low nibbles) and 16+4k.. (high)
                 w = builder.load(builder.gep(w_base, [ir.Constant(i32, k)]), align=1)
@@ -597,20 +602,14 @@ if numba is not None:
 
         def codegen(context, builder, signature, args):
             acc_a, w_a, x_a = args
-            i32 = ir.IntType(32)
-            v16 = ir.VectorType(i32, 16)
-            dpbusd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512",
-                                                      fnty=ir.FunctionType(v16, [v16, v16, v16]))
+            i32, v16, dpbusd, broadcast, _ = _vnni_ir(builder)
             x = builder.load(builder.inttoptr(x_a, ir.VectorType(i32, 4).as_pointer()), align=1)
             w_base = builder.inttoptr(w_a, v16.as_pointer())
             acc_p = builder.inttoptr(acc_a, v16.as_pointer())
-            zero16 = ir.Constant(v16, [0] * 16)
             acc = builder.load(acc_p, align=4)
             for k in range(4):
                 w = builder.load(builder.gep(w_base, [ir.Constant(i32, k)]), align=1)
-                word = builder.insert_element(ir.Constant(v16, None), builder.extract_element(x, ir.Constant(i32, k)),
-                                              ir.Constant(i32, 0))
-                acc = builder.call(dpbusd, [acc, w, builder.shuffle_vector(word, ir.Constant(v16, None), zero16)])
+                acc = builder.call(dpbusd, [acc, w, broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
             builder.store(acc, acc_p, align=4)
             return context.get_dummy_value()
 
