@@ -30,7 +30,7 @@
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # --cpu-compare: the CPU backend beside llama.cpp's CPU build on the host's cores
 #   (scripts/cpu_vs_llamacpp.py): SmolLM2 (when joined) at CPU_SMOL_THREADS (default 2) threads and a
-#   Llama-3-8B-shaped Q4_K_M at CPU_8B_THREADS (default: every core) into $OUT/cpu-*.json. llama.cpp
+#   Llama-3-8B-shaped Q4_K_M at CPU_8B_THREADS (default: every core; CPU_8B_ROUNDS rounds, default 3) into $OUT/cpu-*.json. llama.cpp
 #   is built first (scripts/build_llama_cpp.sh, cached in ~/.cache/ntx) from a carried source
 #   tarball, .dev/src/llama.cpp-*-src.tar.xz (build_llama_cpp.sh --pack writes it); numba and
 #   llvmlite come as carried wheels (.whl, or .dev/llvm for llvmlite's 60 MB in a call of its own).
@@ -114,7 +114,7 @@ if [ "$CPU_COMPARE" = 1 ]; then
   [ -f "$MODELS/llama3-8b-Q4_K_M.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/llama3-8b-Q4_K_M.gguf" \
     --preset llama3-8b --type Q4_K_M -q
   python3 "$REPO/scripts/cpu_vs_llamacpp.py" --model "$MODELS/llama3-8b-Q4_K_M.gguf" --threads "${CPU_8B_THREADS:-$(nproc)}" \
-    --llama-bench "$bench" --rounds 3 --tokens 32 --json "$OUT/cpu-8b.json" 2>&1 | tee "$OUT/cpu-8b.log"
+    --llama-bench "$bench" --rounds "${CPU_8B_ROUNDS:-3}" --tokens 32 --json "$OUT/cpu-8b.json" 2>&1 | tee "$OUT/cpu-8b.log"
   exit 0
 fi
 

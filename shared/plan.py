@@ -53,6 +53,10 @@ class MemoryCosts:
     kv_bytes_per_token: int  # all layers' keys and values of one position
     kv_tokens: int  # positions a pool sized without a plan holds (max_seqs at full context: a draft model's)
     workspace_bytes: int  # buffers of the largest pass
+    # of globals_bytes, what the backend can keep in host memory instead, read there in place by
+    # its kernels: the token embedding, of which a pass reads only its tokens' rows (0: none; a
+    # tied head is the embedding, read whole every pass, so it stays)
+    host_globals_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -197,6 +201,11 @@ class Plan:
     cpu_beside_link_gbps: float = 0.0
     link_beside_cpu_gbps: float = 0.0
     gpu_gbps: float = 0.0
+    # the token embedding kept in (page-locked, mapped) host memory and read in place, leaving its
+    # VRAM to layers: where the budget streams layers and the head is a tensor of its own
+    # (MemoryCosts.host_globals_bytes); embed_host_bytes of it, not counted in globals_bytes
+    embed_in_host: bool = False
+    embed_host_bytes: int = 0
 
     @property
     def predicted_pass_s(self) -> float:
@@ -285,6 +294,9 @@ class Plan:
             + (f", draft model {format_bytes(self.draft_bytes)}" if self.draft_bytes else "")
             + f"; budget {format_bytes(self.vram_budget)}"
         )
+        if self.embed_in_host:
+            lines.append(f"token embedding in host memory: {format_bytes(self.embed_host_bytes)} (page-locked, its "
+                         f"rows read in place), leaving its {self.memory_name} to layers")
         lines.extend(self.describe_kv())
         lines.append(
             f"pinned RAM: host slots {format_bytes(self.host_slot_bytes_total)}; budget {format_bytes(self.ram_budget)}; "
@@ -518,11 +530,12 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     kept = [i for i in range(n) if i not in skip]
 
     avail = vram_budget - globals_bytes - kv_bytes - workspace - draft_bytes
-    if avail < 0:
+    if avail + costs.host_globals_bytes < 0:
         with_draft = f" and the draft model ({format_bytes(draft_bytes)})" if draft_bytes else ""
         raise ConfigError(
             f"--vram-budget {format_bytes(vram_budget)} is too small: the global tensors, the KV cache's floor "
-            f"({floor_tokens} positions) and the workspace{with_draft} alone need {format_bytes(vram_budget - avail)}; "
+            f"({floor_tokens} positions) and the workspace{with_draft} alone need "
+            f"{format_bytes(vram_budget - avail - costs.host_globals_bytes)}; "
             "raise it"
         )
     max_vram_layers = len(kept) if cfg.gpu_layers is None else min(cfg.gpu_layers, len(kept))
@@ -537,6 +550,15 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         return _resident_set(kept, cap, layer_costs, avail_bytes, slots_bytes, cfg.placement)
 
     resident = resident_with(max_vram_layers, avail)
+    embed_in_host = False
+    if costs.host_globals_bytes and (resident is None or len(resident) < max_vram_layers):
+        # the budget, not --gpu-layers, streams layers: the embedding's VRAM holds layers instead
+        # (a pass reads a few of its rows over the link; a layer moved is a layer's bytes a pass)
+        with_host = resident_with(max_vram_layers, avail + costs.host_globals_bytes)
+        if with_host is not None and (resident is None or len(with_host) > len(resident)):
+            resident, embed_in_host = with_host, True
+            avail += costs.host_globals_bytes
+            globals_bytes -= costs.host_globals_bytes
     if resident is None:
         raise ConfigError(
             f"--vram-budget {format_bytes(vram_budget)} is too small: with {cfg.ring_slots} device slots of "
@@ -549,11 +571,13 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     if device_slots_total:
         speed_notes = _speed_notes(index, cfg, kept, resident, resident_with, cap=max_vram_layers, avail=avail,
                                    vram_budget=vram_budget, floor=(floor_tokens, kv_bytes),
-                                   all_layers_bytes=sum(layer_costs[i] for i in kept))
+                                   all_layers_bytes=sum(layer_costs[i] for i in kept)
+                                   + (costs.host_globals_bytes if embed_in_host else 0))
     avail -= device_slots_total
 
     rest = [i for i in kept if tiers[i] != VRAM]
-    cpu_layers, cpu_held = _cpu_layers(index, cfg, rest, rates, host_layer_bytes, ram_budget,
+    ram_left = ram_budget - (costs.host_globals_bytes if embed_in_host else 0)  # the embedding's pages come first
+    cpu_layers, cpu_held = _cpu_layers(index, cfg, rest, rates, host_layer_bytes, ram_left,
                                        sum(index.layers[i].nbytes for i in resident))
     for i in cpu_layers:
         tiers[i] = CPU
@@ -564,7 +588,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         avail += device_slots_total - stage_bytes
         device_slots_total = stage_bytes
     rest = [i for i in rest if tiers[i] != CPU]
-    layers_ram_budget = ram_budget - cpu_held  # what pinned copies and host slots may take
+    layers_ram_budget = ram_left - cpu_held  # what pinned copies and host slots may take
     host_slots_total = 0
     rest_bytes = sum(index.layers[i].image_bytes for i in rest)
     if rest_bytes <= layers_ram_budget:
@@ -620,6 +644,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         cpu_beside_link_gbps=rates.cpu_beside_link_gbps if rates else 0.0,
         link_beside_cpu_gbps=rates.link_beside_cpu_gbps if rates else 0.0,
         gpu_gbps=rates.gpu_gbps if rates else 0.0,
+        embed_in_host=embed_in_host, embed_host_bytes=costs.host_globals_bytes if embed_in_host else 0,
     )
 
 

@@ -203,3 +203,43 @@ def test_the_plan_names_what_streams_layers_and_its_cost(index):
     more = len(wider.layers_on(VRAM)) - 7
     assert more > 0 and floor.startswith(f"the KV cache's floor (1024 positions, {format_bytes(p.kv_floor_bytes)}, "
                                          f"reserved before any layer) streams {more} layers: ")
+
+
+def test_the_embedding_stays_in_host_memory_where_that_holds_more_layers(tmp_path, index):
+    """On cuda, where the budget streams layers and the head is a tensor of its own, the token
+    embedding stays in host memory (a pass reads its tokens' rows in place) when that leaves room
+    for more resident layers; its bytes leave the VRAM reservation and come out of the RAM
+    budget. Not where every layer fits, nor where --gpu-layers (not the budget) streams them,
+    nor for a tied embedding (SmolLM2's is its head, read whole every pass)."""
+    from tests.synth_models import write_tiny
+
+    untied = open_model(write_tiny(tmp_path, n_layers=8, vocab_size=4096))
+    embd, cost = untied.globals["token_embd"].nbytes, untied.layers[0].nbytes
+    assert embd > cost and "output" in untied.globals
+    assert memory_costs("cuda", untied, max_seqs=1, max_ctx=512, prefill_chunk_tokens=512).host_globals_bytes == embd
+    assert memory_costs("cuda", index, max_seqs=1, max_ctx=512, prefill_chunk_tokens=512).host_globals_bytes == 0
+    assert memory_costs("cpu", untied, max_seqs=1, max_ctx=512, prefill_chunk_tokens=512).host_globals_bytes == 0
+
+    def plan(vram: int, **kw):
+        return plan_for(untied, _cfg(backend="cuda", vram_budget=vram, ram_budget=parse_size("1GiB"), ctx=512,
+                                     max_batch=1, cpu_layers=0, **kw))
+
+    big = plan(parse_size("8GiB"))
+    assert not big.streamed_layers and not big.embed_in_host and big.globals_bytes == untied.global_bytes_total
+    fixed = big.globals_bytes + big.kv_floor_bytes + big.workspace_bytes + 2 * big.slot_bytes
+    p = plan(fixed + 3 * cost + cost // 2)
+    assert p.embed_in_host and p.embed_host_bytes == embd
+    assert len(p.layers_on(VRAM)) == 3 + (cost // 2 + embd) // cost  # the embedding's bytes hold more layers
+    assert p.globals_bytes == untied.global_bytes_total - embd
+    assert "token embedding in host memory" in "\n".join(p.describe())
+    assert type(p).from_dict(p.to_dict()) == p
+    capped = plan(parse_size("8GiB"), gpu_layers=3)  # the cap streams layers, not the budget
+    assert not capped.embed_in_host and len(capped.layers_on(VRAM)) == 3
+    # the RAM budget pays for the embedding's pages: what is left holds fewer streamed layers
+    ram_all = sum(untied.layers[i].image_bytes for i in range(8) if i not in p.layers_on(VRAM))
+    tight = plan_for(untied, _cfg(backend="cuda", vram_budget=fixed + 3 * cost + cost // 2, ctx=512, max_batch=1,
+                                  cpu_layers=0, ram_budget=ram_all + embd))
+    assert tight.embed_in_host and not tight.layers_on(STORAGE)
+    tighter = plan_for(untied, _cfg(backend="cuda", vram_budget=fixed + 3 * cost + cost // 2, ctx=512, max_batch=1,
+                                    cpu_layers=0, ram_budget=ram_all + embd - 1))
+    assert tighter.layers_on(STORAGE)

@@ -544,6 +544,10 @@ class Backend(ABC):
         layer computed here in a wide pass): ``prepare_layer`` without keeping it."""
         return self.prepare_layer(layer, buf, keep=False)
 
+    def host_layer_done(self) -> None:
+        """The operations on ``layer_from_host``'s last weights are queued: a backend that
+        stages them in one buffer may copy the next layer there once those have run."""
+
 
 def backend_class(name: str) -> type[Backend]:
     """The backend class called ``name`` ("cpu" or "cuda"); cuda only where a GPU and cupy are."""
@@ -633,9 +637,12 @@ _MEASURED_RATES: dict[tuple[str, int], HostRates] = {}
 
 
 def make_backend(name: str, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096,
-                 kernels: KernelOptions | None = None, kv: KvSizing | None = None) -> Backend:
+                 kernels: KernelOptions | None = None, kv: KvSizing | None = None,
+                 embed_in_host: bool = False) -> Backend:
     """The backend called ``name``, with page-table rows for ``max_seqs`` sequences of up to
     ``max_ctx`` positions and the KV page pool ``kv`` (None: pages for every row at ``max_ctx``);
     the cuda backend reserves its arena up front; ``kernels``: the kernel switches (None: the
-    defaults)."""
-    return backend_class(name)(index, max_seqs=max_seqs, max_ctx=max_ctx, kernels=kernels, kv=kv)
+    defaults); ``embed_in_host``: the plan keeps the token embedding in host memory (a backend
+    whose ``memory_costs`` offered it: ``MemoryCosts.host_globals_bytes``)."""
+    extra = {"embed_in_host": True} if embed_in_host else {}
+    return backend_class(name)(index, max_seqs=max_seqs, max_ctx=max_ctx, kernels=kernels, kv=kv, **extra)

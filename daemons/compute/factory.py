@@ -91,13 +91,14 @@ def build_engine(
 def backend_for(name: str, index: ModelIndex, options: EngineOptions, plan: Plan | None = None) -> Backend:
     """The backend called ``name`` for ``index``, sized and switched by ``options``: the one
     place an engine's options become ``make_backend``'s arguments. ``plan``: the instance's tier
-    plan, which sizes the KV page pool (without one: pages for every sequence at full context)."""
+    plan, which sizes the KV page pool (without one: pages for every sequence at full context) and
+    says where the token embedding stays."""
     options = options.for_model(index.hparams.n_ctx_train)
     kv = None
     if plan is not None:
         kv = KvSizing(plan.kv_chunk_pages, plan.kv_chunks, plan.kv_max_chunks, kv_namespace(index, options))
     return make_backend(name, index, max_seqs=options.max_batch, max_ctx=options.ctx, kernels=options.kernel_options,
-                        kv=kv)
+                        kv=kv, embed_in_host=plan is not None and plan.embed_in_host)
 
 
 def kv_namespace(index: ModelIndex, options: EngineOptions) -> bytes:

@@ -126,6 +126,7 @@ class HostTier:
             tee = _KvTee(be, lambda i, k, v: self.cpu.kv_write(i, be.to_host(k, n), be.to_host(v, n), hws))
             for i in range(first, end):
                 llama_block(tee, i, be.layer_from_host(self.index.layers[i], self.raw[i]), ws)
+                be.host_layer_done()
             if pass_id != self._last_wide_pass:
                 self.wide_passes, self._last_wide_pass = self.wide_passes + 1, pass_id
             return

@@ -281,3 +281,37 @@ def test_kv_keep_path_decodes_as_the_plain_path(synth_dir, backend):
     # the same math; only the rows' batching differs (f32 sums in another order, on cuda the
     # f16 rounding of keys and values that differ in their last bits)
     assert _rel(kept, plain) < (1e-4 if backend == "cpu" else 2e-3)
+
+
+def test_embedding_in_host_memory_gives_the_same_bits(synth_dir):
+    """The token embedding left in page-locked host memory and read there in place (the plan's
+    ``embed_in_host``, where the budget streams layers and the head is its own tensor): the same
+    logits bit for bit, prompt and decode passes (graph-replayed) alike, and the same greedy tokens."""
+    import cupy as cp
+
+    from ntx.daemons.compute.backend import make_backend
+    from ntx.shared.gguf_index import open_model
+
+    model = _synth(synth_dir, "Q4_K_M")
+    index = open_model(model)
+    outs = []
+    for in_host in (False, True):
+        be = make_backend("cuda", index, max_seqs=4, max_ctx=256, embed_in_host=in_host)
+        eng = build_local_engine(model, backend=be, options=_options("cuda", ctx=256))
+        m = eng.core.model
+        attrs = cp.cuda.runtime.pointerGetAttributes(m.backend.embd.data.data.ptr)
+        assert (attrs.type == 1) == in_host  # cudaMemoryTypeHost: page-locked host memory
+        m.backend.alloc_sequence(0, 256)
+        prompt = list(range(3, 40))
+        pre = m.forward(StepBatch([SeqChunk(0, 0, tuple(prompt), all_logits=True)]))
+        tok, pos, steps = int(pre[-1].argmax()), len(prompt), []
+        for _ in range(6):
+            lg = m.forward(StepBatch([SeqChunk(0, pos, (tok,))]))
+            steps.append(lg[0])
+            tok, pos = int(lg[0].argmax()), pos + 1
+        outs.append((pre, np.stack(steps)))
+    (dev_pre, dev_dec), (host_pre, host_dec) = outs
+    assert np.array_equal(dev_pre, host_pre) and np.array_equal(dev_dec, host_dec)
+    with pytest.raises(ValueError, match="tied embedding"):
+        make_backend("cuda", open_model(_synth(synth_dir, "Q8_0", tied_embeddings=True)), max_seqs=1, max_ctx=256,
+                     embed_in_host=True)

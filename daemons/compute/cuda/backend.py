@@ -56,6 +56,7 @@ from ntx.daemons.compute.cuda.kv_pages import KvPages
 from ntx.daemons.compute.cuda.memory import (ROW_FIELDS, attention_rows, attention_splits, backend_layout,
                                              cuda_memory_costs, eager_layout, tree_mask_words)
 from ntx.daemons.compute.quants import dequantize
+from ntx.shared.align import aligned_empty
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.kv_sizing import KvSizing, pages_for_positions
@@ -145,8 +146,13 @@ class CudaBackend(Backend):
     queues_passes = True
 
     def __init__(self, index: ModelIndex, max_seqs: int = 16, max_ctx: int = 4096, use_graphs: bool = True,
-                 kernels: KernelOptions | None = None, kv: KvSizing | None = None) -> None:
+                 kernels: KernelOptions | None = None, kv: KvSizing | None = None, embed_in_host: bool = False) -> None:
+        """``embed_in_host``: the token embedding stays in page-locked host memory, read in place
+        (the plan's ``embed_in_host``: its VRAM holds a layer more where layers stream)."""
         super().__init__(index)
+        if embed_in_host and "output" not in index.globals:
+            raise ValueError("a tied embedding is the head, read whole every pass: it cannot stay in host memory")
+        self.embed_in_host = embed_in_host
         hp = self.hp
         self.max_ctx = min(max_ctx, hp.n_ctx_train)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -167,6 +173,8 @@ class CudaBackend(Backend):
         self.graphs: dict[tuple, Any] = {}  # (run key, bucket rows, has_trees) -> cupy Graph
         self.ipc_slots: list[Any] = []
         self.tier_stage = None  # the cpu tier's staging buffer for its layers in wide passes (layer_from_host)
+        self._stage_stream = None  # its copies' stream
+        self._stage_free = None  # event: the kernels of the last layer staged there have run
 
     @classmethod
     def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
@@ -179,7 +187,8 @@ class CudaBackend(Backend):
         g = self.index.globals
         with self.stream:
             emb = g["token_embd"]
-            self.embd = gemm.weight(cp.asarray(raw["token_embd"]), emb.ggml_type, emb.shape[0], emb.shape[1])
+            table = _mapped_host(raw["token_embd"]) if self.embed_in_host else cp.asarray(raw["token_embd"])
+            self.embd = gemm.weight(table, emb.ggml_type, emb.shape[0], emb.shape[1])
             self.out_norm = cp.asarray(dequantize(raw["output_norm"], g["output_norm"].ggml_type, g["output_norm"].shape))
             if "output" in raw:
                 o = g["output"]
@@ -565,16 +574,49 @@ class CudaBackend(Backend):
 
     def layer_from_host(self, layer: LayerInfo, buf: np.ndarray) -> dict[str, Any]:
         """A cpu-tier layer's image (page-locked by ``pin_host``) copied into the backend's one
-        staging buffer and prepared there, queued on the pass stream: the next copy into the
-        buffer is ordered after this layer's kernels. (Kernels reading the layer in place from
-        mapped host memory instead got 37-40 GB/s against the copy's 51-54 on the H200:
-        dev/cuda/bench_mapped_weights.py, docs/PERFORMANCE.md.)"""
+        staging buffer and prepared there. The copy runs on a stream of its own, after the kernels
+        of the buffer's last layer (``host_layer_done``) and not after those queued since, so it
+        overlaps the layers between two tier layers; the pass stream waits for it. (Queued on the
+        pass stream itself, the copies of a batch-64 pass's 19 tier layers ran apart from
+        compute, and the link idled while the layers between them computed: 0.84x the pass
+        without a tier on the H200. Kernels reading the layer in place from mapped host memory
+        instead got 37-40 GB/s against the copy's 51-54: dev/cuda/bench_mapped_weights.py.)"""
         if self.tier_stage is None:  # the largest layer's image: every layer fits
             self.tier_stage = cp.ndarray((self.index.max_layer_image_bytes,), dtype=cp.uint8,
                                          memptr=cp.cuda.MemoryPointer(cp.cuda.Memory(self.index.max_layer_image_bytes), 0))
+            self._stage_stream = cp.cuda.Stream(non_blocking=True)
         dst = self.tier_stage[: buf.nbytes]
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, buf.ctypes.data, buf.nbytes, 1, self.stream.ptr)
+        if self._stage_free is not None:
+            self._stage_stream.wait_event(self._stage_free)
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, buf.ctypes.data, buf.nbytes, 1, self._stage_stream.ptr)
+        self.stream.wait_event(self._stage_stream.record())
         return self.prepare_layer(layer, dst, keep=False)
+
+    def host_layer_done(self) -> None:
+        """The kernels of ``layer_from_host``'s last layer are queued: the staging buffer is
+        free for the next copy once they have run."""
+        self._stage_free = self.stream.record()
+
+
+CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+
+
+def _mapped_host(raw: np.ndarray) -> cp.ndarray:
+    """``raw``'s bytes in page-locked host memory that kernels read in place, as a uint8 device
+    array (the embedding's table, of which a pass gathers a few rows: a row crosses the link
+    per token, 4.5 KB for a 70B's Q4_K row). Registered mapped; the device reads it at its host
+    address where the device says it can (sm_90 with one address space: the H200); the pages
+    are unregistered when the array goes."""
+    if not cp.cuda.runtime.deviceGetAttribute(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, cp.cuda.Device().id):
+        raise RuntimeError("this GPU cannot read registered host memory at its host address: "
+                           "the embedding cannot stay in host memory (raise --vram-budget)")
+    host = aligned_empty(raw.nbytes)
+    host[:] = np.asarray(raw).reshape(-1).view(np.uint8)
+    ptr = host.ctypes.data
+    cp.cuda.runtime.hostRegister(ptr, host.nbytes, 2)  # cudaHostRegisterMapped
+    weakref.finalize(host, _host_unregister, ptr)
+    return cp.ndarray((host.nbytes,), dtype=cp.uint8,
+                      memptr=cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, host.nbytes, host), 0))
 
 
 def _host_unregister(ptr: int) -> None:

@@ -301,8 +301,9 @@ def backend_tuning(kernels: KernelOptions | None, t: tuning.KernelTuning = tunin
 
 def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
                       kernels: KernelOptions | None = None) -> MemoryCosts:
-    """Resident layers as their GGUF bytes; the KV cache of ``max_seqs`` sequences at full
-    context, reserved up front; the workspace: the backend's arena (``backend_layout``), the
+    """Resident layers as their GGUF bytes; the globals, of which the token embedding may stay in
+    host memory (``host_globals_bytes``, where the head is a tensor of its own); the KV cache of
+    ``max_seqs`` sequences at full context, reserved up front; the workspace: the backend's arena (``backend_layout``), the
     arena of an eager pass of a prompt chunk (``eager_layout`` of ``prefill_chunk_tokens``
     rows, when that is above the buckets) and ``ALLOCATOR_SLACK_BYTES``, on the table
     ``kernels`` makes (``backend_tuning``: the batch-invariant mode's attention partials are
@@ -318,4 +319,7 @@ def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill
         kv_bytes_per_token=2 * hp.n_layers * hp.kv_dim * KV_ELEMENT_BYTES,
         kv_tokens=ctx * max_seqs,
         workspace_bytes=ALLOCATOR_SLACK_BYTES + backend_layout(index, ctx, t=t).total_bytes + eager,
+        # the embedding, when the head is its own tensor: a pass gathers a few rows of it, which
+        # the get_rows kernel reads as well from mapped host memory (CudaBackend.load_globals)
+        host_globals_bytes=index.globals["token_embd"].nbytes if "output" in index.globals else 0,
     )
