@@ -1219,6 +1219,11 @@ def cluster_up(
     replica_cpus: float = typer.Option(1.0, "--replica-cpus", help="logical CPUs Ray reserves per cpu replica"),
     instance_args: str = typer.Option("", "--instance-args", help="more of ntxctl start's options for every "
                                       "instance, as one string (e.g. \"--max-batch 32\")"),
+    replies_through_ray: bool = typer.Option(False, "--replies-through-ray", help="read every reply through Ray, "
+                                             "also from replicas on the ingress' node (default: from their "
+                                             "instances directly, without Ray's hop)"),
+    serve_proxy: bool = typer.Option(False, "--serve-proxy", help="HTTP through Ray Serve's proxy (default on a "
+                                     "local head: the ingress replica listens itself, Serve's direct ingress)"),
 ) -> None:
     """Bring up the cluster: replicas that each start an ntx instance, behind one OpenAI endpoint; returns once
     every replica is ready."""
@@ -1242,10 +1247,11 @@ def cluster_up(
     chosen = "cuda" if backend == "cuda" and address else _choose_backend(backend)
     say = lambda line: typer.echo(f"ntxctl: {line}", err=True)  # noqa: E731
     st = control.up(model_path, replicas, chosen, address, http, name, shlex.split(instance_args), api_key,
-                    replica_cpus, say)
+                    replica_cpus, say, direct_replies=not replies_through_ray, serve_proxy=serve_proxy)
     typer.echo(f"cluster {name!r} ready: {replicas} replica(s) of {os.path.basename(model_path)} on {chosen}, Ray at "
                f"{st['address']}")
-    typer.echo(f"HTTP on http://{st['http']}/v1 (OpenAI API), /metrics, /health, /api/cluster")
+    typer.echo(f"HTTP on http://{st['http']}/v1 (OpenAI API), /metrics, /health, /api/cluster; served by "
+               f"{st['http_by']}")
 
 
 @cluster_app.command("status")

@@ -71,6 +71,11 @@ def cluster(smollm2_path, run_dir):
         r = ntxctl("cluster", "up", "--model", str(smollm2_path), "--replicas", "2", "--backend", "cpu", "--name",
                    name, "--http", http, "--instance-args", "--max-batch 4", "--api-key", key, timeout=600)
         assert r.returncode == 0, f"cluster up failed:\n{r.stdout}\n{r.stderr}"
+        # a local head on a Ray Serve with direct ingress: the ingress replica listens itself, no proxy hop
+        from ntx.ctl.cluster.control import serve_has_direct_ingress
+
+        want = "the ingress replica" if serve_has_direct_ingress() else "Serve's HTTP proxy"
+        assert f"served by {want}" in r.stdout, r.stdout
         yield Cluster(name, http, key)
     finally:  # (also after an up that failed or timed out: what it started is stopped)
         d = ntxctl("cluster", "down", "--name", name, timeout=180)
@@ -103,6 +108,44 @@ def test_the_openai_client_gets_one_instance_s_greedy_text(cluster, single):
     want_c = single.oai.completions.create(model="m", prompt=FRANCE, temperature=0, max_tokens=6)
     got_c = list(cluster.oai.completions.create(model="m", prompt=FRANCE, temperature=0, max_tokens=6, stream=True))
     assert "".join(ch.choices[0].text for ch in got_c) == want_c.choices[0].text
+    # the replicas run on the ingress' node: their replies came from their instances directly
+    assert [r["replies"] for r in cluster.report()["replicas"]] == ["direct", "direct"]
+
+
+def test_replies_through_ray_give_the_same_text_and_cancel_on_hang_up(smollm2_path, run_dir, single):
+    """``--replies-through-ray --serve-proxy``: the roads a cluster of several nodes takes
+    (Serve's HTTP proxy; replies from a replica on another node as Ray's stream through its
+    handle), here on one replica: the same greedy text, streamed or not, and a client's hang-up
+    cancels the request in the instance."""
+    name, http, key = f"t{uuid.uuid4().hex[:6]}", f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    try:
+        r = ntxctl("cluster", "up", "--model", str(smollm2_path), "--replicas", "1", "--backend", "cpu", "--name",
+                   name, "--http", http, "--api-key", key, "--replies-through-ray", "--serve-proxy", timeout=600)
+        assert r.returncode == 0, f"cluster up failed:\n{r.stdout}\n{r.stderr}"
+        assert "served by Serve's HTTP proxy" in r.stdout, r.stdout
+        c = Cluster(name, http, key)
+        assert [r["replies"] for r in c.report()["replicas"]] == ["ray"]
+        want = single.oai.chat.completions.create(model="m", messages=HI, temperature=0, max_tokens=8)
+        got = c.oai.chat.completions.create(model="m", messages=HI, temperature=0, max_tokens=8)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        chunks = list(c.oai.chat.completions.create(model="m", messages=HI, temperature=0, max_tokens=8, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+            want.choices[0].message.content
+
+        def in_flight() -> int | None:
+            st = instance.get_status(f"{name}-r0", timeout_s=5.0)
+            return None if st is None else st["requests"]["in_flight"]
+
+        body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "temperature": 0, "stream": True}
+        with c.http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()  # kept referenced (see the hang-up test below)
+            next(line for line in lines if line.startswith("data:"))
+            wait_for(lambda: in_flight() == 1, 20.0, "the request to be in flight in the instance")
+        wait_for(lambda: in_flight() == 0, 10.0, "the instance to have no request in flight after the hang-up")
+    finally:
+        d = ntxctl("cluster", "down", "--name", name, timeout=180)
+        assert d.returncode == 0 or "is not up" in d.stderr, d.stderr
+        assert instance.leftovers(f"{name}-r0") == []
 
 
 @pytest.mark.parametrize("path, body", [

@@ -57,7 +57,7 @@ def _cluster_link(gw) -> ClusterLink:
     """The ingress gateway's link (its app's startup): the replicas' handles, and its API key."""
     gw.api_key = _ingress_args["api_key"]
     return ClusterLink(list(zip(_ingress_args["names"], _ingress_args["replicas"])), gw.limits.reply_timeout_s,
-                       registry=gw.metrics.registry)
+                       registry=gw.metrics.registry, direct=_ingress_args.get("direct_replies", True))
 
 
 INGRESS_APP = create_app("ray-serve", None, GatewayLimits(), make_link=_cluster_link,
@@ -69,31 +69,36 @@ INGRESS_APP = create_app("ray-serve", None, GatewayLimits(), make_link=_cluster_
 class NtxIngress:
     """The HTTP entry of the cluster: the gateway's routes over the replicas' handles."""
 
-    def __init__(self, replicas: list, names: list[str], api_key: str | None = None) -> None:
+    def __init__(self, replicas: list, names: list[str], api_key: str | None = None,
+                 direct_replies: bool = True) -> None:
         # through the module: Ray ships this class by value, with a copy of the module's globals
         from ntx.ctl.cluster import app as this_module
 
-        this_module._ingress_args.update(replicas=replicas, names=names, api_key=api_key)
+        this_module._ingress_args.update(replicas=replicas, names=names, api_key=api_key,
+                                         direct_replies=direct_replies)
 
 
 def build_app(model: str, replicas: int = 2, backend: str = "cpu", name: str = "ntx",
               instance_args: Sequence[str] = (), run_dir: str | None = None, api_key: str | None = None,
-              replica_cpus: float = 1.0) -> serve.Application:
+              replica_cpus: float = 1.0, direct_replies: bool = True) -> serve.Application:
     """The application: ``replicas`` instances of ``model`` named ``NAME-rI`` (one GPU each on
-    cuda; ``replica_cpus`` logical CPUs each on cpu) behind one ingress."""
+    cuda; ``replica_cpus`` logical CPUs each on cpu) behind one ingress, which reads the replies
+    of the replicas on its node from their instances themselves unless not ``direct_replies``
+    (``link.ClusterLink``)."""
     if replicas < 1:
         raise ValueError(f"replicas {replicas}: give 1 or more")
     resources = {"num_gpus": 1, "num_cpus": 1} if backend == "cuda" else {"num_cpus": replica_cpus}
     names = [f"{name}-r{i}" for i in range(replicas)]
     bound = [NtxReplicaDeployment.options(name=f"{name}-replica-{i}", ray_actor_options=resources)
              .bind(model, names[i], backend, list(instance_args), run_dir) for i in range(replicas)]
-    return NtxIngress.options(name=f"{name}-ingress").bind(bound, names, api_key)
+    return NtxIngress.options(name=f"{name}-ingress").bind(bound, names, api_key, direct_replies)
 
 
 def build(args: dict) -> serve.Application:
     """``serve run``'s application builder: ``args`` are build_app's (``instance_args`` a list
     of ``ntxctl start`` options, e.g. ``["--max-batch", "32"]``)."""
-    known = {"model", "replicas", "backend", "name", "instance_args", "run_dir", "api_key", "replica_cpus"}
+    known = {"model", "replicas", "backend", "name", "instance_args", "run_dir", "api_key", "replica_cpus",
+             "direct_replies"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -106,4 +111,9 @@ def build(args: dict) -> serve.Application:
     for key, kind in (("replicas", int), ("replica_cpus", float)):
         if key in typed:
             typed[key] = kind(typed[key])
+    if isinstance(typed.get("direct_replies"), str):  # serve run's key=value arguments are strings
+        text = typed["direct_replies"].strip().lower()
+        if text not in ("true", "false", "1", "0"):
+            raise ValueError(f"direct_replies {typed['direct_replies']!r}: give true or false")
+        typed["direct_replies"] = text in ("true", "1")
     return build_app(**typed)

@@ -4,8 +4,11 @@ a link, over Ray Serve deployment handles instead of one ZeroMQ connection.
 ``ClusterLink`` has ``PipelineLink``'s interface (``submit``, ``forget``, ``fresh_status``,
 ``history``, ``in_flight``, ``end_all``), so the gateway's routes, request checks, errors and
 streaming serve a cluster unchanged. Each request is routed by the ingress itself
-(``router.PrefixRouter``) to one replica deployment's handle and read as a Ray stream of the
-instance's own replies (``token``, ``done``, ``error``).
+(``router.PrefixRouter``) to one replica and read as its instance's own replies (``token``,
+``done``, ``error``): from the instance itself, over its ZeroMQ socket, when the replica runs on
+the ingress' node (``ReplicaView.direct``: the token path crosses no Ray hop, as with a single
+gateway), else as a Ray stream through the replica deployment's handle. Ray carries the rest
+either way: the replicas' status (and so their health and load), placement and restarts.
 
 Faults. A request that has given its client nothing yet is sent again to another replica when
 its replica fails it: the replica's process died (Ray's error), its instance's pipeline failed
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import time
 from collections import Counter, deque
 from typing import Any, AsyncIterator, Sequence
@@ -34,7 +38,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ntx.ctl.cluster.router import Candidate, PrefixRouter, answered_key, request_key
-from ntx.ctl.gateway.link import HISTORY_S, STATUS_INTERVAL_S, PipelineGone, StreamTable, generate_frame
+from ntx.ctl.gateway.link import (HISTORY_S, STATUS_INTERVAL_S, PipelineGone, PipelineLink, StreamTable,
+                                  connect_address, generate_frame)
 from ntx.ctl.gateway.openai_schema import WIRE_ERRORS
 
 log = logging.getLogger("ray.serve")
@@ -71,6 +76,8 @@ class ReplicaView:
         self.routed: Counter[str] = Counter()  # by reason: prefix, least_loaded, retry
         self.failed = 0  # requests that failed here (retried elsewhere, or ended with an error)
         self.restarts = 0  # instance restarts seen (a new supervisor; its pipeline's restarts are its status')
+        # the instance's own ZeroMQ link, where it runs on the ingress' node (ClusterLink.direct)
+        self.direct: PipelineLink | None = None
 
     def observe(self, report: dict) -> None:
         """A status answer of the replica: its instance's status, if it has one now (an
@@ -122,6 +129,8 @@ class ReplicaView:
             "prefix_hit_rate": round(kv.get("prefix_hit_tokens", 0) / looked, 4) if looked else None,
             "bottleneck": st.get("bottleneck"), "routed": dict(self.routed), "failed": self.failed,
             "restarts": self.restarts + st.get("restarts", 0),
+            # how its replies reach the ingress: from its instance itself (same node), or through Ray
+            "replies": "direct" if self.direct is not None and self.direct.connected else "ray",
         }
 
 
@@ -146,7 +155,8 @@ class ClusterStream:
         self.finished = False
         self.cancel_sent = False
         self.replica: ReplicaView | None = None
-        self._call = None  # the Ray stream of the replica's replies
+        self._call = None  # the Ray stream of the replica's replies, or
+        self._direct = None  # (link, RequestStream) read from its instance itself
         self._ended: asyncio.Queue[dict] = asyncio.Queue()  # end_all's errors
 
     async def __aiter__(self) -> AsyncIterator[dict]:
@@ -173,7 +183,7 @@ class ClusterStream:
                     streamed = True
                     if ev["type"] in ("done", "error"):
                         self.finished = True
-                        if ev["type"] == "done":
+                        if ev["type"] == "done" and ev.get("finish_reason") != "cancelled":
                             self.link.router.record(answered_key(self.wire, ev.get("text", "")), replica.name)
                             ev = {**ev, "replica": replica.name}  # the response's ntx.replica
                     yield ev
@@ -210,15 +220,36 @@ class ClusterStream:
                 replica.in_flight -= 1
                 self._cancel_call()
 
+    def _open(self, replica: ReplicaView) -> AsyncIterator[list[dict]]:
+        """The replica's replies, in lists: from its instance itself where the ingress has a
+        connected link to it (one reply a list), else through Ray (``NtxReplica.generate``'s
+        lists: the replies that had arrived together)."""
+        direct = replica.direct
+        if direct is not None and direct.connected:
+            try:
+                stream = direct.submit(self.wire)
+            except PipelineGone:  # the connection dropped just now: Ray's road
+                pass
+            else:
+                self._direct = (direct, stream)
+
+                async def one_by_one() -> AsyncIterator[list[dict]]:
+                    async for ev in stream:
+                        yield [ev]
+
+                return one_by_one()
+        self._call = replica.handle.options(stream=True).generate.remote(self.wire)
+        return aiter(self._call)
+
     async def _replies(self, replica: ReplicaView) -> AsyncIterator[dict]:
         """The replica's replies, each raced by ``end_all``'s error and the reply timeout; the
         first one also by evidence that the replica is lost (``ReplicaView.lost_since``): a
         request waiting for its first reply there goes elsewhere (``_Retry``) instead of waiting
         for Serve to restart it. (After the first reply a replica's death is Ray's error on the
-        stream, its pipeline's failure an error reply; a stalled or late status ends nothing.)"""
+        stream, or the ``pipeline_lost`` its instance's dropped connection gives a direct read;
+        its pipeline's failure an error reply; a stalled or late status ends nothing.)"""
         sent_s = time.monotonic()
-        self._call = replica.handle.options(stream=True).generate.remote(self.wire)
-        replies = aiter(self._call)  # lists of replies (NtxReplica.generate)
+        replies = self._open(replica)
         first = True
         while True:
             nxt = asyncio.ensure_future(anext(replies))
@@ -257,15 +288,25 @@ class ClusterStream:
         return {"type": "error", "id": self.rid, "code": code, "message": message}
 
     def _cancel_call(self) -> None:
+        """Stop reading the replica: its request is cancelled at its instance if it still runs."""
         if self._call is not None:
             self._call.cancel()  # the replica's generator ends: it cancels the request at its instance
             self._call = None
+        if self._direct is not None:
+            link, stream = self._direct
+            stream.cancel()  # nothing once it has ended
+            link.forget(stream)
+            self._direct = None
 
     def cancel(self) -> None:
-        """Stop this request at its replica (once); a ``done`` with ``cancelled`` follows."""
+        """Stop this request at its replica (once); a ``done`` with ``cancelled`` follows (read
+        directly, the instance's own; through Ray, made here when the stream ends)."""
         if not self.finished and not self.cancel_sent:
             self.cancel_sent = True
-            self._cancel_call()
+            if self._direct is not None:
+                self._direct[1].cancel()  # the instance answers with its ``done``
+            else:
+                self._cancel_call()
 
     def end(self, code: str, message: str) -> None:
         self._ended.put_nowait(self._error(code, message))
@@ -276,9 +317,13 @@ class ClusterLink(StreamTable):
     ``STATUS_INTERVAL_S``), the router, and the requests being read."""
 
     def __init__(self, replicas: Sequence[tuple[str, Any]], reply_timeout_s: float,
-                 router: PrefixRouter | None = None, registry=None) -> None:
+                 router: PrefixRouter | None = None, registry=None, direct: bool = True) -> None:
+        """``direct``: read the replies of the replicas on this node from their instances
+        themselves (``ReplicaView.direct``); False: every reply through Ray."""
         self.replicas = {name: ReplicaView(name, handle) for name, handle in replicas}
         self.reply_timeout_s = reply_timeout_s
+        self.direct = direct
+        self.node = socket.gethostname()
         self.router = router or PrefixRouter()
         self.history: deque[dict] = deque(maxlen=HISTORY_S)
         self.started_s = time.monotonic()
@@ -298,6 +343,8 @@ class ClusterLink(StreamTable):
             t.cancel()
         for stream in list(self._streams.values()):
             stream.cancel()
+        for r in self.replicas.values():
+            await self._set_direct(r, None)
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, request: dict) -> ClusterStream:
@@ -344,6 +391,8 @@ class ClusterLink(StreamTable):
         except Exception:  # noqa: BLE001 - dead, restarting or slow: no answer this time
             return
         replica.observe(report)
+        on_this_node = report.get("node") == self.node and report.get("instance_running", True)
+        await self._set_direct(replica, report.get("listen") if self.direct and on_this_node else None)
         st = report.get("status") or {}
         epoch = (st.get("supervisor_pid"), st.get("gen")) if st else None
         if epoch is not None and epoch != replica.epoch:
@@ -351,6 +400,22 @@ class ClusterLink(StreamTable):
                 replica.restarts += epoch[0] != replica.epoch[0]
                 self.router.forget_replica(replica.name)
             replica.epoch = epoch
+
+    async def _set_direct(self, replica: ReplicaView, listen: str | None) -> None:
+        """Read ``replica``'s replies from its instance at ``listen`` from now on (None: through
+        Ray). A replica restarted by Serve has a new instance on a new port: the old link goes
+        (its requests got ``pipeline_lost`` when its connection dropped)."""
+        old = replica.direct
+        if old is not None and listen and old.address == connect_address(listen):
+            return
+        replica.direct = None
+        if old is not None:  # its readers get their error now, whether or not the drop was seen yet
+            old.end_all("pipeline_lost", f"the connection to replica {replica.name}'s instance was closed (it "
+                                         "exited or was restarted); the request was not finished", cancel=False)
+            await old.close()
+        if listen:
+            replica.direct = PipelineLink(listen, self.reply_timeout_s)
+            replica.direct.start(poll_status=False)
 
     async def _poll(self, replica: ReplicaView) -> None:
         while True:

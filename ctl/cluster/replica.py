@@ -130,9 +130,11 @@ class NtxReplica:
             link.forget(stream)
 
     async def status(self) -> dict:
-        """The instance's status (None while it does not answer) and where this replica runs."""
+        """The instance's status (None while it does not answer), where this replica runs and
+        its instance's ZeroMQ address (loopback: an ingress on the same node reads the replies
+        there itself, ``link.ClusterLink``)."""
         link = await self._ensure_link()
-        return {"instance": self.name, "node": socket.gethostname(), "pid": os.getpid(),
+        return {"instance": self.name, "node": socket.gethostname(), "pid": os.getpid(), "listen": self.listen,
                 "instance_running": self.proc.poll() is None, "status": link.fresh_status}
 
     async def check_health(self) -> None:

@@ -161,8 +161,12 @@ class PipelineLink(StreamTable):
         self.history: deque[dict] = deque(maxlen=HISTORY_S)
         self._tasks: list[asyncio.Task] = []
 
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._poll_status())]
+    def start(self, poll_status: bool = True) -> None:
+        """Read replies, and ask for the status once per ``STATUS_INTERVAL_S`` unless not
+        ``poll_status`` (a cluster ingress reading an instance's replies has its status already)."""
+        self._tasks = [asyncio.create_task(self._read())]
+        if poll_status:
+            self._tasks.append(asyncio.create_task(self._poll_status()))
 
     async def close(self) -> None:
         for t in self._tasks:
