@@ -14,6 +14,7 @@ where the reference has a clear winner, and the mean log-likelihood of real text
 from __future__ import annotations
 
 import itertools
+import os
 import pathlib
 
 import numba
@@ -285,3 +286,22 @@ def test_quantized_tree_rows_see_only_their_branch(smol_pair):
     chain_b = _prefill(quantized, prompt + [314, 2365, 1345])[4:]
     assert np.array_equal(tree[[0, 1]], chain_a)
     assert np.array_equal(tree[[0, 2, 3]], chain_b)
+
+
+def test_a_numba_target_without_vnni_takes_the_int16_layouts():
+    """``NUMBA_CPU_NAME=generic`` (numba compiling for no CPU in particular, e.g. for a cache
+    shared by several machines): VNNI is off whatever the host has, and the products run. (With
+    it on, LLVM aborted the whole process on vpdpbusd.) A fresh process: numba reads its
+    configuration once."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from gguf import GGMLQuantizationType as QT; "
+            "from ntx.daemons.compute import cpu_kernels as ck; "
+            "rng = np.random.default_rng(0); w = ck.pack(np.zeros(256 * 256 // 256 * 144, np.uint8), QT.Q4_K, 256, 256); "
+            "out = ck.matmul(w, rng.standard_normal((1, 256)).astype(np.float32), np.empty((1, 256), np.float32)); "
+            "print(ck.VNNI, w.form, bool(np.all(out == 0)))")
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "c4", "True"]

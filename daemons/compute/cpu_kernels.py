@@ -89,10 +89,18 @@ def available() -> bool:
 
 def _host_has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (``vpdpbusd``: 64 byte products summed by fours into 16
-    int32 lanes in one instruction), which the 4-bit products use where it exists
-    (``NTX_CPU_VNNI=0`` turns that off)."""
+    int32 lanes in one instruction), which the 4- and 8-bit products use where it exists
+    (``NTX_CPU_VNNI=0`` turns that off), and numba compiles for it: for the host's CPU (the
+    default), or for one that ``NUMBA_CPU_NAME`` names with VNNI in ``NUMBA_CPU_FEATURES``."""
     if numba is None or os.environ.get("NTX_CPU_VNNI", "").strip() == "0":
         return False
+    target = numba.config.CPU_NAME
+    if target not in (None, "", "host"):
+        # numba compiles for another CPU (NUMBA_CPU_NAME, e.g. "generic" for a cache shared by a
+        # fleet): only the features it was given count. LLVM aborts the process, no exception,
+        # when it meets vpdpbusd on a target without it.
+        given = set((numba.config.CPU_FEATURES or "").split(","))
+        return {"+avx512vnni", "+avx512bw"} <= given
     try:
         import llvmlite.binding as llvm
 
