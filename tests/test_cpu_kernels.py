@@ -105,9 +105,10 @@ def test_a_row_gets_the_same_bits_alone_or_batched_and_on_any_thread_count(monke
 @pytest.mark.parametrize("type_name", [t.name for t in ck.C4_TYPES + ck.C8_TYPES])
 def test_the_vnni_layout_gives_the_int16_layouts_bits(type_name, monkeypatch):
     """Where the CPU has AVX-512 VNNI, quantized matrices take the c4v / c8v layouts (vpdpbusd;
-    the signed 8-bit values shifted by 128 and the shift's sum taken off exactly); their products
-    and rows are bit for bit the int16 kernels', at one row and several, rows not a multiple of
-    128 included."""
+    the signed 8-bit values shifted by 128 and the shift's sum taken off exactly), Q6_K the c6v
+    one (6 bits a value, shifted by 32, rebuilt in registers); their products and rows are bit for
+    bit the int16 kernels', at one row and several, rows not a multiple of 128 included, and each
+    holds what ``packed_bytes`` says (c6v a quarter less than c8's values)."""
     if not ck._host_has_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI: only the int16 layout runs here")
     qt = QT[type_name]
@@ -115,10 +116,17 @@ def test_the_vnni_layout_gives_the_int16_layouts_bits(type_name, monkeypatch):
         raw, _ = _matrix(qt, n, k, n + k)
         monkeypatch.setattr(ck, "VNNI", True)
         v = ck.pack(raw, qt, n, k)
+        assert v.nbytes == ck.packed_bytes(qt, n, k)
         monkeypatch.setattr(ck, "VNNI", False)
         i16 = ck.pack(raw, qt, n, k)
-        assert (v.form, i16.form) in (("c4v", "c4"), ("c8v", "c8")) and v.nbytes == i16.nbytes == ck.packed_bytes(qt, n, k)
-        for T in (1, 3):
+        assert i16.nbytes == ck.packed_bytes(qt, n, k)
+        assert (v.form, i16.form) in (("c4v", "c4"), ("c8v", "c8"), ("c6v", "c8"))
+        assert (v.form == "c6v") == (qt == QT.Q6_K)
+        if v.form == "c6v":
+            assert v.q.nbytes * 4 == i16.q.nbytes * 3
+        else:
+            assert v.nbytes == i16.nbytes
+        for T in (1, 3, 9):
             x = np.random.default_rng(T).standard_normal((T, k)).astype(np.float32)
             assert np.array_equal(ck.matmul(v, x, np.empty((T, n), np.float32)), ck.matmul(i16, x, np.empty((T, n), np.float32)))
         rows = np.arange(n, dtype=np.int64)

@@ -37,7 +37,10 @@ for 16 rows, against some 60 for the int16 lanes. The 8-bit values are stored sh
 sums are the same integers, and the float steps after them the same, so the bits are too.
 Measured on the 2-core VM (AMD EPYC, Zen 4), one row: 2.2x the int16 kernel on a 4096x4096
 Q4_K in cache; the 8B-shaped Q4_K_M from 0.75x to 0.94x llama.cpp at 2 threads
-(docs/PERFORMANCE.md).
+(docs/PERFORMANCE.md). Q6_K takes "c6v" there (``_pack_c6v``): 6 bits a value as in the file,
+the bytes c8v would hold rebuilt in registers (masks and shifts) before the same ``vpdpbusd``:
+a quarter fewer value bytes, and from memory on 2 threads a 14336x4096 product 1.25-1.35x
+faster than c8v; the same bits (``NTX_CPU_C6V=0``: c8v).
 
 F16, BF16 and F32 matrices become float32 and go through BLAS (numpy's ``@``).
 
@@ -294,6 +297,8 @@ class PackedMatrix:
             (_mm_c8v_par if parallel else _mm_c8v_ser)(self.q, self.scale, self.offset, self.super_scale,
                                                        self.super_offset, self.has_offset, self.shift,
                                                        qx.xq, qx.xd, qx.xs, out)
+        elif self.form == "c6v":
+            (_mm_c6v_par if parallel else _mm_c6v_ser)(self.q, self.scale, self.super_scale, qx.xq, qx.xd, out)
         else:
             (_mm_c8_par if parallel else _mm_c8_ser)(self.q, self.scale, self.offset, self.super_scale,
                                                      self.super_offset, self.has_offset, self.span,
@@ -344,6 +349,9 @@ def pack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> PackedMat
         return PackedMatrix("c4", n_rows, n_cols, q4, group=32, **scales)
     q8 = _interleave(u.q.astype(np.int8).reshape(n_rows, -1, u.group), lanes)  # [G, K/GS, GS, R]
     span, has_offset = (2 if t == QT.Q8_0 else 8), u.offset is not None
+    if VNNI and C6V and t == QT.Q6_K:  # 6 bits a value, as in the file: _pack_c6v
+        return PackedMatrix("c6v", n_rows, n_cols, _pack_c6v(q8, lanes), group=u.group, span=span,
+                            has_offset=has_offset, shift=C6_SHIFT, **scales)
     if VNNI:  # unsigned for vpdpbusd (the signed types shifted by 128), each lane's bytes four by four
         shift = 0 if t in (QT.Q5_1, QT.Q5_K) else 128  # Q5_1, Q5_K: values 0..31 already
         G, ng, GS = q8.shape[:3]
@@ -351,6 +359,28 @@ def pack(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> PackedMat
         return PackedMatrix("c8v", n_rows, n_cols, np.ascontiguousarray(qu.transpose(0, 1, 4, 2, 5, 3)), group=u.group,
                             span=span, has_offset=has_offset, shift=shift, **scales)
     return PackedMatrix("c8", n_rows, n_cols, q8, group=u.group, span=span, has_offset=has_offset, **scales)
+
+
+C6_SHIFT = 32  # c6v: Q6_K's values, -32..31, stored + 32 (0..63 in 6 bits)
+C6V = os.environ.get("NTX_CPU_C6V", "").strip() != "0"  # with VNNI, Q6_K in c6v (NTX_CPU_C6V=0: c8v)
+
+
+def _pack_c6v(q8: np.ndarray, lanes: int) -> np.ndarray:
+    """Q6_K's values q8 [G, K/16, 16, R] (int8, -32..31) in the c6v layout, 6 bits a value as
+    in the file instead of c8v's 8 (a Q6_K matrix reads 26.25 bytes per 32 weights instead of 34,
+    scales included; its products are bound by the bytes they read on a busy memory): per
+    16 columns x 16 lanes (16c + l), three 64-byte vectors [c, 3, l, i], i the column within
+    quad k (columns 4k + i): the low nibbles of quads 0 and 2 (quad 2's in the high nibble),
+    those of quads 1 and 3, and the two high bits of quads 0-3 (bits 2k, 2k + 1). Each value
+    + 32: ``_quads4_c6v`` rebuilds c8v's unsigned bytes from the three with masks and shifts."""
+    G, ng, GS = q8.shape[:3]
+    assert GS == 16, "c6v holds groups of 16 (Q6_K's)"
+    u = (q8.astype(np.int16) + C6_SHIFT).astype(np.uint8).reshape(G, ng, 4, 4, lanes // 16, 16)
+    u = u.transpose(0, 1, 4, 2, 5, 3)  # [G, ng, c, k, l, i]
+    lo, hi = u & 15, u >> 4
+    planes = (lo[:, :, :, 0] | (lo[:, :, :, 2] << 4), lo[:, :, :, 1] | (lo[:, :, :, 3] << 4),
+              hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6))
+    return np.ascontiguousarray(np.stack(planes, axis=3).astype(np.uint8))  # [G, ng, c, 3, l, i]
 
 
 @dataclass
@@ -411,7 +441,9 @@ def packed_bytes(ggml_type: int, n_rows: int, n_cols: int) -> int:
         scales = 2 * (n_rows * n_cols // group) + 2 * (n_rows * n_cols // 256) * 4
     else:  # a float32 scale and offset per group, and the [N, 1] ones of the second level
         scales = 2 * (n_rows * n_cols // group) * 4 + 2 * n_rows * 4
-    return (n_rows * n_cols // 2 if t in C4_TYPES else n_rows * n_cols) + scales
+    values = n_rows * n_cols // 2 if t in C4_TYPES else n_rows * n_cols * 3 // 4 if (t == QT.Q6_K and VNNI and C6V) \
+        else n_rows * n_cols
+    return values + scales
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,6 +655,88 @@ if numba is not None:
 
         return sig, codegen
 
+    @intrinsic
+    def _quads4_c6v(typingctx, acc_addr, w_addr, x_addr):  # pragma: no cover - compiled
+        """acc_addr[0:16] (int32) += 16 columns' products for 16 rows: w_addr, their 192 bytes
+        of c6v (``_pack_c6v``), x_addr, the 16 int8 activations. The four 64-byte vectors of
+        c8v's unsigned bytes are rebuilt in registers (a nibble, and two high bits moved to bits
+        4 and 5, in every byte), then four ``vpdpbusd``."""
+        sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp)
+
+        def codegen(context, builder, signature, args):
+            acc_a, w_a, x_a = args
+            i32, v16, dpbusd, broadcast, _ = _vnni_ir(builder)
+
+            def splat(value):
+                return ir.Constant(v16, [value] * 16)
+
+            x = builder.load(builder.inttoptr(x_a, ir.VectorType(i32, 4).as_pointer()), align=1)
+            w_base = builder.inttoptr(w_a, v16.as_pointer())
+            n02, n13, h = (builder.load(builder.gep(w_base, [ir.Constant(i32, j)]), align=1) for j in range(3))
+            nib, top = splat(0x0F0F0F0F), splat(0x30303030)
+            quads = (builder.or_(builder.and_(n02, nib), builder.shl(builder.and_(h, splat(0x03030303)), splat(4))),
+                     builder.or_(builder.and_(n13, nib), builder.shl(builder.and_(h, splat(0x0C0C0C0C)), splat(2))),
+                     builder.or_(builder.and_(builder.lshr(n02, splat(4)), nib), builder.and_(h, top)),
+                     builder.or_(builder.and_(builder.lshr(n13, splat(4)), nib),
+                                 builder.and_(builder.lshr(h, splat(2)), top)))
+            acc_p = builder.inttoptr(acc_a, v16.as_pointer())
+            acc = builder.load(acc_p, align=4)
+            for k in range(4):
+                acc = builder.call(dpbusd, [acc, quads[k], broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
+            builder.store(acc, acc_p, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _mm_c6v(q, scale, sscale, xq, xd, out):  # pragma: no cover - compiled
+        # _mm_c8v for Q6_K on the c6v layout: q [G, K/16, R/16, 3, 16, 4] u8. The rebuilt bytes
+        # are c8v's with a shift of 32 (Q6_K has no offsets): _mm_c8's integers exactly, and its
+        # float steps in its order: the same bits.
+        n_groups, ng, n_chunks = q.shape[0], q.shape[1], q.shape[2]
+        R = n_chunks * 16
+        T, N = out.shape
+        K = xq.shape[1]
+        per_super = ng // sscale.shape[1]
+        q_base, x_base = q.ctypes.data, xq.ctypes.data
+        for g in prange(n_groups):
+            acc = np.empty(R, np.int32)
+            accf = np.empty(R, np.float32)
+            acc_base = acc.ctypes.data
+            for t in range(T):
+                accf[:] = 0
+                for s in range(ng):
+                    acc[:] = 0
+                    for c in range(n_chunks):
+                        _quads4_c6v(acc_base + c * 64, q_base + ((g * ng + s) * n_chunks + c) * 192,
+                                    x_base + t * K + s * 16)
+                    sx = np.int32(0)
+                    for j in range(16):
+                        sx += np.int32(xq[t, s * 16 + j])
+                    corr = np.int32(32) * sx
+                    for r in range(R):
+                        acc[r] -= corr
+                    d = xd[t, s // 2]
+                    sb = s // per_super
+                    for r in range(R):
+                        accf[r] += (sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
+                for r in range(min(R, N - g * R)):
+                    out[t, g * R + r] = accf[r]
+
+    def _dequant_c6v(q, scale, sscale, rows, out):  # pragma: no cover - compiled
+        ng, n_chunks = q.shape[1], q.shape[2]
+        per_super = ng // sscale.shape[1]
+        for i in prange(rows.shape[0]):
+            g, r = divmod(rows[i], n_chunks * 16)
+            c, lane = divmod(r, 16)
+            for s in range(ng):
+                d = sscale[g, s // per_super, r] * np.float32(scale[g, s, r])
+                for j in range(16):
+                    k, b = j // 4, j % 4
+                    nib = np.int32(q[g, s, c, k % 2, lane, b])
+                    low = (nib >> np.int32(4)) if k >= 2 else (nib & np.int32(15))
+                    high = (np.int32(q[g, s, c, 2, lane, b]) >> np.int32(2 * k)) & np.int32(3)
+                    out[i, s * 16 + j] = d * np.float32((low | (high << np.int32(4))) - np.int32(32))
+
     def _mm_c8v(q, scale, offset, sscale, soffset, has_offset, shift, xq, xd, xs, out):  # pragma: no cover
         # _mm_c8 on the c8v layout: q [G, K/GS, R/16, GS/4, 16, 4] u8, each value + shift. A
         # group's sum is sum((q + shift) x) - shift * sum(x): _mm_c8's integers exactly, and the
@@ -726,6 +840,8 @@ if numba is not None:
     _mm_c4_par, _mm_c4_ser = _compiled(_mm_c4)
     _mm_c4v_par, _mm_c4v_ser = _compiled(_mm_c4v)
     _dequant_c4v = njit(parallel=True, **_EXACT)(_dequant_c4v)
+    _mm_c6v_par, _mm_c6v_ser = _compiled(_mm_c6v)
+    _dequant_c6v = njit(parallel=True, **_EXACT)(_dequant_c6v)
     _mm_c8v_par, _mm_c8v_ser = _compiled(_mm_c8v)
     _dequant_c8v = njit(parallel=True, **_EXACT)(_dequant_c8v)
     _mm_c8_par, _mm_c8_ser = _compiled(_mm_c8)
@@ -756,6 +872,9 @@ def dequantize_rows(w: PackedMatrix, rows: np.ndarray) -> np.ndarray:
     out = np.empty((rows.shape[0], w.n_cols), np.float32)
     if w.form == "c8v":
         _dequant_c8v(w.q, w.scale, w.offset, w.super_scale, w.super_offset, w.shift, rows, out)
+        return out
+    if w.form == "c6v":
+        _dequant_c6v(w.q, w.scale, w.super_scale, rows, out)
         return out
     kernel = {"c4": _dequant_c4, "c4v": _dequant_c4v, "c8": _dequant_c8}[w.form]
     kernel(w.q, w.scale, w.offset, w.super_scale, w.super_offset, rows, out)
