@@ -107,7 +107,7 @@ def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
 
 
 def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
-    proc, _ = _start_generating("--name", "cli", "--max-tokens", "3000", "Tell me a very long story.")
+    proc, _ = _start_generating("--name", "cli", "--max-tokens", "3000", *NEVER_ENDS)
     try:
         assert pipeline.status()["requests"]["in_flight"] == 1
         proc.send_signal(signal.SIGINT)
@@ -155,6 +155,11 @@ def test_chat_sends_the_model_messages_only(pipeline):
     assert counts[3] == len(block["prompt_tokens"])
 
 
+# A request that runs until it is cancelled: greedy counting meets no end of text. (A sampled
+# "very long story" once ended after 24 tokens, before the forced stop looked for it: CI failed.)
+NEVER_ENDS = ("--raw", "--temperature", "0", "1, 2, 3, 4, 5,")
+
+
 def _start_generating(*args: str) -> tuple[subprocess.Popen, bytes]:
     """``ntxctl generate ARGS`` in a subprocess, once it has printed some text."""
     proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "generate", *args],
@@ -169,7 +174,7 @@ def _start_generating(*args: str) -> tuple[subprocess.Popen, bytes]:
 
 def test_a_forced_stop_ends_the_text_before_the_error_line(smollm2_path, run_dir):
     with running_pipeline(str(smollm2_path), run_dir, name="forced"):
-        proc, _ = _start_generating("--name", "forced", "--max-tokens", "3000", "Tell me a very long story.")
+        proc, _ = _start_generating("--name", "forced", "--max-tokens", "3000", *NEVER_ENDS)
         try:
             stopped = ntxctl("stop", "--name", "forced", "--force")
             assert stopped.returncode == 0
