@@ -150,10 +150,11 @@ def m_tensor_name(rng, p):
 
 def m_tensor_ne(rng, p):
     t = rng.choice(p.tensors)
-    if rng.random() < 0.2:
+    if rng.random() < 0.2 or not t.ne:  # (an earlier mutation may have left no dimension)
         t.ne = [rng.choice(_INTS) for _ in range(rng.choice([0, 1, 2, 3, 4, 5]))]
     else:
-        t.ne[rng.randrange(len(t.ne))] = rng.choice(_INTS + [t.ne[0] * 2, t.ne[-1] // 2])
+        # (doubling stays a uint64: an earlier mutation may have left 2^64 - 1 there; seed 1922309397)
+        t.ne[rng.randrange(len(t.ne))] = rng.choice(_INTS + [min(t.ne[0] * 2, (1 << 64) - 1), t.ne[-1] // 2])
     return f"tensor {t.name!r} ne {t.ne}"
 
 
