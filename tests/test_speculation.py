@@ -289,51 +289,111 @@ def test_verify_tree_with_siblings_keeps_the_distribution():
 def test_the_tree_shape_follows_measured_acceptance():
     """High chain acceptance and a costly verify pass: deep chains. A chain token that is always
     rejected while its sibling is taken: wide, shallow trees. Cheap verify passes: shallow."""
-    from ntx.daemons.compute.speculation import TreeShape
+    from ntx.daemons.compute.speculation import Acceptance, TreeShape
 
     deep = TreeShape(budget=32)
     chain = DraftTree.chain([1] * 8)
     for _ in range(60):
         deep.observe(chain, list(range(8)))
         deep.observe_times(verify_s=0.36, depth_s=0.004)
-    d, w = deep.choose()
+    d, w = deep.best()
     assert w == 1 and d >= 16
     wide = TreeShape(budget=32)
     tree = DraftTree(tokens=[1, 2, 3], parents=[-1, -1, -1])
     for _ in range(60):
         wide.observe(tree, [1])  # the rank-2 sibling wins every time
         wide.observe_times(verify_s=0.36, depth_s=0.004)
-    assert wide.choose()[1] >= 2
+    assert wide.best()[1] >= 2
     cheap = TreeShape(budget=32)
     for _ in range(60):
         cheap.observe(chain, [0, 1])
         cheap.observe_times(verify_s=0.005, depth_s=0.004)
-    assert cheap.choose()[0] <= 4
-    assert TreeShape(budget=12, width=3).choose() == (4, 3)  # a fixed width fixes the tree
+    assert cheap.best()[0] <= 4
+    given = TreeShape(budget=12, width=3)  # a width given: its depth is chosen, up to budget / width
+    assert [given.best(Acceptance(chain_rate=a)) for a in (0.3, 0.5, 0.99)] == [(2, 3), (3, 3), (4, 3)]
 
 
 def test_the_tree_shape_stops_drafting_when_no_draft_is_accepted_and_keeps_probing():
     """Every draft wrong: drafting only costs, so the shape turns it off (depth 0) but drafts one
-    token every PROBE_EVERY passes; when drafts start being accepted again it drafts deep again."""
+    token PROBE_EVERY passes later, then twice as many passes after each rejected probe, up to
+    PROBE_MAX; when drafts start being accepted again it drafts deep again."""
     from ntx.daemons.compute.speculation import TreeShape
 
     shape = TreeShape(budget=8, width=1)
     shapes = []
-    for _ in range(200):
+    for _ in range(300):
         d, w = shape.choose()
         shapes.append(d)
         if d:
             shape.observe(DraftTree.chain([1] * d), [])  # the first node is rejected
             shape.observe_times(verify_s=0.36, depth_s=0.007)
-    tail = shapes[-80:]
-    assert tail.count(0) == 70 and tail.count(1) == 10, tail  # off, with a one-token probe per 8 passes
-    assert shape.best() == (0, 1)
-    for _ in range(60):  # acceptance comes back: each probe's token is taken
+        else:
+            shape.observe_times(plain_s=0.3)
+    # the priors' deep drafts, then one pass without (to time a plain pass), then fewer or none
+    assert all(shapes[:TreeShape.EXPLORE_PASSES]) and shapes[TreeShape.EXPLORE_PASSES] == 0, shapes[:12]
+    off = shapes.index(0, TreeShape.EXPLORE_PASSES + 1)
+    assert off <= 8, shapes[:12]
+    probes = [i for i, d in enumerate(shapes) if d and i > off]
+    assert all(shapes[i] == 1 for i in probes) and probes[0] - (off - 1) == TreeShape.PROBE_EVERY, shapes[:40]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == [min(TreeShape.PROBE_MAX, TreeShape.PROBE_EVERY << (j + 1)) for j in range(len(gaps))], gaps
+    assert gaps[-1] == TreeShape.PROBE_MAX and shape.best() == (0, 1)
+    for _ in range(TreeShape.PROBE_MAX + 60):  # acceptance comes back: each probe's token is taken
         d, _ = shape.choose()
         if d:
             shape.observe(DraftTree.chain([1] * d), list(range(d)))
             shape.observe_times(verify_s=0.36, depth_s=0.007)
+        else:
+            shape.observe_times(plain_s=0.3)
     assert shape.best()[0] == 8 and shape.choose()[0] == 8
+
+
+def test_drafts_are_sized_to_what_the_verify_pass_of_their_rows_costs():
+    """Where a verify pass's cost grows with its rows (the cpu tier's layers cross the link in a
+    pass of more than 4 rows: 1.41x a plain pass at 9 rows, 1.12x at 2), the shape drafts as
+    deep as pays at each width's measured cost: shallow at middling acceptance, deep when nearly
+    every token is taken; with one cost for every width it drafts the whole budget. A width not
+    measured costs what is linear between the measured ones around it (a plain pass standing
+    for one row), beyond the widest the widest's."""
+    from ntx.daemons.compute.speculation import Acceptance, TreeShape
+
+    steep, flat = TreeShape(budget=8, width=1), TreeShape(budget=8, width=1)
+    for rows, cost in ((2, 0.304), (4, 0.33), (5, 0.38), (9, 0.383)):  # the step: past 4 rows
+        steep.observe_times(verify_s=cost, depth_s=0.0, plain_s=0.271, rows=rows)
+        flat.observe_times(verify_s=0.304, depth_s=0.0, plain_s=0.271, rows=rows)
+    assert steep.verify_cost(3) == pytest.approx(0.317) and steep.verify_cost(30) == 0.383
+    assert steep.verify_cost(1) == 0.271 and TreeShape(budget=8).verify_cost(5) == 1.0  # the prior
+    middling = Acceptance(chain_rate=0.6, observed=TreeShape.EXPLORE_PASSES)
+    assert 1 <= steep.best(middling)[0] <= 3 and flat.best(middling)[0] == 8
+    assert steep.best(Acceptance(chain_rate=0.95, observed=TreeShape.EXPLORE_PASSES))[0] == 8
+    # other sequences' rows count: beside 8 of them the pass is wide undrafted, and a deep chain
+    # costs no more; beside 2 (a 3-row pass costs what 4 rows do), a token more is free too
+    assert steep.best(middling, other_rows=8)[0] == 8 and steep.best(middling, other_rows=2)[0] >= 1
+
+
+def test_every_draft_wrong_costs_a_new_sequence_only_cheap_probes():
+    """Once the instance has measured that drafts are rejected, a new sequence's first passes
+    probe with one drafted token (2 rows, the cheapest verify pass), not the deep chain that its
+    priors would draft, and its probes then thin out: over 32 passes, at most 4 verify passes,
+    each of one drafted token."""
+    from ntx.daemons.compute.speculation import TreeShape
+
+    shape = TreeShape(budget=8, width=1)
+    for rows, cost in ((2, 0.304), (9, 0.383)):
+        shape.observe_times(verify_s=cost, depth_s=0.0, plain_s=0.271, rows=rows)
+    for _ in range(40):  # earlier requests: every draft rejected
+        d, _ = shape.choose()
+        if d:
+            shape.observe(DraftTree.chain([1] * d), [])
+    acc = shape.acc.copy()
+    drafted = []
+    for _ in range(32):
+        d, _ = shape.choose(acc)
+        drafted.append(d)
+        if d:
+            shape.observe(DraftTree.chain([1] * d), [], acc)
+    assert set(drafted) <= {0, 1} and 2 <= drafted.count(1) <= 4, drafted
+    assert drafted[:TreeShape.EXPLORE_PASSES] == [1] * TreeShape.EXPLORE_PASSES
 
 
 def test_a_self_draft_without_the_most_similar_layers(smollm2_path, plain, prompts):
@@ -383,7 +443,7 @@ def test_each_sequence_drafts_by_its_own_acceptance():
     from ntx.daemons.compute.speculation import TreeShape
 
     shape = TreeShape(budget=8, width=1)
-    shape.observe_times(verify_s=0.36, depth_s=0.007)
+    shape.observe_times(verify_s=0.36, depth_s=0.007, plain_s=0.3)
     good, bad = shape.acc.copy(), shape.acc.copy()
     for _ in range(40):
         for acc, path in ((good, None), (bad, [])):
@@ -391,7 +451,8 @@ def test_each_sequence_drafts_by_its_own_acceptance():
             if d:
                 shape.observe(DraftTree.chain([1] * d), list(range(d)) if path is None else path, acc)
     assert shape.best(good) == (8, 1) and shape.best(bad) == (0, 1)
-    assert [shape.choose(bad)[0] for _ in range(16)].count(1) == 2  # one probe per 8 passes
+    assert 1 <= [shape.choose(bad)[0] for _ in range(128)].count(1) <= 4  # probes, ever fewer
+    assert shape.choose(good)[0] == 8
     assert 0.0 < shape.acc.chain_rate < 1.0 and shape.acc.copy().undrafted_passes == 0
 
 
@@ -409,7 +470,7 @@ def test_drafting_stops_where_the_verify_pass_costs_more_than_its_tokens_bring()
     resident = TreeShape(budget=8, width=1)
     resident.observe_times(verify_s=0.03, depth_s=0.0, plain_s=0.01)
     assert resident.best(half) == (0, 1)
-    assert resident.best(Acceptance(chain_rate=0.5))[0] > 0  # a new sequence measures its own first
+    assert resident.choose(Acceptance(chain_rate=0.5)) == (1, 1)  # a new sequence measures its own first
 
 
 def test_a_fixed_tree_shape_drafts_its_whole_budget_whatever_was_measured():
@@ -418,7 +479,7 @@ def test_a_fixed_tree_shape_drafts_its_whole_budget_whatever_was_measured():
     verify pass far dearer than a plain one, a fixed shape still drafts the whole budget."""
     from ntx.daemons.compute.speculation import Acceptance, TreeShape
 
-    assert TreeShape(budget=64, width=1).choose() == (0, 1)  # the priors: not worth it, yet
+    assert TreeShape(budget=64, width=1).best()[0] < 8  # the priors: a short chain, not the budget
     fixed = TreeShape(budget=64, fixed=True)  # auto width: a chain
     assert fixed.choose() == (64, 1) and fixed.best() == (64, 1)
     fixed.observe_times(verify_s=0.5, depth_s=0.001, plain_s=0.001)

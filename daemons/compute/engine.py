@@ -357,7 +357,7 @@ class EngineCore:
             return events + [self._fail(s, "layer_unavailable", str(e)) for s in seqs]
         self.last_pass = last_pass
         if any(s.draft for s in seqs):
-            self.shape.observe_times(verify_s=time.monotonic() - t0)
+            self.shape.observe_times(verify_s=time.monotonic() - t0, rows=batch.n_tokens)
         elif self.drafter is not None and not last_pass[2]:  # a decode pass without drafts: what not drafting costs
             self.shape.observe_times(plain_s=time.monotonic() - t0)
         return events + self._take(batch, seqs, picked)
@@ -456,12 +456,14 @@ class EngineCore:
         if self.drafter is None:
             return
         reqs, owners = [], []
+        decoding = sum(1 for s in self.running if not s.prefilling and not s.paused)
         for s in self.running:
             if s.prefilling or not s.req.speculative:
                 continue
             if s.acceptance is None:
                 s.acceptance = self.shape.acc.copy()
-            depth, width = self.shape.choose(s.acceptance)
+            # the pass's other rows: at least one per other decoding sequence
+            depth, width = self.shape.choose(s.acceptance, other_rows=max(0, decoding - 1))
             d = self._draft_depth(s, depth, width)
             pos = len(s.req.prompt_tokens) + len(s.generated) - 1
             if d > 0 and not self.model.backend.grow_sequence(s.seq_id, pos + 1 + d * width):

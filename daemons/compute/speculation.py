@@ -285,6 +285,8 @@ class Acceptance:
     rescue_rate: dict[int, float] = field(default_factory=lambda: {r: 0.2 for r in TreeShape.WIDTHS[1:]})
     undrafted_passes: int = 0
     observed: int = 0  # verify passes learnt from
+    nodes: int = 0  # chain nodes learnt from: the running mean's weight of the past grows with it
+    probe_every: int = 0  # passes between probes while drafting is off (0: TreeShape.PROBE_EVERY)
 
     def copy(self) -> Acceptance:
         """A new sequence's start: what the instance has measured, no pass of its own yet."""
@@ -294,28 +296,41 @@ class Acceptance:
 class TreeShape:
     """Chooses the draft tree's depth D and width w from measured acceptance and timings.
 
-    Measured: acceptance (``Acceptance``: per sequence, and the instance's); ``verify_s``, a pass
-    with drafts; ``plain_s``, a decode pass without (until measured, and for a sequence's first
-    ``EXPLORE_PASSES`` verify passes, taken as ``verify_s``);
-    ``depth_s``, one draft depth. Expected accepted tokens of (D, w):
+    Measured: acceptance (``Acceptance``: per sequence, and the instance's); ``verify_cost(rows)``,
+    a pass with drafts by the rows it computes (``observe_times(verify_s=…, rows=…)``: a pass's
+    cost grows with its rows where its layers are computed at the arithmetic's speed, the host's
+    cores or a resident GPU layer at many rows, and where more rows move the cpu tier's layers
+    onto the link: 1.12x a plain pass at 2 rows, 1.41x at 9 on the 70B at 24 GiB); ``plain_s``, a
+    decode pass without (until measured, taken as the narrowest verify pass); ``depth_s``, one
+    draft depth.
+    Expected accepted tokens of (D, w):
         E = sum_{d=1..D} a^(d-1) (a + (1 - a) R_w),  a = chain_rate, R_w = 1 - prod_{r=2..w} (1 - rescue_r)
-    and the pass yields E + 1 tokens in verify_s + D depth_s. ``best`` returns the (D, w) with
-    D w <= the budget that maximises (E + 1) / (verify_s + D depth_s), or (0, w) — no draft,
-    one token per plain_s — when no tree pays for its drafting (every draft wrong: the drafter's
-    time and the verify pass's extra rows are then all loss). A fixed width fixes the tree
-    (D = budget / w): drafting it or not is then the only choice. ``choose``, asked once per pass
-    and sequence, follows ``best`` but drafts one token every ``PROBE_EVERY`` passes while
-    drafting is off, so that acceptance keeps being measured and drafting resumes when it pays
-    again. Priors stand in until the first measurements. ``fixed`` (benchmarks timing a given
-    shape): every pass drafts the whole budget in a tree of the fixed width (a chain when auto),
-    whatever was measured, so that what is timed is that shape and not the shape's judgement."""
+    and the pass yields E + 1 tokens in verify_cost(D w + 1 + other rows) + D depth_s. ``best``
+    returns the (D, w) with D w <= the budget that maximises that rate, or (0, w) — no draft, one
+    token per plain_s — when no tree pays for its drafting (every draft wrong: the drafter's time
+    and the verify pass's extra rows are then all loss). A width given (``--draft-width``) leaves
+    the depth to choose, up to budget / w. ``choose``, asked once per pass
+    and sequence, follows ``best``, but while drafting is off drafts one token now and then (a
+    probe: the cheapest verify pass), so that acceptance keeps being measured and drafting
+    resumes when it pays again; a sequence's first ``EXPLORE_PASSES`` passes draft at least
+    such a probe (its text may quote its prompt and accept far more than the instance's mean,
+    which a new sequence starts from), and each probe that
+    fails doubles the wait for the next, from ``PROBE_EVERY`` to ``PROBE_MAX`` passes (a probe's
+    cost, ~1/8 of a pass's extra row cost at first, falls to ~1/64 where drafts never pay).
+    Running means start from a prior of weight ``PRIOR_NODES`` (the instance's rates for a new
+    sequence), so that a sequence's first rejected nodes move its rate fast; later ones weigh
+    ``1 - DECAY``. Priors stand in until the first measurements. ``fixed`` (benchmarks timing a
+    given shape): every pass drafts the whole budget in a tree of the fixed width (a chain when
+    auto), whatever was measured, so that what is timed is that shape and not the shape's
+    judgement."""
 
     WIDTHS = (1, 2, 3, 4)
-    DECAY = 0.9  # weight of the past in the running means
-    PROBE_EVERY = 8  # passes: one probe per 8 undrafted passes costs ~1/8 of one draft depth
-    # A sequence's first verify passes are judged as if verifying cost no more than a plain pass:
-    # its own acceptance is measured before a dearer verify pass can switch its drafting off
-    # (text that quotes its prompt accepts far more than the instance's mean)
+    DECAY = 0.9  # weight of the past in the running means, once past the prior's
+    PRIOR_NODES = 2  # the prior's weight in a running mean, in observations
+    PROBE_EVERY = 8  # passes between probes while drafting is off, at first
+    PROBE_MAX = 64  # ... after failed probes, at most
+    # A sequence's first verify passes: at least a probe each, whatever the instance measured,
+    # so that its own acceptance is measured before drafting is judged a loss for it
     EXPLORE_PASSES = 2
 
     def __init__(self, budget: int, width: int | None = None, fixed: bool = False) -> None:
@@ -323,7 +338,8 @@ class TreeShape:
         self.width = (width or 1) if fixed else width
         self.fixed = fixed
         self.acc = Acceptance()  # the instance's
-        self.verify_s = 1.0  # priors, replaced by the first measurement
+        self.verify_s = 1.0  # priors, replaced by the first measurement (all rows together)
+        self.verify_by_rows: dict[int, float] = {}  # rows of a verify pass -> its running mean
         self.depth_s = 0.1
         self.plain_s: float | None = None
         self.timed = set()  # which of the times were measured
@@ -331,40 +347,86 @@ class TreeShape:
     def _mean(self, old: float, new: float) -> float:
         return self.DECAY * old + (1 - self.DECAY) * new
 
+    def _learn(self, acc: Acceptance, old: float, new: float) -> float:
+        """``acc``'s running mean moved towards ``new``: its past (a prior of ``PRIOR_NODES``
+        observations, then each node it learnt from) weighs as much as it holds, up to ``DECAY``."""
+        weight = min(self.DECAY, (acc.nodes + self.PRIOR_NODES) / (acc.nodes + self.PRIOR_NODES + 1))
+        return weight * old + (1 - weight) * new
+
+    def verify_cost(self, rows: int, other_rows: int = 0) -> float:
+        """A pass of ``rows`` rows with drafts, in seconds: measured at those rows; else linear
+        between the nearest measured row counts around it, a plain pass (``plain_s``) standing
+        for one of ``1 + other_rows`` rows; beyond the widest, the widest's cost (a wider pass is
+        tried at that cost once, then known; so is a jump between two measured counts, as at the
+        cpu tier's ``WIDE_PASS_ROWS``); below the narrowest, the narrowest's; with no width
+        measured, the mean of every verify pass (``verify_s``: the prior until the first)."""
+        if not self.verify_by_rows:
+            return self.verify_s
+        known = dict(self.verify_by_rows)
+        if self.plain_s is not None:
+            known.setdefault(1 + other_rows, self.plain_s)
+        if rows in known:
+            return known[rows]
+        below = [r for r in known if r < rows]
+        above = [r for r in known if r > rows]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return known[lo] + (known[hi] - known[lo]) * (rows - lo) / (hi - lo)
+        if below or above:
+            return known[max(below) if below else min(above)]
+        return self.verify_s
+
     def expected_accepted(self, depth: int, width: int, acc: Acceptance | None = None) -> float:
         acc = acc or self.acc
         a = min(acc.chain_rate, 0.999)
         rescue = 1.0 - math.prod(1.0 - acc.rescue_rate[r] for r in range(2, width + 1))
         return (a + (1 - a) * rescue) * (1 - a ** depth) / (1 - a)
 
-    def best(self, acc: Acceptance | None = None) -> tuple[int, int]:
+    def best(self, acc: Acceptance | None = None, other_rows: int = 0) -> tuple[int, int]:
         """The shape that yields most tokens per second by what was measured (for ``acc``'s
-        sequence; None: the instance's); depth 0: none."""
-        if self.width is not None:
-            shapes = [(max(1, self.budget // self.width), self.width)]
-            if self.fixed:
-                return shapes[0]
+        sequence; None: the instance's), its pass computing ``other_rows`` rows of other
+        sequences besides; depth 0: none."""
+        if self.fixed:
+            return max(1, self.budget // self.width), self.width
+        if self.width is not None:  # the width given: the depth is chosen
+            shapes = [(d, self.width) for d in range(1, max(1, self.budget // self.width) + 1)]
         else:
             shapes = [(d, w) for w in self.WIDTHS for d in range(1, self.budget // w + 1)]
         acc = acc or self.acc
-        plain_s = self.plain_s if self.plain_s and acc.observed >= self.EXPLORE_PASSES else self.verify_s
+        plain_s = self.plain_s or self.verify_cost(1 + other_rows)  # not timed: the narrowest verify pass's
+        if other_rows:  # a pass of the others' rows costs that much undrafted too
+            plain_s = max(plain_s, self.verify_cost(1 + other_rows, other_rows))
         best, best_score = (0, shapes[0][1]), 1.0 / plain_s
         for d, w in shapes:
-            score = (self.expected_accepted(d, w, acc) + 1) / (self.verify_s + d * self.depth_s)
+            cost_s = self.verify_cost(d * w + 1 + other_rows, other_rows) + d * self.depth_s
+            score = (self.expected_accepted(d, w, acc) + 1) / cost_s
             if score > best_score:
                 best, best_score = (d, w), score
         return best
 
-    def choose(self, acc: Acceptance | None = None) -> tuple[int, int]:
+    def choose(self, acc: Acceptance | None = None, other_rows: int = 0) -> tuple[int, int]:
         """This pass's shape for ``acc``'s sequence (None: the instance's): ``best``, or a
-        one-token probe every ``PROBE_EVERY`` passes that ``best`` leaves undrafted."""
+        one-token probe where ``best`` leaves it undrafted: in each of the sequence's first
+        ``EXPLORE_PASSES`` verify passes, then after ``PROBE_EVERY`` undrafted passes, twice as
+        many after each probe whose token was rejected (``PROBE_MAX`` at most). Until a plain
+        pass was timed (``plain_s``), one is taken as costing what the narrowest verify pass
+        does, and past the exploring passes a tree expected to yield less than one accepted
+        token waits for a plain pass, taken then, to be weighed against."""
         acc = acc or self.acc
-        depth, width = self.best(acc)
+        depth, width = self.best(acc, other_rows)
+        if self.fixed:
+            return depth, width
+        if acc.observed < self.EXPLORE_PASSES:  # the sequence's own acceptance measured first
+            return (depth, width) if depth > 0 else (1, 1)
+        if self.plain_s is None and (depth == 0 or self.expected_accepted(depth, width, acc) < 1.0):
+            return 0, width  # drafting in doubt: a pass without drafts, to time what not drafting costs
         if depth > 0:
-            acc.undrafted_passes = 0
+            acc.undrafted_passes, acc.probe_every = 0, 0
             return depth, width
         acc.undrafted_passes += 1
-        if acc.undrafted_passes % self.PROBE_EVERY == 0:
+        if acc.undrafted_passes >= (acc.probe_every or self.PROBE_EVERY):
+            acc.undrafted_passes = 0
+            acc.probe_every = min(self.PROBE_MAX, 2 * (acc.probe_every or self.PROBE_EVERY))
             return 1, 1
         return 0, width
 
@@ -382,22 +444,31 @@ class TreeShape:
                 if not kids:
                     break
                 rank = kids.index(nxt) + 1 if nxt in kids else None
-                target.chain_rate = self._mean(target.chain_rate, 1.0 if rank == 1 else 0.0)
+                target.chain_rate = self._learn(target, target.chain_rate, 1.0 if rank == 1 else 0.0)
                 for r in range(2, len(kids) + 1):  # siblings tried after a rejected chain node
                     if rank == 1:
                         break
-                    target.rescue_rate[r] = self._mean(target.rescue_rate[r], 1.0 if rank == r else 0.0)
+                    target.rescue_rate[r] = self._learn(target, target.rescue_rate[r], 1.0 if rank == r else 0.0)
                     if rank == r:
                         break
+                target.nodes += 1
                 if nxt is None:
                     break
                 node = nxt
+            if path:  # a token taken: probes, if drafting goes off again, start again from PROBE_EVERY
+                target.probe_every = 0
 
     def observe_times(self, verify_s: float | None = None, depth_s: float | None = None,
-                      plain_s: float | None = None) -> None:
+                      plain_s: float | None = None, rows: int | None = None) -> None:
+        """Running means of the times measured: ``verify_s`` a verify pass of ``rows`` rows (None:
+        rows not known, only the mean of all), ``depth_s`` a draft depth, ``plain_s`` a decode
+        pass without drafts."""
         for name, value in (("verify", verify_s), ("depth", depth_s), ("plain", plain_s)):
             if value is None:
                 continue
             old = getattr(self, f"{name}_s")
             setattr(self, f"{name}_s", self._mean(old, value) if name in self.timed else value)
             self.timed.add(name)
+        if verify_s is not None and rows is not None:
+            old = self.verify_by_rows.get(rows)
+            self.verify_by_rows[rows] = verify_s if old is None else self._mean(old, verify_s)
