@@ -145,7 +145,8 @@ def test_replay_runs_the_drafter_it_wraps_and_ignores_its_proposals(tiny, tmp_pa
     inner.propose = counted
     got = _generate(eng, prompt, 12)
     assert got["tokens"] == want["tokens"] and got["speculation"]["accepted"] == 0
-    assert calls == [1] * got["speculation"]["verify_passes"]  # once before every verify pass
+    # once before every verify pass and every shadow probe (a token proposed beside a plain pass)
+    assert calls == [1] * (got["speculation"]["verify_passes"] + eng.core.probes) and eng.core.probes > 0
     assert not inner.cached  # forgotten with the sequence
 
 

@@ -313,39 +313,51 @@ def test_the_tree_shape_follows_measured_acceptance():
     assert [given.best(Acceptance(chain_rate=a)) for a in (0.3, 0.5, 0.99)] == [(2, 3), (3, 3), (4, 3)]
 
 
-def test_the_tree_shape_stops_drafting_when_no_draft_is_accepted_and_keeps_probing():
-    """Every draft wrong: drafting only costs, so the shape turns it off (depth 0) but drafts one
-    token PROBE_EVERY passes later, then twice as many passes after each rejected probe, up to
-    PROBE_MAX; when drafts start being accepted again it drafts deep again."""
+def _shape_run(shape, passes: int, taken: bool, depth_s: float, acc=None) -> tuple[list[int], list[int]]:
+    """``passes`` passes as the engine runs them: a drafted pass verifies (every node taken, or
+    the first rejected), an undrafted one is timed plain and may carry a shadow probe. Returns
+    each pass's depth and the passes that carried a probe."""
+    shapes, probes = [], []
+    for i in range(passes):
+        d, _ = shape.choose(acc)
+        shapes.append(d)
+        if d:
+            shape.observe(DraftTree.chain([1] * d), list(range(d)) if taken else [], acc)
+            shape.observe_times(verify_s=0.36, depth_s=depth_s)
+        else:
+            shape.observe_times(plain_s=0.3)
+            if shape.shadow_probe(acc):
+                probes.append(i)
+                shape.observe(DraftTree.chain([1]), [0] if taken else [], acc)
+    return shapes, probes
+
+
+@pytest.mark.parametrize("depth_s", [0.03, 0.001])
+def test_the_tree_shape_stops_drafting_when_no_draft_is_accepted_and_keeps_probing(depth_s):
+    """Every draft wrong: drafting only costs, so the shape turns it off (depth 0), and shadow
+    probes (a token proposed beside an undrafted pass, no verify rows) keep measuring: with a
+    drafter whose depth costs a tenth of a pass, PROBE_EVERY passes after drafting stopped, then
+    twice as many passes after each rejected probe, up to PROBE_MAX; with a nearly free one
+    (lookup, replay), every undrafted pass. When the proposed tokens start being the passes'
+    own, the shape drafts deep again."""
     from ntx.daemons.compute.speculation import TreeShape
 
     shape = TreeShape(budget=8, width=1)
-    shapes = []
-    for _ in range(300):
-        d, w = shape.choose()
-        shapes.append(d)
-        if d:
-            shape.observe(DraftTree.chain([1] * d), [])  # the first node is rejected
-            shape.observe_times(verify_s=0.36, depth_s=0.007)
-        else:
-            shape.observe_times(plain_s=0.3)
-    # the priors' deep drafts, then one pass without (to time a plain pass), then fewer or none
-    assert all(shapes[:TreeShape.EXPLORE_PASSES]) and shapes[TreeShape.EXPLORE_PASSES] == 0, shapes[:12]
-    off = shapes.index(0, TreeShape.EXPLORE_PASSES + 1)
-    assert off <= 8, shapes[:12]
-    probes = [i for i, d in enumerate(shapes) if d and i > off]
-    assert all(shapes[i] == 1 for i in probes) and probes[0] - (off - 1) == TreeShape.PROBE_EVERY, shapes[:40]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == [min(TreeShape.PROBE_MAX, TreeShape.PROBE_EVERY << (j + 1)) for j in range(len(gaps))], gaps
-    assert gaps[-1] == TreeShape.PROBE_MAX and shape.best() == (0, 1)
-    for _ in range(TreeShape.PROBE_MAX + 60):  # acceptance comes back: each probe's token is taken
-        d, _ = shape.choose()
-        if d:
-            shape.observe(DraftTree.chain([1] * d), list(range(d)))
-            shape.observe_times(verify_s=0.36, depth_s=0.007)
-        else:
-            shape.observe_times(plain_s=0.3)
-    assert shape.best()[0] == 8 and shape.choose()[0] == 8
+    shapes, probes = _shape_run(shape, 300, False, depth_s)
+    # the priors' drafts, then (a plain pass timed) fewer, then none
+    assert shapes[0] > 1, shapes[:12]
+    off = max(i for i, d in enumerate(shapes) if d) + 1
+    assert off <= 8 and not any(shapes[off:]), shapes[:12]
+    later = [i for i in probes if i >= off]
+    if depth_s > TreeShape.SHADOW_FREE * 0.3:
+        gaps = [b - a for a, b in zip(later, later[1:])]  # after the sequence's exploring probes
+        assert gaps == [min(TreeShape.PROBE_MAX, TreeShape.PROBE_EVERY << j) for j in range(len(gaps))], later
+        assert gaps[-1] == TreeShape.PROBE_MAX
+    else:
+        assert later == list(range(off, 300))
+    assert shape.best() == (0, 1)
+    shapes, _ = _shape_run(shape, TreeShape.PROBE_MAX + 60, True, depth_s)  # the drafts come right again
+    assert shapes[-1] == 8 and shape.best()[0] == 8
 
 
 def test_drafts_are_sized_to_what_the_verify_pass_of_their_rows_costs():
@@ -371,29 +383,22 @@ def test_drafts_are_sized_to_what_the_verify_pass_of_their_rows_costs():
     assert steep.best(middling, other_rows=8)[0] == 8 and steep.best(middling, other_rows=2)[0] >= 1
 
 
-def test_every_draft_wrong_costs_a_new_sequence_only_cheap_probes():
-    """Once the instance has measured that drafts are rejected, a new sequence's first passes
-    probe with one drafted token (2 rows, the cheapest verify pass), not the deep chain that its
-    priors would draft, and its probes then thin out: over 32 passes, at most 4 verify passes,
-    each of one drafted token."""
+def test_every_draft_wrong_costs_a_new_sequence_no_verify_pass():
+    """Once the instance has measured that drafts are rejected, a new sequence measures its own
+    acceptance by shadow probes (its first passes, then every undrafted pass for a free drafter):
+    over 32 passes not one verify pass, which on the 70B at 24 GiB costs 1.43x a plain pass at 2
+    rows; and a sequence whose proposals are the passes' own tokens drafts within its first passes."""
     from ntx.daemons.compute.speculation import TreeShape
 
     shape = TreeShape(budget=8, width=1)
-    for rows, cost in ((2, 0.304), (9, 0.383)):
-        shape.observe_times(verify_s=cost, depth_s=0.0, plain_s=0.271, rows=rows)
-    for _ in range(40):  # earlier requests: every draft rejected
-        d, _ = shape.choose()
-        if d:
-            shape.observe(DraftTree.chain([1] * d), [])
-    acc = shape.acc.copy()
-    drafted = []
-    for _ in range(32):
-        d, _ = shape.choose(acc)
-        drafted.append(d)
-        if d:
-            shape.observe(DraftTree.chain([1] * d), [], acc)
-    assert set(drafted) <= {0, 1} and 2 <= drafted.count(1) <= 4, drafted
-    assert drafted[:TreeShape.EXPLORE_PASSES] == [1] * TreeShape.EXPLORE_PASSES
+    for rows, cost in ((2, 0.31), (9, 0.383)):
+        shape.observe_times(verify_s=cost, depth_s=0.0, plain_s=0.217, rows=rows)
+    _shape_run(shape, 40, False, 0.0)  # earlier requests: every draft rejected
+    shapes, probes = _shape_run(shape, 32, False, 0.0, shape.acc.copy())
+    assert shapes == [0] * 32 and probes == list(range(32))
+    quoting = shape.acc.copy()
+    shapes, probes = _shape_run(shape, 6, True, 0.0, quoting)
+    assert probes[0] == 0 and shapes[1] > 0 and shapes[-1] == 8, shapes  # one accepted probe, then deeper drafts
 
 
 def test_a_self_draft_without_the_most_similar_layers(smollm2_path, plain, prompts):
@@ -438,20 +443,19 @@ def test_a_model_drafters_depth_time_leaves_out_its_catch_up(tmp_path):
 
 def test_each_sequence_drafts_by_its_own_acceptance():
     """Two sequences under one tree shape: one whose drafts are always rejected stops drafting
-    (probing every PROBE_EVERY passes) while the other, whose drafts are all accepted, keeps
+    (shadow probes, ever fewer, measure it) while the other, whose drafts are all accepted, keeps
     drafting deep; a new sequence starts from what the instance measured."""
     from ntx.daemons.compute.speculation import TreeShape
 
     shape = TreeShape(budget=8, width=1)
-    shape.observe_times(verify_s=0.36, depth_s=0.007, plain_s=0.3)
+    shape.observe_times(verify_s=0.36, depth_s=0.03, plain_s=0.3)
     good, bad = shape.acc.copy(), shape.acc.copy()
     for _ in range(40):
-        for acc, path in ((good, None), (bad, [])):
-            d, _ = shape.choose(acc)
-            if d:
-                shape.observe(DraftTree.chain([1] * d), list(range(d)) if path is None else path, acc)
+        _shape_run(shape, 1, True, 0.03, good)
+        _shape_run(shape, 1, False, 0.03, bad)
     assert shape.best(good) == (8, 1) and shape.best(bad) == (0, 1)
-    assert 1 <= [shape.choose(bad)[0] for _ in range(128)].count(1) <= 4  # probes, ever fewer
+    shapes, probes = _shape_run(shape, 128, False, 0.03, bad)
+    assert not any(shapes) and 1 <= len(probes) <= 4  # shadow probes, ever fewer (a dear drafter)
     assert shape.choose(good)[0] == 8
     assert 0.0 < shape.acc.chain_rate < 1.0 and shape.acc.copy().undrafted_passes == 0
 
@@ -459,8 +463,8 @@ def test_each_sequence_drafts_by_its_own_acceptance():
 def test_drafting_stops_where_the_verify_pass_costs_more_than_its_tokens_bring():
     """A verify pass dearer than a plain one (resident decode, the CPU: its extra rows cost)
     needs more accepted tokens to pay: at half acceptance, a verify pass of 3x a plain pass does
-    not, while one of the same cost as a plain pass (a streamed pass) does. A sequence's first
-    verify passes are judged without the difference, so its own acceptance is measured first."""
+    not, while one of the same cost as a plain pass (a streamed pass) does. A new sequence's
+    first passes carry shadow probes, so its own acceptance is measured first."""
     from ntx.daemons.compute.speculation import Acceptance, TreeShape
 
     half = Acceptance(chain_rate=0.5, observed=TreeShape.EXPLORE_PASSES)  # past its first passes
@@ -470,7 +474,8 @@ def test_drafting_stops_where_the_verify_pass_costs_more_than_its_tokens_bring()
     resident = TreeShape(budget=8, width=1)
     resident.observe_times(verify_s=0.03, depth_s=0.0, plain_s=0.01)
     assert resident.best(half) == (0, 1)
-    assert resident.choose(Acceptance(chain_rate=0.5)) == (1, 1)  # a new sequence measures its own first
+    new = Acceptance(chain_rate=0.5)
+    assert resident.choose(new) == (0, 1) and resident.shadow_probe(new)  # a new sequence measures its own first
 
 
 def test_a_fixed_tree_shape_drafts_its_whole_budget_whatever_was_measured():

@@ -161,7 +161,8 @@ class ComputeDaemon(Daemon):
         if self.engine.drafter is not None:
             depth, width = self.engine.shape.best()
             snap["speculation"] = {"drafter": self.engine.drafter.name, "draft_tokens": self.engine.draft_tokens,
-                                   "tree_depth": depth, "tree_width": width, **self.engine.spec.report()}
+                                   "tree_depth": depth, "tree_width": width, **self.engine.spec.report(),
+                                   "probes": self.engine.probes, "probes_accepted": self.engine.probes_accepted}
         return snap
 
     def close(self) -> None:

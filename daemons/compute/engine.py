@@ -65,6 +65,7 @@ class _Seq:
     t_first_token_s: float = 0.0
     t_admit_s: float = 0.0
     draft: DraftTree | None = None  # proposed, verified by the next pass
+    shadow: DraftTree | None = None  # a shadow probe: one token proposed beside the next (undrafted) pass
     started: bool = False  # an output was sent (prompt_logprobs go with the first)
     # the tokens whose keys and values a prefill writes: the prompt, or after a preemption the
     # prompt and every generated token but the last (resumed: nothing is sampled at their end)
@@ -132,6 +133,7 @@ class EngineCore:
         self.draft_tokens = draft_tokens
         self.shape = TreeShape(draft_tokens, draft_width, draft_fixed)  # None: the width is chosen as it measures
         self.spec = SpecCounts()  # over every request
+        self.probes = self.probes_accepted = 0  # shadow probes (TreeShape.shadow_probe) since start
         self.stop_token_ids = frozenset(stop_token_ids)
         self.kv_room = kv_room  # more KV pages when the pool runs out (demoted layers); None: none
         self.preemptions = 0  # sequences sent back to the queue for want of KV pages
@@ -455,9 +457,10 @@ class EngineCore:
         another drafts deep)."""
         if self.drafter is None:
             return
-        reqs, owners = [], []
+        reqs, owners, shadows = [], [], []
         decoding = sum(1 for s in self.running if not s.prefilling and not s.paused)
         for s in self.running:
+            s.shadow = None
             if s.prefilling or not s.req.speculative:
                 continue
             if s.acceptance is None:
@@ -471,11 +474,16 @@ class EngineCore:
             if d > 0:
                 reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s)))
                 owners.append(s)
+            elif depth == 0 and self._draft_depth(s, 1, 1) > 0 and self.shape.shadow_probe(s.acceptance):
+                reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, 1, 1, self._capacity(s)))
+                shadows.append(s)
         if reqs:
             trees = self.drafter.propose(reqs)
             self.shape.observe_times(depth_s=self.drafter.depth_s)  # a model drafter's catch-up left out
             for s, tree in zip(owners, trees):
                 s.draft = tree or None  # a drafter may have nothing to propose
+            for s, tree in zip(shadows, trees[len(owners):]):
+                s.shadow = tree or None
 
     def _verify(self, s: _Seq, pk: list[Picked]) -> EngineOutput:
         """Accept what the pass confirms of ``s``'s draft, plus the target's own next token, and
@@ -548,7 +556,13 @@ class EngineCore:
         """Sample the next token of ``s`` from its last row's pick; emit and maybe finish."""
         # the history only matters to the repetition penalty: build it only then
         history = s.req.prompt_tokens + s.generated if s.req.params.repetition_penalty != 1.0 else ()
-        return self._emit(s, [(s.sampler.sample_picked(pk, history), pk)])
+        tok = s.sampler.sample_picked(pk, history)
+        if s.shadow is not None:  # a shadow probe: accepted where the pass yields the proposed token
+            shadow, s.shadow = s.shadow, None
+            taken = shadow.tokens[0] == tok
+            self.shape.observe(shadow, [0] if taken else [], s.acceptance)
+            self.probes, self.probes_accepted = self.probes + 1, self.probes_accepted + int(taken)
+        return self._emit(s, [(tok, pk)])
 
     def _emit(self, s: _Seq, drawn: list[tuple[int, Picked]], drafted: int = 0, accepted: int = 0) -> EngineOutput:
         """Append the tokens ``drawn`` (each with the row it was drawn from) to ``s`` in order,

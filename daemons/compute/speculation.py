@@ -310,14 +310,11 @@ class TreeShape:
     token per plain_s — when no tree pays for its drafting (every draft wrong: the drafter's time
     and the verify pass's extra rows are then all loss). A width given (``--draft-width``) leaves
     the depth to choose, up to budget / w. ``choose``, asked once per pass
-    and sequence, follows ``best``, but while drafting is off drafts one token now and then (a
-    probe: the cheapest verify pass), so that acceptance keeps being measured and drafting
-    resumes when it pays again; a sequence's first ``EXPLORE_PASSES`` passes draft at least
-    such a probe (its text may quote its prompt and accept far more than the instance's mean,
-    which a new sequence starts from), and each probe that
-    fails doubles the wait for the next, from ``PROBE_EVERY`` to ``PROBE_MAX`` passes (a probe's
-    cost, ~1/8 of a pass's extra row cost at first, falls to ~1/64 where drafts never pay).
-    Running means start from a prior of weight ``PRIOR_NODES`` (the instance's rates for a new
+    and sequence, follows ``best``; while drafting is off, ``shadow_probe`` says when the pass
+    measures acceptance anyway, with a one-token draft beside it (no verify rows: on the 70B at
+    24 GiB with the cpu tier a one-token verify pass cost 1.43x a plain one, so that probing by
+    verify passes cost a sequence whose drafts were all wrong 7% of its speed), so that drafting
+    resumes when it pays again. Running means start from a prior of weight ``PRIOR_NODES`` (the instance's rates for a new
     sequence), so that a sequence's first rejected nodes move its rate fast; later ones weigh
     ``1 - DECAY``. Priors stand in until the first measurements. ``fixed`` (benchmarks timing a
     given shape): every pass drafts the whole budget in a tree of the fixed width (a chain when
@@ -327,10 +324,11 @@ class TreeShape:
     WIDTHS = (1, 2, 3, 4)
     DECAY = 0.9  # weight of the past in the running means, once past the prior's
     PRIOR_NODES = 2  # the prior's weight in a running mean, in observations
-    PROBE_EVERY = 8  # passes between probes while drafting is off, at first
-    PROBE_MAX = 64  # ... after failed probes, at most
-    # A sequence's first verify passes: at least a probe each, whatever the instance measured,
-    # so that its own acceptance is measured before drafting is judged a loss for it
+    PROBE_EVERY = 8  # passes between shadow probes of a dear drafter while drafting is off, at first
+    PROBE_MAX = 64  # ... after rejected probes, at most
+    SHADOW_FREE = 0.05  # a draft depth under this share of a plain pass: a shadow probe every undrafted pass
+    # A sequence's first passes measure its own acceptance (drafted, or a shadow probe each),
+    # whatever the instance measured, before drafting is judged a loss for it
     EXPLORE_PASSES = 2
 
     def __init__(self, budget: int, width: int | None = None, fixed: bool = False) -> None:
@@ -405,30 +403,45 @@ class TreeShape:
         return best
 
     def choose(self, acc: Acceptance | None = None, other_rows: int = 0) -> tuple[int, int]:
-        """This pass's shape for ``acc``'s sequence (None: the instance's): ``best``, or a
-        one-token probe where ``best`` leaves it undrafted: in each of the sequence's first
-        ``EXPLORE_PASSES`` verify passes, then after ``PROBE_EVERY`` undrafted passes, twice as
-        many after each probe whose token was rejected (``PROBE_MAX`` at most). Until a plain
-        pass was timed (``plain_s``), one is taken as costing what the narrowest verify pass
-        does, and past the exploring passes a tree expected to yield less than one accepted
-        token waits for a plain pass, taken then, to be weighed against."""
+        """This pass's shape for ``acc``'s sequence (None: the instance's): ``best``; depth 0
+        when no tree pays (``shadow_probe`` then says whether the pass measures acceptance
+        anyway). Until a plain pass was timed (``plain_s``), one is taken as costing what the
+        narrowest verify pass does, and a tree expected to yield less than one accepted token
+        waits for a plain pass, taken then, to be weighed against."""
         acc = acc or self.acc
         depth, width = self.best(acc, other_rows)
         if self.fixed:
             return depth, width
-        if acc.observed < self.EXPLORE_PASSES:  # the sequence's own acceptance measured first
-            return (depth, width) if depth > 0 else (1, 1)
         if self.plain_s is None and (depth == 0 or self.expected_accepted(depth, width, acc) < 1.0):
             return 0, width  # drafting in doubt: a pass without drafts, to time what not drafting costs
         if depth > 0:
             acc.undrafted_passes, acc.probe_every = 0, 0
-            return depth, width
+        return depth, width
+
+    def shadow_probe(self, acc: Acceptance | None = None) -> bool:
+        """Whether an undrafted pass of ``acc``'s sequence (None: the instance's) carries a
+        shadow probe: a one-token draft proposed beside the pass, not put in it, and compared
+        with the token the pass yields (accepted where they are the same: for a sampled token,
+        with the probability p(x) that speculative sampling accepts a one-token draft x with).
+        It measures acceptance at the drafter's cost alone, no verify pass's rows: every
+        undrafted pass where one draft depth costs under ``SHADOW_FREE`` of a plain pass (the
+        lookup drafters, the replay) and in a sequence's first ``EXPLORE_PASSES`` (its text may
+        quote its prompt and accept far more than the instance's mean, which it starts from),
+        else after ``PROBE_EVERY`` undrafted passes, twice as many after each probe whose token
+        was not the pass's (``PROBE_MAX`` at most; an accepted one starts again from
+        ``PROBE_EVERY``)."""
+        acc = acc or self.acc
+        if self.fixed:
+            return False
+        plain_s = self.plain_s or self.verify_cost(1)
+        if acc.observed < self.EXPLORE_PASSES or ("depth" in self.timed and self.depth_s <= self.SHADOW_FREE * plain_s):
+            return True
         acc.undrafted_passes += 1
         if acc.undrafted_passes >= (acc.probe_every or self.PROBE_EVERY):
             acc.undrafted_passes = 0
             acc.probe_every = min(self.PROBE_MAX, 2 * (acc.probe_every or self.PROBE_EVERY))
-            return 1, 1
-        return 0, width
+            return True
+        return False
 
     def observe(self, tree: DraftTree, path: list[int], acc: Acceptance | None = None) -> None:
         """Learn from one verified tree (into ``acc``, its sequence's, and the instance's): at
