@@ -401,6 +401,33 @@ def test_every_draft_wrong_costs_a_new_sequence_no_verify_pass():
     assert probes[0] == 0 and shapes[1] > 0 and shapes[-1] == 8, shapes  # one accepted probe, then deeper drafts
 
 
+def test_a_verify_cost_measured_once_too_high_is_measured_again():
+    """The first wide verify pass of an instance pays one-time costs (on the H200 the cpu tier's
+    staging buffer): judged by that pass, drafting stops though nearly every token would be
+    accepted. Since drafting is off for the cost alone, the shape that would pay is drafted again
+    PROBE_EVERY passes later; the pass costs what it should, the least of the recent ones counts,
+    and drafting goes on. Where the acceptance is not there (every draft wrong), no verify pass
+    is spent on measuring costs."""
+    from ntx.daemons.compute.speculation import Acceptance, TreeShape
+
+    shape = TreeShape(budget=8, width=1)
+    shape.observe_times(verify_s=2.0, depth_s=0.0, plain_s=0.22, rows=9)  # the first 9-row pass: one-time costs
+    high = Acceptance(chain_rate=0.9, observed=TreeShape.EXPLORE_PASSES)
+    shapes = []
+    for _ in range(2 * TreeShape.PROBE_EVERY):
+        d, _ = shape.choose(high)
+        shapes.append(d)
+        if d:
+            shape.observe_times(verify_s=0.37, rows=d + 1)
+    assert shapes[:TreeShape.PROBE_EVERY - 1] == [0] * (TreeShape.PROBE_EVERY - 1), shapes
+    assert shapes[TreeShape.PROBE_EVERY - 1] == 8 and all(d == 8 for d in shapes[TreeShape.PROBE_EVERY - 1:]), shapes
+    assert shape.verify_cost(9) == 0.37
+    wrong = Acceptance(chain_rate=0.02, observed=TreeShape.EXPLORE_PASSES)
+    costly = TreeShape(budget=8, width=1)
+    costly.observe_times(verify_s=2.0, depth_s=0.0, plain_s=0.22, rows=9)
+    assert [costly.choose(wrong)[0] for _ in range(100)] == [0] * 100
+
+
 def test_a_self_draft_without_the_most_similar_layers(smollm2_path, plain, prompts):
     """--self-draft-skip: every resident layer but the given ones drafts; output unchanged."""
     want = _run(plain, [("k", prompts[1], dict(GREEDY, max_tokens=12))])["k"]

@@ -109,8 +109,16 @@ class HostTier:
         self.last_pass_s: dict[int, float] = {}  # pass id -> its time on the tier (kept short)
 
     def warm_up(self, log: Callable[[str], None]) -> None:
-        """The host kernels built (or loaded from numba's cache) before the first request."""
+        """The host kernels built (or loaded from numba's cache) before the first request, and
+        with wide passes the backend's staging of a tier layer made once (its buffer allocated,
+        the copy path run), so that no request's first wide pass pays for it (nor a verify
+        pass's measured cost, by which speculation sizes its drafts)."""
         self.cpu.warm_up((), None, log)
+        if self.wide_rows is not None and self.layers:
+            first = self.layers[0]
+            self.backend.layer_from_host(self.index.layers[first], self.raw[first])
+            self.backend.host_layer_done()
+            self.backend.sync()
 
     def run(self, first: int, end: int, ws: Workspace, pass_id: int) -> None:
         """Layers [first, end) (all on this tier) on the pass's hidden state ``ws.x``, in place:

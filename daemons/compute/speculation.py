@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -327,6 +328,8 @@ class TreeShape:
     PROBE_EVERY = 8  # passes between shadow probes of a dear drafter while drafting is off, at first
     PROBE_MAX = 64  # ... after rejected probes, at most
     SHADOW_FREE = 0.05  # a draft depth under this share of a plain pass: a shadow probe every undrafted pass
+    REMEASURE_GAIN = 1.25  # drafting off though free verify passes would gain this much: costs measured again
+    COST_SAMPLES = 4  # a verify pass's cost per row count: the least of its last 4 passes
     # A sequence's first passes measure its own acceptance (drafted, or a shadow probe each),
     # whatever the instance measured, before drafting is judged a loss for it
     EXPLORE_PASSES = 2
@@ -337,7 +340,10 @@ class TreeShape:
         self.fixed = fixed
         self.acc = Acceptance()  # the instance's
         self.verify_s = 1.0  # priors, replaced by the first measurement (all rows together)
-        self.verify_by_rows: dict[int, float] = {}  # rows of a verify pass -> its running mean
+        self.verify_by_rows: dict[int, float] = {}  # rows of a verify pass -> its cost (the least of recent ones)
+        self._verify_samples: dict[int, deque[float]] = {}
+        self._stale_passes = 0  # undrafted passes for the verify passes' cost alone (choose)
+        self._remeasure_every = 0
         self.depth_s = 0.1
         self.plain_s: float | None = None
         self.timed = set()  # which of the times were measured
@@ -384,8 +390,14 @@ class TreeShape:
         """The shape that yields most tokens per second by what was measured (for ``acc``'s
         sequence; None: the instance's), its pass computing ``other_rows`` rows of other
         sequences besides; depth 0: none."""
+        return self._best(acc, other_rows)[0]
+
+    def _best(self, acc: Acceptance | None, other_rows: int, free: bool = False) -> tuple[tuple[int, int], float]:
+        """``best``'s shape and its gain: tokens per second against a plain pass's. ``free``:
+        as if a verify pass cost no more than a plain one (what drafting would gain by the
+        acceptance alone)."""
         if self.fixed:
-            return max(1, self.budget // self.width), self.width
+            return (max(1, self.budget // self.width), self.width), 1.0
         if self.width is not None:  # the width given: the depth is chosen
             shapes = [(d, self.width) for d in range(1, max(1, self.budget // self.width) + 1)]
         else:
@@ -396,18 +408,23 @@ class TreeShape:
             plain_s = max(plain_s, self.verify_cost(1 + other_rows, other_rows))
         best, best_score = (0, shapes[0][1]), 1.0 / plain_s
         for d, w in shapes:
-            cost_s = self.verify_cost(d * w + 1 + other_rows, other_rows) + d * self.depth_s
-            score = (self.expected_accepted(d, w, acc) + 1) / cost_s
+            verify_s = plain_s if free else self.verify_cost(d * w + 1 + other_rows, other_rows)
+            score = (self.expected_accepted(d, w, acc) + 1) / (verify_s + d * self.depth_s)
             if score > best_score:
                 best, best_score = (d, w), score
-        return best
+        return best, best_score * plain_s
 
     def choose(self, acc: Acceptance | None = None, other_rows: int = 0) -> tuple[int, int]:
         """This pass's shape for ``acc``'s sequence (None: the instance's): ``best``; depth 0
         when no tree pays (``shadow_probe`` then says whether the pass measures acceptance
         anyway). Until a plain pass was timed (``plain_s``), one is taken as costing what the
         narrowest verify pass does, and a tree expected to yield less than one accepted token
-        waits for a plain pass, taken then, to be weighed against."""
+        waits for a plain pass, taken then, to be weighed against. Where drafting is off for
+        its verify passes' cost alone (at no cost it would gain ``REMEASURE_GAIN``: the
+        acceptance is there), the shape that would pay is drafted now and then, ``PROBE_EVERY``
+        undrafted passes at first, twice as many after each that still did not pay: the costs
+        are measured again (a pass's one-time costs, the cpu tier's first wide pass say, and a
+        machine busy for a while must not switch drafting off for good)."""
         acc = acc or self.acc
         depth, width = self.best(acc, other_rows)
         if self.fixed:
@@ -416,7 +433,16 @@ class TreeShape:
             return 0, width  # drafting in doubt: a pass without drafts, to time what not drafting costs
         if depth > 0:
             acc.undrafted_passes, acc.probe_every = 0, 0
-        return depth, width
+            self._stale_passes, self._remeasure_every = 0, 0
+            return depth, width
+        (free_depth, free_width), gain = self._best(acc, other_rows, free=True)
+        if free_depth > 0 and gain >= self.REMEASURE_GAIN:
+            self._stale_passes += 1
+            if self._stale_passes >= (self._remeasure_every or self.PROBE_EVERY):
+                self._stale_passes = 0
+                self._remeasure_every = min(self.PROBE_MAX, 2 * (self._remeasure_every or self.PROBE_EVERY))
+                return free_depth, free_width
+        return 0, width
 
     def shadow_probe(self, acc: Acceptance | None = None) -> bool:
         """Whether an undrafted pass of ``acc``'s sequence (None: the instance's) carries a
@@ -482,6 +508,7 @@ class TreeShape:
             old = getattr(self, f"{name}_s")
             setattr(self, f"{name}_s", self._mean(old, value) if name in self.timed else value)
             self.timed.add(name)
-        if verify_s is not None and rows is not None:
-            old = self.verify_by_rows.get(rows)
-            self.verify_by_rows[rows] = verify_s if old is None else self._mean(old, verify_s)
+        if verify_s is not None and rows is not None:  # the least of recent passes: one-time costs drop out
+            recent = self._verify_samples.setdefault(rows, deque(maxlen=self.COST_SAMPLES))
+            recent.append(verify_s)
+            self.verify_by_rows[rows] = min(recent)
