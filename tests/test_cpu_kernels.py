@@ -107,7 +107,8 @@ def test_the_vnni_layout_gives_the_int16_layouts_bits(type_name, monkeypatch):
     """Where the CPU has AVX-512 VNNI, quantized matrices take the c4v / c8v layouts (vpdpbusd;
     the signed 8-bit values shifted by 128 and the shift's sum taken off exactly), Q6_K the c6v
     one (6 bits a value, shifted by 32, rebuilt in registers); their products and rows are bit for
-    bit the int16 kernels', at one row and several, rows not a multiple of 128 included, and each
+    bit the int16 kernels', at one row and several (taken up to 8 at a time through the
+    weights), rows not a multiple of 128 included, and each
     holds what ``packed_bytes`` says (c6v a quarter less than c8's values)."""
     if not ck._host_has_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI: only the int16 layout runs here")
@@ -126,7 +127,7 @@ def test_the_vnni_layout_gives_the_int16_layouts_bits(type_name, monkeypatch):
             assert v.q.nbytes * 4 == i16.q.nbytes * 3
         else:
             assert v.nbytes == i16.nbytes
-        for T in (1, 3, 9):
+        for T in (1, 2, 3, 4, 7, 9, 13):  # rows go through the weights up to 8 at a time
             x = np.random.default_rng(T).standard_normal((T, k)).astype(np.float32)
             assert np.array_equal(ck.matmul(v, x, np.empty((T, n), np.float32)), ck.matmul(i16, x, np.empty((T, n), np.float32)))
         rows = np.arange(n, dtype=np.int64)

@@ -688,10 +688,93 @@ if numba is not None:
 
         return sig, codegen
 
+    def _block16_vnni_rows(n_rows):
+        """``_block16_vnni`` for ``n_rows`` activation rows at once: the block's weights loaded
+        and split into nibbles once, then each row's eight ``vpdpbusd`` (row u's 32 activations
+        at x_addr + u * x_stride, its 16 sums stored at acc_addr + u * acc_stride). A verify
+        pass's few rows then cost the weights' bytes and unpacking once, not once a row."""
+
+        @intrinsic
+        def block16_rows(typingctx, acc_addr, acc_stride, w_addr, x_addr, x_stride):  # pragma: no cover
+            sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp, nb_types.intp, nb_types.intp)
+
+            def codegen(context, builder, signature, args):
+                acc_a, acc_s, w_a, x_a, x_s = args
+                i32, v16, dpbusd, broadcast, zero16 = _vnni_ir(builder)
+                w_base = builder.inttoptr(w_a, v16.as_pointer())
+                nibble, four = ir.Constant(v16, [0x0F0F0F0F] * 16), ir.Constant(v16, [4] * 16)
+                halves = []
+                for k in range(4):
+                    w = builder.load(builder.gep(w_base, [ir.Constant(i32, k)]), align=1)
+                    halves.append((builder.and_(w, nibble), builder.and_(builder.lshr(w, four), nibble)))
+                for u in range(n_rows):
+                    off = builder.mul(ir.Constant(acc_s.type, u), x_s)
+                    x = builder.load(builder.inttoptr(builder.add(x_a, off), ir.VectorType(i32, 8).as_pointer()), align=1)
+                    acc = zero16
+                    for k, (low, high) in enumerate(halves):
+                        acc = builder.call(dpbusd, [acc, low, broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
+                        acc = builder.call(dpbusd, [acc, high, broadcast(builder.extract_element(x, ir.Constant(i32, 4 + k)))])
+                    dst = builder.add(acc_a, builder.mul(ir.Constant(acc_s.type, u), acc_s))
+                    builder.store(acc, builder.inttoptr(dst, v16.as_pointer()), align=4)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return block16_rows
+
+    def _quads4_c6v_rows(n_rows):
+        """``_quads4_c6v`` for ``n_rows`` activation rows at once: the 192 bytes loaded and
+        rebuilt into c8v's four vectors once, then each row's four ``vpdpbusd`` (row u's 16
+        activations at x_addr + u * x_stride, its 16 sums added at acc_addr + u * acc_stride)."""
+
+        @intrinsic
+        def quads4_rows(typingctx, acc_addr, acc_stride, w_addr, x_addr, x_stride):  # pragma: no cover
+            sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp, nb_types.intp, nb_types.intp)
+
+            def codegen(context, builder, signature, args):
+                acc_a, acc_s, w_a, x_a, x_s = args
+                i32, v16, dpbusd, broadcast, _ = _vnni_ir(builder)
+
+                def splat(value):
+                    return ir.Constant(v16, [value] * 16)
+
+                w_base = builder.inttoptr(w_a, v16.as_pointer())
+                n02, n13, h = (builder.load(builder.gep(w_base, [ir.Constant(i32, j)]), align=1) for j in range(3))
+                nib, top = splat(0x0F0F0F0F), splat(0x30303030)
+                quads = (builder.or_(builder.and_(n02, nib), builder.shl(builder.and_(h, splat(0x03030303)), splat(4))),
+                         builder.or_(builder.and_(n13, nib), builder.shl(builder.and_(h, splat(0x0C0C0C0C)), splat(2))),
+                         builder.or_(builder.and_(builder.lshr(n02, splat(4)), nib), builder.and_(h, top)),
+                         builder.or_(builder.and_(builder.lshr(n13, splat(4)), nib),
+                                     builder.and_(builder.lshr(h, splat(2)), top)))
+                for u in range(n_rows):
+                    x_u = builder.add(x_a, builder.mul(ir.Constant(x_s.type, u), x_s))
+                    x = builder.load(builder.inttoptr(x_u, ir.VectorType(i32, 4).as_pointer()), align=1)
+                    acc_p = builder.inttoptr(builder.add(acc_a, builder.mul(ir.Constant(acc_s.type, u), acc_s)),
+                                             v16.as_pointer())
+                    acc = builder.load(acc_p, align=4)
+                    for k in range(4):
+                        acc = builder.call(dpbusd, [acc, quads[k], broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
+                    builder.store(acc, acc_p, align=4)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return quads4_rows
+
+    _block16_vnni_2, _block16_vnni_3, _block16_vnni_4, _block16_vnni_8 = (_block16_vnni_rows(n) for n in (2, 3, 4, 8))
+    _quads4_c6v_2, _quads4_c6v_3, _quads4_c6v_4, _quads4_c6v_8 = (_quads4_c6v_rows(n) for n in (2, 3, 4, 8))
+
+    @njit(inline="always", **_EXACT)
+    def _rows_at_once(left):  # pragma: no cover - compiled
+        """How many rows of x the next sweep through a group's weights takes, of ``left``."""
+        return 8 if left >= 8 else 4 if left >= 4 else left
+
     def _mm_c6v(q, scale, sscale, xq, xd, out):  # pragma: no cover - compiled
         # _mm_c8v for Q6_K on the c6v layout: q [G, K/16, R/16, 3, 16, 4] u8. The rebuilt bytes
         # are c8v's with a shift of 32 (Q6_K has no offsets): _mm_c8's integers exactly, and its
-        # float steps in its order: the same bits.
+        # float steps in its order: the same bits. Rows of x go up to 8 at a time through each
+        # group's weights (_quads4_c6v_rows, _rows_at_once): each row's sums and float steps are
+        # those of a row alone, in the same order.
         n_groups, ng, n_chunks = q.shape[0], q.shape[1], q.shape[2]
         R = n_chunks * 16
         T, N = out.shape
@@ -699,28 +782,45 @@ if numba is not None:
         per_super = ng // sscale.shape[1]
         q_base, x_base = q.ctypes.data, xq.ctypes.data
         for g in prange(n_groups):
-            acc = np.empty(R, np.int32)
-            accf = np.empty(R, np.float32)
+            acc = np.empty(8 * R, np.int32)
+            accf = np.empty(8 * R, np.float32)
             acc_base = acc.ctypes.data
-            for t in range(T):
+            t = 0
+            while t < T:
+                n = _rows_at_once(T - t)
                 accf[:] = 0
                 for s in range(ng):
                     acc[:] = 0
-                    for c in range(n_chunks):
-                        _quads4_c6v(acc_base + c * 64, q_base + ((g * ng + s) * n_chunks + c) * 192,
-                                    x_base + t * K + s * 16)
-                    sx = np.int32(0)
-                    for j in range(16):
-                        sx += np.int32(xq[t, s * 16 + j])
-                    corr = np.int32(32) * sx
-                    for r in range(R):
-                        acc[r] -= corr
-                    d = xd[t, s // 2]
+                    w0 = q_base + ((g * ng + s) * n_chunks) * 192
+                    x0 = x_base + t * K + s * 16
+                    if n == 8:
+                        for c in range(n_chunks):
+                            _quads4_c6v_8(acc_base + c * 64, R * 4, w0 + c * 192, x0, K)
+                    elif n == 4:
+                        for c in range(n_chunks):
+                            _quads4_c6v_4(acc_base + c * 64, R * 4, w0 + c * 192, x0, K)
+                    elif n == 3:
+                        for c in range(n_chunks):
+                            _quads4_c6v_3(acc_base + c * 64, R * 4, w0 + c * 192, x0, K)
+                    elif n == 2:
+                        for c in range(n_chunks):
+                            _quads4_c6v_2(acc_base + c * 64, R * 4, w0 + c * 192, x0, K)
+                    else:
+                        for c in range(n_chunks):
+                            _quads4_c6v(acc_base + c * 64, w0 + c * 192, x0)
                     sb = s // per_super
-                    for r in range(R):
-                        accf[r] += (sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
-                for r in range(min(R, N - g * R)):
-                    out[t, g * R + r] = accf[r]
+                    for u in range(n):
+                        sx = np.int32(0)
+                        for j in range(16):
+                            sx += np.int32(xq[t + u, s * 16 + j])
+                        corr = np.int32(32) * sx
+                        d = xd[t + u, s // 2]
+                        for r in range(R):
+                            accf[u * R + r] += (sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[u * R + r] - corr)
+                for u in range(n):
+                    for r in range(min(R, N - g * R)):
+                        out[t + u, g * R + r] = accf[u * R + r]
+                t += n
 
     def _dequant_c6v(q, scale, sscale, rows, out):  # pragma: no cover - compiled
         ng, n_chunks = q.shape[1], q.shape[2]
@@ -798,7 +898,9 @@ if numba is not None:
     def _mm_c4v(q, scale, offset, sscale, soffset, xq, xd, xs, out):  # pragma: no cover - compiled
         # _mm_c4 on the c4v layout: q [G, K/32, R/16, 4, 16, 4] u8 (C-contiguous), xq C-contiguous.
         # A group's integer sums are the same integers as _mm_c4's, and the float steps after
-        # them the same operations in the same order: the same bits.
+        # them the same operations in the same order: the same bits. Rows of x go up to 8 at a
+        # time through each group's weights (_block16_vnni_rows, _rows_at_once), each row's
+        # steps those of a row alone.
         n_groups, nb, n_chunks = q.shape[0], q.shape[1], q.shape[2]
         R = n_chunks * 16
         T, N = out.shape
@@ -806,23 +908,42 @@ if numba is not None:
         per_super = nb // sscale.shape[1]
         q_base, x_base = q.ctypes.data, xq.ctypes.data
         for g in prange(n_groups):
-            acc = np.empty(R, np.int32)
-            accf = np.empty(R, np.float32)
+            acc = np.empty(8 * R, np.int32)
+            accf = np.empty(8 * R, np.float32)
             acc_base = acc.ctypes.data
-            for t in range(T):
+            t = 0
+            while t < T:
+                n = _rows_at_once(T - t)
                 accf[:] = 0
                 for b in range(nb):
-                    for c in range(n_chunks):
-                        _block16_vnni(acc_base + c * 64, q_base + ((g * nb + b) * n_chunks + c) * 256,
-                                      x_base + t * K + b * 32)
-                    d = xd[t, b]
-                    o = xs[t, b]
+                    w0 = q_base + ((g * nb + b) * n_chunks) * 256
+                    x0 = x_base + t * K + b * 32
+                    if n == 8:
+                        for c in range(n_chunks):
+                            _block16_vnni_8(acc_base + c * 64, R * 4, w0 + c * 256, x0, K)
+                    elif n == 4:
+                        for c in range(n_chunks):
+                            _block16_vnni_4(acc_base + c * 64, R * 4, w0 + c * 256, x0, K)
+                    elif n == 3:
+                        for c in range(n_chunks):
+                            _block16_vnni_3(acc_base + c * 64, R * 4, w0 + c * 256, x0, K)
+                    elif n == 2:
+                        for c in range(n_chunks):
+                            _block16_vnni_2(acc_base + c * 64, R * 4, w0 + c * 256, x0, K)
+                    else:
+                        for c in range(n_chunks):
+                            _block16_vnni(acc_base + c * 64, w0 + c * 256, x0)
                     sb = b // per_super
-                    for r in range(R):
-                        accf[r] += ((sscale[g, sb, r] * np.float32(scale[g, b, r])) * d * np.float32(acc[r])
-                                    + (soffset[g, sb, r] * np.float32(offset[g, b, r])) * o)
-                for r in range(min(R, N - g * R)):
-                    out[t, g * R + r] = accf[r]
+                    for u in range(n):
+                        d = xd[t + u, b]
+                        o = xs[t + u, b]
+                        for r in range(R):
+                            accf[u * R + r] += ((sscale[g, sb, r] * np.float32(scale[g, b, r])) * d * np.float32(acc[u * R + r])
+                                                + (soffset[g, sb, r] * np.float32(offset[g, b, r])) * o)
+                for u in range(n):
+                    for r in range(min(R, N - g * R)):
+                        out[t + u, g * R + r] = accf[u * R + r]
+                t += n
 
     def _dequant_c4v(q, scale, offset, sscale, soffset, rows, out):  # pragma: no cover - compiled
         per_super = q.shape[1] // sscale.shape[1]
