@@ -761,6 +761,36 @@ if numba is not None:
 
         return quads4_rows
 
+    def _quads4_vnni_rows(n_rows):
+        """``_quads4_vnni`` for ``n_rows`` activation rows at once: the 256 weight bytes loaded
+        once, then each row's four ``vpdpbusd`` (row u's 16 activations at x_addr + u *
+        x_stride, its 16 sums added at acc_addr + u * acc_stride)."""
+
+        @intrinsic
+        def quads4_rows(typingctx, acc_addr, acc_stride, w_addr, x_addr, x_stride):  # pragma: no cover
+            sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp, nb_types.intp, nb_types.intp)
+
+            def codegen(context, builder, signature, args):
+                acc_a, acc_s, w_a, x_a, x_s = args
+                i32, v16, dpbusd, broadcast, _ = _vnni_ir(builder)
+                w_base = builder.inttoptr(w_a, v16.as_pointer())
+                ws = [builder.load(builder.gep(w_base, [ir.Constant(i32, k)]), align=1) for k in range(4)]
+                for u in range(n_rows):
+                    x_u = builder.add(x_a, builder.mul(ir.Constant(x_s.type, u), x_s))
+                    x = builder.load(builder.inttoptr(x_u, ir.VectorType(i32, 4).as_pointer()), align=1)
+                    acc_p = builder.inttoptr(builder.add(acc_a, builder.mul(ir.Constant(acc_s.type, u), acc_s)),
+                                             v16.as_pointer())
+                    acc = builder.load(acc_p, align=4)
+                    for k in range(4):
+                        acc = builder.call(dpbusd, [acc, ws[k], broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
+                    builder.store(acc, acc_p, align=4)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return quads4_rows
+
+    _quads4_vnni_2, _quads4_vnni_3, _quads4_vnni_4, _quads4_vnni_8 = (_quads4_vnni_rows(n) for n in (2, 3, 4, 8))
     _block16_vnni_2, _block16_vnni_3, _block16_vnni_4, _block16_vnni_8 = (_block16_vnni_rows(n) for n in (2, 3, 4, 8))
     _quads4_c6v_2, _quads4_c6v_3, _quads4_c6v_4, _quads4_c6v_8 = (_quads4_c6v_rows(n) for n in (2, 3, 4, 8))
 
@@ -840,7 +870,9 @@ if numba is not None:
     def _mm_c8v(q, scale, offset, sscale, soffset, has_offset, shift, xq, xd, xs, out):  # pragma: no cover
         # _mm_c8 on the c8v layout: q [G, K/GS, R/16, GS/4, 16, 4] u8, each value + shift. A
         # group's sum is sum((q + shift) x) - shift * sum(x): _mm_c8's integers exactly, and the
-        # float steps after them are _mm_c8's: the same bits.
+        # float steps after them are _mm_c8's: the same bits. Rows of x go up to 8 at a time
+        # through each group's weights (_quads4_vnni_rows, _rows_at_once), each row's steps
+        # those of a row alone.
         n_groups, ng, n_chunks, n_quads = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
         GS = n_quads * 4
         R = n_chunks * 16
@@ -850,37 +882,52 @@ if numba is not None:
         per_super = ng // sscale.shape[1]
         q_base, x_base = q.ctypes.data, xq.ctypes.data
         for g in prange(n_groups):
-            acc = np.empty(R, np.int32)
-            accf = np.empty(R, np.float32)
+            acc = np.empty(8 * R, np.int32)
+            accf = np.empty(8 * R, np.float32)
             acc_base = acc.ctypes.data
-            for t in range(T):
+            t = 0
+            while t < T:
+                n = _rows_at_once(T - t)
                 accf[:] = 0
                 for s in range(ng):
                     acc[:] = 0
                     for c in range(n_chunks):
                         for k0 in range(0, n_quads, 4):
-                            _quads4_vnni(acc_base + c * 64, q_base + (((g * ng + s) * n_chunks + c) * n_quads + k0) * 64,
-                                         x_base + t * K + s * GS + k0 * 4)
-                    if shift != 0:
-                        sx = np.int32(0)
-                        for j in range(GS):
-                            sx += np.int32(xq[t, s * GS + j])
-                        corr = np.int32(shift) * sx
-                        for r in range(R):
-                            acc[r] -= corr
+                            w = q_base + (((g * ng + s) * n_chunks + c) * n_quads + k0) * 64
+                            x0 = x_base + t * K + s * GS + k0 * 4
+                            if n == 8:
+                                _quads4_vnni_8(acc_base + c * 64, R * 4, w, x0, K)
+                            elif n == 4:
+                                _quads4_vnni_4(acc_base + c * 64, R * 4, w, x0, K)
+                            elif n == 3:
+                                _quads4_vnni_3(acc_base + c * 64, R * 4, w, x0, K)
+                            elif n == 2:
+                                _quads4_vnni_2(acc_base + c * 64, R * 4, w, x0, K)
+                            else:
+                                _quads4_vnni(acc_base + c * 64, w, x0)
                     b = s // per_block
-                    d = xd[t, b]
                     sb = s // per_super
-                    if has_offset:
-                        o = xs[t, b]
-                        for r in range(R):
-                            accf[r] += ((sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
-                                        + (soffset[g, sb, r] * np.float32(offset[g, s, r])) * o)
-                    else:
-                        for r in range(R):
-                            accf[r] += (sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[r])
-                for r in range(min(R, N - g * R)):
-                    out[t, g * R + r] = accf[r]
+                    for u in range(n):
+                        corr = np.int32(0)
+                        if shift != 0:
+                            sx = np.int32(0)
+                            for j in range(GS):
+                                sx += np.int32(xq[t + u, s * GS + j])
+                            corr = np.int32(shift) * sx
+                        d = xd[t + u, b]
+                        if has_offset:
+                            o = xs[t + u, b]
+                            for r in range(R):
+                                accf[u * R + r] += ((sscale[g, sb, r] * np.float32(scale[g, s, r])) * d
+                                                    * np.float32(acc[u * R + r] - corr)
+                                                    + (soffset[g, sb, r] * np.float32(offset[g, s, r])) * o)
+                        else:
+                            for r in range(R):
+                                accf[u * R + r] += (sscale[g, sb, r] * np.float32(scale[g, s, r])) * d * np.float32(acc[u * R + r] - corr)
+                for u in range(n):
+                    for r in range(min(R, N - g * R)):
+                        out[t + u, g * R + r] = accf[u * R + r]
+                t += n
 
     def _dequant_c8v(q, scale, offset, sscale, soffset, shift, rows, out):  # pragma: no cover - compiled
         ng, n_chunks, n_quads = q.shape[1], q.shape[2], q.shape[3]

@@ -1,6 +1,6 @@
-"""A product of T rows at once against T one-row products, Q4_K and Q6_K 4096x14336, in one
+"""A product of T rows at once against T one-row products, Q4_K, Q6_K, Q5_K and Q8_0 4096x14336, in one
 process, interleaved (min of 30 each): what taking rows together through the weights saves
-(``cpu_kernels._block16_vnni_rows`` / ``_quads4_c6v_rows``; the VNNI layouts).
+(``cpu_kernels._block16_vnni_rows``, ``_quads4_c6v_rows``, ``_quads4_vnni_rows``: the VNNI layouts).
 
     NUMBA_NUM_THREADS=1 python dev/cpu/bench_rows_at_once.py
 """
@@ -24,7 +24,7 @@ ROUNDS = 30
 
 
 def main() -> None:
-    for qt in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+    for qt in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q8_0):
         block_elems, _ = GGML_QUANT_SIZES[qt]
         raw = sg.make_blocks(qt, N_ROWS * N_COLS // block_elems, 0.05, np.random.default_rng(0)).reshape(-1)
         mats = [ck.pack(raw, qt, N_ROWS, N_COLS) for _ in range(4)]  # four copies: read from memory, not cache
