@@ -109,7 +109,9 @@ def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
 def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
     proc, _ = _start_generating("--name", "cli", "--max-tokens", "3000", *NEVER_ENDS)
     try:
-        assert pipeline.status()["requests"]["in_flight"] == 1
+        # (the supervisor's count has been seen at 0 for a moment after the first tokens printed:
+        # wait for it rather than read it once)
+        wait_for(lambda: pipeline.status()["requests"]["in_flight"] == 1, 5.0, "the request in flight at the pipeline")
         proc.send_signal(signal.SIGINT)
         interrupted_s = time.monotonic()
         _, err = proc.communicate(timeout=30)
