@@ -31,7 +31,7 @@ exactly cost more than its bytes saved (docs/PERFORMANCE.md, "The CPU backend").
 
 Where the CPU has AVX-512 VNNI (``VNNI``), both forms take a layout of their own ("c4v", "c8v":
 each lane's bytes four by four) and their products go through ``vpdpbusd``, called as an LLVM
-intrinsic (``_block16_vnni``, ``_quads4_vnni``): eight instructions sum a 32-weight 4-bit block
+intrinsic (``_block16_vnni_rows``, ``_quads4_vnni_rows``): eight instructions sum a 32-weight 4-bit block
 for 16 rows, against some 60 for the int16 lanes. The 8-bit values are stored shifted by 128
 (unsigned, as vpdpbusd takes them) and 128 times the activations' sum is taken off. The integer
 sums are the same integers, and the float steps after them the same, so the bits are too.
@@ -372,7 +372,7 @@ def _pack_c6v(q8: np.ndarray, lanes: int) -> np.ndarray:
     16 columns x 16 lanes (16c + l), three 64-byte vectors [c, 3, l, i], i the column within
     quad k (columns 4k + i): the low nibbles of quads 0 and 2 (quad 2's in the high nibble),
     those of quads 1 and 3, and the two high bits of quads 0-3 (bits 2k, 2k + 1). Each value
-    + 32: ``_quads4_c6v`` rebuilds c8v's unsigned bytes from the three with masks and shifts."""
+    + 32: ``_quads4_c6v_rows`` rebuilds c8v's unsigned bytes from the three with masks and shifts."""
     G, ng, GS = q8.shape[:3]
     assert GS == 16, "c6v holds groups of 16 (Q6_K's)"
     u = (q8.astype(np.int16) + C6_SHIFT).astype(np.uint8).reshape(G, ng, 4, 4, lanes // 16, 16)
@@ -609,89 +609,12 @@ if numba is not None:
 
         return i32, v16, dpbusd, broadcast, zero16
 
-    @intrinsic
-    def _block16_vnni(typingctx, acc_addr, w_addr, x_addr):  # pragma: no cover - compiled
-        """acc_addr[0:16] (int32) = one 32-weight block's integer sums for 16 rows: w_addr, the
-        block's 256 bytes of those rows ([4][16][4], c4v), x_addr, its 32 int8 activations. Eight
-        ``vpdpbusd``: each multiplies a lane's 4 weight bytes (low or high nibbles) by 4
-        activations and adds the 4 products to the lane's int32, exactly."""
-        sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp)
-
-        def codegen(context, builder, signature, args):
-            acc_a, w_a, x_a = args
-            i32, v16, dpbusd, broadcast, zero16 = _vnni_ir(builder)
-            x = builder.load(builder.inttoptr(x_a, ir.VectorType(i32, 8).as_pointer()), align=1)
-            w_base = builder.inttoptr(w_a, v16.as_pointer())
-            nibble, four = ir.Constant(v16, [0x0F0F0F0F] * 16), ir.Constant(v16, [4] * 16)
-            acc = zero16
-            for k in range(4):  # columns 4k..4k+3 (low nibbles) and 16+4k.. (high)
-                w = builder.load(builder.gep(w_base, [ir.Constant(i32, k)]), align=1)
-                low, high = builder.and_(w, nibble), builder.and_(builder.lshr(w, four), nibble)
-                acc = builder.call(dpbusd, [acc, low, broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
-                acc = builder.call(dpbusd, [acc, high, broadcast(builder.extract_element(x, ir.Constant(i32, 4 + k)))])
-            builder.store(acc, builder.inttoptr(acc_a, v16.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def _quads4_vnni(typingctx, acc_addr, w_addr, x_addr):  # pragma: no cover - compiled
-        """acc_addr[0:16] (int32) += 16 columns' products for 16 rows: w_addr, their 256 unsigned
-        bytes ([4][16][4], c8v), x_addr, the 16 int8 activations. Four ``vpdpbusd``."""
-        sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp)
-
-        def codegen(context, builder, signature, args):
-            acc_a, w_a, x_a = args
-            i32, v16, dpbusd, broadcast, _ = _vnni_ir(builder)
-            x = builder.load(builder.inttoptr(x_a, ir.VectorType(i32, 4).as_pointer()), align=1)
-            w_base = builder.inttoptr(w_a, v16.as_pointer())
-            acc_p = builder.inttoptr(acc_a, v16.as_pointer())
-            acc = builder.load(acc_p, align=4)
-            for k in range(4):
-                w = builder.load(builder.gep(w_base, [ir.Constant(i32, k)]), align=1)
-                acc = builder.call(dpbusd, [acc, w, broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
-            builder.store(acc, acc_p, align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def _quads4_c6v(typingctx, acc_addr, w_addr, x_addr):  # pragma: no cover - compiled
-        """acc_addr[0:16] (int32) += 16 columns' products for 16 rows: w_addr, their 192 bytes
-        of c6v (``_pack_c6v``), x_addr, the 16 int8 activations. The four 64-byte vectors of
-        c8v's unsigned bytes are rebuilt in registers (a nibble, and two high bits moved to bits
-        4 and 5, in every byte), then four ``vpdpbusd``."""
-        sig = nb_types.void(nb_types.intp, nb_types.intp, nb_types.intp)
-
-        def codegen(context, builder, signature, args):
-            acc_a, w_a, x_a = args
-            i32, v16, dpbusd, broadcast, _ = _vnni_ir(builder)
-
-            def splat(value):
-                return ir.Constant(v16, [value] * 16)
-
-            x = builder.load(builder.inttoptr(x_a, ir.VectorType(i32, 4).as_pointer()), align=1)
-            w_base = builder.inttoptr(w_a, v16.as_pointer())
-            n02, n13, h = (builder.load(builder.gep(w_base, [ir.Constant(i32, j)]), align=1) for j in range(3))
-            nib, top = splat(0x0F0F0F0F), splat(0x30303030)
-            quads = (builder.or_(builder.and_(n02, nib), builder.shl(builder.and_(h, splat(0x03030303)), splat(4))),
-                     builder.or_(builder.and_(n13, nib), builder.shl(builder.and_(h, splat(0x0C0C0C0C)), splat(2))),
-                     builder.or_(builder.and_(builder.lshr(n02, splat(4)), nib), builder.and_(h, top)),
-                     builder.or_(builder.and_(builder.lshr(n13, splat(4)), nib),
-                                 builder.and_(builder.lshr(h, splat(2)), top)))
-            acc_p = builder.inttoptr(acc_a, v16.as_pointer())
-            acc = builder.load(acc_p, align=4)
-            for k in range(4):
-                acc = builder.call(dpbusd, [acc, quads[k], broadcast(builder.extract_element(x, ir.Constant(i32, k)))])
-            builder.store(acc, acc_p, align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
     def _block16_vnni_rows(n_rows):
-        """``_block16_vnni`` for ``n_rows`` activation rows at once: the block's weights loaded
-        and split into nibbles once, then each row's eight ``vpdpbusd`` (row u's 32 activations
-        at x_addr + u * x_stride, its 16 sums stored at acc_addr + u * acc_stride). A verify
+        """An intrinsic for ``n_rows`` activation rows of one 32-weight block (c4v) and 16 rows
+        of weights: the block's 256 bytes ([4][16][4]) loaded and split into nibbles once, then
+        each row's eight ``vpdpbusd`` (each multiplies a lane's 4 weight bytes by 4 activations
+        and adds the 4 products to the lane's int32, exactly), row u's 32 int8 activations at
+        x_addr + u * x_stride, its 16 int32 sums stored at acc_addr + u * acc_stride. A verify
         pass's few rows then cost the weights' bytes and unpacking once, not once a row."""
 
         @intrinsic
@@ -723,9 +646,11 @@ if numba is not None:
         return block16_rows
 
     def _quads4_c6v_rows(n_rows):
-        """``_quads4_c6v`` for ``n_rows`` activation rows at once: the 192 bytes loaded and
-        rebuilt into c8v's four vectors once, then each row's four ``vpdpbusd`` (row u's 16
-        activations at x_addr + u * x_stride, its 16 sums added at acc_addr + u * acc_stride)."""
+        """An intrinsic for ``n_rows`` activation rows of 16 columns and 16 rows of c6v weights
+        (``_pack_c6v``): the 192 bytes loaded and rebuilt once into c8v's four vectors of
+        unsigned bytes (a nibble, and two high bits moved to bits 4 and 5, in every byte), then
+        each row's four ``vpdpbusd``, row u's 16 int8 activations at x_addr + u * x_stride, its
+        16 int32 sums added at acc_addr + u * acc_stride."""
 
         @intrinsic
         def quads4_rows(typingctx, acc_addr, acc_stride, w_addr, x_addr, x_stride):  # pragma: no cover
@@ -762,9 +687,10 @@ if numba is not None:
         return quads4_rows
 
     def _quads4_vnni_rows(n_rows):
-        """``_quads4_vnni`` for ``n_rows`` activation rows at once: the 256 weight bytes loaded
-        once, then each row's four ``vpdpbusd`` (row u's 16 activations at x_addr + u *
-        x_stride, its 16 sums added at acc_addr + u * acc_stride)."""
+        """An intrinsic for ``n_rows`` activation rows of 16 columns and 16 rows of c8v weights:
+        their 256 unsigned bytes ([4][16][4]) loaded once, then each row's four ``vpdpbusd``,
+        row u's 16 int8 activations at x_addr + u * x_stride, its 16 int32 sums added at
+        acc_addr + u * acc_stride."""
 
         @intrinsic
         def quads4_rows(typingctx, acc_addr, acc_stride, w_addr, x_addr, x_stride):  # pragma: no cover
@@ -790,9 +716,9 @@ if numba is not None:
 
         return quads4_rows
 
-    _quads4_vnni_2, _quads4_vnni_3, _quads4_vnni_4, _quads4_vnni_8 = (_quads4_vnni_rows(n) for n in (2, 3, 4, 8))
-    _block16_vnni_2, _block16_vnni_3, _block16_vnni_4, _block16_vnni_8 = (_block16_vnni_rows(n) for n in (2, 3, 4, 8))
-    _quads4_c6v_2, _quads4_c6v_3, _quads4_c6v_4, _quads4_c6v_8 = (_quads4_c6v_rows(n) for n in (2, 3, 4, 8))
+    _quads4_vnni_1, _quads4_vnni_2, _quads4_vnni_3, _quads4_vnni_4, _quads4_vnni_8 = (_quads4_vnni_rows(n) for n in (1, 2, 3, 4, 8))
+    _block16_vnni_1, _block16_vnni_2, _block16_vnni_3, _block16_vnni_4, _block16_vnni_8 = (_block16_vnni_rows(n) for n in (1, 2, 3, 4, 8))
+    _quads4_c6v_1, _quads4_c6v_2, _quads4_c6v_3, _quads4_c6v_4, _quads4_c6v_8 = (_quads4_c6v_rows(n) for n in (1, 2, 3, 4, 8))
 
     @njit(inline="always", **_EXACT)
     def _rows_at_once(left):  # pragma: no cover - compiled
@@ -837,7 +763,7 @@ if numba is not None:
                             _quads4_c6v_2(acc_base + c * 64, R * 4, w0 + c * 192, x0, K)
                     else:
                         for c in range(n_chunks):
-                            _quads4_c6v(acc_base + c * 64, w0 + c * 192, x0)
+                            _quads4_c6v_1(acc_base + c * 64, R * 4, w0 + c * 192, x0, K)
                     sb = s // per_super
                     for u in range(n):
                         sx = np.int32(0)
@@ -904,7 +830,7 @@ if numba is not None:
                             elif n == 2:
                                 _quads4_vnni_2(acc_base + c * 64, R * 4, w, x0, K)
                             else:
-                                _quads4_vnni(acc_base + c * 64, w, x0)
+                                _quads4_vnni_1(acc_base + c * 64, R * 4, w, x0, K)
                     b = s // per_block
                     sb = s // per_super
                     for u in range(n):
@@ -979,7 +905,7 @@ if numba is not None:
                             _block16_vnni_2(acc_base + c * 64, R * 4, w0 + c * 256, x0, K)
                     else:
                         for c in range(n_chunks):
-                            _block16_vnni(acc_base + c * 64, w0 + c * 256, x0)
+                            _block16_vnni_1(acc_base + c * 64, R * 4, w0 + c * 256, x0, K)
                     sb = b // per_super
                     for u in range(n):
                         d = xd[t + u, b]
