@@ -9,7 +9,8 @@
 # --sanitize: first run the attention/KV/graph/rope/i16s tests under compute-sanitizer memcheck.
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
-#   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it.
+#   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it; DECODE_ARGS go
+#   to bench_decode.py as they are (e.g. "--kernels batch-invariant=off batch-invariant=on").
 # --profile: each operation's share of one decode pass (B=1 and B=8, or PROFILE_BATCH) and one 512-token prefill
 #   pass of the synthetic 8B Q4_K_M (PROFILE_TYPE: another make_gguf type) (scripts/profile_pass.py)
 #   into $OUT/profile.{json,txt}.
@@ -27,6 +28,8 @@
 #   prompt against a short one (scripts/bench_first_requests.py) into $OUT/first_requests.json.
 # --gemm-paths: time each matrix-product path per matrix (dev/cuda/bench_gemm_paths.py, GEMM_ARGS
 #   passed to it) into $OUT/gemm_paths.{json,log}.
+# --mmq-rows: mmq at one and two rows (mmq_rows_kernel) against mmq_kernel and the i16 matvec, its
+#   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # --cpu-compare: the CPU backend beside llama.cpp's CPU build on the host's cores
 #   (scripts/cpu_vs_llamacpp.py): SmolLM2 (when joined) at CPU_SMOL_THREADS (default 2) threads and a
@@ -48,7 +51,7 @@ export PYTHONUNBUFFERED=1
 # whatever happens (a hang killed at the time limit included), bring the daemons' logs back
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
-QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0
+QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; MMQ_ROWS=0
 CPU_COMPARE=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
@@ -63,6 +66,7 @@ for a in "$@"; do
     --only-copy) ONLY_COPY=1 ;;
     --first-requests) FIRST=1 ;;
     --gemm-paths) GEMM=1 ;;
+    --mmq-rows) MMQ_ROWS=1 ;;
     --cpu-compare) CPU_COMPARE=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
@@ -140,6 +144,11 @@ if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm
   read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"
   python3 "$REPO/dev/cuda/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
 fi
+if [ "$MMQ_ROWS" = 1 ]; then
+  read -r -a MMQ_ROWS_ARGV <<< "${MMQ_ROWS_ARGS:-}"
+  python3 "$REPO/dev/cuda/bench_mmq_rows.py" ${MMQ_ROWS_ARGV[@]+"${MMQ_ROWS_ARGV[@]}"} --out "$OUT/mmq_rows.json" 2>&1 \
+    | tee "$OUT/mmq_rows.log"
+fi
 synth() {  # synth NAME PRESET TYPE [make_gguf args]: write ~/models/NAME.gguf once
   [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" "${@:4}" -q 2>&1 | tail -2
 }
@@ -148,7 +157,7 @@ synth() {  # synth NAME PRESET TYPE [make_gguf args]: write ~/models/NAME.gguf o
 synth70() { synth llama3-70b-Q4_K_M llama3-70b Q4_K_M --context 32768; }
 decode_bench() {  # decode_bench TREE OUTPREFIX
   python3 "$1/scripts/bench_decode.py" ${NTX_TEST_MODEL:+"$NTX_TEST_MODEL"} ${DECODE_MODELS[@]} \
-    --tokens 128 --batch ${DECODE_BATCH:-1 8} --out "$2decode.json" 2>&1 | tee "$2decode.log"
+    --tokens 128 --batch ${DECODE_BATCH:-1 8} ${DECODE_ARGS:-} --out "$2decode.json" 2>&1 | tee "$2decode.log"
 }
 stream_bench() {  # stream_bench OUTDIR [more bench args]
   mkdir -p "$1"

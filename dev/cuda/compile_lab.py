@@ -32,7 +32,7 @@ SWEEP = [(nr, u) for nr in MV_ROWS_PER_CTA for u in (1, 2)]  # (rows per CTA, pi
 
 def lab_names() -> dict[str, list[str]]:
     """{source: instantiations} of everything lab.py launches."""
-    out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": []}
+    out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": [], "mmq_rows.cu": []}
     for q in QUANT_TYPES.values():
         qt = int(q.qtype)
         for cut in q.cuts:
@@ -46,6 +46,7 @@ def lab_names() -> dict[str, list[str]]:
             out["lab.cu"] += lab.mms_names(qt)
             out["mm.cu"] += instances.mm_names(qt, "v2")
             out["mmq.cu"] += lab.mmq_names(qt, 2)
+            out["mmq_rows.cu"] += [n for tile in lab.MMQ_ROWS_TILES for n in lab.mmq_rows_names(qt, tile)]
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
 
@@ -56,7 +57,7 @@ def main() -> int:
     a = ap.parse_args()
     ok = True
     for source, names in lab_names().items():
-        path = lab.LAB_SOURCE if source == "lab.cu" else source
+        path = {"lab.cu": lab.LAB_SOURCE, "mmq_rows.cu": lab.MMQ_ROWS_SOURCE}.get(source, source)
         names = names[::max(1, len(names) // 64)][:64] if a.quick else names
         ok &= compile_one(source, a.arch, False, names=names, source=kernel_source(path))
     print("ALL OK" if ok else "ERRORS")

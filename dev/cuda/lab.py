@@ -15,6 +15,8 @@ runs.
                         directly (production's mm_kernel at cut v2). Production takes mmq for them.
   mmq(config=...)       the int8 matmul at any (WR, WK, KS, MT), MT = 2 tiles of 16 rows a warp
                         included (production: MT = 1; two tiles lost on most shapes).
+  mmq_rows(tile=...)    mmq at one or two rows of x with mmq_kernel's bits (mmq_rows.cu), for the
+                        batch-invariant mode's one-row passes; no faster than mmq on the H200.
   gemm_dp4a             gemm with int8 activations: the dp4a matvec in chunks of 8 rows up to 64.
 """
 
@@ -36,6 +38,10 @@ from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WA
 from ntx.shared.quant_types import quant_type
 
 LAB_SOURCE = Path(__file__).resolve().with_name("lab.cu")
+MMQ_ROWS_SOURCE = Path(__file__).resolve().with_name("mmq_rows.cu")
+MMQ_ROWS_MAX_B = 2  # rows of x mmq_rows_kernel takes (its NB)
+MMQ_ROWS_TILES = (8, 16, 32)  # weight rows a CTA of mmq_rows_kernel (its R) compile_lab builds
+MMQ_ROWS_MAX_SMEM = 227 << 10  # shared memory a CTA may take on sm_90
 VARIANTS = ("v1", "v2", "f32", "dp4a", "i16", "i16s")
 MMQ_TILES_PER_WARP = (1, 2)  # 16-row tiles one warp of mmq takes (mmq_kernel's MT)
 
@@ -55,6 +61,10 @@ def mms_names(qt: int) -> tuple[str, ...]:
 
 def mmq_names(qt: int, mt: int) -> tuple[str, ...]:
     return tuple(f"mmq_kernel<{int(qt)},{nt},{mt}>" for nt in instances.MM_TILES)
+
+
+def mmq_rows_names(qt: int, tile: int) -> tuple[str, ...]:
+    return tuple(f"mmq_rows_kernel<{int(qt)},{b},{tile}>" for b in range(1, MMQ_ROWS_MAX_B + 1))
 
 
 # ------------------------------------------------------------------------------ the dp4a matvec
@@ -274,4 +284,39 @@ def gemm_dp4a(ctx: KernelContext, w: Weight, x, out=None, *, stream=None):
     for i in range(0, T, MAX_MATVEC_B):
         j = min(i + MAX_MATVEC_B, T)
         matvec(ctx, w, x[i:j], out[i:j], stream=stream, variant="dp4a")
+    return out
+
+
+def mmq_rows_smem_bytes(q, n_cols: int, B: int, chains: int, tile: int) -> int:
+    """Dynamic shared memory of mmq_rows_kernel (mmq_rows.cu): its tile's block headers ([tile]
+    [blocks] 16 bytes; Q6_K also a float d each), x's (d2, sum) per group ([B][groups] float2),
+    the t values ([B][tile][groups x (2 for Q6_K, else 1) + 1] f32), each chain's sum
+    ([chains][B][tile] f32)."""
+    q6 = q.block_bytes == 210  # Q6_K: a float d a block, a t value per 16-column half
+    groups, blocks = n_cols // 32, n_cols // 256
+    return (tile * blocks * (20 if q6 else 16) + 8 * B * groups + 4 * B * tile * (groups * (2 if q6 else 1) + 1)
+            + 4 * chains * B * tile)
+
+
+def mmq_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, tile: int = 16, planes=None):
+    """mmq for up to MMQ_ROWS_MAX_B rows of x with mmq_kernel's bits at the device's mmq launch
+    (its chains: WK x KS) through mmq_rows_kernel (mmq_rows.cu), ``tile`` weight rows a CTA of
+    8 warps. Same arguments as production mm.mmq."""
+    q = quant_type(w.qtype)
+    if not tc.mmq_supported(q.qtype, w.n_cols):
+        raise ValueError(f"mmq_rows does not decode {q.name} rows of {w.n_cols} columns")
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MMQ_ROWS_MAX_B, "mmq_rows")
+    B = x.shape[0]
+    _, wk, ks = tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+    names = mmq_rows_names(int(q.qtype), tile)
+    smem = mmq_rows_smem_bytes(q, w.n_cols, B, wk * ks, tile)
+    if smem > MMQ_ROWS_MAX_SMEM:
+        raise ValueError(f"mmq_rows: {tile} rows a CTA of {w.n_cols} columns at B={B} need {smem} bytes of shared "
+                         f"memory, over {MMQ_ROWS_MAX_SMEM}; take a smaller tile")
+    with stream_ctx(stream):
+        xq, xd = planes if planes is not None else tc.mmq_quantize(ctx, x)
+        _launch_staged(ctx, function(MMQ_ROWS_SOURCE, names[B - 1], names), (-(-w.n_rows // tile),), 8,
+                       smem,
+                       (w.data, xq, xd, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
+                        np.int32(B), np.int32(wk), np.int32(ks)))
     return out

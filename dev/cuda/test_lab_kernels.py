@@ -383,3 +383,21 @@ def test_gemm_int8_activations(qt, T, rng):
     out = nan_f32((T, w.n_rows))
     lab.gemm_dp4a(CTX, w, cp.asarray(x), out=out)
     check_dp4a(out, x, ref_w)
+
+
+@pytest.mark.parametrize("tile", lab.MMQ_ROWS_TILES)
+@pytest.mark.parametrize("n_rows,n_cols", [(64, 4096), (1040, 512)])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_mmq_rows_is_mmq_bits(qt, n_rows, n_cols, tile, rng):
+    """mmq_rows_kernel at one and two rows gives each row's bits of mmq_kernel (production mm.mmq)
+    in a 1-, 2-, 3- and 8-row pass: with split-K chains (64 rows of 4096: WK 8, KS 2) and with a
+    row count that ends inside a tile (1040 rows of 512: WK 2)."""
+    w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
+    x = cp.asarray(rng.standard_normal((8, n_cols)).astype(np.float32))
+    wide = cp.asnumpy(MM.mmq(CTX, w, x))  # [8, n_rows]
+    np.testing.assert_array_equal(cp.asnumpy(MM.mmq(CTX, w, x[:3])), wide[:3])
+    for T in range(1, lab.MMQ_ROWS_MAX_B + 1):
+        for i in range(0, 8 - T + 1, T):
+            np.testing.assert_array_equal(cp.asnumpy(MM.mmq(CTX, w, x[i:i + T])), wide[i:i + T])
+            np.testing.assert_array_equal(cp.asnumpy(lab.mmq_rows(CTX, w, x[i:i + T], tile=tile)), wide[i:i + T],
+                                          err_msg=f"{qt.name} [{n_rows}, {n_cols}] tile {tile} rows {i}..{i + T - 1}")
