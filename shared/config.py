@@ -258,6 +258,7 @@ class EngineOptions:
     def kernel_options(self) -> KernelOptions:
         return KernelOptions.parse(self.kernels)
 
+
     def ctx_for(self, n_ctx_train: int) -> int:
         """The context a sequence may reach on a model trained for ``n_ctx_train`` positions:
         ``--ctx``, or by default the trained context capped at ``CTX_DEFAULT_CAP``. A ``--ctx``
@@ -362,6 +363,17 @@ class InstanceConfig(EngineOptions):
         own = [f for f in fields(cls) if f.name in cls.__annotations__]
         return [f for f in own + [f for f in fields(EngineOptions)] if cli_option(f) is not None]
 
+    @property
+    def cpu_tier_barred(self) -> str | None:
+        """Why no layer may go to the cpu tier under these options (None: they may). The
+        batch-invariant mode promises a row the same bits whatever its pass's width, but on cuda
+        the tier computes a narrow pass's layers on the host's cores and a wide pass's on the GPU
+        (host_tier.py, WIDE_PASS_ROWS): two kernels, two sets of bits."""
+        if self.backend != "cpu" and self.kernel_options.batch_invariant:
+            return ("under --kernels batch-invariant=on the cpu tier would run its layers on the host's cores in "
+                    "narrow passes and on the GPU in wide ones, so a row's bits would depend on its pass's width")
+        return None
+
     def validate(self) -> Self:
         super().validate()
         check_name(self.name)
@@ -375,6 +387,10 @@ class InstanceConfig(EngineOptions):
             raise ConfigError(f"--gpu-layers {self.gpu_layers}: must be 0 or more")
         if self.cpu_layers is not None and self.cpu_layers < 0:
             raise ConfigError(f"--cpu-layers {self.cpu_layers}: must be 0 or more, or auto")
+        barred = self.cpu_tier_barred if self.cpu_layers else None
+        if barred:
+            raise ConfigError(f"--cpu-layers {self.cpu_layers}: {barred}; give --cpu-layers 0 (auto places none in this "
+                              "mode) or leave batch-invariant off")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"--placement {self.placement!r}: choose {' or '.join(PLACEMENTS)}")
         if self.io not in IO_MODES:

@@ -543,7 +543,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
     # on cuda the cpu tier runs its layers on the device in wide passes, through one staging
     # buffer (host_tier.py): reserved with the slots where a tier may be placed, given back if not
     # (reading those layers from mapped host memory instead measured slower: dev/cuda/bench_mapped_weights.py)
-    stage_bytes = slot_bytes if backend == "cuda" and cfg.cpu_layers != 0 and (cfg.cpu_layers or rates) else 0
+    tier_possible = cfg.cpu_layers != 0 and cfg.cpu_tier_barred is None
+    stage_bytes = slot_bytes if backend == "cuda" and tier_possible and (cfg.cpu_layers or rates) else 0
     slots_bytes = cfg.ring_slots * slot_bytes + stage_bytes
 
     def resident_with(cap: int, avail_bytes: int) -> list[int] | None:
@@ -573,6 +574,8 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
                                    vram_budget=vram_budget, floor=(floor_tokens, kv_bytes),
                                    all_layers_bytes=sum(layer_costs[i] for i in kept)
                                    + (costs.host_globals_bytes if embed_in_host else 0))
+        if cfg.cpu_tier_barred is not None:
+            speed_notes.append(f"no cpu tier, every layer off the GPU streams: {cfg.cpu_tier_barred}")
     avail -= device_slots_total
 
     rest = [i for i in kept if tiers[i] != VRAM]
@@ -656,7 +659,9 @@ def _cpu_layers(index: ModelIndex, cfg: InstanceConfig, rest: list[int], rates: 
     evenly among ``rest`` so that they alternate with streamed ones. Auto holds fewer where the
     RAM budget would not hold them; a count the user gave that does not fit is an error."""
     held = host_layer_bytes or tuple(layer.nbytes for layer in index.layers)
-    if cfg.cpu_layers is not None:
+    if cfg.cpu_tier_barred is not None:  # an explicit count is refused by InstanceConfig.validate
+        count = 0
+    elif cfg.cpu_layers is not None:
         count = min(cfg.cpu_layers, len(rest))
     elif rates is not None and cfg.backend == "cuda" and rest:
         count = cpu_split([index.layers[i].nbytes for i in rest], rates, resident_bytes)

@@ -187,6 +187,24 @@ def test_plan_auto_split_from_rates_on_cuda(index):
     assert not every.streamed_layers and every.device_slot_bytes_total == every.slot_bytes
 
 
+def test_the_batch_invariant_mode_keeps_no_cpu_tier(index):
+    """On cuda the tier runs a narrow pass's layers on the host's cores and a wide pass's on the
+    GPU: two kernels, so a row's bits would depend on its pass's width. The batch-invariant mode
+    plans none (auto), says why among the plan's slower notes, reserves no staging buffer, and
+    refuses an explicit count with the fix."""
+    rates = HostRates(link_gbps=30.0, cpu_gbps=10.0, how="given")
+    cfg = _cfg(index, backend="cuda", vram_budget=470 << 20, kernels="batch-invariant=on")
+    plan = _plan(index, cfg, rates)
+    default = _plan(index, _cfg(index, backend="cuda", vram_budget=470 << 20), rates)
+    assert default.layers_on(CPU) and not plan.layers_on(CPU)
+    assert plan.device_slot_bytes_total == cfg.ring_slots * plan.slot_bytes  # no staging buffer
+    assert len(plan.layers_on(VRAM)) == len(default.layers_on(VRAM)) + 1  # its VRAM holds a layer instead
+    assert any("no cpu tier" in note and "batch-invariant" in note for note in plan.speed_notes)
+    with pytest.raises(ConfigError, match="--cpu-layers 4: under --kernels batch-invariant=on .* --cpu-layers 0"):
+        _cfg(index, backend="cuda", kernels="batch-invariant=on", cpu_layers=4)
+    _cfg(index, backend="cuda", kernels="batch-invariant=on", cpu_layers=0)  # fine
+
+
 def test_plan_cpu_tier_within_the_ram_budget(index):
     with pytest.raises(ConfigError, match="--cpu-layers 20: .* --ram-budget"):
         _plan(index, _cfg(index, cpu_layers=20, ram_budget=10 << 20))
