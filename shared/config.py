@@ -258,7 +258,6 @@ class EngineOptions:
     def kernel_options(self) -> KernelOptions:
         return KernelOptions.parse(self.kernels)
 
-
     def ctx_for(self, n_ctx_train: int) -> int:
         """The context a sequence may reach on a model trained for ``n_ctx_train`` positions:
         ``--ctx``, or by default the trained context capped at ``CTX_DEFAULT_CAP``. A ``--ctx``

@@ -594,7 +594,8 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
         draft = memory_costs(cfg.backend, open_model(cfg.draft_model), **sizes)
     costs = memory_costs(cfg.backend, index, **sizes)
     host_bytes = None
-    if cfg.cpu_layers != 0 and cfg.cpu_tier_barred is None:  # packed for the host's kernels; on cuda the file bytes too (wide passes)
+    # packed for the host's kernels; on cuda the file bytes too (wide passes)
+    if cfg.cpu_layers != 0 and cfg.cpu_tier_barred is None:
         packed = memory_costs("cpu", index, **sizes).layer_bytes
         host_bytes = tuple(b + (layer.image_bytes if cfg.backend == "cuda" else 0)
                            for b, layer in zip(packed, index.layers))
