@@ -48,6 +48,9 @@ from ntx.shared.plan import CPU, RAM, SKIPPED, STORAGE, VRAM, layer_ranges
 from ntx.shared.stats import bottleneck, combine, summarize
 
 GB = 1e9
+# how often a timed run reads compute's status (_PassWatch): well within the KEEP_PASSES passes
+# it keeps, at a streamed model's pass times (0.2-0.4 s on the H200) and the CPU tests' alike
+WATCH_POLL_S = 0.1
 PROMPT = "The history of the transistor begins"
 
 
@@ -394,16 +397,62 @@ def p_wrong_for_acceptance(draft_tokens: int, length: float) -> float:
     return 1.0 - (lo + hi) / 2
 
 
-def _greedy_request(listen: str, max_tokens: int, **fields: Any) -> tuple[dict, float]:
+def _greedy_request(listen: str, max_tokens: int, stop=None, **fields: Any) -> tuple[dict, float]:
     """One greedy request of PROMPT (``fields``: more of the request's, ``speculative`` say): its
-    ``done`` event and its decode seconds (first token to done)."""
-    first = None
+    ``done`` event and its decode seconds (first token to done). ``stop()``: asked at each reply;
+    once true the request is cancelled (its ``done`` then says so and holds the tokens so far)."""
+    first, cancelled = None, False
     with Client(listen, event_timeout_s=600) as c:
-        for ev in c.generate(PROMPT, raw=True, temperature=0.0, max_tokens=max_tokens, **fields):
+        rid = c.submit(PROMPT, raw=True, temperature=0.0, max_tokens=max_tokens, **fields)
+        for ev in c.events(rid):
             if ev["type"] == "token" and first is None:
                 first = time.perf_counter()
+            if stop is not None and not cancelled and ev["type"] != "done" and stop():
+                c.cancel(rid)
+                cancelled = True
             done = ev
     return done, time.perf_counter() - (first or time.perf_counter())
+
+
+class _PassWatch:
+    """Compute's per-pass clock, gathered while requests run. Its status keeps only the last
+    KEEP_PASSES passes, so a verify pass followed by many one-token passes (a chain that left its
+    recording: a wide pass rounded a near tie the other way) drops out of it before the request
+    ends. A thread reads the status every ``poll_s`` and keeps every pass it saw, by id; a pass
+    read again replaces its earlier reading (it may have been running)."""
+
+    def __init__(self, name: str, poll_s: float | None = None) -> None:
+        self.name, self.poll_s = name, WATCH_POLL_S if poll_s is None else poll_s
+        self.passes: dict[int, dict] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-pass-watch", daemon=True)
+
+    def __enter__(self) -> _PassWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.add((instance.get_status(self.name, 10) or {}).get("stages", {}).get("compute", {}))
+
+    def add(self, compute: dict) -> None:
+        """Keep the passes of one reading of compute's status."""
+        with self._lock:
+            for k, v in (compute.get("passes") or {}).items():
+                self.passes[int(k)] = v
+
+    def closed(self, rows: int, since: int) -> int:
+        """How many decode passes of ``rows`` rows from pass id ``since`` on have ended (a later
+        pass was seen)."""
+        with self._lock:
+            last = max(self.passes, default=-1)
+            return sum(1 for k, v in self.passes.items()
+                       if since <= k < last and v["rows"] == rows and v["prefill_rows"] == 0)
 
 
 def _settled_status(name: str, tokens_generated: int, timeout_s: float = 60.0) -> dict:
@@ -421,26 +470,37 @@ def _settled_status(name: str, tokens_generated: int, timeout_s: float = 60.0) -
 
 
 def _timed_instance(cfg: InstanceConfig, index: ModelIndex, warmup_tokens: int, tokens: int,
-                    plain_too: bool = False) -> dict[str, Any]:
+                    plain_too: bool = False, stop_after: tuple[int, int] | None = None) -> dict[str, Any]:
     """Start ``cfg``'s instance, warm it with one greedy request of ``warmup_tokens`` (kernels
     compiled, this pass shape's graph captured), time one of ``tokens``, stop it. Returns the
     timed request's ``done`` event; its tokens/s after the first token as compute timed it (the
     ``done`` timings: no delivery lag of a loaded machine's supervisor or client in it) and as
     the client saw it; and compute's clock (busy + starved + blocked seconds) of each of its
-    decode passes, by rows computed. ``plain_too``: then the same request without speculation
-    (``speculative: false``) in the same instance, its tokens/s as ``plain_tokens_per_s``: a
-    baseline of the same plan on the same machine a moment later (two instances started one
-    after the other differed by up to 5% on the H200 machines)."""
+    decode passes, by rows computed (every one: ``_PassWatch``). ``plain_too``: then the same
+    request without speculation (``speculative: false``) in the same instance, its tokens/s as
+    ``plain_tokens_per_s``: a baseline of the same plan on the same machine a moment later (two
+    instances started one after the other differed by up to 5% on the H200 machines).
+    ``stop_after`` (rows, n): the warm-up once it has run a pass of that many rows, and the timed
+    request once it has run n of them, are cancelled: a verify chain that left its recording
+    would otherwise go on a token a pass up to ``tokens`` (hundreds of passes at K = 512)."""
     plan = plan_for(index, cfg)
     t0 = time.perf_counter()
     instance.start(cfg, plan)
     start_s = time.perf_counter() - t0
     plain_tps = None
     try:
-        warm, _ = _greedy_request(cfg.listen, warmup_tokens)
-        before = _settled_status(cfg.name, len(warm["tokens"]))
-        done, decode_s = _greedy_request(cfg.listen, tokens)
-        after = _settled_status(cfg.name, before["tokens_generated"] + len(done["tokens"]))
+        with _PassWatch(cfg.name) as watch:
+            def stop_when(since: int, need: int):
+                """Whether ``need`` passes of stop_after's rows have ended from pass id ``since`` on."""
+                return (lambda: watch.closed(stop_after[0], since) >= need) if stop_after else None
+
+            warm, _ = _greedy_request(cfg.listen, warmup_tokens, stop=stop_when(0, 1))
+            before = _settled_status(cfg.name, len(warm["tokens"]))
+            done, decode_s = _greedy_request(cfg.listen, tokens,
+                                             stop=stop_when(before["stages"]["compute"]["n_passes"],
+                                                            stop_after[1] if stop_after else 0))
+            after = _settled_status(cfg.name, before["tokens_generated"] + len(done["tokens"]))
+            watch.add(after["stages"]["compute"])
         if plain_too:
             plain_done, _ = _greedy_request(cfg.listen, tokens, speculative=False)
             plain_tps = plain_done["timings"]["decode_tokens_per_s"] or 0.0
@@ -448,8 +508,8 @@ def _timed_instance(cfg: InstanceConfig, index: ModelIndex, warmup_tokens: int, 
         instance.stop(cfg.name, force=True)
     comp_before, comp_after = before["stages"]["compute"], after["stages"]["compute"]
     pass_s_by_rows: dict[int, list[float]] = {}
-    for k, v in (comp_after.get("passes") or {}).items():
-        if comp_before["n_passes"] <= int(k) < comp_after["n_passes"] and v["rows"] > 0 and v["prefill_rows"] == 0:
+    for k, v in sorted(watch.passes.items()):
+        if comp_before["n_passes"] <= k < comp_after["n_passes"] and v["rows"] > 0 and v["prefill_rows"] == 0:
             pass_s_by_rows.setdefault(v["rows"], []).append(v["busy"] + v["starved"] + v["blocked"])
     n = len(done["tokens"])
     return {"done": done, "tokens_per_s": done["timings"]["decode_tokens_per_s"] or 0.0, "plain_tokens_per_s": plain_tps,
@@ -503,7 +563,9 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     chain (``draft_fixed``: the tree shape's back-off would judge a wide pass that does not pay
     on this plan, a compute-bound one on the CPU say, and draft less, and its priors hold chains
     over 14 tokens back until it has measured): the mean time of the ``opts.verify_passes``
-    verify passes of K + 1 rows against the 1-token pass and the link's limit for the plan;
+    verify passes of K + 1 rows against the 1-token pass and the link's limit for the plan, each
+    run cancelled once those passes ended (a chain that left its recording would go on a token a
+    pass to its max_tokens);
     (iii) replay with chains of up to K = ``opts.accept_draft_tokens`` (the tree shape chooses the
     depth) at the p whose expected acceptance length is ``opts.accept_length``, and at p = 1
     (every draft wrong): tokens/s against plain, and the measured mean acceptance length
@@ -549,7 +611,8 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
 
     # (ii) verify-pass time per chain length, every draft right; the warm-up's one pass is of K + 1 rows
     for k in opts.verify_draft_tokens:
-        run = _timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k))
+        run = _timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k),
+                              stop_after=(k + 1, opts.verify_passes))
         times = run["pass_s_by_rows"].get(k + 1, [])
         pass_s = _mean(times)
         entry["verify"].append({
@@ -680,7 +743,7 @@ def _spec_verify_line(v: dict) -> str:
         # every draft is the recording's own greedy token, so a rejection means the target's
         # wide pass rounded differently from the one-row passes that recorded it (a near tie
         # of a synthetic model flips); once the sequence leaves its recording the replay has
-        # nothing to draft and the pass of K + 1 rows may be gone from compute's pass history
+        # nothing to draft, so only the passes before that are timed (the run is cancelled then)
         s += ("; the target left its recording: its passes of that many rows round differently from the "
               "one-row passes that recorded it (add --kernels batch-invariant=on to keep them the same bits)")
     return s
