@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -483,40 +483,58 @@ def _timed_instance(cfg: InstanceConfig, index: ModelIndex, warmup_tokens: int, 
     ``stop_after`` (rows, n): the warm-up once it has run a pass of that many rows, and the timed
     request once it has run n of them, are cancelled: a verify chain that left its recording
     would otherwise go on a token a pass up to ``tokens`` (hundreds of passes at K = 512)."""
+    return _timed_runs(cfg, index, [(warmup_tokens, tokens, stop_after)], plain_too)[0]
+
+
+def _timed_runs(cfg: InstanceConfig, index: ModelIndex, runs: list[tuple[int, int, tuple[int, int] | None]],
+                plain_too: bool = False, each: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """``_timed_instance`` for each (warmup_tokens, tokens, stop_after) of ``runs`` in turn, in
+    one start of ``cfg``'s instance (on the 70B a start takes 40-60 s); ``plain_too`` after the
+    last. One result each, as ``_timed_instance`` returns it, also given to ``each`` as it comes
+    (so that a run cut off keeps what it measured)."""
     plan = plan_for(index, cfg)
     t0 = time.perf_counter()
     instance.start(cfg, plan)
     start_s = time.perf_counter() - t0
-    plain_tps = None
+    out: list[dict[str, Any]] = []
     try:
         with _PassWatch(cfg.name) as watch:
-            def stop_when(since: int, need: int):
+            def stop_when(stop_after: tuple[int, int] | None, since: int, need: int):
                 """Whether ``need`` passes of stop_after's rows have ended from pass id ``since`` on."""
                 return (lambda: watch.closed(stop_after[0], since) >= need) if stop_after else None
 
-            warm, _ = _greedy_request(cfg.listen, warmup_tokens, stop=stop_when(0, 1))
-            before = _settled_status(cfg.name, len(warm["tokens"]))
-            done, decode_s = _greedy_request(cfg.listen, tokens,
-                                             stop=stop_when(before["stages"]["compute"]["n_passes"],
-                                                            stop_after[1] if stop_after else 0))
-            after = _settled_status(cfg.name, before["tokens_generated"] + len(done["tokens"]))
-            watch.add(after["stages"]["compute"])
+            generated, next_pass = 0, 0  # compute's counts before this run
+            for warmup_tokens, tokens, stop_after in runs:
+                warm, _ = _greedy_request(cfg.listen, warmup_tokens, stop=stop_when(stop_after, next_pass, 1))
+                before = _settled_status(cfg.name, generated + len(warm["tokens"]))
+                first_pass = before["stages"]["compute"]["n_passes"]
+                done, decode_s = _greedy_request(cfg.listen, tokens,
+                                                 stop=stop_when(stop_after, first_pass, stop_after[1] if stop_after else 0))
+                after = _settled_status(cfg.name, before["tokens_generated"] + len(done["tokens"]))
+                watch.add(after["stages"]["compute"])
+                generated, next_pass = after["tokens_generated"], after["stages"]["compute"]["n_passes"]
+                pass_s_by_rows: dict[int, list[float]] = {}
+                for k, v in sorted(watch.passes.items()):
+                    if first_pass <= k < next_pass and v["rows"] > 0 and v["prefill_rows"] == 0:
+                        pass_s_by_rows.setdefault(v["rows"], []).append(v["busy"] + v["starved"] + v["blocked"])
+                n = len(done["tokens"])
+                out.append({"done": done, "tokens_per_s": done["timings"]["decode_tokens_per_s"] or 0.0,
+                            "plain_tokens_per_s": None,
+                            "client_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                            "pass_s_by_rows": pass_s_by_rows, "start_s": round(start_s, 2),
+                            "streamed_bytes_per_pass": plan.streamed_bytes_per_pass,
+                            "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE, SKIPPED)}})
+                if each is not None and not plain_too:
+                    each(out[-1])
         if plain_too:
-            plain_done, _ = _greedy_request(cfg.listen, tokens, speculative=False)
-            plain_tps = plain_done["timings"]["decode_tokens_per_s"] or 0.0
+            plain_done, _ = _greedy_request(cfg.listen, runs[-1][1], speculative=False)
+            out[-1]["plain_tokens_per_s"] = plain_done["timings"]["decode_tokens_per_s"] or 0.0
+            if each is not None:
+                for r in out:
+                    each(r)
     finally:
         instance.stop(cfg.name, force=True)
-    comp_before, comp_after = before["stages"]["compute"], after["stages"]["compute"]
-    pass_s_by_rows: dict[int, list[float]] = {}
-    for k, v in sorted(watch.passes.items()):
-        if comp_before["n_passes"] <= k < comp_after["n_passes"] and v["rows"] > 0 and v["prefill_rows"] == 0:
-            pass_s_by_rows.setdefault(v["rows"], []).append(v["busy"] + v["starved"] + v["blocked"])
-    n = len(done["tokens"])
-    return {"done": done, "tokens_per_s": done["timings"]["decode_tokens_per_s"] or 0.0, "plain_tokens_per_s": plain_tps,
-            "client_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-            "pass_s_by_rows": pass_s_by_rows, "start_s": round(start_s, 2),
-            "streamed_bytes_per_pass": plan.streamed_bytes_per_pass,
-            "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE, SKIPPED)}}
+    return out
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -610,9 +628,10 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
                        draft_replay=str(replay_path), draft_replay_p=p_wrong, draft_model=draft_model).validate()
 
     # (ii) verify-pass time per chain length, every draft right; the warm-up's one pass is of K + 1 rows
-    for k in opts.verify_draft_tokens:
-        run = _timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k),
-                              stop_after=(k + 1, opts.verify_passes))
+    ks = list(opts.verify_draft_tokens)
+
+    def timed_chain(run: dict[str, Any]) -> None:
+        k = ks[len(entry["verify"])]
         times = run["pass_s_by_rows"].get(k + 1, [])
         pass_s = _mean(times)
         entry["verify"].append({
@@ -624,6 +643,16 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         })
         save()
         log(_spec_verify_line(entry["verify"][-1]))
+
+    if opts.verify_passes == 1:
+        # one instance for every K: it drafts chains of the longest, and a request whose max_tokens
+        # leaves room for one verify pass of K drafts just K (a pass drafts only what is left)
+        _timed_runs(replay_cfg(max(ks), 0.0, fixed=True), index, [(k + 2, opts.verify_tokens(k), (k + 1, 1)) for k in ks],
+                    each=timed_chain)
+    else:
+        for k in ks:
+            timed_chain(_timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k),
+                                        stop_after=(k + 1, opts.verify_passes)))
     measured = {v["draft_tokens"]: v["pass_s"] for v in entry["verify"] if v["pass_s"]}
     at = _at_draft_tokens(measured, VERIFY_GOAL_DRAFT_TOKENS)
     if at and plain_pass_s:

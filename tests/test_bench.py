@@ -134,11 +134,14 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
 
 
 @pytest.mark.slow
-def test_bench_spec_times_every_chain_length_asked_for_its_passes_of_k_plus_1_rows(tmp_path):
+@pytest.mark.parametrize("passes", [3, 1])
+def test_bench_spec_times_every_chain_length_asked_for_its_passes_of_k_plus_1_rows(tmp_path, passes):
     """Every chain length asked for gets ``--spec-verify-passes`` timed verify passes of exactly
     K + 1 rows, whatever the plan and ``--spec-tokens``: here nothing streams, so on the CPU a
     pass of K + 1 rows costs many 1-token passes and the tree shape's back-off, left to itself,
-    would draft less (or nothing) in some of those passes and leave their chains untimed."""
+    would draft less (or nothing) in some of those passes and leave their chains untimed. With one
+    pass each, every chain runs in one instance (its chains the longest asked for, each request's
+    max_tokens leaving room for its K only)."""
     model = write_tiny(tmp_path, n_layers=4, type="Q8_0")
     out = tmp_path / "out"
     env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
@@ -146,14 +149,15 @@ def test_bench_spec_times_every_chain_length_asked_for_its_passes_of_k_plus_1_ro
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
          "--gpu-layers", "4", "--scenarios", "spec", "--out", str(out), "--listen", f"tcp://127.0.0.1:{free_port()}",
-         "--spec-verify-draft-tokens", ",".join(map(str, ks)), "--spec-verify-passes", "3",
+         "--spec-verify-draft-tokens", ",".join(map(str, ks)), "--spec-verify-passes", str(passes),
          "--spec-accept-draft-tokens", "2", "--spec-accept-length", "1", "--spec-tokens", "2"],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     (spec,) = json.loads((out / "bench.json").read_text())["scenarios"]
     assert [(v["draft_tokens"], v["n_passes"], v["accepted_per_pass"]) for v in spec["verify"]] == \
-        [(k, 3, float(k)) for k in ks], r.stdout
+        [(k, passes, float(k)) for k in ks], r.stdout
+    assert (len({v["start_s"] for v in spec["verify"]}) == 1) == (passes == 1)  # one instance, or one a chain
     chains = [ln for ln in r.stdout.splitlines() if "verify pass, chain of" in ln]
     assert len(chains) == len(ks) and not any("n/a" in ln for ln in chains), r.stdout
     assert all(v["pass_s"] > 0 for v in spec["verify"])
