@@ -48,9 +48,10 @@ from ntx.shared.plan import CPU, RAM, SKIPPED, STORAGE, VRAM, layer_ranges
 from ntx.shared.stats import bottleneck, combine, summarize
 
 GB = 1e9
-# how often a timed run reads compute's status (_PassWatch): well within the KEEP_PASSES passes
-# it keeps, at a streamed model's pass times (0.2-0.4 s on the H200) and the CPU tests' alike
-WATCH_POLL_S = 0.1
+# how often a timed run reads compute's status (_PassWatch). Compute reports its clock every
+# STATS_INTERVAL_S (0.5 s), so the watch keeps every pass where KEEP_PASSES passes take longer
+# than that: a streamed model's (0.2-0.4 s a pass on the H200), not a small model's on the CPU
+WATCH_POLL_S = 0.25
 PROMPT = "The history of the transistor begins"
 
 
@@ -446,13 +447,14 @@ class _PassWatch:
             for k, v in (compute.get("passes") or {}).items():
                 self.passes[int(k)] = v
 
-    def closed(self, rows: int, since: int) -> int:
-        """How many decode passes of ``rows`` rows from pass id ``since`` on have ended (a later
-        pass was seen)."""
+    def closed(self, rows: int | None, since: int) -> int:
+        """How many decode passes of ``rows`` rows (None: any) from pass id ``since`` on have
+        ended (a later pass was seen)."""
         with self._lock:
             last = max(self.passes, default=-1)
             return sum(1 for k, v in self.passes.items()
-                       if since <= k < last and v["rows"] == rows and v["prefill_rows"] == 0)
+                       if since <= k < last and v["prefill_rows"] == 0 and v["rows"] > 0
+                       and (rows is None or v["rows"] == rows))
 
 
 def _settled_status(name: str, tokens_generated: int, timeout_s: float = 60.0) -> dict:
@@ -500,8 +502,12 @@ def _timed_runs(cfg: InstanceConfig, index: ModelIndex, runs: list[tuple[int, in
     try:
         with _PassWatch(cfg.name) as watch:
             def stop_when(stop_after: tuple[int, int] | None, since: int, need: int):
-                """Whether ``need`` passes of stop_after's rows have ended from pass id ``since`` on."""
-                return (lambda: watch.closed(stop_after[0], since) >= need) if stop_after else None
+                """Whether ``need`` passes of stop_after's rows have ended from pass id ``since`` on,
+                or more decode passes than that of any rows (a chain that left its recording
+                drafts nothing more)."""
+                if not stop_after:
+                    return None
+                return lambda: watch.closed(stop_after[0], since) >= need or watch.closed(None, since) > need
 
             generated, next_pass = 0, 0  # compute's counts before this run
             for warmup_tokens, tokens, stop_after in runs:
