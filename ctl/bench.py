@@ -439,7 +439,10 @@ class _PassWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            self.add((instance.get_status(self.name, 10) or {}).get("stages", {}).get("compute", {}))
+            try:
+                self.add((instance.get_status(self.name, 10) or {}).get("stages", {}).get("compute", {}))
+            except Exception:  # noqa: BLE001 - a reading missed; the run's own status calls say what is wrong
+                continue
 
     def add(self, compute: dict) -> None:
         """Keep the passes of one reading of compute's status."""
