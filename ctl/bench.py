@@ -496,7 +496,7 @@ def _timed_runs(cfg: InstanceConfig, index: ModelIndex, runs: list[tuple[int, in
     """``_timed_instance`` for each (warmup_tokens, tokens, stop_after) of ``runs`` in turn, in
     one start of ``cfg``'s instance (on the 70B a start takes 40-60 s); ``plain_too`` after the
     last. One result each, as ``_timed_instance`` returns it, also given to ``each`` as it comes
-    (so that a run cut off keeps what it measured)."""
+    (so that a run cut off keeps what it measured; before ``plain_too``'s figure is in it)."""
     plan = plan_for(index, cfg)
     t0 = time.perf_counter()
     instance.start(cfg, plan)
@@ -533,14 +533,11 @@ def _timed_runs(cfg: InstanceConfig, index: ModelIndex, runs: list[tuple[int, in
                             "pass_s_by_rows": pass_s_by_rows, "start_s": round(start_s, 2),
                             "streamed_bytes_per_pass": plan.streamed_bytes_per_pass,
                             "plan_tiers": {t: len(plan.layers_on(t)) for t in (VRAM, RAM, STORAGE, SKIPPED)}})
-                if each is not None and not plain_too:
+                if each is not None:
                     each(out[-1])
         if plain_too:
             plain_done, _ = _greedy_request(cfg.listen, runs[-1][1], speculative=False)
             out[-1]["plain_tokens_per_s"] = plain_done["timings"]["decode_tokens_per_s"] or 0.0
-            if each is not None:
-                for r in out:
-                    each(r)
     finally:
         instance.stop(cfg.name, force=True)
     return out
