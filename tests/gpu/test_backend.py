@@ -196,6 +196,39 @@ def test_device_pick_equals_selection_from_copied_logits(synth_dir):
         assert g.token_val == w.token_val  # the scored prompt token's logit, gathered on the device
 
 
+def test_picks_of_more_rows_than_the_head_buffer_go_through_it_in_chunks(synth_dir):
+    """An eager pass (more rows than the largest bucket) runs its head in the kept arena's
+    64-row buffers, a chunk of rows at a time (``CudaBackend._head_chunks``): a 150-row prompt
+    chunk scored on every row, beside two short sequences, gives the same ids and values per row
+    as selecting from its whole copied logits, with every kind of pick on both sides of the
+    chunk boundaries (rows 63/64, 127/128), a whole row among them."""
+    eng = build_local_engine(_synth(synth_dir, "Q8_0"), backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
+    m = eng.core.model
+    assert m.backend.max_graph_rows == 64
+    for sid in range(3):
+        m.backend.alloc_sequence(sid, 256)
+    long = tuple(1 + (i * 37) % 500 for i in range(150))
+    batch = StepBatch([SeqChunk(0, 0, long, all_logits=True), SeqChunk(1, 0, (5, 6, 7)), SeqChunk(2, 0, (8,))])
+    n = len(long) + 2  # every row of the long chunk, the last of each short one
+    assert len(batch.logit_rows) == n == 152
+    kinds = {62: Pick(0), 63: Pick(40, lse=True), 64: Pick(1), 65: Pick(0), 127: Pick(3, token=9), 128: Pick(0),
+             150: Pick(40, lse=True), 151: Pick(1)}
+    picks = [kinds.get(i, Pick(5, lse=True, token=long[i + 1] if i + 1 < len(long) else None)) for i in range(n)]
+    logits = m.forward(batch)  # [152, V] on the host, itself a chunk at a time
+    assert logits.shape[0] == n and np.isfinite(logits).all()
+    got = m.forward(batch, picks=picks)
+    want = pick_on_host(logits, picks)
+    for g, w, p in zip(got, want, picks):
+        if p.k == 0:
+            np.testing.assert_array_equal(g.row, w.row)
+            continue
+        np.testing.assert_array_equal(g.ids, w.ids)
+        np.testing.assert_array_equal(g.vals, w.vals)
+        if p.lse:
+            assert abs(g.lse - w.lse) < 1e-4 * max(1.0, abs(w.lse)), (g.lse, w.lse)
+        assert g.token_val == w.token_val
+
+
 def test_engine_samples_on_device_as_from_full_logits(synth_dir):
     """Sampling on the GPU, engine level: seeded top-k sampling with logprobs, and greedy, give
     the same tokens and log-probabilities with device-side selection as with the whole logits

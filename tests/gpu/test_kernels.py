@@ -35,7 +35,7 @@ from ntx.daemons.compute.cuda import gemm as G  # noqa: E402
 from ntx.daemons.compute.cuda import matvec as MV  # noqa: E402
 from ntx.daemons.compute.cuda import mm as MM  # noqa: E402
 from ntx.daemons.compute.cuda import norm_rope_kv as N  # noqa: E402
-from ntx.daemons.compute.cuda import runtime, tuning  # noqa: E402
+from ntx.daemons.compute.cuda import memory, runtime, tuning  # noqa: E402
 from ntx.daemons.compute.cuda import selection as S  # noqa: E402
 from ntx.daemons.compute.cuda.kv_pages import KvPages  # noqa: E402
 from ntx.shared.kv_sizing import pages_for_positions  # noqa: E402
@@ -418,6 +418,27 @@ def test_gemm(qt, T, rng):
     via_mm = not via_mmq and MM.mm_supported(qt, n_cols) and T >= runtime.tuning().mm_min_rows
     i16 = T <= MM.MAX_MM_ROWS and (via_mmq or not via_mm and quant_type(qt).dp4a)
     assert relerr(out, ref) < (1e-4 if i16 else 1e-5 if T <= MM.MAX_MM_ROWS else 2e-3)
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0], ids=lambda q: q.name)
+def test_gemm_dequant_in_row_chunks(qt, rng, monkeypatch):
+    """Beyond 64 rows the cuBLAS path copies W to f16 a chunk of rows at a time
+    (``memory.dequant_chunk_rows``, DEQUANT_W16_BYTES): made small here, 1000 rows go in pieces
+    of 256 (the last 232), each written to its own rows of out. The same result as one whole
+    copy within f32 rounding (cuBLAS picks its kernels by shape, so not always the same bits),
+    and the exact product within the two f16 roundings."""
+    n_rows, n_cols, T = 1000, 512, 100
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    w = W(raw, qt, n_rows, n_cols)
+    x = cp.asarray(rng.standard_normal((T, n_cols)).astype(np.float32))
+    whole = G.gemm_dequant(CTX, w, x)
+    monkeypatch.setattr(tuning, "DEQUANT_W16_BYTES", 256 * n_cols * 2)
+    assert memory.dequant_chunk_rows(n_rows, n_cols) == 256
+    out = nan_f32((T, n_rows))
+    G.gemm_dequant(CTX, w, x, out=out)
+    assert relerr(out, cp.asnumpy(whole)) < 1e-6
+    ref = cp.asnumpy(x).astype(np.float64) @ reference_matrix(qt, raw, n_rows, n_cols).T
+    assert relerr(out, ref) < 2e-3
 
 
 # ------------------------------------------------------------------------------ layer ops

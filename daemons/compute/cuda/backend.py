@@ -255,7 +255,8 @@ class CudaBackend(Backend):
     def _work(self, rows: int, keep: bool) -> _Work:
         """The workspace of ``rows`` rows: a bucket's, kept in the backend's arena (graphs point
         into it), or above the buckets an arena of the pass's own (``memory.eager_layout``),
-        freed with it, so a stream of prompt lengths does not pile up. The kernels' scratch looks
+        freed with it, so a stream of prompt lengths does not pile up; its head runs in the kept
+        arena's buffers a chunk of rows at a time (``_head_chunks``). The kernels' scratch looks
         in that pass's arena first (``ArenaScratch.eager``)."""
         self.scratch.eager = None  # the last eager pass's arena goes back before a new one is made
         w = self.works.get(rows)
@@ -266,9 +267,11 @@ class CudaBackend(Backend):
                 if keep:
                     w = self.works[rows] = _Work(rows, self.hp, splits, self.arena, prefix=f"bucket{rows}/",
                                                  attn_rows=attn_rows)
-                else:
-                    w = _Work(rows, self.hp, splits, Arena(eager_layout(self.hp, rows, self.max_ctx, self.tuning)),
-                              attn_rows=attn_rows)
+                else:  # the head's buffers: the kept arena's (the largest bucket's) where graphs are on
+                    own_head = not self.max_graph_rows
+                    w = _Work(rows, self.hp, splits,
+                              Arena(eager_layout(self.hp, rows, self.max_ctx, self.tuning, own_head=own_head)),
+                              head=None if own_head else self.arena, attn_rows=attn_rows)
         if not keep:
             self.scratch.eager = w.arena
         return w
@@ -470,14 +473,18 @@ class CudaBackend(Backend):
         return selection.topk(self.ctx, logits, k)
 
     # -- the head --------------------------------------------------------------------------------
-    def _logits_dev(self, work: _Work):
-        """Final norm and head on the device: f32 [N, V] for ``work.logit_rows``."""
+    def _logits_dev(self, work: _Work, rows: np.ndarray | None = None):
+        """Final norm and head on the device: f32 [N, V] for ``rows`` (``work.logit_rows``), at
+        most the head buffer's rows (``_head_chunks``), in that buffer."""
         hp = self.hp
-        rows = work.logit_rows
+        rows = work.logit_rows if rows is None else rows
         n = len(rows)
+        if n > work.logits.shape[0]:
+            raise ValueError(f"the head takes {work.logits.shape[0]} rows at a time, not {n} (_head_chunks)")
         with self.stream:
-            if np.array_equal(rows, np.arange(n)):
-                h_in = work.x[:n]  # the first rows (a prompt chunk, or every row): no gather
+            start = int(rows[0]) if n else 0
+            if np.array_equal(rows, np.arange(start, start + n)):
+                h_in = work.x[start:start + n]  # consecutive rows (a prompt chunk, every row): no gather
             else:
                 h_in = work.x[cp.asarray(rows)]
             h = nrk.rmsnorm(self.ctx, h_in, self.out_norm, hp.rms_eps, out=work.head_h[:n])  # h: [N, D]
@@ -489,9 +496,19 @@ class CudaBackend(Backend):
                 gemm.gemm(self.ctx, self.head, h[i:j], out=out[i:j])
         return out
 
+    @staticmethod
+    def _head_chunks(work: _Work) -> list[tuple[int, int]]:
+        """[a, b) ranges of ``work.logit_rows`` the head computes one after another: as many as
+        its buffer holds at a time (MAX_GRAPH_ROWS, the largest bucket's: an eager pass's head
+        shares the kept arena's buffer, ``memory.eager_layout``), so that a 512-row verify pass
+        does not hold [512, V] logits (250 MiB for a 128k vocabulary)."""
+        n, cap = len(work.logit_rows), work.logits.shape[0]
+        return [(a, min(a + cap, n)) for a in range(0, n, cap)] or [(0, 0)]
+
     def logits(self, ws: _Work) -> np.ndarray:
-        out = self._logits_dev(ws)
-        host = cp.asnumpy(out, stream=self.stream)
+        host = np.empty((len(ws.logit_rows), self.hp.n_vocab), dtype=np.float32)
+        for a, b in self._head_chunks(ws):
+            host[a:b] = cp.asnumpy(self._logits_dev(ws, ws.logit_rows[a:b]), stream=self.stream)
         self.stream.synchronize()
         return host
 
@@ -502,32 +519,45 @@ class CudaBackend(Backend):
         """Selection on the device: one top-k kernel over the rows that want candidates (k the
         largest asked), a log-normaliser where asked, and only those k entries (and whole rows
         where k == 0) cross to the host, into pinned buffers, without waiting: a decode step
-        copies a few bytes, not [N, V] floats, and the host may queue the next pass meanwhile."""
-        lg = self._logits_dev(ws)  # [N, V]
-        n, V = lg.shape
+        copies a few bytes, not [N, V] floats, and the host may queue the next pass meanwhile.
+        Rows beyond the head buffer's go through it a chunk at a time (``_head_chunks``), their
+        candidates gathered on the device."""
+        n, V = len(ws.logit_rows), self.hp.n_vocab
         cand = [i for i, p in enumerate(picks) if p.k > 0]
         full = [i for i, p in enumerate(picks) if p.k == 0]
         tok_rows = [j for j, i in enumerate(cand) if picks[i].token is not None]  # rows of ``cand``
-        got: dict[str, np.ndarray] = {}
-        top1 = None
+        k = min(max(picks[i].k for i in cand), V) if cand else 0
+        want_lse = any(picks[i].lse for i in cand)
+        parts: dict[str, list] = {"vals": [], "ids": [], "lse": [], "tok_vals": []}
+        full_rows: list[np.ndarray] = []  # pinned [F_chunk, V] each, in ``full``'s order
+        got: dict = {}
         with self.stream:
-            if cand:
-                k = min(max(picks[i].k for i in cand), V)
-                sub = lg if len(cand) == n else lg[cp.asarray(cand)]
-                vals_d, ids_d = selection.topk(self.ctx, cp.ascontiguousarray(sub), k)  # [C, k] each
-                if len(cand) == n:
-                    top1 = ids_d[:, 0]  # [N]: the next tokens of greedy rows, for feed_tokens
-                lse_rows = [j for j, i in enumerate(cand) if picks[i].lse]
-                _to_host(got, "vals", vals_d, self.stream)
-                _to_host(got, "ids", ids_d, self.stream)
-                if lse_rows:
-                    m = vals_d[:, :1]  # the row maxima: the top-1 values, [C, 1]
-                    _to_host(got, "lse", cp.log(cp.exp(sub - m).sum(axis=1)) + m[:, 0], self.stream)  # [C]
-                if tok_rows:  # the asked tokens' logits, gathered on the device: [len(tok_rows)]
-                    tok_ids = cp.asarray([picks[cand[j]].token for j in tok_rows])
-                    _to_host(got, "tok_vals", sub[cp.asarray(tok_rows), tok_ids], self.stream)
-            if full:
-                _to_host(got, "rows", lg[cp.asarray(full)], self.stream)
+            for a, b in self._head_chunks(ws):
+                lg = self._logits_dev(ws, ws.logit_rows[a:b])  # [b - a, V]
+                c_cand = [i - a for i in cand if a <= i < b]
+                c_full = [i - a for i in full if a <= i < b]
+                if c_cand:
+                    sub = lg if len(c_cand) == b - a else lg[cp.asarray(c_cand)]
+                    vals_d, ids_d = selection.topk(self.ctx, cp.ascontiguousarray(sub), k)  # [C, k] each
+                    parts["vals"].append(vals_d)
+                    parts["ids"].append(ids_d)
+                    if want_lse:
+                        m = vals_d[:, :1]  # the row maxima: the top-1 values, [C, 1]
+                        parts["lse"].append(cp.log(cp.exp(sub - m).sum(axis=1)) + m[:, 0])  # [C]
+                    c_tok = [j for j, i in enumerate(c_cand) if picks[i + a].token is not None]
+                    if c_tok:  # the asked tokens' logits, gathered on the device: [len(c_tok)]
+                        tok_ids = cp.asarray([picks[c_cand[j] + a].token for j in c_tok])
+                        parts["tok_vals"].append(sub[cp.asarray(c_tok), tok_ids])
+                if c_full:
+                    one: dict = {}
+                    _to_host(one, "rows", lg[cp.asarray(c_full)], self.stream)
+                    full_rows.extend(one["rows"])
+            joined = {name: (p[0] if len(p) == 1 else cp.concatenate(p)) for name, p in parts.items() if p}
+            top1 = joined["ids"][:, 0] if cand and len(cand) == n else None  # [N]: greedy rows' next tokens, for feed_tokens
+            for name, arr in joined.items():
+                _to_host(got, name, arr, self.stream)
+            if full_rows:
+                got["rows"] = full_rows
             done = self.stream.record()
         return _PendingPicks(picks, n, cand, full, tok_rows, got, done, top1)
 

@@ -38,7 +38,7 @@ from ntx.daemons.compute.cuda import matvec as mv
 from ntx.daemons.compute.cuda import mm as tc
 from ntx.daemons.compute.cuda import norm_rope_kv as nrk
 from ntx.daemons.compute.cuda.dequant import dequantize_f16
-from ntx.daemons.compute.cuda.memory import gemm_path
+from ntx.daemons.compute.cuda.memory import dequant_chunk_rows, gemm_path
 from ntx.daemons.compute.cuda.runtime import KernelContext, aligned_x, check_f32, out_array, stream_ctx
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS
 from ntx.shared.quant_types import quant_type, row_nbytes
@@ -115,7 +115,9 @@ def gemm_dequant(ctx: KernelContext, w: Weight, x, out=None, *, stream=None):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T through an f16 copy of W: W dequantized to
     the context's f16 scratch, x rounded to f16, cuBLAS GEMM with f32 accumulation and f32
     output (relative error ~1e-3 from the two f16 roundings). Eager only (cupy cannot capture
-    cuBLAS)."""
+    cuBLAS). W is copied and multiplied ``memory.dequant_chunk_rows`` rows at a time (all of
+    it where it fits in DEQUANT_W16_BYTES), so that the scratch is not a whole copy of the
+    largest matrix: each chunk's rows of out are whole dot products over n_cols, as before."""
     x = aligned_x(x, w.n_cols)
     T = x.shape[0]
     n_rows, n_cols = w.n_rows, w.n_cols
@@ -123,9 +125,9 @@ def gemm_dequant(ctx: KernelContext, w: Weight, x, out=None, *, stream=None):
     from cupy_backends.cuda.api import runtime
     from cupy_backends.cuda.libs import cublas
 
+    chunk_rows = dequant_chunk_rows(n_rows, n_cols)
     with stream_ctx(stream):
-        w16 = ctx.scratch("dequant w16", n_rows * n_cols * 2).view(cp.float16).reshape(n_rows, n_cols)
-        dequantize_f16(ctx, w, out=w16)
+        w16_all = ctx.scratch("dequant w16", chunk_rows * n_cols * 2).view(cp.float16).reshape(chunk_rows, n_cols)
         x16 = ctx.scratch("dequant x16", T * n_cols * 2).view(cp.float16).reshape(T, n_cols)
         cp.copyto(x16, x, casting="same_kind")
         handle = cp.cuda.device.get_cublas_handle()
@@ -135,12 +137,17 @@ def gemm_dequant(ctx: KernelContext, w: Weight, x, out=None, *, stream=None):
         one = np.array(1.0, dtype=np.float32)
         zero = np.array(0.0, dtype=np.float32)
         try:
-            # column-major view: out^T [n_rows, T] = W16^T(op T of [n_cols, n_rows]) @ x16^T [n_cols, T]
-            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_rows, T, n_cols,
-                          one.ctypes.data, w16.data.ptr, runtime.CUDA_R_16F, n_cols,
-                          x16.data.ptr, runtime.CUDA_R_16F, n_cols,
-                          zero.ctypes.data, out.data.ptr, runtime.CUDA_R_32F, n_rows,
-                          cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+            for r0 in range(0, n_rows, chunk_rows):
+                m = min(chunk_rows, n_rows - r0)
+                w16 = w16_all[:m]
+                part = Weight(w.qtype, m, n_cols, w.row_bytes, w.data.reshape(-1)[r0 * w.row_bytes:(r0 + m) * w.row_bytes])
+                dequantize_f16(ctx, part, out=w16)
+                # column-major view: out^T [rows r0..r0+m of n_rows, T] = W16^T(op T of [n_cols, m]) @ x16^T [n_cols, T]
+                cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, T, n_cols,
+                              one.ctypes.data, w16.data.ptr, runtime.CUDA_R_16F, n_cols,
+                              x16.data.ptr, runtime.CUDA_R_16F, n_cols,
+                              zero.ctypes.data, out.data.ptr + r0 * 4, runtime.CUDA_R_32F, n_rows,
+                              cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
         finally:
             cublas.setPointerMode(handle, mode)
     return out

@@ -30,7 +30,7 @@ from ntx.shared.plan import MemoryCosts
 from ntx.shared.quant_types import QuantType, quant_type
 
 __all__ = ["Region", "Layout", "ALIGN_BYTES", "KV_ELEMENT_BYTES", "ALLOCATOR_SLACK_BYTES", "ROW_FIELDS",
-           "attention_splits", "attention_rows", "gemm_path", "invariant_path", "gemm_scratch_bytes", "pass_regions", "scratch_regions", "backend_layout", "eager_layout",
+           "attention_splits", "attention_rows", "dequant_chunk_rows", "gemm_path", "invariant_path", "gemm_scratch_bytes", "pass_regions", "scratch_regions", "backend_layout", "eager_layout",
            "i16_plane_bytes", "i16_planes_bytes", "mmq_planes_bytes", "mm_scratch_bytes", "mmq_scratch_bytes",
            "tree_mask_words", "matrix_shapes", "backend_tuning", "cuda_memory_costs"]
 
@@ -210,6 +210,16 @@ def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning
     return {}
 
 
+def dequant_chunk_rows(n_rows: int, n_cols: int) -> int:
+    """Rows of W [n_rows, n_cols] the cuBLAS path (``gemm.gemm_dequant``) copies to f16 and
+    multiplies at a time: all of them where their f16 copy fits in ``tuning.DEQUANT_W16_BYTES``,
+    else as many as fit, a multiple of 256 (at least 256)."""
+    fit = tuning.DEQUANT_W16_BYTES // (2 * n_cols)
+    if fit >= n_rows:
+        return n_rows
+    return max(256, fit // 256 * 256)
+
+
 def matrix_shapes(index: ModelIndex) -> set[tuple[int, int, int]]:
     """(type, rows, columns) of every matrix the backend multiplies: the layers' and the head."""
     shapes = {(int(t.ggml_type), t.shape[0], t.shape[1]) for layer in index.layers
@@ -265,9 +275,9 @@ def backend_layout(index: ModelIndex, max_ctx: int, max_graph_rows: int = MAX_GR
     """Everything the cuda backend keeps for ``index`` with a KV cache of ``max_ctx`` positions:
     each row bucket's pass workspace (``bucket{rows}/…``) and the head's buffers for the largest
     bucket (``max_graph_rows``: 0 without graphs), the kernels' scratch for every product of up
-    to MAX_MM_ROWS rows (the head multiplies in chunks of that many), and the f16 copy of the
-    largest layer matrix (``dequant w16``: the cuBLAS path of eager passes; none in the
-    batch-invariant mode, which never takes it)."""
+    to MAX_MM_ROWS rows (the head multiplies in chunks of that many), and the f16 copy of a
+    layer matrix's rows (``dequant w16``, the most rows ``dequant_chunk_rows`` takes at once:
+    the cuBLAS path of eager passes; none in the batch-invariant mode, which never takes it)."""
     hp = index.hparams
     regions: list[Region] = []
     for rows in bucket_sizes(max_graph_rows):
@@ -277,19 +287,25 @@ def backend_layout(index: ModelIndex, max_ctx: int, max_graph_rows: int = MAX_GR
     regions += scratch_regions(matrix_shapes(index), tuning.MAX_MM_ROWS, hp.n_embd, t)
     if t.batch_invariant:
         return Layout(tuple(regions))
-    largest = max(m.shape[0] * m.shape[1] for layer in index.layers for m in layer.tensors.values() if len(m.shape) == 2)
+    largest = max(dequant_chunk_rows(m.shape[0], m.shape[1]) * m.shape[1]
+                  for layer in index.layers for m in layer.tensors.values() if len(m.shape) == 2)
     regions.append(Region("dequant w16", largest * 2))
     return Layout(tuple(regions))
 
 
-def eager_layout(hp: HParams, rows: int, max_ctx: int, t: tuning.KernelTuning = tuning.DEFAULT) -> Layout:
-    """A pass above the buckets (made per pass, freed after): its workspace and head for
-    ``rows`` rows, the f16 copy of x the cuBLAS path multiplies (``dequant x16``, the widest
-    row multiplied; not in the batch-invariant mode) and gemm(accumulate)'s product (the down
-    matrix's [rows, D])."""
+def eager_layout(hp: HParams, rows: int, max_ctx: int, t: tuning.KernelTuning = tuning.DEFAULT,
+                 own_head: bool = False) -> Layout:
+    """A pass above the buckets (made per pass, freed after): its workspace, the f16 copy of x
+    the cuBLAS path multiplies (``dequant x16``, the widest row multiplied; not in the
+    batch-invariant mode) and gemm(accumulate)'s product (the down matrix's [rows, D]). Its
+    head runs MAX_GRAPH_ROWS rows at a time in the kept arena's head buffers (the backend's
+    ``_head_chunks``: [512, V] logits of their own took 250 MiB of a 128k vocabulary's VRAM), or,
+    without graphs (``own_head``: the kept arena holds no head), in buffers of its own for that
+    many rows."""
     widest = max(hp.n_embd, hp.q_dim, hp.n_ff)
     dequant = [] if t.batch_invariant else [Region("dequant x16", rows * widest * 2)]
-    return Layout(tuple(pass_regions(hp, rows, max_ctx, t=t) + head_regions(hp, rows)
+    head = head_regions(hp, min(rows, MAX_GRAPH_ROWS)) if own_head else []
+    return Layout(tuple(pass_regions(hp, rows, max_ctx, t=t) + head
                         + dequant + [Region("gemm accumulate", rows * hp.n_embd * 4)]))
 
 

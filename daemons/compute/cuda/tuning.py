@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 
 __all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant", "MAX_MATVEC_B",
            "MV_ROWS_PER_CTA", "MV_MAX_WARPS", "MV_UNROLLS", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
-           "ATTN_SPLIT_STEP"]
+           "ATTN_SPLIT_STEP", "DEQUANT_W16_BYTES"]
 
 MAX_MATVEC_B = 8  # activation rows one matvec launch takes (the kernels' B template range)
 MAX_MM_ROWS = 64  # activation rows one tensor-core matmul launch takes (8 per tile, NT <= 8)
@@ -30,6 +30,10 @@ MM_UNROLL = 2  # quad steps per lane per trip of the tensor-core matmul (mm_kern
 # matmuls, scratch in fixed places; no cuBLAS): passes of up to this many rows are padded to a
 # row bucket and replayed as CUDA graphs
 MAX_GRAPH_ROWS = MAX_MM_ROWS
+# the cuBLAS path's f16 copy of a matrix (gemm_dequant) is made and multiplied this many bytes of
+# rows at a time: a whole copy of the 70B's gate, up or down matrix took 448 MiB of VRAM, most of a
+# resident layer, for the eager passes alone (memory.dequant_chunk_rows)
+DEQUANT_W16_BYTES = 128 << 20
 ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its split kernel's warps per CTA
 
 # (rows per CTA, warps per CTA, pieces per lane per trip) of a matvec launch, each from these:
