@@ -20,6 +20,7 @@ kept dequantized to float32, so the same plan logic runs in CI with costs that m
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -35,8 +36,8 @@ VRAM, CPU, RAM, STORAGE, SKIPPED = "vram", "cpu", "ram", "storage", "skipped"
 TIER_LABELS = {CPU: "host CPU", RAM: "pinned RAM", STORAGE: "storage", SKIPPED: "skipped"}  # the resident tier's: Plan.memory_name
 DEVICE_RESERVE_BYTES = 512 << 20  # CUDA context, allocator slack
 RAM_RESERVE_BYTES = 6 << 30  # what ntransformer leaves the rest of the system
-# Passes of more rows than this run the cpu tier's layers on the GPU (copied from pinned host memory,
-# daemons/compute/host_tier.py): the host's cores are bound by arithmetic there, and the int8
+# Passes of more rows than this run the cpu tier's layers on the GPU (streamed with the pass's other
+# layers, daemons/compute/host_tier.py): the host's cores are bound by arithmetic there, and the int8
 # products of 8 rows cost several times those of one, while the copy costs the same whatever the rows.
 WIDE_PASS_ROWS = 4
 KV_POOL_CAP_ROWS = 2  # the KV pool holds at most this many full contexts per --max-batch row (the rest: the prefix cache's)
@@ -130,6 +131,16 @@ class HostRates:
         return text
 
 
+def tier_wide_rows_for(backend: str) -> int | None:
+    """Passes of more rows than this run the cpu tier's layers on ``backend`` (None: never): on
+    cuda WIDE_PASS_ROWS; on the cpu backend never, unless NTX_TIER_WIDE_ROWS says (tests: a cpu
+    pipeline's tier then streams its layers in wide passes as on a GPU)."""
+    if backend == "cuda":
+        return WIDE_PASS_ROWS
+    env = os.environ.get("NTX_TIER_WIDE_ROWS")
+    return int(env) if env else None
+
+
 def cpu_split(layer_bytes: list[int], rates: HostRates, gpu_bytes: int = 0) -> int:
     """How many of the candidate layers (``layer_bytes`` each, taken evenly spread as
     ``spread_pick`` does) go to the cpu tier so that a pass on both roads is fastest
@@ -206,6 +217,10 @@ class Plan:
     # (MemoryCosts.host_globals_bytes); embed_host_bytes of it, not counted in globals_bytes
     embed_in_host: bool = False
     embed_host_bytes: int = 0
+    # passes of more rows than this run the cpu tier's layers on the main backend (None: never;
+    # on cuda WIDE_PASS_ROWS); where other layers stream, those passes stream the tier's layers
+    # too, through the same ring (``wide_streamed_layers``: dma keeps their bytes with its RAM tier)
+    tier_wide_rows: int | None = None
 
     @property
     def predicted_pass_s(self) -> float:
@@ -241,6 +256,16 @@ class Plan:
     @property
     def streamed_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t in (RAM, STORAGE)]
+
+    @property
+    def wide_streamed_layers(self) -> list[int]:
+        """The cpu tier's layers that a pass wider than ``tier_wide_rows`` streams beside the
+        streamed layers (their bytes in dma's pinned RAM): the tier's, where something streams on
+        a tier that leaves the host in wide passes; else none (nothing streams: compute copies
+        them itself, through one staging buffer)."""
+        if self.tier_wide_rows is None or not self.streamed_layers:
+            return []
+        return self.layers_on(CPU)
 
     @property
     def streamed_bytes_per_pass(self) -> int:
@@ -327,8 +352,10 @@ class Plan:
             return []
         lines = [f"host CPU: {len(self.layers_on(CPU))} layers held in host RAM as "
                  f"{format_bytes(self.cpu_held_bytes)} (inside the RAM budget"
-                 + (f"; their file bytes too, for passes of more than {WIDE_PASS_ROWS} rows, which run them on the GPU"
-                    if self.backend == "cuda" else "")
+                 + (f"; their file bytes too, for passes of more than {self.tier_wide_rows} rows, which run them on the "
+                    + ("GPU" if self.backend == "cuda" else "backend")
+                    + (" streamed with the others" if self.wide_streamed_layers else "")
+                    if self.tier_wide_rows is not None else "")
                  + "), computed by the host's cores; only the hidden state crosses the link"]
         if rates:
             link_ms = self.streamed_bytes_per_pass / (self.link_gbps * 1e9) * 1e3
@@ -540,12 +567,11 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         )
     max_vram_layers = len(kept) if cfg.gpu_layers is None else min(cfg.gpu_layers, len(kept))
     tiers = [SKIPPED if i in skip else STORAGE for i in range(n)]
-    # on cuda the cpu tier runs its layers on the device in wide passes, through one staging
-    # buffer (host_tier.py): reserved with the slots where a tier may be placed, given back if not
-    # (reading those layers from mapped host memory instead measured slower: dev/cuda/bench_mapped_weights.py)
-    tier_possible = cfg.cpu_layers != 0 and cfg.cpu_tier_barred is None
-    stage_bytes = slot_bytes if backend == "cuda" and tier_possible and (cfg.cpu_layers or rates) else 0
-    slots_bytes = cfg.ring_slots * slot_bytes + stage_bytes
+    # on cuda the cpu tier runs its layers on the device in wide passes: streamed through the
+    # ring's slots beside the streamed layers, or where nothing else streams, copied by compute
+    # through one staging buffer, which takes one of the ring slots' room (host_tier.py; reading
+    # them from mapped host memory instead measured slower: dev/cuda/bench_mapped_weights.py)
+    slots_bytes = cfg.ring_slots * slot_bytes
 
     def resident_with(cap: int, avail_bytes: int) -> list[int] | None:
         return _resident_set(kept, cap, layer_costs, avail_bytes, slots_bytes, cfg.placement)
@@ -584,10 +610,9 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
                                        sum(index.layers[i].nbytes for i in resident))
     for i in cpu_layers:
         tiers[i] = CPU
-    if device_slots_total and not cpu_layers:  # no tier: no staging buffer
-        avail += stage_bytes
-        device_slots_total -= stage_bytes
+    tier_wide_rows = tier_wide_rows_for(backend) if cpu_layers else None
     if device_slots_total and all(tiers[i] in (VRAM, CPU) for i in kept):  # nothing streams after all
+        stage_bytes = slot_bytes if tier_wide_rows is not None and backend == "cuda" else 0
         avail += device_slots_total - stage_bytes
         device_slots_total = stage_bytes
     rest = [i for i in rest if tiers[i] != CPU]
@@ -648,6 +673,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         link_beside_cpu_gbps=rates.link_beside_cpu_gbps if rates else 0.0,
         gpu_gbps=rates.gpu_gbps if rates else 0.0,
         embed_in_host=embed_in_host, embed_host_bytes=costs.host_globals_bytes if embed_in_host else 0,
+        tier_wide_rows=tier_wide_rows,
     )
 
 

@@ -4,20 +4,25 @@ The GPU side (graphs, tokens with padding) is tests/gpu/test_warm_up_gpu.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.cuda import buckets
 from ntx.daemons.compute.cuda.buckets import INERT_SLOT, bucket_sizes, inert_rows, pass_rows, row_bucket
+import synth_gguf as sg
 from ntx.daemons.compute.cuda.memory import (ALLOCATOR_SLACK_BYTES, attention_splits, backend_layout,
-                                             cuda_memory_costs, eager_layout, pass_regions)
+                                             cuda_memory_costs, dequant_chunk_rows, eager_layout, pass_regions)
+from ntx.shared.config import InstanceConfig
 from ntx.shared.gguf_index import open_model
+from ntx.shared.plan import CPU, VRAM, HostRates, make_plan
 
 try:
-    from .synth_models import write_tiny
+    from .synth_models import write_header_only_gguf, write_tiny
 except ImportError:  # tests/ is not a package
-    from synth_models import write_tiny
+    from synth_models import write_header_only_gguf, write_tiny
 
 
 # ------------------------------------------------------------------------------ buckets
@@ -125,3 +130,34 @@ def test_planner_counts_every_buckets_workspace(tmp_path):
     for rows in (1, 8, 64, 512):
         s = attention_splits(rows, hp.n_head_kv, ctx)
         assert s % 4 == 0 and 4 <= s <= 64
+
+
+def test_the_cublas_copy_and_an_eager_head_leave_the_70b_a_resident_layer(tmp_path):
+    """Two buffers of the eager passes alone took most of a 70B layer's VRAM: the whole f16
+    copy of the largest matrix for cuBLAS (448 MiB) and a 512-row prompt chunk's [512, V]
+    logits (250 MiB). The copy is now made 128 MiB of rows at a time and an eager pass's head
+    runs 64 rows at a time in the kept arena's buffers; and the cpu tier's wide passes stream its
+    layers through the ring instead of a staging buffer of their own. So at 24 GiB the default
+    flags keep 43 layers resident, as many as without a tier, instead of 41 (a header-only file:
+    no tensor data is written)."""
+    index = open_model(write_header_only_gguf(tmp_path / "l70.gguf", sg.preset_config("llama3-70b", type="Q4_K_M")))
+    hp = index.hparams
+    # 70B: gate and up [28672, 8192] in 8192-row pieces, down [8192, 28672] in 2304-row ones,
+    # q and o (128 MiB exactly) whole; the 8B's largest (112 MiB) whole: its bits stay as they were
+    assert [dequant_chunk_rows(r, c) for r, c in ((28672, 8192), (8192, 28672), (8192, 8192), (1024, 8192))] \
+        == [8192, 2304, 8192, 1024]
+    assert dequant_chunk_rows(14336, 4096) == 14336 and dequant_chunk_rows(4096, 14336) == 4096
+    ctx = 8192
+    assert backend_layout(index, ctx).region("dequant w16").nbytes == 128 << 20
+    eager = eager_layout(hp, 512, ctx)
+    assert "logits" not in eager.offsets and "head h" not in eager.offsets
+    own = eager_layout(hp, 512, ctx, own_head=True)  # without graphs the kept arena holds no head
+    assert own.region("logits").nbytes == buckets.MAX_GRAPH_ROWS * hp.n_vocab * 4
+    cfg = InstanceConfig(model=index.paths[0], backend="cuda", vram_budget=24 << 30, ram_budget=100 << 30).validate()
+    costs = cuda_memory_costs(index, max_seqs=cfg.max_batch, max_ctx=cfg.ctx_for(hp.n_ctx_train),
+                              prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    rates = HostRates(55.1, 42.1, 66.6, cpu_beside_link_gbps=34.4, link_beside_cpu_gbps=51.2, gpu_gbps=1000.0)
+    plan = make_plan(index, cfg, costs, rates=rates)
+    assert len(plan.layers_on(VRAM)) == 43 and plan.layers_on(CPU)
+    no_tier = make_plan(index, replace(cfg, cpu_layers=0).validate(), costs, rates=rates)
+    assert no_tier.layers_on(VRAM) == plan.layers_on(VRAM)

@@ -24,7 +24,8 @@ from ntx.shared.config import EngineOptions, InstanceConfig
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import EngineRequest
-from ntx.shared.plan import CPU, RAM, STORAGE, VRAM, HostRates, Plan, cpu_split, make_plan, spread_pick
+from ntx.shared.plan import (CPU, RAM, STORAGE, VRAM, WIDE_PASS_ROWS, HostRates, Plan, cpu_split, make_plan,
+                             spread_pick)
 
 from .pipeline_util import ntxctl, running_pipeline
 
@@ -171,20 +172,25 @@ def test_plan_places_the_cpu_tier_among_the_streamed_layers(index):
 
 
 def test_plan_auto_split_from_rates_on_cuda(index):
-    cfg = _cfg(index, backend="cuda", vram_budget=470 << 20)
+    cfg = _cfg(index, backend="cuda", vram_budget=373 << 20)
     base = _plan(index, cfg)
     assert not base.layers_on(CPU)  # no rates given, none measured here: no tier
     plan = _plan(index, cfg, HostRates(link_gbps=30.0, cpu_gbps=10.0, how="given"))
     rest = sorted(plan.layers_on(CPU) + plan.streamed_layers)
     assert len(plan.layers_on(CPU)) == cpu_split([index.layers[i].nbytes for i in rest], HostRates(30.0, 10.0)) > 0
-    # the tier's staging buffer for wide passes is reserved beside the ring's slots (one layer fewer resident)
-    assert plan.device_slot_bytes_total == (cfg.ring_slots + 1) * plan.slot_bytes
-    assert len(rest) == len(base.streamed_layers) + 1
+    # wide passes stream the tier's layers through the ring's slots (dma keeps their bytes): no
+    # staging buffer, so the tier costs no resident layer
+    assert plan.device_slot_bytes_total == cfg.ring_slots * plan.slot_bytes
+    assert len(rest) == len(base.streamed_layers) and plan.layers_on(VRAM) == base.layers_on(VRAM)
+    assert plan.tier_wide_rows == WIDE_PASS_ROWS and plan.wide_streamed_layers == plan.layers_on(CPU)
+    assert Plan.from_dict(plan.to_dict()).wide_streamed_layers == plan.layers_on(CPU)  # as dma reads it
     text = "\n".join(plan.describe())
     assert "a one-row pass: about" in text and "given" in text
-    # everything on the host: nothing streams, so only the tier's staging buffer is reserved
-    every = _plan(index, _cfg(index, backend="cuda", vram_budget=470 << 20, cpu_layers=30))
+    # everything on the host: nothing streams, so compute copies the tier's layers in wide passes
+    # through its one staging buffer, in the room of the ring's slots
+    every = _plan(index, _cfg(index, backend="cuda", vram_budget=373 << 20, cpu_layers=30))
     assert not every.streamed_layers and every.device_slot_bytes_total == every.slot_bytes
+    assert not every.wide_streamed_layers and every.layers_on(VRAM) == base.layers_on(VRAM)
 
 
 def test_the_batch_invariant_mode_keeps_no_cpu_tier(index):
@@ -193,12 +199,11 @@ def test_the_batch_invariant_mode_keeps_no_cpu_tier(index):
     plans none (auto), says why among the plan's slower notes, reserves no staging buffer, and
     refuses an explicit count with the fix."""
     rates = HostRates(link_gbps=30.0, cpu_gbps=10.0, how="given")
-    cfg = _cfg(index, backend="cuda", vram_budget=470 << 20, kernels="batch-invariant=on")
+    cfg = _cfg(index, backend="cuda", vram_budget=373 << 20, kernels="batch-invariant=on")
     plan = _plan(index, cfg, rates)
-    default = _plan(index, _cfg(index, backend="cuda", vram_budget=470 << 20), rates)
+    default = _plan(index, _cfg(index, backend="cuda", vram_budget=373 << 20), rates)
     assert default.layers_on(CPU) and not plan.layers_on(CPU)
-    assert plan.device_slot_bytes_total == cfg.ring_slots * plan.slot_bytes  # no staging buffer
-    assert len(plan.layers_on(VRAM)) == len(default.layers_on(VRAM)) + 1  # its VRAM holds a layer instead
+    assert plan.device_slot_bytes_total == cfg.ring_slots * plan.slot_bytes and plan.tier_wide_rows is None
     assert any("no cpu tier" in note and "batch-invariant" in note for note in plan.speed_notes)
     with pytest.raises(ConfigError, match="--cpu-layers 4: under --kernels batch-invariant=on .* --cpu-layers 0"):
         _cfg(index, backend="cuda", kernels="batch-invariant=on", cpu_layers=4)
@@ -209,7 +214,7 @@ def test_plan_cpu_tier_within_the_ram_budget(index):
     with pytest.raises(ConfigError, match="--cpu-layers 20: .* --ram-budget"):
         _plan(index, _cfg(index, cpu_layers=20, ram_budget=10 << 20))
     # auto holds fewer where the budget is short
-    plan = _plan(index, _cfg(index, backend="cuda", vram_budget=470 << 20, ram_budget=10 << 20), HostRates(1.0, 100.0))
+    plan = _plan(index, _cfg(index, backend="cuda", vram_budget=373 << 20, ram_budget=10 << 20), HostRates(1.0, 100.0))
     assert 0 < plan.cpu_held_bytes <= 10 << 20
     assert not plan.layers_on(RAM)  # the pinned copies had no room left
     with pytest.raises(ConfigError, match="--cpu-layers -1"):
@@ -269,19 +274,27 @@ def test_speculation_moves_the_cpu_tiers_keys_too(smollm2_path, reference):
     assert eng.core.spec.accepted > 0  # drafts were accepted: K/V moved
 
 
-def test_wide_passes_run_the_tier_on_the_backend_and_keep_both_caches(smollm2_path, reference):
+@pytest.mark.parametrize("streams", [True, False], ids=["through-the-stream", "staged"])
+def test_wide_passes_run_the_tier_on_the_backend_and_keep_both_caches(smollm2_path, reference, streams):
     """Passes wider than ``wide_rows`` (here 2: prompts and the 3-sequence decode) run the tier's
-    layers on the backend from their file bytes, narrower ones on the host's cores; each path
-    writes both caches of those layers, so the tokens stay the reference's whichever path ran
-    which pass (on a GPU the backend is cuda; here the cpu backend stands in for it)."""
-    from ntx.shared.layer_bytes import read_layer
-
+    layers on the backend, narrower ones on the host's cores; each path writes both caches of
+    those layers, so the tokens stay the reference's whichever path ran which pass (on a GPU the
+    backend is cuda; here the cpu backend stands in for it). Where other layers stream, a wide
+    pass's stream brings the tier's layers among them (here from the file; in the pipeline dma,
+    from its pinned RAM): the tier keeps no file bytes of its own. Where nothing else streams,
+    the tier copies its file bytes itself (``staged``)."""
+    resident = RESIDENT if streams else [i for i in range(30) if i not in HOST]
     eng = build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4, ctx=256),
-                             resident_layers=RESIDENT, host_layers=HOST)
-    tier = eng.core.model.host
-    assert tier.wide_rows is None  # beside a cpu backend the tier never leaves the host by itself
-    tier.raw = {i: read_layer(eng.core.model.index.layers[i]) for i in tier.layers}
-    tier.wide_rows = 2
+                             resident_layers=resident, host_layers=HOST, host_wide_rows=2)
+    model = eng.core.model
+    tier = model.host
+    assert tier.wide_rows == 2 and tier.staged == (not streams) and bool(tier.raw) == (not streams)
+    assert (model.stream is not None and model.stream.wide_layers == HOST) == streams
+    if streams:  # a wide pass's runs: the tier's layers stream with the others, in layer order
+        model.stream.begin_pass(10**6, wide=True)
+        assert {kind for _, _, kind in model._runs_for(10**6)} == {"resident", "streamed"}
+        model.stream.begin_pass(10**6 + 1)
+        assert "host" in {kind for _, _, kind in model._runs_for(10**6 + 1)}
     assert _greedy_all(eng, PROMPTS, N_TOKENS) == reference  # prompts and batched decode: wide
     wide = tier.wide_passes
     assert wide > 0
@@ -330,3 +343,40 @@ def test_pipeline_with_a_cpu_tier_equals_reference_and_recovers(smollm2_path, ru
         assert p.generate_greedy(PROMPTS[0], N_TOKENS)["tokens"] == reference[PROMPTS[0]]
         left = [x for x in instance.leftovers("cputier") if x.startswith("shm:")]
         assert all(f"-g{st['gen']}-" in x for x in left), left
+
+
+@pytest.mark.slow
+def test_pipeline_streams_the_cpu_tiers_layers_through_dma_in_wide_passes(smollm2_path, run_dir, reference,
+                                                                          monkeypatch):
+    """A tier that leaves the host in wide passes (on cuda, passes of more than WIDE_PASS_ROWS
+    rows; here NTX_TIER_WIDE_ROWS=2 makes a cpu pipeline's tier do so): dma keeps the tier's
+    layer bytes with its RAM tier and streams them among a wide pass's layers (prompts, the
+    3-sequence decode), while a decode alone runs them on the host's cores. Across the changes of
+    width (the pass asked ahead given up and asked anew) the greedy tokens stay the reference's,
+    batched and alone."""
+    monkeypatch.setenv("NTX_TIER_WIDE_ROWS", "2")
+    with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "6", "--cpu-layers", "8", "--ram-budget",
+                          "60MiB", "--ctx", "256", "--max-batch", "4", name="cputierwide") as p:
+        st = p.status()
+        tiers = st["plan"]["tiers"]
+        cpu = [i for i, t in enumerate(tiers) if t == CPU]
+        streamed = [i for i, t in enumerate(tiers) if t in (RAM, STORAGE)]
+        assert len(cpu) == 8 and streamed, tiers
+        with p.client() as c:  # together: every pass wide
+            rids = {c.submit(prompt, raw=True, temperature=0.0, max_tokens=N_TOKENS): prompt for prompt in PROMPTS}
+            got = {}
+            for rid, prompt in rids.items():
+                for ev in c.events(rid):
+                    if ev["type"] == "done":
+                        got[prompt] = ev["tokens"]
+        assert got == reference
+        st = p.wait_status(lambda s: {int(k) for k in s["stages"].get("dma", {}).get("layer_moves", {})} >= set(cpu),
+                           "dma to report the cpu tier's layers it moved")
+        assert st["stages"]["dma"]["tier_bytes"]["cpu"] > 0
+        wide = st["stages"]["compute"]["cpu_tier"]["wide_passes"]
+        assert wide > 0
+        assert p.generate_greedy(PROMPTS[0], N_TOKENS)["tokens"] == reference[PROMPTS[0]]  # its decode: on the host
+        st = p.wait_status(lambda s: s["stages"]["compute"]["cpu_tier"]["bytes"] > 0,
+                           "compute to report the tier's narrow passes")
+        assert st["stages"]["compute"]["cpu_tier"]["wide_passes"] > wide  # its prompt was wide
+

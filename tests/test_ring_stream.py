@@ -22,7 +22,7 @@ def ring():
     compute.bind(addr)
     dma.connect(addr)
     slots = [np.full(16, i, dtype=np.uint8) for i in range(2)]
-    stream = RingStream(compute, slots, [2, 3], {2: 16, 3: 16}, StageClock("compute"))
+    stream = RingStream(compute, slots, [2, 3], {i: 16 for i in range(5)}, StageClock("compute"))
     yield stream, dma
     compute.close(linger=0)
     dma.close(linger=0)
@@ -91,6 +91,32 @@ def test_a_changed_layer_list_applies_from_the_first_pass_not_yet_wanted(ring):
     assert _from_compute(dma) == [m.Want(pass_id=3, layers=[2, 3]), m.Want(pass_id=4, layers=[2, 3])]
     with pytest.raises(ValueError, match="older than every layer list"):
         stream.layers_for(2)  # forgotten: passes run one after another, and pass 3 has begun
+
+
+def test_a_wide_pass_streams_the_cpu_tiers_layers_and_a_change_of_width_is_asked_anew(ring):
+    """The next pass is asked as wide as the one beginning; where the guess was wrong, the passes
+    asked are given up (their slots go back as they arrive) and the pass runs under the first
+    fresh id, asked anew with its own list: the cpu tier's layers (1, 4) among the streamed ones
+    in layer order when wide."""
+    stream, dma = ring
+    stream.wide_layers = [1, 4]
+    assert stream.begin_pass(0) == 0  # narrow, and 1 asked as narrow
+    assert _from_compute(dma) == [m.Want(pass_id=0, layers=[2, 3]), m.Want(pass_id=1, layers=[2, 3])]
+    dma.send(m.SlotReady(slot=0, layer=2, pass_id=1).encode())  # dma copied ahead for pass 1
+    assert stream.begin_pass(1, wide=True) == 2  # a prompt arrived: 1 given up, 2 asked wide, 3 too
+    assert stream.layers_for(2) == [1, 2, 3, 4] and stream.layers_for(3) == [1, 2, 3, 4]
+    assert _from_compute(dma) == [m.Want(pass_id=2, layers=[1, 2, 3, 4]), m.Want(pass_id=3, layers=[1, 2, 3, 4])]
+    stream.poll()  # the late token of pass 1 goes straight back
+    assert _from_compute(dma) == [m.SlotFree(slot=0, layer=2, pass_id=1)]
+    dma.send(m.SlotReady(slot=1, layer=1, pass_id=2).encode())
+    assert stream.acquire(1, 2)[0] == 1
+    stream.release(1, 2)
+    assert stream.begin_pass(3, wide=True) == 3  # guessed right: nothing given up
+    assert _from_compute(dma) == [m.SlotFree(slot=1, layer=1, pass_id=2), m.Want(pass_id=4, layers=[1, 2, 3, 4])]
+    assert stream.begin_pass(4) == 5  # decode again: narrow from 5 on
+    assert stream.layers_for(5) == [2, 3]
+    stream.wide_layers = []  # no tier (or one that never leaves the host): wide asks nothing more
+    assert stream.begin_pass(6, wide=True) == 6 and stream.layers_for(6) == [2, 3]
 
 
 def test_standby_announcements_are_taken_between_passes(ring):

@@ -54,6 +54,7 @@ class PipelineCollector(Collector):
         tiers = CounterMetricFamily("ntx_streamed_bytes", "layer bytes streamed to compute, per tier", labels=["tier"])
         tiers.add_metric(["storage"], float(by_tier.get("storage", 0)))
         tiers.add_metric(["ram"], float(by_tier.get("ram", 0)))
+        tiers.add_metric(["cpu"], float(by_tier.get("cpu", 0)))  # the cpu tier's layers, in wide passes
         yield tiers
         bottleneck = GaugeMetricFamily("ntx_bottleneck", "1 for the stage named the bottleneck", labels=["stage"])
         for name in stages:

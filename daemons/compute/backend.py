@@ -34,7 +34,7 @@ from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex, open_model
 from ntx.shared.config import InstanceConfig
 from ntx.shared.errors import NtxError
 from ntx.shared.kernel_options import KernelOptions
-from ntx.shared.plan import HostRates, MemoryCosts, Plan, make_plan, spread_pick
+from ntx.shared.plan import HostRates, MemoryCosts, Plan, make_plan, spread_pick, tier_wide_rows_for
 
 MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the whole row is copied
 
@@ -597,7 +597,7 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
     # packed for the host's kernels; on cuda the file bytes too (wide passes)
     if cfg.cpu_layers != 0 and cfg.cpu_tier_barred is None:
         packed = memory_costs("cpu", index, **sizes).layer_bytes
-        host_bytes = tuple(b + (layer.image_bytes if cfg.backend == "cuda" else 0)
+        host_bytes = tuple(b + (layer.image_bytes if tier_wide_rows_for(cfg.backend) is not None else 0)
                            for b, layer in zip(packed, index.layers))
     plan = make_plan(index, cfg, costs, draft, rates, host_bytes)
     if rates is None and cfg.backend == "cuda" and cfg.cpu_layers is None and cfg.cpu_tier_barred is None \

@@ -32,6 +32,7 @@ def build_engine(
     resident_layers: Iterable[int] | None = None,
     stream: LayerStream | None = None,
     host_layers: Iterable[int] = (),
+    host_wide_rows: int | None = None,
     progress: Callable[[int], None] | None = None,
     warm_up: bool = True,
     log: Callable[[str], None] | None = None,
@@ -41,7 +42,8 @@ def build_engine(
     by ``options`` (validated here; the compute daemon passes its ``InstanceConfig``).
 
     ``resident_layers`` None keeps every layer resident; ``host_layers`` (the plan's cpu tier)
-    are held in host memory and computed by the host's cores whatever the backend; the others come
+    are held in host memory and computed by the host's cores whatever the backend (in passes of
+    more rows than ``host_wide_rows``, by the backend: ``HostTier``; None: its default); the others come
     from ``stream``, or are re-read from the file every pass when no stream is given;
     ``options.skip_layers`` never run.
     Contexts hold ``options.ctx`` positions (at most what the model was trained for), for up to
@@ -71,7 +73,8 @@ def build_engine(
     if stream is None and resident_layers is not None and set(resident_layers) | host != kept:
         stream = FileLayerStream(index, sorted(kept - set(resident_layers) - host))
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress,
-                       skip_layers=skip_layers, host_layers=host, kernels=options.kernel_options)
+                       skip_layers=skip_layers, host_layers=host, kernels=options.kernel_options,
+                       host_wide_rows=host_wide_rows)
     drafter = _drafter(llama, backend.name, options)
     if options.draft is not None:
         lookup = LookupDrafter(options.draft)

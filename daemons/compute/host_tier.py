@@ -66,13 +66,18 @@ class HostTier:
 
     def __init__(self, index: ModelIndex, layers: Sequence[int], backend: Backend,
                  kernels: KernelOptions | None = None, rope_divisors: Any = None,
-                 progress: Callable[[int], None] | None = None, wide_rows: int | None = None) -> None:
-        """``wide_rows``: passes of more rows run these layers on ``backend`` instead, from their
-        file bytes kept (pinned) in host memory (None: never; the default beside a GPU:
-        ``WIDE_PASS_ROWS``). The keys and values of the tier's layers are then kept in both
-        caches, each path writing both, so that either path can run any pass."""
+                 progress: Callable[[int], None] | None = None, wide_rows: int | None = None,
+                 staged: bool = True) -> None:
+        """``wide_rows``: passes of more rows run these layers on ``backend`` instead (None: the
+        default, ``WIDE_PASS_ROWS`` beside a GPU, never beside the cpu backend). Their bytes
+        then come with the pass's streamed layers (the model's stream, ``wide_ops``), or where
+        nothing streams (``staged``) from their file bytes kept (pinned) here, copied by
+        ``run`` through the backend's one staging buffer. The keys and values of the tier's
+        layers are kept in both caches, each path writing both, so that either path can run any
+        pass."""
         self.index = index
         self.layers = sorted(layers)
+        self.layer_set = frozenset(self.layers)
         self.backend = backend
         self.cpu = CpuBackend(index, kernels=kernels, kv_of=backend, kv_layers=self.layers)
         if self.cpu.quantized and backend.name != "cpu":  # beside a GPU pipeline: spare its other threads
@@ -80,11 +85,12 @@ class HostTier:
         self.cpu.set_rope(rope_divisors)
         self.wide_rows = wide_rows if wide_rows is not None else (WIDE_PASS_ROWS if backend.name != "cpu" else None)
         self.weights: dict[int, Any] = {}
-        self.raw: dict[int, Any] = {}  # the layers' file bytes, for wide passes (with wide_rows)
+        self.raw: dict[int, Any] = {}  # the layers' file bytes, for wide passes (with wide_rows, staged)
+        self.staged = staged and self.wide_rows is not None
 
         def prepare(i: int) -> tuple[Any, Any]:
             info = index.layers[i]
-            if self.wide_rows is None:
+            if not self.staged:
                 return self.cpu.prepare_layer(info, read_layer(info), keep=True), None
             # pages of its own: page-locking one buffer never meets another's pages
             buf = read_layer_into(info, aligned_empty(info.image_bytes))
@@ -114,7 +120,7 @@ class HostTier:
         the copy path run), so that no request's first wide pass pays for it (nor a verify
         pass's measured cost, by which speculation sizes its drafts)."""
         self.cpu.warm_up((), None, log)
-        if self.wide_rows is not None and self.layers:
+        if self.staged and self.layers:
             first = self.layers[0]
             self.backend.layer_from_host(self.index.layers[first], self.raw[first])
             self.backend.host_layer_done()
@@ -130,13 +136,13 @@ class HostTier:
         if self.wide_rows is not None and n > self.wide_rows:
             # the host's cores would be compute-bound here: the backend runs these layers, each
             # copied from host memory, and the tier's cache gets their K/V too
+            if not self.staged:
+                raise RuntimeError("a wide pass reached the cpu tier, whose layers its stream brings (wide_ops)")
             be = self.backend
-            tee = _KvTee(be, lambda i, k, v: self.cpu.kv_write(i, be.to_host(k, n), be.to_host(v, n), hws))
+            tee = self.wide_ops(ws, pass_id)
             for i in range(first, end):
                 llama_block(tee, i, be.layer_from_host(self.index.layers[i], self.raw[i]), ws)
                 be.host_layer_done()
-            if pass_id != self._last_wide_pass:
-                self.wide_passes, self._last_wide_pass = self.wide_passes + 1, pass_id
             return
         t0 = time.perf_counter()
         hws.x = self.backend.hidden_to_host(ws)  # x: [T, D] float32 on the host
@@ -152,6 +158,16 @@ class HostTier:
         self.last_pass_s[pass_id] = self.last_pass_s.get(pass_id, 0.0) + dt
         while len(self.last_pass_s) > 32:
             del self.last_pass_s[next(iter(self.last_pass_s))]
+
+    def wide_ops(self, ws: Workspace, pass_id: int) -> Backend:
+        """The backend's operations for a tier layer in wide pass ``pass_id`` (its weights on the
+        backend), its keys and values also written to the tier's own cache, so that a later
+        narrow pass on the host's cores sees them."""
+        be, n = self.backend, ws.batch.n_tokens
+        hws = self._workspace(pass_id, ws)
+        if pass_id != self._last_wide_pass:
+            self.wide_passes, self._last_wide_pass = self.wide_passes + 1, pass_id
+        return _KvTee(be, lambda i, k, v: self.cpu.kv_write(i, be.to_host(k, n), be.to_host(v, n), hws))
 
     def _workspace(self, pass_id: int, ws: Workspace) -> Workspace:
         """The tier's workspace for pass ``pass_id``: made by its first run of tier layers, kept

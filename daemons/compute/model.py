@@ -45,9 +45,15 @@ def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) 
 
 
 class LayerStream(Protocol):
-    """Where non-resident layers come from, one pass at a time, in layer order."""
+    """Where non-resident layers come from, one pass at a time, in layer order. A wide pass
+    (``begin_pass(wide=True)``) brings the cpu tier's layers too (``wide_layers``), for the
+    main backend to run: the host's cores would be bound by arithmetic there."""
 
-    def begin_pass(self, pass_id: int) -> None: ...
+    wide_layers: list[int]  # the cpu tier's layers a wide pass streams too (set by the model)
+
+    def begin_pass(self, pass_id: int, wide: bool = False) -> int:
+        """Pass ``pass_id`` begins; returns the id it runs as (a later one where the stream had
+        asked for it ahead at another width and gave that up)."""
 
     def acquire(self, layer_idx: int, pass_id: int) -> Any:
         """Block until the layer's slot buffer is ready; return it. Raises ``NtxError`` when the
@@ -66,7 +72,7 @@ class LayerStream(Protocol):
     standby: set[int]  # layers that may be demoted to streamed (their bytes can be brought in)
 
     def layers_for(self, pass_id: int) -> list[int]:
-        """The layers pass ``pass_id`` streams, in order."""
+        """The layers pass ``pass_id`` streams, in order (the cpu tier's among them when wide)."""
 
     def set_layers(self, layers: list[int]) -> int:
         """Stream ``layers`` from the first pass not yet asked for on; returns that pass."""
@@ -89,9 +95,13 @@ class FileLayerStream:
         self.buf = np.empty(index.max_layer_image_bytes, dtype=np.uint8)
         self.layers = list(streamed_layers)
         self.standby = set(range(index.hparams.n_layers))
+        self.wide_layers: list[int] = []
         self._begun = -1  # the last pass begun
+        self._begun_wide = False
 
     def layers_for(self, pass_id: int) -> list[int]:
+        if pass_id == self._begun and self._begun_wide:
+            return sorted(set(self.layers) | set(self.wide_layers))
         return self.layers
 
     def set_layers(self, layers: list[int]) -> int:
@@ -104,8 +114,9 @@ class FileLayerStream:
     def want_standby(self) -> None:
         pass
 
-    def begin_pass(self, pass_id: int) -> None:
-        self._begun = pass_id
+    def begin_pass(self, pass_id: int, wide: bool = False) -> int:
+        self._begun, self._begun_wide = pass_id, wide and bool(self.wide_layers)
+        return pass_id
 
     def acquire(self, layer_idx: int, pass_id: int) -> np.ndarray:
         return read_layer_into(self.index.layers[layer_idx], self.buf)
@@ -172,6 +183,7 @@ class LlamaModel:
         skip_layers: Iterable[int] = (),
         host_layers: Iterable[int] = (),
         kernels: KernelOptions | None = None,
+        host_wide_rows: int | None = None,
     ) -> None:
         self.index = index
         self.hp = index.hparams
@@ -203,7 +215,12 @@ class LlamaModel:
         backend.load_globals(raw, divisors)
         self.host: HostTier | None = None
         if self.host_layers:
-            self.host = HostTier(index, self.host_layers, backend, kernels, divisors, progress)
+            # its wide passes: the stream brings its layers where there is one (in the pipeline,
+            # dma from its pinned RAM), else the tier copies them itself (``HostTier.run``)
+            self.host = HostTier(index, self.host_layers, backend, kernels, divisors, progress,
+                                 wide_rows=host_wide_rows, staged=self.stream is None)
+            if self.stream is not None and self.host.wide_rows is not None:
+                self.stream.wide_layers = list(self.host_layers)
         self.resident: dict[int, Any] = {}
         for i in sorted(resident):
             self.resident[i] = backend.prepare_layer(index.layers[i], read_layer(index.layers[i]), keep=True)
@@ -243,14 +260,14 @@ class LlamaModel:
         """One numbered pass of ``batch`` (``feed``: see ``launch``), then ``finish(ws)`` on its
         workspace: the head and what comes back of it."""
         pass_id = self.next_pass_id
-        self.next_pass_id += 1
         be = self.backend
         with be.scope():
             ws = be.begin_pass(batch)
             if feed is not None:
                 be.feed_tokens(ws, feed.top1)
             if self.stream:
-                self.stream.begin_pass(pass_id)
+                pass_id = self.stream.begin_pass(pass_id, wide=self._wide(batch))
+            self.next_pass_id = pass_id + 1
             try:
                 for n, (first, end, kind) in enumerate(self._runs_for(pass_id)):
                     embed = n == 0
@@ -272,6 +289,10 @@ class LlamaModel:
             if self.stream:
                 self.stream.end_pass(pass_id)
             return finish(ws)
+
+    def _wide(self, batch: StepBatch) -> bool:
+        """Whether ``batch``'s pass runs the cpu tier's layers on the backend (``HostTier``)."""
+        return self.host is not None and self.host.wide_rows is not None and batch.n_tokens > self.host.wide_rows
 
     def draft_forward(self, batch: StepBatch, layers: Sequence[int], picks: list[Pick]) -> list[Picked]:
         """A pass through resident ``layers`` alone (in order; the others skipped) and the head:
@@ -326,7 +347,7 @@ class LlamaModel:
         runs = self._runs_of.get(streamed)
         if runs is None:
             kept = set(range(self.hp.n_layers)) - self._skipped
-            host = set(self.host_layers)
+            host = set(self.host_layers) - set(streamed)  # a wide pass streams the tier's layers
             runs = self._runs_of[streamed] = _runs(kept - set(streamed) - host, self.hp.n_layers, self._skipped, host)
         return runs
 
@@ -392,6 +413,8 @@ class LlamaModel:
         buf = self.stream.acquire(i, pass_id)
         try:
             w = self.backend.prepare_layer(self.index.layers[i], buf, keep=False)
-            llama_block(self.backend, i, w, ws)
+            # a cpu-tier layer in a wide pass: its keys and values go to the tier's cache too
+            ops = self.host.wide_ops(ws, pass_id) if self.host is not None and i in self.host.layer_set else self.backend
+            llama_block(ops, i, w, ws)
         finally:
             self.stream.release(i, pass_id)

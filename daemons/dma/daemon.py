@@ -51,8 +51,11 @@ class DmaDaemon(Daemon):
         self.n_dev_slots = len(config.device_slots)
 
         # pinned-RAM tier: every RAM layer's image, loaded once; image_bytes is whole
-        # DIRECT_ALIGN_BYTES units, so packed one after another each layer starts aligned
-        ram_layers = self.plan.layers_on(RAM)
+        # DIRECT_ALIGN_BYTES units, so packed one after another each layer starts aligned. The
+        # cpu tier's layers too where wide passes stream them (Plan.wide_streamed_layers): the
+        # host's cores compute them from compute's own packed copy, the GPU from these bytes
+        self.wide_layers = set(self.plan.wide_streamed_layers)
+        ram_layers = sorted(self.plan.layers_on(RAM) + list(self.wide_layers))
         self.ram_offsets: dict[int, int] = {}
         total = 0
         for i in ram_layers:
@@ -68,7 +71,8 @@ class DmaDaemon(Daemon):
             t1 = time.monotonic()
             self.copier.register_host(self.ram_seg)
             self.ram_array = arr
-            self.say(f"RAM tier: {len(ram_layers)} layers ({total / 2**30:.2f} GiB) read in {t1 - t0:.2f} s "
+            wide = f", {len(self.wide_layers)} of them the cpu tier's for wide passes" if self.wide_layers else ""
+            self.say(f"RAM tier: {len(ram_layers)} layers{wide} ({total / 2**30:.2f} GiB) read in {t1 - t0:.2f} s "
                      f"({total / max(t1 - t0, 1e-9) / 1e9:.2f} GB/s), pinned in {time.monotonic() - t1:.2f} s")
 
         # host staging ring for storage-tier layers
@@ -85,7 +89,8 @@ class DmaDaemon(Daemon):
         self.standby_segs: dict[int, ShmSegment] = {
             i: self._create(f"{names['ram']}-sb{i}", self.index.layers[i].image_bytes) for i in self.plan.standby_layers}
         self.standby_arrays: dict[int, Any] = {}  # loaded and pinned: layer -> its bytes
-        self.tier_bytes = {"storage": 0, "ram": 0}  # layer bytes delivered, by where they came from (stats)
+        # layer bytes delivered, by where they came from (stats; "cpu": the cpu tier's, in wide passes)
+        self.tier_bytes = {"storage": 0, "ram": 0, "cpu": 0}
         self.standby_loaded: queue.SimpleQueue = queue.SimpleQueue()  # layer ids from the loader (or an error text)
         self.standby_stop = threading.Event()
         # the loader reads while compute is idle, or at any time once compute asked (StandbyWanted)
@@ -187,7 +192,8 @@ class DmaDaemon(Daemon):
     def on_device_msg(self, msg: m.Want | m.SlotFree | m.Activity | m.StandbyWanted) -> None:
         if isinstance(msg, m.Want):
             for layer in msg.layers:
-                if self.plan.tiers[layer] not in (RAM, STORAGE) and layer not in self.standby_arrays:
+                if self.plan.tiers[layer] not in (RAM, STORAGE) and layer not in self.standby_arrays \
+                        and layer not in self.wide_layers:
                     raise RingViolation(f"compute wants layer {layer}, which is resident and has no standby copy here")
             self.ring.want(msg.pass_id, msg.layers)
         elif isinstance(msg, m.SlotFree):
@@ -236,7 +242,8 @@ class DmaDaemon(Daemon):
             nbytes = self.index.layers[layer].image_bytes
             # which tier the layer came from: through a host slot the reader filled (storage),
             # or from this daemon's pinned copy (the RAM tier, or a demoted layer's standby)
-            self.tier_bytes["storage" if hslot is not None else "ram"] += self.index.layers[layer].nbytes
+            self.tier_bytes["storage" if hslot is not None else "cpu" if layer in self.wide_layers else "ram"] += \
+                self.index.layers[layer].nbytes
             if hslot is not None:
                 self.copier.copy(self.host_arrays[hslot][:nbytes], dslot)
             elif layer in self.ram_offsets:
