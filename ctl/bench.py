@@ -636,7 +636,7 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     # (ii) verify-pass time per chain length, every draft right; the warm-up's one pass is of K + 1 rows
     ks = list(opts.verify_draft_tokens)
 
-    def timed_chain(run: dict[str, Any]) -> None:
+    def timed_chain(run: dict[str, Any], instance: int) -> None:
         k = ks[len(entry["verify"])]
         times = run["pass_s_by_rows"].get(k + 1, [])
         pass_s = _mean(times)
@@ -645,7 +645,7 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
             "ratio_to_plain_pass": pass_s / plain_pass_s if pass_s and plain_pass_s else None,
             "ratio_to_link_pass": pass_s / link_pass_s if pass_s and link_pass_s else None,
             "accepted_per_pass": (run["done"].get("speculation") or {}).get("accepted_per_pass", 0.0),
-            "start_s": run["start_s"],
+            "start_s": run["start_s"], "instance": instance,  # which of the section's instances timed it
         })
         save()
         log(_spec_verify_line(entry["verify"][-1]))
@@ -654,11 +654,11 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         # one instance for every K: it drafts chains of the longest, and a request whose max_tokens
         # leaves room for one verify pass of K drafts just K (a pass drafts only what is left)
         _timed_runs(replay_cfg(max(ks), 0.0, fixed=True), index, [(k + 2, opts.verify_tokens(k), (k + 1, 1)) for k in ks],
-                    each=timed_chain)
+                    each=lambda run: timed_chain(run, 0))
     else:
-        for k in ks:
+        for i, k in enumerate(ks):
             timed_chain(_timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k),
-                                        stop_after=(k + 1, opts.verify_passes)))
+                                        stop_after=(k + 1, opts.verify_passes)), i)
     measured = {v["draft_tokens"]: v["pass_s"] for v in entry["verify"] if v["pass_s"]}
     at = _at_draft_tokens(measured, VERIFY_GOAL_DRAFT_TOKENS)
     if at and plain_pass_s:

@@ -40,6 +40,8 @@
 # BASELINE=DIR (a copy of another revision's tree, e.g. `git archive REV | tar x -C .baseline`,
 #   carried): the decode and stream benchmarks run for that tree too, right after this one's, on
 #   the same models in the same call, into $OUT/baseline-*: a before/after on one machine.
+#   BASELINE_BENCH_ARGS go to that tree's stream bench only (e.g. "--cpu-layers 0": the figure
+#   before the cpu tier existed).
 # The real SmolLM2 (98 MB) is over one call's 64 MiB: carry .models/p1 in one call and .models/p2
 # in the next (the machine keeps ~/models while warm); once both parts are there they are joined
 # and NTX_TEST_MODEL points the GPU tests at it.
@@ -197,7 +199,8 @@ if [ -n "${BASELINE:-}" ] && [ "$((DECODE + STREAM))" -gt 0 ]; then
   echo "== baseline tree $BASE"
   ( export PYTHONPATH="/tmp/nsbase:$SITE_PATH"
     [ "$DECODE" = 1 ] && decode_bench "$BASE" "$OUT/baseline-"
-    [ "$STREAM" = 1 ] && stream_bench "${STREAM_OUT:-$OUT}/baseline" )
+    read -r -a BASE_BENCH_ARGS <<< "${BASELINE_BENCH_ARGS:-}"
+    [ "$STREAM" = 1 ] && stream_bench "${STREAM_OUT:-$OUT}/baseline" ${BASE_BENCH_ARGS[@]+"${BASE_BENCH_ARGS[@]}"} )
 fi
 if [ "$FIRST" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # room for the 42 GB 70B
