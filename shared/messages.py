@@ -444,6 +444,17 @@ class Want(Message):
     layers: list[int]
 
 
+@_record("drop")
+class Drop(Message):
+    """compute -> dma: passes ``first_pass`` to ``last_pass`` were given up (a failed pass, a
+    demotion, a pass asked at the wrong width): copy none of their layers not yet started. A
+    layer already read into a host slot, or being read, is still delivered (compute hands its
+    slot straight back)."""
+
+    first_pass: int
+    last_pass: int
+
+
 @_record("slot_ready")
 class SlotReady(Message):
     """dma -> compute: device slot ``slot`` holds ``layer`` for pass ``pass_id``."""
@@ -504,7 +515,7 @@ CTL_TO_SUPERVISOR = Channel("control (ntxctl -> supervisor)", CtlStatus, CtlStop
 SUPERVISOR_TO_CTL = Channel("control (supervisor -> ntxctl)", StatusReport, Stopped)
 DMA_TO_READER = Channel("host ring (dma -> reader)", Read, Activity)
 READER_TO_DMA = Channel("host ring (reader -> dma)", Filled, ReadFailed)
-COMPUTE_TO_DMA = Channel("device ring (compute -> dma)", Want, SlotFree, Activity, StandbyWanted)
+COMPUTE_TO_DMA = Channel("device ring (compute -> dma)", Want, SlotFree, Activity, StandbyWanted, Drop)
 DMA_TO_COMPUTE = Channel("device ring (dma -> compute)", SlotReady, LayerError, Standby)
 
 

@@ -49,7 +49,7 @@ EXAMPLES = [
     m.CtlStatus(), m.StatusReport(status={"state": "ready"}), m.CtlStop(force=True), m.Stopped(reason=None),
     m.Read(slot=1, layer=7, pass_id=3, backlog=2, active=True), m.Filled(slot=1, layer=7, pass_id=3),
     m.ReadFailed(slot=1, layer=7, pass_id=3, message="EIO"),
-    m.Want(pass_id=4, layers=[5, 6, 7]), m.SlotReady(slot=0, layer=5, pass_id=4),
+    m.Want(pass_id=4, layers=[5, 6, 7]), m.Drop(first_pass=4, last_pass=5), m.SlotReady(slot=0, layer=5, pass_id=4),
     m.SlotFree(slot=0, layer=5, pass_id=4), m.LayerError(layer=6, pass_id=4, message="EIO"),
     m.Activity(active=False), m.Standby(layers=[0, 4]), m.StandbyWanted(),
 ]

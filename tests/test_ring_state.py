@@ -83,6 +83,29 @@ def test_the_next_pass_is_read_ahead_while_this_one_runs():
     ring.check()
 
 
+def test_a_dropped_pass_is_not_copied_but_what_sits_in_host_slots_is_delivered():
+    """``Drop`` (compute gave passes up): their keys leave the queue, except one being read or
+    read already, which holds a host slot and is delivered as usual (compute frees it at once);
+    the passes asked after it come next, and every invariant holds."""
+    ring = new_ring(n_host=2, n_dev=1)
+    ring.want(0, [2, 3, 4, 5])
+    ring.want(1, [2, 3, 4, 5])
+    assert ring.start_read() == ((0, 2), 0) and ring.start_read() == ((0, 3), 1)
+    ring.read_filled((0, 2), 0)
+    assert deliver_all(ring) == [("ready", (0, 2), 0)]
+    ring.read_filled((0, 3), 1)
+    assert ring.drop(0, 1) == 6  # (0, 4) (0, 5) and pass 1's four; (0, 3) is in a host slot
+    ring.check()
+    assert list(ring.wanted) == [(0, 3)] and not ring.to_read
+    ring.want(2, [5])
+    ring.device_slot_freed(0, (0, 2))
+    assert deliver_all(ring) == [("ready", (0, 3), 0)]
+    ring.device_slot_freed(0, (0, 3))
+    assert deliver_all(ring) == [("ready", (2, 5), 0)]
+    assert sorted(ring.free_host) == [0, 1]
+    ring.check()
+
+
 @pytest.mark.parametrize(
     "break_it, needle",
     [

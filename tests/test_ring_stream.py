@@ -54,7 +54,8 @@ def test_a_failed_layer_aborts_the_pass_and_its_prefetch(ring):
     with pytest.raises(LayerUnavailable, match="layer 2 could not be loaded: read failed"):
         stream.acquire(2, 0)
     assert stream.abort_pass(0) == 2  # passes 0 and 1 were wanted: 2 is the first fresh one
-    assert _from_compute(dma) == [m.SlotFree(slot=0, layer=3, pass_id=0)]  # the ready slot went back at once
+    # dma copies no more of theirs, and the ready slot went back at once
+    assert _from_compute(dma) == [m.Drop(first_pass=0, last_pass=1), m.SlotFree(slot=0, layer=3, pass_id=0)]
     stream.begin_pass(2)
     dma.send(m.SlotReady(slot=1, layer=2, pass_id=1).encode())  # an aborted pass's late token
     dma.send(m.SlotReady(slot=0, layer=2, pass_id=2).encode())
@@ -105,7 +106,8 @@ def test_a_wide_pass_streams_the_cpu_tiers_layers_and_a_change_of_width_is_asked
     dma.send(m.SlotReady(slot=0, layer=2, pass_id=1).encode())  # dma copied ahead for pass 1
     assert stream.begin_pass(1, wide=True) == 2  # a prompt arrived: 1 given up, 2 asked wide, 3 too
     assert stream.layers_for(2) == [1, 2, 3, 4] and stream.layers_for(3) == [1, 2, 3, 4]
-    assert _from_compute(dma) == [m.Want(pass_id=2, layers=[1, 2, 3, 4]), m.Want(pass_id=3, layers=[1, 2, 3, 4])]
+    assert _from_compute(dma) == [m.Drop(first_pass=1, last_pass=1), m.Want(pass_id=2, layers=[1, 2, 3, 4]),
+                                  m.Want(pass_id=3, layers=[1, 2, 3, 4])]
     stream.poll()  # the late token of pass 1 goes straight back
     assert _from_compute(dma) == [m.SlotFree(slot=0, layer=2, pass_id=1)]
     dma.send(m.SlotReady(slot=1, layer=1, pass_id=2).encode())

@@ -186,7 +186,10 @@ class RingStream:
         """Hand back every slot of a failed pass and of the passes already wanted after it, now
         and as the rest arrive; returns the first pass id that is still fresh. The prefetched
         passes are dropped too: their reads happened under the same failure and would fail the
-        next requests with a stale error after the storage has recovered."""
+        next requests with a stale error after the storage has recovered. dma is told (``Drop``),
+        so it copies none of their layers it has not started."""
+        if pass_id <= self.wanted_upto:  # dma copies none of theirs that it has not started
+            self._send(m.Drop(first_pass=pass_id, last_pass=self.wanted_upto))
         for p in range(pass_id, self.wanted_upto + 1):
             self.aborted.add(p)
             for key in [k for k in self.held if k[0] == p]:

@@ -109,6 +109,7 @@ class DmaDaemon(Daemon):
 
         self.ring = RingState(len(self.host_slots), self.n_dev_slots, lambda layer: self.plan.tiers[layer] == STORAGE)
         self.active = False  # compute has requests in flight
+        self.dropped_keys = 0  # (pass, layer) copies not made: their passes were given up (Drop)
         self.clock.extra["limit_gbps"] = self._measure_copy_gbps()
         if self.standby_segs:
             self.standby_thread = threading.Thread(target=self._load_standby, name="dma-standby", daemon=True)
@@ -189,7 +190,7 @@ class DmaDaemon(Daemon):
                 self._announce_standby()
             self.maybe_send_stats()
 
-    def on_device_msg(self, msg: m.Want | m.SlotFree | m.Activity | m.StandbyWanted) -> None:
+    def on_device_msg(self, msg: m.Want | m.SlotFree | m.Activity | m.StandbyWanted | m.Drop) -> None:
         if isinstance(msg, m.Want):
             for layer in msg.layers:
                 if self.plan.tiers[layer] not in (RAM, STORAGE) and layer not in self.standby_arrays \
@@ -198,6 +199,8 @@ class DmaDaemon(Daemon):
             self.ring.want(msg.pass_id, msg.layers)
         elif isinstance(msg, m.SlotFree):
             self.ring.device_slot_freed(msg.slot, (msg.pass_id, msg.layer))
+        elif isinstance(msg, m.Drop):
+            self.dropped_keys += self.ring.drop(msg.first_pass, msg.last_pass)
         elif isinstance(msg, m.StandbyWanted):
             self.standby_wanted = True
             self.standby_go.set()
@@ -263,6 +266,7 @@ class DmaDaemon(Daemon):
         snap["host_slots"] = {"free": len(ring.free_host), "reading": len(ring.reading), "filled": len(ring.filled)}
         snap["device_slots_free_seen"] = len(ring.free_dev)
         snap["wanted"] = len(ring.wanted)
+        snap["dropped"] = self.dropped_keys
         snap["tier_bytes"] = dict(self.tier_bytes)  # layer bytes copied to the device, by the tier they came from
         if self.standby_segs:
             snap["standby"] = {"loaded": len(self.standby_arrays), "layers": len(self.standby_segs)}

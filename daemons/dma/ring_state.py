@@ -82,6 +82,20 @@ class RingState:
             if self.is_storage(layer):
                 self.to_read.append(key)
 
+    def drop(self, first_pass: int, last_pass: int) -> int:
+        """``Drop``: the keys of passes ``first_pass``..``last_pass`` leave ``wanted`` (and
+        ``to_read``, ``failed``), except those in a host slot (reading or filled), which keep
+        their place and are delivered as usual. Returns how many were dropped."""
+        def gone(key: Key) -> bool:
+            return first_pass <= key[0] <= last_pass and key not in self.reading and key not in self.filled
+
+        before = len(self.wanted)
+        self.wanted = deque(k for k in self.wanted if not gone(k))
+        self.to_read = deque(k for k in self.to_read if not gone(k))
+        for key in [k for k in self.failed if gone(k)]:
+            del self.failed[key]
+        return before - len(self.wanted)
+
     def device_slot_freed(self, slot: int, key: Key) -> None:
         """``SlotFree``: compute is done with ``slot``, which it held for ``key``."""
         held = self.handed_out.pop(slot, None) if 0 <= slot < self.n_dev else None
