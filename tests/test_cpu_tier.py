@@ -305,14 +305,19 @@ def test_wide_passes_run_the_tier_on_the_backend_and_keep_both_caches(smollm2_pa
 
 
 # -- the pipeline -------------------------------------------------------------------------------
+def _tiers(status: dict) -> tuple[list[str], list[int], list[int]]:
+    """A running instance's plan: (every layer's tier, the cpu tier's layers, the streamed ones)."""
+    tiers = status["plan"]["tiers"]
+    return (tiers, [i for i, t in enumerate(tiers) if t == CPU],
+            [i for i, t in enumerate(tiers) if t in (RAM, STORAGE)])
+
+
 @pytest.mark.slow
 def test_pipeline_with_a_cpu_tier_equals_reference_and_recovers(smollm2_path, run_dir, reference):
     with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "6", "--cpu-layers", "8", "--ram-budget",
                           "40MiB", "--ctx", "256", "--max-batch", "4", name="cputier") as p:
         st = p.status()
-        tiers = st["plan"]["tiers"]
-        cpu = [i for i, t in enumerate(tiers) if t == CPU]
-        streamed = [i for i, t in enumerate(tiers) if t in (RAM, STORAGE)]
+        tiers, cpu, streamed = _tiers(st)
         assert len(cpu) == 8 and streamed and tiers.count(VRAM) == 6, tiers
         assert any(line.startswith("host CPU") for line in st["plan"]["lines"]), st["plan"]["lines"]
         for prompt in PROMPTS:
@@ -357,10 +362,7 @@ def test_pipeline_streams_the_cpu_tiers_layers_through_dma_in_wide_passes(smollm
     monkeypatch.setenv("NTX_TIER_WIDE_ROWS", "2")
     with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "6", "--cpu-layers", "8", "--ram-budget",
                           "60MiB", "--ctx", "256", "--max-batch", "4", name="cputierwide") as p:
-        st = p.status()
-        tiers = st["plan"]["tiers"]
-        cpu = [i for i, t in enumerate(tiers) if t == CPU]
-        streamed = [i for i, t in enumerate(tiers) if t in (RAM, STORAGE)]
+        tiers, cpu, streamed = _tiers(p.status())
         assert len(cpu) == 8 and streamed, tiers
         with p.client() as c:  # together: every pass wide
             rids = {c.submit(prompt, raw=True, temperature=0.0, max_tokens=N_TOKENS): prompt for prompt in PROMPTS}

@@ -171,6 +171,20 @@ def test_streamed_layers_in_process_match_resident():
     assert _greedy(model, "cuda", ids, 16, resident_layers=range(10)) == _greedy(model, "cuda", ids, 16)
 
 
+def _assert_same_picks(got, want, picks) -> None:
+    """The device's picks are the host's from the copied logits: ids and values exactly, the
+    log-normaliser within 1e-4, the scored prompt token's logit (gathered on the device) exactly."""
+    for g, w, p in zip(got, want, picks):
+        if p.k == 0:
+            np.testing.assert_array_equal(g.row, w.row)
+            continue
+        np.testing.assert_array_equal(g.ids, w.ids)
+        np.testing.assert_array_equal(g.vals, w.vals)
+        if p.lse:
+            assert abs(g.lse - w.lse) < 1e-4 * max(1.0, abs(w.lse)), (g.lse, w.lse)
+        assert g.token_val == w.token_val
+
+
 def test_device_pick_equals_selection_from_copied_logits(synth_dir):
     """Sampling on the GPU, kernel level: the device-side top-k and log-normaliser give exactly
     the ids and values that selecting from the copied [N, V] logits gives, for every kind of row
@@ -185,15 +199,7 @@ def test_device_pick_equals_selection_from_copied_logits(synth_dir):
     logits = m.forward(batch)  # [7, V] on the host
     got = m.forward(batch, picks=picks)  # the same pass again (the same KV positions rewritten)
     want = pick_on_host(logits, picks)
-    for g, w, p in zip(got, want, picks):
-        if p.k == 0:
-            np.testing.assert_array_equal(g.row, w.row)
-            continue
-        np.testing.assert_array_equal(g.ids, w.ids)
-        np.testing.assert_array_equal(g.vals, w.vals)
-        if p.lse:
-            assert abs(g.lse - w.lse) < 1e-4 * max(1.0, abs(w.lse)), (g.lse, w.lse)
-        assert g.token_val == w.token_val  # the scored prompt token's logit, gathered on the device
+    _assert_same_picks(got, want, picks)
 
 
 def test_picks_of_more_rows_than_the_head_buffer_go_through_it_in_chunks(synth_dir):
@@ -218,15 +224,7 @@ def test_picks_of_more_rows_than_the_head_buffer_go_through_it_in_chunks(synth_d
     assert logits.shape[0] == n and np.isfinite(logits).all()
     got = m.forward(batch, picks=picks)
     want = pick_on_host(logits, picks)
-    for g, w, p in zip(got, want, picks):
-        if p.k == 0:
-            np.testing.assert_array_equal(g.row, w.row)
-            continue
-        np.testing.assert_array_equal(g.ids, w.ids)
-        np.testing.assert_array_equal(g.vals, w.vals)
-        if p.lse:
-            assert abs(g.lse - w.lse) < 1e-4 * max(1.0, abs(w.lse)), (g.lse, w.lse)
-        assert g.token_val == w.token_val
+    _assert_same_picks(got, want, picks)
 
 
 def test_engine_samples_on_device_as_from_full_logits(synth_dir):
