@@ -64,6 +64,17 @@ class StageClock:
         self.state = state
         self.pass_id = pass_id
 
+    def rename_pass(self, old: int, new: int) -> None:
+        """Pass ``old`` goes on as ``new`` (a stream gave up the id it had asked for and runs the
+        pass under a fresh one): what was charged to it so far is ``new``'s."""
+        p = self.passes.pop(old, None)
+        if p is not None:
+            mine = self._pass(new)
+            for k, v in p.items():
+                mine[k] += v
+        if self.pass_id == old:
+            self.pass_id = new
+
     def add_bytes(self, n: int, pass_id: int | None = None, layer: int | None = None) -> None:
         """``n`` bytes moved for ``pass_id``; naming the ``layer`` counts it in ``layer_moves``
         (what status shows: which layers a stage really read or copied, e.g. none skipped)."""

@@ -43,6 +43,25 @@ def test_clock_charges_time_to_states_and_passes():
     assert (p1["busy"], p1["starved"], p1["idle"], p1["bytes"]) == (0.5, 0.25, 0.0, 10**9)
 
 
+def test_a_pass_renamed_keeps_what_was_charged_to_it():
+    """A stream that gave up the pass id it had asked for runs the pass under a fresh one
+    (``rename_pass``): the time charged so far and what follows are the new id's, none the old's."""
+    clock = FakeClock()
+    c = StageClock("compute", now=clock)
+    c.enter("busy", 4)
+    clock.advance(0.25)
+    c.rename_pass(4, 6)
+    clock.advance(0.5)
+    c.enter("starved", 6)
+    clock.advance(0.125)
+    c.add_rows(6, 9, 0)
+    c.enter("idle")
+    passes = c.snapshot()["passes"]
+    assert "4" not in passes and (passes["6"]["busy"], passes["6"]["starved"], passes["6"]["rows"]) == (0.75, 0.125, 9)
+    c.rename_pass(7, 8)  # a pass nothing was charged to: nothing to move
+    assert "8" not in c.snapshot()["passes"]
+
+
 def test_recent_passes_exclude_the_running_one_and_drive_the_bottleneck():
     clock = FakeClock()
     c = StageClock("x", now=clock)

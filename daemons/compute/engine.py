@@ -345,12 +345,13 @@ class EngineCore:
         batch, seqs = self._plan()
         if not seqs:  # every sequence waits for pages that may still come (standby copies loading)
             return events
-        # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill
-        last_pass = (self.model.next_pass_id, batch.n_tokens,
-                     sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
         t0 = time.monotonic()
         try:
             pending = self.model.launch(batch, self._picks(batch, seqs))  # one per logit row
+            # (pass id, token rows, prompt rows): lets the daemon's clock tell decode from prefill;
+            # the id the pass ran as (a stream may have given up the one asked and run it as the next)
+            last_pass = (self.model.next_pass_id - 1, batch.n_tokens,
+                         sum(c.n_tokens for s, c in zip(seqs, batch.chunks) if s.prefilling))
             self._queue_ahead(pending, batch, seqs)
             picked = pending.result()
         except NtxError as e:

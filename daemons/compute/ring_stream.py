@@ -88,7 +88,8 @@ class RingStream:
         are copied again, once per change of width."""
         wide = wide and bool(self.wide_layers)
         if pass_id <= self.wanted_upto and self._wide.get(pass_id, False) != wide:
-            pass_id = self.abort_pass(pass_id)
+            asked, pass_id = pass_id, self.abort_pass(pass_id)
+            self.clock.rename_pass(asked, pass_id)  # the step's time so far was charged to the id asked
         while self.wanted_upto < pass_id + 1:
             self.wanted_upto += 1
             self._wide[self.wanted_upto] = wide
