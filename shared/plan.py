@@ -354,7 +354,7 @@ class Plan:
                  f"{format_bytes(self.cpu_held_bytes)} (inside the RAM budget"
                  + (f"; their file bytes too, for passes of more than {self.tier_wide_rows} rows, which run them on the "
                     + ("GPU" if self.backend == "cuda" else "backend")
-                    + (" streamed with the others" if self.wide_streamed_layers else "")
+                    + (", streamed with the others" if self.wide_streamed_layers else "")
                     if self.tier_wide_rows is not None else "")
                  + "), computed by the host's cores; only the hidden state crosses the link"]
         if rates:
