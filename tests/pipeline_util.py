@@ -39,12 +39,21 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str | Callable[
         time.sleep(interval_s)
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (the kernel picks it, so concurrent
-    test runs get different ones)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    test runs get different ones), and that this process has not handed out before: two calls
+    in a row (an instance's ZeroMQ port, then its HTTP port) once got the same port from the
+    kernel, and the gateway could not bind it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def own_instance(name: str) -> list[str]:
