@@ -32,7 +32,7 @@ from ntx.shared.align import aligned_empty
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into
-from ntx.shared.plan import WIDE_PASS_ROWS
+from ntx.shared.plan import tier_wide_rows_for
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
@@ -69,7 +69,7 @@ class HostTier:
                  progress: Callable[[int], None] | None = None, wide_rows: int | None = None,
                  staged: bool = True) -> None:
         """``wide_rows``: passes of more rows run these layers on ``backend`` instead (None: the
-        default, ``WIDE_PASS_ROWS`` beside a GPU, never beside the cpu backend). Their bytes
+        backend's default, ``plan.tier_wide_rows_for``: ``WIDE_PASS_ROWS`` beside a GPU). Their bytes
         then come with the pass's streamed layers (the model's stream, ``wide_ops``), or where
         nothing streams (``staged``) from their file bytes kept (pinned) here, copied by
         ``run`` through the backend's one staging buffer. The keys and values of the tier's
@@ -83,7 +83,7 @@ class HostTier:
         if self.cpu.quantized and backend.name != "cpu":  # beside a GPU pipeline: spare its other threads
             self.cpu.threads = cpu_kernels.set_threads(spare=cpu_kernels.TIER_SPARE_CORES)
         self.cpu.set_rope(rope_divisors)
-        self.wide_rows = wide_rows if wide_rows is not None else (WIDE_PASS_ROWS if backend.name != "cpu" else None)
+        self.wide_rows = wide_rows if wide_rows is not None else tier_wide_rows_for(backend.name)
         self.weights: dict[int, Any] = {}
         self.raw: dict[int, Any] = {}  # the layers' file bytes, for wide passes (with wide_rows, staged)
         self.staged = staged and self.wide_rows is not None
@@ -133,7 +133,7 @@ class HostTier:
 
         n = ws.batch.n_tokens
         hws = self._workspace(pass_id, ws)
-        if self.wide_rows is not None and n > self.wide_rows:
+        if self.is_wide(n):
             # the host's cores would be compute-bound here: the backend runs these layers, each
             # copied from host memory, and the tier's cache gets their K/V too
             if not self.staged:
@@ -158,6 +158,10 @@ class HostTier:
         self.last_pass_s[pass_id] = self.last_pass_s.get(pass_id, 0.0) + dt
         while len(self.last_pass_s) > 32:
             del self.last_pass_s[next(iter(self.last_pass_s))]
+
+    def is_wide(self, n_rows: int) -> bool:
+        """Whether a pass of ``n_rows`` rows runs these layers on the backend."""
+        return self.wide_rows is not None and n_rows > self.wide_rows
 
     def wide_ops(self, ws: Workspace, pass_id: int) -> Backend:
         """The backend's operations for a tier layer in wide pass ``pass_id`` (its weights on the

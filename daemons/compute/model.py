@@ -292,7 +292,7 @@ class LlamaModel:
 
     def _wide(self, batch: StepBatch) -> bool:
         """Whether ``batch``'s pass runs the cpu tier's layers on the backend (``HostTier``)."""
-        return self.host is not None and self.host.wide_rows is not None and batch.n_tokens > self.host.wide_rows
+        return self.host is not None and self.host.is_wide(batch.n_tokens)
 
     def draft_forward(self, batch: StepBatch, layers: Sequence[int], picks: list[Pick]) -> list[Picked]:
         """A pass through resident ``layers`` alone (in order; the others skipped) and the head:
