@@ -72,8 +72,10 @@ def ntxctl(*args: str, env: dict | None = None, timeout: float = 240.0, input: s
 def chat_interrupted(*args: str, env: dict | None = None, after_interrupt: Callable[[], object] = lambda: None
                      ) -> tuple[int, bytes]:
     """``ntxctl chat ARGS`` asked for a long story, Ctrl-C once the reply is being written, then
-    (after ``after_interrupt()``) /exit: its exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--max-tokens", "3000", *args],
+    (after ``after_interrupt()``) /exit: its exit status and stderr. The story is greedy: the
+    model's greedy story runs past 400 tokens, where a sampled one once ended after 24."""
+    proc = subprocess.Popen([sys.executable, "-m", "ntx.ctl.cli", "chat", "--max-tokens", "3000", "--temperature", "0",
+                             *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, **(env or {})})
     try:
