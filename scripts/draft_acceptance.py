@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Acceptance of drafting without a draft model on real text: three tasks shipped in
-scripts/draft_tasks (summarise a document, rewrite a source file with one change, a chat whose
-last turn asks to repeat an earlier answer), each run greedily through the in-process engine
-plain and with each drafter, on the real SmolLM2 by default (real weights only: synthetic
-models measure speed, not acceptance).
+"""Acceptance of drafting without a draft model on real text: the tasks shipped in
+scripts/draft_tasks, of three kinds (summarise a document: six of them; rewrite a source file
+with one change: two; a chat whose last turn asks to repeat an earlier answer: one), each run
+greedily through the in-process engine plain and with each drafter, on the real SmolLM2 by
+default (real weights only: synthetic models measure speed, not acceptance).
 
-For each task and drafter it prints the acceptance length (drafted tokens accepted per verify
+For each text and drafter it prints the acceptance length (drafted tokens accepted per verify
 pass), the tokens each decode pass yields (every pass counted, drafted or not), and whether the
-greedy tokens equal the plain run's. ``suffix`` runs the tasks in order in one engine, so a task
-can draw on the text of the ones before it.
+greedy tokens equal the plain run's; then each kind's texts pooled (accepted over verify passes,
+tokens over decode passes). How much a model quotes depends on the text: one document is a sample
+of one. ``suffix`` runs the texts in order in one engine, so a text can draw on the ones before it.
 
     python scripts/draft_acceptance.py [--model M] [--backend cpu] [--tokens 96] [--draft-tokens 8]
         [--drafters ngram:1 ngram:auto suffix:auto] [--json OUT]
@@ -32,18 +33,34 @@ from ntx.shared.sampling_fields import SamplingParams
 TASKS_DIR = Path(__file__).resolve().parent / "draft_tasks"
 
 
-def tasks() -> dict[str, list[dict[str, str]]]:
-    """Each task as chat messages."""
-    doc = (TASKS_DIR / "summarise.txt").read_text()
-    src = (TASKS_DIR / "edit.py").read_text()
-    return {
-        "summarise": [{"role": "user", "content": f"{doc}\nSummarise the text above in four sentences, using its own "
-                                                  "words where you can."}],
-        "edit": [{"role": "user", "content": f"Here is a Python file:\n\n```python\n{src}```\n\nRewrite the whole file "
-                                             "with the function `clean` renamed to `clean_readings`. Output only the "
-                                             "file."}],
-        "chat": json.loads((TASKS_DIR / "chat.json").read_text()),
-    }
+SUMMARISE = "Summarise the text above in four sentences, using its own words where you can."
+# edit-<name>.py: the function each file's task renames, and its new name (edit.py: the first)
+RENAMES = {"edit.py": ("clean", "clean_readings"), "edit-inventory.py": ("needs_reorder", "items_to_reorder")}
+
+
+def tasks() -> dict[str, tuple[str, list[dict[str, str]]]]:
+    """Each text's name: its kind and its chat messages."""
+    out: dict[str, tuple[str, list[dict[str, str]]]] = {}
+    for path in sorted(TASKS_DIR.glob("summarise*.txt")):
+        out[path.stem] = ("summarise", [{"role": "user", "content": f"{path.read_text()}\n{SUMMARISE}"}])
+    for name, (old, new) in RENAMES.items():
+        src = (TASKS_DIR / name).read_text()
+        out[name.removesuffix(".py")] = ("edit", [{
+            "role": "user", "content": f"Here is a Python file:\n\n```python\n{src}```\n\nRewrite the whole file with "
+                                       f"the function `{old}` renamed to `{new}`. Output only the file."}])
+    out["chat"] = ("chat", json.loads((TASKS_DIR / "chat.json").read_text()))
+    return out
+
+
+def pooled(rows: list[dict]) -> dict:
+    """Rows of one kind and drafter as one: accepted over verify passes, tokens over decode passes."""
+    verify = sum(r["verify_passes"] for r in rows)
+    passes = sum(r["decode_passes"] for r in rows)
+    return {"texts": len(rows), "verify_passes": verify, "accepted": sum(r["accepted"] for r in rows),
+            "acceptance_length": round(sum(r["accepted"] for r in rows) / verify, 3) if verify else 0.0,
+            "decode_passes": passes, "plain_decode_passes": sum(r["plain_decode_passes"] for r in rows),
+            "tokens_per_decode_pass": round(sum(r["generated"] - 1 for r in rows) / passes, 3) if passes else None,
+            "identical": all(r["identical"] for r in rows)}
 
 
 def run_task(engine, prompt: list[int], n: int) -> dict:
@@ -73,45 +90,64 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--drafters", nargs="+", default=["ngram:1", "ngram:auto", "suffix:auto"],
-                    help="KIND:WIDTH, KIND ngram or suffix, WIDTH a number or auto")
+                    help="KIND:WIDTH[:fixed], KIND ngram or suffix, WIDTH a number or auto; fixed: every "
+                         "pass drafts --draft-tokens (WIDTH wide, a chain when auto), whatever this host's pass "
+                         "costs make the tree shape choose: the drafter's own acceptance, as where a verify "
+                         "pass costs what a plain one does (a streamed model)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     model = a.model or str(ensure_default_model())
     ctx = 2048
 
     plain = build_local_engine(model, a.backend, options=EngineOptions(max_batch=1, ctx=ctx))
-    prompts = {name: plain.prompt_tokens(messages=msgs) for name, msgs in tasks().items()}
+    texts = tasks()
+    prompts = {name: plain.prompt_tokens(messages=msgs) for name, (_, msgs) in texts.items()}
     want = {name: run_task(plain, p, a.tokens) for name, p in prompts.items()}
-    print(f"{model} ({a.backend}): {a.tokens} greedy tokens a task; prompts "
+    print(f"{model} ({a.backend}): {a.tokens} greedy tokens a text; prompts "
           + ", ".join(f"{k} {len(p)} tokens" for k, p in prompts.items()), flush=True)
     for name, r in want.items():
-        print(f"  plain {name:>9}: {r['seconds']:.1f} s, {r['decode_passes']} decode passes", flush=True)
-    rows = []
+        print(f"  plain {name:>18}: {r['seconds']:.1f} s, {r['decode_passes']} decode passes", flush=True)
+    rows, pools = [], []
     for spec in a.drafters:
         kind, _, width = spec.partition(":")
+        width, _, fixed = width.partition(":")
+        if fixed not in ("", "fixed"):
+            ap.error(f"--drafters {spec}: KIND:WIDTH or KIND:WIDTH:fixed")
         eng = build_local_engine(model, a.backend, options=EngineOptions(
             max_batch=1, ctx=ctx, draft=kind, draft_tokens=a.draft_tokens,
-            draft_width=None if width in ("", "auto") else int(width)))
+            draft_width=None if width in ("", "auto") else int(width), draft_fixed=bool(fixed)))
+        width = width + (":fixed" if fixed else "")
+        mine = []
         for name, p in prompts.items():
             got = run_task(eng, p, a.tokens)
             sp = got["speculation"] or {}
-            row = {"task": name, "drafter": kind, "width": width or "auto", "draft_tokens": a.draft_tokens,
-                   "verify_passes": sp.get("verify_passes", 0), "drafted": sp.get("drafted", 0),
-                   "accepted": sp.get("accepted", 0), "acceptance_length": sp.get("accepted_per_pass", 0.0),
-                   "acceptance_rate": sp.get("acceptance_rate", 0.0), "decode_passes": got["decode_passes"],
-                   "tokens_per_decode_pass": got["tokens_per_decode_pass"],
+            row = {"task": texts[name][0], "text": name, "drafter": kind, "width": width or "auto",
+                   "draft_tokens": a.draft_tokens, "verify_passes": sp.get("verify_passes", 0),
+                   "drafted": sp.get("drafted", 0), "accepted": sp.get("accepted", 0),
+                   "acceptance_length": sp.get("accepted_per_pass", 0.0),
+                   "acceptance_rate": sp.get("acceptance_rate", 0.0), "generated": len(got["tokens"]),
+                   "decode_passes": got["decode_passes"], "tokens_per_decode_pass": got["tokens_per_decode_pass"],
                    "plain_decode_passes": want[name]["decode_passes"], "identical": got["tokens"] == want[name]["tokens"],
                    "seconds": got["seconds"], "plain_seconds": want[name]["seconds"]}
-            rows.append(row)
-            print(f"  {kind}:{width or 'auto':<4} {name:>9}: acceptance length {row['acceptance_length']:.2f} over "
+            mine.append(row)
+            print(f"  {kind}:{width or 'auto':<4} {name:>18}: acceptance length {row['acceptance_length']:.2f} over "
                   f"{row['verify_passes']} verify passes ({row['acceptance_rate']:.0%} of {row['drafted']} drafted); "
                   f"{row['tokens_per_decode_pass']} tokens a decode pass ({row['decode_passes']} passes against "
                   f"{row['plain_decode_passes']}); greedy {'identical' if row['identical'] else 'DIFFERENT'}; "
                   f"{row['seconds']:.1f} s against {row['plain_seconds']:.1f} s", flush=True)
+        for task in dict.fromkeys(r["task"] for r in mine):
+            pool = {"task": task, "drafter": kind, "width": width or "auto",
+                    **pooled([r for r in mine if r["task"] == task])}
+            pools.append(pool)
+            print(f"  {kind}:{width or 'auto':<4} {task + ' (pooled)':>18}: acceptance length "
+                  f"{pool['acceptance_length']:.2f} over {pool['verify_passes']} verify passes of {pool['texts']} "
+                  f"texts; {pool['tokens_per_decode_pass']} tokens a decode pass ({pool['decode_passes']} passes "
+                  f"against {pool['plain_decode_passes']})", flush=True)
+        rows += mine
     if a.json:
         Path(a.json).write_text(json.dumps({"model": model, "backend": a.backend, "tokens": a.tokens,
                                             "prompt_tokens": {k: len(p) for k, p in prompts.items()},
-                                            "runs": rows}, indent=1))
+                                            "runs": rows, "pooled": pools}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1
 
 

@@ -40,7 +40,27 @@ def test_the_query_itself_is_never_its_own_match():
     assert len(d.propose([req([4, 5, 6, 7])])[0]) == 0
     # the sequence grows one token: (6, 7) seen ending at 3 is the query's own; (7, 6) is new
     assert len(d.propose([req([4, 5, 6, 7, 6])])[0]) == 0
-    assert d.propose([req([4, 5, 6, 7, 6, 7])])[0].tokens == [6, 7]  # (6, 7) ended at 3: 6, 7 followed it
+    # (6, 7) ended at 3, followed by 6; then (7, 6) by 7, and so on: the walk looks again after each token
+    assert d.propose([req([4, 5, 6, 7, 6, 7])])[0].tokens == [6, 7, 6, 7]
+
+
+def test_the_most_frequent_continuation_wins_then_the_earliest():
+    d = LookupDrafter("ngram")
+    # (1, 2) was followed by 5 once, first, then by 7 twice: 7; then (1, 2, 7) by 4 and 6 once each: 4
+    assert d.propose([req([1, 2, 5, 3, 1, 2, 7, 4, 1, 2, 7, 6, 1, 2], depth=2)])[0].tokens == [7, 4]
+    # as often: the earliest (the source, not the copy made of it since)
+    tokens = [1, 2, 5, 3, 1, 2, 7, 4, 1, 2]
+    assert d.propose([req(tokens, depth=2, seq_id=1)])[0].tokens == [5, 3]
+    # a wider tree holds the others, in the same order
+    assert tree_paths(d.propose([req(tokens, depth=2, width=2, seq_id=2)])[0]) == [[5, 3], [7, 4]]
+
+
+def test_each_drafted_token_is_chosen_again():
+    """The walk does not copy one occurrence: after each drafted token it asks again what most
+    often followed the longest n-gram ending the draft (here (3, 4, 5, 6, 7): 11 twice, 10 once)."""
+    d = LookupDrafter("ngram")
+    tokens = [1, 2, 3, 4, 5, 6, 7, 10, 0, 3, 4, 5, 6, 7, 11, 0, 3, 4, 5, 6, 7, 11, 0, 1, 2]
+    assert d.propose([req(tokens, depth=7)])[0].tokens == [3, 4, 5, 6, 7, 11, 0]
 
 
 def test_a_tree_holds_distinct_continuations_merged_where_they_share_a_prefix():
