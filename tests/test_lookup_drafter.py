@@ -89,6 +89,19 @@ def test_suffix_drafting_finds_text_of_earlier_requests_within_its_bound():
     assert recent.n_tokens <= 12 and len(d.propose([req([0, 12, 13], seq_id=3)])[0]) == 0
 
 
+def test_suffix_drafting_walks_only_the_best_of_many_recent_matches():
+    recent = RecentText()
+    for last in (3, 4, 5, 6):  # four earlier requests say 1 2, then each another token
+        recent.add([1, 2, last, 0])
+    d = LookupDrafter("suffix", recent)
+    # the newest two, as many as the width: nothing of the older ones is walked
+    assert tree_paths(d.propose([req([9, 1, 2], depth=2, width=2)])[0]) == [[6, 0], [5, 0]]
+    # a longer match in an older request comes before the newer ones' shorter matches
+    recent.add([7, 8, 9, 1, 2, 3, 7])
+    recent.add([1, 2, 4, 4])
+    assert tree_paths(d.propose([req([8, 9, 1, 2], depth=2, width=1, seq_id=1)])[0]) == [[3, 7]]
+
+
 def test_a_bad_draft_name_is_one_clear_line():
     with pytest.raises(ConfigError, match="--draft ngrams: choose ngram or suffix"):
         EngineOptions(draft="ngrams").validate()

@@ -105,21 +105,25 @@ class NgramIndex:
                 out += [(n, tok) for tok in self._ranked(rec) if all(tok != t for _, t in out)]
         return out
 
+    def best(self, tail: Sequence[int]) -> tuple[int, int] | None:
+        """``candidates(tail)[0]`` without the others: (n-gram length, token), or None."""
+        for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
+            rec = self.next.get(tuple(tail[len(tail) - n:]))
+            if rec is not None:
+                return n, self._best(rec)
+        return None
+
     def walk(self, tail: Sequence[int], first: int, depth: int) -> list[int]:
         """``first``, then each token the longest seen n-gram ending the text (``tail`` and the
         tokens drafted so far) was most often followed by, until ``depth`` tokens or none is seen."""
         seq = list(tail[max(0, len(tail) - MAX_NGRAM):]) + [first]
         out = [first]
         while len(out) < depth:
-            for n in range(min(MAX_NGRAM, len(seq)), MIN_NGRAM - 1, -1):
-                rec = self.next.get(tuple(seq[len(seq) - n:]))
-                if rec is not None:
-                    tok = self._best(rec)
-                    out.append(tok)
-                    seq.append(tok)
-                    break
-            else:
+            hit = self.best(seq)
+            if hit is None:
                 break
+            out.append(hit[1])
+            seq.append(hit[1])
         return out
 
 
@@ -144,16 +148,17 @@ class RecentText:
         while self.n_tokens > self.max_tokens:
             self.n_tokens -= len(self.seqs.popleft().tokens)
 
-    def continuations(self, tail: Sequence[int], depth: int) -> list[tuple[int, list[int]]]:
-        """Each recent sequence's best continuation of ``tail``, newest first, with the length of
-        the n-gram it matched."""
-        out = []
+    def continuations(self, tail: Sequence[int], depth: int, limit: int) -> list[tuple[int, list[int]]]:
+        """The best continuations of ``tail`` in at most ``limit`` recent sequences, each with the
+        length of the n-gram it matched: the longest matches first, the newest first among equals.
+        Only those are walked (a common n-gram can match in hundreds of short sequences)."""
+        found = []
         for idx in reversed(self.seqs):
-            found = idx.candidates(tail)
-            if found:
-                n, tok = found[0]
-                out.append((n, idx.walk(tail, tok, depth)))
-        return out
+            hit = idx.best(tail)
+            if hit is not None:
+                found.append((*hit, idx))
+        found.sort(key=lambda f: -f[0])  # stable: newest first among equals
+        return [(n, idx.walk(tail, tok, depth)) for n, tok, idx in found[:limit]]
 
 
 def tree_of_paths(paths: Sequence[Sequence[int]], max_nodes: int) -> DraftTree:
@@ -212,7 +217,7 @@ class LookupDrafter(Drafter):
         # longest match first, the sequence's own first among equals (a stable sort)
         found = [(n, idx.walk(tail, tok, r.depth)) for n, tok in idx.candidates(tail)[: r.width]]
         if self.recent is not None:
-            found += self.recent.continuations(tail, r.depth)
+            found += self.recent.continuations(tail, r.depth, r.width)
         paths: list[list[int]] = []
         for _, path in sorted(found, key=lambda f: -f[0]):
             if path not in paths:
