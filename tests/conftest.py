@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import socket
 import sys
 import threading
@@ -15,6 +16,14 @@ from ntx.shared.config import DEFAULT_LISTEN, run_root
 # The synthetic GGUF writer (scripts/synth_gguf) is test tooling kept out of the runtime package;
 # the scripts import it from their own folder, the tests from here.
 sys.path.append(str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+
+
+# A shell without job control starts its background commands with SIGINT ignored, and every
+# process they start inherits that: the tests that press Ctrl-C on an ntxctl process then see it
+# ignored (three failed so when CI's command was started in the background). Python's own
+# handler here makes the children start with the default again (a handler is reset on exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # What a user's own instance takes by default: a test that starts something or talks to a

@@ -160,17 +160,15 @@ def test_verify_tree_on_a_chain_yields_the_target_distribution_exactly_in_law():
             assert abs(freq[tok] - total * want) <= 4.5 * sigma + 1, (tok, freq[tok], total * want)
 
 
-def test_sampling_with_a_self_draft_keeps_the_models_distribution(tmp_path):
-    """A 2-layer synthetic model drafting with its first layer; top-k 3 at temperature 1. The
-    joint distribution of the first two generated tokens, computed from the model's logits,
-    against 1,500 seeded requests with speculation: a chi-square test at p = 0.001."""
-    model = write_tiny(tmp_path, type="Q8_0")
-    fields = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, max_tokens=3)
-    spec = local(model, options=EngineOptions(ctx=64, max_batch=8, self_draft=[0], draft_tokens=1))
-    prompt = [5, 300, 37, 400]
+SAMPLED = dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, max_tokens=3)
+
+
+def _joint_of_two(spec: LocalEngine, prompt: list[int]) -> dict[tuple[int, int], float]:
+    """The joint distribution of the first two tokens ``SAMPLED`` generates after ``prompt``,
+    computed from the model's logits (top-k 3: nine cells)."""
     m = spec.core.model
-    probe = Sampler(SamplingParams(**fields))
-    m.backend.alloc_sequence(10_000, 64)
+    probe = Sampler(SamplingParams(**SAMPLED))
+    m.backend.alloc_sequence(10_000, spec.core.max_context)
     last = m.forward(StepBatch([SeqChunk(10_000, 0, tuple(prompt), all_logits=True)]))[-1]
     joint: dict[tuple[int, int], float] = {}
     for t1, p1 in zip(*probe.distribution(_row(last))):
@@ -178,15 +176,71 @@ def test_sampling_with_a_self_draft_keeps_the_models_distribution(tmp_path):
         for t2, p2 in zip(*probe.distribution(_row(row))):
             joint[(int(t1), int(t2))] = float(p1 * p2)
     m.backend.free_sequence(10_000)
-    n = 1500
+    return joint
+
+
+def _chi2_of_seeded_requests(spec: LocalEngine, prompt: list[int], joint: dict, n: int = 1500) -> float:
+    """1,500 seeded requests with speculation, 8 at a time: the chi-square of their first two
+    tokens against ``joint``."""
     counts = dict.fromkeys(joint, 0)
     for start in range(0, n, 8):
-        done = _run(spec, [(f"s{i}", prompt, dict(fields, seed=i)) for i in range(start, min(start + 8, n))])
+        done = _run(spec, [(f"s{i}", prompt, dict(SAMPLED, seed=i)) for i in range(start, min(start + 8, n))])
         for ev in done.values():
             counts[tuple(ev["tokens"][:2])] += 1
+    return sum((counts[k] - n * q) ** 2 / (n * q) for k, q in joint.items())
+
+
+def test_sampling_with_a_self_draft_keeps_the_models_distribution(tmp_path):
+    """A 2-layer synthetic model drafting with its first layer; top-k 3 at temperature 1. The
+    joint distribution of the first two generated tokens, computed from the model's logits,
+    against 1,500 seeded requests with speculation: a chi-square test at p = 0.001."""
+    model = write_tiny(tmp_path, type="Q8_0")
+    spec = local(model, options=EngineOptions(ctx=64, max_batch=8, self_draft=[0], draft_tokens=1))
+    prompt = [5, 300, 37, 400]
+    chi2 = _chi2_of_seeded_requests(spec, prompt, _joint_of_two(spec, prompt))
     assert spec.core.spec.passes > 0 and 0 < spec.core.spec.accepted < spec.core.spec.drafted
-    chi2 = sum((counts[k] - n * q) ** 2 / (n * q) for k, q in joint.items())
-    assert chi2 < 26.12, (chi2, counts, joint)  # 9 cells: 8 degrees of freedom, p = 0.001
+    assert chi2 < 26.12, chi2  # 9 cells: 8 degrees of freedom, p = 0.001
+
+
+def _lookup_prompt(spec: LocalEngine) -> list[int]:
+    """A prompt after which every likely first token t is looked up: it ends with ``L`` and holds
+    ``L t u`` and ``L t v`` for each such t (u, v: t's two likeliest followers there), so the
+    second token is always drafted, two branches wide. Which tokens are likely depends on the
+    prompt, so the set grows until the prompt's own top 3 are all in it (a few rounds)."""
+    m = spec.core.model
+    probe = Sampler(SamplingParams(**SAMPLED))
+
+    def top3(tokens: list[int]) -> list[int]:
+        m.backend.alloc_sequence(10_001, spec.core.max_context)
+        last = m.forward(StepBatch([SeqChunk(10_001, 0, tuple(tokens), all_logits=True)]))[-1]
+        m.backend.free_sequence(10_001)
+        return [int(t) for t in probe.distribution(_row(last))[0]]
+
+    L, covered, prompt = 7, {}, [5, 300, 37, 400, 7]
+    for _ in range(20):
+        missing = [t for t in top3(prompt) if t not in covered]
+        if not missing:
+            return prompt
+        for t in missing:
+            u, v = top3(prompt + [t])[:2]
+            covered[t] = (u, v)
+        prompt = [5, 300, 37, 400] + [x for t, (u, v) in covered.items() for x in (L, t, u, L, t, v)] + [L]
+    raise AssertionError(f"no prompt covers its own top 3 after 20 rounds: {prompt}")
+
+
+@pytest.mark.parametrize("draft", ["ngram", "suffix"])
+def test_sampling_with_a_lookup_draft_keeps_the_models_distribution(tmp_path, draft):
+    """The same test for the drafters without a model, on a prompt where every likely first
+    token is followed by a drafted tree of two branches (``_lookup_prompt``); the suffix drafter
+    also draws on the earlier requests' sampled text. Fixed trees: every pass drafts."""
+    model = write_tiny(tmp_path, type="Q8_0")
+    spec = local(model, options=EngineOptions(ctx=128, max_batch=8, draft=draft, draft_tokens=4, draft_width=2,
+                                               draft_fixed=True))
+    prompt = _lookup_prompt(spec)
+    chi2 = _chi2_of_seeded_requests(spec, prompt, _joint_of_two(spec, prompt))
+    sp = spec.core.spec
+    assert sp.passes > 0 and 0 < sp.accepted < sp.drafted, sp.__dict__
+    assert chi2 < 26.12, chi2  # 9 cells: 8 degrees of freedom, p = 0.001
 
 
 # ---------------------------------------------------------------------------------------------
