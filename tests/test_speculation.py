@@ -179,12 +179,14 @@ def _joint_of_two(spec: LocalEngine, prompt: list[int]) -> dict[tuple[int, int],
     return joint
 
 
-def _chi2_of_seeded_requests(spec: LocalEngine, prompt: list[int], joint: dict, n: int = 1500) -> float:
+def _chi2_of_seeded_requests(spec: LocalEngine, prompt: list[int], joint: dict, n: int = 1500,
+                             max_tokens: int = 3) -> float:
     """1,500 seeded requests with speculation, 8 at a time: the chi-square of their first two
     tokens against ``joint``."""
     counts = dict.fromkeys(joint, 0)
+    fields = dict(SAMPLED, max_tokens=max_tokens)
     for start in range(0, n, 8):
-        done = _run(spec, [(f"s{i}", prompt, dict(SAMPLED, seed=i)) for i in range(start, min(start + 8, n))])
+        done = _run(spec, [(f"s{i}", prompt, dict(fields, seed=i)) for i in range(start, min(start + 8, n))])
         for ev in done.values():
             counts[tuple(ev["tokens"][:2])] += 1
     return sum((counts[k] - n * q) ** 2 / (n * q) for k, q in joint.items())
@@ -232,12 +234,13 @@ def _lookup_prompt(spec: LocalEngine) -> list[int]:
 def test_sampling_with_a_lookup_draft_keeps_the_models_distribution(tmp_path, draft):
     """The same test for the drafters without a model, on a prompt where every likely first
     token is followed by a drafted tree of two branches (``_lookup_prompt``); the suffix drafter
-    also draws on the earlier requests' sampled text. Fixed trees: every pass drafts."""
+    also draws on the earlier requests' sampled text (6 tokens each, so that each has proposed
+    after its first two and left them in the recent text). Fixed trees: every pass drafts."""
     model = write_tiny(tmp_path, type="Q8_0")
     spec = local(model, options=EngineOptions(ctx=128, max_batch=8, draft=draft, draft_tokens=4, draft_width=2,
                                                draft_fixed=True))
     prompt = _lookup_prompt(spec)
-    chi2 = _chi2_of_seeded_requests(spec, prompt, _joint_of_two(spec, prompt))
+    chi2 = _chi2_of_seeded_requests(spec, prompt, _joint_of_two(spec, prompt), max_tokens=6)
     sp = spec.core.spec
     assert sp.passes > 0 and 0 < sp.accepted < sp.drafted, sp.__dict__
     assert chi2 < 26.12, chi2  # 9 cells: 8 degrees of freedom, p = 0.001
