@@ -12,7 +12,10 @@ tokens over decode passes). How much a model quotes depends on the text: one doc
 of one. ``suffix`` runs the texts in order in one engine, so a text can draw on the ones before it.
 
     python scripts/draft_acceptance.py [--model M] [--backend cpu] [--tokens 96] [--draft-tokens 8]
-        [--drafters ngram:1 ngram:auto suffix:auto] [--json OUT]
+        [--drafters ngram:1 ngram:auto suffix:auto ngram:1:fixed] [--json OUT]
+
+``KIND:WIDTH:fixed`` drafts the whole budget every pass: the drafter's own acceptance, apart
+from the tree shape this host's pass costs would choose.
 """
 
 from __future__ import annotations
@@ -111,11 +114,12 @@ def main() -> int:
     for spec in a.drafters:
         kind, _, width = spec.partition(":")
         width, _, fixed = width.partition(":")
+        width = width or "auto"
         if fixed not in ("", "fixed"):
             ap.error(f"--drafters {spec}: KIND:WIDTH or KIND:WIDTH:fixed")
         eng = build_local_engine(model, a.backend, options=EngineOptions(
             max_batch=1, ctx=ctx, draft=kind, draft_tokens=a.draft_tokens,
-            draft_width=None if width in ("", "auto") else int(width), draft_fixed=bool(fixed)))
+            draft_width=None if width == "auto" else int(width), draft_fixed=bool(fixed)))
         width = width + (":fixed" if fixed else "")
         mine = []
         for name, p in prompts.items():

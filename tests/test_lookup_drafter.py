@@ -102,6 +102,22 @@ def test_suffix_drafting_walks_only_the_best_of_many_recent_matches():
     assert tree_paths(d.propose([req([8, 9, 1, 2], depth=2, width=1, seq_id=1)])[0]) == [[3, 7]]
 
 
+def test_the_acceptance_script_has_nine_texts_of_three_kinds_and_pools_them():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "draft_acceptance.py"
+    spec = importlib.util.spec_from_file_location("draft_acceptance", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    kinds = [kind for kind, _ in script.tasks().values()]
+    assert [kinds.count(k) for k in ("summarise", "edit", "chat")] == [6, 2, 1]
+    row = dict(verify_passes=4, accepted=6, decode_passes=10, plain_decode_passes=20, generated=21, identical=True)
+    pool = script.pooled([row, dict(row, verify_passes=0, accepted=0, decode_passes=20, generated=21)])
+    # 6 accepted over 4 verify passes; 40 tokens after the first over 30 decode passes
+    assert pool["acceptance_length"] == 1.5 and pool["tokens_per_decode_pass"] == 1.333 and pool["texts"] == 2
+
+
 def test_a_bad_draft_name_is_one_clear_line():
     with pytest.raises(ConfigError, match="--draft ngrams: choose ngram or suffix"):
         EngineOptions(draft="ngrams").validate()
