@@ -40,7 +40,7 @@ from ntx.ctl.bench_options import BENCH_CTX, SpecOptions
 from ntx.ctl.client import Client
 from ntx.daemons.compute.backend import plan_for
 from ntx.daemons.compute.model import FileLayerStream
-from ntx.daemons.compute.replay import write_references
+from ntx.daemons.compute.replay import load_trace, write_references
 from ntx.shared.config import EngineOptions, InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
@@ -594,7 +594,9 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     depth) at the p whose expected acceptance length is ``opts.accept_length``, and at p = 1
     (every draft wrong): tokens/s against plain, and the measured mean acceptance length
     (accepted tokens per verify pass); at p = 1 also against a plain request (``speculative:
-    false``) of the same instance right after, by which its goal is judged;
+    false``) of the same instance right after, by which its goal is judged; then for each of
+    ``opts.accept_traces`` (a real drafter's passes on real text) the replay of that trace, every
+    pass drafting and accepted as it was there (``_traced_replay``);
     (iv) with ``opts.batch`` > 1: that many concurrent requests, plain and with the replay of (iii) at
     both p, tokens/s of all of them together as the clients saw it.
 
@@ -670,13 +672,21 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         log(f"(spec) replay goal at {VERIFY_GOAL_DRAFT_TOKENS} drafted tokens: not judged (the measured chains "
             f"{sorted(measured)} do not bracket it, or no 1-token pass was timed)")
 
-    # (iii) end to end at controlled acceptance
+    # (iii) end to end at controlled acceptance, then at each real drafter's traced passes
     k = opts.accept_draft_tokens
     draft_model = os.path.abspath(opts.draft_model) if opts.draft_model else None
-    for case, p_wrong in ((f"acceptance length {opts.accept_length:g}", p_wrong_for_acceptance(k, opts.accept_length)),
-                          ("every draft wrong", 1.0)):
-        run = _timed_instance(replay_cfg(k, p_wrong, draft_model), index, k + 2, opts.accept_tokens,
-                              plain_too=p_wrong == 1.0)
+    cases: list[tuple[str, float, dict | None]] = [
+        (f"acceptance length {opts.accept_length:g}", p_wrong_for_acceptance(k, opts.accept_length), None),
+        ("every draft wrong", 1.0, None)]
+    for i, trace_file in enumerate(opts.accept_traces):
+        cases.append((f"trace {i}", 0.0, _traced_replay(trace_file, out_dir / f"replay-trace-{i}.json",
+                                                        done["prompt_tokens"] + done["tokens"], k)))
+    for case, p_wrong, traced in cases:
+        cfg = replay_cfg(k, p_wrong, draft_model)
+        if traced is not None:  # the trace's passes as they were: every pass asks for the whole budget
+            case = f"trace {traced['label']}"
+            cfg = replace(cfg, draft_replay=traced["replay_file"], draft_fixed=True).validate()
+        run = _timed_instance(cfg, index, k + 2, opts.accept_tokens, plain_too=p_wrong == 1.0)
         spec = run["done"].get("speculation") or {}
         passes = [t for r, ts in run["pass_s_by_rows"].items() if r > 1 for t in ts]
         point = {
@@ -691,14 +701,16 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
             "link_pass_s": run["streamed_bytes_per_pass"] / (link_gbps * GB) if link_gbps else None,
             "plan_tiers": run["plan_tiers"], "start_s": run["start_s"],
         }
-        if p_wrong == 1.0:  # judged against the plain request of the same instance, which ran right after
+        if traced is not None:
+            point.update(p_wrong=None, expected_length=traced["expected_length"], trace=traced)
+        if p_wrong == 1.0 and traced is None:  # judged against the plain request of the same instance, which ran right after
             same = run["plain_tokens_per_s"]
             point.update(plain_same_instance_tokens_per_s=same,
                          ratio_to_plain_same_instance=run["tokens_per_s"] / same if same else None)
             judged = point["ratio_to_plain_same_instance"]
             point.update(goal=f">= {ALL_WRONG_GOAL_RATIO}x plain (the same instance's)",
                          met=judged is not None and judged >= ALL_WRONG_GOAL_RATIO)
-        elif opts.accept_length == ACCEPT_GOAL_LENGTH:
+        elif traced is None and opts.accept_length == ACCEPT_GOAL_LENGTH:
             point.update(goal=f">= {ACCEPT_GOAL_TOKENS_PER_S:g} tok/s (70B shape, 24 GiB, batch 1)",
                          met=run["tokens_per_s"] >= ACCEPT_GOAL_TOKENS_PER_S)
         entry["acceptance"].append(point)
@@ -706,6 +718,27 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         log(_spec_accept_line(point, plain["tokens_per_s"]))
     if opts.batch > 1:
         _spec_batch(entry, plain_cfg, replay_cfg, index, opts, opts.batch, draft_model, log, save)
+
+
+def _traced_replay(trace_file: str, replay_file: Path, reference: list[int], k: int) -> dict[str, Any]:
+    """A replay file of the bench's reference with ``trace_file``'s passes (written by
+    scripts/draft_acceptance.py --trace-out: a real drafter on real text), and what that trace
+    says: its label, passes, the acceptance length it had and has once cut to chains of ``k``
+    (the replay cuts each pass to the budget), and the tokens a decode pass it gave."""
+    trace = load_trace(trace_file, "--spec-accept-trace")
+    if trace is None:
+        raise ConfigError(f"--spec-accept-trace {trace_file}: holds no \"trace\" (write one with "
+                          "scripts/draft_acceptance.py --trace-out)")
+    doc = json.loads(Path(trace_file).read_text())
+    write_references(replay_file, [reference], trace=trace)
+    cut = [(min(d, k), min(a, d, k)) for d, a in trace]
+    drafted = [a for d, a in cut if d > 0]
+    return {"label": str(doc.get("label") or Path(trace_file).stem), "file": os.path.abspath(trace_file),
+            "replay_file": str(replay_file), "passes": len(trace),
+            "source_acceptance_length": doc.get("acceptance_length"),
+            "source_tokens_per_decode_pass": doc.get("tokens_per_decode_pass"),
+            "expected_length": sum(drafted) / len(drafted) if drafted else 0.0,
+            "expected_tokens_per_decode_pass": sum(a + 1 for _, a in cut) / len(cut)}
 
 
 def _spec_batch(entry: dict[str, Any], plain_cfg: InstanceConfig, replay_cfg, index: ModelIndex, opts: SpecOptions,
@@ -790,8 +823,15 @@ def _spec_verify_goal_line(g: dict) -> str:
 
 
 def _spec_accept_line(a: dict, plain_tokens_per_s: float) -> str:
-    s = (f"(spec) replay K={a['draft_tokens']} p={a['p_wrong']:.4f} ({a['case']}; expected {a['expected_length']:.2f}): "
-         f"{a['tokens_per_s']:.3f} tok/s, measured acceptance length {a['accepted_per_pass']:.2f} over "
+    if a.get("trace"):
+        t = a["trace"]
+        how = (f"{a['case']}, {t['passes']} passes cycled; expected {a['expected_length']:.2f}, "
+               f"{t['expected_tokens_per_decode_pass']:.2f} tokens a decode pass")
+        s = f"(spec) replay K={a['draft_tokens']} ({how}): "
+    else:
+        s = (f"(spec) replay K={a['draft_tokens']} p={a['p_wrong']:.4f} ({a['case']}; "
+             f"expected {a['expected_length']:.2f}): ")
+    s += (f"{a['tokens_per_s']:.3f} tok/s, measured acceptance length {a['accepted_per_pass']:.2f} over "
          f"{a['verify_passes']} verify passes, {_ms(a['pass_s'])}/pass")
     if a.get("link_pass_s"):
         s += f" (link limit {_ms(a['link_pass_s'])})"

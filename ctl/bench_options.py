@@ -21,7 +21,9 @@ class SpecOptions:
     after one warm-up pass; ``accept_draft_tokens`` K and ``accept_length`` the expected accepted
     tokens per pass of the controlled-acceptance run, ``accept_tokens`` the tokens it generates;
     ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid); ``batch`` > 1:
-    the controlled-acceptance runs again with that many concurrent requests, beside plain."""
+    the controlled-acceptance runs again with that many concurrent requests, beside plain;
+    ``accept_traces``: files of a real drafter's (drafted, accepted) passes on real text
+    (scripts/draft_acceptance.py --trace-out), each replayed as one more run."""
 
     verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
     verify_passes: int = 2
@@ -30,6 +32,7 @@ class SpecOptions:
     accept_tokens: int = 64
     draft_model: str | None = None
     batch: int = 1
+    accept_traces: tuple[str, ...] = ()
 
     def validate(self) -> SpecOptions:
         for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from inspect import Parameter, Signature, cleandoc, signature  # (the module name is taken: `ntxctl inspect`)
-from typing import Any, Optional, get_args, get_type_hints
+from typing import Any, List, Optional, get_args, get_type_hints
 
 import typer
 
@@ -437,9 +437,10 @@ def _read_layers_or_profile(text: str, flag: str, ctx: _ReadContext) -> list[int
 
 def _read_replay_file(text: str, flag: str, _: _ReadContext) -> str:
     """``--draft-replay``'s file, read here first so that a bad one is one line, not a failed daemon."""
-    from ntx.daemons.compute.replay import load_references
+    from ntx.daemons.compute.replay import load_references, load_trace
 
     load_references(text)
+    load_trace(text)
     return os.path.abspath(text)
 
 
@@ -1059,6 +1060,9 @@ def bench(
                                               help="spec: run this draft model behind the replay (its cost paid)"),
     spec_batch: int = typer.Option(SpecOptions.batch, "--spec-batch", help="spec: also run the controlled-acceptance "
                                    "cases with this many concurrent requests, beside plain"),
+    spec_accept_trace: Optional[List[str]] = typer.Option(None, "--spec-accept-trace", help="spec: also replay "
+                                                          "this real drafter's passes (a file from "
+                                                          "scripts/draft_acceptance.py --trace-out; repeatable)"),
     long: str = typer.Option("16,2000", "--long", help="long and prefix: SEQUENCES,PROMPT_TOKENS (long: that many "
                              "concurrent requests; prefix: the cached prefix's length)"),
     ctx_prompt: int = typer.Option(32000, "--ctx-prompt", help="ctx: the one long sequence's prompt tokens"),
@@ -1092,9 +1096,23 @@ def bench(
         spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
                          spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens,
                          draft_model and _model_path(draft_model, "--draft-model"),
-                         spec_batch),
+                         spec_batch, tuple(_trace_file(f) for f in spec_accept_trace or ())),
         long_opts=(long_seqs, long_prompt), ctx_prompt=ctx_prompt,
     )
+
+
+def _trace_file(path: str) -> str:
+    """A ``--spec-accept-trace`` file, checked here so that a bad one is one line before any
+    instance starts."""
+    from ntx.daemons.compute.replay import load_trace
+
+    try:
+        if load_trace(path, "--spec-accept-trace") is None:
+            _fail(f"--spec-accept-trace {path}: holds no \"trace\" (write one with scripts/draft_acceptance.py "
+                  "--trace-out)")
+    except NtxError as e:
+        _fail(str(e))
+    return os.path.abspath(path)
 
 
 def _counts(text: str, what: str) -> tuple[int, ...]:

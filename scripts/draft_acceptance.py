@@ -86,6 +86,38 @@ def run_task(engine, prompt: list[int], n: int) -> dict:
             "tokens_per_decode_pass": round((len(tokens) - 1) / decode_passes, 3) if decode_passes > 0 else None}
 
 
+class PassTrace:
+    """Records what a chain drafter proposed at each pass (``install`` wraps its ``propose``), so
+    that ``trace`` can say, once the greedy tokens are known, how many of each proposal they
+    accepted: the (drafted, accepted) passes a replay on another model repeats
+    (daemons/compute/replay.py)."""
+
+    def __init__(self, drafter) -> None:
+        self.calls: list[tuple[int, list[int]]] = []  # (the position the draft starts at, its tokens)
+        inner = drafter.propose
+
+        def propose(requests):
+            trees = inner(requests)
+            for r, tree in zip(requests, trees):
+                if any(p != i - 1 for i, p in enumerate(tree.parents)):
+                    raise SystemExit("--trace-out: a traced drafter must draft chains (KIND:1:fixed)")
+                self.calls.append((len(r.tokens), list(tree.tokens)))
+            return trees
+
+        drafter.propose = propose
+
+    def trace(self, full: list[int]) -> list[list[int]]:
+        """The passes recorded since the last call, against ``full`` (prompt and greedy tokens)."""
+        out = []
+        for pos, draft in self.calls:
+            accepted = 0
+            while accepted < len(draft) and pos + accepted < len(full) and draft[accepted] == full[pos + accepted]:
+                accepted += 1
+            out.append([len(draft), accepted])
+        self.calls.clear()
+        return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -98,6 +130,9 @@ def main() -> int:
                          "costs make the tree shape choose: the drafter's own acceptance, as where a verify "
                          "pass costs what a plain one does (a streamed model)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace-out", default=None, metavar="DIR",
+                    help="write each KIND:1:fixed drafter's passes per kind of text, as (drafted, accepted) pairs, "
+                         "to DIR/trace-KIND-TASK.json: what `ntxctl bench --spec-accept-trace` replays on another model")
     a = ap.parse_args()
     model = a.model or str(ensure_default_model())
     ctx = 2048
@@ -120,11 +155,19 @@ def main() -> int:
         eng = build_local_engine(model, a.backend, options=EngineOptions(
             max_batch=1, ctx=ctx, draft=kind, draft_tokens=a.draft_tokens,
             draft_width=None if width == "auto" else int(width), draft_fixed=bool(fixed)))
+        tracer = PassTrace(eng.core.drafter) if a.trace_out and width == "1" and fixed else None
+        traces: dict[str, list[list[int]]] = {}
         width = width + (":fixed" if fixed else "")
         mine = []
         for name, p in prompts.items():
             got = run_task(eng, p, a.tokens)
             sp = got["speculation"] or {}
+            if tracer is not None:
+                passes = tracer.trace(list(p) + list(got["tokens"]))
+                if sum(acc for _, acc in passes) != sp.get("accepted", 0):
+                    raise SystemExit(f"--trace-out: {name}'s trace accepts {sum(acc for _, acc in passes)} tokens, "
+                                     f"the engine counted {sp.get('accepted', 0)}")
+                traces.setdefault(texts[name][0], []).extend(passes)
             row = {"task": texts[name][0], "text": name, "drafter": kind, "width": width or "auto",
                    "draft_tokens": a.draft_tokens, "verify_passes": sp.get("verify_passes", 0),
                    "drafted": sp.get("drafted", 0), "accepted": sp.get("accepted", 0),
@@ -148,6 +191,15 @@ def main() -> int:
                   f"texts; {pool['tokens_per_decode_pass']} tokens a decode pass ({pool['decode_passes']} passes "
                   f"against {pool['plain_decode_passes']})", flush=True)
         rows += mine
+        for task, passes in traces.items():
+            out = Path(a.trace_out) / f"trace-{kind}-{task}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pool = next(q for q in pools if q["task"] == task and q["drafter"] == kind and q["width"] == width)
+            out.write_text(json.dumps({
+                "label": f"{kind} {task}", "model": Path(model).name, "backend": a.backend,
+                "draft_tokens": a.draft_tokens, "acceptance_length": pool["acceptance_length"],
+                "tokens_per_decode_pass": pool["tokens_per_decode_pass"], "trace": passes}))
+            print(f"  trace of {kind} on {task}: {len(passes)} passes -> {out}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"model": model, "backend": a.backend, "tokens": a.tokens,
                                             "prompt_tokens": {k: len(p) for k, p in prompts.items()},

@@ -88,13 +88,17 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     # must not bring about in a test of controlled acceptance.
     draft = write_tiny(tmp_path, name="draft.gguf", n_layers=1, type="Q8_0")
     out = tmp_path / "out"
+    # a real drafter's passes (scripts/draft_acceptance.py --trace-out): 4 drafted, 2 accepted; then none
+    trace = tmp_path / "trace-ngram-edit.json"
+    trace.write_text(json.dumps({"label": "ngram edit", "acceptance_length": 2.0, "tokens_per_decode_pass": 2.0,
+                                 "trace": [[4, 2], [0, 0]]}))
     env = dict(os.environ, NTX_RUN_DIR=str(tmp_path / "run"))
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
          "--gpu-layers", "1", "--tokens", "4", "--scenarios", "a,spec", "--out", str(out),
          "--listen", f"tcp://127.0.0.1:{free_port()}", "--spec-verify-draft-tokens", "1,4",
          "--spec-verify-passes", "2", "--spec-accept-draft-tokens", "4", "--spec-accept-length", "4",
-         "--spec-tokens", "11", "--draft-model", str(draft), "--spec-batch", "2"],
+         "--spec-tokens", "11", "--draft-model", str(draft), "--spec-batch", "2", "--spec-accept-trace", str(trace)],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -109,7 +113,13 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     for v in spec["verify"]:
         assert v["n_passes"] == 2 and v["pass_s"] > 0 and v["ratio_to_plain_pass"] > 0
         assert v["accepted_per_pass"] == v["draft_tokens"]
-    right, wrong = spec["acceptance"]
+    right, wrong, traced = spec["acceptance"]
+    # the trace's passes, replayed as they were: 2 accepted of every 4 drafted, passes without drafts
+    # between (fewer at the end, where max_tokens leaves less room)
+    assert traced["case"] == "trace ngram edit" and traced["p_wrong"] is None and traced["expected_length"] == 2.0
+    assert traced["trace"]["expected_tokens_per_decode_pass"] == 2.0 and traced["trace"]["passes"] == 2
+    assert 1.0 <= traced["accepted_per_pass"] <= 2.0 and 0 < traced["acceptance_rate"] < 1.0
+    assert traced["tokens_per_s"] > 0 and "met" not in traced
     # every draft right: all accepted, chains of up to 4 (the shape sizes them to what a pass costs)
     assert right["p_wrong"] == 0.0 and right["expected_length"] == 4 and 1.0 <= right["accepted_per_pass"] <= 4.0
     assert right["acceptance_rate"] == 1.0
@@ -130,7 +140,8 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     assert right_b["speculation"]["acceptance_rate"] == 1.0 and right_b["ratio_to_plain"] > 0 and "met" in right_b
     assert wrong_b["speculation"]["accepted"] == 0
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("(spec) ") and "plain" not in ln.split(":")[0]]
-    assert len(lines) >= 7 and all("replay" in ln for ln in lines), r.stdout
+    assert len(lines) >= 8 and all("replay" in ln for ln in lines), r.stdout
+    assert any("(trace ngram edit, 2 passes cycled" in ln for ln in lines), r.stdout
 
 
 @pytest.mark.slow

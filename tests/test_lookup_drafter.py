@@ -116,6 +116,14 @@ def test_the_acceptance_script_has_nine_texts_of_three_kinds_and_pools_them():
     pool = script.pooled([row, dict(row, verify_passes=0, accepted=0, decode_passes=20, generated=21)])
     # 6 accepted over 4 verify passes; 40 tokens after the first over 30 decode passes
     assert pool["acceptance_length"] == 1.5 and pool["tokens_per_decode_pass"] == 1.333 and pool["texts"] == 2
+    # --trace-out: each proposal against the greedy tokens, as (drafted, accepted)
+    d = LookupDrafter("ngram")
+    tracer = script.PassTrace(d)
+    full = [1, 2, 3, 4, 1, 2, 3, 9, 1, 2]
+    d.propose([req(full[:6], depth=3)])  # (1, 2) -> 3 4 1: the text goes on 3 9: 1 accepted
+    d.propose([req(full[:7], depth=3)])  # (1, 2, 3) -> 4 1 2: none
+    d.propose([req([5, 6], depth=3, seq_id=1)])  # nothing seen: nothing drafted
+    assert tracer.trace(full) == [[3, 1], [3, 0], [0, 0]] and tracer.calls == []
 
 
 def test_a_bad_draft_name_is_one_clear_line():

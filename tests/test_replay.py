@@ -126,6 +126,56 @@ def test_greedy_output_through_replay_is_the_plain_output_at_any_p(tiny, tmp_pat
             assert 0 < spec["accepted"] < spec["drafted"]
 
 
+def test_a_traced_replay_drafts_and_is_accepted_pass_by_pass_as_the_trace_says(tiny, tmp_path):
+    """A real drafter's passes, replayed on another model: each pass drafts and has accepted what
+    the trace says, the trace starting over when it runs out; greedy output is unchanged. A
+    fixed shape (every pass asks for the whole budget), as the bench replays a trace."""
+    from ntx.daemons.compute.replay import load_trace
+
+    prompt = [5, 300, 37, 400, 12]
+    want = _generate(local(tiny, options=EngineOptions(ctx=128)), prompt, 24)
+    path = tmp_path / "traced.json"
+    trace = [(0, 0), (4, 3), (2, 0), (6, 6)]  # 6 drafted: cut to the budget of 4
+    write_references(path, [want["prompt_tokens"] + want["tokens"]], trace=trace)
+    assert load_trace(path) == trace
+    eng = local(tiny, options=EngineOptions(ctx=128, draft_replay=path, draft_tokens=4, draft_width=1,
+                                            draft_fixed=True))
+    seen = []
+    propose = eng.core.drafter.propose
+
+    def spy(requests):
+        trees = propose(requests)
+        seen.extend(len(t) for t in trees)
+        return trees
+
+    eng.core.drafter.propose = spy
+    got = _generate(eng, prompt, 24)
+    assert got["tokens"] == want["tokens"]
+    # the passes: 1 token from the prefill, then per pass the accepted ones and one more:
+    # (0,0) -> 1, (4,3) -> 4, (2,0) -> 1, (4,4) -> 5; 11 tokens a round of the trace
+    assert seen[:8] == [0, 4, 2, 4, 0, 4, 2, 4]
+    spec = got["speculation"]
+    assert spec["verify_passes"] == len([n for n in seen if n]) and spec["drafted"] == sum(seen)
+    # 23 tokens after the prefill's: 2 rounds (22), then the last token from a pass that has no room
+    # to draft (max_tokens), so the drafter is not asked
+    rounds, rest = divmod(23, 11)
+    assert rest == 1 and spec["accepted"] == rounds * 7 and len(seen) == rounds * 4
+
+
+def test_a_bad_trace_is_one_clear_line(tmp_path):
+    from ntx.daemons.compute.replay import load_trace
+
+    for bad in ('{"sequences": [[1, 2]], "trace": [[1, 2]]}', '{"sequences": [], "trace": []}',
+                '{"sequences": [], "trace": [[3]]}', '{"sequences": [], "trace": [[true, 0]]}'):
+        path = tmp_path / "bad.json"
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match=r"--draft-replay .*bad.json: \"trace\" must be a non-empty list"):
+            load_trace(path)
+    ok = tmp_path / "plain.json"
+    write_references(ok, [[1, 2, 3]])
+    assert load_trace(ok) is None
+
+
 def test_replay_runs_the_drafter_it_wraps_and_ignores_its_proposals(tiny, tmp_path):
     """The tiny model as its own draft would accept everything; behind a replay at p = 1 nothing
     is accepted, yet the draft model ran on the sequence (its cache held it)."""

@@ -14,7 +14,7 @@ from ntx.daemons.compute.backend import Backend, WarmUp, make_backend
 from ntx.daemons.compute.engine import EngineCore
 from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
-from ntx.daemons.compute.replay import ReplayDrafter, load_references
+from ntx.daemons.compute.replay import ReplayDrafter, load_references, load_trace
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
 from ntx.shared.config import EngineOptions
 from ntx.shared.errors import NtxError
@@ -57,8 +57,8 @@ def build_engine(
     also in the recent requests (``suffix``), alone or merged with the drafter above.
     ``draft_replay`` (benchmarks only, ``replay.py``): a file of recorded greedy
     continuations proposed (as chains) with each token made wrong with probability
-    ``draft_replay_p``; the drafter chosen by the other options, if any, still runs first and
-    its proposals are discarded.
+    ``draft_replay_p``, or drafted and accepted pass by pass as the file's trace says; the
+    drafter chosen by the other options, if any, still runs first and its proposals are discarded.
 
     Before it returns, the engine is warmed up (``warm_up_engine``) unless ``warm_up`` is False
     (the caller then does it, timed): every kernel and CUDA graph its passes can need is built,
@@ -81,7 +81,7 @@ def build_engine(
         drafter = CombinedDrafter(drafter, lookup) if drafter is not None else lookup
     if options.draft_replay is not None:
         drafter = ReplayDrafter(load_references(options.draft_replay), options.draft_replay_p, index.hparams.n_vocab,
-                                inner=drafter)
+                                inner=drafter, trace=load_trace(options.draft_replay))
     engine = EngineCore(llama, stop_token_ids=end_of_generation_ids(index.metadata), max_batch=options.max_batch,
                         prefill_chunk_tokens=options.prefill_chunk_tokens, max_context=options.ctx,
                         drafter=drafter, draft_tokens=options.draft_tokens, draft_width=options.draft_width,
