@@ -703,7 +703,7 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         }
         if traced is not None:
             point.update(p_wrong=None, expected_length=traced["expected_length"], trace=traced)
-        if p_wrong == 1.0 and traced is None:  # judged against the plain request of the same instance, which ran right after
+        if p_wrong == 1.0 and traced is None:  # judged against the same instance's plain request, run right after
             same = run["plain_tokens_per_s"]
             point.update(plain_same_instance_tokens_per_s=same,
                          ratio_to_plain_same_instance=run["tokens_per_s"] / same if same else None)

@@ -27,7 +27,7 @@ from typing import Sequence
 from ntx.daemons.compute.speculation import DraftRequest, Drafter, DraftTree
 
 MIN_NGRAM, MAX_NGRAM = 2, 5  # suffix lengths looked up; one token alone matches too much to pay
-HISTORY_TOKENS = 1 << 16  # the instance's recent text that --draft suffix searches (about 32 MiB of index for English prose)
+HISTORY_TOKENS = 1 << 16  # the recent text that --draft suffix searches (about 32 MiB of index for English prose)
 
 
 _FIRST_BITS = 32  # a continuation's record: its count above these bits, where it first followed below
