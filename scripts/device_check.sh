@@ -30,6 +30,9 @@
 #   passed to it) into $OUT/gemm_paths.{json,log}.
 # --mmq-rows: mmq at one and two rows (mmq_rows_kernel) against mmq_kernel and the i16 matvec, its
 #   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
+# --draft-acceptance: drafting without a model on the real SmolLM2 on the GPU (scripts/draft_acceptance.py
+#   --backend cuda: the nine texts, the auto shapes and the fixed chain) into
+#   $OUT/draft-acceptance-smollm2-cuda.{json,log}; needs SmolLM2 joined (both .models parts).
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # --cpu-compare: the CPU backend beside llama.cpp's CPU build on the host's cores
 #   (scripts/cpu_vs_llamacpp.py): SmolLM2 (when joined) at CPU_SMOL_THREADS (default 2) threads and a
@@ -54,7 +57,7 @@ export PYTHONUNBUFFERED=1
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
 QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; MMQ_ROWS=0
-CPU_COMPARE=0; PYTEST_ARGS=()
+CPU_COMPARE=0; DRAFT_ACC=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -70,6 +73,7 @@ for a in "$@"; do
     --gemm-paths) GEMM=1 ;;
     --mmq-rows) MMQ_ROWS=1 ;;
     --cpu-compare) CPU_COMPARE=1 ;;
+    --draft-acceptance) DRAFT_ACC=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
 done
@@ -141,6 +145,15 @@ if [ "$TESTS" = 1 ]; then
 fi
 if [ "$BENCH" = 1 ]; then
   python3 "$REPO/scripts/bench_kernels.py" $QUICK --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$DRAFT_ACC" = 1 ]; then
+  if [ -f "$MODELS/SmolLM2.gguf" ]; then
+    python3 "$REPO/scripts/draft_acceptance.py" --model "$MODELS/SmolLM2.gguf" --backend cuda \
+      --drafters ngram:1 ngram:auto suffix:auto ngram:1:fixed --json "$OUT/draft-acceptance-smollm2-cuda.json" 2>&1 \
+      | tee "$OUT/draft-acceptance-smollm2-cuda.log"
+  else
+    echo "--draft-acceptance: SmolLM2 is not joined (carry .models/p1, then .models/p2)" | tee "$OUT/draft-acceptance-smollm2-cuda.log"
+  fi
 fi
 if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm,mmq") go to it as they are
   read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"
