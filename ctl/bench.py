@@ -679,12 +679,12 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         (f"acceptance length {opts.accept_length:g}", p_wrong_for_acceptance(k, opts.accept_length), None),
         ("every draft wrong", 1.0, None)]
     for i, trace_file in enumerate(opts.accept_traces):
-        cases.append((f"trace {i}", 0.0, _traced_replay(trace_file, out_dir / f"replay-trace-{i}.json",
-                                                        done["prompt_tokens"] + done["tokens"], k)))
+        traced = _traced_replay(trace_file, out_dir / f"replay-trace-{i}.json",
+                                done["prompt_tokens"] + done["tokens"], k)
+        cases.append((f"trace {traced['label']}", 0.0, traced))
     for case, p_wrong, traced in cases:
         cfg = replay_cfg(k, p_wrong, draft_model)
         if traced is not None:  # the trace's passes as they were: every pass asks for the whole budget
-            case = f"trace {traced['label']}"
             cfg = replace(cfg, draft_replay=traced["replay_file"], draft_fixed=True).validate()
         run = _timed_instance(cfg, index, k + 2, opts.accept_tokens, plain_too=p_wrong == 1.0)
         spec = run["done"].get("speculation") or {}

@@ -34,6 +34,11 @@ _FIRST_BITS = 32  # a continuation's record: its count above these bits, where i
 _FIRST_MASK = (1 << _FIRST_BITS) - 1
 
 
+def _rank(record: int) -> tuple[int, int]:
+    """A continuation's place among its n-gram's: the most frequent first, then the earliest."""
+    return -(record >> _FIRST_BITS), record & _FIRST_MASK
+
+
 class NgramIndex:
     """What followed each n-gram (``MIN_NGRAM``-``MAX_NGRAM`` tokens) of a token sequence, grown
     as the sequence grows: for each n-gram, each token that followed it, how often, and where it
@@ -50,7 +55,7 @@ class NgramIndex:
     texts, where the last occurrence copied on accepted 2.29, and yielded more tokens a pass on six
     of them (the seventh: 1.214 against 1.223); on three held-out texts the two tied (2.06 against
     2.10). The branches of a wider tree are the same n-gram's other continuations, which is where
-    the change pays most (docs/PERFORMANCE.md, "Acceptance on nine texts")."""
+    the change pays most (docs/PERFORMANCE.md, "Acceptance on real text: drafting without a model")."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -88,12 +93,13 @@ class NgramIndex:
         """The continuations a record holds, the most frequent first, then the earliest."""
         if not isinstance(rec, dict):
             return [self.tokens[(rec & _FIRST_MASK) + 1]]
-        return sorted(rec, key=lambda tok: (-(rec[tok] >> _FIRST_BITS), rec[tok] & _FIRST_MASK))
+        return sorted(rec, key=lambda tok: _rank(rec[tok]))
 
     def _best(self, rec: int | dict[int, int]) -> int:
+        """``_ranked(rec)[0]`` without sorting the others."""
         if not isinstance(rec, dict):
             return self.tokens[(rec & _FIRST_MASK) + 1]
-        return min(rec, key=lambda tok: (-(rec[tok] >> _FIRST_BITS), rec[tok] & _FIRST_MASK))
+        return min(rec, key=lambda tok: _rank(rec[tok]))
 
     def candidates(self, tail: Sequence[int]) -> list[tuple[int, int]]:
         """The tokens that followed n-grams ending ``tail``, each with the length of the longest
