@@ -40,7 +40,7 @@ from ntx.ctl.bench_options import BENCH_CTX, SpecOptions
 from ntx.ctl.client import Client
 from ntx.daemons.compute.backend import plan_for
 from ntx.daemons.compute.model import FileLayerStream
-from ntx.daemons.compute.replay import load_trace, write_references
+from ntx.daemons.compute.replay import load_trace, trace_tokens, write_references
 from ntx.shared.config import EngineOptions, InstanceConfig, format_bytes
 from ntx.shared.errors import ConfigError, NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
@@ -568,8 +568,10 @@ def spec_positions(opts: SpecOptions, index: ModelIndex) -> int:
     n_ctx = index.hparams.n_ctx_train
     if positions > n_ctx:
         room = n_ctx - SPEC_PROMPT_POSITIONS  # tokens a run may generate
+        traces_over = [f for i, f in enumerate(opts.accept_traces) if opts.trace_run_tokens(i) > room]
         fix = (f"--spec-tokens at most {room}" if opts.accept_tokens > room else
-               f"chains (--spec-verify-draft-tokens) of at most {(room - 1) // opts.verify_passes - 1} tokens at "
+               f"a shorter --spec-accept-trace than {os.path.basename(traces_over[0])} (a trace replays whole)"
+               if traces_over else f"chains (--spec-verify-draft-tokens) of at most {(room - 1) // opts.verify_passes - 1} tokens at "
                f"--spec-verify-passes {opts.verify_passes}, or fewer passes")
         raise ConfigError(f"bench spec: its runs need {positions} positions but {index.name} was trained for "
                           f"{n_ctx}: {fix}")
@@ -596,7 +598,8 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     (accepted tokens per verify pass); at p = 1 also against a plain request (``speculative:
     false``) of the same instance right after, by which its goal is judged; then for each of
     ``opts.accept_traces`` (a real drafter's passes on real text) the replay of that trace, every
-    pass drafting and accepted as it was there (``_traced_replay``);
+    pass drafting and accepted as it was there (``_traced_replay``), the whole trace once
+    (``opts.trace_run_tokens``: its first passes alone would give the start of the text's figure);
     (iv) with ``opts.batch`` > 1: that many concurrent requests, plain and with the replay of (iii) at
     both p, tokens/s of all of them together as the clients saw it.
 
@@ -681,12 +684,15 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     for i, trace_file in enumerate(opts.accept_traces):
         traced = _traced_replay(trace_file, out_dir / f"replay-trace-{i}.json",
                                 done["prompt_tokens"] + done["tokens"], k)
+        traced["run_tokens"] = opts.trace_run_tokens(i)  # the whole trace once (cycled if --spec-tokens is more)
         cases.append((f"trace {traced['label']}", 0.0, traced))
     for case, p_wrong, traced in cases:
         cfg = replay_cfg(k, p_wrong, draft_model)
+        tokens = opts.accept_tokens
         if traced is not None:  # the trace's passes as they were: every pass asks for the whole budget
             cfg = replace(cfg, draft_replay=traced["replay_file"], draft_fixed=True).validate()
-        run = _timed_instance(cfg, index, k + 2, opts.accept_tokens, plain_too=p_wrong == 1.0)
+            tokens = traced["run_tokens"]
+        run = _timed_instance(cfg, index, k + 2, tokens, plain_too=p_wrong == 1.0)
         spec = run["done"].get("speculation") or {}
         passes = [t for r, ts in run["pass_s_by_rows"].items() if r > 1 for t in ts]
         point = {
@@ -734,7 +740,7 @@ def _traced_replay(trace_file: str, replay_file: Path, reference: list[int], k: 
     cut = [(min(d, k), min(a, d, k)) for d, a in trace]
     drafted = [a for d, a in cut if d > 0]
     return {"label": str(doc.get("label") or Path(trace_file).stem), "file": os.path.abspath(trace_file),
-            "replay_file": str(replay_file), "passes": len(trace),
+            "replay_file": str(replay_file), "passes": len(trace), "tokens": trace_tokens(trace, k),
             "source_acceptance_length": doc.get("acceptance_length"),
             "source_tokens_per_decode_pass": doc.get("tokens_per_decode_pass"),
             "expected_length": sum(drafted) / len(drafted) if drafted else 0.0,
@@ -825,8 +831,10 @@ def _spec_verify_goal_line(g: dict) -> str:
 def _spec_accept_line(a: dict, plain_tokens_per_s: float) -> str:
     if a.get("trace"):
         t = a["trace"]
-        how = (f"{a['case']}, {t['passes']} passes cycled; expected {a['expected_length']:.2f}, "
-               f"{t['expected_tokens_per_decode_pass']:.2f} tokens a decode pass")
+        run_tokens = t.get("run_tokens", t["tokens"])
+        whole = "cycled" if run_tokens > t["tokens"] else "replayed whole"
+        how = (f"{a['case']}, {t['passes']} passes of {t['tokens']} tokens {whole} in {run_tokens}; expected "
+               f"{a['expected_length']:.2f}, {t['expected_tokens_per_decode_pass']:.2f} tokens a decode pass")
         s = f"(spec) replay K={a['draft_tokens']} ({how}): "
     else:
         s = (f"(spec) replay K={a['draft_tokens']} p={a['p_wrong']:.4f} ({a['case']}; "

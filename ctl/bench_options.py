@@ -23,7 +23,9 @@ class SpecOptions:
     ``draft_model``: a GGUF whose drafter runs behind the replay (its cost paid); ``batch`` > 1:
     the controlled-acceptance runs again with that many concurrent requests, beside plain;
     ``accept_traces``: files of a real drafter's (drafted, accepted) passes on real text
-    (scripts/draft_acceptance.py --trace-out), each replayed as one more run."""
+    (scripts/draft_acceptance.py --trace-out), each replayed as one more run; ``trace_tokens``:
+    the tokens each of those runs generates (``replay.trace_tokens``: the whole trace once, so that
+    its figure is the text's and not its first passes'), at least ``accept_tokens``."""
 
     verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
     verify_passes: int = 2
@@ -33,6 +35,7 @@ class SpecOptions:
     draft_model: str | None = None
     batch: int = 1
     accept_traces: tuple[str, ...] = ()
+    trace_tokens: tuple[int, ...] = ()
 
     def validate(self) -> SpecOptions:
         for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
@@ -47,6 +50,8 @@ class SpecOptions:
                               f"({self.accept_draft_tokens})")
         if self.accept_tokens < 2:
             raise ConfigError(f"--spec-tokens {self.accept_tokens}: at least 2")
+        if self.trace_tokens and len(self.trace_tokens) != len(self.accept_traces):
+            raise ValueError("SpecOptions.trace_tokens: one count per file of accept_traces")
         if self.batch < 1:
             raise ConfigError(f"--spec-batch {self.batch}: at least 1")
         return self
@@ -57,8 +62,13 @@ class SpecOptions:
         leaves room for, so fewer would shorten the last chains)."""
         return 1 + self.verify_passes * (k + 1)
 
+    def trace_run_tokens(self, i: int) -> int:
+        """max_tokens of the run that replays ``accept_traces[i]``."""
+        return max(self.accept_tokens, self.trace_tokens[i] if self.trace_tokens else 0)
+
     @property
     def reference_tokens(self) -> int:
         """The greedy continuation the plain run must record: what the longest run replays."""
         return max([self.verify_tokens(k) for k in self.verify_draft_tokens]
-                   + [self.accept_tokens, self.accept_draft_tokens + 2])
+                   + [self.accept_tokens, self.accept_draft_tokens + 2]
+                   + [self.trace_run_tokens(i) for i in range(len(self.accept_traces))])

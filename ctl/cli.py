@@ -1096,23 +1096,28 @@ def bench(
         spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
                          spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens,
                          draft_model and _model_path(draft_model, "--draft-model"),
-                         spec_batch, tuple(_trace_file(f) for f in spec_accept_trace or ())),
+                         spec_batch, *_trace_files(spec_accept_trace or (), spec_accept_draft_tokens)),
         long_opts=(long_seqs, long_prompt), ctx_prompt=ctx_prompt,
     )
 
 
-def _trace_file(path: str) -> str:
-    """A ``--spec-accept-trace`` file, checked here so that a bad one is one line before any
-    instance starts."""
-    from ntx.daemons.compute.replay import load_trace
+def _trace_files(paths: list[str], k: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The ``--spec-accept-trace`` files and the tokens each one's run replays (the whole trace
+    at chains of ``k``), checked here so that a bad file is one line before any instance starts."""
+    from ntx.daemons.compute.replay import load_trace, trace_tokens
 
-    try:
-        if load_trace(path, "--spec-accept-trace") is None:
+    files, tokens = [], []
+    for path in paths:
+        try:
+            trace = load_trace(path, "--spec-accept-trace")
+        except NtxError as e:
+            _fail(str(e))
+        if trace is None:
             _fail(f"--spec-accept-trace {path}: holds no \"trace\" (write one with scripts/draft_acceptance.py "
                   "--trace-out)")
-    except NtxError as e:
-        _fail(str(e))
-    return os.path.abspath(path)
+        files.append(os.path.abspath(path))
+        tokens.append(trace_tokens(trace, k))
+    return tuple(files), tuple(tokens)
 
 
 def _counts(text: str, what: str) -> tuple[int, ...]:

@@ -31,8 +31,14 @@
 # --mmq-rows: mmq at one and two rows (mmq_rows_kernel) against mmq_kernel and the i16 matvec, its
 #   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
 # --draft-acceptance: drafting without a model on the real SmolLM2 on the GPU (scripts/draft_acceptance.py
-#   --backend cuda: the nine texts, the auto shapes and the fixed chain) into
-#   $OUT/draft-acceptance-smollm2-cuda.{json,log}; needs SmolLM2 joined (both .models parts).
+#   --backend cuda: the nine texts, the auto shapes and the fixed chain; DRAFT_DRAFTERS replaces the
+#   drafter list) into $OUT/draft-acceptance-smollm2-cuda.{json,log}; needs SmolLM2 joined (both .models parts).
+# --cluster-bench: 2 CPU replicas of SmolLM2 under Ray Serve against one (scripts/bench_cluster.py,
+#   CLUSTER_ARGS replace its load options; NTX_CPU_THREADS per instance, default 4) into
+#   $OUT/bench-cluster.json. The machine has no Ray: scripts/prepare_ray_wheels.sh writes its wheels
+#   here as .dev/raydeps, .dev/ray1 and .dev/ray2 (~120 MB), carried in three calls while the machine
+#   stays warm (each call keeps what it carried in ~/wh); the call that carries the last joins and
+#   installs them. Needs SmolLM2 joined.
 # --only-copy: only copy the carried model part(s) to ~/models and stop.
 # --cpu-compare: the CPU backend beside llama.cpp's CPU build on the host's cores
 #   (scripts/cpu_vs_llamacpp.py): SmolLM2 (when joined) at CPU_SMOL_THREADS (default 2) threads and a
@@ -57,7 +63,7 @@ export PYTHONUNBUFFERED=1
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
 QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; MMQ_ROWS=0
-CPU_COMPARE=0; DRAFT_ACC=0; PYTEST_ARGS=()
+CPU_COMPARE=0; DRAFT_ACC=0; CLUSTER=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -74,6 +80,7 @@ for a in "$@"; do
     --mmq-rows) MMQ_ROWS=1 ;;
     --cpu-compare) CPU_COMPARE=1 ;;
     --draft-acceptance) DRAFT_ACC=1 ;;
+    --cluster-bench) CLUSTER=1 ;;
     *) PYTEST_ARGS+=("$a") ;;
   esac
 done
@@ -86,9 +93,20 @@ if [ -f "$MODELS/smol.part00" ] && [ -f "$MODELS/smol.part01" ] && [ ! -f "$MODE
 fi
 [ -f "$MODELS/SmolLM2.gguf" ] && export NTX_TEST_MODEL="$MODELS/SmolLM2.gguf"
 ls -la "$MODELS"
+# Ray's wheels, gathered over calls (see --cluster-bench); the ray wheel comes in two parts
+mkdir -p "$HOME/wh"
+for d in raydeps ray1 ray2; do [ -d "$REPO/.dev/$d" ] && cp "$REPO/.dev/$d"/* "$HOME/wh/"; done
+if [ -f "$HOME/wh/raypart00" ] && [ -f "$HOME/wh/raypart01" ]; then
+  cat "$HOME/wh/raypart00" "$HOME/wh/raypart01" > "$HOME/wh/$(cat "$HOME/wh/ray-wheel-name")" && rm "$HOME"/wh/raypart0?
+fi
 [ "$ONLY_COPY" = 1 ] && exit 0
 
-for wheels in "$REPO"/.whl "$REPO"/.dev/llvm; do
+WHEEL_DIRS=("$REPO"/.whl "$REPO"/.dev/llvm)
+if [ "$CLUSTER" = 1 ]; then
+  ls "$HOME"/wh/ray-*.whl >/dev/null 2>&1 || { echo "--cluster-bench: Ray's wheels are not all here (carry .dev/raydeps, .dev/ray1, .dev/ray2)"; exit 1; }
+  WHEEL_DIRS+=("$HOME/wh")
+fi
+for wheels in "${WHEEL_DIRS[@]}"; do
   if ls "$wheels"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl \
       || { echo "wheel install failed"; exit 1; }
@@ -149,11 +167,17 @@ fi
 if [ "$DRAFT_ACC" = 1 ]; then
   if [ -f "$MODELS/SmolLM2.gguf" ]; then
     python3 "$REPO/scripts/draft_acceptance.py" --model "$MODELS/SmolLM2.gguf" --backend cuda \
-      --drafters ngram:1 ngram:auto suffix:auto ngram:1:fixed --json "$OUT/draft-acceptance-smollm2-cuda.json" 2>&1 \
+      --drafters ${DRAFT_DRAFTERS:-ngram:1 ngram:auto suffix:auto ngram:1:fixed} --json "$OUT/draft-acceptance-smollm2-cuda.json" 2>&1 \
       | tee "$OUT/draft-acceptance-smollm2-cuda.log"
   else
     echo "--draft-acceptance: SmolLM2 is not joined (carry .models/p1, then .models/p2)" | tee "$OUT/draft-acceptance-smollm2-cuda.log"
   fi
+fi
+if [ "$CLUSTER" = 1 ]; then
+  read -r -a CLUSTER_ARGV <<< "${CLUSTER_ARGS:---replicas 1,2 --concurrency 16 --concurrency-per-replica 16 --requests 256 --max-tokens 32 --light-requests 40}"
+  NTX_CPU_THREADS=${NTX_CPU_THREADS:-4} PATH="/tmp/site/bin:$PATH" python3 "$REPO/scripts/bench_cluster.py" \
+    --model "$MODELS/SmolLM2.gguf" --instance-args "--max-batch 16" "${CLUSTER_ARGV[@]}" --out "$OUT/bench-cluster.json" 2>&1 \
+    | tee "$OUT/bench-cluster.log"
 fi
 if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm,mmq") go to it as they are
   read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"

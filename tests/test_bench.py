@@ -141,7 +141,8 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     assert wrong_b["speculation"]["accepted"] == 0
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("(spec) ") and "plain" not in ln.split(":")[0]]
     assert len(lines) >= 8 and all("replay" in ln for ln in lines), r.stdout
-    assert any("(trace ngram edit, 2 passes cycled" in ln for ln in lines), r.stdout
+    # the trace's 2 passes make 5 tokens (the prefill's, 2 + 1, 0 + 1), cycled to fill --spec-tokens
+    assert any("(trace ngram edit, 2 passes of 5 tokens cycled in 11;" in ln for ln in lines), r.stdout
 
 
 @pytest.mark.slow
@@ -191,6 +192,16 @@ def test_bench_spec_says_up_front_what_it_cannot_time(tmp_path):
         spec_positions(SpecOptions(verify_draft_tokens=(1, 256)), index)
     with pytest.raises(ConfigError, match=r"--spec-tokens at most 448"):
         spec_positions(SpecOptions(verify_draft_tokens=(1,), accept_tokens=600), index)
+    # a trace replays whole: 1 + 300 passes x (2 + 1) tokens
+    from ntx.daemons.compute.replay import trace_tokens
+
+    long_trace = [(4, 2)] * 300
+    assert trace_tokens(long_trace, 4) == 901 and trace_tokens(long_trace, 1) == 601  # cut to chains of 1
+    opts = SpecOptions(verify_draft_tokens=(1,), accept_traces=("/x/trace-ngram-summarise.json",),
+                       trace_tokens=(trace_tokens(long_trace, 8),))
+    assert opts.reference_tokens == 901 and opts.trace_run_tokens(0) == 901
+    with pytest.raises(ConfigError, match=r"a shorter --spec-accept-trace than trace-ngram-summarise.json"):
+        spec_positions(opts, index)
     with pytest.raises(ConfigError, match=r"--spec-verify-passes 40: from 1 to 31"):
         SpecOptions(verify_passes=40).validate()
     # the CLI says it before the limits are measured or any scenario runs

@@ -69,6 +69,12 @@ def load_trace(path: str | os.PathLike, what: str = "--draft-replay") -> list[tu
     return [(d, a) for d, a in trace]
 
 
+def trace_tokens(trace: list[tuple[int, int]], k: int) -> int:
+    """The tokens a request generates replaying ``trace`` once, each pass cut to chains of at most
+    ``k``: the prefill's token, then each pass's accepted tokens and the one its verify pass adds."""
+    return 1 + sum(min(a, d, k) + 1 for d, a in trace)
+
+
 def load_references(path: str | os.PathLike) -> list[tuple[int, ...]]:
     """The token sequences of a replay file; one clear line if it is not one."""
     try:
