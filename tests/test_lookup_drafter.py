@@ -12,7 +12,7 @@ from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.lookup import (CombinedDrafter, LookupDrafter, RecentText, tree_of_paths,
                                         tree_paths)
 from ntx.daemons.compute.sampler import SamplingParams
-from ntx.daemons.compute.speculation import DraftRequest, DraftTree
+from ntx.daemons.compute.speculation import DraftRequest, Drafter, DraftTree
 from ntx.shared.config import EngineOptions
 from ntx.shared.errors import ConfigError
 from ntx.shared.messages import EngineRequest
@@ -102,6 +102,47 @@ def test_suffix_drafting_walks_only_the_best_of_many_recent_matches():
     assert tree_paths(d.propose([req([8, 9, 1, 2], depth=2, width=1, seq_id=1)])[0]) == [[3, 7]]
 
 
+def test_a_weak_request_also_follows_a_match_of_the_last_token_alone():
+    """Where a verify pass is free (``DraftRequest.weak``) the last token alone is looked up in
+    the sequence's own text; elsewhere it is not. A longer match still comes first, and a walk
+    goes on by one-token matches only in a weak request."""
+    d = LookupDrafter("ngram")
+    tokens = [5, 6, 7, 1, 2, 3, 9, 7]  # (9, 7) is new; 7 alone was followed by 1, 2, 3
+    assert len(d.propose([req(tokens)])[0]) == 0
+    weak = DraftRequest(0, tokens, 4, 1, 1000, weak=True)
+    assert d.propose([weak])[0] == DraftTree.chain([1, 2, 3, 9])
+    # a two-token match wins over the one-token one: (6, 7) was followed by 1; (3, 9) was not seen
+    # again, so the strong walk stops where the weak one goes on by 9 -> 7 -> 1
+    tokens2 = [5, 6, 7, 1, 8, 3, 9, 4, 6, 7]
+    assert d.propose([req(tokens2, seq_id=1)])[0] == DraftTree.chain([1, 8, 3, 9])
+    assert d.propose([DraftRequest(1, tokens2, 6, 1, 1000, weak=True)])[0] == DraftTree.chain([1, 8, 3, 9, 4, 6])
+    # a model drafter's tree goes before a one-token guess: combined, the lookup drafts strong only
+    class NoGuess(Drafter):  # a model drafter with nothing to propose, to see the lookup's part alone
+        def propose(self, requests):
+            return [DraftTree() for _ in requests]
+
+        def forget(self, seq_id):
+            pass
+
+    combined = CombinedDrafter(NoGuess(), LookupDrafter("ngram"))
+    assert len(combined.propose([DraftRequest(2, tokens, 4, 1, 1000, weak=True)])[0]) == 0
+
+
+def test_weak_drafts_are_tried_only_where_a_verify_pass_costs_what_a_plain_one_does():
+    from ntx.daemons.compute.speculation import TreeShape
+
+    shape = TreeShape(budget=8, width=1)
+    assert not shape.weak_pays(9)  # nothing measured: not yet
+    shape.observe_times(plain_s=0.341)
+    shape.observe_times(verify_s=0.3404, rows=9)  # the 70B at 24 GiB, every streamed layer on the link
+    assert shape.weak_pays(9) and shape.weak_pays(5)
+    cpu = TreeShape(budget=8, width=1)
+    cpu.observe_times(plain_s=0.010)
+    cpu.observe_times(verify_s=0.013, rows=9)  # rows cost arithmetic: 1.3x
+    assert not cpu.weak_pays(9)
+    assert TreeShape(budget=8, width=1, fixed=True).weak_pays(9)  # fixed: as where verification is free
+
+
 def test_the_acceptance_script_has_nine_texts_of_three_kinds_and_pools_them():
     import importlib.util
     import pathlib
@@ -155,6 +196,8 @@ def _greedy(eng: LocalEngine, prompts: list[list[int]], n: int) -> dict[str, dic
 
 
 @pytest.mark.parametrize("options", [dict(draft="ngram", draft_tokens=8, draft_width=1),
+                                     # fixed, as where a verify pass is free: one-token matches drafted too
+                                     dict(draft="ngram", draft_tokens=8, draft_width=1, draft_fixed=True),
                                      dict(draft="suffix", draft_tokens=8),
                                      # a self-draft depth costs about a plain pass on the CPU and a 10-row
                                      # verify pass 2.7x one, so the tree shape rightly stops drafting after

@@ -370,6 +370,23 @@ def test_the_tree_shape_follows_measured_acceptance():
     assert [given.best(Acceptance(chain_rate=a)) for a in (0.3, 0.5, 0.99)] == [(2, 3), (3, 3), (4, 3)]
 
 
+def test_a_tree_wider_than_the_shape_s_own_widths_is_learnt_from():
+    """``--draft-width`` goes up to the budget, past the widths the shape chooses among (1-4): a
+    tree of 8 siblings, the rank-6 one taken, is learnt from (it raised KeyError in the compute
+    daemon), and a given width of 8 is weighed from the prior until measured."""
+    from ntx.daemons.compute.speculation import Acceptance, TreeShape
+
+    shape = TreeShape(budget=64, width=8)
+    assert shape.expected_accepted(2, 8) > shape.expected_accepted(2, 4)  # ranks 5-8 from the prior
+    siblings = DraftTree(tokens=list(range(8)), parents=[-1] * 8)
+    seq = Acceptance()
+    for _ in range(10):
+        shape.observe(siblings, [5], seq)
+    assert seq.rescue(6) > Acceptance.RESCUE_PRIOR and seq.rescue(5) < Acceptance.RESCUE_PRIOR
+    assert seq.rescue(7) == Acceptance.RESCUE_PRIOR  # never tried: rank 6 was taken first
+    assert shape.best(seq)[1] == 8 and TreeShape(budget=64, width=8, fixed=True).choose() == (8, 8)
+
+
 def _shape_run(shape, passes: int, taken: bool, depth_s: float, acc=None) -> tuple[list[int], list[int]]:
     """``passes`` passes as the engine runs them: a drafted pass verifies (every node taken, or
     the first rejected), an undrafted one is timed plain and may carry a shadow probe. Returns

@@ -5,7 +5,9 @@ it (a summary quotes its document, an edited file repeats the original, a chat q
 turns), and what followed them then is a good guess of what follows now. ``LookupDrafter``
 finds the longest such suffix (``MAX_NGRAM`` down to ``MIN_NGRAM`` tokens) and proposes what
 most often followed it (the earliest among equals), looking again after each drafted token
-(``NgramIndex``). With ``--draft suffix`` it also looks in the
+(``NgramIndex``). Where a verify pass costs what a plain one does (a streamed model's: its
+layers' copy, not its rows, sets the time; ``DraftRequest.weak``), the last token alone is
+looked up too (``WEAK_NGRAM``): a draft accepted less often, but free to try. With ``--draft suffix`` it also looks in the
 instance's recent sequences (``RecentText``, bounded to ``HISTORY_TOKENS``): repeated tasks and
 agent loops repeat whole passages across requests, as SuffixDecoding exploits.
 
@@ -22,11 +24,16 @@ verifies all of them in the same pass.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Sequence
 
 from ntx.daemons.compute.speculation import DraftRequest, Drafter, DraftTree
 
-MIN_NGRAM, MAX_NGRAM = 2, 5  # suffix lengths looked up; one token alone matches too much to pay
+MIN_NGRAM, MAX_NGRAM = 2, 5  # suffix lengths looked up; one token alone matches too much to pay ...
+# ... except where a verify pass is free (DraftRequest.weak): SmolLM2 on the repo's nine texts,
+# fixed chains of 8 (CPU), 1.536 -> 1.770 tokens a decode pass summarising, 2.209 -> 2.436 editing,
+# 5.500 -> 5.923 in the chat, with fewer accepted per verify pass (more passes draft)
+WEAK_NGRAM = 1
 HISTORY_TOKENS = 1 << 16  # the recent text that --draft suffix searches (about 32 MiB of index for English prose)
 
 
@@ -57,7 +64,8 @@ class NgramIndex:
     2.10). The branches of a wider tree are the same n-gram's other continuations, which is where
     the change pays most (docs/PERFORMANCE.md, "Acceptance on real text: drafting without a model")."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_n: int = MIN_NGRAM) -> None:
+        self.min_n = min_n  # the shortest n-grams indexed (WEAK_NGRAM: a sequence's own index)
         self.tokens: list[int] = []
         # n-gram -> its one continuation's record, or {token: record} once two tokens followed it;
         # a record is count << _FIRST_BITS | the n-gram's end where that token first followed it
@@ -69,14 +77,14 @@ class NgramIndex:
         end before ``upto`` (and before the last token: each needs the token after it)."""
         n = len(self.tokens)
         if len(tokens) < n or (n and tokens[n - 1] != self.tokens[-1]):
-            self.__init__()  # another sequence under the same id: start over
+            self.__init__(self.min_n)  # another sequence under the same id: start over
             n = 0
         self.tokens.extend(tokens[n:])
         t, nxt, one = self.tokens, self.next, 1 << _FIRST_BITS
         stop = min(upto, len(t) - 1)
         for end in range(self.indexed, stop):
             follower = t[end + 1]
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, end + 1) + 1):
+            for n in range(self.min_n, min(MAX_NGRAM, end + 1) + 1):
                 key = tuple(t[end + 1 - n : end + 1])
                 rec = nxt.get(key)
                 if rec is None:
@@ -101,31 +109,33 @@ class NgramIndex:
             return self.tokens[(rec & _FIRST_MASK) + 1]
         return min(rec, key=lambda tok: _rank(rec[tok]))
 
-    def candidates(self, tail: Sequence[int]) -> list[tuple[int, int]]:
-        """The tokens that followed n-grams ending ``tail``, each with the length of the longest
-        such n-gram: the longest n-gram's first, ranked, then the shorter ones' not yet named."""
+    def candidates(self, tail: Sequence[int], min_n: int = MIN_NGRAM) -> list[tuple[int, int]]:
+        """The tokens that followed n-grams (of ``min_n`` tokens or more) ending ``tail``, each
+        with the length of the longest such n-gram: the longest n-gram's first, ranked, then the
+        shorter ones' not yet named."""
         out: list[tuple[int, int]] = []
-        for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
+        for n in range(min(MAX_NGRAM, len(tail)), max(min_n, self.min_n) - 1, -1):
             rec = self.next.get(tuple(tail[len(tail) - n:]))
             if rec is not None:
                 out += [(n, tok) for tok in self._ranked(rec) if all(tok != t for _, t in out)]
         return out
 
-    def best(self, tail: Sequence[int]) -> tuple[int, int] | None:
-        """``candidates(tail)[0]`` without the others: (n-gram length, token), or None."""
-        for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
+    def best(self, tail: Sequence[int], min_n: int = MIN_NGRAM) -> tuple[int, int] | None:
+        """``candidates(tail, min_n)[0]`` without the others: (n-gram length, token), or None."""
+        for n in range(min(MAX_NGRAM, len(tail)), max(min_n, self.min_n) - 1, -1):
             rec = self.next.get(tuple(tail[len(tail) - n:]))
             if rec is not None:
                 return n, self._best(rec)
         return None
 
-    def walk(self, tail: Sequence[int], first: int, depth: int) -> list[int]:
-        """``first``, then each token the longest seen n-gram ending the text (``tail`` and the
-        tokens drafted so far) was most often followed by, until ``depth`` tokens or none is seen."""
+    def walk(self, tail: Sequence[int], first: int, depth: int, min_n: int = MIN_NGRAM) -> list[int]:
+        """``first``, then each token the longest seen n-gram (of ``min_n`` tokens or more) ending
+        the text (``tail`` and the tokens drafted so far) was most often followed by, until
+        ``depth`` tokens or none is seen."""
         seq = list(tail[max(0, len(tail) - MAX_NGRAM):]) + [first]
         out = [first]
         while len(out) < depth:
-            hit = self.best(seq)
+            hit = self.best(seq, min_n)
             if hit is None:
                 break
             out.append(hit[1])
@@ -204,7 +214,10 @@ def tree_paths(tree: DraftTree) -> list[list[int]]:
 
 class LookupDrafter(Drafter):
     """Prompt lookup over each sequence's own tokens (``ngram``), and over the instance's recent
-    sequences too (``suffix``): up to ``width`` distinct continuations, ``depth`` deep, as one tree."""
+    sequences too (``suffix``): up to ``width`` distinct continuations, ``depth`` deep, as one tree.
+    A request marked ``weak`` (a verify pass as cheap as a plain one) also follows a match of the
+    last token alone, in the sequence's own text (the recent text's one-token matches would be
+    anyone's)."""
 
     def __init__(self, kind: str = "ngram", recent: RecentText | None = None) -> None:
         self.name = kind
@@ -216,12 +229,15 @@ class LookupDrafter(Drafter):
         return [self._propose(r) for r in requests]
 
     def _propose(self, r: DraftRequest) -> DraftTree:
-        idx = self.own.setdefault(r.seq_id, NgramIndex())
+        idx = self.own.get(r.seq_id)
+        if idx is None:
+            idx = self.own[r.seq_id] = NgramIndex(min_n=WEAK_NGRAM)
         idx.extend(r.tokens, len(r.tokens) - 1)  # n-grams ending before the last token: the query's own end excluded
         tail = r.tokens[max(0, len(r.tokens) - MAX_NGRAM):]
+        min_n = WEAK_NGRAM if r.weak else MIN_NGRAM
         # (matched length, path): the sequence's own continuations, then the recent text's; the
         # longest match first, the sequence's own first among equals (a stable sort)
-        found = [(n, idx.walk(tail, tok, r.depth)) for n, tok in idx.candidates(tail)[: r.width]]
+        found = [(n, idx.walk(tail, tok, r.depth, min_n)) for n, tok in idx.candidates(tail, min_n)[: r.width]]
         if self.recent is not None:
             found += self.recent.continuations(tail, r.depth, r.width)
         paths: list[list[int]] = []
@@ -249,7 +265,8 @@ class CombinedDrafter(Drafter):
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         model_trees = self.inner.propose(requests)
         self.depth_s = self.inner.depth_s
-        lookup_trees = self.lookup.propose(requests)
+        # the model's drafts before a one-token match's guess: the lookup drafts strong matches only
+        lookup_trees = self.lookup.propose([replace(r, weak=False) for r in requests])
         return [tree_of_paths(tree_paths(lk) + tree_paths(md), r.depth * r.width)
                 for r, md, lk in zip(requests, model_trees, lookup_trees)]
 

@@ -78,13 +78,16 @@ class DraftTree:
 class DraftRequest:
     """Draft ``depth`` tokens deep and ``width`` wide after ``tokens`` (the sequence so far,
     prompt and generated; the last one is not yet in the target's KV cache: it sits at position
-    len(tokens) - 1). ``capacity``: the positions the sequence can ever reach (its cache size)."""
+    len(tokens) - 1). ``capacity``: the positions the sequence can ever reach (its cache size).
+    ``weak``: the verify pass costs what a plain one does (``TreeShape.weak_pays``), so a draft
+    accepted less often is still worth trying (the lookup then follows one-token matches)."""
 
     seq_id: int
     tokens: Sequence[int]
     depth: int
     width: int
     capacity: int
+    weak: bool = False
 
 
 class Drafter(ABC):
@@ -282,12 +285,19 @@ class Acceptance:
     off or on for the other); ``TreeShape`` keeps the instance's, all sequences' together, which
     a new sequence starts from."""
 
+    RESCUE_PRIOR = 0.2  # a sibling rank's rate until it is measured
+
     chain_rate: float = 0.6
-    rescue_rate: dict[int, float] = field(default_factory=lambda: {r: 0.2 for r in TreeShape.WIDTHS[1:]})
+    rescue_rate: dict[int, float] = field(default_factory=lambda: {r: Acceptance.RESCUE_PRIOR for r in TreeShape.WIDTHS[1:]})
     undrafted_passes: int = 0
     observed: int = 0  # verify passes learnt from
     nodes: int = 0  # chain nodes learnt from: the running mean's weight of the past grows with it
     probe_every: int = 0  # passes between probes while drafting is off (0: TreeShape.PROBE_EVERY)
+
+    def rescue(self, rank: int) -> float:
+        """``rescue_rate`` of sibling rank ``rank``: a tree wider than ``TreeShape.WIDTHS``
+        (``--draft-width`` up to the budget) has ranks that start from the prior."""
+        return self.rescue_rate.get(rank, self.RESCUE_PRIOR)
 
     def copy(self) -> Acceptance:
         """A new sequence's start: what the instance has measured, no pass of its own yet."""
@@ -330,6 +340,7 @@ class TreeShape:
     SHADOW_FREE = 0.05  # a draft depth under this share of a plain pass: a shadow probe every undrafted pass
     REMEASURE_GAIN = 1.25  # drafting off though free verify passes would gain this much: costs measured again
     COST_SAMPLES = 4  # a verify pass's cost per row count: the least of its last 4 passes
+    WEAK_FREE = 0.03  # a verify pass within 3% of a plain one: weak drafts are tried (weak_pays)
     # A sequence's first passes measure its own acceptance (drafted, or a shadow probe each),
     # whatever the instance measured, before drafting is judged a loss for it
     EXPLORE_PASSES = 2
@@ -383,8 +394,24 @@ class TreeShape:
     def expected_accepted(self, depth: int, width: int, acc: Acceptance | None = None) -> float:
         acc = acc or self.acc
         a = min(acc.chain_rate, 0.999)
-        rescue = 1.0 - math.prod(1.0 - acc.rescue_rate[r] for r in range(2, width + 1))
+        rescue = 1.0 - math.prod(1.0 - acc.rescue(r) for r in range(2, width + 1))
         return (a + (1 - a) * rescue) * (1 - a ** depth) / (1 - a)
+
+    def weak_pays(self, rows: int, other_rows: int = 0) -> bool:
+        """Whether a verify pass of ``rows`` rows (``other_rows`` of them other sequences')
+        costs within ``WEAK_FREE`` of a plain pass, by what was measured (or the shape is
+        fixed, as where that is so): a weak draft (``DraftRequest.weak``) then costs nothing
+        when wrong. On the 70B at 24 GiB with every streamed layer over the link, a chain of 8
+        verified in 340.4 ms against 341.1 for a plain pass; on the CPU a 9-row pass costs more,
+        and the weak drafts that raised tokens a pass there cost wall time (docs/PERFORMANCE.md)."""
+        if self.fixed:
+            return True
+        if self.plain_s is None or not self.verify_by_rows:
+            return False
+        plain_s = self.plain_s
+        if other_rows:
+            plain_s = max(plain_s, self.verify_cost(1 + other_rows, other_rows))
+        return self.verify_cost(rows + other_rows, other_rows) <= (1 + self.WEAK_FREE) * plain_s
 
     def best(self, acc: Acceptance | None = None, other_rows: int = 0) -> tuple[int, int]:
         """The shape that yields most tokens per second by what was measured (for ``acc``'s
@@ -487,7 +514,7 @@ class TreeShape:
                 for r in range(2, len(kids) + 1):  # siblings tried after a rejected chain node
                     if rank == 1:
                         break
-                    target.rescue_rate[r] = self._learn(target, target.rescue_rate[r], 1.0 if rank == r else 0.0)
+                    target.rescue_rate[r] = self._learn(target, target.rescue(r), 1.0 if rank == r else 0.0)
                     if rank == r:
                         break
                 target.nodes += 1
