@@ -59,8 +59,12 @@ def pooled(rows: list[dict]) -> dict:
     """Rows of one kind and drafter as one: accepted over verify passes, tokens over decode passes."""
     verify = sum(r["verify_passes"] for r in rows)
     passes = sum(r["decode_passes"] for r in rows)
+    strong = verify - sum(r.get("weak_verify_passes", 0) for r in rows)
+    strong_accepted = sum(r["accepted"] - r.get("weak_accepted", 0) for r in rows)
     return {"texts": len(rows), "verify_passes": verify, "accepted": sum(r["accepted"] for r in rows),
             "acceptance_length": round(sum(r["accepted"] for r in rows) / verify, 3) if verify else 0.0,
+            "strong_verify_passes": strong,
+            "strong_acceptance_length": round(strong_accepted / strong, 3) if strong else 0.0,
             "decode_passes": passes, "plain_decode_passes": sum(r["plain_decode_passes"] for r in rows),
             "tokens_per_decode_pass": round(sum(r["generated"] - 1 for r in rows) / passes, 3) if passes else None,
             "identical": all(r["identical"] for r in rows)}
@@ -160,8 +164,14 @@ def main() -> int:
         width = width + (":fixed" if fixed else "")
         mine = []
         for name, p in prompts.items():
+            weak_before = (eng.core.spec.weak_passes, eng.core.spec.weak_accepted)
             got = run_task(eng, p, a.tokens)
             sp = got["speculation"] or {}
+            # passes whose draft came from a one-token match (where a verify pass is free, fixed
+            # shapes: lookup.WEAK_NGRAM), from the engine's tally: apart, so that the 2-5-token
+            # matches' acceptance stays visible beside them
+            weak_passes = eng.core.spec.weak_passes - weak_before[0]
+            weak_accepted = eng.core.spec.weak_accepted - weak_before[1]
             if tracer is not None:
                 passes = tracer.trace(list(p) + list(got["tokens"]))
                 if sum(acc for _, acc in passes) != sp.get("accepted", 0):
@@ -172,6 +182,7 @@ def main() -> int:
                    "draft_tokens": a.draft_tokens, "verify_passes": sp.get("verify_passes", 0),
                    "drafted": sp.get("drafted", 0), "accepted": sp.get("accepted", 0),
                    "acceptance_length": sp.get("accepted_per_pass", 0.0),
+                   "weak_verify_passes": weak_passes, "weak_accepted": weak_accepted,
                    "acceptance_rate": sp.get("acceptance_rate", 0.0), "generated": len(got["tokens"]),
                    "decode_passes": got["decode_passes"], "tokens_per_decode_pass": got["tokens_per_decode_pass"],
                    "plain_decode_passes": want[name]["decode_passes"], "identical": got["tokens"] == want[name]["tokens"],
@@ -186,10 +197,12 @@ def main() -> int:
             pool = {"task": task, "drafter": kind, "width": width or "auto",
                     **pooled([r for r in mine if r["task"] == task])}
             pools.append(pool)
+            strong = (f" ({pool['strong_acceptance_length']:.2f} over the {pool['strong_verify_passes']} drafted from "
+                      f"2-5-token matches)" if pool["strong_verify_passes"] != pool["verify_passes"] else "")
             print(f"  {kind}:{width or 'auto':<4} {task + ' (pooled)':>18}: acceptance length "
                   f"{pool['acceptance_length']:.2f} over {pool['verify_passes']} verify passes of {pool['texts']} "
-                  f"texts; {pool['tokens_per_decode_pass']} tokens a decode pass ({pool['decode_passes']} passes "
-                  f"against {pool['plain_decode_passes']})", flush=True)
+                  f"texts{strong}; {pool['tokens_per_decode_pass']} tokens a decode pass ({pool['decode_passes']} "
+                  f"passes against {pool['plain_decode_passes']})", flush=True)
         rows += mine
         for task, passes in traces.items():
             out = Path(a.trace_out) / f"trace-{kind}-{task}.json"

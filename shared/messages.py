@@ -660,17 +660,31 @@ class SpecCounts:
     passes: int = 0
     drafted: int = 0
     accepted: int = 0
+    # of those, the passes whose tree came from a one-token match (``DraftTree.weak``; the
+    # engine's tally only): what they drafted and had accepted
+    weak_passes: int = 0
+    weak_drafted: int = 0
+    weak_accepted: int = 0
 
-    def add(self, drafted: int, accepted: int) -> None:
+    def add(self, drafted: int, accepted: int, weak: bool = False) -> None:
         self.passes += 1
         self.drafted += drafted
         self.accepted += accepted
+        if weak:
+            self.weak_passes += 1
+            self.weak_drafted += drafted
+            self.weak_accepted += accepted
 
     def report(self) -> dict[str, Any]:
-        """What speculation got out of each pass, as ``done`` and status carry it."""
-        return {"verify_passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
-                "accepted_per_pass": round(self.accepted / self.passes, 3) if self.passes else 0.0,
-                "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0}
+        """What speculation got out of each pass, as ``done`` and status carry it (status also
+        the one-token matches' share, once there is one)."""
+        out = {"verify_passes": self.passes, "drafted": self.drafted, "accepted": self.accepted,
+               "accepted_per_pass": round(self.accepted / self.passes, 3) if self.passes else 0.0,
+               "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0}
+        if self.weak_passes:
+            out.update(weak_verify_passes=self.weak_passes, weak_drafted=self.weak_drafted,
+                       weak_accepted=self.weak_accepted)
+        return out
 
 
 class Reply:

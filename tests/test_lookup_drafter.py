@@ -143,6 +143,21 @@ def test_weak_drafts_are_tried_only_where_a_verify_pass_costs_what_a_plain_one_d
     assert TreeShape(budget=8, width=1, fixed=True).weak_pays(9)  # fixed: as where verification is free
 
 
+def test_the_tally_keeps_one_token_matches_apart():
+    from ntx.shared.messages import SpecCounts
+
+    counts = SpecCounts()
+    counts.add(4, 3)
+    assert "weak_verify_passes" not in counts.report()  # none yet: the reply is as it was
+    counts.add(4, 1, weak=True)
+    assert counts.report() == {"verify_passes": 2, "drafted": 8, "accepted": 4, "accepted_per_pass": 2.0,
+                               "acceptance_rate": 0.5, "weak_verify_passes": 1, "weak_drafted": 4, "weak_accepted": 1}
+    d = LookupDrafter("ngram")
+    tokens = [5, 6, 7, 1, 2, 3, 9, 7]
+    assert d.propose([DraftRequest(0, tokens, 4, 1, 1000, weak=True)])[0].weak
+    assert not d.propose([req([5, 6, 7, 1, 5, 6], seq_id=1)])[0].weak  # (5, 6) matched
+
+
 def test_the_acceptance_script_has_nine_texts_of_three_kinds_and_pools_them():
     import importlib.util
     import pathlib
@@ -157,6 +172,9 @@ def test_the_acceptance_script_has_nine_texts_of_three_kinds_and_pools_them():
     pool = script.pooled([row, dict(row, verify_passes=0, accepted=0, decode_passes=20, generated=21)])
     # 6 accepted over 4 verify passes; 40 tokens after the first over 30 decode passes
     assert pool["acceptance_length"] == 1.5 and pool["tokens_per_decode_pass"] == 1.333 and pool["texts"] == 2
+    # one-token matches' passes apart: 1 of the 4 verify passes, 0 accepted -> 6 over the other 3
+    pool = script.pooled([dict(row, weak_verify_passes=1, weak_accepted=0)])
+    assert pool["acceptance_length"] == 1.5 and pool["strong_verify_passes"] == 3 and pool["strong_acceptance_length"] == 2.0
     # --trace-out: each proposal against the greedy tokens, as (drafted, accepted)
     d = LookupDrafter("ngram")
     tracer = script.PassTrace(d)
@@ -213,3 +231,5 @@ def test_greedy_output_is_the_plain_engines_and_quoted_text_is_accepted(smollm2_
     assert [got[k]["tokens"] for k in sorted(got)] == [want[k]["tokens"] for k in sorted(want)]
     spec = got["r0"]["speculation"]
     assert spec["accepted"] >= 5, (spec, eng.core.shape.__dict__)  # the quoted passage: several tokens in a pass
+    if options.get("draft_fixed") and "self_draft" not in options:  # fixed: one-token matches drafted too
+        assert eng.core.spec.weak_passes > 0 and eng.core.spec.report()["weak_verify_passes"] > 0

@@ -497,7 +497,7 @@ class EngineCore:
             pos = len(s.req.prompt_tokens) + len(s.generated)  # node i sits at pos + i
             self.model.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
         self.shape.observe(tree, path, s.acceptance)
-        self.spec.add(len(tree), len(path))
+        self.spec.add(len(tree), len(path), tree.weak)
         rows = [0] + [i + 1 for i in path]  # token k was drawn from the row of its parent
         return self._emit(s, [(tok, pk[row]) for tok, row in zip(tokens, rows)], len(tree), len(path))
 

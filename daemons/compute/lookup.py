@@ -240,11 +240,14 @@ class LookupDrafter(Drafter):
         found = [(n, idx.walk(tail, tok, r.depth, min_n)) for n, tok in idx.candidates(tail, min_n)[: r.width]]
         if self.recent is not None:
             found += self.recent.continuations(tail, r.depth, r.width)
+        found.sort(key=lambda f: -f[0])
         paths: list[list[int]] = []
-        for _, path in sorted(found, key=lambda f: -f[0]):
+        for _, path in found:
             if path not in paths:
                 paths.append(path)
-        return tree_of_paths(paths[: r.width], r.depth * r.width)
+        tree = tree_of_paths(paths[: r.width], r.depth * r.width)
+        tree.weak = bool(found) and found[0][0] < MIN_NGRAM
+        return tree
 
     def forget(self, seq_id: int) -> None:
         idx = self.own.pop(seq_id, None)

@@ -57,6 +57,9 @@ class DraftTree:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    # its best path came from a one-token match (the lookup's, on a ``weak`` request): counted
+    # apart (``SpecCounts``), since such guesses are accepted less often than the others
+    weak: bool = field(default=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
