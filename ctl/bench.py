@@ -571,7 +571,8 @@ def spec_positions(opts: SpecOptions, index: ModelIndex) -> int:
         traces_over = [f for i, f in enumerate(opts.accept_traces) if opts.trace_run_tokens(i) > room]
         fix = (f"--spec-tokens at most {room}" if opts.accept_tokens > room else
                f"a shorter --spec-accept-trace than {os.path.basename(traces_over[0])} (a trace replays whole)"
-               if traces_over else f"chains (--spec-verify-draft-tokens) of at most {(room - 1) // opts.verify_passes - 1} tokens at "
+               if traces_over else
+               f"chains (--spec-verify-draft-tokens) of at most {(room - 1) // opts.verify_passes - 1} tokens at "
                f"--spec-verify-passes {opts.verify_passes}, or fewer passes")
         raise ConfigError(f"bench spec: its runs need {positions} positions but {index.name} was trained for "
                           f"{n_ctx}: {fix}")

@@ -7,9 +7,10 @@ finds the longest such suffix (``MAX_NGRAM`` down to ``MIN_NGRAM`` tokens) and p
 most often followed it (the earliest among equals), looking again after each drafted token
 (``NgramIndex``). Where a verify pass costs what a plain one does (a streamed model's: its
 layers' copy, not its rows, sets the time; ``DraftRequest.weak``), the last token alone is
-looked up too (``WEAK_NGRAM``): a draft accepted less often, but free to try. With ``--draft suffix`` it also looks in the
-instance's recent sequences (``RecentText``, bounded to ``HISTORY_TOKENS``): repeated tasks and
-agent loops repeat whole passages across requests, as SuffixDecoding exploits.
+looked up too (``WEAK_NGRAM``): a draft accepted less often, but free to try. With ``--draft
+suffix`` it also looks in the instance's recent sequences (``RecentText``, bounded to
+``HISTORY_TOKENS``): repeated tasks and agent loops repeat whole passages across requests, as
+SuffixDecoding exploits.
 
 Proposals cost no pass: an index lookup per sequence. A tree of width w holds up to w distinct
 continuations, from the sequence itself first, longest match first, then the recent sequences,

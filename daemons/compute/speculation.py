@@ -291,7 +291,8 @@ class Acceptance:
     RESCUE_PRIOR = 0.2  # a sibling rank's rate until it is measured
 
     chain_rate: float = 0.6
-    rescue_rate: dict[int, float] = field(default_factory=lambda: {r: Acceptance.RESCUE_PRIOR for r in TreeShape.WIDTHS[1:]})
+    rescue_rate: dict[int, float] = field(
+        default_factory=lambda: {r: Acceptance.RESCUE_PRIOR for r in TreeShape.WIDTHS[1:]})
     undrafted_passes: int = 0
     observed: int = 0  # verify passes learnt from
     nodes: int = 0  # chain nodes learnt from: the running mean's weight of the past grows with it
