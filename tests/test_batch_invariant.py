@@ -21,9 +21,9 @@ import pytest
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.cuda import tuning
 from ntx.daemons.compute.cuda.buckets import bucket_sizes
-from ntx.daemons.compute.cuda.memory import (attention_rows, attention_splits, backend_layout, backend_tuning,
-                                             cuda_memory_costs, eager_layout, gemm_path, gemm_scratch_bytes,
-                                             invariant_path, pass_regions)
+from ntx.daemons.compute.cuda.memory import (BUCKET_PREFIX, attention_rows, attention_splits, backend_layout,
+                                             backend_tuning, cuda_memory_costs, eager_layout, gemm_path,
+                                             gemm_scratch_bytes, invariant_path, pass_regions)
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.quant_types import QUANT_TYPES
 
@@ -105,9 +105,10 @@ def test_layout_and_planner_follow_the_mode(tiny_index):
     hp, ctx = tiny_index.hparams, 1024
     S = attention_splits(1, hp.n_head_kv, ctx)
     layout = backend_layout(tiny_index, ctx, t=INVARIANT)
+    acc = layout.region(BUCKET_PREFIX + "attention acc").nbytes  # the buckets share it: the largest's
+    assert acc == max(bucket_sizes()) * hp.n_head * S * hp.head_dim * 4
     for rows in bucket_sizes():
-        acc = layout.region(f"bucket{rows}/attention acc").nbytes
-        assert acc == rows * hp.n_head * S * hp.head_dim * 4
+        assert pass_regions(hp, rows, ctx, t=INVARIANT)[-1].nbytes == rows * hp.n_head * S * hp.head_dim * 4
     assert "dequant w16" not in layout.offsets and "dequant w16" in backend_layout(tiny_index, ctx).offsets
     eager = eager_layout(hp, 512, ctx, INVARIANT)
     assert attention_rows(512, INVARIANT) == tuning.MAX_GRAPH_ROWS and attention_rows(512, tuning.H200) == 512

@@ -13,7 +13,7 @@ from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.cuda import buckets
 from ntx.daemons.compute.cuda.buckets import INERT_SLOT, bucket_sizes, inert_rows, pass_rows, row_bucket
 import synth_gguf as sg
-from ntx.daemons.compute.cuda.memory import (ALLOCATOR_SLACK_BYTES, attention_splits, backend_layout,
+from ntx.daemons.compute.cuda.memory import (ALLOCATOR_SLACK_BYTES, BUCKET_PREFIX, attention_splits, backend_layout,
                                              cuda_memory_costs, dequant_chunk_rows, eager_layout, pass_regions)
 from ntx.shared.config import InstanceConfig
 from ntx.shared.gguf_index import open_model
@@ -105,22 +105,30 @@ def test_inert_rows_touch_no_cache_slot():
 
 
 # ------------------------------------------------------------------------------ memory
-def test_planner_counts_every_buckets_workspace(tmp_path):
-    """The planner's workspace is the sum of the backend's layout (every bucket's pass regions,
-    the scratch, the head), the arena of an eager prompt chunk, and the slack: one list of
-    regions, the one the backend carves its arenas from."""
+def test_planner_counts_the_buckets_shared_workspace(tmp_path):
+    """The planner's workspace is the sum of the backend's layout (the pass workspace the
+    buckets share, the scratch, the head), the arena of an eager prompt chunk, and the slack:
+    one list of regions, the one the backend carves its arenas from. The shared workspace holds
+    every bucket's pass (each region as large as the largest bucket's), and no more."""
     index = open_model(write_tiny(tmp_path))
     hp = index.hparams
     sizes = dict(max_seqs=4, max_ctx=256, prefill_chunk_tokens=128)
     ctx = min(256, hp.n_ctx_train)
     layout = backend_layout(index, ctx)
-    for r in bucket_sizes(buckets.MAX_GRAPH_ROWS):  # every bucket's pass workspace is in it, under its prefix
+    shared = {r.name: r.nbytes for r in layout.regions if r.name.startswith(BUCKET_PREFIX)}
+    for r in bucket_sizes(buckets.MAX_GRAPH_ROWS):  # every bucket's pass fits the shared regions
         for region in pass_regions(hp, r, ctx):
-            assert layout.region(f"bucket{r}/{region.name}").nbytes == region.nbytes
-    kept = sum(region.nbytes for r in bucket_sizes(buckets.MAX_GRAPH_ROWS) for region in pass_regions(hp, r, ctx))
-    # the f32 buffers of every bucket row alone are a lower bound
+            assert shared[BUCKET_PREFIX + region.name] >= region.nbytes
+    for name, nbytes in shared.items():  # each region as large as one bucket needs it
+        assert nbytes == max(region.nbytes for r in bucket_sizes(buckets.MAX_GRAPH_ROWS)
+                             for region in pass_regions(hp, r, ctx) if BUCKET_PREFIX + region.name == name)
+    assert sorted(shared) == sorted(BUCKET_PREFIX + region.name for region in pass_regions(hp, 1, ctx))
+    kept = sum(shared.values())
+    apart = sum(region.nbytes for r in bucket_sizes(buckets.MAX_GRAPH_ROWS) for region in pass_regions(hp, r, ctx))
+    assert sum(region.nbytes for region in pass_regions(hp, buckets.MAX_GRAPH_ROWS, ctx)) <= kept < apart / 4
+    # the f32 buffers of the largest bucket's rows alone are a lower bound
     per_row = 4 * (3 * hp.n_embd + 2 * hp.q_dim + 2 * hp.kv_dim + 3 * hp.n_ff)
-    assert kept >= per_row * sum(bucket_sizes(buckets.MAX_GRAPH_ROWS))
+    assert kept >= per_row * buckets.MAX_GRAPH_ROWS
     assert layout.total_bytes >= kept + 64 * 4 * hp.n_vocab  # buckets + the head's logits of 64 rows
     assert all(off % 256 == 0 for off in layout.offsets.values())
     assert backend_layout(index, ctx, 64).total_bytes > backend_layout(index, ctx, 8).total_bytes > 0
@@ -138,7 +146,8 @@ def test_the_cublas_copy_and_an_eager_head_leave_the_70b_a_resident_layer(tmp_pa
     logits (250 MiB). The copy is now made 128 MiB of rows at a time and an eager pass's head
     runs 64 rows at a time in the kept arena's buffers; and the cpu tier's wide passes stream its
     layers through the ring instead of a staging buffer of their own. So at 24 GiB the default
-    flags keep 43 layers resident, as many as without a tier, instead of 41 (a header-only file:
+    flags kept 43 layers resident, as many as without a tier, instead of 41; and since the row
+    buckets share one pass workspace (279.6 MiB apart, 41.8 MiB shared), 44 (a header-only file:
     no tensor data is written)."""
     index = open_model(write_header_only_gguf(tmp_path / "l70.gguf", sg.preset_config("llama3-70b", type="Q4_K_M")))
     hp = index.hparams
@@ -158,6 +167,9 @@ def test_the_cublas_copy_and_an_eager_head_leave_the_70b_a_resident_layer(tmp_pa
                               prefill_chunk_tokens=cfg.prefill_chunk_tokens)
     rates = HostRates(55.1, 42.1, 66.6, cpu_beside_link_gbps=34.4, link_beside_cpu_gbps=51.2, gpu_gbps=1000.0)
     plan = make_plan(index, cfg, costs, rates=rates)
-    assert len(plan.layers_on(VRAM)) == 43 and plan.layers_on(CPU)
+    assert len(plan.layers_on(VRAM)) == 44 and plan.layers_on(CPU)
+    apart = sum(r.nbytes for rows in bucket_sizes(buckets.MAX_GRAPH_ROWS) for r in pass_regions(hp, rows, ctx))
+    shared = sum(r.nbytes for r in backend_layout(index, ctx).regions if r.name.startswith(BUCKET_PREFIX))
+    assert apart - shared > 200 << 20  # what the sharing freed: about half a 70B layer
     no_tier = make_plan(index, replace(cfg, cpu_layers=0).validate(), costs, rates=rates)
     assert no_tier.layers_on(VRAM) == plan.layers_on(VRAM)

@@ -1,8 +1,10 @@
 """The cuda backend's row buckets and warm-up on the GPU: after the warm-up a first request of
 every bucket (prompt chunks, batched decode rows, verify trees) records no graph and compiles no
 kernel module; the warm-up writes no KV cache entry; the planner's layout is what the backend
-holds (its arena) and every bucket's workspace lies in it; greedy tokens with padded, captured
-passes equal those of eager passes at their own size (``use_graphs=False``).
+holds (its arena) and every bucket's workspace lies in it, all buckets in one (memory.bucket_regions);
+greedy tokens with padded, captured passes (of several buckets, one after another in that one
+workspace) equal those of eager passes at their own size, each in an arena of its own
+(``use_graphs=False``).
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ def test_warm_up_builds_every_bucket_and_touches_no_cache(model):
     assert all(_inside(a, be.arena) for w in be.works.values()
                for a in (w.tokens, w.positions, w.cache_positions, w.slots, w.kv_lens, w.tree_base, w.tree_mask,
                          w.x, w.h, w.q, w.k, w.v, w.attn, w.o, w.gate, w.up, w.act, *w.attn_ws, w.logits))
+    # the buckets share one pass workspace: each views the first bytes of the same regions
+    for name in ("tokens", "tree_mask", "x", "act"):
+        assert len({getattr(w, name).data.ptr for w in be.works.values()}) == 1, name
+    assert len({w.attn_ws[1].data.ptr for w in be.works.values()}) == 1
 
 
 @pytest.mark.parametrize("drafting", [False, True])
@@ -118,8 +124,10 @@ def test_first_request_of_each_bucket_records_no_graph_and_compiles_nothing(mode
 def test_padded_captured_passes_give_the_tokens_of_eager_passes(model, drafting):
     """Greedy tokens of a batch whose passes are not bucket sizes (prompts of 5, 6 and 2 tokens:
     a 13-row prefill; decode and verify passes of 3 sequences) with padding and graphs equal
-    those of the same engine without graphs, where every pass runs at its own size; and the
-    logits of a padded prefill agree with the eager ones."""
+    those of the same engine without graphs, where every pass runs at its own size in an arena
+    of its own; and the logits of a padded prefill agree with the eager ones. The captured
+    passes run in the workspace all buckets share (the last prefill, 16 rows, after the smaller
+    buckets' decode and verify passes): a region one pass read before writing it would show."""
     kw = dict(self_draft=[0, 1], draft_tokens=4, draft_width=2) if drafting else {}
     prompts = [_prompt(5, 1), _prompt(6, 2), _prompt(2, 3)]
     index = open_model(model)

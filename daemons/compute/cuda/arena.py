@@ -1,6 +1,6 @@
 """The cuda backend's device-memory arena: one allocation carved into a layout's named regions.
 
-``memory.backend_layout`` lists what the backend keeps (each bucket's pass workspace, the
+``memory.backend_layout`` lists what the backend keeps (the buckets' shared pass workspace, the
 kernels' scratch, the head's buffers, the cuBLAS path's f16 weights); ``Arena`` allocates the
 sum once and hands out views of its regions, so every pointer a CUDA graph captures stays
 valid for the backend's life and the planner's figure (the same layout, summed) is what is
@@ -41,13 +41,15 @@ class Arena:
         off = self.layout.offsets[name]
         return self.memory[off : off + self.layout.region(name).nbytes]
 
-    def view(self, name: str, shape: tuple[int, ...], dtype) -> cp.ndarray:
-        """Region ``name`` as a C-contiguous array of ``shape`` and ``dtype`` (which must fill it)."""
+    def view(self, name: str, shape: tuple[int, ...], dtype, part: bool = False) -> cp.ndarray:
+        """Region ``name`` as a C-contiguous array of ``shape`` and ``dtype``, which must fill it,
+        or with ``part`` its first bytes (a region several users share, each at its own size:
+        the row buckets' pass workspace, ``memory.bucket_regions``)."""
         need = int(np.prod(shape)) * np.dtype(dtype).itemsize
         region = self.bytes(name)
-        if need != region.size:
+        if need > region.size or (need != region.size and not part):
             raise ValueError(f"arena region {name} holds {region.size} bytes, {shape} {np.dtype(dtype).name} is {need}")
-        return region.view(dtype).reshape(shape)
+        return region[:need].view(dtype).reshape(shape)
 
     def take_block(self) -> cp.ndarray:
         """A free block of the pool (uint8 [block_bytes]); raises when none is left."""

@@ -13,9 +13,10 @@ its own (``memory.eager_layout``) for its life. The KV cache is apart (one pair 
 Launch overhead: one Python-launched kernel costs about 10 µs, as much as a small layer's whole
 work, so the model asks for its runs of resident layers to be captured (``run_captured``): one
 CUDA graph per run, row bucket and kind of pass (with or without token trees), replayed after.
-A pass of up to ``buckets.MAX_GRAPH_ROWS`` rows runs in the kept workspace of its row bucket,
-padded with inert rows (``buckets.py``): decode steps, prompt chunks and verify trees of every
-size below the limit share a few graphs. Every position, length, cache slot and tree mask is read
+A pass of up to ``buckets.MAX_GRAPH_ROWS`` rows runs at the size of its row bucket in the kept
+workspace all buckets share (``memory.bucket_regions``: passes run one at a time), padded with
+inert rows (``buckets.py``): decode steps, prompt chunks and verify trees of every size below
+the limit share a few graphs. Every position, length, cache slot and tree mask is read
 from device memory, so one graph replays every pass of its bucket. Larger passes run eagerly at
 their own size. Streamed layers run eagerly between graph segments: their slot changes from pass
 to pass.
@@ -53,8 +54,8 @@ from ntx.daemons.compute.cuda.buckets import (MAX_GRAPH_ROWS, PassRows, bucket_s
                                               row_bucket, tree_chunks)
 from ntx.daemons.compute.cuda.dequant import get_rows
 from ntx.daemons.compute.cuda.kv_pages import KvPages
-from ntx.daemons.compute.cuda.memory import (ROW_FIELDS, attention_rows, attention_splits, backend_layout,
-                                             cuda_memory_costs, eager_layout, tree_mask_words)
+from ntx.daemons.compute.cuda.memory import (BUCKET_PREFIX, ROW_FIELDS, attention_rows, attention_splits,
+                                             backend_layout, cuda_memory_costs, eager_layout, tree_mask_words)
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.align import aligned_empty
 from ntx.shared.gguf_index import LayerInfo, ModelIndex
@@ -66,8 +67,9 @@ from ntx.shared.quant_types import QUANT_TYPES
 
 class _Work(Workspace):
     """Every buffer one pass of ``rows`` rows needs, views of an arena's regions (``prefix``:
-    the bucket's), so that a pass allocates nothing (capturable), and the rows' tokens,
-    positions, cache slots, key counts and tree masks on the device. ``rows`` is the pass's
+    ``BUCKET_PREFIX``, the workspace every bucket's passes share, or none: an eager pass's own
+    arena), so that a pass allocates nothing (capturable), and the rows' tokens, positions,
+    cache slots, key counts and tree masks on the device. ``rows`` is the pass's
     bucket (its real rows first, inert ones after) or, above the buckets, its own row count.
     ``head``: the arena holding the head's buffers. ``has_trees``: attention takes
     ``tree_base``/``tree_mask`` this pass; ``logit_rows``: the rows whose logits the head
@@ -76,10 +78,17 @@ class _Work(Workspace):
     def __init__(self, rows: int, hp, n_splits: int, arena: Arena, prefix: str = "", head: Arena | None = None,
                  attn_rows: int | None = None) -> None:
         self.rows = rows
+        # the kept arena's pass workspace is every bucket's (memory.bucket_regions): a bucket
+        # views the first bytes of each region; an eager pass's arena is its size exactly
+        part = prefix == BUCKET_PREFIX
+
+        def view(name: str, shape: tuple[int, ...], dtype) -> cp.ndarray:
+            return arena.view(prefix + name, shape, dtype, part=part)
+
         self.arena = arena  # an eager pass's own arena lives as long as its workspace
         # the rows' int32 fields, one device array (and one pinned host twin) so that a pass
         # copies them in one transfer: six pageable copies took ~50 µs of every decode step
-        self._fields_dev = arena.view(prefix + "row fields", (len(ROW_FIELDS), rows), cp.int32)
+        self._fields_dev = view("row fields", (len(ROW_FIELDS), rows), cp.int32)
         self._fields_host = cupyx.empty_pinned((len(ROW_FIELDS), rows), dtype=np.int32)
         self._fields_copied = None  # the event after the last copy: the host twin is free again
         (self.tokens, self.positions,  # RoPE positions
@@ -89,16 +98,16 @@ class _Work(Workspace):
         self.kv_lens.fill(1)
         self.tree_base.fill(-1)
         # bit i: the row sees its tree's row i
-        self.tree_mask = arena.view(prefix + "tree mask", (rows, tree_mask_words(rows)), cp.uint32)
+        self.tree_mask = view("tree mask", (rows, tree_mask_words(rows)), cp.uint32)
         self.has_trees = False
         self.logit_rows = np.zeros(0, dtype=np.int64)
-        self.allocate(rows, hp, lambda name, shape: arena.view(prefix + name, shape, cp.float32))
+        self.allocate(rows, hp, lambda name, shape: view(name, shape, cp.float32))
         self.n_splits = n_splits
         # attention's partials: for every row, or for the rows one attention launch takes
         # (memory.attention_rows: the batch-invariant mode's wide passes)
         n = (attn_rows if attn_rows is not None else rows) * hp.n_head * n_splits
-        self.attn_ws = (arena.view(prefix + "attention ml", (n * 2,), cp.float32),
-                        arena.view(prefix + "attention acc", (n * hp.head_dim,), cp.float32))
+        self.attn_ws = (view("attention ml", (n * 2,), cp.float32),
+                        view("attention acc", (n * hp.head_dim,), cp.float32))
         head = head if head is not None else arena
         head_rows = head.layout.region("logits").nbytes // (4 * hp.n_vocab)
         self.head_h = head.view("head h", (head_rows, hp.n_embd), cp.float32)  # the final norm's rows
@@ -265,7 +274,7 @@ class CudaBackend(Backend):
             attn_rows = attention_rows(rows, self.tuning)
             with self.stream:
                 if keep:
-                    w = self.works[rows] = _Work(rows, self.hp, splits, self.arena, prefix=f"bucket{rows}/",
+                    w = self.works[rows] = _Work(rows, self.hp, splits, self.arena, prefix=BUCKET_PREFIX,
                                                  attn_rows=attn_rows)
                 else:  # the head's buffers: the kept arena's (the largest bucket's) where graphs are on
                     own_head = not self.max_graph_rows

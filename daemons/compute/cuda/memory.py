@@ -1,8 +1,8 @@
 """The cuda backend's device memory as a layout of named regions, computed without a GPU or cupy.
 
 One function of a backend configuration, ``backend_layout``, lists every region the backend
-keeps in its arena (``arena.py``): the pass workspace of each row bucket (its CUDA graphs point
-into them), the kernels' scratch for passes of up to the largest bucket, the head's buffers and
+keeps in its arena (``arena.py``): the pass workspace the row buckets share (their CUDA graphs
+point into it), the kernels' scratch for passes of up to the largest bucket, the head's buffers and
 the f16 copy of a matrix the cuBLAS path multiplies. ``eager_layout`` lists a pass above the
 buckets (a prompt chunk): its own arena, made per pass. The backend carves its arenas from
 these lists and the planner (``cuda_memory_costs``) sums the same lists, so the two cannot
@@ -32,13 +32,16 @@ from ntx.shared.quant_types import QuantType, quant_type
 __all__ = ["Region", "Layout", "ALIGN_BYTES", "KV_ELEMENT_BYTES", "ALLOCATOR_SLACK_BYTES", "ROW_FIELDS",
            "attention_splits", "attention_rows", "dequant_chunk_rows", "gemm_path", "invariant_path", "gemm_scratch_bytes", "pass_regions", "scratch_regions", "backend_layout", "eager_layout",
            "i16_plane_bytes", "i16_planes_bytes", "mmq_planes_bytes", "mm_scratch_bytes", "mmq_scratch_bytes",
-           "tree_mask_words", "matrix_shapes", "backend_tuning", "cuda_memory_costs"]
+           "tree_mask_words", "matrix_shapes", "backend_tuning", "cuda_memory_costs", "BUCKET_PREFIX",
+           "bucket_regions"]
 
 ALIGN_BYTES = 256  # every region starts on this boundary (the i16 planes need 256, vector loads 16)
 KV_ELEMENT_BYTES = 2  # the KV cache is f16 (norm_rope_kv.alloc_kv_cache)
 # What the arena does not hold: cuBLAS's workspace, loaded modules, graph memory, cupy's pool
 # rounding, the head's selection buffers (top-k candidates: B x chunks x k entries)
 ALLOCATOR_SLACK_BYTES = 256 << 20
+# the kept arena's pass workspace, which every row bucket's passes share (``bucket_regions``)
+BUCKET_PREFIX = "buckets/"
 # the int32 row fields of a pass, one device array [len, rows] (buckets.PassRows)
 ROW_FIELDS = ("tokens", "positions", "cache_positions", "slots", "kv_lens", "tree_base")
 
@@ -247,6 +250,23 @@ def pass_regions(hp: HParams, rows: int, max_ctx: int, prefix: str = "",
     return [Region(prefix + r.name, r.nbytes, r.zero) for r in regions]
 
 
+def bucket_regions(hp: HParams, max_graph_rows: int, max_ctx: int,
+                   t: tuning.KernelTuning = tuning.DEFAULT) -> list[Region]:
+    """The pass workspace every row bucket up to ``max_graph_rows`` runs in (``BUCKET_PREFIX``):
+    each of ``pass_regions``'s regions as large as the largest bucket needs it (attention's
+    partials are not monotone in the rows: its splits shrink as they grow). A bucket's pass
+    views the first bytes of each. One workspace serves them all because passes run one after
+    another on the backend's one stream and a pass writes every region before it reads it (the
+    row fields and, with trees, the tree mask are copied in by ``begin_pass``; the buffers are
+    the block's, written by their layer). Kept apart, the 70B's fifteen buckets took 279.6 MiB,
+    the largest 41.8 MiB: the difference is about half a 70B layer (docs/PERFORMANCE.md)."""
+    need: dict[str, int] = {}
+    for rows in bucket_sizes(max_graph_rows):
+        for r in pass_regions(hp, rows, max_ctx, t=t):
+            need[r.name] = max(need.get(r.name, 0), r.nbytes)
+    return [Region(BUCKET_PREFIX + name, nbytes) for name, nbytes in need.items()]
+
+
 def head_regions(hp: HParams, rows: int) -> list[Region]:
     """The head of up to ``rows`` logit rows: the final norm [rows, D] and the logits [rows, V]."""
     return [Region("head h", rows * hp.n_embd * 4), Region("logits", rows * hp.n_vocab * 4)]
@@ -273,15 +293,14 @@ def scratch_regions(shapes, max_rows: int, model_width: int, t: tuning.KernelTun
 def backend_layout(index: ModelIndex, max_ctx: int, max_graph_rows: int = MAX_GRAPH_ROWS,
                    t: tuning.KernelTuning = tuning.DEFAULT) -> Layout:
     """Everything the cuda backend keeps for ``index`` with a KV cache of ``max_ctx`` positions:
-    each row bucket's pass workspace (``bucket{rows}/…``) and the head's buffers for the largest
+    the pass workspace the row buckets share (``bucket_regions``) and the head's buffers for the largest
     bucket (``max_graph_rows``: 0 without graphs), the kernels' scratch for every product of up
     to MAX_MM_ROWS rows (the head multiplies in chunks of that many), and the f16 copy of a
     layer matrix's rows (``dequant w16``, the most rows ``dequant_chunk_rows`` takes at once:
     the cuBLAS path of eager passes; none in the batch-invariant mode, which never takes it)."""
     hp = index.hparams
     regions: list[Region] = []
-    for rows in bucket_sizes(max_graph_rows):
-        regions += pass_regions(hp, rows, max_ctx, prefix=f"bucket{rows}/", t=t)
+    regions += bucket_regions(hp, max_graph_rows, max_ctx, t)
     if max_graph_rows:
         regions += head_regions(hp, max_graph_rows)
     regions += scratch_regions(matrix_shapes(index), tuning.MAX_MM_ROWS, hp.n_embd, t)
