@@ -201,6 +201,15 @@ def cli_option(f: Field) -> CliOption | None:
     return f.metadata.get("cli")
 
 
+def largest_pass_rows(prefill_chunk_tokens: int, max_batch: int, draft_tokens: int) -> int:
+    """The most rows one pass can take: a prompt chunk beside a decode row for every sequence of
+    the batch, each with its draft of ``draft_tokens`` (0: no drafter). ``EngineCore._plan``
+    caps the prompt chunks alone, so a batch-64 engine drafting 16 tokens adds 1,088 rows to a
+    512-token chunk. The warm-up builds this pass and the planner reserves its workspace (the
+    cuda backend's eager arena), from this one function so that the two cannot drift."""
+    return prefill_chunk_tokens + max_batch * (1 + draft_tokens)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
     """What shapes an engine: its batch and context, the layers it never runs, its kernels and its
@@ -212,7 +221,7 @@ class EngineOptions:
     max_batch: int = _option(16, "sequences advanced per pass")
     ctx: int | None = _option(None, "context length per sequence (default: the model's trained context, at most "
                               f"{CTX_DEFAULT_CAP}); a longer one than the model was trained for is refused")
-    prefill_chunk_tokens: int = _inner(512)  # prompt tokens per pass: the workspace's rows
+    prefill_chunk_tokens: int = _inner(512)  # prompt tokens per pass (beside decode rows: largest_pass_rows)
     skip_layers: list[int] | None = _option(None, "never run, read nor copy these layers: a list (20-27,29), a calibrate "
                                             "profile (its layers at cos >= 0.98), or PROFILE:N (its N most similar "
                                             "layers)", read="layers_or_profile")
@@ -242,6 +251,18 @@ class EngineOptions:
     # benchmarks timing one tree shape: draft --draft-tokens every pass (a chain unless --draft-width),
     # never backing off nor probing (speculation.TreeShape, fixed)
     draft_fixed: bool = _inner(False)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the engine has a drafter: a draft model, its own layers, lookups or a replay."""
+        return (self.draft_model is not None or self.drafts_itself or self.draft is not None
+                or self.draft_replay is not None)
+
+    @property
+    def largest_pass_rows(self) -> int:
+        """The most rows one pass of this engine can take (``largest_pass_rows``): what its
+        warm-up builds and the planner reserves the workspace of."""
+        return largest_pass_rows(self.prefill_chunk_tokens, self.max_batch, self.draft_tokens if self.drafting else 0)
 
     @property
     def drafts_itself(self) -> bool:

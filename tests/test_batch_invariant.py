@@ -116,7 +116,7 @@ def test_layout_and_planner_follow_the_mode(tiny_index):
     assert "dequant x16" not in eager.offsets
     assert pass_regions(hp, 64, ctx, t=INVARIANT) != pass_regions(hp, 64, ctx)  # the default's splits shrink
     on = KernelOptions(batch_invariant=True)
-    costs = cuda_memory_costs(tiny_index, max_seqs=2, max_ctx=ctx, prefill_chunk_tokens=512, kernels=on)
+    costs = cuda_memory_costs(tiny_index, max_seqs=2, max_ctx=ctx, max_pass_rows=512, kernels=on)
     from ntx.daemons.compute.cuda.memory import ALLOCATOR_SLACK_BYTES
 
     assert costs.workspace_bytes == ALLOCATOR_SLACK_BYTES + layout.total_bytes + eager.total_bytes

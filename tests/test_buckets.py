@@ -112,7 +112,7 @@ def test_planner_counts_the_buckets_shared_workspace(tmp_path):
     every bucket's pass (each region as large as the largest bucket's), and no more."""
     index = open_model(write_tiny(tmp_path))
     hp = index.hparams
-    sizes = dict(max_seqs=4, max_ctx=256, prefill_chunk_tokens=128)
+    sizes = dict(max_seqs=4, max_ctx=256, max_pass_rows=128)
     ctx = min(256, hp.n_ctx_train)
     layout = backend_layout(index, ctx)
     shared = {r.name: r.nbytes for r in layout.regions if r.name.startswith(BUCKET_PREFIX)}
@@ -164,7 +164,7 @@ def test_the_cublas_copy_and_an_eager_head_leave_the_70b_a_resident_layer(tmp_pa
     assert own.region("logits").nbytes == buckets.MAX_GRAPH_ROWS * hp.n_vocab * 4
     cfg = InstanceConfig(model=index.paths[0], backend="cuda", vram_budget=24 << 30, ram_budget=100 << 30).validate()
     costs = cuda_memory_costs(index, max_seqs=cfg.max_batch, max_ctx=cfg.ctx_for(hp.n_ctx_train),
-                              prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+                              max_pass_rows=cfg.largest_pass_rows)
     rates = HostRates(55.1, 42.1, 66.6, cpu_beside_link_gbps=34.4, link_beside_cpu_gbps=51.2, gpu_gbps=1000.0)
     plan = make_plan(index, cfg, costs, rates=rates)
     assert len(plan.layers_on(VRAM)) == 44 and plan.layers_on(CPU)
@@ -173,3 +173,24 @@ def test_the_cublas_copy_and_an_eager_head_leave_the_70b_a_resident_layer(tmp_pa
     assert apart - shared > 200 << 20  # what the sharing freed: about half a 70B layer
     no_tier = make_plan(index, replace(cfg, cpu_layers=0).validate(), costs, rates=rates)
     assert no_tier.layers_on(VRAM) == plan.layers_on(VRAM)
+
+
+def test_the_planner_reserves_the_largest_pass_the_engine_runs(tmp_path):
+    """A prompt chunk runs beside a decode row (and its draft) for every other sequence, so the
+    eager arena the planner reserves is that pass's (``EngineOptions.largest_pass_rows``, the
+    warm-up's ``max_rows`` too), not the prompt chunk's alone: at batch 64 drafting 16 tokens a
+    pass takes 1,600 rows, and a 512-row arena left about 750 MiB of a 70B's out of the plan."""
+    index = open_model(write_header_only_gguf(tmp_path / "l70.gguf", sg.preset_config("llama3-70b", type="Q4_K_M")))
+    hp = index.hparams
+    base = dict(model=index.paths[0], backend="cuda", vram_budget=24 << 30, ram_budget=100 << 30)
+    for kw, rows in (({}, 512 + 16), (dict(draft="ngram"), 512 + 16 * 5),
+                     (dict(max_batch=64, draft="ngram", draft_tokens=16), 512 + 64 * 17),
+                     (dict(max_batch=1, self_draft=True, draft_tokens=8), 512 + 9)):
+        cfg = InstanceConfig(**base, **kw).validate()
+        assert cfg.largest_pass_rows == rows, kw
+        ctx = cfg.ctx_for(hp.n_ctx_train)
+        costs = cuda_memory_costs(index, max_seqs=cfg.max_batch, max_ctx=ctx, max_pass_rows=cfg.largest_pass_rows)
+        assert costs.workspace_bytes == (ALLOCATOR_SLACK_BYTES + backend_layout(index, ctx).total_bytes
+                                         + eager_layout(hp, rows, ctx).total_bytes), kw
+    wide = eager_layout(hp, 512 + 64 * 17, 8192).total_bytes - eager_layout(hp, 512, 8192).total_bytes
+    assert wide > 700 << 20

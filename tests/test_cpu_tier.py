@@ -147,7 +147,7 @@ def _cfg(index, backend="cpu", **kw) -> InstanceConfig:
 
 
 def _plan(index, cfg: InstanceConfig, rates: HostRates | None = None) -> Plan:
-    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+    sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx, max_pass_rows=cfg.largest_pass_rows)
     return make_plan(index, cfg, memory_costs(cfg.backend, index, **sizes), rates=rates,
                      host_layer_bytes=memory_costs("cpu", index, **sizes).layer_bytes)
 
@@ -163,7 +163,7 @@ def test_plan_places_the_cpu_tier_among_the_streamed_layers(index):
     assert plan.cpu_layer_bytes == sum(index.layers[i].nbytes for i in cpu)
     assert plan.streamed_bytes_per_pass == sum(index.layers[i].nbytes for i in streamed)
     assert plan.cpu_held_bytes == sum(memory_costs("cpu", index, max_seqs=1, max_ctx=32,
-                                                   prefill_chunk_tokens=1).layer_bytes[i] for i in cpu)
+                                                   max_pass_rows=1).layer_bytes[i] for i in cpu)
     lines = "\n".join(plan.describe())
     assert "host CPU          8 layers" in lines and "held in host RAM" in lines
     assert Plan.from_dict(plan.to_dict()) == plan

@@ -168,7 +168,7 @@ def test_demoted_layers_give_pages_and_come_back_without_changing_a_token(index,
     resident = [i for i in range(30) if i not in (3, 9, 15, 21, 27, 29)]
     eng = engine_with_pool(index, n_chunks=2, max_chunks=400, resident_layers=resident)
     model = eng.core.model
-    costs = model.backend.memory_costs(index, max_seqs=1, max_ctx=1, prefill_chunk_tokens=1)
+    costs = model.backend.memory_costs(index, max_seqs=1, max_ctx=1, max_pass_rows=1)
     room = eng.core.kv_room = Residency(model, demotion_order(resident), costs.layer_bytes)
     assert run(eng, prompts, max_tokens=10) == want
     demoted = list(room.demoted)
@@ -195,7 +195,7 @@ def test_pipeline_demotes_layers_for_a_long_prompt_and_keeps_its_tokens(smollm2_
     probe = plan_for(index, InstanceConfig(model=str(smollm2_path), ctx=2048, gpu_layers=24, vram_budget=1 << 40,
                                            ram_budget=1 << 30))
     costs = make_backend("cpu", index, max_seqs=1, max_ctx=32).memory_costs(index, max_seqs=1, max_ctx=2048,
-                                                                          prefill_chunk_tokens=512)
+                                                                          max_pass_rows=512)
     budget = (probe.globals_bytes + probe.workspace_bytes + probe.kv_floor_bytes + probe.device_slot_bytes_total
               + sum(sorted(costs.layer_bytes)[-24:]) + (1 << 20))
     ids = prompt_ids(roomy, 1300)

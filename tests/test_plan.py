@@ -62,7 +62,7 @@ def test_each_backend_reports_its_costs(index):
     A plan's KV pool is the floor and what the layers leave, in whole chunks, at most
     KV_POOL_CAP_ROWS full contexts per --max-batch row."""
     hp, layer = index.hparams, index.layers[0]
-    sizes = dict(max_seqs=8, max_ctx=1024, prefill_chunk_tokens=512)
+    sizes = dict(max_seqs=8, max_ctx=1024, max_pass_rows=512 + 8)  # a 512-token prompt chunk beside 8 decode rows
     cpu, cuda = memory_costs("cpu", index, **sizes), memory_costs("cuda", index, **sizes)
     assert cuda.layer_bytes[0] == layer.nbytes
     assert cpu.layer_bytes[0] == sum(packed_bytes(t.ggml_type, *t.shape) if len(t.shape) == 2 else t.n_elements * 4
@@ -216,9 +216,9 @@ def test_the_embedding_stays_in_host_memory_where_that_holds_more_layers(tmp_pat
     untied = open_model(write_tiny(tmp_path, n_layers=8, vocab_size=4096))
     embd, cost = untied.globals["token_embd"].nbytes, untied.layers[0].nbytes
     assert embd > cost and "output" in untied.globals
-    assert memory_costs("cuda", untied, max_seqs=1, max_ctx=512, prefill_chunk_tokens=512).host_globals_bytes == embd
-    assert memory_costs("cuda", index, max_seqs=1, max_ctx=512, prefill_chunk_tokens=512).host_globals_bytes == 0
-    assert memory_costs("cpu", untied, max_seqs=1, max_ctx=512, prefill_chunk_tokens=512).host_globals_bytes == 0
+    assert memory_costs("cuda", untied, max_seqs=1, max_ctx=512, max_pass_rows=512).host_globals_bytes == embd
+    assert memory_costs("cuda", index, max_seqs=1, max_ctx=512, max_pass_rows=512).host_globals_bytes == 0
+    assert memory_costs("cpu", untied, max_seqs=1, max_ctx=512, max_pass_rows=512).host_globals_bytes == 0
 
     def plan(vram: int, **kw):
         return plan_for(untied, _cfg(backend="cuda", vram_budget=vram, ram_budget=parse_size("1GiB"), ctx=512,

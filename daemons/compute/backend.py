@@ -222,7 +222,7 @@ class Backend(ABC):
     def kv_page_bytes(self) -> int:
         """Bytes of one page's keys and values in every layer, as this backend stores them."""
         return PAGE_TOKENS * self.memory_costs(self.index, max_seqs=1, max_ctx=PAGE_TOKENS,
-                                               prefill_chunk_tokens=1).kv_bytes_per_token
+                                               max_pass_rows=1).kv_bytes_per_token
 
     def _init_kv(self, max_seqs: int, max_ctx: int, sizing: KvSizing | None) -> None:
         """Sequence rows for ``max_seqs`` sequences of up to ``max_ctx`` positions, and the page
@@ -353,11 +353,12 @@ class Backend(ABC):
     # -- what the planner reserves ---------------------------------------------------------------
     @classmethod
     @abstractmethod
-    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, max_pass_rows: int,
                      kernels: KernelOptions | None = None) -> MemoryCosts:
         """What this backend would hold for ``index``: each layer resident, the globals, the KV
-        cache per token and how many tokens to reserve, the workspace (under the kernel switches
-        ``kernels``, None: the defaults). Needs no device."""
+        cache per token and how many tokens to reserve, the workspace for passes of up to
+        ``max_pass_rows`` rows (``EngineOptions.largest_pass_rows``) under the kernel switches
+        ``kernels`` (None: the defaults). Needs no device."""
 
     # -- weights, caches, slots ------------------------------------------------------------------
     @abstractmethod
@@ -567,17 +568,17 @@ def backend_class(name: str) -> type[Backend]:
     raise ConfigError(f"unknown backend {name!r} (choose cuda or cpu)")
 
 
-def memory_costs(name: str, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+def memory_costs(name: str, index: ModelIndex, *, max_seqs: int, max_ctx: int, max_pass_rows: int,
                  kernels: KernelOptions | None = None) -> MemoryCosts:
     """``Backend.memory_costs`` of the backend called ``name``, without a device (planning on a
     machine that only starts the pipeline, or in CI), under the kernel switches ``kernels``."""
     if name == "cuda":
         from ntx.daemons.compute.cuda.memory import cuda_memory_costs
 
-        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, prefill_chunk_tokens=prefill_chunk_tokens,
+        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, max_pass_rows=max_pass_rows,
                                  kernels=kernels)
     return backend_class(name).memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx,
-                                            prefill_chunk_tokens=prefill_chunk_tokens, kernels=kernels)
+                                            max_pass_rows=max_pass_rows, kernels=kernels)
 
 
 def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = None,
@@ -588,7 +589,7 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
     layers would stream, the link's and the host's speeds are measured here (``measure_rates``,
     a few seconds; ``log`` says so) unless ``rates`` are given."""
     sizes = dict(max_seqs=cfg.max_batch, max_ctx=cfg.ctx_for(index.hparams.n_ctx_train),
-                 prefill_chunk_tokens=cfg.prefill_chunk_tokens, kernels=cfg.kernel_options)
+                 max_pass_rows=cfg.largest_pass_rows, kernels=cfg.kernel_options)
     draft = None
     if cfg.draft_model:
         draft = memory_costs(cfg.backend, open_model(cfg.draft_model), **sizes)

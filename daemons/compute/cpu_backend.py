@@ -147,7 +147,7 @@ class CpuBackend(Backend):
         return t.n_elements * 4
 
     @classmethod
-    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, max_pass_rows: int,
                      kernels: KernelOptions | None = None) -> MemoryCosts:
         """Resident layers and globals are kept in the kernels' canonical forms (the float32
         reference, ``cpu-quantized=off``, holds up to 8x more; counted as the defaults whatever

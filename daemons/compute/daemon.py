@@ -67,7 +67,7 @@ class ComputeDaemon(Daemon):
                  f"KV pool {self.backend.kv_stats().pages_total} pages")
         if stream is not None and self.plan.standby_layers:  # the KV cache may take resident layers' memory
             drafter = self.engine.drafter
-            costs = self.backend.memory_costs(self.index, max_seqs=1, max_ctx=1, prefill_chunk_tokens=1)
+            costs = self.backend.memory_costs(self.index, max_seqs=1, max_ctx=1, max_pass_rows=1)
             self.engine.kv_room = Residency(self.engine.model, list(self.plan.standby_layers), costs.layer_bytes,
                                             keep=frozenset(getattr(drafter, "layers", ())))
         # before ready: no request pays for compiling kernels or recording graphs

@@ -53,7 +53,7 @@ def test_demoted_and_promoted_layers_keep_every_token_on_the_gpu(index):
     resident = [i for i in range(N_LAYERS) if i not in STREAMED]
     eng = _paged(index, n_chunks=2, max_chunks=400, resident_layers=resident)
     model = eng.core.model
-    costs = model.backend.memory_costs(index, max_seqs=1, max_ctx=1, prefill_chunk_tokens=1)
+    costs = model.backend.memory_costs(index, max_seqs=1, max_ctx=1, max_pass_rows=1)
     room = eng.core.kv_room = Residency(model, demotion_order(resident), costs.layer_bytes)
     assert run(eng, long, 10) == want
     demoted = list(room.demoted)

@@ -186,9 +186,9 @@ class CudaBackend(Backend):
         self._stage_free = None  # event: the kernels of the last layer staged there have run
 
     @classmethod
-    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+    def memory_costs(cls, index: ModelIndex, *, max_seqs: int, max_ctx: int, max_pass_rows: int,
                      kernels: KernelOptions | None = None) -> MemoryCosts:
-        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, prefill_chunk_tokens=prefill_chunk_tokens,
+        return cuda_memory_costs(index, max_seqs=max_seqs, max_ctx=max_ctx, max_pass_rows=max_pass_rows,
                                  kernels=kernels)
 
     # -- weights -------------------------------------------------------------------------------

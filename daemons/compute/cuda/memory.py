@@ -334,19 +334,21 @@ def backend_tuning(kernels: KernelOptions | None, t: tuning.KernelTuning = tunin
     return tuning.batch_invariant(t) if kernels is not None and kernels.batch_invariant else t
 
 
-def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, prefill_chunk_tokens: int,
+def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, max_pass_rows: int,
                       kernels: KernelOptions | None = None) -> MemoryCosts:
     """Resident layers as their GGUF bytes; the globals, of which the token embedding may stay in
     host memory (``host_globals_bytes``, where the head is a tensor of its own); the KV cache of
-    ``max_seqs`` sequences at full context, reserved up front; the workspace: the backend's arena (``backend_layout``), the
-    arena of an eager pass of a prompt chunk (``eager_layout`` of ``prefill_chunk_tokens``
-    rows, when that is above the buckets) and ``ALLOCATOR_SLACK_BYTES``, on the table
+    ``max_seqs`` sequences at full context, reserved up front; the workspace: the backend's
+    arena (``backend_layout``), the arena of the largest eager pass (``eager_layout`` of
+    ``max_pass_rows`` rows, when that is above the buckets: ``EngineOptions.largest_pass_rows``,
+    a prompt chunk beside every other sequence's decode row and draft tree) and
+    ``ALLOCATOR_SLACK_BYTES``, on the table
     ``kernels`` makes (``backend_tuning``: the batch-invariant mode's attention partials are
     larger, it keeps no f16 copy for cuBLAS)."""
     hp = index.hparams
     ctx = min(max_ctx, hp.n_ctx_train)
     t = backend_tuning(kernels)
-    eager = eager_layout(hp, prefill_chunk_tokens, ctx, t).total_bytes if prefill_chunk_tokens > MAX_GRAPH_ROWS else 0
+    eager = eager_layout(hp, max_pass_rows, ctx, t).total_bytes if max_pass_rows > MAX_GRAPH_ROWS else 0
     return MemoryCosts(
         memory_name="VRAM",
         layer_bytes=tuple(layer.nbytes for layer in index.layers),
