@@ -205,8 +205,9 @@ def largest_pass_rows(prefill_chunk_tokens: int, max_batch: int, draft_tokens: i
     """The most rows one pass can take: a prompt chunk beside a decode row for every sequence of
     the batch, each with its draft of ``draft_tokens`` (0: no drafter). ``EngineCore._plan``
     caps the prompt chunks alone, so a batch-64 engine drafting 16 tokens adds 1,088 rows to a
-    512-token chunk. The warm-up builds this pass and the planner reserves its workspace (the
-    cuda backend's eager arena), from this one function so that the two cannot drift."""
+    512-token chunk. The warm-up records the row buckets up to it and the planner reserves its
+    workspace (the cuda backend's eager arena), from this one function so that the two cannot
+    drift."""
     return prefill_chunk_tokens + max_batch * (1 + draft_tokens)
 
 
@@ -261,7 +262,7 @@ class EngineOptions:
     @property
     def largest_pass_rows(self) -> int:
         """The most rows one pass of this engine can take (``largest_pass_rows``): what its
-        warm-up builds and the planner reserves the workspace of."""
+        warm-up covers and the planner reserves the workspace of."""
         return largest_pass_rows(self.prefill_chunk_tokens, self.max_batch, self.draft_tokens if self.drafting else 0)
 
     @property
