@@ -85,6 +85,28 @@ def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatc
     assert calls[1][1] == WarmUp(max_rows=64, eager_rows=(16,))
 
 
+def test_no_pass_outgrows_the_largest_pass_the_plan_reserves(tiny):
+    """A prompt chunk runs beside the other sequences' decode rows and draft trees, so a pass
+    can take more rows than the chunk: up to ``EngineOptions.largest_pass_rows``, the rows the
+    warm-up covers and the planner reserves a workspace for, and never more."""
+    options = EngineOptions(max_batch=3, ctx=256, prefill_chunk_tokens=32, draft="ngram", draft_tokens=4,
+                            draft_width=1, draft_fixed=True)
+    eng = build_engine(tiny, "cpu", options)
+    loop = [5, 9, 14, 3, 5, 9, 14, 3, 5, 9]  # a text that repeats: the lookup drafts every pass
+    for rid in ("a", "b"):
+        eng.submit(EngineRequest(rid, loop, SamplingParams(temperature=0.0, max_tokens=60)))
+    for _ in range(3):
+        eng.step()
+    eng.submit(EngineRequest("long", [(7 * i) % 200 + 1 for i in range(100)],
+                             SamplingParams(temperature=0.0, max_tokens=4)))
+    rows = []
+    while eng.has_work:
+        eng.step()
+        rows.append(eng.last_pass[1])
+    assert max(rows) <= options.largest_pass_rows == 32 + 3 * (1 + 4)
+    assert max(rows) > options.prefill_chunk_tokens  # the chunk alone would not bound it
+
+
 def test_a_failing_warm_up_fails_the_build_with_one_line(tiny, monkeypatch):
     def broken(self, runs, spec, log, eager_ops=None):
         raise RuntimeError("no kernel image is available")
