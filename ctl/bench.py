@@ -748,6 +748,17 @@ def _traced_replay(trace_file: str, replay_file: Path, reference: list[int], k: 
             "expected_tokens_per_decode_pass": sum(a + 1 for _, a in cut) / len(cut)}
 
 
+def _with_largest_pass(cfg: InstanceConfig, rows: int) -> InstanceConfig:
+    """``cfg`` with the prompt chunk that makes its largest pass ``rows`` rows
+    (``EngineOptions.largest_pass_rows``: the chunk beside the other sequences' decode rows), so
+    that runs with and without drafts plan the same workspace."""
+    decode_rows = 1 + (cfg.draft_tokens if cfg.drafting else 0)
+    out = replace(cfg, prefill_chunk_tokens=rows - (cfg.max_batch - 1) * decode_rows).validate()
+    if out.largest_pass_rows != rows:
+        raise ValueError(f"no prompt chunk gives a largest pass of {rows} rows at batch {cfg.max_batch}")
+    return out
+
+
 def _spec_batch(entry: dict[str, Any], plain_cfg: InstanceConfig, replay_cfg, index: ModelIndex, opts: SpecOptions,
                 batch: int, draft_model: str | None, log, save) -> None:
     """(iv) of ``run_spec``: ``batch`` concurrent greedy requests of the same prompt (so the one
@@ -760,9 +771,12 @@ def _spec_batch(entry: dict[str, Any], plain_cfg: InstanceConfig, replay_cfg, in
         ("every draft wrong", 1.0))]
     entry["batch"] = {"batch": batch, "tokens_per_request": tokens, "runs": []}
     plain_tps = None
+    # the same workspace in every run (the replay's largest pass: a prompt chunk beside the other
+    # sequences' chains), so that the same layers stream in all of them
+    rows = replace(replay_cfg(k, 1.0, draft_model), max_batch=batch).validate().largest_pass_rows
     for case, p_wrong in runs:
         cfg = plain_cfg if p_wrong is None else replay_cfg(k, p_wrong, draft_model)
-        cfg = replace(cfg, max_batch=batch).validate()
+        cfg = _with_largest_pass(replace(cfg, max_batch=batch), rows)
         plan = plan_for(index, cfg)
         instance.start(cfg, plan)
         try:

@@ -9,9 +9,11 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
+from ntx.shared.config import InstanceConfig
 from tests.synth_models import write_tiny
 from tests.pipeline_util import free_port
 
@@ -137,12 +139,28 @@ def test_bench_spec_times_verify_passes_and_controlled_acceptance_with_the_repla
     assert b["batch"] == 2 and [x["case"] for x in b["runs"]] == ["plain", "acceptance length 4", "every draft wrong"]
     plain_b, right_b, wrong_b = b["runs"]
     assert all(x["tokens_per_s"] > 0 for x in b["runs"]) and plain_b["speculation"] is None
+    assert plain_b["plan_tiers"] == right_b["plan_tiers"] == wrong_b["plan_tiers"]
     assert right_b["speculation"]["acceptance_rate"] == 1.0 and right_b["ratio_to_plain"] > 0 and "met" in right_b
     assert wrong_b["speculation"]["accepted"] == 0
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("(spec) ") and "plain" not in ln.split(":")[0]]
     assert len(lines) >= 8 and all("replay" in ln for ln in lines), r.stdout
     # the trace's 2 passes make 5 tokens (the prefill's, 2 + 1, 0 + 1), cycled to fill --spec-tokens
     assert any("(trace ngram edit, 2 passes of 5 tokens cycled in 11;" in ln for ln in lines), r.stdout
+
+
+def test_batch_runs_with_and_without_drafts_plan_the_same_largest_pass(tmp_path):
+    """The batch runs of ``--scenarios spec`` compare plain and speculative instances: each gets
+    the prompt chunk that makes its largest pass (chunk beside the other sequences' chains) the
+    replay's, so their workspaces, and so their resident layers, are the same."""
+    from ntx.ctl.bench import _with_largest_pass
+
+    base = InstanceConfig(model=str(write_tiny(tmp_path, n_layers=2, type="Q8_0")), backend="cuda", max_batch=8)
+    replay = replace(base, draft_tokens=16, draft_replay=str(tmp_path / "replay.json")).validate()
+    rows = replay.largest_pass_rows
+    assert rows == 512 + 7 * 17
+    plain = _with_largest_pass(base, rows)
+    assert plain.largest_pass_rows == rows and plain.prefill_chunk_tokens == rows - 7
+    assert _with_largest_pass(replay, rows) == replay
 
 
 @pytest.mark.slow

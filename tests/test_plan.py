@@ -62,7 +62,7 @@ def test_each_backend_reports_its_costs(index):
     A plan's KV pool is the floor and what the layers leave, in whole chunks, at most
     KV_POOL_CAP_ROWS full contexts per --max-batch row."""
     hp, layer = index.hparams, index.layers[0]
-    sizes = dict(max_seqs=8, max_ctx=1024, max_pass_rows=512 + 8)  # a 512-token prompt chunk beside 8 decode rows
+    sizes = dict(max_seqs=8, max_ctx=1024, max_pass_rows=512 + 7)  # a 512-token prompt chunk beside 7 decode rows
     cpu, cuda = memory_costs("cpu", index, **sizes), memory_costs("cuda", index, **sizes)
     assert cuda.layer_bytes[0] == layer.nbytes
     assert cpu.layer_bytes[0] == sum(packed_bytes(t.ggml_type, *t.shape) if len(t.shape) == 2 else t.n_elements * 4

@@ -57,13 +57,13 @@ def test_the_cpu_warm_up_compiles_the_kernels_and_runs_no_pass(tiny):
 
 def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatch):
     """What the warm-up is asked to cover: the largest pass (a prompt chunk beside every
-    sequence's decode row and tree), trees only when speculation may make them, the eager
+    other sequence's decode row and tree), trees only when speculation may make them, the eager
     prompt-chunk size, the self-draft's layers at one row per sequence, a draft model too."""
     calls: list[tuple] = []
     monkeypatch.setattr(LlamaModel, "warm_up", lambda self, spec, log, draft_layers=(), draft_rows=0:
                         calls.append((self, spec, tuple(draft_layers), draft_rows)))
     eng = build_engine(tiny, "cpu", EngineOptions(max_batch=3, ctx=64, prefill_chunk_tokens=32))
-    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=32 + 3, trees=False, eager_rows=(32,)), (), 3)]
+    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=32 + 2, trees=False, eager_rows=(32,)), (), 3)]
     assert calls[0][0] is eng.model
 
     calls.clear()
@@ -73,7 +73,7 @@ def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatc
     calls.clear()
     eng = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, prefill_chunk_tokens=16, self_draft=[0],
                                                   draft_tokens=4))
-    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=16 + 2 * 5, trees=True, eager_rows=(16,)), (0,), 2)]
+    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=16 + 1 * 5, trees=True, eager_rows=(16,)), (0,), 2)]
 
     calls.clear()
     build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, self_draft=True, draft_tokens=4, draft_width=1))
@@ -103,7 +103,7 @@ def test_no_pass_outgrows_the_largest_pass_the_plan_reserves(tiny):
     while eng.has_work:
         eng.step()
         rows.append(eng.last_pass[1])
-    assert max(rows) <= options.largest_pass_rows == 32 + 3 * (1 + 4)
+    assert max(rows) <= options.largest_pass_rows == 32 + 2 * (1 + 4)
     assert max(rows) > options.prefill_chunk_tokens  # the chunk alone would not bound it
 
 
