@@ -221,6 +221,10 @@ class Plan:
     # on cuda WIDE_PASS_ROWS); where other layers stream, those passes stream the tier's layers
     # too, through the same ring (``wide_streamed_layers``: dma keeps their bytes with its RAM tier)
     tier_wide_rows: int | None = None
+    # the rows of the largest pass the workspace holds (EngineOptions.largest_pass_rows): a prompt
+    # chunk beside the other sequences' decode rows and drafts; 0 where the backend's workspace
+    # does not depend on it (cpu)
+    max_pass_rows: int = 0
 
     @property
     def predicted_pass_s(self) -> float:
@@ -314,7 +318,8 @@ class Plan:
                  for r in rows]
         lines.append(
             f"reserved in {self.memory_name}: globals {format_bytes(self.globals_bytes)}, "
-            f"KV cache {format_bytes(self.kv_bytes)}, workspace {format_bytes(self.workspace_bytes)}, "
+            f"KV cache {format_bytes(self.kv_bytes)}, workspace {format_bytes(self.workspace_bytes)}"
+            + (f" (passes of up to {self.max_pass_rows} rows)" if self.max_pass_rows else "") + ", "
             f"device slots {format_bytes(self.device_slot_bytes_total)}"
             + (f", draft model {format_bytes(self.draft_bytes)}" if self.draft_bytes else "")
             + f"; budget {format_bytes(self.vram_budget)}"
@@ -666,6 +671,7 @@ def make_plan(index: ModelIndex, cfg: InstanceConfig, costs: MemoryCosts, draft:
         skipped_layer_bytes=total(SKIPPED), standby_layers=tuple(standby), standby_bytes=standby_bytes,
         ctx=ctx, kv_page_bytes=page_bytes, kv_chunk_pages=chunk_pages, kv_chunks=kv_chunks, kv_max_chunks=kv_max_chunks,
         kv_floor_tokens=floor_tokens, speed_notes=tuple(speed_notes),
+        max_pass_rows=cfg.largest_pass_rows if backend == "cuda" else 0,
         cpu_layer_bytes=total(CPU), cpu_held_bytes=cpu_held,
         link_gbps=rates.link_gbps if rates else 0.0, cpu_gbps=rates.cpu_gbps if rates else 0.0,
         mem_gbps=rates.mem_gbps if rates else 0.0, rates_how=rates.how if rates else "",

@@ -11,7 +11,7 @@ from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
 from ntx.daemons.compute.backend import memory_costs, plan_for
 from ntx.shared.kv_sizing import CTX_DEFAULT_CAP, FLOOR_TOKENS, PAGE_TOKENS
-from ntx.shared.plan import RAM, STORAGE, VRAM
+from ntx.shared.plan import RAM, STORAGE, VRAM, Plan
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,9 @@ def test_each_backend_reports_its_costs(index):
     assert 2 * 8 * 1024 <= plan.kv_tokens < 2 * 8 * 1024 + chunk_tokens  # everything fits: the cap
     assert plan.kv_bytes == plan.kv_tokens * cuda.kv_bytes_per_token and plan.ctx == 1024
     assert plan.memory_name == "VRAM" and "reserved in VRAM" in "\n".join(plan.describe())
+    # the workspace holds a prompt chunk beside the 7 other sequences' decode rows, and says so
+    assert plan.max_pass_rows == 512 + 7 and "(passes of up to 519 rows)" in "\n".join(plan.describe())
+    assert Plan.from_dict(plan.to_dict()) == plan
 
 
 def test_budget_too_small_is_one_clear_line(index):
