@@ -91,9 +91,9 @@ def run_task(engine, prompt: list[int], n: int) -> dict:
 
 
 class PassTrace:
-    """Records what a chain drafter proposed at each pass (made, it wraps the drafter's
-    ``propose``), so that ``trace`` can say, once the greedy tokens are known, how many of each proposal they
-    accepted: the (drafted, accepted) passes a replay on another model repeats
+    """Records what a chain drafter proposed at each pass (its constructor wraps the drafter's
+    ``propose``), so that ``trace`` can say, once the greedy tokens are known, how many of each
+    proposal they accepted: the (drafted, accepted) passes a replay on another model repeats
     (daemons/compute/replay.py)."""
 
     def __init__(self, drafter) -> None:
