@@ -752,8 +752,9 @@ def _with_largest_pass(cfg: InstanceConfig, rows: int) -> InstanceConfig:
     """``cfg`` with the prompt chunk that makes its largest pass ``rows`` rows
     (``EngineOptions.largest_pass_rows``: the chunk beside the other sequences' decode rows), so
     that runs with and without drafts plan the same workspace."""
-    decode_rows = 1 + (cfg.draft_tokens if cfg.drafting else 0)
-    out = replace(cfg, prefill_chunk_tokens=rows - (cfg.max_batch - 1) * decode_rows).validate()
+    if cfg.largest_pass_rows == rows:
+        return cfg
+    out = replace(cfg, prefill_chunk_tokens=rows - (cfg.max_batch - 1)).validate()
     if out.largest_pass_rows != rows:
         raise ValueError(f"no prompt chunk gives a largest pass of {rows} rows at batch {cfg.max_batch}")
     return out

@@ -203,13 +203,14 @@ def cli_option(f: Field) -> CliOption | None:
 
 def largest_pass_rows(prefill_chunk_tokens: int, max_batch: int, draft_tokens: int) -> int:
     """The most rows one pass can take: a prompt chunk beside a decode row for every other
-    sequence of the batch, each with its draft of ``draft_tokens`` (0: no drafter), or every
-    sequence decoding. ``EngineCore._plan`` caps the prompt chunks alone, so a batch-64 engine
-    drafting 16 tokens adds 1,071 rows to a 512-token chunk. The warm-up records the row buckets
-    up to it and the planner reserves its workspace (the cuda backend's eager arena), from this
-    one function so that the two cannot drift."""
-    decode_rows = 1 + draft_tokens  # a sequence's last token and its draft
-    return max(prefill_chunk_tokens + (max_batch - 1) * decode_rows, max_batch * decode_rows)
+    sequence of the batch, or every sequence decoding with its draft of ``draft_tokens`` (0: no
+    drafter). The drafts of a pass that carries a prompt chunk take only the rows the chunk leaves
+    (``EngineCore._propose_drafts``): with them beside a full chunk, a batch-64 engine drafting 16
+    tokens would take 1,583 rows, and on the 70B at 24 GiB drafting at all would cost a resident
+    layer (the pass's workspace). The warm-up records the row buckets up to it and the planner
+    reserves its workspace (the cuda backend's eager arena), from this one function so that the
+    two cannot drift."""
+    return max(prefill_chunk_tokens + max_batch - 1, max_batch * (1 + draft_tokens))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -156,11 +156,14 @@ def test_batch_runs_with_and_without_drafts_plan_the_same_largest_pass(tmp_path)
 
     base = InstanceConfig(model=str(write_tiny(tmp_path, n_layers=2, type="Q8_0")), backend="cuda", max_batch=8)
     replay = replace(base, draft_tokens=16, draft_replay=str(tmp_path / "replay.json")).validate()
-    rows = replay.largest_pass_rows
-    assert rows == 512 + 7 * 17
-    plain = _with_largest_pass(base, rows)
-    assert plain.largest_pass_rows == rows and plain.prefill_chunk_tokens == rows - 7
-    assert _with_largest_pass(replay, rows) == replay
+    assert replay.largest_pass_rows == base.largest_pass_rows == 512 + 7  # drafts take what a chunk leaves
+    assert _with_largest_pass(base, 512 + 7) == base and _with_largest_pass(replay, 512 + 7) == replay
+    wide = replace(replay, max_batch=64).validate()  # 64 chains of 17 outgrow a chunk beside 63 rows
+    rows = wide.largest_pass_rows
+    assert rows == 64 * 17
+    plain = _with_largest_pass(replace(base, max_batch=64), rows)
+    assert plain.largest_pass_rows == rows and plain.prefill_chunk_tokens == rows - 63
+    assert _with_largest_pass(wide, rows) == wide
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ request, tokens unchanged) is tests/gpu/test_warm_up_gpu.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ntx.ctl.instance import InstancePaths
@@ -57,7 +59,7 @@ def test_the_cpu_warm_up_compiles_the_kernels_and_runs_no_pass(tiny):
 
 def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatch):
     """What the warm-up is asked to cover: the largest pass (a prompt chunk beside every
-    other sequence's decode row and tree), trees only when speculation may make them, the eager
+    other sequence's decode row, or every sequence with its tree), trees only when speculation may make them, the eager
     prompt-chunk size, the self-draft's layers at one row per sequence, a draft model too."""
     calls: list[tuple] = []
     monkeypatch.setattr(LlamaModel, "warm_up", lambda self, spec, log, draft_layers=(), draft_rows=0:
@@ -73,11 +75,15 @@ def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatc
     calls.clear()
     eng = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, prefill_chunk_tokens=16, self_draft=[0],
                                                   draft_tokens=4))
-    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=16 + 1 * 5, trees=True, eager_rows=(16,)), (0,), 2)]
+    assert [(c[1], c[2], c[3]) for c in calls] == [(WarmUp(max_rows=16 + 1, trees=True, eager_rows=(16,)), (0,), 2)]
 
     calls.clear()
     build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, self_draft=True, draft_tokens=4, draft_width=1))
     assert calls[0][1].trees is False  # chains only: no tree mask ever
+
+    calls.clear()  # trees beside no chunk outgrow it: 8 sequences drafting 4 tokens
+    build_engine(tiny, "cpu", EngineOptions(max_batch=8, ctx=64, prefill_chunk_tokens=16, self_draft=[0], draft_tokens=4))
+    assert calls[0][1].max_rows == 8 * (1 + 4)
 
     calls.clear()
     eng = build_engine(tiny, "cpu", EngineOptions(max_batch=2, ctx=64, prefill_chunk_tokens=16, draft_model=tiny))
@@ -86,25 +92,35 @@ def test_build_engine_warms_every_model_with_the_engines_shapes(tiny, monkeypatc
 
 
 def test_no_pass_outgrows_the_largest_pass_the_plan_reserves(tiny):
-    """A prompt chunk runs beside the other sequences' decode rows and draft trees, so a pass
-    can take more rows than the chunk: up to ``EngineOptions.largest_pass_rows``, the rows the
-    warm-up covers and the planner reserves a workspace for, and never more."""
+    """A prompt chunk runs beside the other sequences' decode rows, so a pass can take more rows
+    than the chunk: up to ``EngineOptions.largest_pass_rows``, the rows the warm-up covers and the
+    planner reserves a workspace for, and never more. The draft trees take what the chunk leaves:
+    none beside a whole chunk, all of them beside the prompt's short last chunk."""
     options = EngineOptions(max_batch=3, ctx=256, prefill_chunk_tokens=32, draft="ngram", draft_tokens=4,
                             draft_width=1, draft_fixed=True)
+
+    def run(eng) -> tuple[list[tuple[int, int]], dict[str, list[int]]]:
+        loop = [5, 9, 14, 3, 5, 9, 14, 3, 5, 9]  # a text that repeats: the lookup drafts every pass
+        for rid in ("a", "b"):
+            eng.submit(EngineRequest(rid, loop, SamplingParams(temperature=0.0, max_tokens=60)))
+        tokens: dict[str, list[int]] = {}
+        events = [e for _ in range(3) for e in eng.step()]
+        eng.submit(EngineRequest("long", [(7 * i) % 200 + 1 for i in range(100)],
+                                 SamplingParams(temperature=0.0, max_tokens=4)))
+        passes = []  # (rows, prompt rows)
+        while eng.has_work:
+            events += eng.step()
+            passes.append(eng.last_pass[1:])
+        for e in events:
+            tokens.setdefault(e.id, []).extend(e.tokens)
+        return passes, tokens
+
     eng = build_engine(tiny, "cpu", options)
-    loop = [5, 9, 14, 3, 5, 9, 14, 3, 5, 9]  # a text that repeats: the lookup drafts every pass
-    for rid in ("a", "b"):
-        eng.submit(EngineRequest(rid, loop, SamplingParams(temperature=0.0, max_tokens=60)))
-    for _ in range(3):
-        eng.step()
-    eng.submit(EngineRequest("long", [(7 * i) % 200 + 1 for i in range(100)],
-                             SamplingParams(temperature=0.0, max_tokens=4)))
-    rows = []
-    while eng.has_work:
-        eng.step()
-        rows.append(eng.last_pass[1])
-    assert max(rows) <= options.largest_pass_rows == 32 + 2 * (1 + 4)
-    assert max(rows) > options.prefill_chunk_tokens  # the chunk alone would not bound it
+    passes, tokens = run(eng)
+    assert eng.max_pass_rows == options.largest_pass_rows == 32 + 2
+    assert max(rows for rows, _ in passes) == 32 + 2  # the chunk alone would not bound it
+    assert [p for p in passes if p[1]] == [(34, 32)] * 3 + [(4 + 2 * (1 + 4), 4)]
+    assert tokens == run(build_engine(tiny, "cpu", replace(options, draft=None)))[1]  # the plain engine's
 
 
 def test_a_failing_warm_up_fails_the_build_with_one_line(tiny, monkeypatch):

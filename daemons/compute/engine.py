@@ -29,6 +29,7 @@ from ntx.daemons.compute.kv_pages import KvPoolExhausted
 from ntx.daemons.compute.model import LlamaModel
 from ntx.daemons.compute.sampler import NumericalError, Sampler, logprobs_topk
 from ntx.daemons.compute.speculation import Acceptance, Drafter, DraftRequest, DraftTree, TreeShape, verify_tree
+from ntx.shared.config import largest_pass_rows
 from ntx.shared.errors import NtxError
 from ntx.shared.kv_sizing import PAGE_TOKENS
 from ntx.shared.messages import (EngineError, EngineEvent, EngineOutput, EngineRequest, RequestError, SpecCounts,
@@ -139,6 +140,11 @@ class EngineCore:
         self.preemptions = 0  # sequences sent back to the queue for want of KV pages
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # the most rows a pass takes (what the warm-up records and the planner reserves): a prompt
+        # chunk beside the other sequences' decode rows, or every sequence with its draft; the
+        # drafts of a pass that carries a prompt chunk take only what the chunk leaves
+        self.max_pass_rows = largest_pass_rows(prefill_chunk_tokens, max_batch,
+                                               draft_tokens if drafter is not None else 0)
         self.max_context = min(max_context or model.hp.n_ctx_train, model.hp.n_ctx_train)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -301,17 +307,27 @@ class EngineCore:
             self.model.backend.commit_sequence(s.seq_id, tokens)
             s.committed_pages = n // PAGE_TOKENS
 
+    def _prompt_rows(self) -> dict[int, int]:
+        """How many prompt tokens each prefilling sequence takes in the next pass (by ``id``):
+        in order, until the pass's prompt chunk (``prefill_chunk_tokens``) is spent."""
+        out, budget = {}, self.prefill_chunk_tokens
+        for s in self.running:
+            if s.paused or not s.prefilling or budget <= 0:
+                continue
+            out[id(s)] = min(budget, len(s.prefill_tokens) - s.n_prefilled)
+            budget -= out[id(s)]
+        return out
+
     def _plan(self) -> tuple[StepBatch, list[_Seq]]:
         chunks, seqs = [], []
-        budget = self.prefill_chunk_tokens
+        prompt_rows = self._prompt_rows()
         for s in self.running:
             if s.paused:
                 continue
             if s.prefilling:
-                if budget <= 0:
+                if id(s) not in prompt_rows:
                     continue
-                toks = s.prefill_tokens[s.n_prefilled : s.n_prefilled + budget]
-                budget -= len(toks)
+                toks = s.prefill_tokens[s.n_prefilled : s.n_prefilled + prompt_rows[id(s)]]
                 chunks.append(SeqChunk(s.seq_id, s.n_prefilled, tuple(toks),
                                        all_logits=s.req.prompt_logprobs > 0 and not s.resumed))
             else:  # the last token, then its draft tree if any (a chain needs no tree mask)
@@ -455,24 +471,32 @@ class EngineCore:
         """Ask the drafter for every decoding sequence's draft tree (one batched call), shaped
         as ``TreeShape`` judges best from what it measured so far, for each sequence by its own
         acceptance (one whose drafts are rejected stops drafting, probing now and then, while
-        another drafts deep)."""
+        another drafts deep).
+
+        The trees take the rows a prompt chunk leaves of the pass (``max_pass_rows``): in a pass
+        that carries one, the sequences after the first few may draft less or not at all. So
+        drafting adds no rows to the largest pass the plan reserves beside a prompt chunk (on the
+        70B at 24 GiB that pass's workspace is about a resident layer); what it costs is the drafts
+        of the passes that carry a prompt, and never a new request's time to its first token."""
         if self.drafter is None:
             return
         reqs, owners, shadows = [], [], []
         decoding = sum(1 for s in self.running if not s.prefilling and not s.paused)
+        tree_rows_left = self.max_pass_rows - decoding - sum(self._prompt_rows().values())
         for s in self.running:
-            s.shadow = None
-            if s.prefilling or not s.req.speculative:
+            s.shadow = s.draft = None  # a tree proposed while paused (no pass took it) is proposed again
+            if s.prefilling or s.paused or not s.req.speculative:
                 continue
             if s.acceptance is None:
                 s.acceptance = self.shape.acc.copy()
             # the pass's other rows: at least one per other decoding sequence
             depth, width = self.shape.choose(s.acceptance, other_rows=max(0, decoding - 1))
-            d = self._draft_depth(s, depth, width)
+            d = min(self._draft_depth(s, depth, width), tree_rows_left // width)
             pos = len(s.req.prompt_tokens) + len(s.generated) - 1
             if d > 0 and not self.model.backend.grow_sequence(s.seq_id, pos + 1 + d * width):
                 d = 0  # no pages for the tree: this pass decodes one token
             if d > 0:
+                tree_rows_left -= d * width
                 weak = self.shape.weak_pays(d * width + 1, max(0, decoding - 1))
                 reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s), weak))
                 owners.append(s)

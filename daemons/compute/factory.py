@@ -16,7 +16,7 @@ from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
 from ntx.daemons.compute.replay import ReplayDrafter, load_references, load_trace
 from ntx.daemons.compute.speculation import Drafter, ModelDrafter, SelfDrafter, check_same_vocabulary
-from ntx.shared.config import EngineOptions, largest_pass_rows
+from ntx.shared.config import EngineOptions
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.kv_sizing import KvSizing
@@ -122,8 +122,7 @@ def warm_up_engine(engine: EngineCore, log: Callable[[str], None]) -> float:
     drafter = engine.drafter
     while isinstance(drafter, (ReplayDrafter, CombinedDrafter)):  # down to the drafter that runs passes
         drafter = drafter.inner
-    spec = WarmUp(max_rows=largest_pass_rows(engine.prefill_chunk_tokens, engine.max_batch,
-                                             engine.draft_tokens if engine.drafter is not None else 0),
+    spec = WarmUp(max_rows=engine.max_pass_rows,
                   # a chain needs no tree mask: only trees wider than one take the masked kernel
                   trees=engine.drafter is not None and engine.draft_tokens > 1 and engine.shape.width != 1,
                   eager_rows=_prompt_chunk_sizes(engine.prefill_chunk_tokens))
