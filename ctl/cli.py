@@ -473,7 +473,7 @@ def read_record(given: dict[str, Any], model: str | None = None) -> dict[str, An
     return out
 
 
-_JSON_KEYS = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed")
+_JSON_KEYS = ("text", "tokens", "prompt_tokens", "finish_reason", "timings", "usage", "seed", "speculation")
 
 
 FINISH_NOTES = {
@@ -548,7 +548,7 @@ def _generate_local(model_path, prompt, raw, params, as_json, speculative: bool,
 
 @app.command()
 @sampling_options()
-@record_options("ctx", "draft_model", "self_draft", "self_draft_skip", "draft_tokens", "draft_width",
+@record_options("ctx", "draft_model", "self_draft", "self_draft_skip", "draft", "draft_tokens", "draft_width",
                 prefix="in-process: ")
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="the prompt (a user message, or raw text with --raw); - reads "
@@ -572,7 +572,7 @@ def generate(
     cancels the request in the pipeline."""
     prompt = _read_prompt(prompt, prompt_file)
     drafting = EngineOptions(**read_record(given, model))
-    address = _pipeline_or_this_process(name, listen, local, model, drafting.ctx)
+    address = _pipeline_or_this_process(name, listen, local, model, given)
     if address is not None:
         _generate_remote(address, prompt, raw, sampling, as_json, speculative)
         return
@@ -580,10 +580,12 @@ def generate(
 
 
 def _pipeline_or_this_process(name: str | None, listen: str | None, local: bool, model: str | None,
-                              ctx: int | None) -> str | None:
+                              in_process: dict[str, Any]) -> str | None:
     """Where a command that can run the model itself (generate, chat) runs it: the address of the
-    pipeline it reaches (``_reach_pipeline``; ``--model`` must be the model it runs, and ``--ctx``
-    is refused there), or None for this process, said on stderr unless ``--local`` asked for it."""
+    pipeline it reaches (``_reach_pipeline``; ``--model`` must be the model it runs, and the
+    options of a run in this process, ``in_process`` as ``record_options`` gives them, are refused
+    there: the pipeline has the context and the drafter it was started with), or None for this
+    process, said on stderr unless ``--local`` asked for it."""
     if local:
         return None
     target = _reach_pipeline(name, listen)
@@ -593,9 +595,15 @@ def _pipeline_or_this_process(name: str | None, listen: str | None, local: bool,
         return None
     address, served = target
     _check_same_model(model, served, address)
-    if ctx is not None:
+    if in_process.get("ctx") is not None:
         _fail(f"--ctx is for a run in this process; the pipeline on {address} has the context it was started "
               "with (ntxctl start --ctx): leave out --ctx, or pass --local")
+    given = [_flag(n) for n, value in in_process.items()  # those not left at the command line's default
+             if value != cli_option(_RECORD_FIELDS[n]).default_text(_RECORD_FIELDS[n])]
+    if given:
+        _fail(f"{given[0]} is for a run in this process; the pipeline on {address} drafts as it was started "
+              f"(ntxctl start {given[0]} ...; a request may still turn drafting off: --no-speculative): leave out "
+              f"{' and '.join(given)}, or pass --local")
     return address
 
 
@@ -696,7 +704,8 @@ def _stream_local(engine, rid: str, **request) -> dict:
 
 @app.command()
 @sampling_options(temperature=0.7, max_tokens=512)
-@record_options("ctx", prefix="in-process: ")
+@record_options("ctx", "draft_model", "self_draft", "self_draft_skip", "draft", "draft_tokens", "draft_width",
+                prefix="in-process: ")
 def chat(
     name: Optional[str] = _client_name_option("the running instance to talk to (default: the default instance "
                                               "if it runs, else this process)"),
@@ -705,7 +714,7 @@ def chat(
                                         "SmolLM2-135M, pulled on first use)"),
     local: bool = typer.Option(False, "--local", help="run in this process on the CPU, even if a pipeline is running"),
     system: Optional[str] = typer.Option(None, "--system", help="system message"),
-    given: dict | None = None,  # --ctx, from @record_options
+    given: dict | None = None,  # --ctx and the drafting options, from @record_options
     sampling=None,  # SamplingParams, from the options @sampling_options adds
 ) -> None:
     """Talk with the model turn by turn; the conversation is kept.
@@ -722,7 +731,7 @@ def chat(
     from ntx.ctl.client import Client
 
     options = EngineOptions(max_batch=1, **read_record(given, model))  # one conversation at a time
-    address = _pipeline_or_this_process(name, listen, local, model, options.ctx)
+    address = _pipeline_or_this_process(name, listen, local, model, given)
     wire = to_wire(sampling)
     first = [{"role": "system", "content": system}] if system else []
     messages = list(first)

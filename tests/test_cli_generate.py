@@ -94,6 +94,21 @@ def test_generate_json(ntxctl):
     assert {"prefill_s", "decode_s"} <= set(out["timings"])
 
 
+def test_generate_drafts_without_a_model_in_process(ntxctl):
+    """``--draft ngram`` in this process (as ``ntxctl start`` takes it): the same greedy tokens as
+    without, and ``--json`` says what was drafted and accepted."""
+    text = "Repeat: the cat sat on the mat. the cat sat on the mat. the cat"
+    flags = ("--raw", "--temperature", "0", "--max-tokens", "24", "--json", text)
+    plain, spec = (ntxctl("generate", *extra, *flags) for extra in ((), ("--draft", "ngram", "--draft-tokens", "8")))
+    assert plain.returncode == 0 and spec.returncode == 0, (plain.stderr, spec.stderr)
+    plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec["tokens"] == plain["tokens"] and "speculation" not in plain
+    assert spec["speculation"]["verify_passes"] > 0 and spec["speculation"]["accepted"] > 0, spec["speculation"]
+    r = ntxctl("generate", "--draft", "ngrams", FRANCE)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1] == "ntxctl: error: --draft ngrams: choose ngram or suffix", r.stderr
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [

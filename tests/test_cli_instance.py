@@ -104,6 +104,10 @@ def test_model_of_another_pipeline_is_an_error(pipeline, tmp_path):
     r = ntxctl("generate", "--name", "cli", "--ctx", "512", FRANCE)  # the pipeline's context is its own
     line = _one_error_line(r)
     assert f"--ctx is for a run in this process; the pipeline on {pipeline.listen} has the context" in line
+    r = ntxctl("generate", "--name", "cli", "--draft", "ngram", "--draft-tokens", "8", FRANCE)  # and its drafter
+    line = _one_error_line(r)
+    assert f"--draft is for a run in this process; the pipeline on {pipeline.listen} drafts as it was started" in line
+    assert "leave out --draft and --draft-tokens, or pass --local" in line
 
 
 def test_ctrl_c_cancels_the_request_in_the_pipeline(pipeline):
