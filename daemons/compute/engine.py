@@ -476,8 +476,9 @@ class EngineCore:
         The trees take the rows a prompt chunk leaves of the pass (``max_pass_rows``): in a pass
         that carries one, the sequences after the first few may draft less or not at all. So
         drafting adds no rows to the largest pass the plan reserves beside a prompt chunk (on the
-        70B at 24 GiB that pass's workspace is about a resident layer); what it costs is the drafts
-        of the passes that carry a prompt, and never a new request's time to its first token."""
+        70B at 24 GiB, trees beside a whole chunk made its workspace cost a resident layer); what
+        it costs is the drafts of the passes that carry a prompt, never a new request's time to
+        its first token."""
         if self.drafter is None:
             return
         reqs, owners, shadows = [], [], []
