@@ -123,7 +123,8 @@ def render_status(st: dict[str, Any], renderable: bool = False):
         tail.append(f"speculation: {spec['drafter']} drafter, trees of {spec['draft_tokens']} tokens at most "
                     f"(now depth {spec['tree_depth']}, width {spec['tree_width']}); drafted "
                     f"{spec['drafted']}, accepted {spec['accepted']} ({spec['acceptance_rate']:.0%}); "
-                    f"mean acceptance length {spec['accepted_per_pass']:.2f} over {spec['verify_passes']} verify passes\n")
+                    f"mean acceptance length {spec['accepted_per_pass']:.2f} over {spec['verify_passes']} verify passes"
+                    + (f"; {spec['trees_cut']} trees cut beside prompt chunks" if spec.get("trees_cut") else "") + "\n")
     kv = st.get("kv")
     if kv:
         tail.append(kv_line(kv) + "\n")

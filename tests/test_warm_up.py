@@ -120,6 +120,7 @@ def test_no_pass_outgrows_the_largest_pass_the_plan_reserves(tiny):
     assert eng.max_pass_rows == options.largest_pass_rows == 32 + 2
     assert max(rows for rows, _ in passes) == 32 + 2  # the chunk alone would not bound it
     assert [p for p in passes if p[1]] == [(34, 32)] * 3 + [(4 + 2 * (1 + 4), 4)]
+    assert eng.trees_cut == 3 * 2  # both drafting sequences' trees, beside each whole chunk
     assert tokens == run(build_engine(tiny, "cpu", replace(options, draft=None)))[1]  # the plain engine's
 
 

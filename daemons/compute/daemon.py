@@ -163,7 +163,8 @@ class ComputeDaemon(Daemon):
             depth, width = self.engine.shape.best()
             snap["speculation"] = {"drafter": self.engine.drafter.name, "draft_tokens": self.engine.draft_tokens,
                                    "tree_depth": depth, "tree_width": width, **self.engine.spec.report(),
-                                   "probes": self.engine.probes, "probes_accepted": self.engine.probes_accepted}
+                                   "probes": self.engine.probes, "probes_accepted": self.engine.probes_accepted,
+                                   "trees_cut": self.engine.trees_cut}
         return snap
 
     def close(self) -> None:

@@ -135,6 +135,7 @@ class EngineCore:
         self.shape = TreeShape(draft_tokens, draft_width, draft_fixed)  # None: the width is chosen as it measures
         self.spec = SpecCounts()  # over every request
         self.probes = self.probes_accepted = 0  # shadow probes (TreeShape.shadow_probe) since start
+        self.trees_cut = 0  # draft trees cut short or left out for the rows a prompt chunk took, since start
         self.stop_token_ids = frozenset(stop_token_ids)
         self.kv_room = kv_room  # more KV pages when the pool runs out (demoted layers); None: none
         self.preemptions = 0  # sequences sent back to the queue for want of KV pages
@@ -492,7 +493,9 @@ class EngineCore:
                 s.acceptance = self.shape.acc.copy()
             # the pass's other rows: at least one per other decoding sequence
             depth, width = self.shape.choose(s.acceptance, other_rows=max(0, decoding - 1))
-            d = min(self._draft_depth(s, depth, width), tree_rows_left // width)
+            wanted = self._draft_depth(s, depth, width)
+            d = min(wanted, tree_rows_left // width)
+            self.trees_cut += int(d < wanted)
             pos = len(s.req.prompt_tokens) + len(s.generated) - 1
             if d > 0 and not self.model.backend.grow_sequence(s.seq_id, pos + 1 + d * width):
                 d = 0  # no pages for the tree: this pass decodes one token
