@@ -173,6 +173,24 @@ def test_metrics_parse_and_count(served, oai):
     assert generated[0] >= 3
 
 
+def test_speculation_metrics_come_from_the_pipelines_status():
+    """With a drafter, status' speculation counts become counters and the rate a gauge (the
+    collector alone: the pipeline above has no drafter)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ntx.ctl.gateway.metrics import PipelineCollector
+
+    spec = dict(drafter="ngram", drafted=40, accepted=10, acceptance_rate=0.25, trees_cut=3)
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector(lambda: {"state": "ready", "speculation": spec}))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    got = {f: [s.value for s in families[f].samples] for f in
+           ("ntx_speculation_drafted_tokens", "ntx_speculation_accepted_tokens", "ntx_speculation_acceptance_rate",
+            "ntx_speculation_trees_cut")}
+    assert got == {"ntx_speculation_drafted_tokens": [40.0], "ntx_speculation_accepted_tokens": [10.0],
+                   "ntx_speculation_acceptance_rate": [0.25], "ntx_speculation_trees_cut": [3.0]}
+
+
 def _gateway_in_flight(served) -> int:
     return httpx.get(f"{served.base}/api/status").json()["gateway"]["in_flight"]
 

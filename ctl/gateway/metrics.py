@@ -81,7 +81,9 @@ class PipelineCollector(Collector):
             accepted.add_metric([], float(spec.get("accepted", 0)))
             rate = GaugeMetricFamily("ntx_speculation_acceptance_rate", "accepted / drafted since start")
             rate.add_metric([], float(spec.get("acceptance_rate", 0.0)))
-            yield from (drafted, accepted, rate)
+            cut = CounterMetricFamily("ntx_speculation_trees_cut", "draft trees cut short or left out beside prompt chunks")
+            cut.add_metric([], float(spec.get("trees_cut", 0)))
+            yield from (drafted, accepted, rate, cut)
         kv = st.get("kv")
         if kv:
             pages = GaugeMetricFamily("ntx_kv_pages", "KV cache pages by state (a page: page_tokens positions of every layer)",
