@@ -131,6 +131,30 @@ def test_the_roads_probe_says_why_it_could_not_measure(smollm2_path, monkeypatch
         roads_together(index, [0, 1], min_time_s=0.01, timeout_s=60)
 
 
+def test_the_cores_are_timed_on_every_kind_of_layer_the_tier_may_take(tmp_path):
+    """A 70B Q4_K_M's layers come in two kinds, with Q6_K attn_v and ffn_down (40 of 80) and
+    without; the cores compute a Q6_K byte at about half a Q4_K byte's speed, so the probe times
+    both kinds and weighs them by their bytes among the layers the tier may take. Three layers of
+    one kind (14, 41, 67) made the H200 host's cores look 1.6x faster than the tier then ran."""
+    import synth_gguf as sg
+    from .synth_models import write_header_only_gguf
+
+    from ntx.daemons.compute.probes import layer_kinds, mixed_gbps, probe_layers
+
+    index = open_model(write_header_only_gguf(tmp_path / "l70.gguf", sg.preset_config("llama3-70b", type="Q4_K_M")))
+    kinds = list(layer_kinds(index, range(80)).values())
+    assert sorted(map(len, kinds)) == [40, 40]
+    with_q6k = next(k for k in kinds if 0 in k)
+    assert with_q6k[:12] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15]
+    for candidates in (list(range(80)), [1, 3, 5, 6, 7, 8, 10, 11, 13, 14]):
+        picked = probe_layers(index, candidates, 3)
+        assert len(picked) == 3 and set(picked) <= set(candidates)
+        assert {i in with_q6k for i in picked} == {True, False}  # both kinds
+    assert probe_layers(index, [10, 11, 13, 14], 3) == [10, 13, 14]  # one kind: spread over it
+    # half the bytes at 90 GB/s, half at 45: 60 GB/s over the whole, not their mean
+    assert mixed_gbps({"a": 90.0, "b": 45.0}, {"a": 100, "b": 100}) == pytest.approx(60.0)
+
+
 def test_spread_pick_alternates():
     assert spread_pick(list(range(10)), 5) == [1, 3, 5, 7, 9]
     assert spread_pick([4, 5, 6], 0) == [] and spread_pick([4, 5, 6], 9) == [4, 5, 6]

@@ -34,7 +34,7 @@ from ntx.shared.gguf_index import HParams, LayerInfo, ModelIndex, open_model
 from ntx.shared.config import InstanceConfig
 from ntx.shared.errors import NtxError
 from ntx.shared.kernel_options import KernelOptions
-from ntx.shared.plan import HostRates, MemoryCosts, Plan, make_plan, spread_pick, tier_wide_rows_for
+from ntx.shared.plan import HostRates, MemoryCosts, Plan, make_plan, tier_wide_rows_for
 
 MAX_PICK_K = 256  # the most candidates a backend selects per row; beyond it the whole row is copied
 
@@ -606,7 +606,7 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
         say = log or (lambda line: None)
         say("measuring the link and the host's cores for the cpu tier (--cpu-layers auto)")
         try:
-            rates = measure_rates(index, spread_pick(plan.streamed_layers, 3))
+            rates = measure_rates(index, plan.streamed_layers)
         except Exception as e:  # noqa: BLE001 - the plan without a cpu tier still serves
             say(f"could not measure them ({type(e).__name__}: {e}): no cpu tier (give --cpu-layers N to set one)")
             return plan
@@ -614,19 +614,20 @@ def plan_for(index: ModelIndex, cfg: InstanceConfig, rates: HostRates | None = N
     return plan
 
 
-def measure_rates(index: ModelIndex, layers: list[int]) -> HostRates:
+def measure_rates(index: ModelIndex, candidates: list[int]) -> HostRates:
     """The speeds the cpu tier's split needs (``HostRates``), on this machine now: the link with
-    pinned memory and the host's cores on ``layers`` (up to three of them, taken in turn), each
-    alone and each while the other runs (``probes.roads_together``), and the host memory's read
-    bandwidth (``probes.host_read_gbps``)."""
+    pinned memory and the host's cores on three of ``candidates`` (the layers the tier may take;
+    ``probes.probe_layers``: every kind of layer among them, timed apart and weighed by their
+    bytes), each road alone and while the other runs (``probes.roads_together``), and the host
+    memory's read bandwidth (``probes.host_read_gbps``)."""
     import os
 
-    from ntx.daemons.compute.probes import host_read_gbps, roads_together
+    from ntx.daemons.compute.probes import host_read_gbps, probe_layers, roads_together
 
-    layers = list(layers)[:3]
-    key = (index.layers[layers[0]].spans[0].path, tuple(layers))
+    layers = probe_layers(index, list(candidates), 3)
+    key = (index.layers[layers[0]].spans[0].path, tuple(layers), tuple(candidates))
     if key not in _MEASURED_RATES:  # a benchmark plans many instances of one model in a process
-        roads = roads_together(index, layers)
+        roads = roads_together(index, layers, mix_of=list(candidates))
         _MEASURED_RATES[key] = HostRates(
             link_gbps=roads["link"], cpu_gbps=roads["cpu"],
             mem_gbps=host_read_gbps(512 << 20, 3, len(os.sched_getaffinity(0))),

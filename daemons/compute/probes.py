@@ -14,8 +14,8 @@ tier), measured at start so that the planner splits the layers between them (``p
 
 from __future__ import annotations
 
-__all__ = ["device_copy_gbps", "gpu_layers_gbps", "host_layer_gbps", "host_read_gbps", "link_gbps_apart", "pinned_link_gbps",
-           "roads_together"]
+__all__ = ["device_copy_gbps", "gpu_layers_gbps", "host_layer_gbps", "host_read_gbps", "layer_kinds", "link_gbps_apart",
+           "mixed_gbps", "pinned_link_gbps", "probe_layers", "roads_together"]
 
 
 def device_copy_gbps(nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -97,6 +97,42 @@ def _packed_products(index, layers) -> list:
     for w, x, out, _ in products:
         cpu_kernels.matmul(w, x, out)  # compiled and warm before any timing
     return products
+
+
+def layer_kinds(index, layers) -> dict[tuple, list[int]]:
+    """``layers`` grouped by the types of their matrices, in order: a Q4_K_M model has layers
+    whose attn_v and ffn_down are Q6_K (llama.cpp gives half of a 70B's more bits) and layers
+    without, and the host's cores compute a Q6_K byte at about half a Q4_K byte's speed."""
+    kinds: dict[tuple, list[int]] = {}
+    for i in layers:
+        kind = tuple(sorted((name, int(t.ggml_type)) for name, t in index.layers[i].tensors.items() if len(t.shape) == 2))
+        kinds.setdefault(kind, []).append(i)
+    return kinds
+
+
+def probe_layers(index, candidates, count: int = 3) -> list[int]:
+    """``count`` of ``candidates`` to time the cores on, at least one of each kind
+    (``layer_kinds``; the commonest kinds when there are more than ``count``), the rest by the
+    kinds' shares, each kind's spread over its layers. Three layers that all lacked the 70B's
+    Q6_K matrices made the cores look 1.6x faster than they ran on the tier's mix (H200 host,
+    2026-12-05: 82.5 GB/s measured beside the link, 47.8-57.4 in the pipeline)."""
+    from ntx.shared.plan import spread_pick
+
+    kinds = sorted(layer_kinds(index, candidates).values(), key=len, reverse=True)[:count]
+    if not kinds:
+        return []
+    n = [1] * len(kinds)
+    total = sum(len(k) for k in kinds)
+    for _ in range(count - len(kinds)):  # the rest to the kind furthest below its share
+        j = max(range(len(kinds)), key=lambda j: len(kinds[j]) / total - n[j] / sum(n))
+        n[j] += 1
+    return sorted(i for k, m in zip(kinds, n) for i in spread_pick(k, m))
+
+
+def mixed_gbps(gbps_by_kind: dict[tuple, float], bytes_by_kind: dict[tuple, int]) -> float:
+    """The speed at which the cores compute a mix of kinds: each kind's bytes at its own speed,
+    one after the other (bytes over the sum of their times)."""
+    return sum(bytes_by_kind.values()) / sum(b / gbps_by_kind[k] for k, b in bytes_by_kind.items())
 
 
 def _products_gbps(products, min_time_s: float) -> float:
@@ -191,14 +227,17 @@ def _copy_until_told(model_path: str = "", layers: str = "", nbytes: int = 256 <
     print(f"beside {copied / (time.perf_counter() - t0) / 1e9}", flush=True)
 
 
-def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 120.0) -> dict[str, float]:
+def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 120.0,
+                   mix_of: list[int] | None = None) -> dict[str, float]:
     """The two roads of a layer that does not fit the GPU, each alone and each while the other
     runs, and the GPU's speed on the same layers (``gpu``: ``gpu_layers_gbps``, the part of a
     pass's chain the cores wait for): ``link`` / ``link_beside_cpu`` (pinned host memory to the device, in a child process so
     that no CUDA context outlives the probe) and ``cpu`` / ``cpu_beside_link`` (the file bytes of
     ``layers``' matrices the host's cores compute per second in one-row products, packed as the
     cpu tier holds them, taken in turn so that several layers exceed the caches as in a pass).
-    Why together: in the pipeline the cores computed the 70B's tier at ~32 GB/s against 44.5
+    The cores are timed on each kind of layer apart (``layer_kinds``) and their speed is that of
+    the kinds' mix in ``mix_of`` (default: ``layers``; ``mixed_gbps``), the layers the tier may
+    take. Why together: in the pipeline the cores computed the 70B's tier at ~32 GB/s against 44.5
     alone (H200 host), more than the memory's bandwidth left them explained. Raises RuntimeError
     with the child's last line when the child fails."""
     import subprocess
@@ -219,15 +258,19 @@ def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 12
             raise RuntimeError(f"the link probe: {err[-1]}")
         return line.partition(" ")[2]
 
+    kinds = layer_kinds(index, layers)
+    mix = {kind: sum(index.layers[i].image_bytes for i in group)
+           for kind, group in layer_kinds(index, mix_of if mix_of is not None else layers).items() if kind in kinds}
     try:
-        products = _packed_products(index, layers)  # while the child makes its CUDA context
+        # while the child makes its CUDA context
+        products = {kind: _packed_products(index, group) for kind, group in kinds.items() if kind in mix}
         link = float(expect("alone"))
         gpu = float(expect("gpu"))
-        cpu = _products_gbps(products, min_time_s)
+        cpu = mixed_gbps({k: _products_gbps(p, min_time_s) for k, p in products.items()}, mix)
         child.stdin.write("go\n")
         child.stdin.flush()
         expect("copying")
-        cpu_beside = _products_gbps(products, min_time_s)
+        cpu_beside = mixed_gbps({k: _products_gbps(p, min_time_s) for k, p in products.items()}, mix)
         child.stdin.write("stop\n")
         child.stdin.flush()
         link_beside = float(expect("beside"))
