@@ -319,9 +319,10 @@ class EngineCore:
             budget -= out[id(s)]
         return out
 
-    def _plan(self) -> tuple[StepBatch, list[_Seq]]:
+    def _plan(self, prompt_rows: dict[int, int]) -> tuple[StepBatch, list[_Seq]]:
+        """The pass: each prefilling sequence's chunk of ``prompt_rows`` (``_prompt_rows``), each
+        decoding sequence's last token and tree."""
         chunks, seqs = [], []
-        prompt_rows = self._prompt_rows()
         for s in self.running:
             if s.paused:
                 continue
@@ -358,8 +359,9 @@ class EngineCore:
         events += self._grow()
         if not self.running:
             return events
-        self._propose_drafts()
-        batch, seqs = self._plan()
+        prompt_rows = self._prompt_rows()
+        self._propose_drafts(sum(prompt_rows.values()))
+        batch, seqs = self._plan(prompt_rows)
         if not seqs:  # every sequence waits for pages that may still come (standby copies loading)
             return events
         t0 = time.monotonic()
@@ -468,13 +470,13 @@ class EngineCore:
         left = s.req.params.max_tokens - len(s.generated)
         return max(0, min(depth, left - 1, (self._capacity(s) - 1 - pos) // width))
 
-    def _propose_drafts(self) -> None:
+    def _propose_drafts(self, prompt_rows: int) -> None:
         """Ask the drafter for every decoding sequence's draft tree (one batched call), shaped
         as ``TreeShape`` judges best from what it measured so far, for each sequence by its own
         acceptance (one whose drafts are rejected stops drafting, probing now and then, while
         another drafts deep).
 
-        The trees take the rows a prompt chunk leaves of the pass (``max_pass_rows``): in a pass
+        The trees take the rows the pass's ``prompt_rows`` leave (``max_pass_rows``): in a pass
         that carries one, the sequences after the first few may draft less or not at all. So
         drafting adds no rows to the largest pass the plan reserves beside a prompt chunk (on the
         70B at 24 GiB, trees beside a whole chunk made its workspace cost a resident layer); what
@@ -484,7 +486,7 @@ class EngineCore:
             return
         reqs, owners, shadows = [], [], []
         decoding = sum(1 for s in self.running if not s.prefilling and not s.paused)
-        tree_rows_left = self.max_pass_rows - decoding - sum(self._prompt_rows().values())
+        tree_rows_left = self.max_pass_rows - decoding - prompt_rows
         for s in self.running:
             s.shadow = s.draft = None  # a tree proposed while paused (no pass took it) is proposed again
             if s.prefilling or s.paused or not s.req.speculative:

@@ -261,16 +261,19 @@ def roads_together(index, layers, min_time_s: float = 0.5, timeout_s: float = 12
     kinds = layer_kinds(index, layers)
     mix = {kind: sum(index.layers[i].image_bytes for i in group)
            for kind, group in layer_kinds(index, mix_of if mix_of is not None else layers).items() if kind in kinds}
+    def cores_gbps() -> float:  # each kind timed apart, their mix's speed
+        return mixed_gbps({k: _products_gbps(p, min_time_s) for k, p in products.items()}, mix)
+
     try:
         # while the child makes its CUDA context
         products = {kind: _packed_products(index, group) for kind, group in kinds.items() if kind in mix}
         link = float(expect("alone"))
         gpu = float(expect("gpu"))
-        cpu = mixed_gbps({k: _products_gbps(p, min_time_s) for k, p in products.items()}, mix)
+        cpu = cores_gbps()
         child.stdin.write("go\n")
         child.stdin.flush()
         expect("copying")
-        cpu_beside = mixed_gbps({k: _products_gbps(p, min_time_s) for k, p in products.items()}, mix)
+        cpu_beside = cores_gbps()
         child.stdin.write("stop\n")
         child.stdin.flush()
         link_beside = float(expect("beside"))
