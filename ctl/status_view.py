@@ -105,8 +105,12 @@ def render_status(st: dict[str, Any], renderable: bool = False):
         stages.add_row("  cpu tier", f"{tier['layers']} layers", "", _pct(tier["busy_s"] / compute_busy_s if compute_busy_s
                                                                         else 0.0),
                        "", "", f"{tier['busy_gbps']:.2f}", "", "")
+        shares = tier.get("streamed_by_rows") or {}
         passes.append(f"  cpu tier: {tier['recent_pass_s'] * 1e3:.1f} ms of each recent pass on {tier['threads']} host "
-                      f"threads, {format_bytes(tier['bytes_per_pass'])} of weights read in place\n")
+                      f"threads, {format_bytes(tier['bytes_per_pass'])} of weights read in place"
+                      + (f"; of its {tier['layers']} layers, passes stream "
+                         + ", ".join(f"{n} at up to {rows} rows" for rows, n in shares.items()) if shares else "")
+                      + "\n")
     legend = Text("  GB/s: while busy · avg: over active time · limit: link speed dma measured"
                   + (" · cpu tier: its share of compute's busy time, GB/s of weights the host's cores read"
                      if tier else "") + "\n", style="dim")

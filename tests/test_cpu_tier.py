@@ -25,7 +25,7 @@ from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import EngineRequest
 from ntx.shared.plan import (CPU, RAM, STORAGE, VRAM, WIDE_PASS_ROWS, HostRates, Plan, cpu_split, make_plan,
-                             spread_pick)
+                             spread_pick, tier_streamed_in_pass)
 
 from .pipeline_util import ntxctl, running_pipeline
 
@@ -55,6 +55,31 @@ def test_cpu_split_minimises_the_slower_road_with_unequal_layers():
         return max(cpu / rates.cpu_gbps, (sum(sizes) - cpu) / rates.link_gbps)
 
     assert slower(n) == min(slower(c) for c in range(len(sizes) + 1))
+
+
+def test_a_pass_of_several_rows_streams_the_share_of_the_tier_its_slower_cores_leave():
+    """The planner balanced the roads for one row (here 8 tier layers against 8 streamed, equal
+    speeds); a pass whose cores take s times as long per byte moves the share that ends it
+    soonest: none at s = 1, all of it when the cores are very slow, more as s grows, and never
+    slower than keeping the tier whole on the cores or moving it whole."""
+    rates = HostRates(50.0, 50.0)
+    tier, streamed = [100] * 8, 800
+
+    def pass_s(moved: list[int], slowdown: float) -> float:
+        m = sum(tier[i] for i in moved)
+        return rates.pass_s(int((sum(tier) - m) * slowdown), streamed + m, streamed + m)
+
+    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 1.0) == []
+    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 1000.0) == list(range(8))
+    counts = []
+    for slowdown in (1.0, 1.5, 2.0, 3.0, 5.0, 10.0):
+        moved = tier_streamed_in_pass(tier, streamed, streamed, rates, slowdown)
+        assert moved == spread_pick(list(range(8)), len(moved))  # spread among the tier's layers
+        assert pass_s(moved, slowdown) <= min(pass_s([], slowdown), pass_s(list(range(8)), slowdown))
+        counts.append(len(moved))
+    assert counts == sorted(counts) and 0 < counts[2] < 8, counts
+    # 3x slower cores: (8 - k) x 3 = 8 + k balances at k = 4
+    assert len(tier_streamed_in_pass(tier, streamed, streamed, rates, 3.0)) == 4
 
 
 def test_the_two_roads_share_the_host_memory():
@@ -315,7 +340,7 @@ def test_wide_passes_run_the_tier_on_the_backend_and_keep_both_caches(smollm2_pa
     assert tier.wide_rows == 2 and tier.staged == (not streams) and bool(tier.raw) == (not streams)
     assert (model.stream is not None and model.stream.wide_layers == HOST) == streams
     if streams:  # a wide pass's runs: the tier's layers stream with the others, in layer order
-        model.stream.begin_pass(10**6, wide=True)
+        model.stream.begin_pass(10**6, tier_layers=HOST)
         assert {kind for _, _, kind in model._runs_for(10**6)} == {"resident", "streamed"}
         model.stream.begin_pass(10**6 + 1)
         assert "host" in {kind for _, _, kind in model._runs_for(10**6 + 1)}
@@ -326,6 +351,46 @@ def test_wide_passes_run_the_tier_on_the_backend_and_keep_both_caches(smollm2_pa
     assert _greedy_all(eng, PROMPTS[:1], N_TOKENS) == {PROMPTS[0]: reference[PROMPTS[0]]}  # decode alone: host
     assert tier.runs > runs and tier.wide_passes == wide + 1  # its prompt ran wide, its decode on the host
     assert tier.report()["wide_passes"] == tier.wide_passes
+
+
+def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_the_rest(smollm2_path, reference,
+                                                                                         monkeypatch):
+    """With the plan's speeds and the cores' times by width, a pass of several rows takes only
+    part of the tier from the stream (``HostTier.streamed_in``) and runs the rest on the host's
+    cores, in one pass; each path writes both caches, so the tokens stay the reference's, batched
+    and alone. Here the share is fixed (``NTX_TIER_WIDE_STREAMED``), as the pipeline test does; the
+    choice from speeds is checked on made-up times below."""
+    monkeypatch.setenv("NTX_TIER_WIDE_STREAMED", "4")
+    eng = build_local_engine(str(smollm2_path), options=EngineOptions(max_batch=4, ctx=256),
+                             resident_layers=RESIDENT, host_layers=HOST, host_wide_rows=2)
+    model = eng.core.model
+    tier = model.host
+    part = tier.streamed_in(3, 0, 0)
+    assert part == tuple(spread_pick(HOST, 4)) and tier.streamed_in(2, 0, 0) == ()
+    model.stream.begin_pass(10**6, tier_layers=part)
+    runs = model._runs_for(10**6)
+    assert [(f, e) for f, e, k in runs if k == "host"] and {i for f, e, k in runs if k == "streamed"
+                                                           for i in range(f, e)} >= set(part)
+    host_runs = tier.runs
+    assert _greedy_all(eng, PROMPTS, N_TOKENS) == reference  # prompts and batched decode: part of the tier each
+    assert tier.wide_passes > 0 and tier.runs > host_runs  # the same passes ran the rest on the host
+    assert _greedy_all(eng, PROMPTS[:1], N_TOKENS) == {PROMPTS[0]: reference[PROMPTS[0]]}
+
+    # the share from speeds: the cores timed by width, the pass's rows rounded up to a timed width
+    monkeypatch.delenv("NTX_TIER_WIDE_STREAMED")
+    assert tier.streamed_in(8, 10**6, 10**6) == tuple(HOST)  # no speeds: all past wide_rows, as before
+    tier.rates = HostRates(50.0, 50.0)
+    cost = tier.time_widths(widths=(1, 2, 4), min_time_s=0.001)
+    assert set(cost) == {1, 2, 4} and cost[1] == 1.0 and all(c > 0 for c in cost.values())
+    tier.width_cost = {1: 1.0, 2: 1.0, 4: 3.0, 8: 100.0}
+    tier._split.clear()
+    streamed = sum(tier.layer_bytes.values())  # as many bytes stream as the tier holds
+    assert tier.streamed_in(1, streamed, streamed) == ()  # one row: the plan's split
+    assert tier.streamed_in(2, streamed, streamed) == ()  # no slower at 2 rows: all on the host
+    three = tier.streamed_in(3, streamed, streamed)  # 3 rows: as 4, three times slower
+    assert 0 < len(three) < len(HOST) and three == tier.streamed_in(4, streamed, streamed)
+    assert tier.streamed_in(7, streamed, streamed) == tuple(HOST)  # 100 times slower: all of it
+    assert tier.report()["streamed_by_rows"] == {"2": 0, "4": len(three), "8": len(HOST)}
 
 
 # -- the pipeline -------------------------------------------------------------------------------
@@ -375,19 +440,25 @@ def test_pipeline_with_a_cpu_tier_equals_reference_and_recovers(smollm2_path, ru
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("share", [None, 3], ids=["all-of-the-tier", "part-of-the-tier"])
 def test_pipeline_streams_the_cpu_tiers_layers_through_dma_in_wide_passes(smollm2_path, run_dir, reference,
-                                                                          monkeypatch):
+                                                                          monkeypatch, share):
     """A tier that leaves the host in wide passes (on cuda, passes of more than WIDE_PASS_ROWS
     rows; here NTX_TIER_WIDE_ROWS=2 makes a cpu pipeline's tier do so): dma keeps the tier's
     layer bytes with its RAM tier and streams them among a wide pass's layers (prompts, the
-    3-sequence decode), while a decode alone runs them on the host's cores. Across the changes of
-    width (the pass asked ahead given up and asked anew) the greedy tokens stay the reference's,
-    batched and alone."""
+    3-sequence decode), while a decode alone runs them on the host's cores. All of them, or (as
+    the plan's speeds choose on a GPU, ``HostTier.streamed_in``; here NTX_TIER_WIDE_STREAMED
+    fixes it) part of them, the rest computed by the cores in the same pass. Across the changes
+    of width (the pass asked ahead given up and asked anew) the greedy tokens stay the
+    reference's, batched and alone."""
     monkeypatch.setenv("NTX_TIER_WIDE_ROWS", "2")
+    if share:
+        monkeypatch.setenv("NTX_TIER_WIDE_STREAMED", str(share))
     with running_pipeline(str(smollm2_path), run_dir, "--gpu-layers", "6", "--cpu-layers", "8", "--ram-budget",
-                          "60MiB", "--ctx", "256", "--max-batch", "4", name="cputierwide") as p:
+                          "60MiB", "--ctx", "256", "--max-batch", "4", name=f"cputierwide{share or ''}") as p:
         tiers, cpu, streamed = _tiers(p.status())
         assert len(cpu) == 8 and streamed, tiers
+        moved = spread_pick(cpu, share) if share else cpu
         with p.client() as c:  # together: every pass wide
             rids = {c.submit(prompt, raw=True, temperature=0.0, max_tokens=N_TOKENS): prompt for prompt in PROMPTS}
             got = {}
@@ -396,9 +467,16 @@ def test_pipeline_streams_the_cpu_tiers_layers_through_dma_in_wide_passes(smollm
                     if ev["type"] == "done":
                         got[prompt] = ev["tokens"]
         assert got == reference
-        st = p.wait_status(lambda s: {int(k) for k in s["stages"].get("dma", {}).get("layer_moves", {})} >= set(cpu),
+        st = p.wait_status(lambda s: {int(k) for k in s["stages"].get("dma", {}).get("layer_moves", {})} >= set(moved),
                            "dma to report the cpu tier's layers it moved")
         assert st["stages"]["dma"]["tier_bytes"]["cpu"] > 0
+        # the tier's layers it did not move ran on the host's cores in the same passes
+        assert not {int(k) for k in st["stages"]["dma"]["layer_moves"]} & (set(cpu) - set(moved))
+        if share:
+            assert st["stages"]["compute"]["cpu_tier"]["bytes"] > 0
+            assert st["stages"]["compute"]["cpu_tier"]["streamed_by_rows"]["4"] == share
+            r = ntxctl("status", "--name", p.name)
+            assert r.returncode == 0 and f"passes stream {share} at up to 4 rows" in " ".join(r.stdout.split()), r.stdout
         wide = st["stages"]["compute"]["cpu_tier"]["wide_passes"]
         assert wide > 0
         assert p.generate_greedy(PROMPTS[0], N_TOKENS)["tokens"] == reference[PROMPTS[0]]  # its decode: on the host

@@ -95,16 +95,16 @@ def test_a_changed_layer_list_applies_from_the_first_pass_not_yet_wanted(ring):
 
 
 def test_a_wide_pass_streams_the_cpu_tiers_layers_and_a_change_of_width_is_asked_anew(ring):
-    """The next pass is asked as wide as the one beginning; where the guess was wrong, the passes
-    asked are given up (their slots go back as they arrive) and the pass runs under the first
-    fresh id, asked anew with its own list: the cpu tier's layers (1, 4) among the streamed ones
-    in layer order when wide."""
+    """The next pass is asked with the tier layers of the one beginning; where the guess was
+    wrong, the passes asked are given up (their slots go back as they arrive) and the pass runs
+    under the first fresh id, asked anew with its own list: the cpu tier's layers it takes (1, 4,
+    or one of them) among the streamed ones in layer order."""
     stream, dma = ring
     stream.wide_layers = [1, 4]
     assert stream.begin_pass(0) == 0  # narrow, and 1 asked as narrow
     assert _from_compute(dma) == [m.Want(pass_id=0, layers=[2, 3]), m.Want(pass_id=1, layers=[2, 3])]
     dma.send(m.SlotReady(slot=0, layer=2, pass_id=1).encode())  # dma copied ahead for pass 1
-    assert stream.begin_pass(1, wide=True) == 2  # a prompt arrived: 1 given up, 2 asked wide, 3 too
+    assert stream.begin_pass(1, tier_layers=[1, 4]) == 2  # a prompt arrived: 1 given up, 2 asked wide, 3 too
     assert stream.layers_for(2) == [1, 2, 3, 4] and stream.layers_for(3) == [1, 2, 3, 4]
     assert _from_compute(dma) == [m.Drop(first_pass=1, last_pass=1), m.Want(pass_id=2, layers=[1, 2, 3, 4]),
                                   m.Want(pass_id=3, layers=[1, 2, 3, 4])]
@@ -113,12 +113,17 @@ def test_a_wide_pass_streams_the_cpu_tiers_layers_and_a_change_of_width_is_asked
     dma.send(m.SlotReady(slot=1, layer=1, pass_id=2).encode())
     assert stream.acquire(1, 2)[0] == 1
     stream.release(1, 2)
-    assert stream.begin_pass(3, wide=True) == 3  # guessed right: nothing given up
+    assert stream.begin_pass(3, tier_layers=[1, 4]) == 3  # guessed right: nothing given up
     assert _from_compute(dma) == [m.SlotFree(slot=1, layer=1, pass_id=2), m.Want(pass_id=4, layers=[1, 2, 3, 4])]
     assert stream.begin_pass(4) == 5  # decode again: narrow from 5 on
     assert stream.layers_for(5) == [2, 3]
-    stream.wide_layers = []  # no tier (or one that never leaves the host): wide asks nothing more
-    assert stream.begin_pass(6, wide=True) == 6 and stream.layers_for(6) == [2, 3]
+    # a pass that streams part of the tier (HostTier.streamed_in: a pass of a few rows) is asked
+    # with that part; the next with another part is asked anew
+    assert stream.begin_pass(6, tier_layers=[4]) == 7 and stream.layers_for(7) == [2, 3, 4]
+    assert stream.layers_for(8) == [2, 3, 4]
+    assert stream.begin_pass(8, tier_layers=[1]) == 9 and stream.layers_for(9) == [1, 2, 3]
+    stream.wide_layers = []  # no tier (or one that never leaves the host): a share asks nothing more
+    assert stream.begin_pass(10, tier_layers=[1, 4]) == 11 and stream.layers_for(11) == [2, 3]
 
 
 def test_standby_announcements_are_taken_between_passes(ring):

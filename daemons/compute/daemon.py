@@ -57,7 +57,8 @@ class ComputeDaemon(Daemon):
         host_layers = self.plan.layers_on(CPU)
         self.engine: EngineCore = build_engine(self.index, self.backend, cfg, resident_layers=self.plan.layers_on(VRAM),
                                                stream=stream, host_layers=host_layers,
-                                               host_wide_rows=self.plan.tier_wide_rows, warm_up=False)
+                                               host_wide_rows=self.plan.tier_wide_rows,
+                                               host_rates=self.plan.host_rates, warm_up=False)
         loaded = self.plan.layers_on(VRAM) + host_layers
         loaded_bytes = sum(self.index.layers[i].nbytes for i in loaded)
         load_s = time.monotonic() - t0

@@ -20,7 +20,7 @@ from ntx.shared.config import EngineOptions
 from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex, open_model
 from ntx.shared.kv_sizing import KvSizing
-from ntx.shared.plan import Plan
+from ntx.shared.plan import HostRates, Plan
 from ntx.shared.vocab import end_of_generation_ids
 
 
@@ -33,6 +33,7 @@ def build_engine(
     stream: LayerStream | None = None,
     host_layers: Iterable[int] = (),
     host_wide_rows: int | None = None,
+    host_rates: HostRates | None = None,
     progress: Callable[[int], None] | None = None,
     warm_up: bool = True,
     log: Callable[[str], None] | None = None,
@@ -43,7 +44,8 @@ def build_engine(
 
     ``resident_layers`` None keeps every layer resident; ``host_layers`` (the plan's cpu tier)
     are held in host memory and computed by the host's cores whatever the backend (in passes of
-    more rows than ``host_wide_rows``, by the backend: ``HostTier``; None: its default); the others come
+    more rows than ``host_wide_rows``, by the backend: ``HostTier``; None: its default; with
+    ``host_rates``, the plan's speeds, a pass of several rows moves only part of them); the others come
     from ``stream``, or are re-read from the file every pass when no stream is given;
     ``options.skip_layers`` never run.
     Contexts hold ``options.ctx`` positions (at most what the model was trained for), for up to
@@ -74,7 +76,7 @@ def build_engine(
         stream = FileLayerStream(index, sorted(kept - set(resident_layers) - host))
     llama = LlamaModel(index, backend, resident_layers=resident_layers, stream=stream, progress=progress,
                        skip_layers=skip_layers, host_layers=host, kernels=options.kernel_options,
-                       host_wide_rows=host_wide_rows)
+                       host_wide_rows=host_wide_rows, host_rates=host_rates)
     drafter = _drafter(llama, backend.name, options)
     if options.draft is not None:
         lookup = LookupDrafter(options.draft)

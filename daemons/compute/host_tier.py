@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+import numpy as np
 
 from ntx.daemons.compute import cpu_kernels
 from ntx.daemons.compute.backend import Backend, Workspace
@@ -32,10 +33,13 @@ from ntx.shared.align import aligned_empty
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into
-from ntx.shared.plan import tier_wide_rows_for
+from ntx.shared.plan import HostRates, spread_pick, tier_streamed_in_pass, tier_wide_rows_for
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
+# the pass widths (rows) at which the cores are timed at start (``HostTier.time_widths``); between
+# them the time is interpolated, beyond the last extrapolated along its last stretch
+TIMED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _KvTee:
@@ -67,14 +71,16 @@ class HostTier:
     def __init__(self, index: ModelIndex, layers: Sequence[int], backend: Backend,
                  kernels: KernelOptions | None = None, rope_divisors: Any = None,
                  progress: Callable[[int], None] | None = None, wide_rows: int | None = None,
-                 staged: bool = True) -> None:
+                 staged: bool = True, rates: HostRates | None = None) -> None:
         """``wide_rows``: passes of more rows run these layers on ``backend`` instead (None: the
         backend's default, ``plan.tier_wide_rows_for``: ``WIDE_PASS_ROWS`` beside a GPU). Their bytes
         then come with the pass's streamed layers (the model's stream, ``wide_ops``), or where
         nothing streams (``staged``) from their file bytes kept (pinned) here, copied by
         ``run`` through the backend's one staging buffer. The keys and values of the tier's
         layers are kept in both caches, each path writing both, so that either path can run any
-        pass."""
+        pass. ``rates``: the speeds the plan sized the tier by; with them (and a stream) a pass of
+        several rows streams only the share of the tier that the cores' slower arithmetic there
+        makes worth moving (``streamed_in``), instead of all of it past ``wide_rows``."""
         self.index = index
         self.layers = sorted(layers)
         self.layer_set = frozenset(self.layers)
@@ -84,6 +90,10 @@ class HostTier:
             self.cpu.threads = cpu_kernels.set_threads(spare=cpu_kernels.TIER_SPARE_CORES)
         self.cpu.set_rope(rope_divisors)
         self.wide_rows = wide_rows if wide_rows is not None else tier_wide_rows_for(backend.name)
+        self.rates = rates
+        # the cores' time for a pass of n rows over a one-row pass's, at TIMED_WIDTHS (time_widths)
+        self.width_cost: dict[int, float] = {}
+        self._split: dict[tuple[int, int, int], tuple[int, ...]] = {}  # (rows, streamed, gpu bytes) -> streamed_in
         self.weights: dict[int, Any] = {}
         self.raw: dict[int, Any] = {}  # the layers' file bytes, for wide passes (with wide_rows, staged)
         self.staged = staged and self.wide_rows is not None
@@ -120,6 +130,12 @@ class HostTier:
         the copy path run), so that no request's first wide pass pays for it (nor a verify
         pass's measured cost, by which speculation sizes its drafts)."""
         self.cpu.warm_up((), None, log)
+        if self.rates is not None and not self.staged and self.wide_rows is not None and self.cpu.quantized:
+            t0 = time.monotonic()
+            self.time_widths()
+            log(f"warm-up: the cpu tier's cores timed at {'/'.join(map(str, self.width_cost))} rows in "
+                f"{time.monotonic() - t0:.2f} s: {'/'.join(f'{c:.2f}' for c in self.width_cost.values())}x "
+                "a one-row pass's time (what passes of several rows leave on them)")
         if self.staged and self.layers:
             first = self.layers[0]
             self.backend.layer_from_host(self.index.layers[first], self.raw[first])
@@ -133,11 +149,10 @@ class HostTier:
 
         n = ws.batch.n_tokens
         hws = self._workspace(pass_id, ws)
-        if self.is_wide(n):
+        if self.staged and self.is_wide(n):
             # the host's cores would be compute-bound here: the backend runs these layers, each
-            # copied from host memory, and the tier's cache gets their K/V too
-            if not self.staged:
-                raise RuntimeError("a wide pass reached the cpu tier, whose layers its stream brings (wide_ops)")
+            # copied from host memory, and the tier's cache gets their K/V too (with a stream, the
+            # layers of a wide pass that leave the host come through it instead: streamed_in)
             be = self.backend
             tee = self.wide_ops(ws, pass_id)
             for i in range(first, end):
@@ -160,8 +175,97 @@ class HostTier:
             del self.last_pass_s[next(iter(self.last_pass_s))]
 
     def is_wide(self, n_rows: int) -> bool:
-        """Whether a pass of ``n_rows`` rows runs these layers on the backend."""
+        """Whether a pass of ``n_rows`` rows runs these layers on the backend (all of them where
+        nothing else streams, ``staged``; with a stream, ``streamed_in`` says which)."""
         return self.wide_rows is not None and n_rows > self.wide_rows
+
+    def streamed_in(self, n_rows: int, streamed_bytes: int, gpu_bytes: int) -> tuple[int, ...]:
+        """The tier's layers that a pass of ``n_rows`` rows takes from the model's stream and runs
+        on the backend (the rest run here), beside the stream's ``streamed_bytes`` and the GPU's
+        ``gpu_bytes`` (resident and streamed layers). Without the plan's rates or the widths'
+        times (``time_widths``), all of them in a pass wider than ``wide_rows``, none otherwise.
+        With them, the share that ends the pass soonest (``plan.tier_streamed_in_pass``): on the
+        70B at 24 GiB a 9-row pass kept about half of the tier on the cores, where streaming all
+        of it cost 1.8x a one-row pass. ``NTX_TIER_WIDE_STREAMED=N`` (tests): N of them, spread,
+        in a pass wider than ``wide_rows`` (its rows rounded up to a timed width, as the speeds'
+        choice is)."""
+        if self.staged or self.wide_rows is None or n_rows <= 1:
+            return ()
+        fixed = os.environ.get("NTX_TIER_WIDE_STREAMED", "").strip()
+        if not fixed and (self.rates is None or not self.width_cost):
+            return tuple(self.layers) if self.is_wide(n_rows) else ()
+        # the widths rounded up to the timed ones: passes of nearby widths (a batch's verify
+        # trees, which vary by a row or two) ask the ring for the same layers, where a change
+        # gives up what dma had copied ahead (RingStream.begin_pass)
+        top = TIMED_WIDTHS[-1]
+        width = next((w for w in TIMED_WIDTHS if w >= n_rows), -(-n_rows // top) * top)
+        key = (width, streamed_bytes, gpu_bytes)
+        if key not in self._split:
+            if fixed:
+                picked = spread_pick(list(range(len(self.layers))), int(fixed)) if self.is_wide(width) else []
+            else:
+                picked = tier_streamed_in_pass([self.layer_bytes[i] for i in self.layers], streamed_bytes,
+                                               gpu_bytes, self.rates, self.host_slowdown(width))
+            if len(self._split) > 1024:
+                self._split.clear()
+            self._split[key] = tuple(self.layers[i] for i in picked)
+        return self._split[key]
+
+    def host_slowdown(self, n_rows: int) -> float:
+        """How many times a one-row pass's time (at the plan's speed beside the link) the cores
+        take for each of the tier's bytes in a pass of ``n_rows`` rows: their own time at that
+        width (``width_cost``, timed alone) against the one-row time beside the link, at least 1.
+        A one-row pass is bound by the host's memory, which the link's copies share; a pass of
+        many rows by the cores' arithmetic, which they do not."""
+        cost = self._width_cost(n_rows)
+        cpu_shared, _ = self.rates.shared_gbps()
+        return max(1.0, cost * cpu_shared / self.rates.cpu_gbps) if cpu_shared > 0 else cost
+
+    def _width_cost(self, n_rows: int) -> float:
+        widths = sorted(self.width_cost)
+        if n_rows in self.width_cost:
+            return self.width_cost[n_rows]
+        lo = max((w for w in widths if w < n_rows), default=widths[0])
+        hi = min((w for w in widths if w > n_rows), default=None)
+        if hi is None:  # beyond the widest: along the last stretch
+            if len(widths) < 2:
+                return self.width_cost[lo] * n_rows / lo
+            lo, hi = widths[-2], widths[-1]
+        a, b = self.width_cost[lo], self.width_cost[hi]
+        return a + (b - a) * (n_rows - lo) / (hi - lo)
+
+    def time_widths(self, widths: Sequence[int] = TIMED_WIDTHS, min_time_s: float = 0.02) -> dict[int, float]:
+        """Time the cores on the matrix products of one layer of each kind the tier holds (a
+        Q4_K_M model's layers with and without Q6_K matrices) at each pass width of ``widths``,
+        and keep each width's time over one row's (``width_cost``). A few seconds on a 70B's
+        layers at start: the products at 64 rows are compute-bound."""
+        from ntx.daemons.compute.probes import layer_kinds
+
+        layers = [group[0] for group in layer_kinds(self.index, self.layers).values()]
+        products = [w.data for i in layers for w in self.weights[i].values()
+                    if hasattr(w, "data") and hasattr(w.data, "n_cols")]
+        if not products:
+            return {}
+        times: dict[int, float] = {}
+        for n in widths:
+            xs = {k: cpu_kernels.QuantizedActivations(np.ones((n, k), dtype=np.float32))
+                  for k in {p.n_cols for p in products}}
+            outs = [np.empty((n, p.n_rows), dtype=np.float32) for p in products]
+            for p, out in zip(products, outs):  # untimed: each width's first call
+                cpu_kernels.matmul(p, xs[p.n_cols], out)
+            reps, t0 = 0, time.perf_counter()
+            while True:
+                for p, out in zip(products, outs):
+                    cpu_kernels.matmul(p, xs[p.n_cols], out)
+                reps += 1
+                elapsed_s = time.perf_counter() - t0
+                if elapsed_s >= min_time_s:
+                    break
+            times[n] = elapsed_s / reps
+        base = times[min(times)]
+        self.width_cost = {n: t / base for n, t in times.items()}
+        self._split.clear()
+        return self.width_cost
 
     def wide_ops(self, ws: Workspace, pass_id: int) -> Backend:
         """The backend's operations for a tier layer in wide pass ``pass_id`` (its weights on the
@@ -192,6 +296,9 @@ class HostTier:
                 "busy_s": round(self.busy_s, 6), "bytes": self.bytes_read,
                 "busy_gbps": round(self.bytes_read / self.busy_s / 1e9, 3) if self.busy_s > 0 else 0.0,
                 "wide_rows": self.wide_rows, "wide_passes": self.wide_passes,
+                "width_cost": {str(n): round(c, 3) for n, c in self.width_cost.items()},
+                # rows (rounded up to a timed width) -> how many of the tier's layers such a pass streams
+                "streamed_by_rows": {str(k[0]): len(v) for k, v in sorted(self._split.items())},
                 "threads": self.cpu.threads, "quantized": self.cpu.quantized,
                 "recent_pass_s": round(recent[len(recent) // 2], 6) if recent else 0.0}  # median: a prompt's
         # passes (many rows, at the cores' arithmetic speed) do not colour the decode passes' figure

@@ -25,6 +25,7 @@ from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into, read_tensor
+from ntx.shared.plan import HostRates
 
 
 def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) -> None:
@@ -45,15 +46,17 @@ def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) 
 
 
 class LayerStream(Protocol):
-    """Where non-resident layers come from, one pass at a time, in layer order. A wide pass
-    (``begin_pass(wide=True)``) brings the cpu tier's layers too (``wide_layers``), for the
-    main backend to run: the host's cores would be bound by arithmetic there."""
+    """Where non-resident layers come from, one pass at a time, in layer order. A pass of several
+    rows (``begin_pass(tier_layers=...)``) brings some of the cpu tier's layers too (of
+    ``wide_layers``), for the main backend to run: the host's cores are bound by arithmetic there
+    (``HostTier.streamed_in`` says which)."""
 
-    wide_layers: list[int]  # the cpu tier's layers a wide pass streams too (set by the model)
+    wide_layers: list[int]  # the cpu tier's layers a pass may stream too (set by the model)
 
-    def begin_pass(self, pass_id: int, wide: bool = False) -> int:
-        """Pass ``pass_id`` begins; returns the id it runs as (a later one where the stream had
-        asked for it ahead at another width and gave that up)."""
+    def begin_pass(self, pass_id: int, tier_layers: Sequence[int] = ()) -> int:
+        """Pass ``pass_id`` begins, streaming ``tier_layers`` of ``wide_layers`` too; returns the
+        id it runs as (a later one where the stream had asked for it ahead with other tier
+        layers and gave that up)."""
 
     def acquire(self, layer_idx: int, pass_id: int) -> Any:
         """Block until the layer's slot buffer is ready; return it. Raises ``NtxError`` when the
@@ -72,7 +75,7 @@ class LayerStream(Protocol):
     standby: set[int]  # layers that may be demoted to streamed (their bytes can be brought in)
 
     def layers_for(self, pass_id: int) -> list[int]:
-        """The layers pass ``pass_id`` streams, in order (the cpu tier's among them when wide)."""
+        """The layers pass ``pass_id`` streams, in order (the cpu tier's it takes among them)."""
 
     def set_layers(self, layers: list[int]) -> int:
         """Stream ``layers`` from the first pass not yet asked for on; returns that pass."""
@@ -97,11 +100,11 @@ class FileLayerStream:
         self.standby = set(range(index.hparams.n_layers))
         self.wide_layers: list[int] = []
         self._begun = -1  # the last pass begun
-        self._begun_wide = False
+        self._begun_tier: tuple[int, ...] = ()  # the cpu tier's layers it streams
 
     def layers_for(self, pass_id: int) -> list[int]:
-        if pass_id == self._begun and self._begun_wide:
-            return sorted(set(self.layers) | set(self.wide_layers))
+        if pass_id == self._begun and self._begun_tier:
+            return sorted(set(self.layers) | set(self._begun_tier))
         return self.layers
 
     def set_layers(self, layers: list[int]) -> int:
@@ -114,8 +117,8 @@ class FileLayerStream:
     def want_standby(self) -> None:
         pass
 
-    def begin_pass(self, pass_id: int, wide: bool = False) -> int:
-        self._begun, self._begun_wide = pass_id, wide and bool(self.wide_layers)
+    def begin_pass(self, pass_id: int, tier_layers: Sequence[int] = ()) -> int:
+        self._begun, self._begun_tier = pass_id, tuple(sorted(set(tier_layers) & set(self.wide_layers)))
         return pass_id
 
     def acquire(self, layer_idx: int, pass_id: int) -> np.ndarray:
@@ -184,6 +187,7 @@ class LlamaModel:
         host_layers: Iterable[int] = (),
         kernels: KernelOptions | None = None,
         host_wide_rows: int | None = None,
+        host_rates: HostRates | None = None,
     ) -> None:
         self.index = index
         self.hp = index.hparams
@@ -218,7 +222,7 @@ class LlamaModel:
             # its wide passes: the stream brings its layers where there is one (in the pipeline,
             # dma from its pinned RAM), else the tier copies them itself (``HostTier.run``)
             self.host = HostTier(index, self.host_layers, backend, kernels, divisors, progress,
-                                 wide_rows=host_wide_rows, staged=self.stream is None)
+                                 wide_rows=host_wide_rows, staged=self.stream is None, rates=host_rates)
             if self.stream is not None and self.host.wide_rows is not None:
                 self.stream.wide_layers = list(self.host_layers)
         self.resident: dict[int, Any] = {}
@@ -266,7 +270,7 @@ class LlamaModel:
             if feed is not None:
                 be.feed_tokens(ws, feed.top1)
             if self.stream:
-                pass_id = self.stream.begin_pass(pass_id, wide=self._wide(batch))
+                pass_id = self.stream.begin_pass(pass_id, tier_layers=self._tier_streamed(batch))
             self.next_pass_id = pass_id + 1
             try:
                 for n, (first, end, kind) in enumerate(self._runs_for(pass_id)):
@@ -290,9 +294,16 @@ class LlamaModel:
                 self.stream.end_pass(pass_id)
             return finish(ws)
 
-    def _wide(self, batch: StepBatch) -> bool:
-        """Whether ``batch``'s pass runs the cpu tier's layers on the backend (``HostTier``)."""
-        return self.host is not None and self.host.is_wide(batch.n_tokens)
+    def _tier_streamed(self, batch: StepBatch) -> tuple[int, ...]:
+        """The cpu tier's layers that ``batch``'s pass streams and runs on the backend
+        (``HostTier.streamed_in``, by its rows and what else the pass moves); the rest of the
+        tier runs on the host's cores."""
+        if self.host is None or self.stream is None or not self.stream.wide_layers:
+            return ()
+        sizes = self.index.layers
+        streamed = sum(sizes[i].nbytes for i in self.stream.layers)
+        resident = sum(sizes[i].nbytes for i in self.resident)
+        return self.host.streamed_in(batch.n_tokens, streamed, resident + streamed)
 
     def draft_forward(self, batch: StepBatch, layers: Sequence[int], picks: list[Pick]) -> list[Picked]:
         """A pass through resident ``layers`` alone (in order; the others skipped) and the head:

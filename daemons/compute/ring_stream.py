@@ -13,7 +13,7 @@ tokens are handed straight back as they arrive, so the ring keeps turning.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -63,10 +63,10 @@ class RingStream:
         self.on_wait = on_wait  # between the slices of every wait (a layer, room to send); may raise to give up
         self.before_release = before_release  # e.g. wait for the GPU to finish reading the slot
         self.wanted_upto = -1
-        # the cpu tier's layers that a wide pass streams too (``begin_pass(wide=True)``), and
-        # which of the passes asked of dma were asked as wide
+        # the cpu tier's layers that a pass may stream too (``begin_pass(tier_layers=...)``), and
+        # which of them each pass asked of dma was asked with
         self.wide_layers: list[int] = []
-        self._wide: dict[int, bool] = {}
+        self._tier: dict[int, tuple[int, ...]] = {}
         self.ready: dict[tuple[int, int], int] = {}
         self.errors: dict[tuple[int, int], str] = {}
         self.aborted: set[int] = set()
@@ -79,23 +79,23 @@ class RingStream:
         if self.on_wait:
             self.on_wait()
 
-    def begin_pass(self, pass_id: int, wide: bool = False) -> int:
-        """Pass ``pass_id`` begins, streaming ``wide_layers`` too when ``wide``; returns the id it
-        runs as. The next pass is asked of dma now, as wide as this one (a decode stream's passes
-        are all narrow, a batch's or a verify chain's all wide). Where that guess was wrong, the
-        passes asked so far are given up (``abort_pass``: their slots go back as they come) and
-        this one runs under the first fresh id, asked anew: the few layers dma had copied ahead
-        are copied again, once per change of width."""
-        wide = wide and bool(self.wide_layers)
-        if pass_id <= self.wanted_upto and self._wide.get(pass_id, False) != wide:
+    def begin_pass(self, pass_id: int, tier_layers: Sequence[int] = ()) -> int:
+        """Pass ``pass_id`` begins, streaming ``tier_layers`` (of ``wide_layers``) too; returns
+        the id it runs as. The next pass is asked of dma now with the same tier layers as this one
+        (a decode stream's passes take none, a batch's or a verify chain's the same share).
+        Where that guess was wrong, the passes asked so far are given up (``abort_pass``: their
+        slots go back as they come) and this one runs under the first fresh id, asked anew: the
+        few layers dma had copied ahead are copied again, once per change of width."""
+        tier = tuple(sorted(set(tier_layers) & set(self.wide_layers)))
+        if pass_id <= self.wanted_upto and self._tier.get(pass_id, ()) != tier:
             asked, pass_id = pass_id, self.abort_pass(pass_id)
             self.clock.rename_pass(asked, pass_id)  # the step's time so far was charged to the id asked
         while self.wanted_upto < pass_id + 1:
             self.wanted_upto += 1
-            self._wide[self.wanted_upto] = wide
+            self._tier[self.wanted_upto] = tier
             self._send(m.Want(pass_id=self.wanted_upto, layers=self.layers_for(self.wanted_upto)))
-        for p in [p for p in self._wide if p < pass_id]:
-            del self._wide[p]
+        for p in [p for p in self._tier if p < pass_id]:
+            del self._tier[p]
         # forget the lists that no pass from this one on streams by
         while self._earlier and (self._earlier[1][0] if len(self._earlier) > 1 else self.layers_from) <= pass_id:
             self._earlier.pop(0)
@@ -103,10 +103,11 @@ class RingStream:
 
     def layers_for(self, pass_id: int) -> list[int]:
         """The layers pass ``pass_id`` streams (in order): the list in force for it, with the
-        cpu tier's among them in run order when it was asked as wide."""
+        cpu tier's it was asked with among them in run order."""
         base = self._base_layers(pass_id)
-        if self._wide.get(pass_id, False):
-            return sorted(set(base) | set(self.wide_layers))
+        tier = self._tier.get(pass_id, ())
+        if tier:
+            return sorted(set(base) | set(tier))
         return base
 
     def _base_layers(self, pass_id: int) -> list[int]:

@@ -34,9 +34,14 @@ def _greedy_all(eng, prompts: list[str], n: int) -> dict[str, list[int]]:
     return out
 
 
-def test_resident_host_and_streamed_layers_on_gpu_equal_the_cpu_reference():
+@pytest.mark.parametrize("share", [None, 4], ids=["all-of-the-tier", "part-of-the-tier"])
+def test_resident_host_and_streamed_layers_on_gpu_equal_the_cpu_reference(monkeypatch, share):
     """The 5-token prompt is a wide pass (more than WIDE_PASS_ROWS rows): the tier's layers run
-    on the GPU, copied through the staging buffer; the decode steps run them on the host's cores."""
+    on the GPU, brought by the layer stream; the decode steps run them on the host's cores. With
+    a share (``HostTier.streamed_in``, fixed here by NTX_TIER_WIDE_STREAMED), the prompt's pass
+    runs that part of the tier on the GPU and the rest on the host's cores, in one pass."""
+    if share:
+        monkeypatch.setenv("NTX_TIER_WIDE_STREAMED", str(share))
     model = _smollm2()
     ids = [504, 3575, 282, 4649, 314]
     want = _greedy(model, "cpu", ids, 32)
@@ -52,6 +57,8 @@ def test_resident_host_and_streamed_layers_on_gpu_equal_the_cpu_reference():
                 got = ev["tokens"]
     assert got == want
     assert eng.core.model.host.wide_passes >= 1  # the prompt's pass ran the tier's layers on the GPU
+    if share:
+        assert eng.core.model.host.report()["streamed_by_rows"]["8"] == share
     assert _options("cpu", 512).kernels == "cpu-quantized=off"  # the reference _greedy ran
 
 
