@@ -391,6 +391,15 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     assert 0 < len(three) < len(HOST) and three == tier.streamed_in(4, streamed, streamed)
     assert tier.streamed_in(7, streamed, streamed) == tuple(HOST)  # 100 times slower: all of it
     assert tier.report()["streamed_by_rows"] == {"2": 0, "4": len(three), "8": len(HOST)}
+    # what the tier's own passes measure replaces the products' times: 4-row passes at 50 GB/s
+    # (the plan's one-row speed) keep the whole tier on the host again; a 1% change keeps the share
+    tier._s_per_byte.clear()
+    tier._learn_width(3, 1.0, 50 * 10**9)
+    assert tier.host_slowdown(4) == pytest.approx(1.0) and tier.streamed_in(4, streamed, streamed) == ()
+    tier._learn_width(4, 1.01 * 4, 50 * 10**9)  # 4x slower per byte, a running mean of 0.7 / 0.3
+    assert tier.host_slowdown(4) == pytest.approx(0.7 + 0.3 * 4.04)
+    assert len(tier.streamed_in(4, streamed, streamed)) > 0
+    assert tier.report()["slowdown_by_rows"] == {"4": pytest.approx(1.912, abs=1e-3)}
 
 
 # -- the pipeline -------------------------------------------------------------------------------

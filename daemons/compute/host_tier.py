@@ -42,6 +42,14 @@ PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each hol
 TIMED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def timed_width(n_rows: int) -> int:
+    """``n_rows`` rounded up to a timed width (past the widest, to a multiple of it): passes of
+    nearby widths (a batch's verify trees vary by a row or two) share their tier's share and
+    what was learnt of them."""
+    top = TIMED_WIDTHS[-1]
+    return next((w for w in TIMED_WIDTHS if w >= n_rows), -(-n_rows // top) * top)
+
+
 class _KvTee:
     """A backend's operations for ``llama_block``, except that the keys and values a layer
     stores also go to ``mirror(layer, k, v)`` (k rotated): the other cache of a cpu-tier layer.
@@ -93,7 +101,10 @@ class HostTier:
         self.rates = rates
         # the cores' time for a pass of n rows over a one-row pass's, at TIMED_WIDTHS (time_widths)
         self.width_cost: dict[int, float] = {}
-        self._split: dict[tuple[int, int, int], tuple[int, ...]] = {}  # (rows, streamed, gpu bytes) -> streamed_in
+        # (width, streamed, gpu bytes) -> (streamed_in's layers, the slowdown they were chosen by)
+        self._split: dict[tuple[int, int, int], tuple[tuple[int, ...], float]] = {}
+        # width -> the cores' seconds per file byte in this tier's passes of that width (running mean)
+        self._s_per_byte: dict[int, float] = {}
         self.weights: dict[int, Any] = {}
         self.raw: dict[int, Any] = {}  # the layers' file bytes, for wide passes (with wide_rows, staged)
         self.staged = staged and self.wide_rows is not None
@@ -161,11 +172,14 @@ class HostTier:
             return
         t0 = time.perf_counter()
         hws.x = self.backend.hidden_to_host(ws)  # x: [T, D] float32 on the host
+        t_host = time.perf_counter()  # the GPU's layers before these have ended
         ops = self.cpu if self.wide_rows is None else _KvTee(self.cpu, lambda i, k, v: self.backend.kv_from_host(
             i, k[:n], v[:n], ws))
         for i in range(first, end):
             llama_block(ops, i, self.weights[i], hws)
             self.bytes_read += self.layer_bytes[i]
+        if self.rates is not None and n > 1:
+            self._learn_width(n, time.perf_counter() - t_host, sum(self.layer_bytes[i] for i in range(first, end)))
         self.backend.hidden_from_host(ws, hws.x)
         dt = time.perf_counter() - t0
         self.busy_s += dt
@@ -194,32 +208,56 @@ class HostTier:
         fixed = os.environ.get("NTX_TIER_WIDE_STREAMED", "").strip()
         if not fixed and (self.rates is None or not self.width_cost):
             return tuple(self.layers) if self.is_wide(n_rows) else ()
-        # the widths rounded up to the timed ones: passes of nearby widths (a batch's verify
-        # trees, which vary by a row or two) ask the ring for the same layers, where a change
-        # gives up what dma had copied ahead (RingStream.begin_pass)
-        top = TIMED_WIDTHS[-1]
-        width = next((w for w in TIMED_WIDTHS if w >= n_rows), -(-n_rows // top) * top)
+        # rounded: nearby widths ask the ring for the same layers, where a change gives up
+        # what dma had copied ahead (RingStream.begin_pass)
+        width = timed_width(n_rows)
         key = (width, streamed_bytes, gpu_bytes)
-        if key not in self._split:
-            if fixed:
+        if fixed:
+            if key not in self._split:
                 picked = spread_pick(list(range(len(self.layers))), int(fixed)) if self.is_wide(width) else []
-            else:
-                picked = tier_streamed_in_pass([self.layer_bytes[i] for i in self.layers], streamed_bytes,
-                                               gpu_bytes, self.rates, self.host_slowdown(width))
+                self._split[key] = (tuple(self.layers[i] for i in picked), 0.0)
+            return self._split[key][0]
+        slowdown = self.host_slowdown(width)
+        known = self._split.get(key)
+        # chosen again only when what the cores measured moved it by more than RECHOOSE: each
+        # change of the layers asked gives up the copies dma made ahead
+        if known is None or abs(slowdown / known[1] - 1.0) > self.RECHOOSE:
+            picked = tier_streamed_in_pass([self.layer_bytes[i] for i in self.layers], streamed_bytes,
+                                           gpu_bytes, self.rates, slowdown)
             if len(self._split) > 1024:
                 self._split.clear()
-            self._split[key] = tuple(self.layers[i] for i in picked)
-        return self._split[key]
+            known = self._split[key] = (tuple(self.layers[i] for i in picked), slowdown)
+        return known[0]
+
+    RECHOOSE = 0.1  # how far the measured slowdown moves before a width's share is chosen again
+    LEARN = 0.7  # the weight of the running mean's past in _learn_width
 
     def host_slowdown(self, n_rows: int) -> float:
         """How many times a one-row pass's time (at the plan's speed beside the link) the cores
-        take for each of the tier's bytes in a pass of ``n_rows`` rows: their own time at that
-        width (``width_cost``, timed alone) against the one-row time beside the link, at least 1.
-        A one-row pass is bound by the host's memory, which the link's copies share; a pass of
-        many rows by the cores' arithmetic, which they do not."""
-        cost = self._width_cost(n_rows)
+        take for each of the tier's bytes in a pass of ``n_rows`` rows (a timed width), at least
+        1: as measured in this tier's own passes of that width (``_learn_width``: the layers'
+        whole work, attention and the keys' copies too), else as the products timed alone at
+        warm-up say (``width_cost``, against the one-row time beside the link: a one-row pass is
+        bound by the host's memory, which the link's copies share, a wide one by the cores'
+        arithmetic). On the H200's host the warm-up's products said 2.0x at 8 rows and the
+        tier's passes took 2.8x: the share chosen by the first left the cores the bottleneck
+        (21.98 tok/s at batch 8 against 23.74 streaming the whole tier)."""
         cpu_shared, _ = self.rates.shared_gbps()
+        learned = self._s_per_byte.get(n_rows)
+        if learned is not None and cpu_shared > 0:
+            return max(1.0, learned * cpu_shared * 1e9)
+        cost = self._width_cost(n_rows)
         return max(1.0, cost * cpu_shared / self.rates.cpu_gbps) if cpu_shared > 0 else cost
+
+    def _learn_width(self, n_rows: int, host_s: float, nbytes: int) -> None:
+        """A run of the tier's layers took the cores ``host_s`` for ``nbytes`` of them in a pass of
+        ``n_rows`` rows: the running mean of its width's seconds per byte moves towards it."""
+        if nbytes <= 0:
+            return
+        width = timed_width(n_rows)
+        spb = host_s / nbytes
+        old = self._s_per_byte.get(width)
+        self._s_per_byte[width] = spb if old is None else self.LEARN * old + (1 - self.LEARN) * spb
 
     def _width_cost(self, n_rows: int) -> float:
         widths = sorted(self.width_cost)
@@ -298,7 +336,10 @@ class HostTier:
                 "wide_rows": self.wide_rows, "wide_passes": self.wide_passes,
                 "width_cost": {str(n): round(c, 3) for n, c in self.width_cost.items()},
                 # rows (rounded up to a timed width) -> how many of the tier's layers such a pass streams
-                "streamed_by_rows": {str(k[0]): len(v) for k, v in sorted(self._split.items())},
+                "streamed_by_rows": {str(k[0]): len(v[0]) for k, v in sorted(self._split.items())},
+                # rows -> the cores' slowdown per byte measured in such passes (host_slowdown)
+                "slowdown_by_rows": {str(w): round(self.host_slowdown(w), 3) for w in sorted(self._s_per_byte)}
+                if self.rates is not None else {},
                 "threads": self.cpu.threads, "quantized": self.cpu.quantized,
                 "recent_pass_s": round(recent[len(recent) // 2], 6) if recent else 0.0}  # median: a prompt's
         # passes (many rows, at the cores' arithmetic speed) do not colour the decode passes' figure
