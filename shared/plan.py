@@ -159,7 +159,7 @@ def cpu_split(layer_bytes: list[int], rates: HostRates, gpu_bytes: int = 0) -> i
 
 
 def tier_streamed_in_pass(tier_bytes: list[int], streamed_bytes: int, gpu_bytes: int, rates: HostRates,
-                          host_slowdown: float) -> list[int]:
+                          host_slowdown: float, min_gain: float = 0.0) -> list[int]:
     """Which of the cpu tier's layers (indexes into ``tier_bytes``, the tier's layers in order)
     a pass streams to the GPU beside its ``streamed_bytes``, so that it ends soonest, when the
     host's cores compute each byte ``host_slowdown`` times slower than in a one-row pass (a pass of
@@ -169,18 +169,22 @@ def tier_streamed_in_pass(tier_bytes: list[int], streamed_bytes: int, gpu_bytes:
     link, spread among the tier's layers as ``spread_pick`` takes them (a copy overlaps the cores'
     work on the layers around it). By ``HostRates.pass_s`` with the tier's remaining bytes
     weighted by ``host_slowdown``; ties to more streamed (the cores' arithmetic also slows the
-    link's copies, which share the host's memory)."""
+    link's copies, which share the host's memory). A share that is not ``min_gain`` faster than
+    streaming the whole tier streams the whole tier: the model counts the GPU's part of the
+    pass at one row's speed."""
     n = len(tier_bytes)
     best: list[int] = list(range(n))
-    best_s = float("inf")
+    best_s = all_s = float("inf")
     for count in range(n, -1, -1):
         picked = spread_pick(list(range(n)), count)
         moved = sum(tier_bytes[i] for i in picked)
         host = sum(tier_bytes) - moved
         t_s = rates.pass_s(int(host * host_slowdown), streamed_bytes + moved, gpu_bytes + moved)
+        if count == n:
+            all_s = t_s
         if t_s < best_s * (1 - 1e-9):
             best, best_s = picked, t_s
-    return best
+    return best if best_s <= all_s * (1 - min_gain) else list(range(n))
 
 
 def spread_pick(items: list[int], count: int) -> list[int]:

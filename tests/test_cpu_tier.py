@@ -80,6 +80,12 @@ def test_a_pass_of_several_rows_streams_the_share_of_the_tier_its_slower_cores_l
     assert counts == sorted(counts) and 0 < counts[2] < 8, counts
     # 3x slower cores: (8 - k) x 3 = 8 + k balances at k = 4
     assert len(tier_streamed_in_pass(tier, streamed, streamed, rates, 3.0)) == 4
+    # a share not min_gain faster than streaming the whole tier: the whole tier (at 10x, keeping
+    # one layer on the cores of eight saves under 10%)
+    ten = tier_streamed_in_pass(tier, streamed, streamed, rates, 10.0)
+    assert len(ten) < 8 and pass_s(ten, 10.0) > 0.9 * pass_s(list(range(8)), 10.0)
+    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 10.0, min_gain=0.1) == list(range(8))
+    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 3.0, min_gain=0.1) == spread_pick(list(range(8)), 4)
 
 
 def test_the_two_roads_share_the_host_memory():
@@ -390,6 +396,8 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     three = tier.streamed_in(3, streamed, streamed)  # 3 rows: as 4, three times slower
     assert 0 < len(three) < len(HOST) and three == tier.streamed_in(4, streamed, streamed)
     assert tier.streamed_in(7, streamed, streamed) == tuple(HOST)  # 100 times slower: all of it
+    tier.width_cost[32] = 1.0
+    assert tier.streamed_in(17, streamed, streamed) == tuple(HOST)  # past SHARE_ROWS: all of it, whatever
     assert tier.report()["streamed_by_rows"] == {"2": 0, "4": len(three), "8": len(HOST)}
     # what the tier's own passes measure replaces the products' times: 4-row passes at 50 GB/s
     # (the plan's one-row speed) keep the whole tier on the host again; a 1% change keeps the share

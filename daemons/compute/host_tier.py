@@ -198,9 +198,9 @@ class HostTier:
         on the backend (the rest run here), beside the stream's ``streamed_bytes`` and the GPU's
         ``gpu_bytes`` (resident and streamed layers). Without the plan's rates or the widths'
         times (``time_widths``), all of them in a pass wider than ``wide_rows``, none otherwise.
-        With them, the share that ends the pass soonest (``plan.tier_streamed_in_pass``): on the
-        70B at 24 GiB a 9-row pass kept about half of the tier on the cores, where streaming all
-        of it cost 1.8x a one-row pass. ``NTX_TIER_WIDE_STREAMED=N`` (tests): N of them, spread,
+        With them, in passes of up to ``SHARE_ROWS`` rows, the share that ends the pass soonest
+        (``plan.tier_streamed_in_pass``) where it beats streaming the whole tier by ``MIN_GAIN``:
+        on the 70B at 24 GiB, streaming all of it made a pass of 8 rows cost 1.8x a one-row pass. ``NTX_TIER_WIDE_STREAMED=N`` (tests): N of them, spread,
         in a pass wider than ``wide_rows`` (its rows rounded up to a timed width, as the speeds'
         choice is)."""
         if self.staged or self.wide_rows is None or n_rows <= 1:
@@ -217,19 +217,27 @@ class HostTier:
                 picked = spread_pick(list(range(len(self.layers))), int(fixed)) if self.is_wide(width) else []
                 self._split[key] = (tuple(self.layers[i] for i in picked), 0.0)
             return self._split[key][0]
+        if width > self.SHARE_ROWS:
+            return tuple(self.layers)
         slowdown = self.host_slowdown(width)
         known = self._split.get(key)
         # chosen again only when what the cores measured moved it by more than RECHOOSE: each
         # change of the layers asked gives up the copies dma made ahead
         if known is None or abs(slowdown / known[1] - 1.0) > self.RECHOOSE:
             picked = tier_streamed_in_pass([self.layer_bytes[i] for i in self.layers], streamed_bytes,
-                                           gpu_bytes, self.rates, slowdown)
+                                           gpu_bytes, self.rates, slowdown, self.MIN_GAIN)
             if len(self._split) > 1024:
                 self._split.clear()
             known = self._split[key] = (tuple(self.layers[i] for i in picked), slowdown)
         return known[0]
 
     RECHOOSE = 0.1  # how far the measured slowdown moves before a width's share is chosen again
+    # a share is taken only where it is this much faster than streaming the whole tier, and only
+    # in passes of up to SHARE_ROWS rows (verify trees, small batches): the model counts the GPU's
+    # part of a pass at one row's speed, and passes of 32 and 64 rows keep the GPU busy 16-20% of
+    # the time (the 70B at batch 32/64 on the H200), which a share would add to the cores' chain
+    MIN_GAIN = 0.1
+    SHARE_ROWS = 16
     LEARN = 0.7  # the weight of the running mean's past in _learn_width
 
     def host_slowdown(self, n_rows: int) -> float:
