@@ -382,7 +382,8 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     assert tier.wide_passes > 0 and tier.runs > host_runs  # the same passes ran the rest on the host
     assert _greedy_all(eng, PROMPTS[:1], N_TOKENS) == {PROMPTS[0]: reference[PROMPTS[0]]}
 
-    # the share from speeds: the cores timed by width, the pass's rows rounded up to a timed width
+    # the share from speeds (NTX_TIER_SHARE=on, an experiment): the cores timed by width, the
+    # pass's rows rounded up to a timed width
     monkeypatch.delenv("NTX_TIER_WIDE_STREAMED")
     assert tier.streamed_in(8, 10**6, 10**6) == tuple(HOST)  # no speeds: all past wide_rows, as before
     tier.rates = HostRates(50.0, 50.0)
@@ -391,6 +392,8 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     tier.width_cost = {1: 1.0, 2: 1.0, 4: 3.0, 8: 100.0}
     tier._split.clear()
     streamed = sum(tier.layer_bytes.values())  # as many bytes stream as the tier holds
+    assert tier.streamed_in(3, streamed, streamed) == tuple(HOST)  # off by default: all past wide_rows
+    monkeypatch.setenv("NTX_TIER_SHARE", "on")
     assert tier.streamed_in(1, streamed, streamed) == ()  # one row: the plan's split
     assert tier.streamed_in(2, streamed, streamed) == ()  # no slower at 2 rows: all on the host
     three = tier.streamed_in(3, streamed, streamed)  # 3 rows: as 4, three times slower

@@ -42,6 +42,16 @@ PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each hol
 TIMED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def share_enabled() -> bool:
+    """Whether a pass of several rows may keep part of the tier on the cores
+    (``HostTier.streamed_in``): ``NTX_TIER_SHARE=on``, off by default. Measured on the H200 (70B at
+    24 GiB, batch 8, two leases) at 0.92x streaming the whole tier: while the cores computed a
+    layer of 8 rows (25 ms), dma filled the ring's two slots and then waited (blocked 29% of the
+    pass), so the link idled where the model had it copying (docs/PERFORMANCE.md, "Part of the
+    tier in passes of a few rows")."""
+    return os.environ.get("NTX_TIER_SHARE", "").strip().lower() in ("on", "1", "yes")
+
+
 def timed_width(n_rows: int) -> int:
     """``n_rows`` rounded up to a timed width (past the widest, to a multiple of it): passes of
     nearby widths (a batch's verify trees vary by a row or two) share their tier's share and
@@ -141,7 +151,8 @@ class HostTier:
         the copy path run), so that no request's first wide pass pays for it (nor a verify
         pass's measured cost, by which speculation sizes its drafts)."""
         self.cpu.warm_up((), None, log)
-        if self.rates is not None and not self.staged and self.wide_rows is not None and self.cpu.quantized:
+        if (self.rates is not None and not self.staged and self.wide_rows is not None and self.cpu.quantized
+                and share_enabled()):
             t0 = time.monotonic()
             self.time_widths()
             log(f"warm-up: the cpu tier's cores timed at {'/'.join(map(str, self.width_cost))} rows in "
@@ -178,7 +189,7 @@ class HostTier:
         for i in range(first, end):
             llama_block(ops, i, self.weights[i], hws)
             self.bytes_read += self.layer_bytes[i]
-        if self.rates is not None and n > 1:
+        if self.rates is not None and n > 1 and self.width_cost:
             self._learn_width(n, time.perf_counter() - t_host, sum(self.layer_bytes[i] for i in range(first, end)))
         self.backend.hidden_from_host(ws, hws.x)
         dt = time.perf_counter() - t0
@@ -196,17 +207,20 @@ class HostTier:
     def streamed_in(self, n_rows: int, streamed_bytes: int, gpu_bytes: int) -> tuple[int, ...]:
         """The tier's layers that a pass of ``n_rows`` rows takes from the model's stream and runs
         on the backend (the rest run here), beside the stream's ``streamed_bytes`` and the GPU's
-        ``gpu_bytes`` (resident and streamed layers). Without the plan's rates or the widths'
-        times (``time_widths``), all of them in a pass wider than ``wide_rows``, none otherwise.
-        With them, in passes of up to ``SHARE_ROWS`` rows, the share that ends the pass soonest
-        (``plan.tier_streamed_in_pass``) where it beats streaming the whole tier by ``MIN_GAIN``:
-        on the 70B at 24 GiB, streaming all of it made a pass of 8 rows cost 1.8x a one-row pass. ``NTX_TIER_WIDE_STREAMED=N`` (tests): N of them, spread,
-        in a pass wider than ``wide_rows`` (its rows rounded up to a timed width, as the speeds'
-        choice is)."""
+        ``gpu_bytes`` (resident and streamed layers).
+
+        By default (and without the plan's rates or the widths' times, ``time_widths``): all of
+        them in a pass wider than ``wide_rows``, none otherwise. With ``share_enabled`` (an
+        experiment, measured slower so far), in passes of up to ``SHARE_ROWS`` rows: the share
+        that ends the pass soonest (``plan.tier_streamed_in_pass``), where it beats streaming the
+        whole tier by ``MIN_GAIN``. Streaming all of it makes a pass of 8 rows on the 70B at 24
+        GiB cost 1.8x a one-row pass, which is what a share would win back.
+        ``NTX_TIER_WIDE_STREAMED=N`` (tests): N of them, spread, in a pass wider than
+        ``wide_rows`` (its rows rounded up to a timed width, as the speeds' choice is)."""
         if self.staged or self.wide_rows is None or n_rows <= 1:
             return ()
         fixed = os.environ.get("NTX_TIER_WIDE_STREAMED", "").strip()
-        if not fixed and (self.rates is None or not self.width_cost):
+        if not fixed and (self.rates is None or not self.width_cost or not share_enabled()):
             return tuple(self.layers) if self.is_wide(n_rows) else ()
         # rounded: nearby widths ask the ring for the same layers, where a change gives up
         # what dma had copied ahead (RingStream.begin_pass)
