@@ -96,9 +96,10 @@ class HostTier:
         nothing streams (``staged``) from their file bytes kept (pinned) here, copied by
         ``run`` through the backend's one staging buffer. The keys and values of the tier's
         layers are kept in both caches, each path writing both, so that either path can run any
-        pass. ``rates``: the speeds the plan sized the tier by; with them (and a stream) a pass of
-        several rows streams only the share of the tier that the cores' slower arithmetic there
-        makes worth moving (``streamed_in``), instead of all of it past ``wide_rows``."""
+        pass. ``rates``: the speeds the plan sized the tier by; with them, a stream and the
+        experiment on (``share_enabled``), a pass of a few rows streams only the share of the tier
+        that the cores' slower arithmetic there makes worth moving (``streamed_in``), instead of
+        all of it past ``wide_rows``."""
         self.index = index
         self.layers = sorted(layers)
         self.layer_set = frozenset(self.layers)
