@@ -141,50 +141,51 @@ def tier_wide_rows_for(backend: str) -> int | None:
     return int(env) if env else None
 
 
-def cpu_split(layer_bytes: list[int], rates: HostRates, gpu_bytes: int = 0) -> int:
+def cpu_split(layer_bytes: list[int], rates: HostRates, gpu_bytes: int = 0, streamed_bytes: int = 0,
+              host_slowdown: float = 1.0) -> int:
     """How many of the candidate layers (``layer_bytes`` each, taken evenly spread as
     ``spread_pick`` does) go to the cpu tier so that a pass on both roads is fastest
-    (``HostRates.pass_s``; the candidates not taken stream and the GPU computes them beside its
-    ``gpu_bytes`` of resident layers); ties to fewer."""
+    (``HostRates.pass_s``; the candidates not taken stream beside ``streamed_bytes`` of other
+    layers, and the GPU computes them beside its ``gpu_bytes`` of resident layers); ties to fewer.
+    ``host_slowdown``: the cores take that many times a one-row pass's time per byte (a pass of
+    several rows, ``tier_streamed_in_pass``)."""
     n = len(layer_bytes)
     best_n, best_s = 0, float("inf")
     for count in range(n + 1):
         picked = set(spread_pick(list(range(n)), count))
         cpu = sum(b for i, b in enumerate(layer_bytes) if i in picked)
-        streamed = sum(layer_bytes) - cpu
-        t_s = rates.pass_s(cpu, streamed, gpu_bytes + streamed)
+        streamed = streamed_bytes + sum(layer_bytes) - cpu
+        t_s = rates.pass_s(int(cpu * host_slowdown), streamed, gpu_bytes + streamed)
         if t_s < best_s * (1 - 1e-9):
             best_n, best_s = count, t_s
     return best_n
 
 
-def tier_streamed_in_pass(tier_bytes: list[int], streamed_bytes: int, gpu_bytes: int, rates: HostRates,
+def tier_streamed_in_pass(tier_bytes: list[int], streamed_bytes: int, resident_bytes: int, rates: HostRates,
                           host_slowdown: float, min_gain: float = 0.0) -> list[int]:
     """Which of the cpu tier's layers (indexes into ``tier_bytes``, the tier's layers in order)
-    a pass streams to the GPU beside its ``streamed_bytes``, so that it ends soonest, when the
-    host's cores compute each byte ``host_slowdown`` times slower than in a one-row pass (a pass of
-    several rows: verification, a batch; ``HostTier.host_slowdown``). The rest stay on the cores.
+    a pass streams to the GPU beside its ``streamed_bytes`` (the GPU also computing its
+    ``resident_bytes``), so that it ends soonest, when the host's cores compute each byte
+    ``host_slowdown`` times slower than in a one-row pass (a pass of several rows: verification,
+    a batch; ``HostTier.host_slowdown``). The rest stay on the cores, spread among the tier's
+    layers as ``cpu_split`` keeps them (a copy overlaps the cores' work on the layers around it).
     The planner balanced the two roads for one row; a pass of 8 rows costs the cores several
-    times that while a streamed layer's copy costs the same, so only part of the tier moves to the
-    link, spread among the tier's layers as ``spread_pick`` takes them (a copy overlaps the cores'
-    work on the layers around it). By ``HostRates.pass_s`` with the tier's remaining bytes
-    weighted by ``host_slowdown``; ties to more streamed (the cores' arithmetic also slows the
-    link's copies, which share the host's memory). A share that is not ``min_gain`` faster than
-    streaming the whole tier streams the whole tier: the model counts the GPU's part of the
-    pass at one row's speed."""
+    times that while a streamed layer's copy costs the same. A share that is not ``min_gain``
+    faster than streaming the whole tier streams the whole tier: the model counts the GPU's part
+    of the pass at one row's speed, and not the ring's slots (docs/PERFORMANCE.md, "Part of the
+    tier in passes of a few rows")."""
     n = len(tier_bytes)
-    best: list[int] = list(range(n))
-    best_s = all_s = float("inf")
-    for count in range(n, -1, -1):
-        picked = spread_pick(list(range(n)), count)
-        moved = sum(tier_bytes[i] for i in picked)
-        host = sum(tier_bytes) - moved
-        t_s = rates.pass_s(int(host * host_slowdown), streamed_bytes + moved, gpu_bytes + moved)
-        if count == n:
-            all_s = t_s
-        if t_s < best_s * (1 - 1e-9):
-            best, best_s = picked, t_s
-    return best if best_s <= all_s * (1 - min_gain) else list(range(n))
+    kept = set(spread_pick(list(range(n)), cpu_split(tier_bytes, rates, resident_bytes, streamed_bytes,
+                                                        host_slowdown)))
+    moved = [i for i in range(n) if i not in kept]
+
+    def pass_s(streamed: list[int]) -> float:
+        host = sum(b for i, b in enumerate(tier_bytes) if i not in streamed)
+        link = streamed_bytes + sum(tier_bytes[i] for i in streamed)
+        return rates.pass_s(int(host * host_slowdown), link, resident_bytes + link)
+
+    everything = list(range(n))
+    return moved if pass_s(moved) <= pass_s(everything) * (1 - min_gain) else everything
 
 
 def spread_pick(items: list[int], count: int) -> list[int]:

@@ -69,23 +69,26 @@ def test_a_pass_of_several_rows_streams_the_share_of_the_tier_its_slower_cores_l
         m = sum(tier[i] for i in moved)
         return rates.pass_s(int((sum(tier) - m) * slowdown), streamed + m, streamed + m)
 
-    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 1.0) == []
-    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 1000.0) == list(range(8))
+    def kept(moved: list[int]) -> list[int]:
+        return [i for i in range(8) if i not in moved]
+
+    assert tier_streamed_in_pass(tier, streamed, 0, rates, 1.0) == []
+    assert tier_streamed_in_pass(tier, streamed, 0, rates, 1000.0) == list(range(8))
     counts = []
     for slowdown in (1.0, 1.5, 2.0, 3.0, 5.0, 10.0):
-        moved = tier_streamed_in_pass(tier, streamed, streamed, rates, slowdown)
-        assert moved == spread_pick(list(range(8)), len(moved))  # spread among the tier's layers
+        moved = tier_streamed_in_pass(tier, streamed, 0, rates, slowdown)
+        assert kept(moved) == spread_pick(list(range(8)), 8 - len(moved))  # spread among the tier's layers
         assert pass_s(moved, slowdown) <= min(pass_s([], slowdown), pass_s(list(range(8)), slowdown))
         counts.append(len(moved))
     assert counts == sorted(counts) and 0 < counts[2] < 8, counts
     # 3x slower cores: (8 - k) x 3 = 8 + k balances at k = 4
-    assert len(tier_streamed_in_pass(tier, streamed, streamed, rates, 3.0)) == 4
+    assert len(tier_streamed_in_pass(tier, streamed, 0, rates, 3.0)) == 4
     # a share not min_gain faster than streaming the whole tier: the whole tier (at 10x, keeping
     # one layer on the cores of eight saves under 10%)
-    ten = tier_streamed_in_pass(tier, streamed, streamed, rates, 10.0)
+    ten = tier_streamed_in_pass(tier, streamed, 0, rates, 10.0)
     assert len(ten) < 8 and pass_s(ten, 10.0) > 0.9 * pass_s(list(range(8)), 10.0)
-    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 10.0, min_gain=0.1) == list(range(8))
-    assert tier_streamed_in_pass(tier, streamed, streamed, rates, 3.0, min_gain=0.1) == spread_pick(list(range(8)), 4)
+    assert tier_streamed_in_pass(tier, streamed, 0, rates, 10.0, min_gain=0.1) == list(range(8))
+    assert kept(tier_streamed_in_pass(tier, streamed, 0, rates, 3.0, min_gain=0.1)) == spread_pick(list(range(8)), 4)
 
 
 def test_the_two_roads_share_the_host_memory():
@@ -371,8 +374,8 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
                              resident_layers=RESIDENT, host_layers=HOST, host_wide_rows=2)
     model = eng.core.model
     tier = model.host
-    part = tier.streamed_in(3, 0, 0)
-    assert part == tuple(spread_pick(HOST, 4)) and tier.streamed_in(2, 0, 0) == ()
+    part = tier.streamed_in(3, lambda: (0, 0))
+    assert part == tuple(spread_pick(HOST, 4)) and tier.streamed_in(2, lambda: (0, 0)) == ()
     model.stream.begin_pass(10**6, tier_layers=part)
     runs = model._runs_for(10**6)
     assert [(f, e) for f, e, k in runs if k == "host"] and {i for f, e, k in runs if k == "streamed"
@@ -385,31 +388,34 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     # the share from speeds (NTX_TIER_SHARE=on, an experiment): the cores timed by width, the
     # pass's rows rounded up to a timed width
     monkeypatch.delenv("NTX_TIER_WIDE_STREAMED")
-    assert tier.streamed_in(8, 10**6, 10**6) == tuple(HOST)  # no speeds: all past wide_rows, as before
+    assert tier.streamed_in(8, lambda: (10**6, 0)) == tuple(HOST)  # no speeds: all past wide_rows, as before
     tier.rates = HostRates(50.0, 50.0)
     cost = tier.time_widths(widths=(1, 2, 4), min_time_s=0.001)
     assert set(cost) == {1, 2, 4} and cost[1] == 1.0 and all(c > 0 for c in cost.values())
     tier.width_cost = {1: 1.0, 2: 1.0, 4: 3.0, 8: 100.0}
     tier._split.clear()
-    streamed = sum(tier.layer_bytes.values())  # as many bytes stream as the tier holds
-    assert tier.streamed_in(3, streamed, streamed) == tuple(HOST)  # off by default: all past wide_rows
+    streamed = sum(tier.layer_bytes.values())  # as many bytes stream as the tier holds, none resident
+
+    def roads() -> tuple[int, int]:
+        return streamed, 0
+    assert tier.streamed_in(3, roads) == tuple(HOST)  # off by default: all past wide_rows
     monkeypatch.setenv("NTX_TIER_SHARE", "on")
-    assert tier.streamed_in(1, streamed, streamed) == ()  # one row: the plan's split
-    assert tier.streamed_in(2, streamed, streamed) == ()  # no slower at 2 rows: all on the host
-    three = tier.streamed_in(3, streamed, streamed)  # 3 rows: as 4, three times slower
-    assert 0 < len(three) < len(HOST) and three == tier.streamed_in(4, streamed, streamed)
-    assert tier.streamed_in(7, streamed, streamed) == tuple(HOST)  # 100 times slower: all of it
+    assert tier.streamed_in(1, roads) == ()  # one row: the plan's split
+    assert tier.streamed_in(2, roads) == ()  # no slower at 2 rows: all on the host
+    three = tier.streamed_in(3, roads)  # 3 rows: as 4, three times slower
+    assert 0 < len(three) < len(HOST) and three == tier.streamed_in(4, roads)
+    assert tier.streamed_in(7, roads) == tuple(HOST)  # 100 times slower: all of it
     tier.width_cost[32] = 1.0
-    assert tier.streamed_in(17, streamed, streamed) == tuple(HOST)  # past SHARE_ROWS: all of it, whatever
+    assert tier.streamed_in(17, roads) == tuple(HOST)  # past SHARE_ROWS: all of it, whatever
     assert tier.report()["streamed_by_rows"] == {"2": 0, "4": len(three), "8": len(HOST)}
     # what the tier's own passes measure replaces the products' times: 4-row passes at 50 GB/s
     # (the plan's one-row speed) keep the whole tier on the host again; a 1% change keeps the share
     tier._s_per_byte.clear()
     tier._learn_width(3, 1.0, 50 * 10**9)
-    assert tier.host_slowdown(4) == pytest.approx(1.0) and tier.streamed_in(4, streamed, streamed) == ()
+    assert tier.host_slowdown(4) == pytest.approx(1.0) and tier.streamed_in(4, roads) == ()
     tier._learn_width(4, 1.01 * 4, 50 * 10**9)  # 4x slower per byte, a running mean of 0.7 / 0.3
     assert tier.host_slowdown(4) == pytest.approx(0.7 + 0.3 * 4.04)
-    assert len(tier.streamed_in(4, streamed, streamed)) > 0
+    assert len(tier.streamed_in(4, roads)) > 0
     assert tier.report()["slowdown_by_rows"] == {"4": pytest.approx(1.912, abs=1e-3)}
 
 

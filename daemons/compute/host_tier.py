@@ -37,9 +37,9 @@ from ntx.shared.plan import HostRates, spread_pick, tier_streamed_in_pass, tier_
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
-# the pass widths (rows) at which the cores are timed at start (``HostTier.time_widths``); between
-# them the time is interpolated, beyond the last extrapolated along its last stretch
-TIMED_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+# the pass widths (rows) at which the cores are timed at start (``HostTier.time_widths``): those
+# that may keep part of the tier on the host (``HostTier.SHARE_ROWS``, the widest)
+TIMED_WIDTHS = (1, 2, 4, 8, 16)
 
 
 def share_enabled() -> bool:
@@ -112,7 +112,7 @@ class HostTier:
         self.rates = rates
         # the cores' time for a pass of n rows over a one-row pass's, at TIMED_WIDTHS (time_widths)
         self.width_cost: dict[int, float] = {}
-        # (width, streamed, gpu bytes) -> (streamed_in's layers, the slowdown they were chosen by)
+        # (width, streamed, resident bytes) -> (streamed_in's layers, the slowdown they were chosen by)
         self._split: dict[tuple[int, int, int], tuple[tuple[int, ...], float]] = {}
         # width -> the cores' seconds per file byte in this tier's passes of that width (running mean)
         self._s_per_byte: dict[int, float] = {}
@@ -205,10 +205,10 @@ class HostTier:
         nothing else streams, ``staged``; with a stream, ``streamed_in`` says which)."""
         return self.wide_rows is not None and n_rows > self.wide_rows
 
-    def streamed_in(self, n_rows: int, streamed_bytes: int, gpu_bytes: int) -> tuple[int, ...]:
+    def streamed_in(self, n_rows: int, roads: Callable[[], tuple[int, int]]) -> tuple[int, ...]:
         """The tier's layers that a pass of ``n_rows`` rows takes from the model's stream and runs
-        on the backend (the rest run here), beside the stream's ``streamed_bytes`` and the GPU's
-        ``gpu_bytes`` (resident and streamed layers).
+        on the backend (the rest run here); ``roads()``: the bytes of the stream's other layers and
+        of the resident ones, asked only where a share is chosen.
 
         By default (and without the plan's rates or the widths' times, ``time_widths``): all of
         them in a pass wider than ``wide_rows``, none otherwise. With ``share_enabled`` (an
@@ -226,21 +226,21 @@ class HostTier:
         # rounded: nearby widths ask the ring for the same layers, where a change gives up
         # what dma had copied ahead (RingStream.begin_pass)
         width = timed_width(n_rows)
-        key = (width, streamed_bytes, gpu_bytes)
+        if width > self.SHARE_ROWS and not fixed:
+            return tuple(self.layers)
+        key = (width, *roads())
         if fixed:
             if key not in self._split:
                 picked = spread_pick(list(range(len(self.layers))), int(fixed)) if self.is_wide(width) else []
                 self._split[key] = (tuple(self.layers[i] for i in picked), 0.0)
             return self._split[key][0]
-        if width > self.SHARE_ROWS:
-            return tuple(self.layers)
         slowdown = self.host_slowdown(width)
         known = self._split.get(key)
         # chosen again only when what the cores measured moved it by more than RECHOOSE: each
         # change of the layers asked gives up the copies dma made ahead
         if known is None or abs(slowdown / known[1] - 1.0) > self.RECHOOSE:
-            picked = tier_streamed_in_pass([self.layer_bytes[i] for i in self.layers], streamed_bytes,
-                                           gpu_bytes, self.rates, slowdown, self.MIN_GAIN)
+            picked = tier_streamed_in_pass([self.layer_bytes[i] for i in self.layers], key[1], key[2],
+                                           self.rates, slowdown, self.MIN_GAIN)
             if len(self._split) > 1024:
                 self._split.clear()
             known = self._split[key] = (tuple(self.layers[i] for i in picked), slowdown)
@@ -252,7 +252,7 @@ class HostTier:
     # part of a pass at one row's speed, and passes of 32 and 64 rows keep the GPU busy 16-20% of
     # the time (the 70B at batch 32/64 on the H200), which a share would add to the cores' chain
     MIN_GAIN = 0.1
-    SHARE_ROWS = 16
+    SHARE_ROWS = TIMED_WIDTHS[-1]
     LEARN = 0.7  # the weight of the running mean's past in _learn_width
 
     def host_slowdown(self, n_rows: int) -> float:
@@ -269,7 +269,7 @@ class HostTier:
         learned = self._s_per_byte.get(n_rows)
         if learned is not None and cpu_shared > 0:
             return max(1.0, learned * cpu_shared * 1e9)
-        cost = self._width_cost(n_rows)
+        cost = self.width_cost[n_rows]
         return max(1.0, cost * cpu_shared / self.rates.cpu_gbps) if cpu_shared > 0 else cost
 
     def _learn_width(self, n_rows: int, host_s: float, nbytes: int) -> None:
@@ -282,24 +282,11 @@ class HostTier:
         old = self._s_per_byte.get(width)
         self._s_per_byte[width] = spb if old is None else self.LEARN * old + (1 - self.LEARN) * spb
 
-    def _width_cost(self, n_rows: int) -> float:
-        widths = sorted(self.width_cost)
-        if n_rows in self.width_cost:
-            return self.width_cost[n_rows]
-        lo = max((w for w in widths if w < n_rows), default=widths[0])
-        hi = min((w for w in widths if w > n_rows), default=None)
-        if hi is None:  # beyond the widest: along the last stretch
-            if len(widths) < 2:
-                return self.width_cost[lo] * n_rows / lo
-            lo, hi = widths[-2], widths[-1]
-        a, b = self.width_cost[lo], self.width_cost[hi]
-        return a + (b - a) * (n_rows - lo) / (hi - lo)
-
     def time_widths(self, widths: Sequence[int] = TIMED_WIDTHS, min_time_s: float = 0.02) -> dict[int, float]:
         """Time the cores on the matrix products of one layer of each kind the tier holds (a
         Q4_K_M model's layers with and without Q6_K matrices) at each pass width of ``widths``,
-        and keep each width's time over one row's (``width_cost``). A few seconds on a 70B's
-        layers at start: the products at 64 rows are compute-bound."""
+        and keep each width's time over one row's (``width_cost``). About a second on a 70B's
+        layers at start."""
         from ntx.daemons.compute.probes import layer_kinds
 
         layers = [group[0] for group in layer_kinds(self.index, self.layers).values()]

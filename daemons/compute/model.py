@@ -300,10 +300,12 @@ class LlamaModel:
         tier runs on the host's cores."""
         if self.host is None or self.stream is None or not self.stream.wide_layers:
             return ()
+        return self.host.streamed_in(batch.n_tokens, self._road_bytes)
+
+    def _road_bytes(self) -> tuple[int, int]:
+        """The bytes of the layers the stream brings and of the resident ones (a share's choice)."""
         sizes = self.index.layers
-        streamed = sum(sizes[i].nbytes for i in self.stream.layers)
-        resident = sum(sizes[i].nbytes for i in self.resident)
-        return self.host.streamed_in(batch.n_tokens, streamed, resident + streamed)
+        return sum(sizes[i].nbytes for i in self.stream.layers), sum(sizes[i].nbytes for i in self.resident)
 
     def draft_forward(self, batch: StepBatch, layers: Sequence[int], picks: list[Pick]) -> list[Picked]:
         """A pass through resident ``layers`` alone (in order; the others skipped) and the head:
