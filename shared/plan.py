@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import psutil
 
@@ -141,51 +142,109 @@ def tier_wide_rows_for(backend: str) -> int | None:
     return int(env) if env else None
 
 
-def cpu_split(layer_bytes: list[int], rates: HostRates, gpu_bytes: int = 0, streamed_bytes: int = 0,
-              host_slowdown: float = 1.0) -> int:
+def cpu_split(layer_bytes: list[int], rates: HostRates, gpu_bytes: int = 0) -> int:
     """How many of the candidate layers (``layer_bytes`` each, taken evenly spread as
-    ``spread_pick`` does) go to the cpu tier so that a pass on both roads is fastest
-    (``HostRates.pass_s``; the candidates not taken stream beside ``streamed_bytes`` of other
-    layers, and the GPU computes them beside its ``gpu_bytes`` of resident layers); ties to fewer.
-    ``host_slowdown``: the cores take that many times a one-row pass's time per byte (a pass of
-    several rows, ``tier_streamed_in_pass``)."""
+    ``spread_pick`` does) go to the cpu tier so that a one-row pass on both roads is fastest
+    (``HostRates.pass_s``; the candidates not taken stream, and the GPU computes them beside its
+    ``gpu_bytes`` of resident layers); ties to fewer."""
     n = len(layer_bytes)
     best_n, best_s = 0, float("inf")
     for count in range(n + 1):
         picked = set(spread_pick(list(range(n)), count))
         cpu = sum(b for i, b in enumerate(layer_bytes) if i in picked)
-        streamed = streamed_bytes + sum(layer_bytes) - cpu
-        t_s = rates.pass_s(int(cpu * host_slowdown), streamed, gpu_bytes + streamed)
+        streamed = sum(layer_bytes) - cpu
+        t_s = rates.pass_s(cpu, streamed, gpu_bytes + streamed)
         if t_s < best_s * (1 - 1e-9):
             best_n, best_s = count, t_s
     return best_n
 
 
-def tier_streamed_in_pass(tier_bytes: list[int], streamed_bytes: int, resident_bytes: int, rates: HostRates,
-                          host_slowdown: float, min_gain: float = 0.0) -> list[int]:
-    """Which of the cpu tier's layers (indexes into ``tier_bytes``, the tier's layers in order)
-    a pass streams to the GPU beside its ``streamed_bytes`` (the GPU also computing its
-    ``resident_bytes``), so that it ends soonest, when the host's cores compute each byte
-    ``host_slowdown`` times slower than in a one-row pass (a pass of several rows: verification,
-    a batch; ``HostTier.host_slowdown``). The rest stay on the cores, spread among the tier's
-    layers as ``cpu_split`` keeps them (a copy overlaps the cores' work on the layers around it).
-    The planner balanced the two roads for one row; a pass of 8 rows costs the cores several
-    times that while a streamed layer's copy costs the same. A share that is not ``min_gain``
-    faster than streaming the whole tier streams the whole tier: the model counts the GPU's part
-    of the pass at one row's speed, and not the ring's slots (docs/PERFORMANCE.md, "Part of the
-    tier in passes of a few rows")."""
-    n = len(tier_bytes)
-    kept = set(spread_pick(list(range(n)), cpu_split(tier_bytes, rates, resident_bytes, streamed_bytes,
-                                                        host_slowdown)))
-    moved = [i for i in range(n) if i not in kept]
+GPU, TIER, STREAMED = "gpu", "tier", "streamed"  # a layer's road in one pass (PassRoads.kinds)
 
-    def pass_s(streamed: list[int]) -> float:
-        host = sum(b for i, b in enumerate(tier_bytes) if i not in streamed)
-        link = streamed_bytes + sum(tier_bytes[i] for i in streamed)
-        return rates.pass_s(int(host * host_slowdown), link, resident_bytes + link)
 
-    everything = list(range(n))
-    return moved if pass_s(moved) <= pass_s(everything) * (1 - min_gain) else everything
+@dataclass(frozen=True)
+class PassRoads:
+    """One pass's layers as the model runs them, in order, for choosing which of the cpu tier's
+    layers it streams (``tier_streamed_in_pass``): each one's road (``GPU``: resident; ``TIER``:
+    the cpu tier's; ``STREAMED``: over the link) and file bytes, and the device slots of the
+    ring the streamed ones are copied into (a copy waits for a free slot)."""
+
+    kinds: tuple[str, ...]
+    layer_bytes: tuple[int, ...]
+    slots: int
+
+
+def ring_pass_s(kinds: Sequence[str], run_s: Sequence[float], copy_s: Sequence[float], slots: int) -> float:
+    """One pass's time, layer by layer: the layers run in order, one at a time, each for its
+    ``run_s`` (on the GPU, or on the host's cores for a ``TIER`` layer kept there); a
+    ``STREAMED`` one runs once its copy has landed. The link copies the streamed layers in
+    order, ``copy_s`` each, each into one of ``slots`` device slots, and a slot is free again
+    once the layer it held has run. The slots are what a model of the two roads' bytes alone
+    (``HostRates.pass_s``) misses: while the cores compute a long layer the link fills the free
+    slots and then waits (on the H200 this replayed three 70B runs at batch 8 within 3%:
+    docs/PERFORMANCE.md, "Part of the tier in passes of a few rows"; dev/pipeline/sim_ring.py)."""
+    order = [i for i, k in enumerate(kinds) if k == STREAMED]
+    copy_end: dict[int, float] = {}
+    ran: dict[int, float] = {}
+    nxt, link_free = 0, 0.0
+
+    def copy_what_fits() -> None:  # copies start as the link and a slot are free
+        nonlocal nxt, link_free
+        while nxt < len(order):
+            start = link_free
+            if nxt >= slots:
+                holder = order[nxt - slots]  # the layer whose slot this copy takes
+                if holder not in ran:
+                    return
+                start = max(start, ran[holder])
+            link_free = start + copy_s[order[nxt]]
+            copy_end[order[nxt]] = link_free
+            nxt += 1
+
+    copy_what_fits()
+    t = 0.0
+    for i, kind in enumerate(kinds):
+        if kind == STREAMED:
+            t = max(t, copy_end[i]) + run_s[i]
+            ran[i] = t
+            copy_what_fits()
+        else:
+            t += run_s[i]
+    return t
+
+
+def tier_streamed_in_pass(roads: PassRoads, rates: HostRates, host_slowdown: float,
+                          min_gain: float = 0.0) -> list[int]:
+    """Which of the cpu tier's layers (indexes among ``roads``' ``TIER`` layers, in order) a
+    pass streams to the GPU with its other streamed layers, so that it ends soonest
+    (``ring_pass_s``), when the host's cores compute each byte ``host_slowdown`` times slower
+    than in a one-row pass (a pass of several rows: verification, a batch;
+    ``HostTier.host_slowdown``). Every share is tried, the layers kept on the cores spread among
+    the tier's (``spread_pick``). The planner balanced the two roads for one row; a pass of 8
+    rows costs the cores several times that while a copy costs the same. The two roads run at
+    their speeds beside each other (``HostRates.shared_gbps``); the GPU's layers at one row's
+    speed (``gpu_gbps``; 0: not counted), which undercounts wide passes. A share that is not
+    ``min_gain`` faster than streaming the whole tier streams the whole tier."""
+    tier = [i for i, k in enumerate(roads.kinds) if k == TIER]
+    everything = list(range(len(tier)))
+    cpu_gbps, link_gbps = rates.shared_gbps()
+    if not tier or cpu_gbps <= 0 or link_gbps <= 0:
+        return everything
+    gpu_s = [b / (rates.gpu_gbps * 1e9) if rates.gpu_gbps else 0.0 for b in roads.layer_bytes]
+    copy_s = [b / (link_gbps * 1e9) for b in roads.layer_bytes]
+
+    def pass_s(kept: set[int]) -> float:
+        kinds = [STREAMED if k == TIER and i not in kept else k for i, k in enumerate(roads.kinds)]
+        run_s = [b * host_slowdown / (cpu_gbps * 1e9) if i in kept else g
+                 for i, (b, g) in enumerate(zip(roads.layer_bytes, gpu_s))]
+        return ring_pass_s(kinds, run_s, copy_s, roads.slots)
+
+    # ties to fewer layers on the cores
+    best_s, best_n = min((pass_s(set(spread_pick(tier, n))), n) for n in range(len(tier) + 1))
+    if best_s > pass_s(set()) * (1 - min_gain):
+        return everything
+    kept = set(spread_pick(everything, best_n))
+    return [j for j in everything if j not in kept]
 
 
 def spread_pick(items: list[int], count: int) -> list[int]:

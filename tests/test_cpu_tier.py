@@ -24,8 +24,8 @@ from ntx.shared.config import EngineOptions, InstanceConfig
 from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import EngineRequest
-from ntx.shared.plan import (CPU, RAM, STORAGE, VRAM, WIDE_PASS_ROWS, HostRates, Plan, cpu_split, make_plan,
-                             spread_pick, tier_streamed_in_pass)
+from ntx.shared.plan import (CPU, GPU, RAM, STORAGE, STREAMED, TIER, VRAM, WIDE_PASS_ROWS, HostRates, PassRoads, Plan,
+                             cpu_split, make_plan, ring_pass_s, spread_pick, tier_streamed_in_pass)
 
 from .pipeline_util import ntxctl, running_pipeline
 
@@ -57,38 +57,61 @@ def test_cpu_split_minimises_the_slower_road_with_unequal_layers():
     assert slower(n) == min(slower(c) for c in range(len(sizes) + 1))
 
 
+def _roads_s(roads: PassRoads, rates: HostRates, moved: list[int], slowdown: float) -> float:
+    """A pass's time through the ring (``ring_pass_s``) with the tier's layers ``moved``
+    streamed and the rest on the cores, at ``rates``' speeds beside each other, the GPU's time
+    not counted: as ``tier_streamed_in_pass`` weighs a share."""
+    cpu_gbps, link_gbps = rates.shared_gbps()
+    tier = [i for i, k in enumerate(roads.kinds) if k == TIER]
+    kept = {tier[j] for j in range(len(tier)) if j not in moved}
+    kinds = [STREAMED if k == TIER and i not in kept else k for i, k in enumerate(roads.kinds)]
+    run = [b * slowdown / (cpu_gbps * 1e9) if i in kept else 0.0 for i, b in enumerate(roads.layer_bytes)]
+    return ring_pass_s(kinds, run, [b / (link_gbps * 1e9) for b in roads.layer_bytes], roads.slots)
+
+
 def test_a_pass_of_several_rows_streams_the_share_of_the_tier_its_slower_cores_leave():
-    """The planner balanced the roads for one row (here 8 tier layers against 8 streamed, equal
-    speeds); a pass whose cores take s times as long per byte moves the share that ends it
+    """The planner balanced the roads for one row (here 8 tier layers between 8 streamed ones,
+    equal speeds); a pass whose cores take s times as long per byte moves the share that ends it
     soonest: none at s = 1, all of it when the cores are very slow, more as s grows, and never
     slower than keeping the tier whole on the cores or moving it whole."""
     rates = HostRates(50.0, 50.0)
-    tier, streamed = [100] * 8, 800
-
-    def pass_s(moved: list[int], slowdown: float) -> float:
-        m = sum(tier[i] for i in moved)
-        return rates.pass_s(int((sum(tier) - m) * slowdown), streamed + m, streamed + m)
-
-    def kept(moved: list[int]) -> list[int]:
-        return [i for i in range(8) if i not in moved]
-
-    assert tier_streamed_in_pass(tier, streamed, 0, rates, 1.0) == []
-    assert tier_streamed_in_pass(tier, streamed, 0, rates, 1000.0) == list(range(8))
+    roads = PassRoads((TIER, STREAMED) * 8, (10**9,) * 16, slots=16)
+    everything = list(range(8))
+    assert tier_streamed_in_pass(roads, rates, 1.0) == []
+    assert tier_streamed_in_pass(roads, rates, 1000.0) == everything
     counts = []
     for slowdown in (1.0, 1.5, 2.0, 3.0, 5.0, 10.0):
-        moved = tier_streamed_in_pass(tier, streamed, 0, rates, slowdown)
-        assert kept(moved) == spread_pick(list(range(8)), 8 - len(moved))  # spread among the tier's layers
-        assert pass_s(moved, slowdown) <= min(pass_s([], slowdown), pass_s(list(range(8)), slowdown))
+        moved = tier_streamed_in_pass(roads, rates, slowdown)
+        kept = [j for j in everything if j not in moved]
+        assert kept == spread_pick(everything, 8 - len(moved))  # spread among the tier's layers
+        assert _roads_s(roads, rates, moved, slowdown) <= min(_roads_s(roads, rates, [], slowdown),
+                                                               _roads_s(roads, rates, everything, slowdown))
         counts.append(len(moved))
     assert counts == sorted(counts) and 0 < counts[2] < 8, counts
-    # 3x slower cores: (8 - k) x 3 = 8 + k balances at k = 4
-    assert len(tier_streamed_in_pass(tier, streamed, 0, rates, 3.0)) == 4
-    # a share not min_gain faster than streaming the whole tier: the whole tier (at 10x, keeping
-    # one layer on the cores of eight saves under 10%)
-    ten = tier_streamed_in_pass(tier, streamed, 0, rates, 10.0)
-    assert len(ten) < 8 and pass_s(ten, 10.0) > 0.9 * pass_s(list(range(8)), 10.0)
-    assert tier_streamed_in_pass(tier, streamed, 0, rates, 10.0, min_gain=0.1) == list(range(8))
-    assert kept(tier_streamed_in_pass(tier, streamed, 0, rates, 3.0, min_gain=0.1)) == spread_pick(list(range(8)), 4)
+    # a share not min_gain faster than streaming the whole tier: the whole tier (at 5x, one
+    # layer of eight kept on the cores saves 20 ms of 320)
+    five = tier_streamed_in_pass(roads, rates, 5.0)
+    assert len(five) < 8 and _roads_s(roads, rates, five, 5.0) > 0.9 * _roads_s(roads, rates, everything, 5.0)
+    assert tier_streamed_in_pass(roads, rates, 5.0, min_gain=0.1) == everything
+    three = tier_streamed_in_pass(roads, rates, 3.0)
+    assert 0 < len(three) < 8 and tier_streamed_in_pass(roads, rates, 3.0, min_gain=0.1) == three
+
+
+def test_the_rings_slots_bound_the_share():
+    """The tier's layers ahead of the streamed ones (4 resident, 8 tier, 8 streamed): with a
+    slot for every layer the link copies the streamed layers while the cores work, so a pass 3x
+    slower on the cores keeps part of the tier there; with the ring's two slots the link fills
+    them and waits for the cores, and the whole tier streams (the H200's batch-8 runs:
+    docs/PERFORMANCE.md, "Part of the tier in passes of a few rows")."""
+    rates = HostRates(50.0, 50.0)
+    kinds = (GPU,) * 4 + (TIER,) * 8 + (STREAMED,) * 8
+    many, two = (PassRoads(kinds, (10**9,) * 20, slots) for slots in (16, 2))
+    assert 0 < len(tier_streamed_in_pass(many, rates, 3.0)) < 8
+    assert tier_streamed_in_pass(two, rates, 3.0) == list(range(8))
+    # what the bytes alone say (HostRates.pass_s) would keep some on the cores there too: the
+    # slots are what makes the difference
+    assert cpu_split([10**9] * 8, rates, 0) > 0
+    assert tier_streamed_in_pass(PassRoads((STREAMED,) * 4, (10**9,) * 4, 2), rates, 3.0) == []  # no tier
 
 
 def test_the_two_roads_share_the_host_memory():
@@ -374,8 +397,12 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
                              resident_layers=RESIDENT, host_layers=HOST, host_wide_rows=2)
     model = eng.core.model
     tier = model.host
-    part = tier.streamed_in(3, lambda: (0, 0))
-    assert part == tuple(spread_pick(HOST, 4)) and tier.streamed_in(2, lambda: (0, 0)) == ()
+    roads = model._pass_roads()  # what a share is chosen by: every layer's road in order
+    assert roads.kinds == tuple(GPU if i in RESIDENT else TIER if i in HOST else STREAMED
+                                for i in range(model.index.hparams.n_layers))
+    assert roads.layer_bytes == tuple(layer.nbytes for layer in model.index.layers) and roads.slots == 1
+    part = tier.streamed_in(3, lambda: None)  # a fixed share asks nothing of the roads
+    assert part == tuple(spread_pick(HOST, 4)) and tier.streamed_in(2, lambda: None) == ()
     model.stream.begin_pass(10**6, tier_layers=part)
     runs = model._runs_for(10**6)
     assert [(f, e) for f, e, k in runs if k == "host"] and {i for f, e, k in runs if k == "streamed"
@@ -388,22 +415,29 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     # the share from speeds (NTX_TIER_SHARE=on, an experiment): the cores timed by width, the
     # pass's rows rounded up to a timed width
     monkeypatch.delenv("NTX_TIER_WIDE_STREAMED")
-    assert tier.streamed_in(8, lambda: (10**6, 0)) == tuple(HOST)  # no speeds: all past wide_rows, as before
+    assert tier.streamed_in(8, lambda: None) == tuple(HOST)  # no speeds: all past wide_rows, as before
     tier.rates = HostRates(50.0, 50.0)
     cost = tier.time_widths(widths=(1, 2, 4), min_time_s=0.001)
     assert set(cost) == {1, 2, 4} and cost[1] == 1.0 and all(c > 0 for c in cost.values())
     tier.width_cost = {1: 1.0, 2: 1.0, 4: 3.0, 8: 100.0}
     tier._split.clear()
-    streamed = sum(tier.layer_bytes.values())  # as many bytes stream as the tier holds, none resident
+    # each tier layer followed by a streamed one as large, none resident, a slot for each layer
+    pass_roads = PassRoads(tuple(k for _ in HOST for k in (TIER, STREAMED)),
+                           tuple(tier.layer_bytes[i] for i in HOST for _ in range(2)), slots=2 * len(HOST))
 
-    def roads() -> tuple[int, int]:
-        return streamed, 0
+    def roads() -> PassRoads:
+        return pass_roads
     assert tier.streamed_in(3, roads) == tuple(HOST)  # off by default: all past wide_rows
     monkeypatch.setenv("NTX_TIER_SHARE", "on")
     assert tier.streamed_in(1, roads) == ()  # one row: the plan's split
     assert tier.streamed_in(2, roads) == ()  # no slower at 2 rows: all on the host
     three = tier.streamed_in(3, roads)  # 3 rows: as 4, three times slower
     assert 0 < len(three) < len(HOST) and three == tier.streamed_in(4, roads)
+    # the tier ahead of the streamed layers and two slots: the link would wait for the cores,
+    # so the whole tier streams; the roads a pass is asked with are weighed again when they change
+    blocked = PassRoads((TIER,) * len(HOST) + (STREAMED,) * len(HOST), pass_roads.layer_bytes, slots=2)
+    assert tier.streamed_in(4, lambda: blocked) == tuple(HOST)
+    assert tier.streamed_in(4, roads) == three
     assert tier.streamed_in(7, roads) == tuple(HOST)  # 100 times slower: all of it
     tier.width_cost[32] = 1.0
     assert tier.streamed_in(17, roads) == tuple(HOST)  # past SHARE_ROWS: all of it, whatever

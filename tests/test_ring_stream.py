@@ -37,6 +37,7 @@ def _from_compute(dma) -> list[m.Message]:
 
 def test_a_pass_wants_ahead_receives_in_order_and_frees(ring):
     stream, dma = ring
+    assert stream.n_slots == 2  # what the cpu tier's share is weighed with (plan.ring_pass_s)
     stream.begin_pass(0)
     assert _from_compute(dma) == [m.Want(pass_id=0, layers=[2, 3]), m.Want(pass_id=1, layers=[2, 3])]
     dma.send(m.SlotReady(slot=1, layer=2, pass_id=0).encode())

@@ -33,7 +33,7 @@ from ntx.shared.align import aligned_empty
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into
-from ntx.shared.plan import HostRates, spread_pick, tier_streamed_in_pass, tier_wide_rows_for
+from ntx.shared.plan import HostRates, PassRoads, spread_pick, tier_streamed_in_pass, tier_wide_rows_for
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
@@ -48,7 +48,8 @@ def share_enabled() -> bool:
     24 GiB, batch 8, two leases) at 0.92x streaming the whole tier: while the cores computed a
     layer of 8 rows (25 ms), dma filled the ring's two slots and then waited (blocked 29% of the
     pass), so the link idled where the model had it copying (docs/PERFORMANCE.md, "Part of the
-    tier in passes of a few rows")."""
+    tier in passes of a few rows"). The share is now weighed through the ring's slots
+    (``plan.ring_pass_s``), which replays those runs within 3%; not yet measured on the GPU."""
     return os.environ.get("NTX_TIER_SHARE", "").strip().lower() in ("on", "1", "yes")
 
 
@@ -112,8 +113,8 @@ class HostTier:
         self.rates = rates
         # the cores' time for a pass of n rows over a one-row pass's, at TIMED_WIDTHS (time_widths)
         self.width_cost: dict[int, float] = {}
-        # (width, streamed, resident bytes) -> (streamed_in's layers, the slowdown they were chosen by)
-        self._split: dict[tuple[int, int, int], tuple[tuple[int, ...], float]] = {}
+        # width -> (streamed_in's layers, the slowdown and the pass's roads they were chosen by)
+        self._split: dict[int, tuple[tuple[int, ...], float, PassRoads | None]] = {}
         # width -> the cores' seconds per file byte in this tier's passes of that width (running mean)
         self._s_per_byte: dict[int, float] = {}
         self.weights: dict[int, Any] = {}
@@ -205,17 +206,17 @@ class HostTier:
         nothing else streams, ``staged``; with a stream, ``streamed_in`` says which)."""
         return self.wide_rows is not None and n_rows > self.wide_rows
 
-    def streamed_in(self, n_rows: int, roads: Callable[[], tuple[int, int]]) -> tuple[int, ...]:
+    def streamed_in(self, n_rows: int, roads: Callable[[], PassRoads]) -> tuple[int, ...]:
         """The tier's layers that a pass of ``n_rows`` rows takes from the model's stream and runs
-        on the backend (the rest run here); ``roads()``: the bytes of the stream's other layers and
-        of the resident ones, asked only where a share is chosen.
+        on the backend (the rest run here); ``roads()``: the pass's layers in order, each one's
+        road and bytes, and the ring's slots, asked only where a share is chosen.
 
         By default (and without the plan's rates or the widths' times, ``time_widths``): all of
         them in a pass wider than ``wide_rows``, none otherwise. With ``share_enabled`` (an
-        experiment, measured slower so far), in passes of up to ``SHARE_ROWS`` rows: the share
-        that ends the pass soonest (``plan.tier_streamed_in_pass``), where it beats streaming the
-        whole tier by ``MIN_GAIN``. Streaming all of it makes a pass of 8 rows on the 70B at 24
-        GiB cost 1.8x a one-row pass, which is what a share would win back.
+        experiment), in passes of up to ``SHARE_ROWS`` rows: the share that ends the pass soonest
+        layer by layer through the ring's slots (``plan.tier_streamed_in_pass``), where it beats
+        streaming the whole tier by ``MIN_GAIN``. Streaming all of it makes a pass of 8 rows on
+        the 70B at 24 GiB cost 1.8x a one-row pass, which is what a share would win back.
         ``NTX_TIER_WIDE_STREAMED=N`` (tests): N of them, spread, in a pass wider than
         ``wide_rows`` (its rows rounded up to a timed width, as the speeds' choice is)."""
         if self.staged or self.wide_rows is None or n_rows <= 1:
@@ -228,30 +229,30 @@ class HostTier:
         width = timed_width(n_rows)
         if width > self.SHARE_ROWS and not fixed:
             return tuple(self.layers)
-        key = (width, *roads())
         if fixed:
-            if key not in self._split:
+            if width not in self._split:
                 picked = spread_pick(list(range(len(self.layers))), int(fixed)) if self.is_wide(width) else []
-                self._split[key] = (tuple(self.layers[i] for i in picked), 0.0)
-            return self._split[key][0]
+                self._split[width] = (tuple(self.layers[i] for i in picked), 0.0, None)
+            return self._split[width][0]
         slowdown = self.host_slowdown(width)
-        known = self._split.get(key)
-        # chosen again only when what the cores measured moved it by more than RECHOOSE: each
-        # change of the layers asked gives up the copies dma made ahead
-        if known is None or abs(slowdown / known[1] - 1.0) > self.RECHOOSE:
-            picked = tier_streamed_in_pass([self.layer_bytes[i] for i in self.layers], key[1], key[2],
-                                           self.rates, slowdown, self.MIN_GAIN)
-            if len(self._split) > 1024:
-                self._split.clear()
-            known = self._split[key] = (tuple(self.layers[i] for i in picked), slowdown)
+        known = self._split.get(width)
+        # chosen again only when the pass's roads changed (a layer demoted, the KV cache's
+        # doing) or what the cores measured moved by more than RECHOOSE: each change of the
+        # layers asked gives up the copies dma made ahead
+        pass_roads = roads()
+        if known is None or known[2] != pass_roads or abs(slowdown / known[1] - 1.0) > self.RECHOOSE:
+            picked = tier_streamed_in_pass(pass_roads, self.rates, slowdown, self.MIN_GAIN)
+            # the roads' TIER layers are this tier's, in layer order
+            known = self._split[width] = (tuple(self.layers[j] for j in picked), slowdown, pass_roads)
         return known[0]
 
     RECHOOSE = 0.1  # how far the measured slowdown moves before a width's share is chosen again
-    # a share is taken only where it is this much faster than streaming the whole tier, and only
-    # in passes of up to SHARE_ROWS rows (verify trees, small batches): the model counts the GPU's
-    # part of a pass at one row's speed, and passes of 32 and 64 rows keep the GPU busy 16-20% of
-    # the time (the 70B at batch 32/64 on the H200), which a share would add to the cores' chain
-    MIN_GAIN = 0.1
+    # a share is taken only where it is this much faster than streaming the whole tier (the
+    # ring's model replayed the H200's batch-8 runs within 3%), and only in passes of up to
+    # SHARE_ROWS rows (verify trees, small batches): the model counts the GPU's part of a pass at
+    # one row's speed, and passes of 32 and 64 rows keep the GPU busy 16-20% of the time (the 70B
+    # at batch 32/64 on the H200), which a share would add to the cores' chain
+    MIN_GAIN = 0.05
     SHARE_ROWS = TIMED_WIDTHS[-1]
     LEARN = 0.7  # the weight of the running mean's past in _learn_width
 
@@ -346,7 +347,7 @@ class HostTier:
                 "wide_rows": self.wide_rows, "wide_passes": self.wide_passes,
                 "width_cost": {str(n): round(c, 3) for n, c in self.width_cost.items()},
                 # rows (rounded up to a timed width) -> how many of the tier's layers such a pass streams
-                "streamed_by_rows": {str(k[0]): len(v[0]) for k, v in sorted(self._split.items())},
+                "streamed_by_rows": {str(k): len(v[0]) for k, v in sorted(self._split.items())},
                 # rows -> the cores' slowdown per byte measured in such passes (host_slowdown)
                 "slowdown_by_rows": {str(w): round(self.host_slowdown(w), 3) for w in sorted(self._s_per_byte)}
                 if self.rates is not None else {},

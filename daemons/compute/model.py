@@ -25,7 +25,7 @@ from ntx.shared.errors import NtxError
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into, read_tensor
-from ntx.shared.plan import HostRates
+from ntx.shared.plan import GPU, STREAMED, TIER, HostRates, PassRoads
 
 
 def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) -> None:
@@ -72,6 +72,7 @@ class LayerStream(Protocol):
         holds; returns the first pass id that is still fresh."""
 
     layers: list[int]  # the layers the passes from now on stream
+    n_slots: int  # the layers it can hold at once (copied ahead of the one running)
     standby: set[int]  # layers that may be demoted to streamed (their bytes can be brought in)
 
     def layers_for(self, pass_id: int) -> list[int]:
@@ -99,6 +100,7 @@ class FileLayerStream:
         self.layers = list(streamed_layers)
         self.standby = set(range(index.hparams.n_layers))
         self.wide_layers: list[int] = []
+        self.n_slots = 1  # one layer read at a time, in the pass
         self._begun = -1  # the last pass begun
         self._begun_tier: tuple[int, ...] = ()  # the cpu tier's layers it streams
 
@@ -300,12 +302,19 @@ class LlamaModel:
         tier runs on the host's cores."""
         if self.host is None or self.stream is None or not self.stream.wide_layers:
             return ()
-        return self.host.streamed_in(batch.n_tokens, self._road_bytes)
+        return self.host.streamed_in(batch.n_tokens, self._pass_roads)
 
-    def _road_bytes(self) -> tuple[int, int]:
-        """The bytes of the layers the stream brings and of the resident ones (a share's choice)."""
-        sizes = self.index.layers
-        return sum(sizes[i].nbytes for i in self.stream.layers), sum(sizes[i].nbytes for i in self.resident)
+    def _pass_roads(self) -> PassRoads:
+        """The pass's layers in order, each one's road and bytes, and the ring's slots (a
+        share's choice, ``HostTier.streamed_in``)."""
+        tier, streamed, sizes = self.host.layer_set, set(self.stream.layers), self.index.layers
+        kinds, nbytes = [], []
+        for i in range(self.index.hparams.n_layers):
+            kind = GPU if i in self.resident else TIER if i in tier else STREAMED if i in streamed else None
+            if kind is not None:  # None: skipped
+                kinds.append(kind)
+                nbytes.append(sizes[i].nbytes)
+        return PassRoads(tuple(kinds), tuple(nbytes), self.stream.n_slots)
 
     def draft_forward(self, batch: StepBatch, layers: Sequence[int], picks: list[Pick]) -> list[Picked]:
         """A pass through resident ``layers`` alone (in order; the others skipped) and the head:

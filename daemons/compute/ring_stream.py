@@ -53,6 +53,7 @@ class RingStream:
     ) -> None:
         self.sock = sock
         self.slot_bufs = slot_bufs
+        self.n_slots = len(slot_bufs)
         self.layers = list(streamed_layers)  # what the passes from ``layers_from`` on stream
         self.layers_from = 0
         self._earlier: list[tuple[int, list[int]]] = []  # (first pass, layers) of lists still wanted by some pass

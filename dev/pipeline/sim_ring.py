@@ -2,7 +2,8 @@
 in passes of a few rows ran slower than streaming it whole (docs/PERFORMANCE.md, "Part of the
 tier in passes of a few rows"), and what it would take.
 
-The model (a lab tool; the engine does not use it):
+The model (``ntx.shared.plan.ring_pass_s``, which the engine's share now chooses by, with
+``NTX_TIER_SHARE=on``; this tool replays a bench file's run through it):
   - the layers run in order, one at a time: a resident layer on the GPU (``gpu_ms``), a
     cpu-tier layer kept on the host on the cores (``host_ms``), a streamed one on the GPU once
     its copy has landed (``gpu_ms`` after it);
@@ -22,52 +23,21 @@ from __future__ import annotations
 import json
 import sys
 
-
-def spread_pick(items: list[int], count: int) -> list[int]:
-    """As ntx.shared.plan.spread_pick (kept here so that this file runs on its own)."""
-    count = min(count, len(items))
-    return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(count)] if count > 0 else []
+from ntx.shared.plan import GPU, STREAMED, TIER, ring_pass_s, spread_pick
 
 
 def pass_ms(tiers: list[str], moved: set[int], slots: int, host_ms: float, gpu_ms: float, copy_ms: float) -> float:
-    """One pass's time: ``tiers`` per layer ("vram", "cpu", "ram", "storage", "skipped"), the
-    cpu-tier layers in ``moved`` streamed with the others, the rest of the tier on the host."""
-    kinds = []
+    """One pass's time (``plan.ring_pass_s``) with every layer alike: ``tiers`` per layer
+    ("vram", "cpu", "ram", "storage", "skipped"), the cpu-tier layers in ``moved`` streamed with
+    the others, the rest of the tier on the host."""
+    kinds, run_ms = [], []
     for i, t in enumerate(tiers):
         if t == "skipped":
             continue
-        kinds.append((i, "gpu" if t == "vram" else "host" if t == "cpu" and i not in moved else "streamed"))
-    order = [i for i, k in kinds if k == "streamed"]
-    copy_end: dict[int, float] = {}
-    ran: dict[int, float] = {}
-    nxt, link_free = 0, 0.0
-
-    def copy_what_fits() -> None:  # copies start as the link and a slot are free
-        nonlocal nxt, link_free
-        while nxt < len(order):
-            if nxt >= slots:
-                holder = order[nxt - slots]  # the layer whose slot this copy takes
-                if holder not in ran:
-                    return
-                start = max(link_free, ran[holder])
-            else:
-                start = link_free
-            link_free = start + copy_ms
-            copy_end[order[nxt]] = link_free
-            nxt += 1
-
-    copy_what_fits()
-    t = 0.0
-    for i, kind in kinds:
-        if kind == "gpu":
-            t += gpu_ms
-        elif kind == "host":
-            t += host_ms
-        else:
-            t = max(t, copy_end[i]) + gpu_ms
-            ran[i] = t
-            copy_what_fits()
-    return t
+        kind = GPU if t == "vram" else TIER if t == "cpu" and i not in moved else STREAMED
+        kinds.append(kind)
+        run_ms.append(host_ms if kind == TIER else gpu_ms)
+    return ring_pass_s(kinds, run_ms, [copy_ms] * len(kinds), slots)
 
 
 def main(path: str, k: int) -> None:
