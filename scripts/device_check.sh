@@ -28,6 +28,8 @@
 #   prompt against a short one (scripts/bench_first_requests.py) into $OUT/first_requests.json.
 # --gemm-paths: time each matrix-product path per matrix (dev/cuda/bench_gemm_paths.py, GEMM_ARGS
 #   passed to it) into $OUT/gemm_paths.{json,log}.
+# --lab-tests: the kernel lab's tests (pytest dev/cuda; the positional pytest args go to them too,
+#   e.g. -k mvq2_rows) into $OUT/lab-tests.log.
 # --mmq-rows: mmq at one and two rows (mmq_rows_kernel) against mmq_kernel and the i16 matvec, its
 #   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
 # --draft-acceptance: drafting without a model on the real SmolLM2 on the GPU (scripts/draft_acceptance.py
@@ -63,7 +65,7 @@ export PYTHONUNBUFFERED=1
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
 QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; MMQ_ROWS=0
-CPU_COMPARE=0; DRAFT_ACC=0; CLUSTER=0; PYTEST_ARGS=()
+CPU_COMPARE=0; DRAFT_ACC=0; CLUSTER=0; LAB_TESTS=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
     --quick) QUICK="--quick" ;;
@@ -78,6 +80,7 @@ for a in "$@"; do
     --first-requests) FIRST=1 ;;
     --gemm-paths) GEMM=1 ;;
     --mmq-rows) MMQ_ROWS=1 ;;
+    --lab-tests) LAB_TESTS=1 ;;
     --cpu-compare) CPU_COMPARE=1 ;;
     --draft-acceptance) DRAFT_ACC=1 ;;
     --cluster-bench) CLUSTER=1 ;;
@@ -160,6 +163,10 @@ if [ "$TESTS" = 1 ]; then
   "${PYTEST[@]}" "$REPO/tests/gpu" -q -p no:cacheprovider --timeout 600 --junitxml="$OUT/tests.xml" \
     "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/tests.log"
   rc=${PIPESTATUS[0]}
+fi
+if [ "$LAB_TESTS" = 1 ]; then
+  "${PYTEST[@]}" "$REPO/dev/cuda" -q -p no:cacheprovider --timeout 600 "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/lab-tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "$BENCH" = 1 ]; then
   python3 "$REPO/scripts/bench_kernels.py" $QUICK --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

@@ -150,7 +150,8 @@ def main() -> None:
     ap.add_argument("--sweep-mm", action="store_true",
                     help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS[, MT])")
     ap.add_argument("--paths", default=None,
-                    help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq); default all")
+                    help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq, mvq2_rows, "
+                         "mvq2_rows_nt1); default all")
     ap.add_argument("--sweep-mv", action="store_true",
                     help="time only the matvec (--mv-variants) at every (rows per CTA, warps, pieces per trip), B <= 8")
     ap.add_argument("--mv-variants", default="i16,i16s",
@@ -195,6 +196,9 @@ def main() -> None:
                         paths["mm_direct"] = lambda i: lab.mm(CTX, ws[i % len(ws)], x, out=out, staged=False)
                 if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:
                     paths["mmq"] = lambda i: lab.mmq(CTX, ws[i % len(ws)], x, out=out)
+                if qt in (12, 13, 14):  # the i16 matvec's bits at any rows (batch-invariant candidate)
+                    paths["mvq2_rows"] = lambda i: lab.mvq2_rows(CTX, ws[i % len(ws)], x, out=out)
+                    paths["mvq2_rows_nt1"] = lambda i: lab.mvq2_rows(CTX, ws[i % len(ws)], x, out=out, nt=1)
                 if args.paths:
                     keep = set(args.paths.split(","))
                     paths = {k: v for k, v in paths.items() if k in keep}

@@ -32,7 +32,8 @@ SWEEP = [(nr, u) for nr in MV_ROWS_PER_CTA for u in (1, 2)]  # (rows per CTA, pi
 
 def lab_names() -> dict[str, list[str]]:
     """{source: instantiations} of everything lab.py launches."""
-    out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": [], "mmq_rows.cu": []}
+    out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": [], "mmq_rows.cu": [],
+                                 "mvq2_rows.cu": []}
     for q in QUANT_TYPES.values():
         qt = int(q.qtype)
         for cut in q.cuts:
@@ -47,6 +48,8 @@ def lab_names() -> dict[str, list[str]]:
             out["mm.cu"] += instances.mm_names(qt, "v2")
             out["mmq.cu"] += lab.mmq_names(qt, 2)
             out["mmq_rows.cu"] += [n for tile in lab.MMQ_ROWS_TILES for n in lab.mmq_rows_names(qt, tile)]
+            if qt in (12, 13, 14):
+                out["mvq2_rows.cu"] += list(lab.mvq2_rows_names(qt))
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
 
@@ -57,7 +60,8 @@ def main() -> int:
     a = ap.parse_args()
     ok = True
     for source, names in lab_names().items():
-        path = {"lab.cu": lab.LAB_SOURCE, "mmq_rows.cu": lab.MMQ_ROWS_SOURCE}.get(source, source)
+        path = {"lab.cu": lab.LAB_SOURCE, "mmq_rows.cu": lab.MMQ_ROWS_SOURCE,
+                "mvq2_rows.cu": lab.MVQ2_ROWS_SOURCE}.get(source, source)
         names = names[::max(1, len(names) // 64)][:64] if a.quick else names
         ok &= compile_one(source, a.arch, False, names=names, source=kernel_source(path))
     print("ALL OK" if ok else "ERRORS")

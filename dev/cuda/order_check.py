@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""The order mvq2_rows_kernel adds a row's pieces in, against the i16 matvec's, in numpy float32
+(no GPU): the matvec's lanes each chain their pieces (p = L, L + S, ...; S = 32 nw), each warp's
+butterfly (xor 16, 8, 4, 2, 1) is read by lane 0, the warps are added in turn from 0; the lab
+kernel walks the lanes of each warp in bit-reversed order, each lane's chain whole, pairing
+them as the butterfly does (t1..t4). Random pieces spanning many magnitudes; exit status 1 on
+any bit that differs. A plain left-to-right sum differs from the matvec's in most trials, so the
+check can tell orders apart.
+
+    python dev/cuda/order_check.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+f32 = np.float32
+
+
+def matvec_order(v: np.ndarray, nw: int) -> np.float32:
+    S = 32 * nw
+    lanes = np.zeros(S, dtype=f32)
+    for L in range(S):
+        acc = f32(0)
+        for p in range(L, len(v), S):
+            acc = f32(acc + v[p])
+        lanes[L] = acc
+    total = f32(0)
+    for w in range(nw):
+        lv = lanes[32 * w:32 * (w + 1)].copy()
+        for o in (16, 8, 4, 2, 1):
+            lv = np.array([f32(lv[i] + lv[i ^ o]) for i in range(32)], dtype=f32)
+        total = f32(total + lv[0])
+    return total
+
+
+def kernel_order(v: np.ndarray, nw: int) -> np.float32:
+    S, total = 32 * nw, f32(0)
+    t1 = t2 = t3 = t4 = f32(0)
+    for ws in range(nw):
+        for k in range(0, 32, 2):
+            lane = int(f"{k:05b}"[::-1], 2)  # __brev(k) >> 27
+            a = b = f32(0)
+            for p in range(32 * ws + lane, len(v), S):
+                a = f32(a + v[p])
+            for p in range(32 * ws + lane + 16, len(v), S):
+                b = f32(b + v[p])
+            x = f32(a + b)
+            if not k & 2:
+                t1 = x
+                continue
+            x = f32(t1 + x)
+            if not k & 4:
+                t2 = x
+                continue
+            x = f32(t2 + x)
+            if not k & 8:
+                t3 = x
+                continue
+            x = f32(t3 + x)
+            if not k & 16:
+                t4 = x
+                continue
+            total = f32(total + f32(t4 + x))
+    return total
+
+
+def main() -> int:
+    rng = np.random.default_rng(1)
+    bad = differs = trials = 0
+    for n in (3, 16, 128, 448, 1000):
+        for nw in (1, 2, 4, 8):
+            for _ in range(20):
+                v = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 3)).astype(f32)
+                want = matvec_order(v, nw)
+                bad += want.tobytes() != kernel_order(v, nw).tobytes()
+                plain = f32(0)
+                for x in v:
+                    plain = f32(plain + x)
+                differs += want.tobytes() != plain.tobytes()
+                trials += 1
+    print(f"{trials} trials: the kernel's order differs from the matvec's in {bad}; a plain sum in {differs}")
+    return 1 if bad or differs < trials // 2 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
