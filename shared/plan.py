@@ -184,6 +184,7 @@ def ring_pass_s(kinds: Sequence[str], run_s: Sequence[float], copy_s: Sequence[f
     slots and then waits (on the H200 this replayed three 70B runs at batch 8 within 3%:
     docs/PERFORMANCE.md, "Part of the tier in passes of a few rows"; dev/pipeline/sim_ring.py)."""
     order = [i for i, k in enumerate(kinds) if k == STREAMED]
+    slots = max(1, slots)  # a copy needs somewhere to land
     copy_end: dict[int, float] = {}
     ran: dict[int, float] = {}
     nxt, link_free = 0, 0.0

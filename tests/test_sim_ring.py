@@ -37,6 +37,12 @@ def test_a_long_host_layer_leaves_the_link_waiting_for_a_slot():
     assert ring_pass_s([STREAMED] * 4, [1.0] * 4, [9.0] * 4, 2) == pytest.approx(37.0)
 
 
+def test_one_slot_copies_each_layer_after_the_last_one_ran():
+    # the file stream (one layer read at a time) and a ring said to have none alike
+    for slots in (1, 0):
+        assert ring_pass_s([STREAMED] * 3, [1.0] * 3, [9.0] * 3, slots) == pytest.approx(30.0)
+
+
 def test_each_layer_has_its_own_times():
     # a 4 ms copy lands while the 5 ms host layer runs; the second copy (6 ms) waits for no slot
     assert ring_pass_s([TIER, STREAMED, STREAMED], [5.0, 1.0, 2.0], [0.0, 4.0, 6.0], 2) == pytest.approx(12.0)
