@@ -38,7 +38,7 @@ def matvec_order(v: np.ndarray, nw: int) -> np.float32:
 
 def kernel_order(v: np.ndarray, nw: int) -> np.float32:
     S, total = 32 * nw, f32(0)
-    t1 = t2 = t3 = t4 = f32(0)
+    held = [f32(0)] * 4  # the kernel's t1..t4: a pair of lanes, 4, 8, 16 lanes waiting for their twin
     for ws in range(nw):
         for k in range(0, 32, 2):
             lane = int(f"{k:05b}"[::-1], 2)  # __brev(k) >> 27
@@ -48,22 +48,13 @@ def kernel_order(v: np.ndarray, nw: int) -> np.float32:
             for p in range(32 * ws + lane + 16, len(v), S):
                 b = f32(b + v[p])
             x = f32(a + b)
-            if not k & 2:
-                t1 = x
-                continue
-            x = f32(t1 + x)
-            if not k & 4:
-                t2 = x
-                continue
-            x = f32(t2 + x)
-            if not k & 8:
-                t3 = x
-                continue
-            x = f32(t3 + x)
-            if not k & 16:
-                t4 = x
-                continue
-            total = f32(total + f32(t4 + x))
+            for level in range(4):  # k's bits 1-4: the first of a pair waits, the second joins it
+                if not k & (2 << level):
+                    held[level] = x
+                    break
+                x = f32(held[level] + x)
+            else:
+                total = f32(total + x)  # the warp's sum, after the warps before it
     return total
 
 
