@@ -16,8 +16,13 @@ also search that history:
     own text's 2-5-token matches, or before its one-token matches, or as the longest match.
 
 Greedy replay is exact: a verify pass accepts the draft's longest prefix that the greedy text
-continues with, and yields one token more. ``python dev/spec/draft_history.py`` (about 4 min on
+continues with, and yields one token more. ``python dev/spec/draft_history.py`` (about 2.5 min on
 the 2-core VM).
+
+``--orders`` asks instead how ``--draft suffix`` should rank the recent text's matches against
+the sequence's own: the nine texts' greedy outputs replayed in the script's order, twice (the
+second round finds the first in the recent text, as a repeated task or an agent loop would),
+with the engine's rule (the longest match first, the own text's among equals) and three others.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from pathlib import Path
 
 from ntx.ctl.local import build_local_engine
 from ntx.ctl.models import ensure_default_model
-from ntx.daemons.compute.lookup import MAX_NGRAM, MIN_NGRAM, WEAK_NGRAM, LookupDrafter, NgramIndex, RecentText
+from ntx.daemons.compute.lookup import (MAX_NGRAM, MIN_NGRAM, WEAK_NGRAM, LookupDrafter, NgramIndex, RecentText,
+                                        tree_of_paths)
 from ntx.daemons.compute.speculation import DraftRequest, DraftTree
 from ntx.shared.config import EngineOptions
 from ntx.shared.messages import EngineRequest
@@ -127,11 +133,67 @@ class PooledHistory(LookupDrafter):
         return tree
 
 
+class RankedSuffix(LookupDrafter):
+    """``--draft suffix`` with the recent text's matches ranked against the own text's by
+    ``rule``: "own first" (all of the own text's, one-token ones included, then the recent
+    text's), "own strong first" (the own text's 2-5-token matches, the recent text's, then the
+    own one-token ones), "recent if 2 longer" (a recent match 2 tokens longer than the own
+    text's longest goes first)."""
+
+    def __init__(self, rule: str) -> None:
+        super().__init__("suffix")
+        self.rule = rule
+
+    def _propose(self, r: DraftRequest) -> DraftTree:
+        idx = self.own.setdefault(r.seq_id, NgramIndex(min_n=WEAK_NGRAM))
+        idx.extend(r.tokens, len(r.tokens) - 1)
+        tail = r.tokens[max(0, len(r.tokens) - MAX_NGRAM):]
+        min_n = WEAK_NGRAM if r.weak else MIN_NGRAM
+        own = [(n, idx.walk(tail, tok, r.depth, min_n)) for n, tok in idx.candidates(tail, min_n)[: r.width]]
+        recent = sorted(self.recent.continuations(tail, r.depth, r.width), key=lambda f: -f[0])
+        if self.rule == "own first":
+            found = own + recent
+        elif self.rule == "own strong first":
+            found = [f for f in own if f[0] >= MIN_NGRAM] + recent + [f for f in own if f[0] < MIN_NGRAM]
+        else:
+            longest = max((f[0] for f in own), default=0)
+            found = [f for f in recent if f[0] >= longest + 2] + own + [f for f in recent if f[0] < longest + 2]
+        paths: list[list[int]] = []
+        for _, path in found:
+            if path not in paths:
+                paths.append(path)
+        return tree_of_paths(paths[: r.width], r.depth * r.width)
+
+
+def orders(eng) -> None:
+    texts = {name: (kind, eng.prompt_tokens(messages=msgs)) for name, (kind, msgs) in tasks().items()}
+    outputs = dict(zip(texts, generate(eng, [p for _, p in texts.values()])))
+    rules = {"longest first (the engine's)": lambda: LookupDrafter("suffix")}
+    rules.update({rule: (lambda r=rule: RankedSuffix(r)) for rule in ("own first", "own strong first",
+                                                                      "recent if 2 longer")})
+    print(f"the nine texts twice, chains of {DEPTH}, one-token matches on (tokens a decode pass by kind):")
+    for label, make in rules.items():
+        drafter, line = make(), []
+        for rnd in (1, 2):
+            pooled: dict[str, list[int]] = {}
+            for name, (kind, p) in texts.items():
+                n, t, _, _ = replay(drafter, p, outputs[name])
+                pooled.setdefault(kind, [0, 0])
+                pooled[kind][0] += n
+                pooled[kind][1] += t
+            line.append(f"round {rnd}: " + ", ".join(f"{k} {t / n:.3f}" for k, (n, t) in pooled.items()))
+        print(f"  {label:<30} " + "; ".join(line))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=int, default=0, help="held-out documents (0: all)")
+    ap.add_argument("--orders", action="store_true", help="rank --draft suffix's matches by other rules (above)")
     a = ap.parse_args()
     eng = build_local_engine(str(ensure_default_model()), "cpu", options=EngineOptions(max_batch=8, ctx=2048))
+    if a.orders:
+        orders(eng)
+        return 0
     docs = held_out_documents()
     docs = docs[: a.docs] if a.docs else docs
     t0 = time.monotonic()
