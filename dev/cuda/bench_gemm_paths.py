@@ -196,7 +196,7 @@ def main() -> None:
                         paths["mm_direct"] = lambda i: lab.mm(CTX, ws[i % len(ws)], x, out=out, staged=False)
                 if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:
                     paths["mmq"] = lambda i: lab.mmq(CTX, ws[i % len(ws)], x, out=out)
-                if qt in (12, 13, 14):  # the i16 matvec's bits at any rows (batch-invariant candidate)
+                if quant_type(qt).dp4a:  # the i16 matvec's bits at any rows (batch-invariant candidate)
                     paths["mvq2_rows"] = lambda i: lab.mvq2_rows(CTX, ws[i % len(ws)], x, out=out)
                     paths["mvq2_rows_nt1"] = lambda i: lab.mvq2_rows(CTX, ws[i % len(ws)], x, out=out, nt=1)
                 if args.paths:

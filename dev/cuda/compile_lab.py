@@ -40,6 +40,7 @@ def lab_names() -> dict[str, list[str]]:
             for nr, u in SWEEP:
                 out["matvec.cu"] += instances.mv_names(qt, nr, u, cut)
         if q.dp4a:
+            out["mvq2_rows.cu"] += list(lab.mvq2_rows_names(qt))
             for nr, u in SWEEP:
                 out["lab.cu"] += lab.dp4a_names(qt, nr, u) + lab.i16s_names(qt, nr, u)
                 out["matvec.cu"] += instances.i16_names(qt, nr, u)
@@ -48,8 +49,7 @@ def lab_names() -> dict[str, list[str]]:
             out["mm.cu"] += instances.mm_names(qt, "v2")
             out["mmq.cu"] += lab.mmq_names(qt, 2)
             out["mmq_rows.cu"] += [n for tile in lab.MMQ_ROWS_TILES for n in lab.mmq_rows_names(qt, tile)]
-            if qt in (12, 13, 14):
-                out["mvq2_rows.cu"] += list(lab.mvq2_rows_names(qt))
+
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
 

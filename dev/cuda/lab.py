@@ -20,7 +20,7 @@ runs.
   gemm_dp4a             gemm with int8 activations: the dp4a matvec in chunks of 8 rows up to 64.
   mvq2_rows(nw=...)     the i16 matvec's bits for any number of rows of x (mvq2_rows.cu), on the
                         int8 tensor cores: for a batch-invariant mode that keeps the matvec at
-                        1-8 rows. The K-quants; not yet run on a GPU.
+                        1-8 rows. Every type the i16 matvec takes; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -335,15 +335,14 @@ def mmq_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, tile: i
 
 def mvq2_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, nw: int | None = None, nt: int = 2,
               planes=None, accumulate: bool = False):
-    """out[b, r] = sum_c W[r, c] x[b, c] for any number of rows of x (Q4_K, Q5_K, Q6_K) with each row's
+    """out[b, r] = sum_c W[r, c] x[b, c] for any number of rows of x (every type the i16 matvec takes) with each row's
     bits of the i16 matvec (production matvec.matvec) at ``nw`` warps a CTA (default: the
     device's launch at 8 rows, the batch-invariant table's one), through mvq2_rows_kernel
     (mvq2_rows.cu): ``nt`` tiles of 8 rows of x a warp, up to MVQ2_ROWS_MAX_WARPS warps a CTA.
     planes: the i16 planes of x (matvec.i16_quantize), as production's matvec takes them."""
     q = quant_type(w.qtype)
-    if int(q.qtype) not in (12, 13, 14) or w.n_cols % 256:
-        raise ValueError(f"mvq2_rows decodes Q4_K, Q5_K and Q6_K rows of a multiple of 256 columns, not {q.name} "
-                         f"of {w.n_cols}")
+    if not q.dp4a:
+        raise ValueError(f"mvq2_rows takes the types the i16 matvec takes, not {q.name}")
     if nt not in MVQ2_ROWS_TILES:
         raise ValueError(f"mvq2_rows: nt must be one of {MVQ2_ROWS_TILES}")
     x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MVQ2_ROWS_MAX_B, "mvq2_rows")

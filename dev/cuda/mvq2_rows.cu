@@ -8,7 +8,8 @@
 // CTA, nw) and gives the wider passes the matvec's order instead of mmq's.
 //
 // The matvec's value of (x row b, weight row r), per piece p of the row (a piece: Q4_K/Q5_K's
-// 16 positions of two sub-blocks, Q6_K's 8 of four groups; 8 a 256-column block):
+// 16 positions of two sub-blocks, Q6_K's 8 of four groups, 8 a 256-column block; Q8_0's 16, two a
+// block of 32; Q4_0/Q4_1/Q5_0/Q5_1's whole block of 32):
 //   v_p   = dot(plane 1) + dot(plane 2), dot = QDTraits::dot (f32 steps on exact integer sums);
 //   lane  = the chain of lane slot L = w * 32 + l over its pieces p = L, L + S, L + 2S, ...
 //           (S = 32 nw), in increasing p, from 0.f: acc += v_p;
@@ -23,10 +24,11 @@
 // order: for each warp slot w, the 32 lanes in bit-reversed order, each lane's chain whole, the
 // tree's partial sums held in t1..t4 (a lane pair, 4 lanes, 8, 16) and the warps' running sum in
 // total. The integer sums of a piece come from m16n8k16 int8 mma (Q4_K/Q5_K: two 16-position
-// segments, two planes; Q6_K: four 8-position segments, half of each mma zero), its f32 steps
-// are QDTraits::dot's. A CTA holds WA warps over the rows of x (its
+// segments, two planes; Q6_K: four 8-position segments, half of each mma zero; Q8_0: one of 16;
+// the 32-blocks: one m16n8k32), its f32 steps are QDTraits::dot's. A CTA holds WA warps over the rows of x (its
 // weight rows are read once from DRAM; the other warps find them in L1/L2).
-// xq, ds, xq2, ds2: quantize_x2_kernel's planes of x [B, n_cols] (matvec.cu). Q4_K, Q5_K, Q6_K.
+// xq, ds, xq2, ds2: quantize_x2_kernel's planes of x [B, n_cols] (matvec.cu). Every type the i16
+// matvec takes: the K-quants, Q8_0, Q4_0/Q4_1/Q5_0/Q5_1.
 // Launched by dev/cuda/lab.py (mvq2_rows).
 
 #include "matvec.cuh"
@@ -35,6 +37,12 @@ __device__ __forceinline__ void mma_s8_k16_zero(int (&c)[4], u32 a0, u32 a1, u32
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
         : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+}
+
+__device__ __forceinline__ void mma_s8_k32_zero(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
 }
 
 __device__ __forceinline__ u32 pick4(const u32 (&v)[4], int i) {  // v[i] without local memory
@@ -92,6 +100,59 @@ __device__ __forceinline__ void mvq2_rows_piece(const u8* w0, const u8* w1, int 
                     d2 = fmaf(e.ds1 * x2g1.x, (float)s21[ci], d2);
                     d2 = fmaf(-e.dm0, x2g0.y, d2);
                     d2 = fmaf(-e.dm1, x2g1.y, d2);
+                    chain[nt][ci] += d1 + d2;
+                }
+            }
+        }
+    } else if constexpr (QT == 8) {  // Q8_0: one segment of 16 positions (16j..16j + 15 of the block)
+        const u32 a0 = pick4(e0.q, tig), a1 = pick4(e1.q, tig);
+        const int col0 = blk * 32 + 16 * j + 4 * tig;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const long long xo = (long long)xr[nt] * n_cols + col0;
+            int s1[4], s2[4];
+            mma_s8_k16_zero(s1, a0, a1, *(const u32*)(xq + xo));
+            mma_s8_k16_zero(s2, a0, a1, *(const u32*)(xq2 + xo));
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const long long go = (long long)cr[nt][h] * ng + blk;
+                const float g1 = ds[go].x, g2 = ds2[go].x;
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    const typename T::Dec& e = rr ? e1 : e0;
+                    const int ci = 2 * rr + h;
+                    const float d1 = e.d * g1 * (float)s1[ci], d2 = e.d * g2 * (float)s2[ci];
+                    chain[nt][ci] += d1 + d2;  // as the matvec's: the same expression, so the same
+                                               // contraction of its products into an FMA
+                }
+            }
+        }
+    } else if constexpr (QT == 2 || QT == 3 || QT == 6 || QT == 7) {  // Q4_0/Q4_1/Q5_0/Q5_1: a block of 32
+        // positions, one m16n8k32 per plane (positions 0-15 the low nibbles, 16-31 the high)
+        const u32 a0 = pick4(e0.lo, tig), a1 = pick4(e1.lo, tig), a2 = pick4(e0.hi, tig), a3 = pick4(e1.hi, tig);
+        const int col0 = blk * 32 + 4 * tig;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const long long xo = (long long)xr[nt] * n_cols + col0;
+            int s1[4], s2[4];
+            mma_s8_k32_zero(s1, a0, a1, a2, a3, *(const u32*)(xq + xo), *(const u32*)(xq + xo + 16));
+            mma_s8_k32_zero(s2, a0, a1, a2, a3, *(const u32*)(xq2 + xo), *(const u32*)(xq2 + xo + 16));
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const long long go = (long long)cr[nt][h] * ng + blk;
+                const float2 g1 = ds[go], g2 = ds2[go];
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    const typename T::Dec& e = rr ? e1 : e0;
+                    const int ci = 2 * rr + h;
+                    float d1, d2;
+                    if constexpr (T::HAS_M) {
+                        d1 = fmaf(e.d * g1.x, (float)s1[ci], e.m * g1.y);
+                        d2 = fmaf(e.d * g2.x, (float)s2[ci], e.m * g2.y);
+                    } else {
+                        d1 = e.d * fmaf(g1.x, (float)s1[ci], -T::OFF * g1.y);
+                        d2 = e.d * fmaf(g2.x, (float)s2[ci], -T::OFF * g2.y);
+                    }
                     chain[nt][ci] += d1 + d2;
                 }
             }

@@ -406,12 +406,13 @@ def test_mmq_rows_is_mmq_bits(qt, n_rows, n_cols, tile, rng):
 # ------------------------------------------------------------------------------ mvq2_rows
 @pytest.mark.parametrize("nw", [4, 2, 8])
 @pytest.mark.parametrize("n_rows,n_cols", [(203, 4096), (64, 14336), (1040, 512)])
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qt", [q for q in ALL_TYPES if quant_type(q).dp4a], ids=lambda q: q.name)
 def test_mvq2_rows_is_the_i16_matvecs_bits_at_any_rows(qt, n_rows, n_cols, nw, rng):
     """mvq2_rows_kernel gives each row of x the bits of production's i16 matvec at ``nw`` warps a
     CTA (whatever its rows per CTA and pieces per trip), at 1-8 rows, and the same bits for a row
     in a pass of 1, 9, 64 or 300 rows: a batch-invariant product that keeps the matvec at 1-8
-    rows. 4096 columns at 4 warps: one piece a lane; 14336: three or four; 512: most lanes none."""
+    rows. The K-quants at 4096 columns and 4 warps: one piece a lane; 14336: three or four; 512:
+    most lanes none. The 32-column blocks: a piece a block (Q8_0: two), up to 7 a lane."""
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
     x = cp.asarray(rng.standard_normal((300, n_cols)).astype(np.float32))
     alone = np.stack([cp.asnumpy(lab.matvec(CTX, w, x[i:i + 1], variant="i16", config=(2, nw, 1)))[0]
