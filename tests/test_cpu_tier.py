@@ -451,6 +451,14 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     assert tier.host_slowdown(4) == pytest.approx(0.7 + 0.3 * 4.04)
     assert len(tier.streamed_in(4, roads)) > 0
     assert tier.report()["slowdown_by_rows"] == {"4": pytest.approx(1.912, abs=1e-3)}
+    # the engine's own passes choose through the model's roads (every layer in order, the file
+    # stream's one slot): three sequences decode in passes of 3 rows (a width of 4), and the
+    # tokens stay the reference's
+    tier._s_per_byte.clear()
+    tier._split.clear()
+    tier.width_cost = {1: 1.0, 2: 1.0, 4: 3.0, 8: 100.0, 16: 100.0}
+    assert _greedy_all(eng, PROMPTS, N_TOKENS) == reference
+    assert "4" in tier.report()["streamed_by_rows"]
 
 
 # -- the pipeline -------------------------------------------------------------------------------
