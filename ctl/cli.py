@@ -1041,7 +1041,8 @@ def _duration(seconds: float) -> str:
 
 
 @app.command()
-@record_options("backend", "vram_budget", "ram_budget", "gpu_layers", "cpu_layers", "placement", "skip_layers", "kernels", help={
+@record_options("backend", "vram_budget", "ram_budget", "gpu_layers", "cpu_layers", "placement", "skip_layers", "kernels",
+                "ring_slots", help={
     "vram_budget": "for (a), (b), (c): e.g. 24GiB", "ram_budget": "for (a); (b) uses 0",
     "skip_layers": "skip: (a) without these layers: a list, a calibrate profile, or PROFILE:N"})
 def bench(

@@ -26,6 +26,7 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(model), "--backend", "cpu",
          "--gpu-layers", "1", "--tokens", "6", "--scenarios", "a,b,c,check,skip", "--skip-layers", "2", "--out", str(out),
+         "--ring-slots", "3",
          "--listen", f"tcp://127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=600, env=env,
     )
@@ -35,6 +36,7 @@ def test_bench_cpu_reports_decode_passes_limits_and_equal_tokens(tmp_path):
     by = {s["label"]: s for s in rep["scenarios"]}
     assert set(by) == {"a", "b", "c", "check", "skip"}
     assert by["a"]["plan_tiers"] == {"vram": 1, "cpu": 0, "ram": 3, "storage": 0, "skipped": 0}
+    assert {by[k]["status"]["plan"]["n_slots"] for k in ("a", "b", "skip")} == {3}  # --ring-slots reaches them
     assert by["b"]["plan_tiers"] == {"vram": 1, "cpu": 0, "ram": 0, "storage": 3, "skipped": 0}
     # (skip): (a) without layer 2, whose bytes no pass moves any more
     assert by["skip"]["plan_tiers"] == {"vram": 1, "cpu": 0, "ram": 2, "storage": 0, "skipped": 1}
