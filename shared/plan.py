@@ -214,38 +214,52 @@ def ring_pass_s(kinds: Sequence[str], run_s: Sequence[float], copy_s: Sequence[f
     return t
 
 
+def tier_share_pass_s(roads: PassRoads, rates: HostRates, host_slowdown: float, moved: Sequence[int]) -> float:
+    """A pass's time (``ring_pass_s``) with the cpu tier's layers ``moved`` (indexes among
+    ``roads``' ``TIER`` layers, in order) streamed with the others and the rest of the tier on
+    the host's cores, each byte ``host_slowdown`` times a one-row pass's time there. The two roads
+    run at their speeds beside each other (``HostRates.shared_gbps``); the GPU's layers at one
+    row's speed (``gpu_gbps``; 0: not counted), which undercounts wide passes."""
+    cpu_gbps, link_gbps = rates.shared_gbps()
+    tier = [i for i, k in enumerate(roads.kinds) if k == TIER]
+    streamed_tier = {tier[j] for j in moved}
+    kinds, run_s = [], []
+    for i, (kind, nbytes) in enumerate(zip(roads.kinds, roads.layer_bytes)):
+        on_cores = kind == TIER and i not in streamed_tier
+        kinds.append(TIER if on_cores else GPU if kind == GPU else STREAMED)
+        if on_cores:
+            run_s.append(nbytes * host_slowdown / (cpu_gbps * 1e9) if cpu_gbps > 0 else float("inf"))
+        else:
+            run_s.append(nbytes / (rates.gpu_gbps * 1e9) if rates.gpu_gbps else 0.0)
+    copy_s = [b / (link_gbps * 1e9) if link_gbps > 0 else float("inf") for b in roads.layer_bytes]
+    return ring_pass_s(kinds, run_s, copy_s, roads.slots)
+
+
 def tier_streamed_in_pass(roads: PassRoads, rates: HostRates, host_slowdown: float,
                           min_gain: float = 0.0) -> list[int]:
     """Which of the cpu tier's layers (indexes among ``roads``' ``TIER`` layers, in order) a
     pass streams to the GPU with its other streamed layers, so that it ends soonest
-    (``ring_pass_s``), when the host's cores compute each byte ``host_slowdown`` times slower
-    than in a one-row pass (a pass of several rows: verification, a batch;
-    ``HostTier.host_slowdown``). Every share is tried, the layers kept on the cores spread among
-    the tier's (``spread_pick``). The planner balanced the two roads for one row; a pass of 8
-    rows costs the cores several times that while a copy costs the same. The two roads run at
-    their speeds beside each other (``HostRates.shared_gbps``); the GPU's layers at one row's
-    speed (``gpu_gbps``; 0: not counted), which undercounts wide passes. A share that is not
-    ``min_gain`` faster than streaming the whole tier streams the whole tier."""
-    tier = [i for i, k in enumerate(roads.kinds) if k == TIER]
-    everything = list(range(len(tier)))
-    cpu_gbps, link_gbps = rates.shared_gbps()
-    if not tier or cpu_gbps <= 0 or link_gbps <= 0:
+    (``tier_share_pass_s``, layer by layer through the ring's slots), when the host's cores
+    compute each byte ``host_slowdown`` times slower than in a one-row pass (a pass of several
+    rows: verification, a batch; ``HostTier.host_slowdown``). Every share is tried, the layers
+    kept on the cores spread among the tier's (``spread_pick``). The planner balanced the two
+    roads for one row; a pass of 8 rows costs the cores several times that while a copy costs
+    the same. A share that is not ``min_gain`` faster than streaming the whole tier streams the
+    whole tier."""
+    everything = list(range(sum(k == TIER for k in roads.kinds)))
+    if not everything or min(rates.shared_gbps()) <= 0:
         return everything
-    gpu_s = [b / (rates.gpu_gbps * 1e9) if rates.gpu_gbps else 0.0 for b in roads.layer_bytes]
-    copy_s = [b / (link_gbps * 1e9) for b in roads.layer_bytes]
 
-    def pass_s(kept: set[int]) -> float:
-        kinds = [STREAMED if k == TIER and i not in kept else k for i, k in enumerate(roads.kinds)]
-        run_s = [b * host_slowdown / (cpu_gbps * 1e9) if i in kept else g
-                 for i, (b, g) in enumerate(zip(roads.layer_bytes, gpu_s))]
-        return ring_pass_s(kinds, run_s, copy_s, roads.slots)
+    def moved(kept_count: int) -> list[int]:
+        kept = set(spread_pick(everything, kept_count))
+        return [j for j in everything if j not in kept]
 
     # ties to fewer layers on the cores
-    best_s, best_n = min((pass_s(set(spread_pick(tier, n))), n) for n in range(len(tier) + 1))
-    if best_s > pass_s(set()) * (1 - min_gain):
+    best_s, best_n = min((tier_share_pass_s(roads, rates, host_slowdown, moved(n)), n)
+                         for n in range(len(everything) + 1))
+    if best_s > tier_share_pass_s(roads, rates, host_slowdown, everything) * (1 - min_gain):
         return everything
-    kept = set(spread_pick(everything, best_n))
-    return [j for j in everything if j not in kept]
+    return moved(best_n)
 
 
 def spread_pick(items: list[int], count: int) -> list[int]:

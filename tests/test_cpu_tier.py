@@ -25,7 +25,7 @@ from ntx.shared.errors import ConfigError
 from ntx.shared.gguf_index import open_model
 from ntx.shared.messages import EngineRequest
 from ntx.shared.plan import (CPU, GPU, RAM, STORAGE, STREAMED, TIER, VRAM, WIDE_PASS_ROWS, HostRates, PassRoads, Plan,
-                             cpu_split, make_plan, ring_pass_s, spread_pick, tier_streamed_in_pass)
+                             cpu_split, make_plan, spread_pick, tier_share_pass_s, tier_streamed_in_pass)
 
 from .pipeline_util import ntxctl, running_pipeline
 
@@ -58,15 +58,19 @@ def test_cpu_split_minimises_the_slower_road_with_unequal_layers():
 
 
 def _roads_s(roads: PassRoads, rates: HostRates, moved: list[int], slowdown: float) -> float:
-    """A pass's time through the ring (``ring_pass_s``) with the tier's layers ``moved``
-    streamed and the rest on the cores, at ``rates``' speeds beside each other, the GPU's time
-    not counted: as ``tier_streamed_in_pass`` weighs a share."""
-    cpu_gbps, link_gbps = rates.shared_gbps()
-    tier = [i for i, k in enumerate(roads.kinds) if k == TIER]
-    kept = {tier[j] for j in range(len(tier)) if j not in moved}
-    kinds = [STREAMED if k == TIER and i not in kept else k for i, k in enumerate(roads.kinds)]
-    run = [b * slowdown / (cpu_gbps * 1e9) if i in kept else 0.0 for i, b in enumerate(roads.layer_bytes)]
-    return ring_pass_s(kinds, run, [b / (link_gbps * 1e9) for b in roads.layer_bytes], roads.slots)
+    return tier_share_pass_s(roads, rates, slowdown, moved)
+
+
+def test_a_shares_pass_time_runs_each_layer_on_its_road():
+    """Two tier layers of 1 GB around a streamed one, cores and link at 50 GB/s (20 ms a layer),
+    the GPU's time not counted: both tier layers on the cores (the second 3x slower: 60 ms),
+    the link copying the streamed one meanwhile; or the first streamed too."""
+    rates = HostRates(50.0, 50.0)
+    roads = PassRoads((TIER, STREAMED, TIER), (10**9,) * 3, slots=2)
+    assert tier_share_pass_s(roads, rates, 3.0, []) == pytest.approx(0.060 + 0.060)
+    # the first tier layer streamed: two copies back to back (40 ms), then the cores' 60 ms
+    assert tier_share_pass_s(roads, rates, 3.0, [0]) == pytest.approx(0.040 + 0.060)
+    assert tier_share_pass_s(roads, rates, 3.0, [0, 1]) == pytest.approx(0.060)  # three copies
 
 
 def test_a_pass_of_several_rows_streams_the_share_of_the_tier_its_slower_cores_leave():
@@ -442,6 +446,9 @@ def test_a_pass_of_several_rows_runs_part_of_the_tier_on_the_host_and_streams_th
     tier.width_cost[32] = 1.0
     assert tier.streamed_in(17, roads) == tuple(HOST)  # past SHARE_ROWS: all of it, whatever
     assert tier.report()["streamed_by_rows"] == {"2": 0, "4": len(three), "8": len(HOST)}
+    predicted = tier.report()["share_predicted_ms"]  # the ring model's pass, for status
+    assert set(predicted) == {"2", "4", "8"} and predicted["4"]["share"] < predicted["4"]["whole_tier"]
+    assert predicted["8"]["share"] == predicted["8"]["whole_tier"]  # the whole tier is the share
     # what the tier's own passes measure replaces the products' times: 4-row passes at 50 GB/s
     # (the plan's one-row speed) keep the whole tier on the host again; a 1% change keeps the share
     tier._s_per_byte.clear()

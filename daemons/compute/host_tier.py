@@ -33,7 +33,8 @@ from ntx.shared.align import aligned_empty
 from ntx.shared.gguf_index import ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into
-from ntx.shared.plan import HostRates, PassRoads, spread_pick, tier_streamed_in_pass, tier_wide_rows_for
+from ntx.shared.plan import (HostRates, PassRoads, spread_pick, tier_share_pass_s, tier_streamed_in_pass,
+                             tier_wide_rows_for)
 
 
 PREPARE_THREADS = 8  # layers unpacked at once when the tier is loaded (each holds its temporaries)
@@ -115,6 +116,7 @@ class HostTier:
         self.width_cost: dict[int, float] = {}
         # width -> (streamed_in's layers, the slowdown and the pass's roads they were chosen by)
         self._split: dict[int, tuple[tuple[int, ...], float, PassRoads | None]] = {}
+        self._predicted_s: dict[int, tuple[float, float]] = {}  # width -> (its share's pass, the whole tier's)
         # width -> the cores' seconds per file byte in this tier's passes of that width (running mean)
         self._s_per_byte: dict[int, float] = {}
         self.weights: dict[int, Any] = {}
@@ -244,6 +246,11 @@ class HostTier:
             picked = tier_streamed_in_pass(pass_roads, self.rates, slowdown, self.MIN_GAIN)
             # the roads' TIER layers are this tier's, in layer order
             known = self._split[width] = (tuple(self.layers[j] for j in picked), slowdown, pass_roads)
+            # what the ring's model predicts for the share and for the whole tier (status), to
+            # hold beside the passes measured at this width
+            self._predicted_s[width] = (
+                tier_share_pass_s(pass_roads, self.rates, slowdown, picked),
+                tier_share_pass_s(pass_roads, self.rates, slowdown, range(len(self.layers))))
         return known[0]
 
     RECHOOSE = 0.1  # how far the measured slowdown moves before a width's share is chosen again
@@ -314,6 +321,7 @@ class HostTier:
         base = times[min(times)]
         self.width_cost = {n: t / base for n, t in times.items()}
         self._split.clear()
+        self._predicted_s.clear()
         return self.width_cost
 
     def wide_ops(self, ws: Workspace, pass_id: int) -> Backend:
@@ -348,6 +356,9 @@ class HostTier:
                 "width_cost": {str(n): round(c, 3) for n, c in self.width_cost.items()},
                 # rows (rounded up to a timed width) -> how many of the tier's layers such a pass streams
                 "streamed_by_rows": {str(k): len(v[0]) for k, v in sorted(self._split.items())},
+                # rows -> the ring model's pass (ms) with that share and with the whole tier streamed
+                "share_predicted_ms": {str(w): {"share": round(a * 1e3, 1), "whole_tier": round(b * 1e3, 1)}
+                                       for w, (a, b) in sorted(self._predicted_s.items())},
                 # rows -> the cores' slowdown per byte measured in such passes (host_slowdown)
                 "slowdown_by_rows": {str(w): round(self.host_slowdown(w), 3) for w in sorted(self._s_per_byte)}
                 if self.rates is not None else {},
