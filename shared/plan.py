@@ -254,12 +254,10 @@ def tier_streamed_in_pass(roads: PassRoads, rates: HostRates, host_slowdown: flo
         kept = set(spread_pick(everything, kept_count))
         return [j for j in everything if j not in kept]
 
-    # ties to fewer layers on the cores
-    best_s, best_n = min((tier_share_pass_s(roads, rates, host_slowdown, moved(n)), n)
-                         for n in range(len(everything) + 1))
-    if best_s > tier_share_pass_s(roads, rates, host_slowdown, everything) * (1 - min_gain):
-        return everything
-    return moved(best_n)
+    # by layers kept on the cores; none kept is the whole tier streamed
+    pass_s = [tier_share_pass_s(roads, rates, host_slowdown, moved(n)) for n in range(len(everything) + 1)]
+    best_n = min(range(len(pass_s)), key=pass_s.__getitem__)  # ties to fewer layers on the cores
+    return everything if pass_s[best_n] > pass_s[0] * (1 - min_gain) else moved(best_n)
 
 
 def spread_pick(items: list[int], count: int) -> list[int]:

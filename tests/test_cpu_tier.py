@@ -57,10 +57,6 @@ def test_cpu_split_minimises_the_slower_road_with_unequal_layers():
     assert slower(n) == min(slower(c) for c in range(len(sizes) + 1))
 
 
-def _roads_s(roads: PassRoads, rates: HostRates, moved: list[int], slowdown: float) -> float:
-    return tier_share_pass_s(roads, rates, slowdown, moved)
-
-
 def test_a_shares_pass_time_runs_each_layer_on_its_road():
     """Two tier layers of 1 GB around a streamed one, cores and link at 50 GB/s (20 ms a layer),
     the GPU's time not counted: both tier layers on the cores (the second 3x slower: 60 ms),
@@ -88,14 +84,15 @@ def test_a_pass_of_several_rows_streams_the_share_of_the_tier_its_slower_cores_l
         moved = tier_streamed_in_pass(roads, rates, slowdown)
         kept = [j for j in everything if j not in moved]
         assert kept == spread_pick(everything, 8 - len(moved))  # spread among the tier's layers
-        assert _roads_s(roads, rates, moved, slowdown) <= min(_roads_s(roads, rates, [], slowdown),
-                                                               _roads_s(roads, rates, everything, slowdown))
+        none, whole = (tier_share_pass_s(roads, rates, slowdown, m) for m in ([], everything))
+        assert tier_share_pass_s(roads, rates, slowdown, moved) <= min(none, whole)
         counts.append(len(moved))
     assert counts == sorted(counts) and 0 < counts[2] < 8, counts
     # a share not min_gain faster than streaming the whole tier: the whole tier (at 5x, one
     # layer of eight kept on the cores saves 20 ms of 320)
     five = tier_streamed_in_pass(roads, rates, 5.0)
-    assert len(five) < 8 and _roads_s(roads, rates, five, 5.0) > 0.9 * _roads_s(roads, rates, everything, 5.0)
+    assert len(five) < 8
+    assert tier_share_pass_s(roads, rates, 5.0, five) > 0.9 * tier_share_pass_s(roads, rates, 5.0, everything)
     assert tier_streamed_in_pass(roads, rates, 5.0, min_gain=0.1) == everything
     three = tier_streamed_in_pass(roads, rates, 3.0)
     assert 0 < len(three) < 8 and tier_streamed_in_pass(roads, rates, 3.0, min_gain=0.1) == three
