@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ntx.ctl.local import build_local_engine
 from ntx.ctl.models import ensure_default_model
+from ntx.daemons.compute.lookup import tree_paths
 from ntx.shared.config import EngineOptions
 from ntx.shared.messages import EngineRequest
 from ntx.shared.sampling_fields import SamplingParams
@@ -91,21 +92,21 @@ def run_task(engine, prompt: list[int], n: int) -> dict:
 
 
 class PassTrace:
-    """Records what a chain drafter proposed at each pass (its constructor wraps the drafter's
+    """Records what a drafter proposed at each pass (its constructor wraps the drafter's
     ``propose``), so that ``trace`` can say, once the greedy tokens are known, how many of each
     proposal they accepted: the (drafted, accepted) passes a replay on another model repeats
-    (daemons/compute/replay.py)."""
+    (daemons/compute/replay.py). A tree's pass is its nodes and its longest path that the
+    tokens follow: the replay drafts a chain of as many rows with as many right, which costs
+    a streamed pass what the tree did (its rows, not their shape, set the time)."""
 
     def __init__(self, drafter) -> None:
-        self.calls: list[tuple[int, list[int]]] = []  # (the position the draft starts at, its tokens)
+        self.calls: list[tuple[int, list[list[int]], int]] = []  # (the draft's start, its paths, its nodes)
         inner = drafter.propose
 
         def propose(requests):
             trees = inner(requests)
             for r, tree in zip(requests, trees):
-                if any(p != i - 1 for i, p in enumerate(tree.parents)):
-                    raise SystemExit("--trace-out: a traced drafter must draft chains (KIND:1:fixed)")
-                self.calls.append((len(r.tokens), list(tree.tokens)))
+                self.calls.append((len(r.tokens), tree_paths(tree), len(tree)))
             return trees
 
         drafter.propose = propose
@@ -113,11 +114,14 @@ class PassTrace:
     def trace(self, full: list[int]) -> list[list[int]]:
         """The passes recorded since the last call, against ``full`` (prompt and greedy tokens)."""
         out = []
-        for pos, draft in self.calls:
-            accepted = 0
-            while accepted < len(draft) and pos + accepted < len(full) and draft[accepted] == full[pos + accepted]:
-                accepted += 1
-            out.append([len(draft), accepted])
+        for pos, paths, nodes in self.calls:
+            best = 0
+            for path in paths:
+                accepted = 0
+                while accepted < len(path) and pos + accepted < len(full) and path[accepted] == full[pos + accepted]:
+                    accepted += 1
+                best = max(best, accepted)
+            out.append([nodes, best])
         self.calls.clear()
         return out
 
@@ -129,13 +133,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--drafters", nargs="+", default=["ngram:1", "ngram:auto", "suffix:auto"],
-                    help="KIND:WIDTH[:fixed], KIND ngram or suffix, WIDTH a number or auto; fixed: every "
+                    help="KIND:WIDTH[:fixed], KIND ngram, suffix or lookahead, WIDTH a number or auto; fixed: every "
                          "pass drafts --draft-tokens (WIDTH wide, a chain when auto), whatever this host's pass "
                          "costs make the tree shape choose: the drafter's own acceptance, as where a verify "
                          "pass costs what a plain one does (a streamed model)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-out", default=None, metavar="DIR",
-                    help="write each KIND:1:fixed drafter's passes per kind of text, as (drafted, accepted) pairs, "
+                    help="write each fixed drafter's passes per kind of text, as (drafted, accepted) pairs, "
                          "to DIR/trace-KIND-TASK.json: what `ntxctl bench --spec-accept-trace` replays on another model")
     a = ap.parse_args()
     model = a.model or str(ensure_default_model())
@@ -159,7 +163,7 @@ def main() -> int:
         eng = build_local_engine(model, a.backend, options=EngineOptions(
             max_batch=1, ctx=ctx, draft=kind, draft_tokens=a.draft_tokens,
             draft_width=None if width == "auto" else int(width), draft_fixed=bool(fixed)))
-        tracer = PassTrace(eng.core.drafter) if a.trace_out and width == "1" and fixed else None
+        tracer = PassTrace(eng.core.drafter) if a.trace_out and fixed else None
         traces: dict[str, list[list[int]]] = {}
         width = width + (":fixed" if fixed else "")
         mine = []

@@ -147,7 +147,8 @@ NAME_ENV, LISTEN_ENV = "NTX_NAME", "NTX_LISTEN"
 # never in the environment of the supervisor, the gateway or the daemons
 API_KEY_ENV = "NTX_API_KEY"
 MAX_DRAFT_TOKENS = 512
-LOOKUP_DRAFTS = ("ngram", "suffix")  # --draft: drafting without a model (daemons/compute/lookup.py)
+# --draft: drafting without a model (daemons/compute/lookup.py; lookahead: daemons/compute/lookahead.py)
+LOOKUP_DRAFTS = ("ngram", "suffix", "lookahead")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BACKENDS = ("cuda", "cpu")
 IO_MODES = ("auto", "direct", "buffered", "mmap")
@@ -239,9 +240,10 @@ class EngineOptions:
                                            read="all_or_layers")  # True: every resident layer
     self_draft_skip: list[int] | None = _option(None, "draft without these layers: a list, a calibrate profile, or "
                                                 "PROFILE:N (its N most similar layers)", read="layers_or_profile")
-    draft: str | None = _option(None, "draft without a model: ngram (prompt lookup in the request's own text) or "
-                                      "suffix (and in the instance's recent requests); with --draft-model or "
-                                      "--self-draft, their trees are merged")
+    draft: str | None = _option(None, "draft without a model: ngram (prompt lookup in the request's own text), "
+                                      "suffix (and in the instance's recent requests) or lookahead (and n-grams the "
+                                      "model guesses in spare verify rows: for --draft-tokens 16 or more); with "
+                                      "--draft-model or --self-draft, their trees are merged")
     draft_tokens: int = _option(4, f"tokens drafted per sequence and pass (1-{MAX_DRAFT_TOKENS})")
     draft_width: int | None = _option(None, "the draft tree's width (1 = a chain), or auto: chosen from measured "
                                       "acceptance", read="auto_or_count", cli_default="auto")
@@ -306,7 +308,7 @@ class EngineOptions:
             raise ConfigError(f"--max-batch {self.max_batch}: must be at least 1")
         self.kernel_options  # noqa: B018 - parsed for its ConfigError
         if self.draft is not None and self.draft not in LOOKUP_DRAFTS:
-            raise ConfigError(f"--draft {self.draft}: choose {' or '.join(LOOKUP_DRAFTS)}")
+            raise ConfigError(f"--draft {self.draft}: choose {', '.join(LOOKUP_DRAFTS[:-1])} or {LOOKUP_DRAFTS[-1]}")
         if self.draft_model is not None and self.drafts_itself:
             raise ConfigError("choose one drafter: --self-draft or --draft-model, not both")
         if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:

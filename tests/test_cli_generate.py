@@ -106,7 +106,7 @@ def test_generate_drafts_without_a_model_in_process(ntxctl):
     assert spec["speculation"]["verify_passes"] > 0 and spec["speculation"]["accepted"] > 0, spec["speculation"]
     r = ntxctl("generate", "--draft", "ngrams", FRANCE)
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
-    assert r.stderr.splitlines()[-1] == "ntxctl: error: --draft ngrams: choose ngram or suffix", r.stderr
+    assert r.stderr.splitlines()[-1] == "ntxctl: error: --draft ngrams: choose ngram, suffix or lookahead", r.stderr
 
 
 @pytest.mark.parametrize(

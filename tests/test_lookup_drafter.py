@@ -183,10 +183,15 @@ def test_the_acceptance_script_has_nine_texts_of_three_kinds_and_pools_them():
     d.propose([req(full[:7], depth=3)])  # (1, 2, 3) -> 4 1 2: none
     d.propose([req([5, 6], depth=3, seq_id=1)])  # nothing seen: nothing drafted
     assert tracer.trace(full) == [[3, 1], [3, 0], [0, 0]] and tracer.calls == []
+    # a tree: its nodes, and the longest of its paths that the tokens follow
+    d = LookupDrafter("ngram")
+    tracer = script.PassTrace(d)
+    d.propose([req([1, 2, 7, 1, 2, 3, 1, 2], depth=2, width=2)])  # (1, 2) -> 7 1 | 3 1: 4 nodes
+    assert tracer.trace([1, 2, 7, 1, 2, 3, 1, 2, 3, 1]) == [[4, 2]]
 
 
 def test_a_bad_draft_name_is_one_clear_line():
-    with pytest.raises(ConfigError, match="--draft ngrams: choose ngram or suffix"):
+    with pytest.raises(ConfigError, match="--draft ngrams: choose ngram, suffix or lookahead"):
         EngineOptions(draft="ngrams").validate()
 
 

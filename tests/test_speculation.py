@@ -234,19 +234,25 @@ def _lookup_prompt(spec: LocalEngine) -> list[int]:
     raise AssertionError(f"no prompt covers its own top 3 after 20 rounds: {prompt}")
 
 
-@pytest.mark.parametrize("draft", ["ngram", "suffix"])
+@pytest.mark.parametrize("draft", ["ngram", "suffix", "lookahead"])
 def test_sampling_with_a_lookup_draft_keeps_the_models_distribution(tmp_path, draft):
     """The same test for the drafters without a model, on a prompt where every likely first
-    token is followed by a drafted tree of two branches (``_lookup_prompt``); the suffix drafter
+    token is followed by a drafted tree of two branches (``_lookup_prompt``; the lookahead adds
+    its window of guesses beside them); the suffix drafter
     also draws on the earlier requests' sampled text (6 tokens each, so that each has proposed
     after its first two and left them in the recent text). Fixed trees: every pass drafts."""
     model = write_tiny(tmp_path, type="Q8_0")
-    spec = local(model, options=EngineOptions(ctx=128, max_batch=8, draft=draft, draft_tokens=4, draft_width=2,
+    # the lookahead: 4 wide and room for 4 deep (max_tokens), so that the lookup's two branches
+    # leave nodes for a window, whose first level's guesses are more children of the last token
+    tokens, width, max_tokens = (16, 4, 24) if draft == "lookahead" else (4, 2, 6)
+    spec = local(model, options=EngineOptions(ctx=128, max_batch=8, draft=draft, draft_tokens=tokens, draft_width=width,
                                                draft_fixed=True))
     prompt = _lookup_prompt(spec)
-    chi2 = _chi2_of_seeded_requests(spec, prompt, _joint_of_two(spec, prompt), max_tokens=6)
+    chi2 = _chi2_of_seeded_requests(spec, prompt, _joint_of_two(spec, prompt), max_tokens=max_tokens)
     sp = spec.core.spec
     assert sp.passes > 0 and 0 < sp.accepted < sp.drafted, sp.__dict__
+    if draft == "lookahead":  # the window's guesses were in the trees
+        assert spec.core.drafter.window_passes > 0
     assert chi2 < 26.12, chi2  # 9 cells: 8 degrees of freedom, p = 0.001
 
 

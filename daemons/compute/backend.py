@@ -85,6 +85,15 @@ class Picked:
     token_val: float | None = None
 
 
+def top1_of(picked: Picked) -> int:
+    """The best token of one row's ``Picked`` (-1: the row had none, its logits not finite)."""
+    if picked.ids is not None:
+        return int(picked.ids[0]) if len(picked.ids) else -1
+    if picked.row is not None and np.isfinite(picked.row).any():
+        return int(np.nanargmax(np.where(np.isfinite(picked.row), picked.row, -np.inf)))
+    return -1
+
+
 class PendingPicks:
     """A pass's ``Picked`` rows on their way to the host: ``result()`` waits for them. ``top1``:
     each logit row's best token id [N] where the backend keeps it (a device array on a GPU),

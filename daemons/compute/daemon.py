@@ -165,7 +165,7 @@ class ComputeDaemon(Daemon):
             snap["speculation"] = {"drafter": self.engine.drafter.name, "draft_tokens": self.engine.draft_tokens,
                                    "tree_depth": depth, "tree_width": width, **self.engine.spec.report(),
                                    "probes": self.engine.probes, "probes_accepted": self.engine.probes_accepted,
-                                   "trees_cut": self.engine.trees_cut}
+                                   "trees_cut": self.engine.trees_cut, **self.engine.drafter.report()}
         return snap
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Protocol
 
 import numpy as np
 
-from ntx.daemons.compute.backend import PendingPicks, Pick, Picked, log_normaliser
+from ntx.daemons.compute.backend import PendingPicks, Pick, Picked, log_normaliser, top1_of
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.kv_pages import KvPoolExhausted
 from ntx.daemons.compute.model import LlamaModel
@@ -528,6 +528,8 @@ class EngineCore:
             self.model.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
         self.shape.observe(tree, path, s.acceptance)
         self.spec.add(len(tree), len(path), tree.weak)
+        if self.drafter.learns_from_rows:  # the lookahead's window: every row's best token
+            self.drafter.verified(s.seq_id, tree, [top1_of(p) for p in pk], path)
         rows = [0] + [i + 1 for i in path]  # token k was drawn from the row of its parent
         return self._emit(s, [(tok, pk[row]) for tok, row in zip(tokens, rows)], len(tree), len(path))
 

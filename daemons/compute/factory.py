@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 
 from ntx.daemons.compute.backend import Backend, WarmUp, make_backend
 from ntx.daemons.compute.engine import EngineCore
+from ntx.daemons.compute.lookahead import LookaheadDrafter
 from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter
 from ntx.daemons.compute.model import FileLayerStream, LayerStream, LlamaModel
 from ntx.daemons.compute.replay import ReplayDrafter, load_references, load_trace
@@ -79,7 +80,7 @@ def build_engine(
                        host_wide_rows=host_wide_rows, host_rates=host_rates)
     drafter = _drafter(llama, backend.name, options)
     if options.draft is not None:
-        lookup = LookupDrafter(options.draft)
+        lookup = LookaheadDrafter() if options.draft == "lookahead" else LookupDrafter(options.draft)
         drafter = CombinedDrafter(drafter, lookup) if drafter is not None else lookup
     if options.draft_replay is not None:
         drafter = ReplayDrafter(load_references(options.draft_replay), options.draft_replay_p, index.hparams.n_vocab,

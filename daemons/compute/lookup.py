@@ -274,6 +274,18 @@ class CombinedDrafter(Drafter):
         return [tree_of_paths(tree_paths(lk) + tree_paths(md), r.depth * r.width)
                 for r, md, lk in zip(requests, model_trees, lookup_trees)]
 
+    @property
+    def learns_from_rows(self) -> bool:
+        return self.inner.learns_from_rows or self.lookup.learns_from_rows
+
+    def verified(self, seq_id, tree, top1, path) -> None:
+        for drafter in (self.inner, self.lookup):
+            if drafter.learns_from_rows:
+                drafter.verified(seq_id, tree, top1, path)
+
+    def report(self) -> dict[str, int]:
+        return {**self.inner.report(), **self.lookup.report()}
+
     def forget(self, seq_id: int) -> None:
         self.inner.forget(seq_id)
         self.lookup.forget(seq_id)

@@ -110,6 +110,18 @@ class Drafter(ABC):
     def forget(self, seq_id: int) -> None:
         """The sequence ended: drop whatever the drafter keeps for it."""
 
+    # whether ``verified`` wants the target's best token at every row of a verify pass
+    learns_from_rows = False
+
+    def verified(self, seq_id: int, tree: DraftTree, top1: Sequence[int], path: Sequence[int]) -> None:
+        """A pass verified ``tree`` for ``seq_id``: ``top1[row]`` the target's best token at
+        each chunk row (row 0 the last token, row i + 1 node i; -1 where the row had none),
+        ``path`` the accepted nodes. Called only where ``learns_from_rows``."""
+
+    def report(self) -> dict[str, int]:
+        """What the drafter itself counts, for status's ``speculation`` (none by default)."""
+        return {}
+
 
 class PassDrafter(Drafter):
     """A drafter that runs a model: one batched pass per depth, whose top tokens give the chain

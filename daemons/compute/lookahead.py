@@ -1,0 +1,214 @@
+"""Lookahead drafting (``--draft lookahead``): the target guesses its own n-grams in the rows a
+verify pass has to spare, so drafts exist even where the text quotes nothing.
+
+A prompt lookup drafts only where the model copies its context; SmolLM2 summarising paraphrases
+most documents and accepts 1.49 tokens a verify pass there (docs/PERFORMANCE.md). On a streamed
+model a verify pass costs what a plain one does up to dozens of rows (its layers' copy sets the
+time, not its rows), so rows are free there, and Lookahead Decoding (Fu et al., 2024) spends them
+on Jacobi iteration: beside the drafts, the pass also computes a window of guesses for the next
+positions, and each guess's row yields a better guess one position further on. The guesses along
+a diagonal form an n-gram that the model itself nearly produced; those n-grams, kept in a pool by
+their first token, are drafted whenever the sequence reaches that token again.
+
+The window here is a tree the existing verifier takes unchanged: ``LEVELS`` levels of ``W``
+guesses each, the guess at level l, column j (for offset l + j + 1 past the last token) a child
+of level l's previous column at level 0 and of level l - 1's same column above it, so its row
+sees the path that Jacobi iteration would give it. Every path in it is an ordinary draft: where
+the guesses are what the model would say, the verifier accepts them like any other draft (greedy
+output stays the target's). After the pass (``verified``): each column's top guess and the row
+above it make an n-gram of ``LEVELS + 1`` tokens for the pool, the levels move down and the top
+rows' predictions become the new top level.
+
+A tree holds, within the request's node budget: the prompt lookup's continuations (the
+sequence's own text, as ``--draft ngram``), then the pool's n-grams that start at the last token
+(newest first), then the window, whose nodes are reserved first (``window_shape``) so that it
+always advances. ``verified`` finds the window's rows by their token paths, so the window also
+works inside a merged tree (``CombinedDrafter``). Memory per sequence: the window and at most
+``POOL_KEYS`` pool entries of ``POOL_PER_KEY`` n-grams each.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ntx.daemons.compute.lookup import LookupDrafter, tree_paths
+from ntx.daemons.compute.speculation import DraftRequest, DraftTree
+
+__all__ = ["LookaheadDrafter", "window_shape"]
+
+LEVELS = 3  # guesses per window column: pool n-grams of LEVELS + 1 tokens (Lookahead Decoding's N = 4)
+MAX_COLUMNS = 16  # the window's widest (its columns reach LEVELS + 15 positions ahead)
+POOL_PER_KEY = 4  # n-grams kept per first token, newest first
+POOL_KEYS = 1 << 14  # first tokens kept per sequence (the least recently added dropped first)
+
+
+def window_shape(nodes: int, depth: int) -> tuple[int, int]:
+    """(levels, columns) of a window of at most ``nodes`` nodes whose deepest path (levels +
+    columns - 1) stays within ``depth``: ``LEVELS`` levels where they fit (fewer in small
+    trees); (0, 0): no window (under 2 levels of 2 columns it guesses too little to pay)."""
+    for levels in range(LEVELS, 1, -1):
+        columns = min(MAX_COLUMNS, nodes // levels, depth - levels + 1)
+        if columns >= 2:
+            return levels, columns
+    return 0, 0
+
+
+def _insert(tree: DraftTree, children: dict[tuple[int, int], int], path: Sequence[int], max_nodes: int) -> list[int]:
+    """Add ``path`` (tokens from the root) to ``tree``, sharing what exists: its nodes, up to
+    where ``max_nodes`` cut it."""
+    nodes, parent = [], -1
+    for tok in path:
+        node = children.get((parent, tok))
+        if node is None:
+            if len(tree) >= max_nodes:
+                break
+            node = len(tree)
+            tree.tokens.append(int(tok))
+            tree.parents.append(parent)
+            children[(parent, tok)] = node
+        nodes.append(node)
+        parent = node
+    return nodes
+
+
+@dataclass
+class _Window:
+    """One sequence's lookahead state: ``levels[l][j]`` the guess at level l, column j (level 0
+    the oldest), up to ``n_levels`` of them; ``pool`` first token -> n-gram continuations, newest
+    first; ``proposed`` the token paths (from the root) to the top level's guesses in the last
+    tree, by column (None: no tree of this window awaits its pass)."""
+
+    levels: list[list[int]]
+    n_levels: int
+    pool: OrderedDict[int, list[tuple[int, ...]]] = field(default_factory=OrderedDict)
+    proposed: list[tuple[int, ...]] | None = None
+    looked_up: set[tuple[int, ...]] = field(default_factory=set)  # the last tree's lookup nodes, as token paths
+
+    def add_ngram(self, ngram: Sequence[int]) -> None:
+        first, rest = int(ngram[0]), tuple(int(t) for t in ngram[1:])
+        kept = self.pool.pop(first, [])
+        self.pool[first] = ([rest] + [g for g in kept if g != rest])[:POOL_PER_KEY]
+        while len(self.pool) > POOL_KEYS:
+            self.pool.popitem(last=False)
+
+    def column_paths(self) -> list[list[int]]:
+        """Each column's path from the root to its top guess: level 0's columns up to it, then
+        the levels above it."""
+        return [[self.levels[0][c] for c in range(j + 1)] + [lv[j] for lv in self.levels[1:]]
+                for j in range(len(self.levels[0]))]
+
+    def advance(self, tops: list[int]) -> None:
+        """The pass computed every column's top guess and predicted ``tops`` after them. Once
+        the window has all its levels, each column's guesses and its prediction are an n-gram
+        for the pool and the oldest level goes (the window moves one position on); the
+        predictions are the new top level."""
+        if len(self.levels) >= self.n_levels:
+            for j, top in enumerate(tops):
+                self.add_ngram([lv[j] for lv in self.levels] + [top])
+            del self.levels[: len(self.levels) - self.n_levels + 1]
+        self.levels.append(list(tops))
+
+
+def _node_paths(tree: DraftTree) -> dict[tuple[int, ...], int]:
+    """Each node of ``tree`` by its token path from the root."""
+    paths: list[tuple[int, ...]] = []
+    for tok, parent in zip(tree.tokens, tree.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (int(tok),))
+    return {p: i for i, p in enumerate(paths)}
+
+
+class LookaheadDrafter(LookupDrafter):
+    """Prompt lookup, the pool of n-grams the target guessed, and a window of Jacobi guesses,
+    as one tree (the module's docstring). ``seed``: the first window's guesses are tokens drawn
+    from the prompt with it (a deterministic draw: the same request drafts the same trees)."""
+
+    learns_from_rows = True
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__("ngram")
+        self.name = "lookahead"
+        self.seed = seed
+        self.windows: dict[int, _Window] = {}
+        # accepted tokens that only the pool or the window drafted (the lookup did not), and
+        # the verify passes with a window in them: what lookahead adds to a prompt lookup
+        self.guessed_accepted = 0
+        self.window_passes = 0
+
+    def report(self) -> dict[str, int]:
+        return {"guessed_accepted": self.guessed_accepted, "window_passes": self.window_passes}
+
+    def _window(self, r: DraftRequest, levels: int, columns: int) -> _Window:
+        """``r``'s window, shaped to ``levels`` and ``columns`` (a tree of another budget: more
+        columns guess again what the last one guessed, fewer levels drop the oldest)."""
+        w = self.windows.get(r.seq_id)
+        if w is None:
+            rng = random.Random(self.seed * 1_000_003 + len(r.tokens))
+            w = self.windows[r.seq_id] = _Window([[int(r.tokens[rng.randrange(len(r.tokens))])
+                                                   for _ in range(columns)]], levels)
+        w.n_levels = levels
+        del w.levels[: max(0, len(w.levels) - levels)]
+        for level in w.levels:
+            del level[columns:]
+            level.extend([level[-1]] * (columns - len(level)))
+        return w
+
+    def _propose(self, r: DraftRequest) -> DraftTree:
+        """The lookup's continuations, the pool's n-grams after the last token, the window. The
+        window has half the nodes, or what a strong lookup match (2-5 tokens: a quote, usually
+        long) and the pool's n-grams leave of them if less; a one-token match's guess gets what
+        the pool's and the window's leave."""
+        budget = r.depth * r.width
+        lookup = super()._propose(r)
+        w = self.windows.get(r.seq_id)
+        guessed = [list(cont[: r.depth]) for cont in w.pool.get(int(r.tokens[-1]), [])] if w else []
+        pooled = sum(map(len, guessed))
+        window_nodes = budget // 2 if lookup.weak else min(budget // 2, budget - len(lookup) - pooled)
+        levels, columns = window_shape(window_nodes, r.depth)
+        if not columns:
+            if w is not None:
+                w.proposed = None
+            return lookup
+        w = self._window(r, levels, columns)
+        drafts = budget - columns * len(w.levels)  # the nodes the window leaves
+        tree, children = DraftTree(weak=lookup.weak), {}
+        w.looked_up = set()
+        for path in tree_paths(lookup):  # the lookup's first, within what the pool's leave
+            nodes = _insert(tree, children, path, drafts - pooled)
+            w.looked_up.update(tuple(path[: k + 1]) for k in range(len(nodes)))
+        for path in guessed:
+            _insert(tree, children, path, drafts)
+        proposed = []
+        for path in w.column_paths():
+            if len(_insert(tree, children, path, budget)) < len(path):
+                break
+            proposed.append(tuple(path))
+        w.proposed = proposed
+        return tree
+
+    def verified(self, seq_id: int, tree: DraftTree, top1: Sequence[int], path: Sequence[int]) -> None:
+        """Learn from the pass that verified ``tree`` (which holds this drafter's last proposal
+        for ``seq_id``, perhaps merged with others'): ``top1[row]`` is the target's best token at
+        each chunk row (row 0 the last token, row i + 1 node i); ``path`` the accepted nodes."""
+        w = self.windows.get(seq_id)
+        if w is None or not w.proposed:
+            return
+        proposed, w.proposed = w.proposed, None
+        nodes = _node_paths(tree)
+        by_node = {i: p for p, i in nodes.items()}
+        self.window_passes += 1
+        self.guessed_accepted += sum(1 for i in path if by_node[i] not in w.looked_up)
+        tops = []
+        for col_path in proposed:
+            node = nodes.get(col_path)
+            if node is None or node + 1 >= len(top1) or top1[node + 1] < 0:
+                break
+            tops.append(int(top1[node + 1]))
+        if tops and len(tops) == len(w.levels[0]):  # a cut window stays as it was
+            w.advance(tops)
+
+    def forget(self, seq_id: int) -> None:
+        self.windows.pop(seq_id, None)
+        super().forget(seq_id)

@@ -1,0 +1,171 @@
+"""Lookahead drafting (daemons/compute/lookahead.py): the window of Jacobi guesses as a draft
+tree, the n-gram pool it fills from the verify pass's rows, and the engine around it on the real
+SmolLM2 (greedy output unchanged, the guesses accepted)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ntx.ctl.local import LocalEngine
+from ntx.daemons.compute.factory import build_engine
+from ntx.daemons.compute.lookahead import LEVELS, LookaheadDrafter, window_shape
+from ntx.daemons.compute.lookup import CombinedDrafter, tree_paths
+from ntx.daemons.compute.sampler import SamplingParams
+from ntx.daemons.compute.speculation import DraftRequest
+from ntx.shared.config import EngineOptions
+from ntx.shared.messages import EngineRequest
+
+
+def req(tokens, depth=8, width=1, seq_id=0) -> DraftRequest:
+    return DraftRequest(seq_id, list(tokens), depth, width, 10_000)
+
+
+def depth_of(tree, node: int) -> int:
+    d = 0
+    while node != -1:
+        node, d = tree.parents[node], d + 1
+    return d
+
+
+def test_the_window_takes_half_the_budget_within_the_depth():
+    assert window_shape(32, 64) == (LEVELS, 10)  # 64 nodes' half: 3 levels of 10
+    assert window_shape(32, 5) == (3, 3)  # its deepest path, 3 + 3 - 1, within depth 5
+    assert window_shape(4, 8) == (2, 2)  # too small for 3 levels of 2
+    assert window_shape(3, 8) == (0, 0) and window_shape(40, 2) == (0, 0)  # no window at all
+
+
+def test_the_window_is_jacobi_iteration_as_a_tree_and_fills_the_pool():
+    d = LookaheadDrafter()
+    text = [10, 11, 12, 13, 14, 15]  # no n-gram repeats: the lookup drafts nothing
+    # 8 nodes, 8 deep: a window of 4 nodes, 2 levels of 2 columns; at first only level 0
+    t1 = d.propose([req(text)])[0]
+    w = d.windows[0]
+    a, b = w.levels[0]
+    assert len(w.levels) == 1 and all(tok in text for tok in (a, b))
+    assert (t1.tokens, t1.parents) == ([a, b], [-1, 0])  # column 1's path goes through column 0
+    # the pass: row 0 is the last token, row i + 1 node i; each column's top predicts one position on
+    d.verified(0, t1, [15, 20, 21], [])
+    assert w.levels == [[a, b], [20, 21]] and not w.pool
+    t2 = d.propose([req(text + [30])])[0]
+    # level 1's guess at column j hangs under level 0's column j: paths (a, 20) and (a, b, 21)
+    assert sorted(tree_paths(t2)) == sorted([[a, 20], [a, b, 21]])
+    rows = {tuple(p): i + 1 for p, i in _nodes(t2).items()}
+    top1 = [0] * (len(t2) + 1)
+    top1[rows[(a, 20)]], top1[rows[(a, b, 21)]] = 40, 41
+    d.verified(0, t2, top1, [])
+    # full: each column's guesses and what its top predicted are an n-gram, keyed by its first token
+    assert w.pool == {a: [(20, 40)], b: [(21, 41)]} or (a == b and w.pool == {a: [(21, 41), (20, 40)]})
+    assert w.levels == [[20, 21], [40, 41]]  # the oldest level gone, the predictions on top
+    # at the n-gram's first token, its rest is drafted before the window
+    t3 = d.propose([req(text + [30, b])])[0]
+    assert tree_paths(t3)[0] == [21, 41]
+    assert d.report()["window_passes"] == 2
+
+
+def _nodes(tree):
+    paths = []
+    for tok, parent in zip(tree.tokens, tree.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+    return {p: i for i, p in enumerate(paths)}
+
+
+def test_a_strong_match_keeps_its_depth_and_the_window_gets_what_is_left():
+    d = LookaheadDrafter()
+    quote = list(range(100, 130))
+    text = quote + [7] + quote[:3]  # a quote restarted: (100, 101, 102) matched
+    walk = (quote + [7])[3:] + quote  # round the quote again
+    tree = d.propose([req(text, depth=32)])[0]  # the walk fills all 32 nodes: no window
+    assert tree_paths(tree) == [walk[:32]] and d.windows.get(0) is None
+    tree = d.propose([req(text, depth=16, width=2)])[0]  # 32 nodes, 16 of them the walk's
+    assert tree_paths(tree)[0] == walk[:16] and len(tree) <= 32
+    assert len(d.windows[0].proposed) == 5  # the 16 left: 3 levels of 5 columns
+
+
+def test_trees_stay_within_the_budget_and_depth_while_the_pool_grows():
+    rng = random.Random(5)
+    d = LookaheadDrafter()
+    text = [rng.randrange(50) for _ in range(40)]
+    for step in range(60):
+        depth, width = rng.choice([(4, 1), (8, 1), (16, 1), (32, 1), (8, 2), (16, 4), (64, 1)])
+        tree = d.propose([req(text, depth, width)])[0]
+        assert len(tree) <= depth * width
+        assert all(p < i for i, p in enumerate(tree.parents))
+        assert all(depth_of(tree, i) <= depth for i in range(len(tree)))
+        assert len({(p, t) for p, t in zip(tree.parents, tree.tokens)}) == len(tree)  # siblings distinct
+        top1 = [rng.randrange(50) for _ in range(len(tree) + 1)]
+        d.verified(0, tree, top1, [])
+        text += [top1[0]] + [rng.randrange(50) for _ in range(rng.randrange(3))]
+    assert d.windows[0].pool and d.window_passes > 20
+    d.forget(0)
+    assert 0 not in d.windows and 0 not in d.own
+
+
+def test_a_bad_row_leaves_the_window_as_it_was():
+    d = LookaheadDrafter()
+    text = [10, 11, 12, 13, 14, 15]
+    t1 = d.propose([req(text)])[0]
+    levels = [list(lv) for lv in d.windows[0].levels]
+    d.verified(0, t1, [15, -1, -1], [])  # the rows had no finite logits
+    assert d.windows[0].levels == levels
+    d.verified(0, t1, [15, 1, 2], [])  # nothing awaits a pass any more: a second call learns nothing
+    assert d.windows[0].levels == levels
+
+
+# ---------------------------------------------------------------------------------------------
+# In the engine, on the real SmolLM2
+
+
+SUMMARY_PROMPT = ("The old harbour was built in 1820 to shelter fishing boats from the winter storms. "
+                  "Over the following decades it grew into a busy port, with warehouses along the quay "
+                  "and a lighthouse on the northern pier. Today the warehouses hold a museum, cafes and "
+                  "a market, and the lighthouse still guides the few boats that fish from the town.\n"
+                  "Summarise the text above in two sentences.")
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_path):
+    plain = LocalEngine(build_engine(smollm2_path, "cpu", EngineOptions(ctx=512, max_batch=2)))
+    prompts = [plain.prompt_tokens(messages=[{"role": "user", "content": SUMMARY_PROMPT}]),
+               plain.prompt_tokens(prompt="Once upon a time, in a small village, there lived", raw=True)]
+    return plain, prompts
+
+
+def _greedy(eng: LocalEngine, prompts, n: int) -> dict[str, dict]:
+    for i, p in enumerate(prompts):
+        eng.submit(EngineRequest(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n)))
+    done = {}
+    while eng.has_work:
+        for ev in eng.step():
+            assert ev["type"] != "error", ev
+            if ev["type"] == "done":
+                done[ev["id"]] = ev
+    return done
+
+
+def test_greedy_output_is_the_plain_engines_and_the_guesses_are_accepted(smollm2_path, engines):
+    """Two requests in one batch, every pass drafting 32 nodes (as where a verify pass is free):
+    the same tokens as plain, and tokens accepted that only the pool or the window drafted."""
+    plain, prompts = engines
+    want = _greedy(plain, prompts, 48)
+    eng = LocalEngine(build_engine(smollm2_path, "cpu", EngineOptions(
+        ctx=512, max_batch=2, draft="lookahead", draft_tokens=32, draft_width=1, draft_fixed=True)))
+    got = _greedy(eng, prompts, 48)
+    assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
+    d = eng.core.drafter
+    assert isinstance(d, LookaheadDrafter) and d.window_passes > 10
+    assert d.guessed_accepted > 0, d.report()
+    assert not d.windows  # both requests ended: their windows and pools went with them
+
+
+def test_with_a_self_draft_the_window_rides_in_the_merged_tree(smollm2_path, engines):
+    plain, prompts = engines
+    want = _greedy(plain, prompts[:1], 24)
+    eng = LocalEngine(build_engine(smollm2_path, "cpu", EngineOptions(
+        ctx=512, max_batch=2, draft="lookahead", self_draft=list(range(0, 20)), draft_tokens=16, draft_fixed=True)))
+    d = eng.core.drafter
+    assert isinstance(d, CombinedDrafter) and d.learns_from_rows
+    got = _greedy(eng, prompts[:1], 24)
+    assert got["r0"]["tokens"] == want["r0"]["tokens"]
+    assert d.lookup.window_passes > 3  # the window's rows were found in the merged tree
