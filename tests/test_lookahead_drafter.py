@@ -11,15 +11,15 @@ import pytest
 from ntx.ctl.local import LocalEngine
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.lookahead import LEVELS, LookaheadDrafter, window_shape
-from ntx.daemons.compute.lookup import CombinedDrafter, tree_paths
+from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter, tree_paths
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.daemons.compute.speculation import DraftRequest
 from ntx.shared.config import EngineOptions
 from ntx.shared.messages import EngineRequest
 
 
-def req(tokens, depth=8, width=1, seq_id=0) -> DraftRequest:
-    return DraftRequest(seq_id, list(tokens), depth, width, 10_000)
+def req(tokens, depth=8, width=1, seq_id=0, rows_free=True) -> DraftRequest:
+    return DraftRequest(seq_id, list(tokens), depth, width, 10_000, rows_free=rows_free)
 
 
 def depth_of(tree, node: int) -> int:
@@ -102,6 +102,14 @@ def test_trees_stay_within_the_budget_and_depth_while_the_pool_grows():
     assert 0 not in d.windows and 0 not in d.own
 
 
+def test_where_rows_cost_it_drafts_what_the_prompt_lookup_does():
+    text = [1, 2, 3, 4, 5, 1, 2]
+    la, lk = LookaheadDrafter(), LookupDrafter("ngram")
+    assert la.propose([req(text, rows_free=False)]) == lk.propose([req(text, rows_free=False)])
+    assert la.propose([req([10, 11, 12], rows_free=False)])[0].tokens == []  # no match: a plain pass
+    assert not la.windows
+
+
 def test_a_bad_row_leaves_the_window_as_it_was():
     d = LookaheadDrafter()
     text = [10, 11, 12, 13, 14, 15]
@@ -169,3 +177,23 @@ def test_with_a_self_draft_the_window_rides_in_the_merged_tree(smollm2_path, eng
     got = _greedy(eng, prompts[:1], 24)
     assert got["r0"]["tokens"] == want["r0"]["tokens"]
     assert d.lookup.window_passes > 3  # the window's rows were found in the merged tree
+
+
+def test_a_pipeline_drafts_with_lookahead_and_reports_it(smollm2_path, engines, tmp_path):
+    """``ntxctl start --draft lookahead``: 20 of the 30 layers stream; greedy tokens equal the
+    plain engine's; status names the drafter and counts what its guesses gave."""
+    try:
+        from .pipeline_util import running_pipeline
+    except ImportError:
+        from pipeline_util import running_pipeline
+    plain, _ = engines
+    prompt = "The history of the transistor begins"
+    want = _greedy(plain, [plain.prompt_tokens(prompt=prompt, raw=True)], 16)["r0"]
+    with running_pipeline(str(smollm2_path), tmp_path, "--gpu-layers", "10", "--draft", "lookahead",
+                          "--draft-tokens", "16", "--ctx", "256", name="lookahead") as p:
+        done = p.generate_greedy(prompt, max_tokens=16)
+        assert done["tokens"] == want["tokens"]
+        st = p.wait_status(lambda s: "window_passes" in (s.get("speculation") or {}), "the lookahead's counts in status")
+        spec = st["speculation"]
+        assert spec["drafter"] == "lookahead" and spec["draft_tokens"] == 16
+        assert spec["guessed_accepted"] <= spec["accepted"]

@@ -504,7 +504,8 @@ class EngineCore:
             if d > 0:
                 tree_rows_left -= d * width
                 weak = self.shape.weak_pays(d * width + 1, max(0, decoding - 1))
-                reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s), weak))
+                reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s), weak,
+                                         rows_free=weak))
                 owners.append(s)
             elif depth == 0 and self._draft_depth(s, 1, 1) > 0 and self.shape.shadow_probe(s.acceptance):
                 reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, 1, 1, self._capacity(s)))

@@ -19,6 +19,11 @@ output stays the target's). After the pass (``verified``): each column's top gue
 above it make an n-gram of ``LEVELS + 1`` tokens for the pool, the levels move down and the top
 rows' predictions become the new top level.
 
+Only where a verify pass's rows are free (``DraftRequest.rows_free``: the measured verify pass
+of the tree's rows within 3% of a plain one, as for the lookup's one-token matches, or a fixed
+shape) is the window added; elsewhere (the CPU, a resident model at many rows) the drafter is the
+prompt lookup alone, since guesses accepted this rarely would cost more rows than they save.
+
 A tree holds, within the request's node budget: the prompt lookup's continuations (the
 sequence's own text, as ``--draft ngram``), then the pool's n-grams that start at the last token
 (newest first), then the window, whose nodes are reserved first (``window_shape``) so that it
@@ -163,6 +168,10 @@ class LookaheadDrafter(LookupDrafter):
         budget = r.depth * r.width
         lookup = super()._propose(r)
         w = self.windows.get(r.seq_id)
+        if not r.rows_free:  # guesses accepted this rarely pay only where a verify pass's rows cost nothing
+            if w is not None:
+                w.proposed = None
+            return lookup
         guessed = [list(cont[: r.depth]) for cont in w.pool.get(int(r.tokens[-1]), [])] if w else []
         pooled = sum(map(len, guessed))
         window_nodes = budget // 2 if lookup.weak else min(budget // 2, budget - len(lookup) - pooled)

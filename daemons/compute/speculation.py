@@ -83,7 +83,8 @@ class DraftRequest:
     prompt and generated; the last one is not yet in the target's KV cache: it sits at position
     len(tokens) - 1). ``capacity``: the positions the sequence can ever reach (its cache size).
     ``weak``: the verify pass costs what a plain one does (``TreeShape.weak_pays``), so a draft
-    accepted less often is still worth trying (the lookup then follows one-token matches)."""
+    accepted less often is still worth trying (the lookup then follows one-token matches, the
+    lookahead adds its window: ``rows_free``)."""
 
     seq_id: int
     tokens: Sequence[int]
@@ -91,6 +92,9 @@ class DraftRequest:
     width: int
     capacity: int
     weak: bool = False
+    # the same condition, kept where a combined tree asks the lookup for strong matches only
+    # (``CombinedDrafter``): the rows are free, so the lookahead's window of guesses rides along
+    rows_free: bool = False
 
 
 class Drafter(ABC):
