@@ -10,7 +10,7 @@ import pytest
 
 from ntx.ctl.local import LocalEngine
 from ntx.daemons.compute.factory import build_engine
-from ntx.daemons.compute.lookahead import LEVELS, LookaheadDrafter, window_shape
+from ntx.daemons.compute.lookahead import LEVELS, POOL_PER_KEY, LookaheadDrafter, NgramPool, window_shape
 from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter, tree_paths
 from ntx.daemons.compute.sampler import SamplingParams
 from ntx.daemons.compute.speculation import DraftRequest
@@ -47,7 +47,7 @@ def test_the_window_is_jacobi_iteration_as_a_tree_and_fills_the_pool():
     assert (t1.tokens, t1.parents) == ([a, b], [-1, 0])  # column 1's path goes through column 0
     # the pass: row 0 is the last token, row i + 1 node i; each column's top predicts one position on
     d.verified(0, t1, [15, 20, 21], [])
-    assert w.levels == [[a, b], [20, 21]] and not w.pool
+    assert w.levels == [[a, b], [20, 21]] and not len(d.pool)
     t2 = d.propose([req(text + [30])])[0]
     # level 1's guess at column j hangs under level 0's column j: paths (a, 20) and (a, b, 21)
     assert sorted(tree_paths(t2)) == sorted([[a, 20], [a, b, 21]])
@@ -56,7 +56,7 @@ def test_the_window_is_jacobi_iteration_as_a_tree_and_fills_the_pool():
     top1[rows[(a, 20)]], top1[rows[(a, b, 21)]] = 40, 41
     d.verified(0, t2, top1, [])
     # full: each column's guesses and what its top predicted are an n-gram, keyed by its first token
-    assert w.pool == {a: [(20, 40)], b: [(21, 41)]} or (a == b and w.pool == {a: [(21, 41), (20, 40)]})
+    assert dict(d.pool.by_first) == ({a: [(20, 40)], b: [(21, 41)]} if a != b else {a: [(21, 41), (20, 40)]})
     assert w.levels == [[20, 21], [40, 41]]  # the oldest level gone, the predictions on top
     # at the n-gram's first token, its rest is drafted before the window
     t3 = d.propose([req(text + [30, b])])[0]
@@ -69,6 +69,24 @@ def _nodes(tree):
     for tok, parent in zip(tree.tokens, tree.parents):
         paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
     return {p: i for i, p in enumerate(paths)}
+
+
+def test_the_pool_keeps_the_newest_n_grams_of_the_tokens_added_last():
+    pool = NgramPool(max_keys=2)
+    for i in range(POOL_PER_KEY + 2):
+        pool.add([1, 10 + i, 20 + i])
+    pool.add([1, 10, 20])  # seen again: the newest once more, not twice
+    assert pool.after(1) == [(10, 20)] + [(10 + i, 20 + i) for i in range(POOL_PER_KEY + 1, 1, -1)][: POOL_PER_KEY - 1]
+    pool.add([2, 5, 6])
+    pool.add([3, 7, 8])  # a third first token: the least recently added (1) goes
+    assert len(pool) == 2 and pool.after(1) == [] and pool.after(3) == [(7, 8)]
+
+
+def test_a_second_sequence_drafts_what_the_first_one_guessed():
+    d = LookaheadDrafter()
+    d.pool.add([50, 51, 52, 53])
+    tree = d.propose([req([40, 41, 42, 50], seq_id=7)])[0]
+    assert tree_paths(tree)[0] == [51, 52, 53]
 
 
 def test_a_strong_match_keeps_its_depth_and_the_window_gets_what_is_left():
@@ -97,9 +115,9 @@ def test_trees_stay_within_the_budget_and_depth_while_the_pool_grows():
         top1 = [rng.randrange(50) for _ in range(len(tree) + 1)]
         d.verified(0, tree, top1, [])
         text += [top1[0]] + [rng.randrange(50) for _ in range(rng.randrange(3))]
-    assert d.windows[0].pool and d.window_passes > 20
+    assert len(d.pool) and d.window_passes > 20
     d.forget(0)
-    assert 0 not in d.windows and 0 not in d.own
+    assert 0 not in d.windows and 0 not in d.own and len(d.pool)  # the instance's pool stays
 
 
 def test_where_rows_cost_it_drafts_what_the_prompt_lookup_does():
@@ -164,7 +182,7 @@ def test_greedy_output_is_the_plain_engines_and_the_guesses_are_accepted(smollm2
     d = eng.core.drafter
     assert isinstance(d, LookaheadDrafter) and d.window_passes > 10
     assert d.guessed_accepted > 0, d.report()
-    assert not d.windows  # both requests ended: their windows and pools went with them
+    assert not d.windows and len(d.pool)  # both requests ended: their windows went, the pool stays
 
 
 def test_with_a_self_draft_the_window_rides_in_the_merged_tree(smollm2_path, engines):
