@@ -34,7 +34,8 @@
 #   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
 # --draft-acceptance: drafting without a model on the real SmolLM2 on the GPU (scripts/draft_acceptance.py
 #   --backend cuda: the nine texts, the auto shapes and the fixed chain; DRAFT_DRAFTERS replaces the
-#   drafter list) into $OUT/draft-acceptance-smollm2-cuda.{json,log}; needs SmolLM2 joined (both .models parts).
+#   drafter list, DRAFT_TOKENS the budget (8; lookahead: 32 or 64)) into
+#   $OUT/draft-acceptance-smollm2-cuda.{json,log}; needs SmolLM2 joined (both .models parts).
 # --cluster-bench: 2 CPU replicas of SmolLM2 under Ray Serve against one (scripts/bench_cluster.py,
 #   CLUSTER_ARGS replace its load options; NTX_CPU_THREADS per instance, default 4) into
 #   $OUT/bench-cluster.json. The machine has no Ray: scripts/prepare_ray_wheels.sh writes its wheels
@@ -174,7 +175,7 @@ fi
 if [ "$DRAFT_ACC" = 1 ]; then
   if [ -f "$MODELS/SmolLM2.gguf" ]; then
     python3 "$REPO/scripts/draft_acceptance.py" --model "$MODELS/SmolLM2.gguf" --backend cuda \
-      --drafters ${DRAFT_DRAFTERS:-ngram:1 ngram:auto suffix:auto ngram:1:fixed} --json "$OUT/draft-acceptance-smollm2-cuda.json" 2>&1 \
+      --draft-tokens "${DRAFT_TOKENS:-8}" --drafters ${DRAFT_DRAFTERS:-ngram:1 ngram:auto suffix:auto ngram:1:fixed} --json "$OUT/draft-acceptance-smollm2-cuda.json" 2>&1 \
       | tee "$OUT/draft-acceptance-smollm2-cuda.log"
   else
     echo "--draft-acceptance: SmolLM2 is not joined (carry .models/p1, then .models/p2)" | tee "$OUT/draft-acceptance-smollm2-cuda.log"
