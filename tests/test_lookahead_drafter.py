@@ -12,10 +12,13 @@ from ntx.ctl.local import LocalEngine
 from ntx.daemons.compute.factory import build_engine
 from ntx.daemons.compute.lookahead import LEVELS, POOL_PER_KEY, LookaheadDrafter, NgramPool, window_shape
 from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter, tree_paths
-from ntx.daemons.compute.sampler import SamplingParams
 from ntx.daemons.compute.speculation import DraftRequest
 from ntx.shared.config import EngineOptions
-from ntx.shared.messages import EngineRequest
+
+try:
+    from .test_lookup_drafter import _greedy
+except ImportError:  # tests/ is not a package
+    from test_lookup_drafter import _greedy
 
 
 def req(tokens, depth=8, width=1, seq_id=0, rows_free=True) -> DraftRequest:
@@ -156,18 +159,6 @@ def engines(smollm2_path):
     prompts = [plain.prompt_tokens(messages=[{"role": "user", "content": SUMMARY_PROMPT}]),
                plain.prompt_tokens(prompt="Once upon a time, in a small village, there lived", raw=True)]
     return plain, prompts
-
-
-def _greedy(eng: LocalEngine, prompts, n: int) -> dict[str, dict]:
-    for i, p in enumerate(prompts):
-        eng.submit(EngineRequest(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=n)))
-    done = {}
-    while eng.has_work:
-        for ev in eng.step():
-            assert ev["type"] != "error", ev
-            if ev["type"] == "done":
-                done[ev["id"]] = ev
-    return done
 
 
 def test_greedy_output_is_the_plain_engines_and_the_guesses_are_accepted(smollm2_path, engines):

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ntx.daemons.compute.lookup import LookupDrafter, tree_paths
+from ntx.daemons.compute.lookup import LookupDrafter, add_path, tree_paths
 from ntx.daemons.compute.speculation import DraftRequest, DraftTree
 
 __all__ = ["LookaheadDrafter", "NgramPool", "window_shape"]
@@ -61,24 +61,6 @@ def window_shape(nodes: int, depth: int) -> tuple[int, int]:
         if columns >= 2:
             return levels, columns
     return 0, 0
-
-
-def _insert(tree: DraftTree, children: dict[tuple[int, int], int], path: Sequence[int], max_nodes: int) -> list[int]:
-    """Add ``path`` (tokens from the root) to ``tree``, sharing what exists: its nodes, up to
-    where ``max_nodes`` cut it."""
-    nodes, parent = [], -1
-    for tok in path:
-        node = children.get((parent, tok))
-        if node is None:
-            if len(tree) >= max_nodes:
-                break
-            node = len(tree)
-            tree.tokens.append(int(tok))
-            tree.parents.append(parent)
-            children[(parent, tok)] = node
-        nodes.append(node)
-        parent = node
-    return nodes
 
 
 class NgramPool:
@@ -210,13 +192,13 @@ class LookaheadDrafter(LookupDrafter):
         tree, children = DraftTree(weak=lookup.weak), {}
         w.looked_up = set()
         for path in tree_paths(lookup):  # the lookup's first, within what the pool's leave
-            nodes = _insert(tree, children, path, drafts - pooled)
+            nodes = add_path(tree, children, path, drafts - pooled)
             w.looked_up.update(tuple(path[: k + 1]) for k in range(len(nodes)))
         for path in guessed:
-            _insert(tree, children, path, drafts)
+            add_path(tree, children, path, drafts)
         proposed = []
         for path in w.column_paths():
-            if len(_insert(tree, children, path, budget)) < len(path):
+            if len(add_path(tree, children, path, budget)) < len(path):
                 break
             proposed.append(tuple(path))
         w.proposed = proposed

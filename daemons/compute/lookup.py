@@ -178,23 +178,32 @@ class RecentText:
         return [(n, idx.walk(tail, tok, depth)) for n, tok, idx in found[:limit]]
 
 
+def add_path(tree: DraftTree, children: dict[tuple[int, int], int], path: Sequence[int], max_nodes: int) -> list[int]:
+    """Add ``path`` (tokens from the root) to ``tree``, sharing the nodes it already has
+    (``children``: (parent node, token) -> node, kept with the tree), at most ``max_nodes`` nodes
+    in all: the path's nodes, up to where the budget cut it."""
+    nodes, parent = [], -1
+    for tok in path:
+        node = children.get((parent, tok))
+        if node is None:
+            if len(tree) >= max_nodes:
+                break
+            node = len(tree)
+            tree.tokens.append(int(tok))
+            tree.parents.append(parent)
+            children[(parent, tok)] = node
+        nodes.append(node)
+        parent = node
+    return nodes
+
+
 def tree_of_paths(paths: Sequence[Sequence[int]], max_nodes: int) -> DraftTree:
     """One tree holding ``paths`` (root-to-leaf token lists, best first) with shared prefixes
     merged, at most ``max_nodes`` nodes: a path that does not fit whole is cut where it does."""
     tree = DraftTree()
-    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    children: dict[tuple[int, int], int] = {}
     for path in paths:
-        parent = -1
-        for tok in path:
-            node = children.get((parent, tok))
-            if node is None:
-                if len(tree) >= max_nodes:
-                    break
-                node = len(tree)
-                tree.tokens.append(int(tok))
-                tree.parents.append(parent)
-                children[(parent, tok)] = node
-            parent = node
+        add_path(tree, children, path, max_nodes)
     return tree
 
 
