@@ -12,7 +12,7 @@ tokens over decode passes). How much a model quotes depends on the text: one doc
 of one. ``suffix`` runs the texts in order in one engine, so a text can draw on the ones before it.
 
     python scripts/draft_acceptance.py [--model M] [--backend cpu] [--tokens 96] [--draft-tokens 8]
-        [--drafters ngram:1 ngram:auto suffix:auto ngram:1:fixed] [--json OUT]
+        [--drafters ngram:1 ngram:auto suffix:auto ngram:1:fixed lookahead:1:fixed] [--self-draft N] [--json OUT]
 
 ``KIND:WIDTH:fixed`` drafts the whole budget every pass: the drafter's own acceptance, apart
 from the tree shape this host's pass costs would choose.
@@ -137,6 +137,9 @@ def main() -> int:
                          "pass drafts --draft-tokens (WIDTH wide, a chain when auto), whatever this host's pass "
                          "costs make the tree shape choose: the drafter's own acceptance, as where a verify "
                          "pass costs what a plain one does (a streamed model)")
+    ap.add_argument("--self-draft", type=int, default=0, metavar="N",
+                    help="every drafter beside a self-draft of the model's first N layers (one merged tree); "
+                         "KIND self: the self-draft alone")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace-out", default=None, metavar="DIR",
                     help="write each fixed drafter's passes per kind of text, as (drafted, accepted) pairs, "
@@ -160,9 +163,14 @@ def main() -> int:
         width = width or "auto"
         if fixed not in ("", "fixed"):
             ap.error(f"--drafters {spec}: KIND:WIDTH or KIND:WIDTH:fixed")
+        if kind == "self" and not a.self_draft:
+            ap.error(f"--drafters {spec}: KIND self needs --self-draft N")
         eng = build_local_engine(model, a.backend, options=EngineOptions(
-            max_batch=1, ctx=ctx, draft=kind, draft_tokens=a.draft_tokens,
+            max_batch=1, ctx=ctx, draft=None if kind == "self" else kind, draft_tokens=a.draft_tokens,
+            self_draft=list(range(a.self_draft)) if a.self_draft else False,
             draft_width=None if width == "auto" else int(width), draft_fixed=bool(fixed)))
+        if a.self_draft and kind != "self":
+            kind = f"self+{kind}"  # the label from here on: a merged tree
         tracer = PassTrace(eng.core.drafter) if a.trace_out and fixed else None
         traces: dict[str, list[list[int]]] = {}
         width = width + (":fixed" if fixed else "")
@@ -219,6 +227,7 @@ def main() -> int:
             print(f"  trace of {kind} on {task}: {len(passes)} passes -> {out}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"model": model, "backend": a.backend, "tokens": a.tokens,
+                                            "self_draft_layers": a.self_draft,
                                             "prompt_tokens": {k: len(p) for k, p in prompts.items()},
                                             "runs": rows, "pooled": pools}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1
