@@ -176,6 +176,22 @@ def test_greedy_output_is_the_plain_engines_and_the_guesses_are_accepted(smollm2
     assert not d.windows and len(d.pool)  # both requests ended: their windows went, the pool stays
 
 
+def test_auto_shapes_time_one_window_then_keep_it_where_its_rows_cost(smollm2_path, engines):
+    """On the CPU a pass of 17 rows costs more than a plain one: the first tree carries the
+    window (nothing was timed yet), its pass measures what the rows cost, and from then on the
+    lookahead drafts as the prompt lookup does. A text the lookup finds nothing in still finds out."""
+    plain, prompts = engines
+    eng = LocalEngine(build_engine(smollm2_path, "cpu", EngineOptions(
+        ctx=512, max_batch=2, draft="lookahead", draft_tokens=16, draft_width=1)))
+    got = _greedy(eng, prompts[1:], 32)  # the story: nothing to quote
+    assert got["r0"]["tokens"] == _greedy(plain, prompts[1:], 32)["r0"]["tokens"]
+    d, shape = eng.core.drafter, eng.core.shape
+    assert d.window_passes >= 1 and shape.verify_by_rows
+    rows = max(shape.verify_by_rows)
+    assert not shape.weak_pays(rows), (shape.verify_by_rows, shape.plain_s)  # the rows cost here
+    assert d.window_passes <= 2, d.report()
+
+
 def test_with_a_self_draft_the_window_rides_in_the_merged_tree(smollm2_path, engines):
     plain, prompts = engines
     want = _greedy(plain, prompts[:1], 24)

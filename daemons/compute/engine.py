@@ -504,8 +504,12 @@ class EngineCore:
             if d > 0:
                 tree_rows_left -= d * width
                 weak = self.shape.weak_pays(d * width + 1, max(0, decoding - 1))
+                # until a verify pass was timed nothing says whether rows cost: the lookahead's
+                # window then rides along once, and that pass measures them (a text the prompt
+                # lookup finds nothing in would otherwise never verify, and never find out)
+                rows_free = weak or not self.shape.verify_by_rows
                 reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, d, width, self._capacity(s), weak,
-                                         rows_free=weak))
+                                         rows_free=rows_free))
                 owners.append(s)
             elif depth == 0 and self._draft_depth(s, 1, 1) > 0 and self.shape.shadow_probe(s.acceptance):
                 reqs.append(DraftRequest(s.seq_id, s.req.prompt_tokens + s.generated, 1, 1, self._capacity(s)))
