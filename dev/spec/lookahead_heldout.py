@@ -9,7 +9,10 @@ fixed chains (every pass drafts the budget, as where a verify pass's rows are fr
 the tokens a decode pass pooled over the documents, per document how often each drafter did
 better, and whether greedy output equals plain's.
 
-    python dev/spec/lookahead_heldout.py [--docs 32] [--budgets 32 64] [--json OUT]
+    python dev/spec/lookahead_heldout.py [--task summarise|edit] [--docs 32] [--budgets 32 64] [--json OUT]
+
+``--task edit``: functions of the standard library (12-40 lines), each to be written back whole
+with itself renamed, draft_acceptance.py's editing instruction.
 """
 
 from __future__ import annotations
@@ -29,20 +32,54 @@ from draft_acceptance import SUMMARISE, run_task  # noqa: E402
 from draft_history import TOKENS, held_out_documents  # noqa: E402
 
 
+def held_out_functions(seed: int = 7) -> list[tuple[str, str]]:
+    """Functions of the standard library of 12-40 lines (no nested definitions), shuffled: each
+    as (its source, its name), for the editing task."""
+    import ast
+    import random
+    import sysconfig
+    out = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if {"test", "idlelib", "site-packages"} & set(f.parts):
+            continue
+        try:
+            text = f.read_text(errors="ignore")
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and 12 <= node.end_lineno - node.lineno + 1 <= 40:
+                if not any(isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda)) for n in ast.walk(node) if n is not node):
+                    out.append((ast.get_source_segment(text, node) + "\n", node.name))
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def edit_prompt(source: str, name: str) -> str:
+    """draft_acceptance.py's editing instruction: the whole file back with one function renamed."""
+    return (f"Here is a Python file:\n\n```python\n{source}```\n\nRewrite the whole file with the function "
+            f"`{name}` renamed to `{name}_checked`. Output only the file.")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=int, default=32)
     ap.add_argument("--budgets", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--task", choices=("summarise", "edit"), default="summarise",
+                    help="summarise docstrings, or rewrite functions with one renamed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     model = str(ensure_default_model())
-    docs = held_out_documents()[: a.docs]
+    if a.task == "summarise":
+        docs = [f"{d}\n{SUMMARISE}" for d in held_out_documents()[: a.docs]]
+    else:
+        docs = [edit_prompt(src, name) for src, name in held_out_functions()[: a.docs]]
     plain = build_local_engine(model, "cpu", options=EngineOptions(max_batch=1, ctx=2048))
-    prompts = [plain.prompt_tokens(messages=[{"role": "user", "content": f"{d}\n{SUMMARISE}"}]) for d in docs]
+    prompts = [plain.prompt_tokens(messages=[{"role": "user", "content": d}]) for d in docs]
     want = [run_task(plain, p, TOKENS) for p in prompts]
-    print(f"{len(docs)} held-out documents, {TOKENS} greedy tokens each; plain: "
+    print(f"{len(docs)} held-out documents ({a.task}), {TOKENS} greedy tokens each; plain: "
           f"{sum(w['decode_passes'] for w in want)} decode passes", flush=True)
-    out = {"model": model, "documents": len(docs), "tokens": TOKENS, "runs": []}
+    out = {"model": model, "task": a.task, "documents": len(docs), "tokens": TOKENS, "runs": []}
     for budget in a.budgets:
         per_doc = {}
         for kind in ("ngram", "lookahead"):
