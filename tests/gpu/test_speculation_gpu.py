@@ -1,5 +1,6 @@
 """Speculative decoding on the cuda backend: greedy output identical with and without it, for
-the self-draft (its resident layers, graph-captured like a decode pass) and a draft model."""
+the self-draft (its resident layers, graph-captured like a decode pass), a draft model and the
+lookahead."""
 
 from __future__ import annotations
 
@@ -61,3 +62,21 @@ def test_greedy_identical_with_each_drafter(tmp_path, drafter, width):
             assert all(c and c["verify_passes"] > 0 for c in counts)
             if drafter != "self-half" and width == 1:
                 assert all(c["acceptance_rate"] == 1.0 for c in counts), counts
+
+
+def test_greedy_identical_with_the_lookahead(tmp_path):
+    """``--draft lookahead`` with fixed trees (every pass carries the window and the pool's
+    n-grams, as where a verify pass's rows are free): the same tokens as plain, in passes of up
+    to 64 rows (past 64, default kernels round otherwise than one row does: docs/PERFORMANCE.md,
+    "Chains over 64 drafted tokens leave the recording"), and the window's rows read back."""
+    for model in _models(tmp_path):
+        # one sequence drafting 63 nodes (a 64-row verify pass), then two drafting 15 (32 rows)
+        for prompts, k in (([[504, 357, 282, 464, 314]], 63), ([[504, 357, 282, 464], [17, 300, 4, 61]], 15)):
+            plain = LocalEngine(build_engine(model, "cuda", options=EngineOptions(max_batch=4, ctx=256)))
+            want, _ = _tokens(plain, prompts, 48)
+            spec = LocalEngine(build_engine(model, "cuda", options=EngineOptions(
+                max_batch=4, ctx=256, draft="lookahead", draft_tokens=k, draft_width=1, draft_fixed=True)))
+            got, counts = _tokens(spec, prompts, 48)
+            assert got == want, (model, k)
+            assert all(c and c["verify_passes"] > 0 for c in counts)
+            assert spec.core.drafter.window_passes > 0 and len(spec.core.drafter.pool) > 0, spec.core.drafter.report()
