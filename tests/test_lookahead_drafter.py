@@ -10,7 +10,8 @@ import pytest
 
 from ntx.ctl.local import LocalEngine
 from ntx.daemons.compute.factory import build_engine
-from ntx.daemons.compute.lookahead import LEVELS, POOL_PER_KEY, LookaheadDrafter, NgramPool, window_shape
+from ntx.daemons.compute.lookahead import (LEVELS, POOL_PER_KEY, LookaheadDrafter, NgramPool, node_paths,
+                                             window_shape)
 from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter, tree_paths
 from ntx.daemons.compute.speculation import DraftRequest
 from ntx.shared.config import EngineOptions
@@ -54,7 +55,7 @@ def test_the_window_is_jacobi_iteration_as_a_tree_and_fills_the_pool():
     t2 = d.propose([req(text + [30])])[0]
     # level 1's guess at column j hangs under level 0's column j: paths (a, 20) and (a, b, 21)
     assert sorted(tree_paths(t2)) == sorted([[a, 20], [a, b, 21]])
-    rows = {tuple(p): i + 1 for p, i in _nodes(t2).items()}
+    rows = {p: i + 1 for i, p in enumerate(node_paths(t2))}
     top1 = [0] * (len(t2) + 1)
     top1[rows[(a, 20)]], top1[rows[(a, b, 21)]] = 40, 41
     d.verified(0, t2, top1, [])
@@ -65,13 +66,6 @@ def test_the_window_is_jacobi_iteration_as_a_tree_and_fills_the_pool():
     t3 = d.propose([req(text + [30, b])])[0]
     assert tree_paths(t3)[0] == [21, 41]
     assert d.report()["window_passes"] == 2
-
-
-def _nodes(tree):
-    paths = []
-    for tok, parent in zip(tree.tokens, tree.parents):
-        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
-    return {p: i for i, p in enumerate(paths)}
 
 
 def test_the_pool_keeps_the_newest_n_grams_of_the_tokens_added_last():

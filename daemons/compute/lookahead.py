@@ -122,12 +122,12 @@ class _Window:
         return ngrams
 
 
-def _node_paths(tree: DraftTree) -> dict[tuple[int, ...], int]:
-    """Each node of ``tree`` by its token path from the root."""
+def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Each node's token path from the root, by node (a trie's paths are distinct)."""
     paths: list[tuple[int, ...]] = []
     for tok, parent in zip(tree.tokens, tree.parents):
         paths.append((paths[parent] if parent >= 0 else ()) + (int(tok),))
-    return {p: i for i, p in enumerate(paths)}
+    return paths
 
 
 class LookaheadDrafter(LookupDrafter):
@@ -212,10 +212,10 @@ class LookaheadDrafter(LookupDrafter):
         if w is None or not w.proposed:
             return
         proposed, w.proposed = w.proposed, None
-        nodes = _node_paths(tree)
-        by_node = {i: p for p, i in nodes.items()}
+        paths = node_paths(tree)
+        nodes = {p: i for i, p in enumerate(paths)}
         self.window_passes += 1
-        self.guessed_accepted += sum(1 for i in path if by_node[i] not in w.looked_up)
+        self.guessed_accepted += sum(1 for i in path if paths[i] not in w.looked_up)
         tops = []
         for col_path in proposed:
             node = nodes.get(col_path)

@@ -18,8 +18,11 @@ with itself renamed, draft_acceptance.py's editing instruction.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import random
 import sys
+import sysconfig
 from pathlib import Path
 
 from ntx.ctl.local import build_local_engine
@@ -35,9 +38,6 @@ from draft_history import TOKENS, held_out_documents  # noqa: E402
 def held_out_functions(seed: int = 7) -> list[tuple[str, str]]:
     """Functions of the standard library of 12-40 lines (no nested definitions), shuffled: each
     as (its source, its name), for the editing task."""
-    import ast
-    import random
-    import sysconfig
     out = []
     for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         if {"test", "idlelib", "site-packages"} & set(f.parts):
