@@ -18,7 +18,7 @@ runs.
   mmq_rows(tile=...)    mmq at one or two rows of x with mmq_kernel's bits (mmq_rows.cu), for the
                         batch-invariant mode's one-row passes; no faster than mmq on the H200.
   gemm_dp4a             gemm with int8 activations: the dp4a matvec in chunks of 8 rows up to 64.
-  mvq2_rows(nw=...)     the i16 matvec's bits for any number of rows of x (mvq2_rows.cu), on the
+  mvq2_rows(nw=...)     the i16 matvec's bits for any number of rows of x (production's matvec_rows.cu), on the
                         int8 tensor cores: for a batch-invariant mode that keeps the matvec at
                         1-8 rows. Every type the i16 matvec takes; not yet run on a GPU.
 """
@@ -37,7 +37,8 @@ from ntx.daemons.compute.cuda import mm as tc
 from ntx.daemons.compute.cuda.memory import mm_cut
 from ntx.daemons.compute.cuda.runtime import (DEFAULT_SMEM_LIMIT, KernelContext, check_f32, function, rows_and_out,
                                               stream_ctx, tuning)
-from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS, MV_ROWS_PER_CTA, MV_UNROLLS
+from ntx.daemons.compute.cuda.tuning import (MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS, MV_ROWS_PER_CTA, MV_UNROLLS,
+                                             ROWS_TILES)
 from ntx.shared.quant_types import quant_type
 
 LAB_SOURCE = Path(__file__).resolve().with_name("lab.cu")
@@ -45,10 +46,7 @@ MMQ_ROWS_SOURCE = Path(__file__).resolve().with_name("mmq_rows.cu")
 MMQ_ROWS_MAX_B = 2  # rows of x mmq_rows_kernel takes (its NB)
 MMQ_ROWS_TILES = (8, 16, 32)  # weight rows a CTA of mmq_rows_kernel (its R) compile_lab builds
 MMQ_ROWS_MAX_SMEM = 227 << 10  # shared memory a CTA may take on sm_90
-MVQ2_ROWS_SOURCE = Path(__file__).resolve().with_name("mvq2_rows.cu")
-MVQ2_ROWS_TILES = (1, 2)  # tiles of 8 rows of x a warp of mvq2_rows_kernel takes (its NT)
-MVQ2_ROWS_MAX_WARPS = 4  # warps a CTA, over the rows of x
-MVQ2_ROWS_MAX_B = 4096
+MVQ2_ROWS_TILES = ROWS_TILES  # production's matvec_rows (matvec_rows.cu): tiles of 8 rows of x a warp (its NT)
 VARIANTS = ("v1", "v2", "f32", "dp4a", "i16", "i16s")
 MMQ_TILES_PER_WARP = (1, 2)  # 16-row tiles one warp of mmq takes (mmq_kernel's MT)
 
@@ -68,10 +66,6 @@ def mms_names(qt: int) -> tuple[str, ...]:
 
 def mmq_names(qt: int, mt: int) -> tuple[str, ...]:
     return tuple(f"mmq_kernel<{int(qt)},{nt},{mt}>" for nt in instances.MM_TILES)
-
-
-def mvq2_rows_names(qt: int) -> tuple[str, ...]:
-    return tuple(f"mvq2_rows_kernel<{int(qt)},{nt}>" for nt in MVQ2_ROWS_TILES)
 
 
 def mmq_rows_names(qt: int, tile: int) -> tuple[str, ...]:
@@ -335,25 +329,7 @@ def mmq_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, tile: i
 
 def mvq2_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, nw: int | None = None, nt: int = 2,
               planes=None, accumulate: bool = False):
-    """out[b, r] = sum_c W[r, c] x[b, c] for any number of rows of x (every type the i16 matvec takes) with each row's
-    bits of the i16 matvec (production matvec.matvec) at ``nw`` warps a CTA (default: the
-    device's launch at 8 rows, the batch-invariant table's one), through mvq2_rows_kernel
-    (mvq2_rows.cu): ``nt`` tiles of 8 rows of x a warp, up to MVQ2_ROWS_MAX_WARPS warps a CTA.
-    planes: the i16 planes of x (matvec.i16_quantize), as production's matvec takes them."""
-    q = quant_type(w.qtype)
-    if not q.dp4a:
-        raise ValueError(f"mvq2_rows takes the types the i16 matvec takes, not {q.name}")
-    if nt not in MVQ2_ROWS_TILES:
-        raise ValueError(f"mvq2_rows: nt must be one of {MVQ2_ROWS_TILES}")
-    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MVQ2_ROWS_MAX_B, "mvq2_rows")
-    B = x.shape[0]
-    nw = nw or tuning().i16(q.qtype, MAX_MATVEC_B)[1]
-    wa = min(MVQ2_ROWS_MAX_WARPS, -(-B // (8 * nt)))
-    names = mvq2_rows_names(int(q.qtype))
-    with stream_ctx(stream):
-        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
-        ctx.launch(function(MVQ2_ROWS_SOURCE, f"mvq2_rows_kernel<{int(q.qtype)},{nt}>", names),
-                   (-(-w.n_rows // 16), -(-B // (8 * nt * wa))), (32 * wa,),
-                   (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
-                    np.int32(B), np.int32(nw), np.int32(accumulate)))
-    return out
+    """Production's ``matvec.matvec_rows`` (the i16 matvec's bits for any number of rows of x,
+    the batch-invariant mode's product past 8 rows) at a chosen tile count ``nt`` and warps per
+    CTA ``nw``, for the sweeps (bench_gemm_paths' mvq2_rows and mvq2_rows_nt1 paths)."""
+    return mv.matvec_rows(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate, nw=nw, nt=nt)

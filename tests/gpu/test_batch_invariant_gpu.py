@@ -2,13 +2,14 @@
 batch-invariant=on``: a row's results do not depend on how many rows share its pass.
 
   * kernels: every row of gemm (and gemm_group, gemm(accumulate)) of x[:T] is the bits of that
-    row multiplied alone, T in 1..512 across every path boundary, for each kernel family (mmq:
-    Q4_K, Q6_K; mm: Q4_1, Q8_0, F16; the matvec: F32); attention likewise, and a token tree's
+    row multiplied alone, T in 1..512 across every path boundary, for each kernel family (the
+    i16 matvec to 8 rows, then matvec_rows: Q4_K, Q6_K, Q4_1, Q8_0; mm: F16; the f32 matvec:
+    F32); attention likewise, and a token tree's
     rows (the ordered tree kernel) the bits of a plain row over its path laid out in order;
   * the model: one sequence's logits, bit for bit, alone and in passes of 8, 64 and 512 rows
     with sequences that join and leave, its last steps verified as a tree (the scenario of
-    tests/test_batch_invariant.py, where the cpu backend passes it), on a synthetic Q4_K_M
-    (mmq) and the real SmolLM2 (NTX_TEST_MODEL: mm);
+    tests/test_batch_invariant.py, where the cpu backend passes it), on a synthetic Q4_K_M and
+    the real SmolLM2 (NTX_TEST_MODEL: Q4_1 and Q8_0);
   * the engine: greedy tokens alone, batched with requests that join and leave mid-generation,
     and with ngram speculation verifying trees wider than a graph bucket, all the same.
 
@@ -61,12 +62,11 @@ def test_gemm_rows_are_the_bits_of_each_row_alone(qt):
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
     w2 = W(random_weights(qt, 96, n_cols, rng), qt, 96, n_cols)
     x = cp.asarray(rng.standard_normal((MAX_ROWS, n_cols)).astype(np.float32))
-    want_path = invariant_path(quant_type(qt), n_cols)
     alone = np.stack([cp.asnumpy(G.gemm(BI, w, x[i:i + 1]))[0] for i in range(MAX_ROWS)])  # [512, n_rows]
     alone2 = np.stack([cp.asnumpy(G.gemm(BI, w2, x[i:i + 1]))[0] for i in range(MAX_ROWS)])
     base = cp.asarray(rng.standard_normal((MAX_ROWS, n_rows)).astype(np.float32))
     for T in ROWS:
-        assert G.path(BI, w, T) == want_path, (qt, T)
+        assert G.path(BI, w, T) == invariant_path(quant_type(qt), n_cols, T), (qt, T)
         np.testing.assert_array_equal(cp.asnumpy(G.gemm(BI, w, x[:T])), alone[:T], err_msg=f"{qt.name} gemm T={T}")
         a, b = G.gemm_group(BI, x[:T], [(w, None), (w2, None)])  # x quantized once for both
         np.testing.assert_array_equal(cp.asnumpy(a), alone[:T], err_msg=f"{qt.name} group T={T}")

@@ -16,10 +16,11 @@ call for every bucket before any request):
   * more rows: ``gemm_dequant`` (an f16 copy of W and cuBLAS), eager passes only.
 
 In the batch-invariant mode (``KernelOptions.batch_invariant``: the context's table is
-``tuning.batch_invariant``'s) a format takes one path at every row count
-(``memory.invariant_path``): mmq for the K-quants, mm for the other types it decodes, the
-matvec for the rest, in chunks of MAX_MM_ROWS (MAX_MATVEC_B) rows beyond those, never cuBLAS,
-so that a row's products are the same bits whatever rows share its pass.
+``tuning.batch_invariant``'s) a row's products are the same bits whatever rows share its pass
+(``memory.invariant_path``): the block-quantized types take the i16 matvec up to 8 rows and
+``matvec.matvec_rows`` (the matvec's order on the tensor cores) past that, in chunks of
+MAX_MM_ROWS rows; F16 takes mm at every row count, the other float types the matvec; never
+cuBLAS.
 
 The products of one x — a layer's q, k and v, its gate and up — go through ``gemm_group``,
 which quantizes x once for all the products that take the same quantized x, and runs the i16
@@ -86,12 +87,16 @@ def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate:
         check_f32("out", out, (T, w.n_rows))
         if p == "i16":
             return mv.matvec(ctx, w, x, out, stream=stream, accumulate=True)
+        if p == "rows":
+            return _rows(ctx, w, x, out, stream, accumulate=True)
         with stream_ctx(stream):
             tmp = ctx.scratch("gemm accumulate", T * w.n_rows * 4).view(cp.float32).reshape(T, w.n_rows)
             gemm(ctx, w, x, tmp, stream=stream)
             return nrk.add(ctx, out, tmp, out=out, stream=stream)
     if p == "dequant":
         return gemm_dequant(ctx, w, x, out, stream=stream)
+    if p == "rows":
+        return _rows(ctx, w, x, out, stream)
     if p in ("mmq", "mm"):
         product = tc.mmq if p == "mmq" else tc.mm
         if T <= MAX_MM_ROWS:
@@ -108,6 +113,20 @@ def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate:
     for i in range(0, T, MAX_MATVEC_B):
         j = min(i + MAX_MATVEC_B, T)
         mv.matvec(ctx, w, x[i:j], out[i:j], stream=stream)
+    return out
+
+
+def _rows(ctx: KernelContext, w: Weight, x, out, stream, *, planes=None, accumulate: bool = False):
+    """The batch-invariant mode past 8 rows: ``matvec.matvec_rows`` in launches of up to
+    MAX_MM_ROWS rows (the arena's i16 planes hold that many; a row's bits do not depend on its
+    launch). planes: x's, made already (up to MAX_MM_ROWS rows)."""
+    T = x.shape[0]
+    out = out_array(out, (T, w.n_rows), cp.float32)
+    if planes is not None or T <= MAX_MM_ROWS:
+        return mv.matvec_rows(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
+    for i in range(0, T, MAX_MM_ROWS):
+        j = min(i + MAX_MM_ROWS, T)
+        mv.matvec_rows(ctx, w, x[i:j], out[i:j], stream=stream, accumulate=accumulate)
     return out
 
 
@@ -161,9 +180,9 @@ def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) ->
     outs. i16_planes: x's i16 planes, made already (``norm_rope_kv.rmsnorm_i16``)."""
     x = aligned_x(x, parts[0][0].n_cols)
     T = x.shape[0]
-    if T > MAX_MM_ROWS and i16_planes is None and any(path(ctx, w, T) == "mmq" for w, _ in parts):
-        # the batch-invariant mode beyond one matmul launch's rows: the group chunk by chunk
-        # (mmq's planes are made for up to MAX_MM_ROWS rows)
+    if T > MAX_MM_ROWS and i16_planes is None and any(path(ctx, w, T) in ("mmq", "rows") for w, _ in parts):
+        # the batch-invariant mode beyond one launch's rows: the group chunk by chunk (the
+        # planes are made for up to MAX_MM_ROWS rows)
         outs = [out_array(out, (T, w.n_rows), cp.float32) for w, out in parts]
         for i in range(0, T, MAX_MM_ROWS):
             j = min(i + MAX_MM_ROWS, T)
@@ -180,6 +199,10 @@ def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) ->
             outs[i] = tc.mmq(ctx, w, x, out, stream=stream, planes=shared["mmq"])
         elif p == "i16":
             i16_by_type.setdefault(w.qtype, []).append(i)
+        elif p == "rows":
+            if "i16" not in shared:
+                shared["i16"] = mv.i16_quantize(ctx, x, stream=stream)
+            outs[i] = _rows(ctx, w, x, out, stream, planes=shared["i16"])
         else:
             outs[i] = gemm(ctx, w, x, out, stream=stream)
     for members in i16_by_type.values():

@@ -13,7 +13,7 @@ from ntx.daemons.compute.cuda import tuning
 from ntx.shared.quant_types import QUANT_TYPES, QuantType
 
 __all__ = ["CUT_ID", "MATVEC_ROWS", "MM_TILES", "ATTENTION_SHAPES", "mv_names", "i16_names", "deq_names",
-           "mm_names", "mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules", "production"]
+           "mm_names", "mmq_names", "rows_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules", "production"]
 
 CUT_ID = {"v1": 1, "v2": 2}  # template argument of each layout cut (quant_traits.cuh CUT_V1, CUT_V2)
 MATVEC_ROWS = range(1, tuning.MAX_MATVEC_B + 1)  # the matvec kernels' B
@@ -30,6 +30,11 @@ def mv_names(qt: int, nr: int, u: int, cut: str = "v1") -> tuple[str, ...]:
 def i16_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
     """The i16 matvec at every B, then its three-matrix form (mvq2g_kernel) likewise."""
     return tuple(f"{k}<{int(qt)},{b},{nr},{u}>" for k in ("mvq2_kernel", "mvq2g_kernel") for b in MATVEC_ROWS)
+
+
+def rows_names(qt: int) -> tuple[str, ...]:
+    """matvec_rows (the batch-invariant mode's i16 product past 8 rows) at each tile count."""
+    return tuple(f"mvq2_rows_kernel<{int(qt)},{nt}>" for nt in tuning.ROWS_TILES)
 
 
 def deq_names(qt: int, cut: str) -> tuple[str, ...]:
@@ -75,13 +80,14 @@ def matvec_kind(q: QuantType) -> str:
 def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
     """(source, instantiation names) of every module production compiles for matrices of type
     ``q`` on the device entries ``tables``: its matvec (f32 or i16) at each launch
-    configuration, its dequantizer at its cut, its tensor-core matmul (mmq for the K-quants,
+    configuration (the i16 one's matvec_rows too), its dequantizer at its cut, its tensor-core matmul (mmq for the K-quants,
     mm at each of the other types' cuts)."""
     out = []
     qt = int(q.qtype)
     if matvec_kind(q) == "i16":
         for nr, u in sorted({(nr, u) for t in tables for nr, _, u in t.all_i16_launches()}):
             out.append(("matvec.cu", i16_names(qt, nr, u)))
+        out.append(("matvec_rows.cu", rows_names(qt)))
     else:
         for nr, u in sorted({(nr, u) for t in tables for nr, _, u in t.all_mv_launches()}):
             out.append(("matvec.cu", mv_names(qt, nr, u)))
@@ -101,6 +107,7 @@ def production(tunings=None) -> dict[str, list[tuple[str, ...]]]:
     tables = list(tunings if tunings is not None else tuning.TUNINGS.values())
     out: dict[str, list[tuple[str, ...]]] = {name: [()] for name in extern_kernels()}
     out["dequant.cu"] = []
+    out["matvec_rows.cu"] = []
     for q in QUANT_TYPES.values():
         for source, names in type_modules(q, tables):
             out[source].append(names)

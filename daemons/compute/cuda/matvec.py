@@ -14,6 +14,9 @@ out[b, r] = sum_c W[r, c] * x[b, c] for W a ``Weight`` (its GGUF bytes on the de
 
 The launch configuration (rows per CTA, warps per CTA, pieces per trip) is the device's table
 (tuning.py), chosen once per weight format and B (``matvec_plan``, cached in the context).
+
+``matvec_rows`` gives any number of rows of x the i16 matvec's bits at a given warps per CTA
+(matvec_rows.cu, on the int8 tensor cores): the batch-invariant mode's product past 8 rows.
 dev/cuda keeps the other variants (other cuts, the one-plane dp4a product, x staged in shared
 memory) and their sweeps.
 """
@@ -29,10 +32,13 @@ from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda.memory import i16_plane_bytes, i16_planes_bytes
 from ntx.daemons.compute.cuda.runtime import KernelContext, function, rows_and_out, stream_ctx
-from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B
+from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, ROWS_MAX_WARPS, ROWS_TILES
 from ntx.shared.quant_types import quant_type
 
-__all__ = ["MAX_MATVEC_B", "MatvecPlan", "matvec_plan", "matvec", "matvec_i16_group", "i16_planes", "i16_quantize"]
+__all__ = ["MAX_MATVEC_B", "MatvecPlan", "matvec_plan", "matvec", "matvec_i16_group", "matvec_rows", "i16_planes",
+           "i16_quantize"]
+
+ROWS_MAX_B = 4096  # rows of x one matvec_rows launch takes (a grid dimension of B / 8 NT WA CTAs)
 
 
 @dataclass(frozen=True)
@@ -150,3 +156,34 @@ def matvec_i16_group(ctx: KernelContext, x, parts, planes, stream=None) -> list:
     with stream_ctx(stream):
         ctx.launch(plan.group_kern, (ends[2],), plan.block, args)
     return outs[:len(parts)]
+
+
+def matvec_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None, accumulate: bool = False,
+                nw: int | None = None, nt: int | None = None):
+    """out[b, r] = sum_c W[r, c] * x[b, c] for any number of rows of x (up to ROWS_MAX_B; the
+    block-quantized types), each row with the bits ``matvec`` gives it at ``nw`` warps per CTA
+    (default: the context's table's launch at 8 rows of the type, the one warps-per-CTA of the
+    batch-invariant table), alone or beside any other rows: mvq2_rows_kernel, ``nt`` tiles of 8
+    rows of x a warp (default the table's rows_nt), up to ROWS_MAX_WARPS warps a CTA over the
+    rows of x (they share the CTA's 16 weight rows through L1).
+
+    planes: x's i16 planes (``i16_quantize``), as ``matvec`` takes them; accumulate: out += the
+    product, with the bits of matvec(accumulate=True)."""
+    q = quant_type(w.qtype)
+    if instances.matvec_kind(q) != "i16":
+        raise ValueError(f"matvec_rows takes the types the i16 matvec takes, not {q.name}")
+    nt = nt or ctx.tuning().rows_nt
+    if nt not in ROWS_TILES:
+        raise ValueError(f"matvec_rows: nt must be one of {ROWS_TILES}, not {nt}")
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, ROWS_MAX_B, "matvec_rows")
+    B = x.shape[0]
+    nw = nw or ctx.tuning().i16(q.qtype, MAX_MATVEC_B)[1]
+    wa = min(ROWS_MAX_WARPS, -(-B // (8 * nt)))
+    qt = int(q.qtype)
+    kern = function("matvec_rows.cu", f"mvq2_rows_kernel<{qt},{nt}>", instances.rows_names(qt))
+    with stream_ctx(stream):
+        xq1, ds1, xq2, ds2 = planes if planes is not None else i16_quantize(ctx, x)
+        ctx.launch(kern, (-(-w.n_rows // 16), -(-B // (8 * nt * wa))), (32 * wa,),
+                   (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
+                    np.int32(B), np.int32(nw), np.int32(accumulate)))
+    return out

@@ -158,16 +158,19 @@ def mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
     return None
 
 
-def invariant_path(q: QuantType, n_cols: int) -> str:
-    """The one path of the batch-invariant mode for rows of n_cols of type q, at every row count:
-    "mmq" for the K-quants, "mm" for the other types mm decodes at this row length (Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0, F16), "matvec" for the rest (F32, BF16, an F16 row mm cannot cut), beyond
-    MAX_MM_ROWS (MAX_MATVEC_B for the matvec) in chunks of that many rows. Never cuBLAS: its
-    kernel and split of K change with the shape, and it rounds x to f16. Why the tensor-core
-    matmuls rather than the matvec even at one row (slower there): docs/ARCHITECTURE.md,
-    "Batch-invariant mode"."""
-    if q.mm_staged and n_cols % 256 == 0:
-        return "mmq"
+def invariant_path(q: QuantType, n_cols: int, T: int) -> str:
+    """The batch-invariant mode's path for T rows of x against rows of n_cols of type q, where a
+    row's bits do not depend on T: for the block-quantized types (every K-quant, Q8_0, Q4_0/Q4_1/
+    Q5_0/Q5_1) the i16 matvec up to MAX_MATVEC_B rows ("i16", one warps-per-CTA per type at
+    every B: ``tuning.batch_invariant``), past that "rows" (``matvec.matvec_rows``: the matvec's
+    f32 steps in its order, so a row has the same bits in a pass of 1 or 512 rows); "mm" for F16
+    where mm cuts its rows (its per-row order depends on the matrix's shape only); "matvec" for
+    the rest (F32, BF16, an F16 row mm cannot cut), in chunks of MAX_MATVEC_B rows. Never cuBLAS:
+    its kernel and split of K change with the shape, and it rounds x to f16. Why not one
+    tensor-core matmul at every row count (the mode's first form: mmq at one row cost +82% a
+    decode pass): docs/ARCHITECTURE.md, "Batch-invariant mode"."""
+    if q.dp4a:
+        return "i16" if T <= tuning.MAX_MATVEC_B else "rows"
     if mm_cut(q, n_cols) is not None:
         return "mm"
     return "matvec"
@@ -178,10 +181,10 @@ def gemm_path(q: QuantType, n_cols: int, T: int, t: tuning.KernelTuning) -> str:
     (beyond MAX_MM_ROWS: an f16 copy and cuBLAS), "mmq" (the K-quants from mmq_min_rows rows),
     "mm" (the other types mm decodes, from mm_min_rows rows), "i16" (one i16 matvec launch, up
     to 8 rows of the block-quantized types), or "matvec" (the matvec in chunks of 8 rows). On a
-    batch-invariant table (``tuning.batch_invariant``) the same path at every T
-    (``invariant_path``)."""
+    batch-invariant table (``tuning.batch_invariant``) ``invariant_path``: "i16" then "rows"
+    for the block-quantized types, one path for the others."""
     if t.batch_invariant:
-        return invariant_path(q, n_cols)
+        return invariant_path(q, n_cols, T)
     if T > tuning.MAX_MM_ROWS:
         return "dequant"
     if q.mm_staged and n_cols % 256 == 0:  # the K-quants (mm.MMQ_TYPES)
@@ -197,7 +200,7 @@ def gemm_path(q: QuantType, n_cols: int, T: int, t: tuning.KernelTuning) -> str:
 def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning.KernelTuning) -> dict[str, int]:
     """The scratch gemm takes for T rows of x against W [n_rows, n_cols] of type q, by purpose
     (the i16 planes of one quantization; the chunked matvec's are per chunk of 8 rows; the
-    batch-invariant mode's matmuls are per chunk of MAX_MM_ROWS rows)."""
+    batch-invariant mode's matmuls and matvec_rows are per chunk of MAX_MM_ROWS rows)."""
     path = gemm_path(q, n_cols, T, t)
     if t.batch_invariant:
         T = min(T, tuning.MAX_MM_ROWS)
@@ -208,6 +211,8 @@ def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning
         cut = mm_cut(q, n_cols)
         wr, wk, ks = t.mm_launch(T, n_rows, cut[1])
         return mm_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
+    if path == "rows":  # the planes of one launch's rows (gemm runs it MAX_MM_ROWS rows at a time)
+        return {"i16 planes": i16_planes_bytes(T, n_cols)}
     if path in ("i16", "matvec") and q.dp4a:
         return {"i16 planes": i16_planes_bytes(min(T, tuning.MAX_MATVEC_B), n_cols)}
     return {}

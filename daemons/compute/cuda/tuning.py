@@ -19,9 +19,11 @@ from dataclasses import dataclass, field, replace
 
 from gguf import GGMLQuantizationType as QT
 
+from ntx.shared.quant_types import QUANT_TYPES
+
 __all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant", "MAX_MATVEC_B",
            "MV_ROWS_PER_CTA", "MV_MAX_WARPS", "MV_UNROLLS", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
-           "ATTN_SPLIT_STEP", "DEQUANT_W16_BYTES"]
+           "ATTN_SPLIT_STEP", "DEQUANT_W16_BYTES", "ROWS_TILES", "ROWS_MAX_WARPS"]
 
 MAX_MATVEC_B = 8  # activation rows one matvec launch takes (the kernels' B template range)
 MAX_MM_ROWS = 64  # activation rows one tensor-core matmul launch takes (8 per tile, NT <= 8)
@@ -35,6 +37,8 @@ MAX_GRAPH_ROWS = MAX_MM_ROWS
 # resident layer, for the eager passes alone (memory.dequant_chunk_rows)
 DEQUANT_W16_BYTES = 128 << 20
 ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its split kernel's warps per CTA
+ROWS_TILES = (1, 2)  # matvec_rows' tiles of 8 rows of x a warp (mvq2_rows_kernel's NT)
+ROWS_MAX_WARPS = 4  # matvec_rows' warps a CTA, over the rows of x (its __launch_bounds__(128))
 
 # (rows per CTA, warps per CTA, pieces per lane per trip) of a matvec launch, each from these:
 # rows per CTA are a template argument (matvec.cuh matvec_rows NR: every CTA reads all of x once
@@ -76,8 +80,12 @@ class KernelTuning:
     rmsnorm_threads: tuple[tuple[int, int], ...]
     # layout cut of each type's dequantizer (types not listed: "v1")
     deq_cut: dict[QT, str] = field(default_factory=dict)
-    # the batch-invariant form of a table (``batch_invariant``): memory.gemm_path takes one path
-    # per weight format at every row count and attn_splits one split count at every row count
+    # the batch-invariant mode's product past the matvec's rows (matvec.matvec_rows,
+    # matvec_rows.cu): tiles of 8 rows of x a warp (its NT, one of ROWS_TILES)
+    rows_nt: int = 2
+    # the batch-invariant form of a table (``batch_invariant``): memory.gemm_path takes the i16
+    # matvec (one warps-per-CTA per type at every B) then matvec_rows for the block-quantized
+    # types, one path per other weight format, and attn_splits one split count at every row count
     batch_invariant: bool = False
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
@@ -161,18 +169,33 @@ def batch_invariant(t: KernelTuning) -> KernelTuning:
 
     What a row's reduction order depends on, per family: the matvec's warps per CTA (its lanes
     take pieces warp * 32 + lane, stepping by all the CTA's lanes; the launch's rows per CTA and
-    unroll do not move the order, nor does B), so one launch for every B, the table's B = 8 one
-    (the ``MAX_MATVEC_B`` launch: the widest chunk a matvec takes), without the B = 1 overrides.
-    The tensor-core matmuls' launches (mm_launch, mmq_launch) depend on the matrix's shape only,
-    their tiles of 8 x rows never meet, and split-K partials are added in a fixed order: per row
-    they are invariant as they are; from one row (mm_min_rows = mmq_min_rows = 1) so that gemm
-    never mixes them with the matvec, whose f32 sums round differently (memory.gemm_path).
-    Attention: the one-row key splits at every T (attn_splits)."""
+    unroll do not move the order, nor does B). So each type keeps its own launches at every B
+    with one warps-per-CTA, its B = 8 launch's (the ``MAX_MATVEC_B`` one: the widest chunk a
+    matvec takes); the rows per CTA and pieces per trip stay as tuned, so every launch is one the
+    default compiles. Past 8 rows the block-quantized types take ``matvec_rows``
+    (matvec_rows.cu), which makes the matvec's f32 steps in its order at that same
+    warps-per-CTA (memory.gemm_path). The f16 matmul's launches (mm_launch) depend on the
+    matrix's shape only, its tiles of 8 x rows never meet and split-K partials are added in a
+    fixed order: per row it is invariant as it is, so F16 takes it from one row (mm_min_rows = 1)
+    and never mixes it with the f32 matvec. Attention: the one-row key splits at every T
+    (attn_splits)."""
+    def fixed_nw(launch: MatvecLaunch, nw: int) -> MatvecLaunch:
+        return launch[0], nw, launch[2]
+
     mv_one = t.mv_launch[MAX_MATVEC_B]
-    i16_one = t.i16_launch[MAX_MATVEC_B]
+    i16_override: dict[tuple[QT, int], MatvecLaunch] = {}
+    for q in QUANT_TYPES.values():
+        if not q.dp4a:
+            continue
+        qt = QT(q.qtype)
+        nw = t.i16(qt, MAX_MATVEC_B)[1]
+        for B in t.i16_launch:
+            launch = fixed_nw(t.i16(qt, B), nw)
+            if launch != t.i16_launch[B]:
+                i16_override[(qt, B)] = launch
     return replace(t, name=f"{t.name} batch-invariant", batch_invariant=True,
                    mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
-                   i16_launch={B: i16_one for B in t.i16_launch}, i16_launch_override={},
+                   i16_launch=dict(t.i16_launch), i16_launch_override=i16_override,
                    mm_min_rows=1, mmq_min_rows=1)
 
 

@@ -1,11 +1,12 @@
-// mvq2_rows_kernel: a lab variant for the batch-invariant mode (issue 28): the i16 matvec's bits
-// (production mvq2_kernel, matvec.cuh) for any number of rows of x, on the int8 tensor cores.
+// mvq2_rows_kernel: the i16 matvec's bits (mvq2_kernel, matvec.cuh) for any number of rows of x,
+// on the int8 tensor cores: the batch-invariant mode's product past the matvec's 8 rows.
 //
-// Why: the mode gives a row the same bits whatever else shares its pass. Today it does so by
-// running mmq at every row count, and at one row mmq costs 1.8x the i16 matvec (+82% a decode
-// pass of the 8B; docs/PERFORMANCE.md, "The batch-invariant mode: its cost"). The other way
-// round keeps the matvec at 1-8 rows (its per-row sums do not depend on B, only on its warps per
-// CTA, nw) and gives the wider passes the matvec's order instead of mmq's.
+// Why: the mode gives a row the same bits whatever else shares its pass. It keeps the i16 matvec
+// at 1-8 rows (a row's sums there depend on its warps per CTA, nw, and on nothing else: not on B,
+// the rows per CTA or the unroll), at one nw per type (tuning.batch_invariant), and gives the
+// wider passes the matvec's order through this kernel. Before, the mode ran mmq at every row
+// count, and at one row mmq costs 1.8x the i16 matvec (+82% a decode pass of the 8B;
+// docs/PERFORMANCE.md, "The batch-invariant mode: its cost").
 //
 // The matvec's value of (x row b, weight row r), per piece p of the row (a piece: Q4_K/Q5_K's
 // 16 positions of two sub-blocks, Q6_K's 8 of four groups, 8 a 256-column block; Q8_0's 16, two a
@@ -29,7 +30,7 @@
 // weight rows are read once from DRAM; the other warps find them in L1/L2).
 // xq, ds, xq2, ds2: quantize_x2_kernel's planes of x [B, n_cols] (matvec.cu). Every type the i16
 // matvec takes: the K-quants, Q8_0, Q4_0/Q4_1/Q5_0/Q5_1.
-// Launched by dev/cuda/lab.py (mvq2_rows).
+// Launched by matvec.py (matvec_rows); dev/cuda/lab.py's mvq2_rows launches both tiles for the sweeps.
 
 #include "matvec.cuh"
 
@@ -212,6 +213,7 @@ __global__ void __launch_bounds__(128) mvq2_rows_kernel(const u8* __restrict__ w
                                                         const u8* xq2, const float2* ds2, float* out, int n_rows,
                                                         int n_cols, long long row_bytes, int B, int nw, int acc) {
     typedef QDTraits<QT> T;
+    pdl_enter();  // x's planes and out are the stream's (common.cuh); a warp past B leaves after it
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, WA = blockDim.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int xbase = (blockIdx.y * WA + warp) * 8 * NT;
