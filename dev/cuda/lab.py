@@ -18,9 +18,9 @@ runs.
   mmq_rows(tile=...)    mmq at one or two rows of x with mmq_kernel's bits (mmq_rows.cu), for the
                         batch-invariant mode's one-row passes; no faster than mmq on the H200.
   gemm_dp4a             gemm with int8 activations: the dp4a matvec in chunks of 8 rows up to 64.
-  mvq2_rows(nw=...)     the i16 matvec's bits for any number of rows of x (production's matvec_rows.cu), on the
-                        int8 tensor cores: for a batch-invariant mode that keeps the matvec at
-                        1-8 rows. Every type the i16 matvec takes; not yet run on a GPU.
+  mvq2_rows(nw=, nt=)   production's matvec_rows (the i16 matvec's bits for any number of rows of
+                        x, the batch-invariant mode's product past 8 rows) at a chosen warps per
+                        CTA and tile count, for the sweeps.
 """
 
 from __future__ import annotations
