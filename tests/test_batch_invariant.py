@@ -2,8 +2,9 @@
 its pass, so greedy output is the same alone, batched, and with speculation.
 
 Here, without a GPU: the cuda backend's batch-invariant mode (``--kernels batch-invariant=on``)
-as choices a planner can check (one matrix-product path per weight format at every row count,
-one matvec launch for every batch size, attention's key splits independent of the rows, the
+as choices a planner can check (the matrix-product paths per weight format and row count: never
+cuBLAS, the i16 matvec then matvec_rows for the block-quantized types; one warps-per-CTA per type
+for every batch size; attention's key splits independent of the rows; the
 memory layout that follows), and the cpu backend's invariance through a real model: one
 sequence's logits, bit for bit, whether its pass holds it alone or 8, 64 or 512 rows of other
 sequences that join and leave (prompts, decode rows, a 511-row token tree).
