@@ -36,6 +36,12 @@ class KernelOptions:
     # mode"). Off until its cost on the GPU is measured. The cpu backend is batch-invariant
     # either way (cpu_kernels.py): there it changes nothing.
     batch_invariant: bool = False
+    # with batch_invariant: the block-quantized types take the i16 matvec at 1-8 rows and
+    # matvec_rows (the matvec's order on the int8 tensor cores) past 8, instead of mmq / mm from
+    # one row, whose batch-1 cost is +82% a decode pass. Built to become the mode's one form;
+    # off until its GPU tests pass (not yet run on a GPU: docs/PERFORMANCE.md, "The other way
+    # round"). Alone it is refused (parse).
+    invariant_rows: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "KernelOptions":
@@ -54,8 +60,14 @@ class KernelOptions:
             if not sep or value not in _ON + _OFF:
                 raise ConfigError(f"--kernels: {key}={value} must be {key}=on or {key}=off")
             values[keys[key]] = value in _ON
-        return cls(**values)
+        got = cls(**values)
+        if got.invariant_rows and not got.batch_invariant:
+            raise ConfigError("--kernels: invariant-rows=on is a form of the batch-invariant mode; "
+                              "add batch-invariant=on")
+        return got
 
     def describe(self) -> str:
-        """``"pdl=on,pdl-matmul=off"``: every switch, in the form ``parse`` reads."""
-        return ",".join(f"{f.name.replace('_', '-')}={'on' if getattr(self, f.name) else 'off'}" for f in fields(self))
+        """``"pdl=on,pdl-matmul=off"``: every switch, in the form ``parse`` reads (invariant-rows,
+        a form of the batch-invariant mode, only with the mode on)."""
+        shown = [f for f in fields(self) if f.name != "invariant_rows" or self.batch_invariant]
+        return ",".join(f"{f.name.replace('_', '-')}={'on' if getattr(self, f.name) else 'off'}" for f in shown)

@@ -2,10 +2,10 @@
 its pass, so greedy output is the same alone, batched, and with speculation.
 
 Here, without a GPU: the cuda backend's batch-invariant mode (``--kernels batch-invariant=on``)
-as choices a planner can check (the matrix-product paths per weight format and row count: never
-cuBLAS, the i16 matvec then matvec_rows for the block-quantized types; one warps-per-CTA per type
-for every batch size; attention's key splits independent of the rows; the
-memory layout that follows), and the cpu backend's invariance through a real model: one
+as choices a planner can check (one matrix-product path per weight format at every row count,
+one matvec launch for every batch size, attention's key splits independent of the rows, the
+memory layout that follows; in the mode's rows form, ``invariant-rows=on``, the i16 matvec then
+matvec_rows for the block-quantized types, one warps-per-CTA per type at every batch size), and the cpu backend's invariance through a real model: one
 sequence's logits, bit for bit, whether its pass holds it alone or 8, 64 or 512 rows of other
 sequences that join and leave (prompts, decode rows, a 511-row token tree).
 ``sequence_logits_alone`` and ``sequence_logits_batched`` are shared with the GPU test
@@ -26,16 +26,15 @@ from ntx.daemons.compute.cuda.buckets import bucket_sizes
 from ntx.daemons.compute.cuda.memory import (BUCKET_PREFIX, attention_rows, attention_splits, backend_layout,
                                              backend_tuning, cuda_memory_costs, eager_layout, gemm_path,
                                              gemm_scratch_bytes, i16_planes_bytes, invariant_path, pass_regions)
+from ntx.shared.errors import ConfigError
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.quant_types import QUANT_TYPES
 
 INVARIANT = tuning.batch_invariant(tuning.H200)
+ROWS_FORM = tuning.batch_invariant(tuning.H200, rows=True)  # invariant-rows=on
 ROW_COUNTS = range(1, 513)  # every pass size up to the widest verified tree
-# each format's path in the mode: one for the float types; the i16 matvec to 8 rows, then
-# matvec_rows (the matvec's order past 8 rows) for the block-quantized ones
-BLOCK_PATHS = {T: ("i16" if T <= tuning.MAX_MATVEC_B else "rows") for T in ROW_COUNTS}
-WANT_PATH = {"F32": "matvec", "BF16": "matvec", "F16": "mm", **{name: BLOCK_PATHS for name in (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}}
+WANT_PATH = {"F32": "matvec", "BF16": "matvec", "F16": "mm", "Q4_0": "mm", "Q4_1": "mm", "Q5_0": "mm",
+             "Q5_1": "mm", "Q8_0": "mm", "Q4_K": "mmq", "Q5_K": "mmq", "Q6_K": "mmq"}
 
 
 # ------------------------------------------------------------------------------ the cuda mode's choices
@@ -49,44 +48,31 @@ def test_the_switch_parses_shows_and_picks_the_invariant_table():
 
 @pytest.mark.parametrize("name", sorted(WANT_PATH))
 def test_one_gemm_path_per_format_at_every_row_count(name):
-    """The mode's gemm never takes cuBLAS, and never mixes kernels whose sums round differently:
-    the float types one path at every T; the block-quantized ones the i16 matvec to 8 rows and
-    matvec_rows past that, which makes the matvec's f32 steps in its order (tests/gpu checks the
-    bits). The default table mixes two or three paths."""
+    """The mode's gemm takes one path per format, whatever T (never cuBLAS, never the i16 matvec
+    beside a tensor-core matmul), where the default table takes two or three."""
     q = next(q for q in QUANT_TYPES.values() if q.name == name)
-    want = WANT_PATH[name]
     for n_cols in (256, 576, 1536, 4096, 14336):
         if n_cols % q.kernel_col_multiple:  # no such rows of this format
             continue
-        got = {T: gemm_path(q, n_cols, T, INVARIANT) for T in ROW_COUNTS}
-        assert got == {T: invariant_path(q, n_cols, T) for T in ROW_COUNTS}
-        assert got == (want if isinstance(want, dict) else {T: want for T in ROW_COUNTS}), (name, n_cols)
+        paths = {gemm_path(q, n_cols, T, INVARIANT) for T in ROW_COUNTS}
+        assert paths == {invariant_path(q, n_cols, T) for T in ROW_COUNTS} == {WANT_PATH[name]}, (name, n_cols, paths)
         assert len({gemm_path(q, n_cols, T, tuning.H200) for T in ROW_COUNTS}) > 1  # the default mixes paths
     if name == "F16":  # rows mm cannot cut (n_cols / 8 steps not a multiple of 4): the matvec
         assert {gemm_path(q, 40, T, INVARIANT) for T in ROW_COUNTS} == {"matvec"}
 
 
-def test_one_matvec_order_for_every_batch_size_and_type():
-    """A matvec row's order of additions follows its launch's warps per CTA, not its rows per CTA
-    nor its pieces per trip: the mode keeps each type's launches with one warps-per-CTA at every
-    B, its 8-row launch's (the default's B = 1 overrides at other warps are changed to it), and
-    matvec_rows takes that warps-per-CTA too. The f32 matvec: one launch for every B."""
+def test_one_matvec_launch_for_every_batch_size_and_type():
+    """A matvec row's order of additions follows its launch's warps: the mode's table has one
+    launch for every B, no per-type override, the default's widest one."""
     for q in QUANT_TYPES.values():
         assert {INVARIANT.mv(q.qtype, B) for B in range(1, tuning.MAX_MATVEC_B + 1)} == {
             tuning.H200.mv_launch[tuning.MAX_MATVEC_B]}
-        if not q.dp4a:
-            continue
-        nw = tuning.H200.i16(q.qtype, tuning.MAX_MATVEC_B)[1]
-        for B in range(1, tuning.MAX_MATVEC_B + 1):
-            nr, got_nw, u = INVARIANT.i16(q.qtype, B)
-            assert got_nw == nw and (nr, u) == (tuning.H200.i16(q.qtype, B)[0], tuning.H200.i16(q.qtype, B)[2])
-    # the default's B = 1 launches at other warps per CTA (Q6_K at 2, Q8_0 at 8) are what moves
-    assert {tuning.H200.i16(qt, 1)[1] for qt in (QT.Q6_K, QT.Q8_0)} != {tuning.H200.i16(QT.Q6_K, 8)[1]}
-    # every launch of the mode is one the default compiles already (rows per CTA and unroll are
-    # template arguments, warps per CTA a launch one)
+        assert {INVARIANT.i16(q.qtype, B) for B in range(1, tuning.MAX_MATVEC_B + 1)} == {
+            tuning.H200.i16_launch[tuning.MAX_MATVEC_B]}
+    assert tuning.H200.i16_launch_override  # what the mode drops: the default's B = 1 launches differ
+    # every launch of the mode is one the default compiles already
     assert INVARIANT.all_mv_launches() <= tuning.H200.all_mv_launches()
-    assert {(nr, u) for nr, _, u in INVARIANT.all_i16_launches()} <= {
-        (nr, u) for nr, _, u in tuning.H200.all_i16_launches()}
+    assert INVARIANT.all_i16_launches() <= tuning.H200.all_i16_launches()
 
 
 @pytest.mark.parametrize("n_kv,max_ctx", [(1, 64), (3, 1024), (8, 4096), (8, 131072), (32, 8192)])
@@ -99,14 +85,70 @@ def test_attention_splits_do_not_depend_on_the_rows(n_kv, max_ctx):
 
 
 def test_gemm_scratch_beyond_one_launch_is_one_launchs():
-    """Above MAX_MM_ROWS the mode multiplies in launches of that many rows: the scratch of a wider
-    product is a 64-row product's (x's i16 planes, no mmq planes or split-K partials)."""
+    """Above MAX_MM_ROWS the mode multiplies in chunks of that many rows: the scratch of a wider
+    product is a 64-row product's."""
     q4k = next(q for q in QUANT_TYPES.values() if q.name == "Q4_K")
     want = gemm_scratch_bytes(q4k, 14336, 4096, tuning.MAX_MM_ROWS, INVARIANT)
-    assert want == {"i16 planes": i16_planes_bytes(tuning.MAX_MM_ROWS, 4096)}
     for T in (65, 200, 512):
         assert gemm_scratch_bytes(q4k, 14336, 4096, T, INVARIANT) == want
-    assert gemm_scratch_bytes(q4k, 14336, 4096, 1, INVARIANT) == {"i16 planes": i16_planes_bytes(1, 4096)}
+    assert "mmq x planes" in gemm_scratch_bytes(q4k, 14336, 4096, 1, INVARIANT)  # mmq from one row
+
+
+# ------------------------------------------------------------------------------ the rows form
+def test_the_rows_form_parses_only_with_the_mode():
+    rows = KernelOptions.parse("batch-invariant=on,invariant-rows=on")
+    assert rows.batch_invariant and rows.invariant_rows and KernelOptions.parse(rows.describe()) == rows
+    assert backend_tuning(rows) == ROWS_FORM and ROWS_FORM.invariant_rows and not INVARIANT.invariant_rows
+    with pytest.raises(ConfigError, match="batch-invariant=on"):
+        KernelOptions.parse("invariant-rows=on")
+
+
+@pytest.mark.parametrize("name", sorted(WANT_PATH))
+def test_the_rows_form_takes_the_i16_matvec_then_matvec_rows(name):
+    """The rows form: the block-quantized types take the i16 matvec to 8 rows and matvec_rows
+    (the matvec's f32 steps in its order) past that, never mmq, mm or cuBLAS; the float types
+    as in the mode's other form."""
+    q = next(q for q in QUANT_TYPES.values() if q.name == name)
+    for n_cols in (256, 576, 1536, 4096, 14336):
+        if n_cols % q.kernel_col_multiple:
+            continue
+        got = {T: gemm_path(q, n_cols, T, ROWS_FORM) for T in ROW_COUNTS}
+        assert got == {T: invariant_path(q, n_cols, T, rows=True) for T in ROW_COUNTS}
+        if q.dp4a:
+            assert got == {T: "i16" if T <= tuning.MAX_MATVEC_B else "rows" for T in ROW_COUNTS}, (name, n_cols)
+        else:
+            assert set(got.values()) == {WANT_PATH[name]}, (name, n_cols)
+
+
+def test_the_rows_form_keeps_one_matvec_order_per_type():
+    """A matvec row's order of additions follows its launch's warps per CTA, not its rows per CTA
+    nor its pieces per trip: the rows form keeps each type's launches with one warps-per-CTA at
+    every B, its 8-row launch's (the default's B = 1 launches at other warps, Q6_K's and Q8_0's,
+    take it), so that matvec_rows, at that warps-per-CTA, gives a row past 8 the bits it has
+    alone. Every launch is one the default compiles (rows per CTA and unroll are template
+    arguments, warps per CTA a launch one)."""
+    for q in QUANT_TYPES.values():
+        if not q.dp4a:
+            continue
+        nw = tuning.H200.i16(q.qtype, tuning.MAX_MATVEC_B)[1]
+        for B in range(1, tuning.MAX_MATVEC_B + 1):
+            nr, got_nw, u = ROWS_FORM.i16(q.qtype, B)
+            want = tuning.H200.i16(q.qtype, B)
+            assert got_nw == nw and (nr, u) == (want[0], want[2]), (q.name, B)
+    assert {tuning.H200.i16(qt, 1)[1] for qt in (QT.Q6_K, QT.Q8_0)} != {tuning.H200.i16(QT.Q6_K, 8)[1]}
+    assert ROWS_FORM.i16(QT.Q4_K, 1) == tuning.H200.i16(QT.Q4_K, 1)  # an override at the same warps stays
+    assert {(nr, u) for nr, _, u in ROWS_FORM.all_i16_launches()} <= {
+        (nr, u) for nr, _, u in tuning.H200.all_i16_launches()}
+
+
+def test_the_rows_forms_scratch_is_one_64_row_launchs_planes():
+    """matvec_rows runs in launches of MAX_MM_ROWS rows: a wider product's scratch is x's i16
+    planes for 64 rows, no mmq planes or split-K partials."""
+    q4k = next(q for q in QUANT_TYPES.values() if q.name == "Q4_K")
+    want = {"i16 planes": i16_planes_bytes(tuning.MAX_MM_ROWS, 4096)}
+    for T in (64, 65, 200, 512):
+        assert gemm_scratch_bytes(q4k, 14336, 4096, T, ROWS_FORM) == want
+    assert gemm_scratch_bytes(q4k, 14336, 4096, 1, ROWS_FORM) == {"i16 planes": i16_planes_bytes(1, 4096)}
 
 
 @pytest.fixture(scope="module")

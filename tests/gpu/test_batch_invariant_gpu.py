@@ -2,14 +2,14 @@
 batch-invariant=on``: a row's results do not depend on how many rows share its pass.
 
   * kernels: every row of gemm (and gemm_group, gemm(accumulate)) of x[:T] is the bits of that
-    row multiplied alone, T in 1..512 across every path boundary, for each kernel family (the
-    i16 matvec to 8 rows, then matvec_rows: Q4_K, Q6_K, Q4_1, Q8_0; mm: F16; the f32 matvec:
-    F32); attention likewise, and a token tree's
+    row multiplied alone, T in 1..512 across every path boundary, for each kernel family (mmq:
+    Q4_K, Q6_K; mm: Q4_1, Q8_0, F16; the matvec: F32), and in the mode's rows form
+    (``invariant-rows=on``: the i16 matvec to 8 rows, then matvec_rows); attention likewise, and a token tree's
     rows (the ordered tree kernel) the bits of a plain row over its path laid out in order;
   * the model: one sequence's logits, bit for bit, alone and in passes of 8, 64 and 512 rows
     with sequences that join and leave, its last steps verified as a tree (the scenario of
-    tests/test_batch_invariant.py, where the cpu backend passes it), on a synthetic Q4_K_M and
-    the real SmolLM2 (NTX_TEST_MODEL: Q4_1 and Q8_0);
+    tests/test_batch_invariant.py, where the cpu backend passes it), on a synthetic Q4_K_M
+    (mmq) and the real SmolLM2 (NTX_TEST_MODEL: mm), in both forms;
   * the engine: greedy tokens alone, batched with requests that join and leave mid-generation,
     and with ngram speculation verifying trees wider than a graph bucket, all the same.
 
@@ -50,29 +50,33 @@ from .test_kernels import W, kv_pages, random_parents, random_weights  # noqa: E
 
 ON = KernelOptions(batch_invariant=True)
 BI = runtime.standalone(ON)
+BI_ROWS = runtime.standalone(KernelOptions(batch_invariant=True, invariant_rows=True))
+FORMS = {"mmq-mm": "batch-invariant=on", "rows": "batch-invariant=on,invariant-rows=on"}  # --kernels of each form
 ROWS = (1, 2, 3, 8, 9, 63, 64, 65, 512)  # across every boundary of the default's paths and chunks
 MAX_ROWS = max(ROWS)
 
 
 # ------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q4_1, QT.Q8_0, QT.F16, QT.F32])
-def test_gemm_rows_are_the_bits_of_each_row_alone(qt):
+def test_gemm_rows_are_the_bits_of_each_row_alone(qt, form):
+    ctx = BI_ROWS if form == "rows" else BI
     rng = np.random.default_rng(int(qt))
     n_rows, n_cols = 320, 1024
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
     w2 = W(random_weights(qt, 96, n_cols, rng), qt, 96, n_cols)
     x = cp.asarray(rng.standard_normal((MAX_ROWS, n_cols)).astype(np.float32))
-    alone = np.stack([cp.asnumpy(G.gemm(BI, w, x[i:i + 1]))[0] for i in range(MAX_ROWS)])  # [512, n_rows]
-    alone2 = np.stack([cp.asnumpy(G.gemm(BI, w2, x[i:i + 1]))[0] for i in range(MAX_ROWS)])
+    alone = np.stack([cp.asnumpy(G.gemm(ctx, w, x[i:i + 1]))[0] for i in range(MAX_ROWS)])  # [512, n_rows]
+    alone2 = np.stack([cp.asnumpy(G.gemm(ctx, w2, x[i:i + 1]))[0] for i in range(MAX_ROWS)])
     base = cp.asarray(rng.standard_normal((MAX_ROWS, n_rows)).astype(np.float32))
     for T in ROWS:
-        assert G.path(BI, w, T) == invariant_path(quant_type(qt), n_cols, T), (qt, T)
-        np.testing.assert_array_equal(cp.asnumpy(G.gemm(BI, w, x[:T])), alone[:T], err_msg=f"{qt.name} gemm T={T}")
-        a, b = G.gemm_group(BI, x[:T], [(w, None), (w2, None)])  # x quantized once for both
+        assert G.path(ctx, w, T) == invariant_path(quant_type(qt), n_cols, T, form == "rows"), (qt, T)
+        np.testing.assert_array_equal(cp.asnumpy(G.gemm(ctx, w, x[:T])), alone[:T], err_msg=f"{qt.name} gemm T={T}")
+        a, b = G.gemm_group(ctx, x[:T], [(w, None), (w2, None)])  # x quantized once for both
         np.testing.assert_array_equal(cp.asnumpy(a), alone[:T], err_msg=f"{qt.name} group T={T}")
         np.testing.assert_array_equal(cp.asnumpy(b), alone2[:T], err_msg=f"{qt.name} group T={T}")
         acc = base[:T].copy()
-        G.gemm(BI, w, x[:T], acc, accumulate=True)
+        G.gemm(ctx, w, x[:T], acc, accumulate=True)
         np.testing.assert_array_equal(cp.asnumpy(acc), cp.asnumpy(base[:T]) + alone[:T],
                                       err_msg=f"{qt.name} accumulate T={T}")
 
@@ -172,25 +176,27 @@ def _model_path(which: str, q4km: str) -> str:
     return q4km
 
 
+@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("which", ["q4km", "smollm2"])
-def test_a_sequence_logits_do_not_depend_on_its_pass(which, q4km):
+def test_a_sequence_logits_do_not_depend_on_its_pass(which, form, q4km):
     """The scenario tests/test_batch_invariant.py runs on the cpu backend, on the cuda backend
     in the mode: one sequence's logit rows, alone and in passes of 8, 64, 512 (a 511-row tree of
     another sequence: an eager pass, attention in 64-row launches), 2, 1, 8 rows, and its last
     steps verified as a tree, are the same bits."""
     engine = build_local_engine(_model_path(which, q4km), backend="cuda",
-                                options=EngineOptions(max_batch=8, ctx=1024, kernels="batch-invariant=on"))
+                                options=EngineOptions(max_batch=8, ctx=1024, kernels=FORMS[form]))
     model = engine.core.model
     assert model.backend.kernels.batch_invariant and model.backend.tuning.batch_invariant
+    assert model.backend.tuning.invariant_rows == (form == "rows")
     tokens, alone = sequence_logits_alone(model)
     batched, sizes = sequence_logits_batched(model, tokens)
     assert sizes == PASS_ROWS
     assert_same_rows(alone, batched, sizes)
 
 
-def _engine(model: str, **options) -> LocalEngine:
+def _engine(model: str, form: str, **options) -> LocalEngine:
     return LocalEngine(build_engine(model, "cuda", options=EngineOptions(
-        max_batch=4, ctx=1024, kernels="batch-invariant=on", **options)))
+        max_batch=4, ctx=1024, kernels=FORMS[form], **options)))
 
 
 def _run(engine: LocalEngine, requests: dict[str, tuple[list[int], int]], joins: dict[str, int]) -> dict[str, dict]:
@@ -227,20 +233,21 @@ def _quoting_prompt(model: str) -> list[int]:
     return passage + passage[:12]
 
 
+@pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("which", ["q4km", "smollm2"])
-def test_greedy_tokens_alone_batched_and_speculated(which, q4km):
+def test_greedy_tokens_alone_batched_and_speculated(which, form, q4km):
     """One request's greedy tokens: alone; beside requests that join at steps 2 and 5 and end
     (their max_tokens) before it does; and with ngram speculation (draft trees up to 511 tokens,
     16 wide, drafted every pass) verifying trees wider than a graph bucket: all the same."""
     model = _model_path(which, q4km)
     prompt = _quoting_prompt(model)
     n = 48
-    plain = _engine(model)  # one engine for both runs: the second starts after the first has ended
+    plain = _engine(model, form)  # one engine for both runs: the second starts after the first has ended
     alone = _run(plain, {"w": (prompt, n)}, {})["w"]["tokens"]
     others = {"j1": ([17, 300, 4, 61, 9], 6), "j2": (prompt[5:60], 20), "j3": ([40, 41, 42], 30)}
     batched = _run(plain, {"wb": (prompt, n), **others}, {"j1": 2, "j2": 5})
     assert batched["wb"]["tokens"] == alone
-    spec_engine = _engine(model, draft="ngram", draft_tokens=511, draft_width=16, draft_fixed=True)
+    spec_engine = _engine(model, form, draft="ngram", draft_tokens=511, draft_width=16, draft_fixed=True)
     backend = spec_engine.core.model.backend
     pass_rows: list[int] = []
     begin = backend.begin_pass

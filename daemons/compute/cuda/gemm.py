@@ -16,11 +16,13 @@ call for every bucket before any request):
   * more rows: ``gemm_dequant`` (an f16 copy of W and cuBLAS), eager passes only.
 
 In the batch-invariant mode (``KernelOptions.batch_invariant``: the context's table is
-``tuning.batch_invariant``'s) a row's products are the same bits whatever rows share its pass
-(``memory.invariant_path``): the block-quantized types take the i16 matvec up to 8 rows and
-``matvec.matvec_rows`` (the matvec's order on the tensor cores) past that, in chunks of
-MAX_MM_ROWS rows; F16 takes mm at every row count, the other float types the matvec; never
-cuBLAS.
+``tuning.batch_invariant``'s) a format takes one path at every row count
+(``memory.invariant_path``): mmq for the K-quants, mm for the other types it decodes, the
+matvec for the rest, in chunks of MAX_MM_ROWS (MAX_MATVEC_B) rows beyond those, never cuBLAS,
+so that a row's products are the same bits whatever rows share its pass. In its rows form
+(``KernelOptions.invariant_rows``) the block-quantized types take the i16 matvec up to 8 rows
+and ``matvec.matvec_rows`` (the matvec's order on the tensor cores) past that, in launches of
+MAX_MM_ROWS rows.
 
 The products of one x — a layer's q, k and v, its gate and up — go through ``gemm_group``,
 which quantizes x once for all the products that take the same quantized x, and runs the i16

@@ -158,19 +158,21 @@ def mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
     return None
 
 
-def invariant_path(q: QuantType, n_cols: int, T: int) -> str:
+def invariant_path(q: QuantType, n_cols: int, T: int, rows: bool = False) -> str:
     """The batch-invariant mode's path for T rows of x against rows of n_cols of type q, where a
-    row's bits do not depend on T: for the block-quantized types (every K-quant, Q8_0, Q4_0/Q4_1/
-    Q5_0/Q5_1) the i16 matvec up to MAX_MATVEC_B rows ("i16", one warps-per-CTA per type at
-    every B: ``tuning.batch_invariant``), past that "rows" (``matvec.matvec_rows``: the matvec's
-    f32 steps in its order, so a row has the same bits in a pass of 1 or 512 rows); "mm" for F16
-    where mm cuts its rows (its per-row order depends on the matrix's shape only); "matvec" for
-    the rest (F32, BF16, an F16 row mm cannot cut), in chunks of MAX_MATVEC_B rows. Never cuBLAS:
-    its kernel and split of K change with the shape, and it rounds x to f16. Why not one
-    tensor-core matmul at every row count (the mode's first form: mmq at one row cost +82% a
-    decode pass): docs/ARCHITECTURE.md, "Batch-invariant mode"."""
-    if q.dp4a:
+    row's bits do not depend on T. The form in use: one path at every T, "mmq" for the
+    K-quants, "mm" for the other types mm decodes at this row length (Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0, F16), "matvec" for the rest (F32, BF16, an F16 row mm cannot cut), beyond MAX_MM_ROWS
+    (MAX_MATVEC_B for the matvec) in chunks of that many rows. ``rows``
+    (``KernelOptions.invariant_rows``, not yet run on a GPU): the block-quantized types take the
+    i16 matvec up to MAX_MATVEC_B rows ("i16", one warps-per-CTA per type at every B) and "rows"
+    past that (``matvec.matvec_rows``: the matvec's f32 steps in its order), F16 and the float
+    types as above. Never cuBLAS: its kernel and split of K change with the shape, and it rounds
+    x to f16. Why the forms: docs/ARCHITECTURE.md, "Batch-invariant mode"."""
+    if rows and q.dp4a:
         return "i16" if T <= tuning.MAX_MATVEC_B else "rows"
+    if q.mm_staged and n_cols % 256 == 0:
+        return "mmq"
     if mm_cut(q, n_cols) is not None:
         return "mm"
     return "matvec"
@@ -181,10 +183,10 @@ def gemm_path(q: QuantType, n_cols: int, T: int, t: tuning.KernelTuning) -> str:
     (beyond MAX_MM_ROWS: an f16 copy and cuBLAS), "mmq" (the K-quants from mmq_min_rows rows),
     "mm" (the other types mm decodes, from mm_min_rows rows), "i16" (one i16 matvec launch, up
     to 8 rows of the block-quantized types), or "matvec" (the matvec in chunks of 8 rows). On a
-    batch-invariant table (``tuning.batch_invariant``) ``invariant_path``: "i16" then "rows"
-    for the block-quantized types, one path for the others."""
+    batch-invariant table (``tuning.batch_invariant``) ``invariant_path``: one path per format
+    (or, in its rows form, "i16" then "rows" for the block-quantized types)."""
     if t.batch_invariant:
-        return invariant_path(q, n_cols, T)
+        return invariant_path(q, n_cols, T, t.invariant_rows)
     if T > tuning.MAX_MM_ROWS:
         return "dequant"
     if q.mm_staged and n_cols % 256 == 0:  # the K-quants (mm.MMQ_TYPES)
@@ -336,7 +338,9 @@ def eager_layout(hp: HParams, rows: int, max_ctx: int, t: tuning.KernelTuning = 
 def backend_tuning(kernels: KernelOptions | None, t: tuning.KernelTuning = tuning.DEFAULT) -> tuning.KernelTuning:
     """The table the cuda backend launches from under ``kernels``: ``t``, or its batch-invariant
     form (``tuning.batch_invariant``) when the switch asks for it."""
-    return tuning.batch_invariant(t) if kernels is not None and kernels.batch_invariant else t
+    if kernels is None or not kernels.batch_invariant:
+        return t
+    return tuning.batch_invariant(t, rows=kernels.invariant_rows)
 
 
 def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, max_pass_rows: int,

@@ -62,14 +62,15 @@ def tuning() -> tuning_tables.KernelTuning:
     return t
 
 
-_invariant_tunings: dict[str, tuning_tables.KernelTuning] = {}
+_invariant_tunings: dict[tuple[str, bool], tuning_tables.KernelTuning] = {}
 
 
-def invariant_tuning(t: tuning_tables.KernelTuning) -> tuning_tables.KernelTuning:
-    """``t``'s batch-invariant form (``tuning.batch_invariant``), made once per table."""
-    got = _invariant_tunings.get(t.name)
+def invariant_tuning(t: tuning_tables.KernelTuning, rows: bool = False) -> tuning_tables.KernelTuning:
+    """``t``'s batch-invariant form (``tuning.batch_invariant``; ``rows``: its matvec_rows
+    form), made once per table and form."""
+    got = _invariant_tunings.get((t.name, rows))
     if got is None:
-        got = _invariant_tunings[t.name] = tuning_tables.batch_invariant(t)
+        got = _invariant_tunings[(t.name, rows)] = tuning_tables.batch_invariant(t, rows)
     return got
 
 
@@ -253,7 +254,7 @@ class KernelContext:
         """The launch table this context's kernels take: the device's (``tuning()``), or its
         batch-invariant form when the context's options ask for it."""
         t = tuning()
-        return invariant_tuning(t) if self.batch_invariant else t
+        return invariant_tuning(t, self.launch.options.invariant_rows) if self.batch_invariant else t
 
 
 def standalone(options: KernelOptions | None = None) -> KernelContext:

@@ -83,10 +83,12 @@ class KernelTuning:
     # the batch-invariant mode's product past the matvec's rows (matvec.matvec_rows,
     # matvec_rows.cu): tiles of 8 rows of x a warp (its NT, one of ROWS_TILES)
     rows_nt: int = 2
-    # the batch-invariant form of a table (``batch_invariant``): memory.gemm_path takes the i16
-    # matvec (one warps-per-CTA per type at every B) then matvec_rows for the block-quantized
-    # types, one path per other weight format, and attn_splits one split count at every row count
+    # the batch-invariant form of a table (``batch_invariant``): memory.gemm_path takes one path
+    # per weight format at every row count and attn_splits one split count at every row count;
+    # invariant_rows (KernelOptions.invariant_rows): the i16 matvec (one warps-per-CTA per type at
+    # every B) then matvec_rows for the block-quantized types instead
     batch_invariant: bool = False
+    invariant_rows: bool = False
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
         """The f32 matvec launch for qtype at batch size B."""
@@ -163,26 +165,35 @@ DEFAULT = H200  # the only device measured
 TUNINGS: dict[str, KernelTuning] = {"H200": H200}
 
 
-def batch_invariant(t: KernelTuning) -> KernelTuning:
+def batch_invariant(t: KernelTuning, rows: bool = False) -> KernelTuning:
     """``t``'s batch-invariant form (``KernelOptions.batch_invariant``): a row's result does not
     depend on how many rows share its pass.
 
     What a row's reduction order depends on, per family: the matvec's warps per CTA (its lanes
     take pieces warp * 32 + lane, stepping by all the CTA's lanes; the launch's rows per CTA and
-    unroll do not move the order, nor does B). So each type keeps its own launches at every B
-    with one warps-per-CTA, its B = 8 launch's (the ``MAX_MATVEC_B`` one: the widest chunk a
-    matvec takes); the rows per CTA and pieces per trip stay as tuned, so every launch is one the
-    default compiles. Past 8 rows the block-quantized types take ``matvec_rows``
-    (matvec_rows.cu), which makes the matvec's f32 steps in its order at that same
-    warps-per-CTA (memory.gemm_path). The f16 matmul's launches (mm_launch) depend on the
-    matrix's shape only, its tiles of 8 x rows never meet and split-K partials are added in a
-    fixed order: per row it is invariant as it is, so F16 takes it from one row (mm_min_rows = 1)
-    and never mixes it with the f32 matvec. Attention: the one-row key splits at every T
-    (attn_splits)."""
-    def fixed_nw(launch: MatvecLaunch, nw: int) -> MatvecLaunch:
-        return launch[0], nw, launch[2]
+    unroll do not move the order, nor does B). The tensor-core matmuls' launches (mm_launch,
+    mmq_launch) depend on the matrix's shape only, their tiles of 8 x rows never meet, and
+    split-K partials are added in a fixed order: per row they are invariant as they are.
+    Attention: the one-row key splits at every T (attn_splits).
 
+    The form in use (``rows`` False): the matmuls from one row (mm_min_rows = mmq_min_rows = 1)
+    so that gemm never mixes them with the matvec, whose f32 sums round differently
+    (memory.gemm_path); the matvec (F32, BF16) one launch for every B, the table's B = 8 one,
+    without the B = 1 overrides.
+
+    ``rows`` (``KernelOptions.invariant_rows``, not yet run on a GPU): each block-quantized type
+    keeps its own i16 launches at every B with one warps-per-CTA, its B = 8 launch's (the
+    ``MAX_MATVEC_B`` one: the widest chunk a matvec takes); rows per CTA and pieces per trip stay
+    as tuned, so every launch is one the default compiles. Past 8 rows they take ``matvec_rows``
+    (matvec_rows.cu), which makes the matvec's f32 steps in its order at that same warps per CTA.
+    F16 keeps mm from one row."""
     mv_one = t.mv_launch[MAX_MATVEC_B]
+    if not rows:
+        i16_one = t.i16_launch[MAX_MATVEC_B]
+        return replace(t, name=f"{t.name} batch-invariant", batch_invariant=True,
+                       mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
+                       i16_launch={B: i16_one for B in t.i16_launch}, i16_launch_override={},
+                       mm_min_rows=1, mmq_min_rows=1)
     i16_override: dict[tuple[QT, int], MatvecLaunch] = {}
     for q in QUANT_TYPES.values():
         if not q.dp4a:
@@ -190,10 +201,10 @@ def batch_invariant(t: KernelTuning) -> KernelTuning:
         qt = QT(q.qtype)
         nw = t.i16(qt, MAX_MATVEC_B)[1]
         for B in t.i16_launch:
-            launch = fixed_nw(t.i16(qt, B), nw)
-            if launch != t.i16_launch[B]:
-                i16_override[(qt, B)] = launch
-    return replace(t, name=f"{t.name} batch-invariant", batch_invariant=True,
+            nr, _, u = t.i16(qt, B)
+            if (nr, nw, u) != t.i16_launch[B]:
+                i16_override[(qt, B)] = (nr, nw, u)
+    return replace(t, name=f"{t.name} batch-invariant rows", batch_invariant=True, invariant_rows=True,
                    mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
                    i16_launch=dict(t.i16_launch), i16_launch_override=i16_override,
                    mm_min_rows=1, mmq_min_rows=1)
