@@ -13,7 +13,8 @@ from ntx.daemons.compute.cuda import tuning
 from ntx.shared.quant_types import QUANT_TYPES, QuantType
 
 __all__ = ["CUT_ID", "MATVEC_ROWS", "MM_TILES", "ATTENTION_SHAPES", "mv_names", "i16_names", "deq_names",
-           "mm_names", "mmq_names", "rows_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules", "production"]
+           "mm_names", "mmq_names", "rows_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
+           "production"]
 
 CUT_ID = {"v1": 1, "v2": 2}  # template argument of each layout cut (quant_traits.cuh CUT_V1, CUT_V2)
 MATVEC_ROWS = range(1, tuning.MAX_MATVEC_B + 1)  # the matvec kernels' B
@@ -80,8 +81,8 @@ def matvec_kind(q: QuantType) -> str:
 def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
     """(source, instantiation names) of every module production compiles for matrices of type
     ``q`` on the device entries ``tables``: its matvec (f32 or i16) at each launch
-    configuration (the i16 one's matvec_rows too), its dequantizer at its cut, its tensor-core matmul (mmq for the K-quants,
-    mm at each of the other types' cuts)."""
+    configuration (and the i16 one's matvec_rows), its dequantizer at its cut, its tensor-core
+    matmul (mmq for the K-quants, mm at each of the other types' cuts)."""
     out = []
     qt = int(q.qtype)
     if matvec_kind(q) == "i16":
