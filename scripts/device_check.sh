@@ -197,7 +197,11 @@ if [ "$MMQ_ROWS" = 1 ]; then
     | tee "$OUT/mmq_rows.log"
 fi
 synth() {  # synth NAME PRESET TYPE [make_gguf args]: write ~/models/NAME.gguf once
-  [ -f "$MODELS/$1.gguf" ] || python3 "$REPO/scripts/make_gguf.py" "$MODELS/$1.gguf" --preset "$2" --type "$3" "${@:4}" -q 2>&1 | tail -2
+  # under a temporary name, renamed once whole: a call stopped at its time limit mid-write (the
+  # 70B takes minutes) leaves no truncated model for the next call to take as written
+  [ -f "$MODELS/$1.gguf" ] && return 0
+  python3 "$REPO/scripts/make_gguf.py" "$MODELS/.part-$1.gguf" --preset "$2" --type "$3" "${@:4}" -q 2>&1 | tail -2
+  [ "${PIPESTATUS[0]}" = 0 ] && mv "$MODELS/.part-$1.gguf" "$MODELS/$1.gguf"
 }
 # the 70B shape trained for 32768 positions (Llama 3.1's reach, capped at --ctx's default cap): the
 # default flags' context, and the one long sequence of the bench's ctx scenario
