@@ -22,8 +22,9 @@ top rows' predictions become the new top level.
 
 Only where a verify pass's rows are free (``DraftRequest.rows_free``: the measured verify pass
 of the tree's rows within 3% of a plain one, as for the lookup's one-token matches, or a fixed
-shape, or nothing timed yet, so that the first such pass measures them) is the window added; elsewhere (the CPU, a resident model at many rows) the drafter is the
-prompt lookup alone, since guesses accepted this rarely would cost more rows than they save.
+shape, or nothing timed yet, so that the first such pass measures them) is the window added;
+elsewhere (the CPU, a resident model at many rows) the drafter is the prompt lookup alone,
+since guesses accepted this rarely would cost more rows than they save.
 
 A tree holds, within the request's node budget: the prompt lookup's continuations (the
 sequence's own text, as ``--draft ngram``), then the pool's n-grams that start at the last token

@@ -35,7 +35,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import lab  # noqa: E402  (dev/cuda)
 from synth_gguf import make_blocks  # noqa: E402  (scripts/synth_gguf)
 
-from ntx.daemons.compute.cuda import gemm, runtime, tuning  # noqa: E402
+from ntx.daemons.compute.cuda import gemm, matvec, runtime, tuning  # noqa: E402
 from ntx.daemons.compute.cuda.memory import mm_cut  # noqa: E402
 from ntx.daemons.compute.cuda.mm import mmq_supported  # noqa: E402
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS  # noqa: E402
@@ -197,8 +197,9 @@ def main() -> None:
                 if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:
                     paths["mmq"] = lambda i: lab.mmq(CTX, ws[i % len(ws)], x, out=out)
                 if quant_type(qt).dp4a:  # the i16 matvec's bits at any rows (batch-invariant candidate)
-                    paths["mvq2_rows"] = lambda i: lab.mvq2_rows(CTX, ws[i % len(ws)], x, out=out)
-                    paths["mvq2_rows_nt1"] = lambda i: lab.mvq2_rows(CTX, ws[i % len(ws)], x, out=out, nt=1)
+                    # production's matvec_rows (the batch-invariant mode's rows form), at 2 and 1 tiles a warp
+                    paths["mvq2_rows"] = lambda i: matvec.matvec_rows(CTX, ws[i % len(ws)], x, out=out, nt=2)
+                    paths["mvq2_rows_nt1"] = lambda i: matvec.matvec_rows(CTX, ws[i % len(ws)], x, out=out, nt=1)
                 if args.paths:
                     keep = set(args.paths.split(","))
                     paths = {k: v for k, v in paths.items() if k in keep}

@@ -18,9 +18,6 @@ runs.
   mmq_rows(tile=...)    mmq at one or two rows of x with mmq_kernel's bits (mmq_rows.cu), for the
                         batch-invariant mode's one-row passes; no faster than mmq on the H200.
   gemm_dp4a             gemm with int8 activations: the dp4a matvec in chunks of 8 rows up to 64.
-  mvq2_rows(nw=, nt=)   production's matvec_rows (the i16 matvec's bits for any number of rows of
-                        x, the batch-invariant mode's product past 8 rows) at a chosen warps per
-                        CTA and tile count, for the sweeps.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ from ntx.daemons.compute.cuda import mm as tc
 from ntx.daemons.compute.cuda.memory import mm_cut
 from ntx.daemons.compute.cuda.runtime import (DEFAULT_SMEM_LIMIT, KernelContext, check_f32, function, rows_and_out,
                                               stream_ctx, tuning)
-from ntx.daemons.compute.cuda.tuning import (MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS, MV_ROWS_PER_CTA, MV_UNROLLS,
-                                             ROWS_TILES)
+from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS, MV_ROWS_PER_CTA, MV_UNROLLS
 from ntx.shared.quant_types import quant_type
 
 LAB_SOURCE = Path(__file__).resolve().with_name("lab.cu")
@@ -46,7 +42,6 @@ MMQ_ROWS_SOURCE = Path(__file__).resolve().with_name("mmq_rows.cu")
 MMQ_ROWS_MAX_B = 2  # rows of x mmq_rows_kernel takes (its NB)
 MMQ_ROWS_TILES = (8, 16, 32)  # weight rows a CTA of mmq_rows_kernel (its R) compile_lab builds
 MMQ_ROWS_MAX_SMEM = 227 << 10  # shared memory a CTA may take on sm_90
-MVQ2_ROWS_TILES = ROWS_TILES  # production's matvec_rows (matvec_rows.cu): tiles of 8 rows of x a warp (its NT)
 VARIANTS = ("v1", "v2", "f32", "dp4a", "i16", "i16s")
 MMQ_TILES_PER_WARP = (1, 2)  # 16-row tiles one warp of mmq takes (mmq_kernel's MT)
 
@@ -325,11 +320,3 @@ def mmq_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, tile: i
                        (w.data, xq, xd, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
                         np.int32(B), np.int32(wk), np.int32(ks)))
     return out
-
-
-def mvq2_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, nw: int | None = None, nt: int = 2,
-              planes=None, accumulate: bool = False):
-    """Production's ``matvec.matvec_rows`` (the i16 matvec's bits for any number of rows of x,
-    the batch-invariant mode's product past 8 rows) at a chosen tile count ``nt`` and warps per
-    CTA ``nw``, for the sweeps (bench_gemm_paths' mvq2_rows and mvq2_rows_nt1 paths)."""
-    return mv.matvec_rows(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate, nw=nw, nt=nt)

@@ -408,10 +408,10 @@ def test_mmq_rows_is_mmq_bits(qt, n_rows, n_cols, tile, rng):
 @pytest.mark.parametrize("n_rows,n_cols", [(203, 4096), (64, 14336), (1040, 512)])
 @pytest.mark.parametrize("qt", [q for q in ALL_TYPES if quant_type(q).dp4a], ids=lambda q: q.name)
 def test_mvq2_rows_is_the_i16_matvecs_bits_at_any_rows(qt, n_rows, n_cols, nw, rng):
-    """mvq2_rows_kernel gives each row of x the bits of production's i16 matvec at ``nw`` warps a
-    CTA (whatever its rows per CTA and pieces per trip), at 1-8 rows, and the same bits for a row
-    in a pass of 1, 9, 64 or 300 rows: a batch-invariant product that keeps the matvec at 1-8
-    rows. The K-quants at 4096 columns and 4 warps: one piece a lane; 14336: three or four; 512:
+    """Production's matvec_rows (mvq2_rows_kernel) gives each row of x the bits of the i16 matvec
+    at ``nw`` warps a CTA (whatever its rows per CTA and pieces per trip), at 1-8 rows, and the
+    same bits for a row in a pass of 1, 9, 64 or 300 rows, at both tile counts: the batch-invariant
+    mode's product past 8 rows. The K-quants at 4096 columns and 4 warps: one piece a lane; 14336: three or four; 512:
     most lanes none. The 32-column blocks: a piece a block (Q8_0: two), up to 7 a lane."""
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
     x = cp.asarray(rng.standard_normal((300, n_cols)).astype(np.float32))
@@ -422,12 +422,12 @@ def test_mvq2_rows_is_the_i16_matvecs_bits_at_any_rows(qt, n_rows, n_cols, nw, r
             np.testing.assert_array_equal(cp.asnumpy(lab.matvec(CTX, w, x[:B], variant="i16", config=config)),
                                           alone[:B], err_msg=f"production's matvec at {config}, B={B}")
     for B in (1, 3, 8, 9, 64, 300):
-        for nt in lab.MVQ2_ROWS_TILES:
-            got = cp.asnumpy(lab.mvq2_rows(CTX, w, x[:B], nw=nw, nt=nt))
+        for nt in tuning.ROWS_TILES:
+            got = cp.asnumpy(MV.matvec_rows(CTX, w, x[:B], nw=nw, nt=nt))
             np.testing.assert_array_equal(got, alone[:B], err_msg=f"{qt.name} [{n_rows}, {n_cols}] nw={nw} "
                                                                   f"nt={nt} B={B}")
     # a layer's residual add, fused as the matvec fuses it
     base = cp.asarray(rng.standard_normal((9, n_rows)).astype(np.float32))
     acc = base.copy()
-    lab.mvq2_rows(CTX, w, x[:9], out=acc, nw=nw, accumulate=True)
+    MV.matvec_rows(CTX, w, x[:9], out=acc, nw=nw, accumulate=True)
     np.testing.assert_array_equal(cp.asnumpy(acc), cp.asnumpy(base) + alone[:9])

@@ -169,18 +169,22 @@ def matvec_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, plan
 
     planes: x's i16 planes (``i16_quantize``), as ``matvec`` takes them; accumulate: out += the
     product, with the bits of matvec(accumulate=True)."""
-    q = quant_type(w.qtype)
-    if instances.matvec_kind(q) != "i16":
-        raise ValueError(f"matvec_rows takes the types the i16 matvec takes, not {q.name}")
-    nt = nt or ctx.tuning().rows_nt
-    if nt not in ROWS_TILES:
-        raise ValueError(f"matvec_rows: nt must be one of {ROWS_TILES}, not {nt}")
+    key = ("matvec_rows", w.format_key, nw, nt)
+    plan = ctx.plans.get(key)
+    if plan is None:  # (kernel, tiles, warps), made on first use and kept in ctx as matvec_plan's are
+        q = quant_type(w.qtype)
+        if instances.matvec_kind(q) != "i16":
+            raise ValueError(f"matvec_rows takes the types the i16 matvec takes, not {q.name}")
+        tiles = nt or ctx.tuning().rows_nt
+        if tiles not in ROWS_TILES:
+            raise ValueError(f"matvec_rows: nt must be one of {ROWS_TILES}, not {tiles}")
+        qt = int(q.qtype)
+        kern = function("matvec_rows.cu", f"mvq2_rows_kernel<{qt},{tiles}>", instances.rows_names(qt))
+        plan = ctx.plans[key] = (kern, tiles, nw or ctx.tuning().i16(q.qtype, MAX_MATVEC_B)[1])
+    kern, nt, nw = plan
     x, out = rows_and_out(x, out, w.n_rows, w.n_cols, ROWS_MAX_B, "matvec_rows")
     B = x.shape[0]
-    nw = nw or ctx.tuning().i16(q.qtype, MAX_MATVEC_B)[1]
     wa = min(ROWS_MAX_WARPS, -(-B // (8 * nt)))
-    qt = int(q.qtype)
-    kern = function("matvec_rows.cu", f"mvq2_rows_kernel<{qt},{nt}>", instances.rows_names(qt))
     with stream_ctx(stream):
         xq1, ds1, xq2, ds2 = planes if planes is not None else i16_quantize(ctx, x)
         ctx.launch(kern, (-(-w.n_rows // 16), -(-B // (8 * nt * wa))), (32 * wa,),

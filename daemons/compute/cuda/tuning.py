@@ -188,26 +188,21 @@ def batch_invariant(t: KernelTuning, rows: bool = False) -> KernelTuning:
     (matvec_rows.cu), which makes the matvec's f32 steps in its order at that same warps per CTA.
     F16 keeps mm from one row."""
     mv_one = t.mv_launch[MAX_MATVEC_B]
-    if not rows:
-        i16_one = t.i16_launch[MAX_MATVEC_B]
-        return replace(t, name=f"{t.name} batch-invariant", batch_invariant=True,
-                       mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
-                       i16_launch={B: i16_one for B in t.i16_launch}, i16_launch_override={},
-                       mm_min_rows=1, mmq_min_rows=1)
-    i16_override: dict[tuple[QT, int], MatvecLaunch] = {}
-    for q in QUANT_TYPES.values():
-        if not q.dp4a:
-            continue
-        qt = QT(q.qtype)
-        nw = t.i16(qt, MAX_MATVEC_B)[1]
-        for B in t.i16_launch:
-            nr, _, u = t.i16(qt, B)
-            if (nr, nw, u) != t.i16_launch[B]:
-                i16_override[(qt, B)] = (nr, nw, u)
-    return replace(t, name=f"{t.name} batch-invariant rows", batch_invariant=True, invariant_rows=True,
-                   mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
-                   i16_launch=dict(t.i16_launch), i16_launch_override=i16_override,
-                   mm_min_rows=1, mmq_min_rows=1)
+    i16_launch, i16_override = {B: t.i16_launch[MAX_MATVEC_B] for B in t.i16_launch}, {}
+    if rows:
+        i16_launch = dict(t.i16_launch)
+        for q in QUANT_TYPES.values():
+            if not q.dp4a:
+                continue
+            qt = QT(q.qtype)
+            nw = t.i16(qt, MAX_MATVEC_B)[1]
+            for B in t.i16_launch:
+                nr, _, u = t.i16(qt, B)
+                if (nr, nw, u) != t.i16_launch[B]:
+                    i16_override[(qt, B)] = (nr, nw, u)
+    return replace(t, name=f"{t.name} batch-invariant{' rows' if rows else ''}", batch_invariant=True,
+                   invariant_rows=rows, mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
+                   i16_launch=i16_launch, i16_launch_override=i16_override, mm_min_rows=1, mmq_min_rows=1)
 
 
 def for_device(device_name: str) -> KernelTuning:
