@@ -413,6 +413,12 @@ class CpuBackend(Backend):
         return out
 
     def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        # the contract the cuda move checks, checked here too so that CI catches a caller breaking it
+        if len(src_positions) != len(dst_positions) or any(
+                d >= s for s, d in zip(src_positions, dst_positions)) or any(
+                b <= a for a, b in zip(src_positions, src_positions[1:])):
+            raise ValueError(f"kv_keep: {src_positions} -> {dst_positions}: positions must be increasing, "
+                             "each destination below its source")
         pages, cp = self._pages_of(seq_id), self.kv_sizing.chunk_pages
         layers = slice(None) if len(self.kv_layers) == self.hp.n_layers else self.kv_layers  # only those it holds
         for src, dst in zip(src_positions, dst_positions):  # in order: dst[i] < src[i], both increasing
