@@ -33,14 +33,15 @@ class KernelOptions:
     # cuda backend: every kernel that reduces over the hidden size or the context keeps one
     # reduction order per row whatever the pass's row count (tuning.batch_invariant), so a
     # row's logits do not depend on the rows beside it (docs/ARCHITECTURE.md, "Batch-invariant
-    # mode"). Off until its cost on the GPU is measured. The cpu backend is batch-invariant
+    # mode"). Off: it costs +66% a pass at batch 1 (8B, H100; docs/PERFORMANCE.md, "The
+    # batch-invariant mode: its cost"). The cpu backend is batch-invariant
     # either way (cpu_kernels.py): there it changes nothing.
     batch_invariant: bool = False
     # with batch_invariant: the block-quantized types take the i16 matvec at 1-8 rows and
     # matvec_rows (the matvec's order on the int8 tensor cores) past 8, instead of mmq / mm from
-    # one row, whose batch-1 cost is +82% a decode pass. Built to become the mode's one form;
-    # off until its GPU tests pass (not yet run on a GPU: docs/PERFORMANCE.md, "The other way
-    # round"). Alone it is refused (parse).
+    # one row. Bitwise on the GPU like the default form; +0.9% a pass at batch 1 but +62% at 8
+    # and +231% at 64 (8B, H100: matvec_rows is 6x mmq at 64 rows), so a batch-1 choice, not
+    # the mode's one form (docs/PERFORMANCE.md, "The other way round"). Alone it is refused (parse).
     invariant_rows: bool = False
 
     @classmethod

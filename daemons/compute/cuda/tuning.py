@@ -181,7 +181,7 @@ def batch_invariant(t: KernelTuning, rows: bool = False) -> KernelTuning:
     (memory.gemm_path); the matvec (F32, BF16) one launch for every B, the table's B = 8 one,
     without the B = 1 overrides.
 
-    ``rows`` (``KernelOptions.invariant_rows``, not yet run on a GPU): each block-quantized type
+    ``rows`` (``KernelOptions.invariant_rows``; its GPU tests pass): each block-quantized type
     keeps its own i16 launches at every B with one warps-per-CTA, its B = 8 launch's (the
     ``MAX_MATVEC_B`` one: the widest chunk a matvec takes); rows per CTA and pieces per trip stay
     as tuned, so every launch is one the default compiles. Past 8 rows they take ``matvec_rows``

@@ -1,0 +1,44 @@
+"""Does a larger lookahead window raise acceptance? (issue 28: 2.0 accepted a verify pass on
+summarising)
+
+Runs scripts/draft_acceptance.py with ``--draft lookahead``'s shape constants replaced in this
+process (``daemons/compute/lookahead.py``: ``LEVELS``, ``MAX_COLUMNS``, ``POOL_PER_KEY``), so a
+shape can be tried on the real SmolLM2 without changing the engine. Every argument after the
+shape's goes to draft_acceptance.py as it is:
+
+    python dev/spec/lookahead_shapes.py [--levels 3] [--columns 16] [--pool-per-key 4] \\
+        -- --tokens 192 --drafters lookahead:1:fixed --draft-tokens 256 --json OUT
+
+A fixed chain's depth is capped by the tokens left to generate (``EngineCore._draft_depth``), so
+budgets past the generation length draft no more: use ``--tokens`` well above the budget's half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+import ntx.daemons.compute.lookahead as lookahead
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--levels", type=int, default=lookahead.LEVELS, help="guesses per window column")
+    ap.add_argument("--columns", type=int, default=lookahead.MAX_COLUMNS, help="the window's widest")
+    ap.add_argument("--pool-per-key", type=int, default=lookahead.POOL_PER_KEY, help="n-grams kept per first token")
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- then draft_acceptance.py's arguments")
+    args = ap.parse_args()
+    if args.levels < 2 or args.columns < 2 or args.pool_per_key < 1:
+        ap.error("--levels and --columns: 2 or more; --pool-per-key: 1 or more")
+    lookahead.LEVELS, lookahead.MAX_COLUMNS, lookahead.POOL_PER_KEY = args.levels, args.columns, args.pool_per_key
+    print(f"lookahead shape: {args.levels} levels, up to {args.columns} columns, {args.pool_per_key} n-grams a key",
+          flush=True)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "draft_acceptance.py"
+    sys.argv = [str(script)] + [a for a in args.rest if a != "--"]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
