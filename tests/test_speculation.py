@@ -333,6 +333,30 @@ def test_keeping_a_sibling_path_leaves_the_cache_as_if_it_had_been_fed(plain):
     assert _rel(kept, fed) < 1e-5 and kept.argmax() == fed.argmax()
 
 
+def test_a_kept_path_that_starts_on_the_chain_then_takes_a_sibling(plain):
+    """The path 0 -> 5 (the chain's first node, then its second child): node 0's K/V stay where
+    they are and node 5's move down one. ``LlamaModel.kv_keep`` passes the backends only the
+    entries that move (the cuda move refuses one onto itself, and so does the cpu backend); the
+    cache is then as if the path had been fed."""
+    m = plain.core.model
+    prefix = [504, 3575, 282, 4649, 314, 7042]
+    pos = len(prefix)
+    assert TREE.parents[5] == 0
+    m.backend.alloc_sequence(904, 64)
+    m.forward(StepBatch([SeqChunk(904, 0, tuple(prefix[:-1]))]))
+    m.forward(StepBatch([SeqChunk(904, pos - 1, (prefix[-1], *TREE.tokens), all_logits=True,
+                                  parents=TREE.chunk_parents())]))
+    with pytest.raises(ValueError, match="destination below its source"):
+        m.backend.kv_keep(904, [pos, pos + 5], [pos, pos + 1])
+    m.kv_keep(904, [pos, pos + 5], [pos, pos + 1])
+    kept = m.forward(StepBatch([SeqChunk(904, pos + 2, (42,))]))[-1]
+    m.backend.free_sequence(904)
+    m.backend.alloc_sequence(905, 64)
+    fed = m.forward(StepBatch([SeqChunk(905, 0, (*prefix, TREE.tokens[0], TREE.tokens[5], 42))]))[-1]
+    m.backend.free_sequence(905)
+    assert _rel(kept, fed) < 1e-5 and kept.argmax() == fed.argmax()
+
+
 def test_verify_tree_with_siblings_keeps_the_distribution():
     """A node with three children (best first): the token taken there follows p, whichever of
     them (or none) the draws accept; 40,000 seeded draws, each frequency within 4.5 sigma."""
