@@ -314,22 +314,31 @@ def test_a_tree_chunk_row_sees_its_own_branch_as_if_run_alone(plain):
         assert tree_logits[node + 1].argmax() == alone.argmax()
 
 
+KEEP_PREFIX = [504, 3575, 282, 4649, 314, 7042]  # node i of TREE sits at len(KEEP_PREFIX) + i
+
+
+def _kept_against_fed(m, seq_id: int, path: list[int], keep) -> tuple[np.ndarray, np.ndarray]:
+    """Verify TREE after KEEP_PREFIX in sequence ``seq_id``, keep ``path``'s K/V through
+    ``keep(seq_id, src, dst)``, decode one token; and the same token after the prefix and the
+    path fed as a plain chunk in another sequence: (kept logits, fed logits)."""
+    pos = len(KEEP_PREFIX)  # the root (the last prefix token) at pos - 1
+    m.backend.alloc_sequence(seq_id, 64)
+    m.forward(StepBatch([SeqChunk(seq_id, 0, tuple(KEEP_PREFIX[:-1]))]))
+    m.forward(StepBatch([SeqChunk(seq_id, pos - 1, (KEEP_PREFIX[-1], *TREE.tokens), all_logits=True,
+                                  parents=TREE.chunk_parents())]))
+    keep(seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
+    kept = m.forward(StepBatch([SeqChunk(seq_id, pos + len(path), (42,))]))[-1]
+    m.backend.free_sequence(seq_id)
+    m.backend.alloc_sequence(seq_id + 1, 64)
+    fed = m.forward(StepBatch([SeqChunk(seq_id + 1, 0, (*KEEP_PREFIX, *(TREE.tokens[i] for i in path), 42))]))[-1]
+    m.backend.free_sequence(seq_id + 1)
+    return kept, fed
+
+
 def test_keeping_a_sibling_path_leaves_the_cache_as_if_it_had_been_fed(plain):
     """Verify the tree, keep the path 3 -> 4 (a branch off the root, not the chain), then decode:
     the same logits as a sequence that was fed that path as a plain chunk."""
-    m = plain.core.model
-    prefix = [504, 3575, 282, 4649, 314, 7042]
-    pos = len(prefix)  # where node i sits is pos + i; the root (the last prefix token) at pos - 1
-    m.backend.alloc_sequence(902, 64)
-    m.forward(StepBatch([SeqChunk(902, 0, tuple(prefix[:-1]))]))
-    m.forward(StepBatch([SeqChunk(902, pos - 1, (prefix[-1], *TREE.tokens), all_logits=True,
-                                  parents=TREE.chunk_parents())]))
-    m.backend.kv_keep(902, [pos + 3, pos + 4], [pos, pos + 1])
-    kept = m.forward(StepBatch([SeqChunk(902, pos + 2, (42,))]))[-1]
-    m.backend.free_sequence(902)
-    m.backend.alloc_sequence(903, 64)
-    fed = m.forward(StepBatch([SeqChunk(903, 0, (*prefix, TREE.tokens[3], TREE.tokens[4], 42))]))[-1]
-    m.backend.free_sequence(903)
+    kept, fed = _kept_against_fed(plain.core.model, 902, [3, 4], plain.core.model.backend.kv_keep)
     assert _rel(kept, fed) < 1e-5 and kept.argmax() == fed.argmax()
 
 
@@ -339,21 +348,11 @@ def test_a_kept_path_that_starts_on_the_chain_then_takes_a_sibling(plain):
     entries that move (the cuda move refuses one onto itself, and so does the cpu backend); the
     cache is then as if the path had been fed."""
     m = plain.core.model
-    prefix = [504, 3575, 282, 4649, 314, 7042]
-    pos = len(prefix)
     assert TREE.parents[5] == 0
-    m.backend.alloc_sequence(904, 64)
-    m.forward(StepBatch([SeqChunk(904, 0, tuple(prefix[:-1]))]))
-    m.forward(StepBatch([SeqChunk(904, pos - 1, (prefix[-1], *TREE.tokens), all_logits=True,
-                                  parents=TREE.chunk_parents())]))
+    pos = len(KEEP_PREFIX)
     with pytest.raises(ValueError, match="destination below its source"):
-        m.backend.kv_keep(904, [pos, pos + 5], [pos, pos + 1])
-    m.kv_keep(904, [pos, pos + 5], [pos, pos + 1])
-    kept = m.forward(StepBatch([SeqChunk(904, pos + 2, (42,))]))[-1]
-    m.backend.free_sequence(904)
-    m.backend.alloc_sequence(905, 64)
-    fed = m.forward(StepBatch([SeqChunk(905, 0, (*prefix, TREE.tokens[0], TREE.tokens[5], 42))]))[-1]
-    m.backend.free_sequence(905)
+        m.backend.kv_keep(0, [pos, pos + 5], [pos, pos + 1])  # checked before the sequence is looked up
+    kept, fed = _kept_against_fed(m, 904, [0, 5], m.kv_keep)
     assert _rel(kept, fed) < 1e-5 and kept.argmax() == fed.argmax()
 
 
