@@ -40,7 +40,7 @@ class KernelOptions:
     # with batch_invariant: the block-quantized types take the i16 matvec at 1-8 rows and
     # matvec_rows (the matvec's order on the int8 tensor cores) past 8, instead of mmq / mm from
     # one row. Bitwise on the GPU like the default form; +0.9% a pass at batch 1 but +62% at 8
-    # and +231% at 64 (8B, H100: matvec_rows is 6x mmq at 64 rows), so a batch-1 choice, not
+    # and +231% at 64 (8B, H100: matvec_rows is 6-10x mmq at 64 rows), so a batch-1 choice, not
     # the mode's one form (docs/PERFORMANCE.md, "The other way round"). Alone it is refused (parse).
     invariant_rows: bool = False
 
