@@ -32,7 +32,8 @@ SWEEP = [(nr, u) for nr in MV_ROWS_PER_CTA for u in (1, 2)]  # (rows per CTA, pi
 
 def lab_names() -> dict[str, list[str]]:
     """{source: instantiations} of everything lab.py launches."""
-    out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": [], "mmq_rows.cu": []}
+    out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": [], "mmq_rows.cu": [],
+                                 "rows_split.cu": []}
     for q in QUANT_TYPES.values():
         qt = int(q.qtype)
         for cut in q.cuts:
@@ -42,6 +43,7 @@ def lab_names() -> dict[str, list[str]]:
             for nr, u in SWEEP:
                 out["lab.cu"] += lab.dp4a_names(qt, nr, u) + lab.i16s_names(qt, nr, u)
                 out["matvec.cu"] += instances.i16_names(qt, nr, u)
+            out["rows_split.cu"] += lab.rows_split_names(qt)
         if q.mm_staged:
             out["lab.cu"] += lab.mms_names(qt)
             out["mm.cu"] += instances.mm_names(qt, "v2")
@@ -58,7 +60,8 @@ def main() -> int:
     a = ap.parse_args()
     ok = True
     for source, names in lab_names().items():
-        path = {"lab.cu": lab.LAB_SOURCE, "mmq_rows.cu": lab.MMQ_ROWS_SOURCE}.get(source, source)
+        path = {"lab.cu": lab.LAB_SOURCE, "mmq_rows.cu": lab.MMQ_ROWS_SOURCE,
+                "rows_split.cu": lab.ROWS_SPLIT_SOURCE}.get(source, source)
         names = names[::max(1, len(names) // 64)][:64] if a.quick else names
         ok &= compile_one(source, a.arch, False, names=names, source=kernel_source(path))
     print("ALL OK" if ok else "ERRORS")

@@ -18,6 +18,9 @@ runs.
   mmq_rows(tile=...)    mmq at one or two rows of x with mmq_kernel's bits (mmq_rows.cu), for the
                         batch-invariant mode's one-row passes; no faster than mmq on the H200.
   gemm_dp4a             gemm with int8 activations: the dp4a matvec in chunks of 8 rows up to 64.
+  matvec_rows_split     production's matvec_rows (the i16 matvec's bits at any rows) with K split
+                        over 8 warps a CTA in the order's 8-lane subtrees (rows_split.cu); not
+                        yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from ntx.shared.quant_types import quant_type
 
 LAB_SOURCE = Path(__file__).resolve().with_name("lab.cu")
 MMQ_ROWS_SOURCE = Path(__file__).resolve().with_name("mmq_rows.cu")
+ROWS_SPLIT_SOURCE = Path(__file__).resolve().with_name("rows_split.cu")
+ROWS_SPLIT_WARPS = 8  # rows_split.cu's ROWS_SPLIT_WARPS: the warps of a CTA
+ROWS_SPLIT_MAX_NW = 8  # rows_split.cu's ROWS_SPLIT_MAX_NW: the warps per CTA of the order it gives
 MMQ_ROWS_MAX_B = 2  # rows of x mmq_rows_kernel takes (its NB)
 MMQ_ROWS_TILES = (8, 16, 32)  # weight rows a CTA of mmq_rows_kernel (its R) compile_lab builds
 MMQ_ROWS_MAX_SMEM = 227 << 10  # shared memory a CTA may take on sm_90
@@ -61,6 +67,10 @@ def mms_names(qt: int) -> tuple[str, ...]:
 
 def mmq_names(qt: int, mt: int) -> tuple[str, ...]:
     return tuple(f"mmq_kernel<{int(qt)},{nt},{mt}>" for nt in instances.MM_TILES)
+
+
+def rows_split_names(qt: int) -> tuple[str, ...]:
+    return (f"mvq2_rows_split_kernel<{int(qt)}>",)
 
 
 def mmq_rows_names(qt: int, tile: int) -> tuple[str, ...]:
@@ -319,4 +329,28 @@ def mmq_rows(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, tile: i
                        smem,
                        (w.data, xq, xd, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
                         np.int32(B), np.int32(wk), np.int32(ks)))
+    return out
+
+
+def matvec_rows_split(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None, accumulate: bool = False,
+                      nw: int | None = None):
+    """Production's ``matvec.matvec_rows`` (same arguments, same bits: each row of x as the i16
+    matvec gives it at ``nw`` warps per CTA) through mvq2_rows_split_kernel (rows_split.cu): a CTA
+    of ROWS_SPLIT_WARPS warps takes 16 weight rows and 8 rows of x, its warps the order's 4 nw
+    8-lane subtrees of K, warp 0 adding them in the order's nesting."""
+    q = quant_type(w.qtype)
+    if instances.matvec_kind(q) != "i16":
+        raise ValueError(f"matvec_rows_split takes the types the i16 matvec takes, not {q.name}")
+    nw = nw or ctx.tuning().i16(q.qtype, MAX_MATVEC_B)[1]
+    if not 1 <= nw <= ROWS_SPLIT_MAX_NW:
+        raise ValueError(f"matvec_rows_split: nw {nw} outside 1-{ROWS_SPLIT_MAX_NW}")
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, mv.ROWS_MAX_B, "matvec_rows_split")
+    B = x.shape[0]
+    names = rows_split_names(int(q.qtype))
+    with stream_ctx(stream):
+        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
+        ctx.launch(function(ROWS_SPLIT_SOURCE, names[0], names), (-(-w.n_rows // 16), -(-B // 8)),
+                   (32 * ROWS_SPLIT_WARPS,),
+                   (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
+                    np.int32(B), np.int32(nw), np.int32(accumulate)))
     return out

@@ -5,7 +5,8 @@ butterfly (xor 16, 8, 4, 2, 1) is read by lane 0, the warps are added in turn fr
 kernel walks the lanes of each warp in bit-reversed order, each lane's chain whole, pairing
 them as the butterfly does (t1..t4). Random pieces spanning many magnitudes; exit status 1 on
 any bit that differs. A plain left-to-right sum differs from the matvec's in most trials, so the
-check can tell orders apart.
+check can tell orders apart. The lab's split of that walk over warps (rows_split.cu) is checked
+the same way.
 
     python dev/cuda/order_check.py
 """
@@ -58,22 +59,52 @@ def kernel_order(v: np.ndarray, nw: int) -> np.float32:
     return total
 
 
+def split_order(v: np.ndarray, nw: int) -> np.float32:
+    """The lab's mvq2_rows_split_kernel (rows_split.cu): each warp slot's four 8-lane subtrees
+    (steps k = 8 grp .. 8 grp + 7 of the walk above) computed apart, then added by one warp as
+    (G0 + G1) + (G2 + G3), slot by slot from 0."""
+    S, total = 32 * nw, f32(0)
+    for ws in range(nw):
+        G = []
+        for grp in range(4):
+            held = [f32(0)] * 2
+            for k in range(8 * grp, 8 * grp + 8, 2):
+                lane = int(f"{k:05b}"[::-1], 2)
+                a = b = f32(0)
+                for p in range(32 * ws + lane, len(v), S):
+                    a = f32(a + v[p])
+                for p in range(32 * ws + lane + 16, len(v), S):
+                    b = f32(b + v[p])
+                x = f32(a + b)
+                for level in range(2):
+                    if not k & (2 << level):
+                        held[level] = x
+                        break
+                    x = f32(held[level] + x)
+                else:
+                    G.append(x)
+        total = f32(total + f32(f32(G[0] + G[1]) + f32(G[2] + G[3])))
+    return total
+
+
 def main() -> int:
     rng = np.random.default_rng(1)
-    bad = differs = trials = 0
+    bad = bad_split = differs = trials = 0
     for n in (3, 16, 128, 448, 1000):
         for nw in (1, 2, 4, 8):
             for _ in range(20):
                 v = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 3)).astype(f32)
                 want = matvec_order(v, nw)
                 bad += want.tobytes() != kernel_order(v, nw).tobytes()
+                bad_split += want.tobytes() != split_order(v, nw).tobytes()
                 plain = f32(0)
                 for x in v:
                     plain = f32(plain + x)
                 differs += want.tobytes() != plain.tobytes()
                 trials += 1
-    print(f"{trials} trials: the kernel's order differs from the matvec's in {bad}; a plain sum in {differs}")
-    return 1 if bad or differs < trials // 2 else 0
+    print(f"{trials} trials: the kernel's order differs from the matvec's in {bad}, the split kernel's "
+          f"(dev/cuda/rows_split.cu) in {bad_split}; a plain sum in {differs}")
+    return 1 if bad or bad_split or differs < trials // 2 else 0
 
 
 if __name__ == "__main__":

@@ -411,8 +411,9 @@ def test_mvq2_rows_is_the_i16_matvecs_bits_at_any_rows(qt, n_rows, n_cols, nw, r
     """Production's matvec_rows (mvq2_rows_kernel) gives each row of x the bits of the i16 matvec
     at ``nw`` warps a CTA (whatever its rows per CTA and pieces per trip), at 1-8 rows, and the
     same bits for a row in a pass of 1, 9, 64 or 300 rows, at both tile counts: the batch-invariant
-    mode's product past 8 rows. The K-quants at 4096 columns and 4 warps: one piece a lane; 14336: three or four; 512:
-    most lanes none. The 32-column blocks: a piece a block (Q8_0: two), up to 7 a lane."""
+    mode's product past 8 rows; and the lab's K split of it (rows_split.cu) the same. The K-quants at 4096 columns
+    and 4 warps: one piece a lane; 14336: three or four; 512: most lanes none. The 32-column blocks: a piece a block
+    (Q8_0: two), up to 7 a lane."""
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
     x = cp.asarray(rng.standard_normal((300, n_cols)).astype(np.float32))
     alone = np.stack([cp.asnumpy(lab.matvec(CTX, w, x[i:i + 1], variant="i16", config=(2, nw, 1)))[0]
@@ -421,13 +422,15 @@ def test_mvq2_rows_is_the_i16_matvecs_bits_at_any_rows(qt, n_rows, n_cols, nw, r
         for config in ((2, nw, 1), (8, nw, 2)):
             np.testing.assert_array_equal(cp.asnumpy(lab.matvec(CTX, w, x[:B], variant="i16", config=config)),
                                           alone[:B], err_msg=f"production's matvec at {config}, B={B}")
-    for B in (1, 3, 8, 9, 64, 300):
-        for nt in tuning.ROWS_TILES:
-            got = cp.asnumpy(MV.matvec_rows(CTX, w, x[:B], nw=nw, nt=nt))
-            np.testing.assert_array_equal(got, alone[:B], err_msg=f"{qt.name} [{n_rows}, {n_cols}] nw={nw} "
-                                                                  f"nt={nt} B={B}")
-    # a layer's residual add, fused as the matvec fuses it
-    base = cp.asarray(rng.standard_normal((9, n_rows)).astype(np.float32))
-    acc = base.copy()
-    MV.matvec_rows(CTX, w, x[:9], out=acc, nw=nw, accumulate=True)
-    np.testing.assert_array_equal(cp.asnumpy(acc), cp.asnumpy(base) + alone[:9])
+    launchers = {f"nt={nt}": (lambda xs, nt=nt, **kw: MV.matvec_rows(CTX, w, xs, nw=nw, nt=nt, **kw))
+                 for nt in tuning.ROWS_TILES}
+    launchers["split"] = lambda xs, **kw: lab.matvec_rows_split(CTX, w, xs, nw=nw, **kw)  # the lab's K split
+    for name, launch in launchers.items():
+        for B in (1, 3, 8, 9, 64, 300):
+            np.testing.assert_array_equal(cp.asnumpy(launch(x[:B])), alone[:B],
+                                          err_msg=f"{qt.name} [{n_rows}, {n_cols}] nw={nw} {name} B={B}")
+        # a layer's residual add, fused as the matvec fuses it
+        base = cp.asarray(rng.standard_normal((9, n_rows)).astype(np.float32))
+        acc = base.copy()
+        launch(x[:9], out=acc, accumulate=True)
+        np.testing.assert_array_equal(cp.asnumpy(acc), cp.asnumpy(base) + alone[:9], err_msg=f"{name} accumulate")
