@@ -37,18 +37,24 @@ def matvec_order(v: np.ndarray, nw: int) -> np.float32:
     return total
 
 
+def _pair(v: np.ndarray, ws: int, k: int, S: int) -> np.float32:
+    """Step k of warp slot ws's walk: lane __brev(k) >> 27's chain plus its butterfly twin's
+    (lane + 16), each chained over its pieces p = 32 ws + lane, + S, ..."""
+    lane = int(f"{k:05b}"[::-1], 2)  # __brev(k) >> 27
+    a = b = f32(0)
+    for p in range(32 * ws + lane, len(v), S):
+        a = f32(a + v[p])
+    for p in range(32 * ws + lane + 16, len(v), S):
+        b = f32(b + v[p])
+    return f32(a + b)
+
+
 def kernel_order(v: np.ndarray, nw: int) -> np.float32:
     S, total = 32 * nw, f32(0)
     held = [f32(0)] * 4  # the kernel's t1..t4: a pair of lanes, 4, 8, 16 lanes waiting for their twin
     for ws in range(nw):
         for k in range(0, 32, 2):
-            lane = int(f"{k:05b}"[::-1], 2)  # __brev(k) >> 27
-            a = b = f32(0)
-            for p in range(32 * ws + lane, len(v), S):
-                a = f32(a + v[p])
-            for p in range(32 * ws + lane + 16, len(v), S):
-                b = f32(b + v[p])
-            x = f32(a + b)
+            x = _pair(v, ws, k, S)
             for level in range(4):  # k's bits 1-4: the first of a pair waits, the second joins it
                 if not k & (2 << level):
                     held[level] = x
@@ -69,13 +75,7 @@ def split_order(v: np.ndarray, nw: int) -> np.float32:
         for grp in range(4):
             held = [f32(0)] * 2
             for k in range(8 * grp, 8 * grp + 8, 2):
-                lane = int(f"{k:05b}"[::-1], 2)
-                a = b = f32(0)
-                for p in range(32 * ws + lane, len(v), S):
-                    a = f32(a + v[p])
-                for p in range(32 * ws + lane + 16, len(v), S):
-                    b = f32(b + v[p])
-                x = f32(a + b)
+                x = _pair(v, ws, k, S)
                 for level in range(2):
                     if not k & (2 << level):
                         held[level] = x
