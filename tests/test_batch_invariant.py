@@ -5,9 +5,10 @@ Here, without a GPU: the cuda backend's batch-invariant mode (``--kernels batch-
 as choices a planner can check (one matrix-product path per weight format at every row count,
 one matvec launch for every batch size, attention's key splits independent of the rows, the
 memory layout that follows; in the mode's rows form, ``invariant-rows=on``, the i16 matvec then
-matvec_rows for the block-quantized types, one warps-per-CTA per type at every batch size), and the cpu backend's invariance through a real model: one
-sequence's logits, bit for bit, whether its pass holds it alone or 8, 64 or 512 rows of other
-sequences that join and leave (prompts, decode rows, a 511-row token tree).
+matvec_rows for the block-quantized types, one warps-per-CTA per type at every batch size), and
+the cpu backend's invariance through a real model: one sequence's logits, bit for bit, whether
+its pass holds it alone or 8, 64 or 512 rows of other sequences that join and leave (prompts,
+decode rows, a 511-row token tree).
 ``sequence_logits_alone`` and ``sequence_logits_batched`` are shared with the GPU test
 (tests/gpu/test_batch_invariant_gpu.py), which runs the same passes on the cuda backend.
 """

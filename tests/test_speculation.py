@@ -344,15 +344,16 @@ def test_keeping_a_sibling_path_leaves_the_cache_as_if_it_had_been_fed(plain):
 
 def test_a_kept_path_that_starts_on_the_chain_then_takes_a_sibling(plain):
     """The path 0 -> 5 (the chain's first node, then its second child): node 0's K/V stay where
-    they are and node 5's move down one. ``LlamaModel.kv_keep`` passes the backends only the
-    entries that move (the cuda move refuses one onto itself, and so does the cpu backend); the
-    cache is then as if the path had been fed."""
+    they are and node 5's move down one. A move onto itself is refused (by the cuda move, and
+    by the cpu backend so that CI sees it), so the engine moves only node 5
+    (``EngineCore._verify``); the cache is then as if the path had been fed."""
     m = plain.core.model
     assert TREE.parents[5] == 0
     pos = len(KEEP_PREFIX)
     with pytest.raises(ValueError, match="destination below its source"):
         m.backend.kv_keep(0, [pos, pos + 5], [pos, pos + 1])  # checked before the sequence is looked up
-    kept, fed = _kept_against_fed(m, 904, [0, 5], m.kv_keep)
+    moved_only = lambda seq_id, src, dst: m.kv_keep(seq_id, src[1:], dst[1:])  # noqa: E731  (node 5's)
+    kept, fed = _kept_against_fed(m, 904, [0, 5], moved_only)
     assert _rel(kept, fed) < 1e-5 and kept.argmax() == fed.argmax()
 
 

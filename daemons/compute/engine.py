@@ -530,7 +530,9 @@ class EngineCore:
         tokens, path = verify_tree(tree, pk, s.sampler, history)
         if path != list(range(len(path))):  # a sibling was taken: close the path's KV entries up
             pos = len(s.req.prompt_tokens) + len(s.generated)  # node i sits at pos + i
-            self.model.kv_keep(s.seq_id, [pos + i for i in path], [pos + k for k in range(len(path))])
+            # the path's first nodes before the sibling are where they belong: only the rest move
+            moved = [(i, k) for k, i in enumerate(path) if i != k]
+            self.model.kv_keep(s.seq_id, [pos + i for i, _ in moved], [pos + k for _, k in moved])
         self.shape.observe(tree, path, s.acceptance)
         self.spec.add(len(tree), len(path), tree.weak)
         if self.drafter.learns_from_rows:  # the lookahead's window: every row's best token

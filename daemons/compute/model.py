@@ -403,13 +403,7 @@ class LlamaModel:
         return self.stream.set_layers(streamed)
 
     def kv_keep(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
-        """``Backend.kv_keep`` in every layer: the backend's and the cpu tier's. Entries that
-        stay where they are (a kept path's first nodes before the sibling it took) are left out:
-        the cuda move takes only entries that move down."""
-        moved = [(s, d) for s, d in zip(src_positions, dst_positions) if s != d]
-        if not moved:
-            return
-        src_positions, dst_positions = [s for s, _ in moved], [d for _, d in moved]
+        """``Backend.kv_keep`` in every layer: the backend's and the cpu tier's."""
         self.backend.kv_keep(seq_id, src_positions, dst_positions)
         if self.host is not None:
             self.host.kv_keep(seq_id, src_positions, dst_positions)

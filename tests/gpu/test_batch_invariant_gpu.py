@@ -4,8 +4,9 @@ batch-invariant=on``: a row's results do not depend on how many rows share its p
   * kernels: every row of gemm (and gemm_group, gemm(accumulate)) of x[:T] is the bits of that
     row multiplied alone, T in 1..512 across every path boundary, for each kernel family (mmq:
     Q4_K, Q6_K; mm: Q4_1, Q8_0, F16; the matvec: F32), and in the mode's rows form
-    (``invariant-rows=on``: the i16 matvec to 8 rows, then matvec_rows); attention likewise, and a token tree's
-    rows (the ordered tree kernel) the bits of a plain row over its path laid out in order;
+    (``invariant-rows=on``: the i16 matvec to 8 rows, then matvec_rows); attention likewise, and
+    a token tree's rows (the ordered tree kernel) the bits of a plain row over its path laid out
+    in order;
   * the model: one sequence's logits, bit for bit, alone and in passes of 8, 64 and 512 rows
     with sequences that join and leave, its last steps verified as a tree (the scenario of
     tests/test_batch_invariant.py, where the cpu backend passes it), on a synthetic Q4_K_M
@@ -51,7 +52,8 @@ from .test_kernels import W, kv_pages, random_parents, random_weights  # noqa: E
 ON = KernelOptions(batch_invariant=True)
 BI = runtime.standalone(ON)
 BI_ROWS = runtime.standalone(KernelOptions(batch_invariant=True, invariant_rows=True))
-FORMS = {"mmq-mm": "batch-invariant=on", "rows": "batch-invariant=on,invariant-rows=on"}  # --kernels of each form
+# --kernels of each form of the mode
+FORMS = {"mmq-mm": "batch-invariant=on", "rows": "batch-invariant=on,invariant-rows=on"}
 ROWS = (1, 2, 3, 8, 9, 63, 64, 65, 512)  # across every boundary of the default's paths and chunks
 MAX_ROWS = max(ROWS)
 

@@ -164,11 +164,11 @@ def invariant_path(q: QuantType, n_cols: int, T: int, rows: bool = False) -> str
     K-quants, "mm" for the other types mm decodes at this row length (Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, F16), "matvec" for the rest (F32, BF16, an F16 row mm cannot cut), beyond MAX_MM_ROWS
     (MAX_MATVEC_B for the matvec) in chunks of that many rows. ``rows``
-    (``KernelOptions.invariant_rows``; bitwise on the GPU, cheap at one row only): the block-quantized types take the
-    i16 matvec up to MAX_MATVEC_B rows ("i16", one warps-per-CTA per type at every B) and "rows"
-    past that (``matvec.matvec_rows``: the matvec's f32 steps in its order), F16 and the float
-    types as above. Never cuBLAS: its kernel and split of K change with the shape, and it rounds
-    x to f16. Why the forms: docs/ARCHITECTURE.md, "Batch-invariant mode"."""
+    (``KernelOptions.invariant_rows``; bitwise on the GPU, cheap at one row only): the
+    block-quantized types take the i16 matvec up to MAX_MATVEC_B rows ("i16", one warps-per-CTA
+    per type at every B) and "rows" past that (``matvec.matvec_rows``: the matvec's f32 steps in
+    its order), F16 and the float types as above. Never cuBLAS: its kernel and split of K change
+    with the shape, and it rounds x to f16. Why the forms: docs/ARCHITECTURE.md, "Batch-invariant mode"."""
     if rows and q.dp4a:
         return "i16" if T <= tuning.MAX_MATVEC_B else "rows"
     if q.mm_staged and n_cols % 256 == 0:
