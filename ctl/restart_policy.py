@@ -27,6 +27,7 @@ from ntx.shared.gguf_index import model_file_paths
 
 FILE_CHECK_INTERVAL_S = 1.0
 SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 16, 4096  # 64 KiB read per file and check, from the page cache mostly
+STAMP_TRIES = 3  # reads of a file's blocks before its stamp goes without a digest (it kept changing)
 # A ready daemon that sent no Stats (every STATS_INTERVAL_S = 0.5 s) for this long is reported
 # stalled: with the gateway's status poll (1 s), /health shows it within 5 s of its last word.
 STALL_REPORT_S = 3.0
@@ -45,18 +46,37 @@ class FileStamp:
 
     @classmethod
     def of(cls, path: str) -> FileStamp | None:
-        """The file's stamp now; None when it is gone."""
+        """The file's stamp now; None when it is gone.
+
+        The file is stat'ed again after its blocks are read: a file truncated between the first
+        ``stat`` and the reads would otherwise give the old size and mtime with the new content's
+        digest, and be reported "rewritten with its size and modification time kept" instead of
+        truncated. While the file keeps changing under the reads, the stamp has no digest (its
+        ``stat`` has already changed, which is enough to tell)."""
         try:
             st = os.stat(path)
         except OSError:
             return None
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, _sample_digest(path, st.st_size))
+        for _ in range(STAMP_TRIES):
+            digest = _sample_digest(path, st.st_size)
+            try:
+                after = os.stat(path)
+            except OSError:
+                return None
+            if _stat_key(after) == _stat_key(st):
+                return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, digest)
+            st = after
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
     def same_as(self, other: FileStamp | None) -> bool:
         if other is None or (self.size_bytes, self.mtime_ns, self.inode, self.device) != (
                 other.size_bytes, other.mtime_ns, other.inode, other.device):
             return False
         return not (self.sample_digest and other.sample_digest) or self.sample_digest == other.sample_digest
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
 
 
 def _sample_digest(path: str, size_bytes: int) -> bytes:

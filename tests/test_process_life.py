@@ -101,6 +101,30 @@ def test_model_files_name_each_kind_of_change(tmp_path):
     assert str(model) in files.change() and "removed" in files.change()
 
 
+def test_a_file_truncated_while_its_blocks_are_read_is_reported_truncated(tmp_path, monkeypatch):
+    """CI once saw the race: the check stat'ed the file, the test truncated it, then the check
+    read its blocks; the old size and mtime with the new content's digest read as "rewritten, its
+    size and modification time kept". Here the truncation comes exactly in that gap."""
+    from ntx.ctl import restart_policy
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(bytes(range(256)) * 64)
+    files = ModelFiles(str(model))
+    real_digest = restart_policy._sample_digest
+    calls = []
+
+    def truncate_then_read(path, size_bytes):
+        if not calls:
+            with open(path, "r+b") as f:
+                f.truncate(4096)
+        calls.append(size_bytes)
+        return real_digest(path, size_bytes)
+
+    monkeypatch.setattr(restart_policy, "_sample_digest", truncate_then_read)
+    assert "truncated from 16384 to 4096 bytes" in files.change()
+    assert calls == [16384, 4096]  # read again at the size the second stat gave
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncate", "replace"])
 def test_model_file_changed_under_the_pipeline_stops_it_with_the_reason(smollm2_path, tmp_path, how):
