@@ -10,8 +10,8 @@ import pytest
 
 from ntx.ctl.local import LocalEngine
 from ntx.daemons.compute.factory import build_engine
-from ntx.daemons.compute.lookahead import (LEVELS, POOL_PER_KEY, LookaheadDrafter, NgramPool, node_paths,
-                                             window_shape)
+from ntx.daemons.compute.lookahead import (LEVELS, POOL_PER_KEY, RANK_HIT, RECYCLE_K, LookaheadDrafter, NgramPool,
+                                             RecycledTokens, node_paths, recycled_shape, window_shape)
 from ntx.daemons.compute.lookup import CombinedDrafter, LookupDrafter, tree_paths
 from ntx.daemons.compute.speculation import DraftRequest
 from ntx.shared.config import EngineOptions
@@ -24,6 +24,11 @@ except ImportError:  # tests/ is not a package
 
 def req(tokens, depth=8, width=1, seq_id=0, rows_free=True) -> DraftRequest:
     return DraftRequest(seq_id, list(tokens), depth, width, 10_000, rows_free=rows_free)
+
+
+def ranked(top1) -> list[list[int]]:
+    """Rows that each rank one token (the top-1; none where -1), as ``verified`` takes them."""
+    return [[t] if t >= 0 else [] for t in top1]
 
 
 def depth_of(tree, node: int) -> int:
@@ -50,7 +55,7 @@ def test_the_window_is_jacobi_iteration_as_a_tree_and_fills_the_pool():
     assert len(w.levels) == 1 and all(tok in text for tok in (a, b))
     assert (t1.tokens, t1.parents) == ([a, b], [-1, 0])  # column 1's path goes through column 0
     # the pass: row 0 is the last token, row i + 1 node i; each column's top predicts one position on
-    d.verified(0, t1, [15, 20, 21], [])
+    d.verified(0, t1, ranked([15, 20, 21]), [])
     assert w.levels == [[a, b], [20, 21]] and not len(d.pool)
     t2 = d.propose([req(text + [30])])[0]
     # level 1's guess at column j hangs under level 0's column j: paths (a, 20) and (a, b, 21)
@@ -58,7 +63,7 @@ def test_the_window_is_jacobi_iteration_as_a_tree_and_fills_the_pool():
     rows = {p: i + 1 for i, p in enumerate(node_paths(t2))}
     top1 = [0] * (len(t2) + 1)
     top1[rows[(a, 20)]], top1[rows[(a, b, 21)]] = 40, 41
-    d.verified(0, t2, top1, [])
+    d.verified(0, t2, ranked(top1), [])
     # full: each column's guesses and what its top predicted are an n-gram, keyed by its first token
     assert dict(d.pool.by_first) == ({a: [(20, 40)], b: [(21, 41)]} if a != b else {a: [(21, 41), (20, 40)]})
     assert w.levels == [[20, 21], [40, 41]]  # the oldest level gone, the predictions on top
@@ -109,10 +114,10 @@ def test_trees_stay_within_the_budget_and_depth_while_the_pool_grows():
         assert all(p < i for i, p in enumerate(tree.parents))
         assert all(depth_of(tree, i) <= depth for i in range(len(tree)))
         assert len({(p, t) for p, t in zip(tree.parents, tree.tokens)}) == len(tree)  # siblings distinct
-        top1 = [rng.randrange(50) for _ in range(len(tree) + 1)]
-        d.verified(0, tree, top1, [])
-        text += [top1[0]] + [rng.randrange(50) for _ in range(rng.randrange(3))]
-    assert len(d.pool) and d.window_passes > 20
+        rows = [rng.sample(range(50), rng.randrange(1, RECYCLE_K + 1)) for _ in range(len(tree) + 1)]
+        d.verified(0, tree, rows, [])
+        text += [rows[0][0]] + [rng.randrange(50) for _ in range(rng.randrange(3))]
+    assert len(d.pool) and d.window_passes > 20 and len(d.recycled) > 40
     d.forget(0)
     assert 0 not in d.windows and 0 not in d.own and len(d.pool)  # the instance's pool stays
 
@@ -130,10 +135,77 @@ def test_a_bad_row_leaves_the_window_as_it_was():
     text = [10, 11, 12, 13, 14, 15]
     t1 = d.propose([req(text)])[0]
     levels = [list(lv) for lv in d.windows[0].levels]
-    d.verified(0, t1, [15, -1, -1], [])  # the rows had no finite logits
+    d.verified(0, t1, ranked([15, -1, -1]), [])  # the rows had no finite logits
     assert d.windows[0].levels == levels
-    d.verified(0, t1, [15, 1, 2], [])  # nothing awaits a pass any more: a second call learns nothing
+    d.verified(0, t1, ranked([15, 1, 2]), [])  # nothing awaits a pass any more: a second call learns nothing
     assert d.windows[0].levels == levels
+
+
+def test_recycled_tokens_keep_the_newest_ranking_of_the_tokens_learnt_last():
+    rec = RecycledTokens(max_keys=2)
+    rec.learn(1, list(range(10, 10 + RECYCLE_K + 3)))
+    assert rec.after(1) == tuple(range(10, 10 + RECYCLE_K))  # RECYCLE_K of them kept
+    rec.learn(2, [5])
+    rec.learn(1, [7, 8])  # ranked again: the newest ranking replaces the old one
+    assert rec.after(1) == (7, 8) and rec.after(9) == ()
+    rec.learn(3, [6])  # a third token: the least recently learnt (2) goes
+    assert len(rec) == 2 and rec.after(2) == () and rec.after(3) == (6,)
+
+
+def test_the_recycled_shape_takes_the_likeliest_rank_paths_parents_first():
+    assert recycled_shape(4, 8) == ((0,), (0, 0), (1,), (0, 0, 0))  # 0.489, 0.239, 0.228, 0.117
+    assert recycled_shape(3, 1) == ((0,), (1,), (2,))  # one deep: the ranks side by side
+    shape = recycled_shape(200, 6)
+    assert len(shape) == len(set(shape)) == 200 and max(map(len, shape)) <= 6
+    seen = set()
+    for ranks in shape:
+        assert len(ranks) == 1 or ranks[:-1] in seen  # its parent came before it
+        seen.add(ranks)
+    p = [1.0] * len(shape)
+    for i, ranks in enumerate(shape):
+        for r in ranks:
+            p[i] *= RANK_HIT[r]
+    assert p == sorted(p, reverse=True)
+
+
+def test_a_verify_pass_recycles_every_rows_ranking_the_accepted_paths_last():
+    d = LookaheadDrafter()
+    text = [10, 11, 12, 13, 14, 15]  # nothing to look up
+    t1 = d.propose([req(text)])[0]  # the window alone: two columns (a, b), a chain
+    a, b = t1.tokens
+    # row 0 (15) ranks 16, 17; node a's row 60, 61; node b's row 70; a was accepted
+    d.verified(0, t1, [[16, 17], [60, 61], [70]], [0])
+    if a != b:
+        assert d.recycled.after(a) == (60, 61) and d.recycled.after(b) == (70,)
+    assert d.recycled.after(15) == (16, 17) and d.report()["recycled_tokens"] == len({15, a, b})
+    # a rejected row and an accepted one of the same token: the accepted path's ranking stays
+    t2 = d.propose([req(text + [a])])[0]
+    rows = [[1]] * (len(t2) + 1)
+    rows[0] = [99]
+    for i, tok in enumerate(t2.tokens):
+        if tok == a:
+            rows[i + 1] = [98]
+    d.verified(0, t2, rows, [])
+    assert d.recycled.after(a) == (99,)
+    # the next tree grows from the last token through what was ranked after it
+    d.recycled.learn(40, [41, 42])
+    d.recycled.learn(41, [43])
+    tree = d.propose([req([20, 21, 22, 40], seq_id=1)])[0]
+    paths = tree_paths(tree)
+    assert [41, 43] in paths and [42] in paths, paths
+
+
+def test_recycled_nodes_take_only_what_the_rest_of_the_tree_leaves():
+    d = LookaheadDrafter()
+    quote = list(range(100, 130))
+    text = quote + [7] + quote[:3]
+    for t in range(90, 140):
+        d.recycled.learn(t, [t + 1, t + 2, t + 3])
+    tree = d.propose([req(text, depth=32)])[0]  # the quote's walk fills all 32 nodes
+    assert tree_paths(tree) == [((quote + [7])[3:] + quote)[:32]]
+    tree = d.propose([req([1, 2, 90], depth=8, width=2)])[0]  # no match: the window, then recycled nodes
+    assert len(tree) == 16 and [91, 92] in [p[:2] for p in tree_paths(tree)]
+    assert d.propose([req([1, 2, 90], rows_free=False)])[0].tokens == []  # rows cost: none of it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +240,9 @@ def test_greedy_output_is_the_plain_engines_and_the_guesses_are_accepted(smollm2
     assert isinstance(d, LookaheadDrafter) and d.window_passes > 10
     assert d.guessed_accepted > 0, d.report()
     assert not d.windows and len(d.pool)  # both requests ended: their windows went, the pool stays
+    # greedy rows ranked RECYCLE_K tokens each for the recycled tokens (their picks widened)
+    assert len(d.recycled) > 50 and max(map(len, d.recycled.by_token.values())) == RECYCLE_K
+    assert not d.roots
 
 
 def test_auto_shapes_time_one_window_then_keep_it_where_its_rows_cost(smollm2_path, engines):

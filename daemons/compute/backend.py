@@ -85,13 +85,14 @@ class Picked:
     token_val: float | None = None
 
 
-def top1_of(picked: Picked) -> int:
-    """The best token of one row's ``Picked`` (-1: the row had none, its logits not finite)."""
+def ranked_of(picked: Picked, k: int) -> list[int]:
+    """Up to ``k`` of one row's best token ids, best first (what ``verified`` learns from): the
+    ids the pick selected, or the whole row's top-k; [] where the row had no finite logits."""
     if picked.ids is not None:
-        return int(picked.ids[0]) if len(picked.ids) else -1
+        return [int(t) for t in picked.ids[:k]]
     if picked.row is not None and np.isfinite(picked.row).any():
-        return int(np.nanargmax(np.where(np.isfinite(picked.row), picked.row, -np.inf)))
-    return -1
+        return [int(t) for t in top_entries(np.where(np.isfinite(picked.row), picked.row, -np.inf), k)]
+    return []
 
 
 class PendingPicks:

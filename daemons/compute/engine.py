@@ -23,7 +23,7 @@ from typing import Any, Iterable, Protocol
 
 import numpy as np
 
-from ntx.daemons.compute.backend import PendingPicks, Pick, Picked, log_normaliser, top1_of
+from ntx.daemons.compute.backend import PendingPicks, Pick, Picked, log_normaliser, ranked_of
 from ntx.daemons.compute.batch import SeqChunk, StepBatch
 from ntx.daemons.compute.kv_pages import KvPoolExhausted
 from ntx.daemons.compute.model import LlamaModel
@@ -535,8 +535,9 @@ class EngineCore:
             self.model.kv_keep(s.seq_id, [pos + i for i, _ in moved], [pos + k for _, k in moved])
         self.shape.observe(tree, path, s.acceptance)
         self.spec.add(len(tree), len(path), tree.weak)
-        if self.drafter.learns_from_rows:  # the lookahead's window: every row's best token
-            self.drafter.verified(s.seq_id, tree, [top1_of(p) for p in pk], path)
+        if self.drafter.learns_from_rows:  # the lookahead's window and recycled tokens: every row's best
+            k = self.drafter.row_top_k
+            self.drafter.verified(s.seq_id, tree, [ranked_of(p, k) for p in pk], path)
         rows = [0] + [i + 1 for i in path]  # token k was drawn from the row of its parent
         return self._emit(s, [(tok, pk[row]) for tok, row in zip(tokens, rows)], len(tree), len(path))
 
@@ -548,7 +549,11 @@ class EngineCore:
         out: list[Pick] = []
         for s, chunk in zip(seqs, batch.chunks):
             if not s.prefilling and s.draft:  # every row of a verified chunk is sampled from
-                out.extend([s.sampler.pick(n_vocab, s.req.logprobs)] * chunk.n_tokens)
+                pick = s.sampler.pick(n_vocab, s.req.logprobs)
+                k = self.drafter.row_top_k if self.drafter is not None else 1
+                if s.req.params.temperature == 0 and 0 < pick.k < k:  # greedy draws ids[0] of any k
+                    pick = Pick(k, lse=pick.lse)
+                out.extend([pick] * chunk.n_tokens)
                 continue
             finishes_prompt = not s.prefilling or (s.n_prefilled + chunk.n_tokens >= len(s.prefill_tokens)
                                                    and not s.resumed)

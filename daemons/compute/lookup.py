@@ -287,10 +287,14 @@ class CombinedDrafter(Drafter):
     def learns_from_rows(self) -> bool:
         return self.inner.learns_from_rows or self.lookup.learns_from_rows
 
-    def verified(self, seq_id, tree, top1, path) -> None:
+    @property
+    def row_top_k(self) -> int:
+        return max(self.inner.row_top_k, self.lookup.row_top_k)
+
+    def verified(self, seq_id, tree, ranked, path) -> None:
         for drafter in (self.inner, self.lookup):
             if drafter.learns_from_rows:
-                drafter.verified(seq_id, tree, top1, path)
+                drafter.verified(seq_id, tree, ranked, path)
 
     def report(self) -> dict[str, int]:
         return {**self.inner.report(), **self.lookup.report()}

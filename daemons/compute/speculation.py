@@ -114,13 +114,17 @@ class Drafter(ABC):
     def forget(self, seq_id: int) -> None:
         """The sequence ended: drop whatever the drafter keeps for it."""
 
-    # whether ``verified`` wants the target's best token at every row of a verify pass
+    # whether ``verified`` wants the target's best tokens at every row of a verify pass, and how
+    # many of them a greedy row is to rank (its pick widened from the top-1: the token drawn is
+    # still the best one, so greedy output does not change)
     learns_from_rows = False
+    row_top_k = 1
 
-    def verified(self, seq_id: int, tree: DraftTree, top1: Sequence[int], path: Sequence[int]) -> None:
-        """A pass verified ``tree`` for ``seq_id``: ``top1[row]`` the target's best token at
-        each chunk row (row 0 the last token, row i + 1 node i; -1 where the row had none),
-        ``path`` the accepted nodes. Called only where ``learns_from_rows``."""
+    def verified(self, seq_id: int, tree: DraftTree, ranked: Sequence[Sequence[int]], path: Sequence[int]) -> None:
+        """A pass verified ``tree`` for ``seq_id``: ``ranked[row]`` the target's best tokens at
+        each chunk row, best first (row 0 the last token, row i + 1 node i; up to ``row_top_k``
+        of them, at least one, none where the row had no finite logits), ``path`` the accepted
+        nodes. Called only where ``learns_from_rows``."""
 
     def report(self) -> dict[str, int]:
         """What the drafter itself counts, for status's ``speculation`` (none by default)."""
