@@ -63,6 +63,7 @@ __all__ = ["LookaheadDrafter", "NgramPool", "RecycledTokens", "recycled_shape", 
 
 LEVELS = 3  # guesses per window column: pool n-grams of LEVELS + 1 tokens (Lookahead Decoding's N = 4)
 MAX_COLUMNS = 16  # the window's widest (its columns reach LEVELS + 15 positions ahead)
+WINDOW_SHARE = 0.5  # of a tree's node budget, the most the window takes
 POOL_PER_KEY = 4  # n-grams kept per first token, newest first
 POOL_KEYS = 1 << 14  # first tokens the instance's pool keeps (at most 64 Ki n-grams, a few MiB)
 RECYCLE_K = 8  # tokens a verify row ranks for the recycled tokens (Token Recycling's k)
@@ -209,8 +210,8 @@ class LookaheadDrafter(LookupDrafter):
         self.pool = NgramPool()
         self.recycled = RecycledTokens()
         self.roots: dict[int, int] = {}  # each sequence's last token when its tree was proposed: row 0's
-        # accepted tokens that only the pool or the window drafted (the lookup did not), and
-        # the verify passes with a window in them: what lookahead adds to a prompt lookup
+        # accepted tokens that only the pool, the window or the recycled tokens drafted (the
+        # lookup did not), and the verify passes with a window in them: what lookahead adds
         self.guessed_accepted = 0
         self.window_passes = 0
 
@@ -248,7 +249,8 @@ class LookaheadDrafter(LookupDrafter):
             return lookup
         guessed = [list(cont[: r.depth]) for cont in self.pool.after(r.tokens[-1])]
         pooled = sum(map(len, guessed))
-        window_nodes = budget // 2 if lookup.weak else min(budget // 2, budget - len(lookup) - pooled)
+        share = int(budget * WINDOW_SHARE)
+        window_nodes = share if lookup.weak else min(share, budget - len(lookup) - pooled)
         levels, columns = window_shape(window_nodes, r.depth)
         if not columns:
             if w is not None:

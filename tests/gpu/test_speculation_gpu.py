@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 
 from ntx.ctl.local import LocalEngine  # noqa: E402
 from ntx.daemons.compute.factory import build_engine  # noqa: E402
+from ntx.daemons.compute.lookahead import RECYCLE_K  # noqa: E402
 from ntx.daemons.compute.sampler import SamplingParams  # noqa: E402
 from ntx.shared.messages import EngineRequest  # noqa: E402
 from ntx.shared.config import EngineOptions  # noqa: E402
@@ -68,7 +69,9 @@ def test_greedy_identical_with_the_lookahead(tmp_path):
     """``--draft lookahead`` with fixed trees (every pass carries the window and the pool's
     n-grams, as where a verify pass's rows are free): the same tokens as plain, in passes of up
     to 64 rows (past 64, default kernels round otherwise than one row does: docs/PERFORMANCE.md,
-    "Chains over 64 drafted tokens leave the recording"), and the window's rows read back."""
+    "Chains over 64 drafted tokens leave the recording"), and the window's rows read back, each
+    greedy verify row ranking its top 8 (the device's top-k in place of its top-1) for the
+    recycled tokens."""
     for model in _models(tmp_path):
         # one sequence drafting 63 nodes (a 64-row verify pass), then two drafting 15 (32 rows)
         for prompts, k in (([[504, 357, 282, 464, 314]], 63), ([[504, 357, 282, 464], [17, 300, 4, 61]], 15)):
@@ -79,4 +82,6 @@ def test_greedy_identical_with_the_lookahead(tmp_path):
             got, counts = _tokens(spec, prompts, 48)
             assert got == want, (model, k)
             assert all(c and c["verify_passes"] > 0 for c in counts)
-            assert spec.core.drafter.window_passes > 0 and len(spec.core.drafter.pool) > 0, spec.core.drafter.report()
+            d = spec.core.drafter
+            assert d.window_passes > 0 and len(d.pool) > 0, d.report()
+            assert max(map(len, d.recycled.by_token.values())) == RECYCLE_K, d.report()
