@@ -71,11 +71,13 @@ def pooled(rows: list[dict]) -> dict:
             "identical": all(r["identical"] for r in rows)}
 
 
-def run_task(engine, prompt: list[int], n: int) -> dict:
-    """One greedy request alone: its tokens, speculation counts and decode passes."""
+def run_task(engine, prompt: list[int], n: int, prompt_logprobs: int = 0) -> dict:
+    """One greedy request alone: its tokens, speculation counts and decode passes (and, when
+    ``prompt_logprobs`` asks, each prompt position's top alternatives)."""
     first_pass = engine.core.model.next_pass_id
     t0 = time.monotonic()
-    engine.submit(EngineRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=n)))
+    engine.submit(EngineRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=n),
+                                prompt_logprobs=prompt_logprobs))
     done = None
     while engine.has_work:
         for ev in engine.step():
@@ -87,6 +89,7 @@ def run_task(engine, prompt: list[int], n: int) -> dict:
     decode_passes = passes - math.ceil(len(prompt) / engine.core.prefill_chunk_tokens)
     tokens = done["tokens"]
     return {"tokens": tokens, "speculation": done.get("speculation"), "seconds": round(time.monotonic() - t0, 2),
+            "prompt_logprobs": done.get("prompt_logprobs"),
             "decode_passes": decode_passes,
             "tokens_per_decode_pass": round((len(tokens) - 1) / decode_passes, 3) if decode_passes > 0 else None}
 

@@ -137,20 +137,24 @@ class RecycledTokens:
         return len(self.by_token)
 
 
-@lru_cache(maxsize=64)
-def recycled_shape(nodes: int, depth: int) -> tuple[tuple[int, ...], ...]:
+def recycled_shape(nodes: int, depth: int, hits: tuple[float, ...] | None = None) -> tuple[tuple[int, ...], ...]:
     """The recycled tree's shape: the ``nodes`` rank paths (the ranks taken from the root, a
-    node's parent before it) most likely accepted if each rank r is right with ``RANK_HIT[r]``
-    independently, none deeper than ``depth``: a static tree, as Sequoia and Token Recycling
-    choose theirs."""
+    node's parent before it) most likely accepted if each rank r is right with ``hits[r]``
+    (``RANK_HIT`` by default) independently, none deeper than ``depth``: a static tree, as
+    Sequoia and Token Recycling choose theirs."""
+    return _likeliest_rank_paths(nodes, depth, RANK_HIT if hits is None else tuple(hits))
+
+
+@lru_cache(maxsize=64)
+def _likeliest_rank_paths(nodes: int, depth: int, hits: tuple[float, ...]) -> tuple[tuple[int, ...], ...]:
     out: list[tuple[int, ...]] = []
-    heap = [(-hit, (r,)) for r, hit in enumerate(RANK_HIT)]
+    heap = [(-hit, (r,)) for r, hit in enumerate(hits)]
     heapq.heapify(heap)
     while heap and len(out) < nodes:
         neg_p, path = heapq.heappop(heap)
         out.append(path)
         if len(path) < depth:
-            for r, hit in enumerate(RANK_HIT):
+            for r, hit in enumerate(hits):
                 heapq.heappush(heap, (neg_p * hit, path + (r,)))
     return tuple(out)
 

@@ -47,7 +47,6 @@ def main() -> None:
         lookahead.RANK_HIT = tuple(hits[: args.recycle_k])
         lookahead.RECYCLE_K = args.recycle_k
         lookahead.LookaheadDrafter.row_top_k = max(1, args.recycle_k)
-        lookahead.recycled_shape.cache_clear()
     print(f"lookahead shape: {args.levels} levels, up to {args.columns} columns, {args.pool_per_key} n-grams a key, "
           f"the window at most {args.window_share:g} of the nodes, {args.recycle_k} tokens recycled a row", flush=True)
     script = Path(__file__).resolve().parents[2] / "scripts" / "draft_acceptance.py"

@@ -13,7 +13,7 @@ path that the greedy tokens follow is accepted, and the matrix learns the rows o
 rows on the true context; a real verify pass also has the rejected nodes' rows, not modelled:
 they would add entries for tokens off the path). The tree's shape is fixed per run: the
 ``NODES`` best nodes by the product of their ranks' hit rates (measured in a first replay with a
-wide tree), as Sequoia chooses a static tree.
+wide tree; ``lookahead.recycled_shape``), as Sequoia chooses a static tree.
 
     python dev/spec/recycling_sim.py [--tokens 192] [--nodes 64] [--k 8] [--kinds summarise edit chat]
 """
@@ -21,48 +21,18 @@ wide tree), as Sequoia chooses a static tree.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from draft_acceptance import tasks  # noqa: E402
+from draft_acceptance import run_task, tasks  # noqa: E402
 
 from ntx.ctl.local import build_local_engine  # noqa: E402
 from ntx.ctl.models import ensure_default_model  # noqa: E402
+from ntx.daemons.compute.lookahead import recycled_shape  # noqa: E402
 from ntx.shared.config import EngineOptions  # noqa: E402
-from ntx.shared.messages import EngineRequest  # noqa: E402
-from ntx.shared.sampling_fields import SamplingParams  # noqa: E402
-
-
-def run(engine, prompt: list[int], n: int, prompt_logprobs: int = 0) -> dict:
-    engine.submit(EngineRequest("t", prompt, SamplingParams(temperature=0.0, max_tokens=n),
-                                prompt_logprobs=prompt_logprobs))
-    done = None
-    while engine.has_work:
-        for ev in engine.step():
-            if ev["type"] == "done":
-                done = ev
-            elif ev["type"] == "error":
-                raise RuntimeError(ev["message"])
-    return done
-
-
-def template(rank_hit: list[float], nodes: int, max_depth: int) -> list[tuple[int, ...]]:
-    """The ``nodes`` rank paths (a node: the ranks taken from the root) of highest estimated
-    probability, each rank independent with hit rate ``rank_hit[r]``; parents before children."""
-    out: list[tuple[int, ...]] = []
-    heap = [(-rank_hit[r], (r,)) for r in range(len(rank_hit))]
-    heapq.heapify(heap)
-    while heap and len(out) < nodes:
-        neg_p, path = heapq.heappop(heap)
-        out.append(path)
-        if len(path) < max_depth:
-            for r in range(len(rank_hit)):
-                heapq.heappush(heap, (neg_p * rank_hit[r], path + (r,)))
-    return out
 
 
 def draft(matrix: dict[int, list[int]], last: int, shape: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
@@ -120,15 +90,15 @@ def main() -> int:
     scored = {}
     for name, (kind, msgs) in texts.items():
         prompt = engine.prompt_tokens(messages=msgs)
-        gen = run(engine, prompt, a.tokens)["tokens"]
+        gen = run_task(engine, prompt, a.tokens)["tokens"]
         full = list(prompt) + list(gen)
-        lp = run(engine, full, 1, prompt_logprobs=a.k)["prompt_logprobs"]
+        lp = run_task(engine, full, 1, prompt_logprobs=a.k)["prompt_logprobs"]
         # lp[i + 1] scores full[i + 1]: its first k pairs are the top-k after full[:i + 1]
         topk = [[int(t) for t, _ in e[: a.k]] for e in lp[1:]]
         scored[name] = (kind, len(prompt), full, topk)
         print(f"{name}: prompt {len(prompt)}, generated {len(gen)}", flush=True)
     # a first replay with a wide tree measures each rank's hit rate
-    wide = template([0.5 ** (r + 1) for r in range(a.k)], 256, a.depth)
+    wide = recycled_shape(256, a.depth, tuple(0.5 ** (r + 1) for r in range(a.k)))
     hits = [0] * a.k
     for kind, start, full, topk in scored.values():
         replay(full, start, topk, {}, wide, hits)
@@ -136,7 +106,7 @@ def main() -> int:
     print("rank hit shares:", [round(x, 3) for x in rank_hit])
     results = []
     for nodes in a.nodes:
-        shape = template(rank_hit, nodes, a.depth)
+        shape = recycled_shape(nodes, a.depth, tuple(rank_hit))
         by_kind: dict[str, list[int]] = {}
         matrix: dict[int, list[int]] = {}  # one for the instance, kept across texts as the paper does
         for name, (kind, start, full, topk) in scored.items():
