@@ -43,7 +43,8 @@ def main() -> None:
     lookahead.LEVELS, lookahead.MAX_COLUMNS, lookahead.POOL_PER_KEY = args.levels, args.columns, args.pool_per_key
     lookahead.WINDOW_SHARE = args.window_share
     if args.recycle_k != lookahead.RECYCLE_K:  # ranks past the measured ones: a share each of what is left
-        hits = list(lookahead.RANK_HIT) + [lookahead.RANK_HIT[-1] / 2] * max(0, args.recycle_k - len(lookahead.RANK_HIT))
+        extra = max(0, args.recycle_k - len(lookahead.RANK_HIT))
+        hits = list(lookahead.RANK_HIT) + [lookahead.RANK_HIT[-1] / 2] * extra
         lookahead.RANK_HIT = tuple(hits[: args.recycle_k])
         lookahead.RECYCLE_K = args.recycle_k
         lookahead.LookaheadDrafter.row_top_k = max(1, args.recycle_k)
