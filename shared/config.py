@@ -242,7 +242,8 @@ class EngineOptions:
                                                 "PROFILE:N (its N most similar layers)", read="layers_or_profile")
     draft: str | None = _option(None, "draft without a model: ngram (prompt lookup in the request's own text), "
                                       "suffix (and in the instance's recent requests) or lookahead (and n-grams the "
-                                      "model guesses in spare verify rows: for --draft-tokens 16 or more); with "
+                                      "model guesses and tokens it ranks in spare verify rows: for --draft-tokens "
+                                      "16 or more); with "
                                       "--draft-model or --self-draft, their trees are merged")
     draft_tokens: int = _option(4, f"tokens drafted per sequence and pass (1-{MAX_DRAFT_TOKENS})")
     draft_width: int | None = _option(None, "the draft tree's width (1 = a chain), or auto: chosen from measured "
