@@ -303,16 +303,22 @@ def test_truncation_matches_reference(top_k, top_p, min_p):
     dict(temperature=0.8, top_k=40, repetition_penalty=1.3),  # penalty first: the whole row
 ])
 @pytest.mark.parametrize("logprobs", [0, 7])
-def test_sampling_from_picked_candidates_equals_sampling_from_the_whole_row(params, logprobs):
+@pytest.mark.parametrize("rank", [1, 8])
+def test_sampling_from_picked_candidates_equals_sampling_from_the_whole_row(params, logprobs, rank):
     """What a GPU backend sends back (``Sampler.pick``: the top-k ids and values, or the whole row
-    when needed) must give the same tokens as the full logits, draw for draw, seed for seed."""
+    when needed) must give the same tokens as the full logits, draw for draw, seed for seed; a
+    drafter's ``rank`` widens greedy's pick only, and changes no draw."""
     from ntx.daemons.compute.backend import pick_on_host
 
     n_vocab = 5000
     full = Sampler(SamplingParams(seed=11, **params))
     picked = Sampler(SamplingParams(seed=11, **params))
-    pick = picked.pick(n_vocab, logprobs)
+    pick = picked.pick(n_vocab, logprobs, rank)
     assert (pick.k == 0) == (params.get("top_k") == 0 or params.get("repetition_penalty", 1.0) != 1.0)
+    if params["temperature"] == 0:
+        assert pick.k == max(rank, logprobs, 1)
+    elif pick.k:
+        assert pick.k == max(params["top_k"], logprobs)  # sampling's candidates are its own
     history = [3, 17, 17, 400]
     for i in range(60):
         lg = _logits(100 + i, n_vocab)

@@ -549,11 +549,7 @@ class EngineCore:
         out: list[Pick] = []
         for s, chunk in zip(seqs, batch.chunks):
             if not s.prefilling and s.draft:  # every row of a verified chunk is sampled from
-                pick = s.sampler.pick(n_vocab, s.req.logprobs)
-                k = self.drafter.row_top_k if self.drafter is not None else 1
-                if s.req.params.temperature == 0 and 0 < pick.k < k:  # greedy draws ids[0] of any k
-                    pick = Pick(k, lse=pick.lse)
-                out.extend([pick] * chunk.n_tokens)
+                out.extend([s.sampler.pick(n_vocab, s.req.logprobs, rank=self.drafter.row_top_k)] * chunk.n_tokens)
                 continue
             finishes_prompt = not s.prefilling or (s.n_prefilled + chunk.n_tokens >= len(s.prefill_tokens)
                                                    and not s.resumed)

@@ -59,7 +59,7 @@ from typing import Sequence
 from ntx.daemons.compute.lookup import LookupDrafter, add_path, tree_paths
 from ntx.daemons.compute.speculation import DraftRequest, DraftTree
 
-__all__ = ["LookaheadDrafter", "NgramPool", "RecycledTokens", "recycled_shape", "window_shape"]
+__all__ = ["LookaheadDrafter", "NgramPool", "RecycledTokens", "recycled_paths", "recycled_shape", "window_shape"]
 
 LEVELS = 3  # guesses per window column: pool n-grams of LEVELS + 1 tokens (Lookahead Decoding's N = 4)
 MAX_COLUMNS = 16  # the window's widest (its columns reach LEVELS + 15 positions ahead)
@@ -157,6 +157,21 @@ def _likeliest_rank_paths(nodes: int, depth: int, hits: tuple[float, ...]) -> tu
             for r, hit in enumerate(hits):
                 heapq.heappush(heap, (neg_p * hit, path + (r,)))
     return tuple(out)
+
+
+def recycled_paths(recycled: RecycledTokens, last: int,
+                   shape: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
+    """The recycled tree from ``last`` along ``shape`` (rank paths, parents first): each rank
+    path that the rankings reach, with its token path (``last`` left out), parents first."""
+    paths: dict[tuple[int, ...], list[int]] = {}
+    for ranks in shape:
+        parent = paths.get(ranks[:-1]) if len(ranks) > 1 else []
+        if parent is None:
+            continue
+        after = recycled.after(parent[-1] if parent else last)
+        if ranks[-1] < len(after):
+            paths[ranks] = parent + [after[ranks[-1]]]
+    return paths
 
 
 @dataclass
@@ -259,11 +274,9 @@ class LookaheadDrafter(LookupDrafter):
         if not columns:
             if w is not None:
                 w.proposed = None
-            tree, children = DraftTree(weak=lookup.weak), {}
-            for path in tree_paths(lookup):
-                add_path(tree, children, path, budget)
-            self._add_recycled(tree, children, r, budget)
-            return tree
+            children = {(p, t): i for i, (t, p) in enumerate(zip(lookup.tokens, lookup.parents))}
+            self._add_recycled(lookup, children, r, budget)  # onto the lookup's tree, where it leaves room
+            return lookup
         w = self._window(r, levels, columns)
         drafts = budget - columns * len(w.levels)  # the nodes the window leaves
         tree, children = DraftTree(weak=lookup.weak), {}
@@ -283,21 +296,14 @@ class LookaheadDrafter(LookupDrafter):
         return tree
 
     def _add_recycled(self, tree: DraftTree, children: dict, r: DraftRequest, budget: int) -> None:
-        """The recycled tokens' tree from the last token, in what ``tree`` leaves of ``budget``:
-        ``recycled_shape``'s rank paths, each node the rank-th token ranked after its parent's."""
+        """The recycled tokens' tree from the last token (``recycled_paths`` along
+        ``recycled_shape``), in what ``tree`` leaves of ``budget``."""
         if len(tree) >= budget or not len(self.recycled):
             return
-        paths: dict[tuple[int, ...], list[int]] = {(): [int(r.tokens[-1])]}  # rank path -> tokens, the root's first
-        for ranks in recycled_shape(budget, r.depth):
+        for path in recycled_paths(self.recycled, int(r.tokens[-1]), recycled_shape(budget, r.depth)).values():
             if len(tree) >= budget:
                 break
-            parent = paths.get(ranks[:-1])
-            if parent is None:
-                continue
-            after = self.recycled.after(parent[-1])
-            if ranks[-1] < len(after):
-                paths[ranks] = parent + [after[ranks[-1]]]
-                add_path(tree, children, paths[ranks][1:], budget)
+            add_path(tree, children, path, budget)
 
     def verified(self, seq_id: int, tree: DraftTree, ranked: Sequence[Sequence[int]], path: Sequence[int]) -> None:
         """Learn from the pass that verified ``tree`` (which holds this drafter's last proposal

@@ -176,15 +176,17 @@ class Sampler:
         """A draw from U[0, 1) of this request's generator (speculative acceptance tests)."""
         return float(self._rng.random())
 
-    def pick(self, n_vocab: int, logprobs: int = 0) -> Pick:
+    def pick(self, n_vocab: int, logprobs: int = 0, rank: int = 1) -> Pick:
         """What ``sample_picked`` needs from a row of logits, plus ``logprobs`` alternatives:
-        the top-1 for greedy, the top-k for top-k sampling, the whole row when the repetition
-        penalty changes values before ranking or when no top-k cut bounds the candidates."""
+        the top-1 for greedy (the top ``rank``, which a drafter learns from, ``Drafter.row_top_k``:
+        greedy takes the first of any k), the top-k for top-k sampling, the whole row when the
+        repetition penalty changes values before ranking or when no top-k cut bounds the
+        candidates."""
         p = self.params
         if p.repetition_penalty != 1.0:
             return Pick(0)
         if p.temperature == 0:
-            k = 1
+            k = max(1, rank)
         elif 0 < p.top_k < n_vocab:
             k = p.top_k
         else:

@@ -31,32 +31,17 @@ from draft_acceptance import run_task, tasks  # noqa: E402
 
 from ntx.ctl.local import build_local_engine  # noqa: E402
 from ntx.ctl.models import ensure_default_model  # noqa: E402
-from ntx.daemons.compute.lookahead import recycled_shape  # noqa: E402
+from ntx.daemons.compute.lookahead import RECYCLE_K, RecycledTokens, recycled_paths, recycled_shape  # noqa: E402
 from ntx.shared.config import EngineOptions  # noqa: E402
 
 
-def draft(matrix: dict[int, list[int]], last: int, shape: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
-    """Token paths of the tree the matrix gives for ``shape`` (rank paths), by rank path."""
-    tokens: dict[tuple[int, ...], list[int]] = {(): []}
-    for path in shape:
-        parent = tokens.get(path[:-1])
-        if parent is None:
-            continue
-        prev = parent[-1] if parent else last
-        cand = matrix.get(prev, [])
-        if path[-1] < len(cand):
-            tokens[path] = parent + [cand[path[-1]]]
-    del tokens[()]
-    return tokens
-
-
-def replay(full: list[int], start: int, topk: list[list[int]], matrix: dict[int, list[int]],
-           shape: list[tuple[int, ...]], rank_hits: list[int]) -> tuple[int, int]:
+def replay(full: list[int], start: int, topk: list[list[int]], matrix: RecycledTokens,
+           shape: tuple[tuple[int, ...], ...], rank_hits: list[int]) -> tuple[int, int]:
     """Decode ``full[start:]`` with recycled drafts: (verify passes, accepted tokens). ``topk[i]``:
     the top-k after ``full[:i + 1]``. Counts each rank's hits on the accepted paths."""
     pos, passes, accepted = start, 0, 0
     while pos < len(full):
-        tree = draft(matrix, full[pos - 1], shape)
+        tree = recycled_paths(matrix, full[pos - 1], shape)
         best, best_path = 0, ()
         for rp, toks in tree.items():
             n = 0
@@ -69,7 +54,7 @@ def replay(full: list[int], start: int, topk: list[list[int]], matrix: dict[int,
         passes += 1
         accepted += best
         for i in range(pos - 1, min(pos + best, len(full) - 1)):  # the rows on the accepted path
-            matrix[full[i]] = topk[i]
+            matrix.learn(full[i], topk[i])
         pos += best + 1
     return passes, accepted
 
@@ -78,13 +63,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--nodes", type=int, nargs="+", default=[64])
-    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--k", type=int, default=RECYCLE_K, help=f"ranks kept a token (1-{RECYCLE_K}, the engine's)")
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--kinds", nargs="+", default=["summarise", "edit", "chat"])
     ap.add_argument("--seed-prompt", action="store_true",
                     help="fill the matrix from the prompt's rows first (a prefill that scores every row)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if not 1 <= a.k <= RECYCLE_K:
+        ap.error(f"--k: 1 to {RECYCLE_K}")
     engine = build_local_engine(str(ensure_default_model()), "cpu", options=EngineOptions(max_batch=1, ctx=2048))
     texts = {n: t for n, t in tasks().items() if t[0] in a.kinds}
     scored = {}
@@ -101,18 +88,18 @@ def main() -> int:
     wide = recycled_shape(256, a.depth, tuple(0.5 ** (r + 1) for r in range(a.k)))
     hits = [0] * a.k
     for kind, start, full, topk in scored.values():
-        replay(full, start, topk, {}, wide, hits)
+        replay(full, start, topk, RecycledTokens(), wide, hits)
     rank_hit = [max(h, 1) / max(1, sum(hits)) for h in hits]
     print("rank hit shares:", [round(x, 3) for x in rank_hit])
     results = []
     for nodes in a.nodes:
         shape = recycled_shape(nodes, a.depth, tuple(rank_hit))
         by_kind: dict[str, list[int]] = {}
-        matrix: dict[int, list[int]] = {}  # one for the instance, kept across texts as the paper does
+        matrix = RecycledTokens()  # one for the instance, kept across texts as the paper does
         for name, (kind, start, full, topk) in scored.items():
             if a.seed_prompt:
                 for i in range(start - 1):
-                    matrix[full[i]] = topk[i]
+                    matrix.learn(full[i], topk[i])
             passes, acc = replay(full, start, topk, matrix, shape, [0] * a.k)
             tot = by_kind.setdefault(kind, [0, 0, 0])
             tot[0] += passes
