@@ -188,11 +188,17 @@ def _generate_concurrently(listen: str, batch: int, tokens: int, prompts: list[l
     return end - max(firsts), n_after_first, results
 
 
+def _start(cfg: InstanceConfig, plan) -> dict[str, Any]:
+    """Start one of the bench's instances, bound to this process (``instance.Owner``): a bench
+    killed mid-run leaves no instance behind to hold the GPU and refuse the next bench."""
+    return instance.start(cfg, plan, owner_pid=os.getpid())
+
+
 def run_pipeline(label: str, cfg: InstanceConfig, index: ModelIndex, tokens: int, batch: int, log) -> dict[str, Any]:
     plan = plan_for(index, cfg)
     log(f"({label}) plan: " + "; ".join(plan.describe()[:3]))
     t0 = time.perf_counter()
-    instance.start(cfg, plan)
+    _start(cfg, plan)
     start_s = time.perf_counter() - t0
     ttfts: list[float] = []
     try:
@@ -252,7 +258,7 @@ def run_long_contexts(label: str, cfg: InstanceConfig, index: ModelIndex, n_seqs
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(1, index.hparams.n_vocab, prompt_tokens)] for _ in range(n_seqs)]
     t0 = time.perf_counter()
-    instance.start(cfg, plan)
+    _start(cfg, plan)
     start_s = time.perf_counter() - t0
     ttfts: list[float] = []
     try:
@@ -286,7 +292,7 @@ def run_prefix_reuse(label: str, cfg: InstanceConfig, index: ModelIndex, prefix_
     rng = np.random.default_rng(11)
     prefix = [int(t) for t in rng.integers(1, index.hparams.n_vocab, prefix_tokens)]
     tail = [int(t) for t in rng.integers(1, index.hparams.n_vocab, new_tokens)]
-    instance.start(cfg, plan)
+    _start(cfg, plan)
     try:
         _generate_concurrently(cfg.listen, 1, 2)  # the instance's first request
         cold: list[float] = []
@@ -499,7 +505,7 @@ def _timed_runs(cfg: InstanceConfig, index: ModelIndex, runs: list[tuple[int, in
     (so that a run cut off keeps what it measured; before ``plain_too``'s figure is in it)."""
     plan = plan_for(index, cfg)
     t0 = time.perf_counter()
-    instance.start(cfg, plan)
+    _start(cfg, plan)
     start_s = time.perf_counter() - t0
     out: list[dict[str, Any]] = []
     try:
@@ -779,7 +785,7 @@ def _spec_batch(entry: dict[str, Any], plain_cfg: InstanceConfig, replay_cfg, in
         cfg = plain_cfg if p_wrong is None else replay_cfg(k, p_wrong, draft_model)
         cfg = _with_largest_pass(replace(cfg, max_batch=batch), rows)
         plan = plan_for(index, cfg)
-        instance.start(cfg, plan)
+        _start(cfg, plan)
         try:
             _, _, warm = _generate_concurrently(cfg.listen, batch, k + 2)  # warm-up: this batch's shapes compiled
             decode_s, n, timed = _generate_concurrently(cfg.listen, batch, tokens)

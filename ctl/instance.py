@@ -89,11 +89,42 @@ def refuse_running(name: str) -> None:
         raise NtxError(f"instance {name!r} is already running (supervisor pid {pid}); stop it first or pick --name")
 
 
-def prepare_run(cfg: InstanceConfig, plan: Plan, api_key: str | None = None) -> Path:
+class Owner:
+    """The process an instance lives for (``start(..., owner_pid=)``: ``ntxctl bench``'s own
+    instances), named by its pid and its start time so that a reused pid is not taken for it.
+    The supervisor stops the instance once its owner is gone: a bench killed mid-run (a time
+    limit's kill -9) used to leave its instance holding the GPU's memory and the name ``bench``,
+    and the next bench refused to start."""
+
+    def __init__(self, pid: int, started_s: float) -> None:
+        self.pid = pid
+        self.started_s = started_s
+
+    @classmethod
+    def of(cls, pid: int) -> Owner:
+        return cls(pid, psutil.Process(pid).create_time())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "started_s": self.started_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Owner:
+        return cls(int(d["pid"]), float(d["started_s"]))
+
+    def alive(self) -> bool:
+        try:
+            p = psutil.Process(self.pid)
+            return p.create_time() == self.started_s and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+def prepare_run(cfg: InstanceConfig, plan: Plan, api_key: str | None = None, owner: Owner | None = None) -> Path:
     """Make an instance's run folder ready for a supervisor (``start`` detached, ``ntxctl serve``
     in the foreground): refuse a running one, free a dead one's leftovers, write the config the
-    supervisor reads and the API key it takes (``secret_file``); returns the config file. A run
-    folder that cannot be written (read-only, full) is one NtxError line, and nothing is left."""
+    supervisor reads (with the ``owner`` it lives for, if any) and the API key it takes
+    (``secret_file``); returns the config file. A run folder that cannot be written (read-only,
+    full) is one NtxError line, and nothing is left."""
     paths = InstancePaths(cfg.name)
     refuse_running(cfg.name)
     cleanup_leftovers(paths)
@@ -101,7 +132,10 @@ def prepare_run(cfg: InstanceConfig, plan: Plan, api_key: str | None = None) -> 
         private_dir(paths.root)
         private_dir(paths.log_dir)
         (paths.log_dir / "last_failure").unlink(missing_ok=True)
-        write_private(paths.config_file, json.dumps({"instance": cfg.to_dict(), "plan": plan.to_dict()}))
+        record = {"instance": cfg.to_dict(), "plan": plan.to_dict()}
+        if owner is not None:
+            record["owner"] = owner.to_dict()
+        write_private(paths.config_file, json.dumps(record))
         if api_key:
             hand_over_secret(paths.secret_file("supervisor"), api_key)
     return paths.config_file
@@ -151,12 +185,14 @@ def running_models() -> dict[str, list[str]]:
 
 
 def start(cfg: InstanceConfig, plan: Plan, wait_s: float | None = None, on_progress=None,
-          api_key: str | None = None) -> dict[str, Any]:
+          api_key: str | None = None, owner_pid: int | None = None) -> dict[str, Any]:
     """Launch the supervisor detached, wait until the pipeline is ready; return its status.
+    With ``owner_pid`` the instance lives only as long as that process (``Owner``); without,
+    until it is stopped.
 
     Raises NtxError with the failing daemon's own reason if the pipeline cannot start."""
     paths = InstancePaths(cfg.name)
-    cfg_file = prepare_run(cfg, plan, api_key)
+    cfg_file = prepare_run(cfg, plan, api_key, Owner.of(owner_pid) if owner_pid is not None else None)
     with run_folder_writes(paths):
         log = open_private(paths.log_dir / "supervisor.out", "ab")
         try:

@@ -36,6 +36,7 @@ from ntx.ctl.admission import Admission
 from ntx.ctl.chat import RENDERER
 from ntx.ctl.front import STATUS_OUTBOX_LIMIT_BYTES, ClientFront, Connection
 from ntx.ctl.generations import CONTROL_SEND_TIMEOUT_S, GatewayProcess, Generations, daemon_order
+from ntx.ctl.instance import Owner
 from ntx.ctl.request_limits import RequestLimits
 from ntx.ctl.requests import RequestFront
 from ntx.ctl.status_map import InstanceStatus
@@ -47,14 +48,17 @@ from ntx.shared.plan import Plan
 from ntx.shared.run_files import open_private, private_dir, take_secret, write_private
 
 DRAIN_TIMEOUT_S = 30.0
+OWNER_POLL_S = 1.0  # how often a supervisor with an owner (ctl/instance.Owner) looks whether it lives
 
 
 class Supervisor:
     """The loop: control frames to the generations (daemons) or to admission (compute's
     outputs), client frames to admission or status, the watch of processes, stop and finish."""
 
-    def __init__(self, cfg: InstanceConfig, plan: Plan, foreground: bool = False) -> None:
+    def __init__(self, cfg: InstanceConfig, plan: Plan, foreground: bool = False, owner: Owner | None = None) -> None:
         self.cfg = cfg
+        self.owner = owner
+        self.owner_checked_s = time.monotonic()
         self.paths = InstancePaths(cfg.name)
         private_dir(self.paths.root)
         private_dir(self.paths.log_dir)
@@ -207,6 +211,12 @@ class Supervisor:
             if self.signalled is not None:
                 self.begin_stop(force=self.signalled == signal.SIGINT)
                 self.signalled = None
+            if self.owner is not None and time.monotonic() - self.owner_checked_s >= OWNER_POLL_S:
+                self.owner_checked_s = time.monotonic()
+                if not self.owner.alive():
+                    self.say(f"the process this instance was started for (pid {self.owner.pid}) is gone; stopping")
+                    self.owner = None
+                    self.begin_stop(force=True)
             if self.control in events:
                 while self.control.poll(0) and not self.done:
                     parts = self.control.recv_multipart()
@@ -261,13 +271,14 @@ def main(argv: list[str] | None = None) -> None:
         data = json.load(f)
     cfg = InstanceConfig.from_dict(data["instance"])
     plan = Plan.from_dict(data["plan"])
+    owner = Owner.from_dict(data["owner"]) if data.get("owner") else None
     os.environ.pop(API_KEY_ENV, None)  # the daemons inherit this environment; the key comes by file
     from ntx.shared.daemon import set_process_name
 
     set_process_name("ntx-supervisor")
     paths = InstancePaths(cfg.name)
     try:
-        sup = Supervisor(cfg, plan, foreground=args.foreground)
+        sup = Supervisor(cfg, plan, foreground=args.foreground, owner=owner)
     except (zmq.ZMQError, NtxError) as e:
         reason = f"cannot listen on {cfg.listen}: {e}" if isinstance(e, zmq.ZMQError) else str(e)
         try:

@@ -377,6 +377,48 @@ def test_a_run_folder_that_cannot_be_written_is_one_line_and_leaves_nothing(smol
     assert r.stderr.strip().splitlines()[-1].startswith("ntxctl: error: cannot write the run folder ("), r.stderr
 
 
+def test_an_owner_is_its_process_not_a_later_one_under_its_pid():
+    me = instance.Owner.of(os.getpid())
+    assert me.alive()
+    assert instance.Owner.from_dict(me.to_dict()).alive()
+    assert not instance.Owner(os.getpid(), me.started_s - 1.0).alive()  # the pid, reused by another process
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert not instance.Owner(gone.pid, time.time()).alive()
+
+
+def test_an_instance_started_for_a_process_stops_once_that_process_is_killed(smollm2_path, run_dir):
+    """``ntxctl bench`` starts its instances for itself (``instance.start(owner_pid=)``): killed
+    mid-run (kill -9, as a time limit does), it used to leave its instance running, holding the
+    GPU's memory, and the next bench refused the name. Now the supervisor sees its owner gone
+    and stops, leaving nothing behind."""
+    from ntx.daemons.compute.backend import plan_for
+    from ntx.shared.gguf_index import open_model
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        cfg = InstanceConfig(model=str(smollm2_path), name=f"owned-{os.getpid()}",
+                             listen=f"tcp://127.0.0.1:{free_port()}", ram_budget=0).validate()
+        st = instance.start(cfg, plan_for(open_model(cfg.model), cfg), owner_pid=owner.pid)
+        paths = InstancePaths(cfg.name)
+        daemon_pids = [d["pid"] for d in st["daemons"].values()]
+        assert json.loads(paths.config_file.read_text())["owner"]["pid"] == owner.pid
+        time.sleep(1.5)  # a live owner keeps it
+        assert instance.get_status(cfg.name, 5.0)["state"] == "ready"
+        owner.kill()
+        owner.wait()
+        wait_for(lambda: instance.supervisor_pid(paths) is None, 15.0, "the supervisor to stop")
+        wait_for(lambda: not any(_alive(pid) for pid in daemon_pids + [st["supervisor_pid"]]), 10.0,
+                 "its daemons to exit")
+        assert not paths.root.exists() or not any(paths.root.iterdir())
+        assert list_segments(paths.shm_prefix) == []
+        log = (paths.log_dir / "supervisor.log").read_text()
+        assert f"the process this instance was started for (pid {owner.pid}) is gone; stopping" in log
+    finally:
+        owner.kill()
+        owner.wait()
+
+
 def test_status_and_ps_check_the_pid_they_read(tmp_path, monkeypatch):
     """Before: a run folder with a pid file listed the instance as running, whoever had the pid."""
     monkeypatch.setenv("NTX_RUN_DIR", str(tmp_path / "run"))
