@@ -19,8 +19,9 @@ runs.
                         batch-invariant mode's one-row passes; no faster than mmq on the H200.
   gemm_dp4a             gemm with int8 activations: the dp4a matvec in chunks of 8 rows up to 64.
   matvec_rows_split     production's matvec_rows (the i16 matvec's bits at any rows) with K split
-                        over 8 warps a CTA in the order's 8-lane subtrees (rows_split.cu); not
-                        yet run on a GPU.
+                        over 8 warps a CTA in the order's 8-lane subtrees (rows_split.cu); the
+                        same bits on an H100, 1.6-5.2x faster than matvec_rows at 1-8 rows but
+                        still 2.4-8.8x mmq past 8 (docs/PERFORMANCE.md): not taken to production.
 """
 
 from __future__ import annotations
