@@ -598,12 +598,13 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
     over 14 tokens back until it has measured): the mean time of the ``opts.verify_passes``
     verify passes of K + 1 rows against the 1-token pass and the link's limit for the plan, each
     run cancelled once those passes ended (a chain that left its recording would go on a token a
-    pass to its max_tokens);
+    pass to its max_tokens) (``opts.cases``: "verify");
     (iii) replay with chains of up to K = ``opts.accept_draft_tokens`` (the tree shape chooses the
     depth) at the p whose expected acceptance length is ``opts.accept_length``, and at p = 1
-    (every draft wrong): tokens/s against plain, and the measured mean acceptance length
-    (accepted tokens per verify pass); at p = 1 also against a plain request (``speculative:
-    false``) of the same instance right after, by which its goal is judged; then for each of
+    (every draft wrong) (``opts.cases``: "controlled", "wrong"): tokens/s against plain, and the
+    measured mean acceptance length (accepted tokens per verify pass); at p = 1 also against a
+    plain request (``speculative: false``) of the same instance right after, by which its goal is
+    judged; then for each of
     ``opts.accept_traces`` (a real drafter's passes on real text) the replay of that trace, every
     pass drafting and accepted as it was there (``_traced_replay``), the whole trace once
     (``opts.trace_run_tokens``: its first passes alone would give the start of the text's figure);
@@ -662,32 +663,35 @@ def run_spec(entry: dict[str, Any], base: InstanceConfig, index: ModelIndex, lim
         save()
         log(_spec_verify_line(entry["verify"][-1]))
 
-    if opts.verify_passes == 1:
-        # one instance for every K: it drafts chains of the longest, and a request whose max_tokens
-        # leaves room for one verify pass of K drafts just K (a pass drafts only what is left)
-        _timed_runs(replay_cfg(max(ks), 0.0, fixed=True), index, [(k + 2, opts.verify_tokens(k), (k + 1, 1)) for k in ks],
-                    each=lambda run: timed_chain(run, 0))
-    else:
-        for i, k in enumerate(ks):
-            timed_chain(_timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k),
-                                        stop_after=(k + 1, opts.verify_passes)), i)
-    measured = {v["draft_tokens"]: v["pass_s"] for v in entry["verify"] if v["pass_s"]}
-    at = _at_draft_tokens(measured, VERIFY_GOAL_DRAFT_TOKENS)
-    if at and plain_pass_s:
-        entry["verify_goal"] = {"draft_tokens": VERIFY_GOAL_DRAFT_TOKENS, "pass_s": at[0], "how": at[1],
-                                "ratio_to_plain_pass": at[0] / plain_pass_s, "goal_ratio": VERIFY_GOAL_RATIO,
-                                "met": at[0] / plain_pass_s <= VERIFY_GOAL_RATIO}
-        log(_spec_verify_goal_line(entry["verify_goal"]))
-    else:
-        log(f"(spec) replay goal at {VERIFY_GOAL_DRAFT_TOKENS} drafted tokens: not judged (the measured chains "
-            f"{sorted(measured)} do not bracket it, or no 1-token pass was timed)")
+    if "verify" in opts.cases:
+        if opts.verify_passes == 1:
+            # one instance for every K: it drafts chains of the longest, and a request whose max_tokens
+            # leaves room for one verify pass of K drafts just K (a pass drafts only what is left)
+            _timed_runs(replay_cfg(max(ks), 0.0, fixed=True), index,
+                        [(k + 2, opts.verify_tokens(k), (k + 1, 1)) for k in ks], each=lambda run: timed_chain(run, 0))
+        else:
+            for i, k in enumerate(ks):
+                timed_chain(_timed_instance(replay_cfg(k, 0.0, fixed=True), index, k + 2, opts.verify_tokens(k),
+                                            stop_after=(k + 1, opts.verify_passes)), i)
+        measured = {v["draft_tokens"]: v["pass_s"] for v in entry["verify"] if v["pass_s"]}
+        at = _at_draft_tokens(measured, VERIFY_GOAL_DRAFT_TOKENS)
+        if at and plain_pass_s:
+            entry["verify_goal"] = {"draft_tokens": VERIFY_GOAL_DRAFT_TOKENS, "pass_s": at[0], "how": at[1],
+                                    "ratio_to_plain_pass": at[0] / plain_pass_s, "goal_ratio": VERIFY_GOAL_RATIO,
+                                    "met": at[0] / plain_pass_s <= VERIFY_GOAL_RATIO}
+            log(_spec_verify_goal_line(entry["verify_goal"]))
+        else:
+            log(f"(spec) replay goal at {VERIFY_GOAL_DRAFT_TOKENS} drafted tokens: not judged (the measured chains "
+                f"{sorted(measured)} do not bracket it, or no 1-token pass was timed)")
 
     # (iii) end to end at controlled acceptance, then at each real drafter's traced passes
     k = opts.accept_draft_tokens
     draft_model = os.path.abspath(opts.draft_model) if opts.draft_model else None
-    cases: list[tuple[str, float, dict | None]] = [
-        (f"acceptance length {opts.accept_length:g}", p_wrong_for_acceptance(k, opts.accept_length), None),
-        ("every draft wrong", 1.0, None)]
+    cases: list[tuple[str, float, dict | None]] = []
+    if "controlled" in opts.cases:
+        cases.append((f"acceptance length {opts.accept_length:g}", p_wrong_for_acceptance(k, opts.accept_length), None))
+    if "wrong" in opts.cases:
+        cases.append(("every draft wrong", 1.0, None))
     for i, trace_file in enumerate(opts.accept_traces):
         traced = _traced_replay(trace_file, out_dir / f"replay-trace-{i}.json",
                                 done["prompt_tokens"] + done["tokens"], k)

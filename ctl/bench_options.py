@@ -11,6 +11,9 @@ from ntx.shared.errors import ConfigError
 from ntx.shared.stats import KEEP_PASSES
 
 BENCH_CTX = 512  # positions per sequence in (a), (b), (c), (d), check and skip: the prompt and the generated tokens fit
+# the spec scenario's runs after its plain one (--spec-cases): the verify passes timed per chain, the
+# controlled acceptance, every draft wrong; the traces given run whatever this says
+SPEC_CASES = ("verify", "controlled", "wrong")
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,9 @@ class SpecOptions:
     ``accept_traces``: files of a real drafter's (drafted, accepted) passes on real text
     (scripts/draft_acceptance.py --trace-out), each replayed as one more run; ``trace_tokens``:
     the tokens each of those runs generates (``replay.trace_tokens``: the whole trace once, so that
-    its figure is the text's and not its first passes'), at least ``accept_tokens``."""
+    its figure is the text's and not its first passes'), at least ``accept_tokens``; ``cases``: which
+    of ``SPEC_CASES`` run (a trace's replay alone fits one call of a machine lent by the minute:
+    the plain reference of a long trace takes minutes by itself)."""
 
     verify_draft_tokens: tuple[int, ...] = (1, 8, 32, 128, 512)
     verify_passes: int = 2
@@ -36,6 +41,7 @@ class SpecOptions:
     batch: int = 1
     accept_traces: tuple[str, ...] = ()
     trace_tokens: tuple[int, ...] = ()
+    cases: tuple[str, ...] = SPEC_CASES
 
     def validate(self) -> SpecOptions:
         for flag, ks in (("--spec-verify-draft-tokens", self.verify_draft_tokens),
@@ -54,6 +60,9 @@ class SpecOptions:
             raise ValueError("SpecOptions.trace_tokens: one count per file of accept_traces")
         if self.batch < 1:
             raise ConfigError(f"--spec-batch {self.batch}: at least 1")
+        unknown = [c for c in self.cases if c not in SPEC_CASES]
+        if unknown:
+            raise ConfigError(f"--spec-cases {','.join(self.cases)}: {unknown[0]!r} is none of {', '.join(SPEC_CASES)}")
         return self
 
     def verify_tokens(self, k: int) -> int:
@@ -69,6 +78,7 @@ class SpecOptions:
     @property
     def reference_tokens(self) -> int:
         """The greedy continuation the plain run must record: what the longest run replays."""
-        return max([self.verify_tokens(k) for k in self.verify_draft_tokens]
-                   + [self.accept_tokens, self.accept_draft_tokens + 2]
+        return max([self.verify_tokens(k) for k in self.verify_draft_tokens if "verify" in self.cases]
+                   + [self.accept_tokens if {"controlled", "wrong"} & set(self.cases) else 0,
+                      self.accept_draft_tokens + 2]
                    + [self.trace_run_tokens(i) for i in range(len(self.accept_traces))])

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, get_args, get_type_hints
 
 import typer
 
-from ntx.ctl.bench_options import SpecOptions
+from ntx.ctl.bench_options import SPEC_CASES, SpecOptions
 from ntx.shared.config import (API_KEY_ENV, LISTEN_ENV, NAME_ENV, EngineOptions, InstanceConfig, cli_option,
                                parse_layers, parse_size)
 from ntx.shared.errors import ConfigError, NtxError
@@ -1073,6 +1073,9 @@ def bench(
     spec_accept_trace: Optional[List[str]] = typer.Option(None, "--spec-accept-trace", help="spec: also replay "
                                                           "this real drafter's passes (a file from "
                                                           "scripts/draft_acceptance.py --trace-out; repeatable)"),
+    spec_cases: str = typer.Option(",".join(SPEC_CASES), "--spec-cases", help="spec: the runs after the plain one, "
+                                   "any of " + ", ".join(SPEC_CASES) + ", or none (the --spec-accept-trace files run in "
+                                   "any case: none replays a long trace alone, within one call)"),
     long: str = typer.Option("16,2000", "--long", help="long and prefix: SEQUENCES,PROMPT_TOKENS (long: that many "
                              "concurrent requests; prefix: the cached prefix's length)"),
     ctx_prompt: int = typer.Option(32000, "--ctx-prompt", help="ctx: the one long sequence's prompt tokens"),
@@ -1106,7 +1109,8 @@ def bench(
         spec=SpecOptions(_counts(spec_verify_draft_tokens, "--spec-verify-draft-tokens"),
                          spec_verify_passes, spec_accept_draft_tokens, spec_accept_length, spec_tokens,
                          draft_model and _model_path(draft_model, "--draft-model"),
-                         spec_batch, *_trace_files(spec_accept_trace or (), spec_accept_draft_tokens)),
+                         spec_batch, *_trace_files(spec_accept_trace or (), spec_accept_draft_tokens),
+                         cases=tuple(c.strip() for c in spec_cases.split(",") if c.strip() not in ("", "none"))),
         long_opts=(long_seqs, long_prompt), ctx_prompt=ctx_prompt,
     )
 

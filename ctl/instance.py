@@ -114,7 +114,8 @@ class Owner:
     def alive(self) -> bool:
         try:
             p = psutil.Process(self.pid)
-            return p.create_time() == self.started_s and p.status() != psutil.STATUS_ZOMBIE
+            # the same start time, read by another process (a clock tick's rounding apart)
+            return abs(p.create_time() - self.started_s) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
 

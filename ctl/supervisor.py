@@ -55,7 +55,8 @@ class Supervisor:
     """The loop: control frames to the generations (daemons) or to admission (compute's
     outputs), client frames to admission or status, the watch of processes, stop and finish."""
 
-    def __init__(self, cfg: InstanceConfig, plan: Plan, foreground: bool = False, owner: Owner | None = None) -> None:
+    def __init__(self, cfg: InstanceConfig, plan: Plan, foreground: bool = False,
+                 owner: Owner | None = None) -> None:
         self.cfg = cfg
         self.owner = owner
         self.owner_checked_s = time.monotonic()

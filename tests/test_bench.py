@@ -203,7 +203,7 @@ def test_bench_spec_times_every_chain_length_asked_for_its_passes_of_k_plus_1_ro
 def test_bench_spec_says_up_front_what_it_cannot_time(tmp_path):
     """A chain that the model's context cannot hold, or more timed passes than compute's status
     keeps, is one line naming the fix before anything runs, not a chain reported as n/a."""
-    from ntx.ctl.bench import spec_positions
+    from ntx.ctl.bench import SPEC_PROMPT_POSITIONS, spec_positions
     from ntx.ctl.bench_options import SpecOptions
     from ntx.shared.errors import ConfigError
     from ntx.shared.gguf_index import open_model
@@ -227,6 +227,13 @@ def test_bench_spec_says_up_front_what_it_cannot_time(tmp_path):
         spec_positions(opts, index)
     with pytest.raises(ConfigError, match=r"--spec-verify-passes 40: from 1 to 31"):
         SpecOptions(verify_passes=40).validate()
+    # the trace alone (--spec-cases with none of the others): its reference is the trace's, not the chains'
+    only = SpecOptions(verify_draft_tokens=(512,), accept_tokens=16, accept_traces=("/x/t.json",), trace_tokens=(40,),
+                       cases=()).validate()
+    assert only.reference_tokens == 40 and spec_positions(only, index) == 40 + SPEC_PROMPT_POSITIONS
+    assert SpecOptions(verify_draft_tokens=(8,), cases=("verify",)).reference_tokens == 1 + 2 * 9
+    with pytest.raises(ConfigError, match=r"--spec-cases verify,plain: 'plain' is none of verify, controlled, wrong"):
+        SpecOptions(cases=("verify", "plain")).validate()
     # the CLI says it before the limits are measured or any scenario runs
     r = subprocess.run(
         [sys.executable, "-m", "ntx.ctl.cli", "bench", "--model", str(index.path), "--backend", "cpu",

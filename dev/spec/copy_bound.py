@@ -91,10 +91,10 @@ def main() -> int:
                           "acceptance_length": round(sum(acc) / len(acc), 3) if acc else 0.0,
                           "tokens_per_decode_pass": round((len(output) - 1) / len(acc), 3) if acc else None}
         rows.append(row)
-        print(f"{name:>20} ({kind}): {len(output)} tokens; anywhere {row['anywhere']['acceptance_length']:.2f} "
-              f"accepted a pass ({row['anywhere']['tokens_per_decode_pass']} a decode pass), after the last token "
-              f"{row['after_last_token']['acceptance_length']:.2f} ({row['after_last_token']['tokens_per_decode_pass']})",
-              flush=True)
+        anywhere, anchored = row["anywhere"], row["after_last_token"]
+        print(f"{name:>20} ({kind}): {len(output)} tokens; anywhere {anywhere['acceptance_length']:.2f} accepted a "
+              f"pass ({anywhere['tokens_per_decode_pass']} a decode pass), after the last token "
+              f"{anchored['acceptance_length']:.2f} ({anchored['tokens_per_decode_pass']})", flush=True)
     pooled = {}
     for kind in a.kinds:
         mine = [r for r in rows if r["kind"] == kind]
