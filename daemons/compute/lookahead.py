@@ -319,7 +319,6 @@ class LookaheadDrafter(LookupDrafter):
             for row in [row for row in range(min(len(ranked), len(tokens))) if row not in kept] + on_path:
                 if row < len(ranked) and ranked[row]:
                     self.recycled.learn(tokens[row], ranked[row])
-        top1 = [int(rk[0]) if len(rk) else -1 for rk in ranked]
         w = self.windows.get(seq_id)
         if w is None or not w.proposed:
             return
@@ -331,9 +330,9 @@ class LookaheadDrafter(LookupDrafter):
         tops = []
         for col_path in proposed:
             node = nodes.get(col_path)
-            if node is None or node + 1 >= len(top1) or top1[node + 1] < 0:
+            if node is None or node + 1 >= len(ranked) or not len(ranked[node + 1]):
                 break
-            tops.append(int(top1[node + 1]))
+            tops.append(int(ranked[node + 1][0]))  # the column's top row's best token
         if tops and len(tops) == len(w.levels[0]):  # a cut window stays as it was
             for ngram in w.advance(tops):
                 self.pool.add(ngram)
