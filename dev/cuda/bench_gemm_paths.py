@@ -151,7 +151,7 @@ def main() -> None:
                     help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS[, MT])")
     ap.add_argument("--paths", default=None,
                     help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq, mvq2_rows, "
-                         "mvq2_rows_nt1, mvq2_rows_split); default all")
+                         "mvq2_rows_nt1, mvq2_rows_split, fx_mv, fx_mmq); default all")
     ap.add_argument("--sweep-mv", action="store_true",
                     help="time only the matvec (--mv-variants) at every (rows per CTA, warps, pieces per trip), B <= 8")
     ap.add_argument("--mv-variants", default="i16,i16s",
@@ -202,6 +202,10 @@ def main() -> None:
                     paths["mvq2_rows_nt1"] = lambda i: matvec.matvec_rows(CTX, ws[i % len(ws)], x, out=out, nt=1)
                     # the lab's K split of it over 8 warps a CTA (rows_split.cu): the same bits
                     paths["mvq2_rows_split"] = lambda i: lab.matvec_rows_split(CTX, ws[i % len(ws)], x, out=out)
+                if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:  # fixed-point sums (fixed_point.cu): one set of bits
+                    if T <= MAX_MATVEC_B:
+                        paths["fx_mv"] = lambda i: lab.fx_matvec(CTX, ws[i % len(ws)], x, out=out)
+                    paths["fx_mmq"] = lambda i: lab.fx_mmq(CTX, ws[i % len(ws)], x, out=out)
                 if args.paths:
                     keep = set(args.paths.split(","))
                     paths = {k: v for k, v in paths.items() if k in keep}

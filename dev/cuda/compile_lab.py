@@ -4,10 +4,12 @@
 lab.cu at every instantiation lab.py launches (the dp4a and i16s matvecs at every rows-per-CTA
 and pieces-per-trip of the sweeps, the staged f16 matmul of the K-quants), and the production
 templates at the lab's arguments (the f32 matvec of every type and cut, the i16 matvec at every
-configuration, mm of the K-quants read directly, mmq with two tiles a warp), each source as the
-runtime compiles it. Exit status 1 on any compile error.
+configuration, mm of the K-quants read directly, mmq with two tiles a warp), mmq_rows.cu,
+rows_split.cu and fixed_point.cu, each source as the runtime compiles it. Exit status 1 on any
+compile error.
 
     python dev/cuda/compile_lab.py [--arch compute_90] [--quick]   # --quick: 64 instantiations a source
+    python dev/cuda/compile_lab.py --only fixed_point.cu --arch sm_90 --sass-info   # one source; registers, spills
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ sys.path[:0] = [str(_HERE), str(_HERE.parents[1] / "scripts")]
 import lab  # noqa: E402
 from compile_check import compile_one  # noqa: E402
 
-from ntx.daemons.compute.cuda import instances  # noqa: E402
+from ntx.daemons.compute.cuda import instances, mm  # noqa: E402
 from ntx.daemons.compute.cuda.sources import kernel_source  # noqa: E402
 from ntx.daemons.compute.cuda.tuning import MV_ROWS_PER_CTA  # noqa: E402
 from ntx.shared.quant_types import QUANT_TYPES  # noqa: E402
@@ -33,7 +35,7 @@ SWEEP = [(nr, u) for nr in MV_ROWS_PER_CTA for u in (1, 2)]  # (rows per CTA, pi
 def lab_names() -> dict[str, list[str]]:
     """{source: instantiations} of everything lab.py launches."""
     out: dict[str, list[str]] = {"lab.cu": [], "matvec.cu": [], "mm.cu": [], "mmq.cu": [], "mmq_rows.cu": [],
-                                 "rows_split.cu": []}
+                                 "rows_split.cu": [], "fixed_point.cu": []}
     for q in QUANT_TYPES.values():
         qt = int(q.qtype)
         for cut in q.cuts:
@@ -49,6 +51,10 @@ def lab_names() -> dict[str, list[str]]:
             out["mm.cu"] += instances.mm_names(qt, "v2")
             out["mmq.cu"] += lab.mmq_names(qt, 2)
             out["mmq_rows.cu"] += [n for tile in lab.MMQ_ROWS_TILES for n in lab.mmq_rows_names(qt, tile)]
+        if mm.mmq_supported(q.qtype, 256):
+            out["fixed_point.cu"] += [n for tpr in lab.FX_LANES_PER_ROW for n in lab.fx_mv_names(qt, tpr)]
+            out["fixed_point.cu"] += lab.fx_mmq_names(qt)
+    out["fixed_point.cu"] += ["fx_quantize_mmq_kernel"]
 
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
@@ -57,13 +63,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="compute_90")
     ap.add_argument("--quick", action="store_true", help="the first 64 instantiations of each source only")
+    ap.add_argument("--only", default=None, help="compile this source only (e.g. fixed_point.cu)")
+    ap.add_argument("--sass-info", action="store_true", help="registers and spills per kernel (ptxas -v)")
     a = ap.parse_args()
     ok = True
     for source, names in lab_names().items():
+        if a.only and source != a.only:
+            continue
         path = {"lab.cu": lab.LAB_SOURCE, "mmq_rows.cu": lab.MMQ_ROWS_SOURCE,
-                "rows_split.cu": lab.ROWS_SPLIT_SOURCE}.get(source, source)
+                "rows_split.cu": lab.ROWS_SPLIT_SOURCE, "fixed_point.cu": lab.FIXED_POINT_SOURCE}.get(source, source)
         names = names[::max(1, len(names) // 64)][:64] if a.quick else names
-        ok &= compile_one(source, a.arch, False, names=names, source=kernel_source(path))
+        ok &= compile_one(source, a.arch, a.sass_info, names=names, source=kernel_source(path))
     print("ALL OK" if ok else "ERRORS")
     return 0 if ok else 1
 
