@@ -47,6 +47,29 @@ CTX = runtime.standalone()
 SHAPES = {"70b": [(28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)],  # ffn up, q/o, down, k/v
           "8b": [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096)]}
 ITERS = 20
+# an 8B layer's matrices per shape of SHAPES["8b"]: gate and up, q and o, down, k and v
+LAYER_COUNTS_8B = {(14336, 4096): 2, (4096, 4096): 2, (4096, 14336): 1, (1024, 4096): 2}
+
+
+def fx_layer_summary(rows: list[dict], mmq_min_rows: int) -> list[dict]:
+    """Per type and row count, an 8B layer's products (LAYER_COUNTS_8B, every matrix of that
+    type) on the default's paths (the i16 matvec below mmq_min_rows rows, mmq from there) beside
+    the fixed-point sums' (fx_mv below, fx_mmq from there): what the mode's third form would add
+    to a pass's products, before anything else of the pass is counted."""
+    out = []
+    for (tname, T) in dict.fromkeys((r["type"], r["T"]) for r in rows):
+        mine = {tuple(r["shape"]): r for r in rows if r["type"] == tname and r["T"] == T}
+        small = T < mmq_min_rows
+        keys = ("matvec_i16_ms", "fx_mv_ms") if small else ("mmq_ms", "fx_mmq_ms")
+        if set(mine) != set(LAYER_COUNTS_8B) or any(mine[s].get(k) is None for s in mine for k in keys):
+            continue
+        default, fx = (sum(n * mine[s][k] for s, n in LAYER_COUNTS_8B.items()) for k in keys)
+        out.append({"type": tname, "T": T, "default_path": keys[0][:-3], "fx_path": keys[1][:-3],
+                    "layer_default_ms": round(default, 4), "layer_fx_ms": round(fx, 4),
+                    "cost_pct": round(100 * (fx / default - 1), 1)})
+        print(f"fixed point, an 8B layer's {tname} products at {T} rows: {keys[1][:-3]} {fx:.4f} ms against "
+              f"{keys[0][:-3]} {default:.4f} ms ({100 * (fx / default - 1):+.1f}%)", flush=True)
+    return out
 # (rows per CTA, warps per CTA, pieces per trip) of the i16 matvec sweep
 MV_SWEEP = [(nr, nw, u) for nr in tuning.MV_ROWS_PER_CTA for nw in (2, 4, 8) for u in tuning.MV_UNROLLS]
 MV_VARIANTS = ("i16", "i16s", "v1", "v2", "dp4a")  # --mv-variants: the matvec variants --sweep-mv may time
@@ -233,9 +256,10 @@ def main() -> None:
     for key, f in sorted(runtime._functions.items(), key=str):  # registers, spills: what bounds occupancy
         print(f"kernel {key[1:]}: {f.num_regs} registers, {f.local_size_bytes} B local (spills), "
               f"{f.shared_size_bytes} B static shared", flush=True)
+    summary = fx_layer_summary(rows, runtime.tuning().mmq_min_rows) if args.shapes == "8b" else []
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"copy_gbps": round(copy_gbps, 1), "rows": rows}, f, indent=1)
+            json.dump({"copy_gbps": round(copy_gbps, 1), "rows": rows, "fx_layer_summary": summary}, f, indent=1)
 
 
 if __name__ == "__main__":
