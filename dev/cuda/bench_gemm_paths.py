@@ -54,21 +54,27 @@ LAYER_COUNTS_8B = {(14336, 4096): 2, (4096, 4096): 2, (4096, 14336): 1, (1024, 4
 def fx_layer_summary(rows: list[dict], mmq_min_rows: int) -> list[dict]:
     """Per type and row count, an 8B layer's products (LAYER_COUNTS_8B, every matrix of that
     type) on the default's paths (the i16 matvec below mmq_min_rows rows, mmq from there) beside
-    the fixed-point sums' (fx_mv below, fx_mmq from there): what the mode's third form would add
-    to a pass's products, before anything else of the pass is counted."""
+    the fixed-point sums' (below: per matrix the faster of fx_mv and fx_mvs; from there fx_mmq):
+    what the mode's third form would add to a pass's products, before anything else of the pass
+    is counted."""
     out = []
     for (tname, T) in dict.fromkeys((r["type"], r["T"]) for r in rows):
         mine = {tuple(r["shape"]): r for r in rows if r["type"] == tname and r["T"] == T}
         small = T < mmq_min_rows
-        keys = ("matvec_i16_ms", "fx_mv_ms") if small else ("mmq_ms", "fx_mmq_ms")
-        if set(mine) != set(LAYER_COUNTS_8B) or any(mine[s].get(k) is None for s in mine for k in keys):
+        base, fx_keys = ("matvec_i16_ms", ("fx_mv_ms", "fx_mvs_ms")) if small else ("mmq_ms", ("fx_mmq_ms",))
+        if set(mine) != set(LAYER_COUNTS_8B):
             continue
-        default, fx = (sum(n * mine[s][k] for s, n in LAYER_COUNTS_8B.items()) for k in keys)
-        out.append({"type": tname, "T": T, "default_path": keys[0][:-3], "fx_path": keys[1][:-3],
+        fx_ms = {s: [r[k] for k in fx_keys if r.get(k) is not None] for s, r in mine.items()}
+        if any(mine[s].get(base) is None or not fx_ms[s] for s in mine):
+            continue
+        default = sum(n * mine[s][base] for s, n in LAYER_COUNTS_8B.items())
+        fx = sum(n * min(fx_ms[s]) for s, n in LAYER_COUNTS_8B.items())
+        fx_name = "/".join(k[:-3] for k in fx_keys)
+        out.append({"type": tname, "T": T, "default_path": base[:-3], "fx_path": fx_name,
                     "layer_default_ms": round(default, 4), "layer_fx_ms": round(fx, 4),
                     "cost_pct": round(100 * (fx / default - 1), 1)})
-        print(f"fixed point, an 8B layer's {tname} products at {T} rows: {keys[1][:-3]} {fx:.4f} ms against "
-              f"{keys[0][:-3]} {default:.4f} ms ({100 * (fx / default - 1):+.1f}%)", flush=True)
+        print(f"fixed point, an 8B layer's {tname} products at {T} rows: {fx_name} {fx:.4f} ms against "
+              f"{base[:-3]} {default:.4f} ms ({100 * (fx / default - 1):+.1f}%)", flush=True)
     return out
 # (rows per CTA, warps per CTA, pieces per trip) of the i16 matvec sweep
 MV_SWEEP = [(nr, nw, u) for nr in tuning.MV_ROWS_PER_CTA for nw in (2, 4, 8) for u in tuning.MV_UNROLLS]
@@ -174,7 +180,7 @@ def main() -> None:
                     help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS[, MT])")
     ap.add_argument("--paths", default=None,
                     help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq, mvq2_rows, "
-                         "mvq2_rows_nt1, mvq2_rows_split, fx_mv, fx_mmq); default all")
+                         "mvq2_rows_nt1, mvq2_rows_split, fx_mv, fx_mvs, fx_mmq); default all")
     ap.add_argument("--sweep-mv", action="store_true",
                     help="time only the matvec (--mv-variants) at every (rows per CTA, warps, pieces per trip), B <= 8")
     ap.add_argument("--mv-variants", default="i16,i16s",
@@ -228,6 +234,7 @@ def main() -> None:
                 if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:  # fixed-point sums (fixed_point.cu): one set of bits
                     if T <= MAX_MATVEC_B:
                         paths["fx_mv"] = lambda i: lab.fx_matvec(CTX, ws[i % len(ws)], x, out=out)
+                        paths["fx_mvs"] = lambda i: lab.fx_matvec_staged(CTX, ws[i % len(ws)], x, out=out)
                     paths["fx_mmq"] = lambda i: lab.fx_mmq(CTX, ws[i % len(ws)], x, out=out)
                 if args.paths:
                     keep = set(args.paths.split(","))

@@ -53,7 +53,7 @@ def lab_names() -> dict[str, list[str]]:
             out["mmq_rows.cu"] += [n for tile in lab.MMQ_ROWS_TILES for n in lab.mmq_rows_names(qt, tile)]
         if mm.mmq_supported(q.qtype, 256):
             out["fixed_point.cu"] += [n for tpr in lab.FX_LANES_PER_ROW for n in lab.fx_mv_names(qt, tpr)]
-            out["fixed_point.cu"] += lab.fx_mmq_names(qt)
+            out["fixed_point.cu"] += list(lab.fx_mvs_names(qt)) + list(lab.fx_mmq_names(qt))
     out["fixed_point.cu"] += ["fx_quantize_mmq_kernel"]
 
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}

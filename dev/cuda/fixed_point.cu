@@ -51,18 +51,18 @@ __device__ __forceinline__ float fx_q6_step(float bv, float s0, float s1, float 
 // t of a sub-block from its exact plane sums: mmq_t's value (fmaf rounds the same integer once)
 __device__ __forceinline__ float fx_t(int c1, int c2) { return __int2float_rn(254 * c1 + c2); }
 
-// N words from a 2-byte-aligned global address p (Q6_K blocks are 210 bytes)
+// N words from a 2-byte-aligned address p, global or shared (Q6_K blocks are 210 bytes)
 template <int N>
 __device__ __forceinline__ void fx_words(const u8* p, u32 (&o)[N]) {
     const u32* a = (const u32*)((unsigned long long)p & ~3ull);
     if (((unsigned long long)p & 3ull) == 0) {
 #pragma unroll
-        for (int k = 0; k < N; k++) o[k] = __ldg(a + k);
+        for (int k = 0; k < N; k++) o[k] = a[k];
     } else {
-        u32 prev = __ldg(a);
+        u32 prev = a[0];
 #pragma unroll
         for (int k = 0; k < N; k++) {
-            const u32 next = __ldg(a + k + 1);
+            const u32 next = a[k + 1];
             o[k] = __funnelshift_r(prev, next, 16);
             prev = next;
         }
@@ -100,31 +100,22 @@ extern "C" __global__ void __launch_bounds__(256) fx_quantize_mmq_kernel(const f
     if (k == 0) xd[(long long)g * Bp + n] = make_float2(d2, fx_group_sum(__fmul_rn(d, (float)s), __fmul_rn(d2, (float)s2)));
 }
 
-// ================================================================ the matvec: one lane a block
-// out[b, row] for B <= 8 rows of x, x as the i16 planes (xq, ds; xq2, ds2: quant2_store's
-// layout). TPR lanes take a weight row (256 / TPR rows a CTA of 256 threads), lane t its blocks
-// t, t + TPR, ...; each lane computes its blocks' values whole (no lane holds part of a
-// sub-block, so no f32 step crosses lanes), adds them as fixed point, and the row's lanes add
-// theirs with shuffles. The weights are read 16 bytes a load, a block a lane (consecutive lanes,
-// consecutive blocks of the row); a sub-block's integer sums are the mma's of fx_mmq_kernel.
+// ================================================================ a block's values, one lane
+// The values of block blk of one weight row (its bytes at bp, global or shared memory) for B
+// rows of x given as the i16 planes (xq, ds; xq2, ds2: quant2_store's layout, [B, n_cols] and
+// [B, n_cols / 32]), computed whole by the calling lane in mmq's steps and order. A
+// sub-block's integer sums (dp4a) are the ones mmq's mma gives; its f32 steps take the same
+// operands (fx_group_sum); so bv[b] is fx_mmq_kernel's value of this block for row b.
 #ifndef FX_MV_UNROLL
 #define FX_MV_UNROLL 1  // chunks (Q4_K/Q5_K, of 4) or groups (Q6_K, of 8) of a block unrolled: each loads its own words
 #endif
-#ifndef FX_MV_MIN_BLOCKS
-#define FX_MV_MIN_BLOCKS 1  // CTAs of 256 threads an SM holds at least (2 caps registers at 128: spills here)
-#endif
-template <int QT, int B, int TPR>
-__global__ void __launch_bounds__(256, FX_MV_MIN_BLOCKS)
-    fx_mv_kernel(const u8* __restrict__ w, const u8* xq, const float2* ds, const u8* xq2, const float2* ds2,
-                 float* __restrict__ out, int n_rows, int n_cols, long long row_bytes) {
-    pdl_trigger();
-    constexpr bool K45 = QT == 12 || QT == 13;
-    constexpr int BYTES = QT == 12 ? 144 : QT == 13 ? 176 : 210, QS = QT == 12 ? 16 : 48;
-    const int t = threadIdx.x % TPR, row = blockIdx.x * (256 / TPR) + threadIdx.x / TPR;
-    const int nb = n_cols / 256, ng = n_cols / 32;
-    const u8* rp = w + (long long)min(row, n_rows - 1) * row_bytes;
+template <int QT, int B>
+__device__ __forceinline__ void fx_block(const u8* bp, int blk, const u8* xq, const float2* ds, const u8* xq2,
+                                         const float2* ds2, int n_cols, float (&bv)[B]) {
+    constexpr int QS = QT == 12 ? 16 : 48;
+    const int ng = n_cols / 32;
     // the sums of a sub-block (group g of x row b) against the weight words wv (word k: elements
-    // 4k..4k+3), per plane: lo over words 0-3 (Q6_K's first half), hi over 4-7
+    // 4k..4k+3), per plane: over words 0-3 (Q6_K's first half), over 4-7
     auto sums = [&](const u32 (&wv)[8], int b, long long g, int (&c)[2][2]) {
         const uint4* p1 = (const uint4*)(xq + (long long)b * n_cols + 32 * g);
         const uint4* p2 = (const uint4*)(xq2 + (long long)b * n_cols + 32 * g);
@@ -138,81 +129,98 @@ __global__ void __launch_bounds__(256, FX_MV_MIN_BLOCKS)
         c[1][1] = __dp4a((int)wv[7], (int)b1.w, __dp4a((int)wv[6], (int)b1.z,
                   __dp4a((int)wv[5], (int)b1.y, __dp4a((int)wv[4], (int)b1.x, 0))));
     };
-    long long acc[B];
 #pragma unroll
-    for (int b = 0; b < B; b++) acc[b] = 0;
-    bool waited = false;
-    for (int blk = t; blk < nb; blk += TPR) {
-        const u8* bp = rp + (long long)blk * BYTES;
-        float bv[B];
-#pragma unroll
-        for (int b = 0; b < B; b++) bv[b] = 0.f;
-        if constexpr (K45) {
-            const uint4 hd = ld128(bp);
-            uint4 hv[2];  // Q5_K's qh
-            if constexpr (QT == 13) { hv[0] = ld128(bp + 16); hv[1] = ld128(bp + 32); }
-            if (!waited) { pdl_wait(); waited = true; }  // x is written by the previous kernel
+    for (int b = 0; b < B; b++) bv[b] = 0.f;
+    if constexpr (QT == 12 || QT == 13) {
+        const uint4 hd = *(const uint4*)bp;
+        uint4 hv[2];  // Q5_K's qh
+        if constexpr (QT == 13) { hv[0] = *(const uint4*)(bp + 16); hv[1] = *(const uint4*)(bp + 32); }
 #pragma unroll FX_MV_UNROLL
-            for (int c = 0; c < 4; c++) {  // chunk c: sub-blocks 2c, 2c + 1 (qs bytes 32c..32c+31, low / high nibbles)
-                const uint4 q0 = ld128(bp + QS + 32 * c), q1 = ld128(bp + QS + 32 * c + 16);
-                const u32 wq[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-                float sc[2], mn[2];
-                mmq_k45_scales(hd, c, sc, mn);
+        for (int c = 0; c < 4; c++) {  // chunk c: sub-blocks 2c, 2c + 1 (qs bytes 32c..32c+31, low / high nibbles)
+            const uint4 q0 = *(const uint4*)(bp + QS + 32 * c), q1 = *(const uint4*)(bp + QS + 32 * c + 16);
+            const u32 wq[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+            float sc[2], mn[2];
+            mmq_k45_scales(hd, c, sc, mn);
 #pragma unroll
-                for (int sub = 0; sub < 2; sub++) {
-                    const long long g = (long long)blk * 8 + 2 * c + sub;
-                    u32 wv[8];
+            for (int sub = 0; sub < 2; sub++) {
+                const long long g = (long long)blk * 8 + 2 * c + sub;
+                u32 wv[8];
 #pragma unroll
-                    for (int k = 0; k < 8; k++) {
-                        wv[k] = (sub ? wq[k] >> 4 : wq[k]) & 0x0F0F0F0Fu;
-                        if constexpr (QT == 13) {
-                            const u32 qh = k < 4 ? (&hv[0].x)[k] : (&hv[1].x)[k - 4];
-                            wv[k] |= ((qh >> (2 * c + sub)) & 0x01010101u) << 4;
-                        }
-                    }
-#pragma unroll
-                    for (int b = 0; b < B; b++) {
-                        int cs[2][2];
-                        sums(wv, b, g, cs);
-                        const float2 e1 = __ldca(ds + (long long)b * ng + g), e2 = __ldca(ds2 + (long long)b * ng + g);
-                        bv[b] = fx_k45_step(bv[b], sc[sub], mn[sub], make_float2(e2.x, fx_group_sum(e1.y, e2.y)),
-                                            fx_t(cs[0][0] + cs[0][1], cs[1][0] + cs[1][1]));
+                for (int k = 0; k < 8; k++) {
+                    wv[k] = (sub ? wq[k] >> 4 : wq[k]) & 0x0F0F0F0Fu;
+                    if constexpr (QT == 13) {
+                        const u32 qh = k < 4 ? (&hv[0].x)[k] : (&hv[1].x)[k - 4];
+                        wv[k] |= ((qh >> (2 * c + sub)) & 0x01010101u) << 4;
                     }
                 }
-            }
-        } else {  // Q6_K: ql [0, 128), qh [128, 192), scales [192, 208), d at 208; group gi = 4h + kind
-            u32 scw[4];
-            fx_words<4>(bp + 192, scw);
-            const float dq = h2f((u32)*(const u16*)(bp + 208));
-            if (!waited) { pdl_wait(); waited = true; }
-#pragma unroll FX_MV_UNROLL
-            for (int gi = 0; gi < 8; gi++) {
-                const int h = gi >> 2, kind = gi & 3;
-                const long long g = (long long)blk * 8 + gi;
-                u32 ql[8], qh[8];  // the group's low nibbles (ql bytes 64h + 32(kind & 1) ..) and high bits (qh 32h ..)
-                fx_words<8>(bp + 64 * h + 32 * (kind & 1), ql);
-                fx_words<8>(bp + 128 + 32 * h, qh);
-                u32 wv[8];  // word k: elements 4k..4k+3 of the group (half 0: words 0-3, half 1: 4-7)
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    wv[k] = sub32_bytes(((kind >= 2 ? ql[k] >> 4 : ql[k]) & 0x0F0F0F0Fu)
-                                        | (((qh[k] >> (2 * kind)) & 0x03030303u) << 4));
-                // scales sc[2gi], sc[2gi + 1] (mmq: 8h + 2kind + half)
-                const float s0 = dq * (float)(signed char)(scw[gi >> 1] >> (16 * (gi & 1)));
-                const float s1 = dq * (float)(signed char)(scw[gi >> 1] >> (16 * (gi & 1) + 8));
 #pragma unroll
                 for (int b = 0; b < B; b++) {
-                    int cs[2][2];  // [plane][half]
+                    int cs[2][2];
                     sums(wv, b, g, cs);
-                    bv[b] = fx_q6_step(bv[b], s0, s1, __ldca(ds2 + (long long)b * ng + g).x, fx_t(cs[0][0], cs[1][0]),
-                                       fx_t(cs[0][1], cs[1][1]));
+                    const float2 e1 = __ldca(ds + (long long)b * ng + g), e2 = __ldca(ds2 + (long long)b * ng + g);
+                    bv[b] = fx_k45_step(bv[b], sc[sub], mn[sub], make_float2(e2.x, fx_group_sum(e1.y, e2.y)),
+                                        fx_t(cs[0][0] + cs[0][1], cs[1][0] + cs[1][1]));
                 }
             }
         }
+    } else {  // Q6_K: ql [0, 128), qh [128, 192), scales [192, 208), d at 208; group gi = 4h + kind
+        u32 scw[4];
+        fx_words<4>(bp + 192, scw);
+        const float dq = h2f((u32)*(const u16*)(bp + 208));
+#pragma unroll FX_MV_UNROLL
+        for (int gi = 0; gi < 8; gi++) {
+            const int h = gi >> 2, kind = gi & 3;
+            const long long g = (long long)blk * 8 + gi;
+            u32 ql[8], qh[8];  // the group's low nibbles (ql bytes 64h + 32(kind & 1) ..) and high bits (qh 32h ..)
+            fx_words<8>(bp + 64 * h + 32 * (kind & 1), ql);
+            fx_words<8>(bp + 128 + 32 * h, qh);
+            u32 wv[8];  // word k: elements 4k..4k+3 of the group (half 0: words 0-3, half 1: 4-7)
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                wv[k] = sub32_bytes(((kind >= 2 ? ql[k] >> 4 : ql[k]) & 0x0F0F0F0Fu)
+                                    | (((qh[k] >> (2 * kind)) & 0x03030303u) << 4));
+            // scales sc[2gi], sc[2gi + 1] (mmq: 8h + 2kind + half)
+            const float s0 = dq * (float)(signed char)(scw[gi >> 1] >> (16 * (gi & 1)));
+            const float s1 = dq * (float)(signed char)(scw[gi >> 1] >> (16 * (gi & 1) + 8));
+#pragma unroll
+            for (int b = 0; b < B; b++) {
+                int cs[2][2];  // [plane][half]
+                sums(wv, b, g, cs);
+                bv[b] = fx_q6_step(bv[b], s0, s1, __ldca(ds2 + (long long)b * ng + g).x, fx_t(cs[0][0], cs[1][0]),
+                                   fx_t(cs[0][1], cs[1][1]));
+            }
+        }
+    }
+}
+
+// ================================================================ the matvec, direct: a lane a block
+// out[b, row] for B <= 8 rows of x (the i16 planes). TPR lanes take a weight row (256 / TPR rows
+// a CTA of 256 threads), lane t its blocks t, t + TPR, ... read straight from global memory;
+// each lane computes its blocks' values whole (fx_block: no f32 step crosses lanes), adds them as
+// fixed point, and the row's lanes add theirs with shuffles. The lanes of a warp read different
+// blocks, so their loads of the weights (16 bytes at the block stride) and of x (a block's
+// columns each) touch up to 32 lines an instruction: fx_mvs_kernel stages instead.
+#ifndef FX_MV_MIN_BLOCKS
+#define FX_MV_MIN_BLOCKS 1  // CTAs of 256 threads an SM holds at least (2 caps registers at 128: spills here)
+#endif
+template <int QT, int B, int TPR>
+__global__ void __launch_bounds__(256, FX_MV_MIN_BLOCKS)
+    fx_mv_kernel(const u8* __restrict__ w, const u8* xq, const float2* ds, const u8* xq2, const float2* ds2,
+                 float* __restrict__ out, int n_rows, int n_cols, long long row_bytes) {
+    pdl_enter();
+    constexpr int BYTES = QT == 12 ? 144 : QT == 13 ? 176 : 210;
+    const int t = threadIdx.x % TPR, row = blockIdx.x * (256 / TPR) + threadIdx.x / TPR;
+    const int nb = n_cols / 256;
+    const u8* rp = w + (long long)min(row, n_rows - 1) * row_bytes;
+    long long acc[B];
+#pragma unroll
+    for (int b = 0; b < B; b++) acc[b] = 0;
+    for (int blk = t; blk < nb; blk += TPR) {
+        float bv[B];
+        fx_block<QT, B>(rp + (long long)blk * BYTES, blk, xq, ds, xq2, ds2, n_cols, bv);
 #pragma unroll
         for (int b = 0; b < B; b++) acc[b] += fx_of(bv[b]);
     }
-    if (!waited) pdl_wait();  // a lane with no block still writes out
 #pragma unroll
     for (int b = 0; b < B; b++)
 #pragma unroll
@@ -220,6 +228,49 @@ __global__ void __launch_bounds__(256, FX_MV_MIN_BLOCKS)
     if (t == 0 && row < n_rows) {
 #pragma unroll
         for (int b = 0; b < B; b++) out[(long long)b * n_rows + row] = fx_value(acc[b]);
+    }
+}
+
+// ================================================================ the matvec, staged: a lane a row
+// out[b, row] for B <= 8 rows of x (the i16 planes). A CTA takes 32 weight rows, its WK warps
+// the block columns kpart = warp, warp + WK, ...; each warp stages its 32 rows' block column
+// through mm_staged_walk (mmq.cu's: coalesced cp.async, MT = 2 tiles of 16 rows, columns in
+// flight ahead of the one computed), and lane (gid, tig) computes the block of row gid + 8 tig
+// from the stage (fx_block). So the weights come in as mmq reads them, every lane of a
+// warp reads the same columns of x (one address an instruction), and no f32 step crosses lanes.
+// The CTA's warps add their 64-bit sums through shared memory. Dynamic shared memory: WK warps
+// x MM_STAGES x 16 x SROW (the stages), at least WK x 32 x B x 8 (the sums).
+template <int QT, int B>
+__global__ void __launch_bounds__(256) fx_mvs_kernel(const u8* __restrict__ w, const u8* xq, const float2* ds,
+                                                     const u8* xq2, const float2* ds2, float* __restrict__ out,
+                                                     int n_rows, int n_cols, long long row_bytes) {
+    pdl_enter();
+    typedef MmStage<QT> S;
+    extern __shared__ __align__(16) u8 smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, WK = blockDim.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    long long acc[B];
+#pragma unroll
+    for (int b = 0; b < B; b++) acc[b] = 0;
+    mm_staged_walk<QT, 2>(w, n_rows, row_bytes, blockIdx.x * 32, warp, WK, n_cols / 256,
+                          smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* const (&rows)[4]) {
+        const u8* mine = tig == 0 ? rows[0] : tig == 1 ? rows[1] : tig == 2 ? rows[2] : rows[3];  // row gid + 8 tig
+        float bv[B];
+        fx_block<QT, B>(mine, blk, xq, ds, xq2, ds2, n_cols, bv);
+#pragma unroll
+        for (int b = 0; b < B; b++) acc[b] += fx_of(bv[b]);
+    });
+    __syncthreads();  // every warp is done with its stages: the sums reuse the memory
+    long long* red = (long long*)smem;  // [WK][32 rows][B]
+    const int r_lane = gid + 8 * tig;
+#pragma unroll
+    for (int b = 0; b < B; b++) red[(warp * 32 + r_lane) * B + b] = acc[b];
+    __syncthreads();
+    for (int e = threadIdx.x; e < 32 * B; e += blockDim.x) {
+        const int r = e % 32, b = e / 32, row = blockIdx.x * 32 + r;
+        long long s = 0;
+        for (int k = 0; k < WK; k++) s += red[(k * 32 + r) * B + b];
+        if (row < n_rows) out[(long long)b * n_rows + row] = fx_value(s);
     }
 }
 

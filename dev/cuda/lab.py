@@ -22,10 +22,12 @@ runs.
                         over 8 warps a CTA in the order's 8-lane subtrees (rows_split.cu); the
                         same bits on an H100, 1.6-5.2x faster than matvec_rows at 1-8 rows but
                         still 2.4-8.8x mmq past 8 (docs/PERFORMANCE.md): not taken to production.
-  fx_matvec, fx_mmq     the batch-invariant mode's third road (fixed_point.cu): each 256-column
+  fx_matvec, fx_matvec_staged, fx_mmq
+                        the batch-invariant mode's third road (fixed_point.cu): each 256-column
                         block's value in mmq's f32 steps, then summed as 64-bit fixed point, so
-                        the order of the sums cannot change a row's bits: the matvec (a lane a
-                        block, 1-8 rows) and mmq (1-64 rows) give a row the same bits while each
+                        the order of the sums cannot change a row's bits: the matvec (1-8 rows;
+                        a lane a block straight from global memory, or a lane a row from mmq's
+                        staged walk) and mmq (1-64 rows) give a row the same bits while each
                         keeps its own order. Compiled here (NVRTC); not yet run on a GPU.
 """
 
@@ -83,6 +85,10 @@ def rows_split_names(qt: int) -> tuple[str, ...]:
 
 def fx_mv_names(qt: int, tpr: int) -> tuple[str, ...]:
     return tuple(f"fx_mv_kernel<{int(qt)},{b},{tpr}>" for b in instances.MATVEC_ROWS)
+
+
+def fx_mvs_names(qt: int) -> tuple[str, ...]:
+    return tuple(f"fx_mvs_kernel<{int(qt)},{b}>" for b in instances.MATVEC_ROWS)
 
 
 def fx_mmq_names(qt: int) -> tuple[str, ...]:
@@ -404,6 +410,37 @@ def fx_matvec(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes
         xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
         ctx.launch(function(FIXED_POINT_SOURCE, names[B - 1], names), (-(-w.n_rows // (256 // tpr)),), (256,),
                    (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes)))
+    return out
+
+
+FX_MVS_MAX_WARPS = 8  # fx_mvs_kernel's warps a CTA (block columns of 32 rows walked at once)
+
+
+def fx_mvs_smem_bytes(q, warps: int, B: int) -> int:
+    """fx_mvs_kernel's dynamic shared memory: each warp's stages of 32 rows (mmq's walk at MT = 2),
+    or the warps' 64-bit sums (warps x 32 rows x B x 8 bytes), whichever is larger."""
+    return max(tc.staged_smem_bytes(q, warps, 1), warps * 32 * B * 8)
+
+
+def fx_matvec_staged(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,
+                     warps: int | None = None):
+    """fx_matvec's product and bits through fx_mvs_kernel: a CTA of ``warps`` warps (default:
+    one a block column, at most FX_MVS_MAX_WARPS) takes 32 weight rows, each warp stages its
+    block columns as mmq does and each lane computes one row's blocks, every lane of a warp on
+    the same columns of x. planes: the i16 matvec's planes of this x."""
+    q = quant_type(w.qtype)
+    _fx_check(q, w.n_cols, "fx_matvec_staged")
+    warps = warps or min(FX_MVS_MAX_WARPS, w.n_cols // 256)
+    if not 1 <= warps <= FX_MVS_MAX_WARPS:
+        raise ValueError(f"fx_matvec_staged: {warps} warps a CTA, not 1-{FX_MVS_MAX_WARPS}")
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec_staged")
+    B = x.shape[0]
+    names = fx_mvs_names(int(q.qtype))
+    with stream_ctx(stream):
+        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
+        _launch_staged(ctx, function(FIXED_POINT_SOURCE, names[B - 1], names), (-(-w.n_rows // 32),), warps,
+                       fx_mvs_smem_bytes(q, warps, B),
+                       (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes)))
     return out
 
 

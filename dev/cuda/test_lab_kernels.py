@@ -440,9 +440,10 @@ def test_mvq2_rows_is_the_i16_matvecs_bits_at_any_rows(qt, n_rows, n_cols, nw, r
 @pytest.mark.parametrize("n_rows,n_cols", [(203, 4096), (64, 14336), (1040, 512)])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
 def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_cols, rng):
-    """fixed_point.cu: each row of x gets one set of bits from the fixed-point matvec at 1-8 rows,
-    at every lanes-a-row, and from the fixed-point mmq at 1-64 rows, at the device's launch and
-    at split-K launches (the sums are integers: no order can change them); and the results are
+    """fixed_point.cu: each row of x gets one set of bits from the fixed-point matvec at 1-8 rows
+    (direct at every lanes-a-row, staged at several warps a CTA) and from the fixed-point mmq at
+    1-64 rows, at the device's launch and at split-K launches (the sums are integers: no order
+    can change them); and the results are
     within the two-plane rounding bound of the exact product (check_i16: the same activations as
     mmq), which catches a wrong word, scale or group (a block value read wrong is far outside it).
     The K-quants at 4096 columns: 16 blocks a row; 14336: 56 (two a lane at 32 lanes); 512: 2."""
@@ -458,6 +459,10 @@ def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_co
             for i in (0, 56):
                 np.testing.assert_array_equal(cp.asnumpy(lab.fx_matvec(CTX, w, x[i:i + B], tpr=tpr)), alone[i:i + B],
                                               err_msg=f"fx_matvec {qt.name} [{n_rows}, {n_cols}] tpr={tpr} rows {i}+{B}")
+    for warps in (None, 1, 3, 8):  # the staged matvec: a lane a row, the warps over the block columns
+        for B in (1, 2, 8):
+            np.testing.assert_array_equal(cp.asnumpy(lab.fx_matvec_staged(CTX, w, x[:B], warps=warps)), alone[:B],
+                                          err_msg=f"fx_matvec_staged {qt.name} [{n_rows}, {n_cols}] warps={warps} B={B}")
     for B in (1, 2, 8, 9, 16, 33, 64):
         np.testing.assert_array_equal(cp.asnumpy(lab.fx_mmq(CTX, w, x[:B])), alone[:B],
                                       err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B}")
@@ -471,7 +476,7 @@ def test_fixed_point_refuses_what_it_does_not_decode(rng):
     one-line error naming what they take."""
     w = W(random_weights(QT.Q8_0, 16, 256, rng), QT.Q8_0, 16, 256)
     x = cp.asarray(rng.standard_normal((1, 256)).astype(np.float32))
-    for fn in (lab.fx_matvec, lab.fx_mmq):
+    for fn in (lab.fx_matvec, lab.fx_matvec_staged, lab.fx_mmq):
         with pytest.raises(ValueError, match="Q4_K, Q5_K, Q6_K"):
             fn(CTX, w, x)
     wk = W(random_weights(QT.Q4_K, 16, 512, rng), QT.Q4_K, 16, 512)
