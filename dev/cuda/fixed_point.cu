@@ -233,26 +233,29 @@ __global__ void __launch_bounds__(256, FX_MV_MIN_BLOCKS)
 
 // ================================================================ the matvec, staged: a lane a row
 // out[b, row] for B <= 8 rows of x (the i16 planes). A CTA takes 32 weight rows, its WK warps
-// the block columns kpart = warp, warp + WK, ...; each warp stages its 32 rows' block column
-// through mm_staged_walk (mmq.cu's: coalesced cp.async, MT = 2 tiles of 16 rows, columns in
-// flight ahead of the one computed), and lane (gid, tig) computes the block of row gid + 8 tig
-// from the stage (fx_block). So the weights come in as mmq reads them, every lane of a
-// warp reads the same columns of x (one address an instruction), and no f32 step crosses lanes.
-// The CTA's warps add their 64-bit sums through shared memory. Dynamic shared memory: WK warps
-// x MM_STAGES x 16 x SROW (the stages), at least WK x 32 x B x 8 (the sums).
+// and the grid's KS = gridDim.y splits the block columns kpart = blockIdx.y * WK + warp, + WK KS,
+// ...; each warp stages its 32 rows' block columns through mm_staged_walk (mmq.cu's: coalesced
+// cp.async, MT = 2 tiles of 16 rows, columns in flight ahead of the one computed), and lane
+// (gid, tig) computes the block of row gid + 8 tig from the stage (fx_block). So the weights
+// come in as mmq reads them, every lane of a warp reads the same columns of x (one address a
+// load), and no f32 step crosses lanes. The CTA's warps add their 64-bit sums through shared
+// memory; with KS > 1 each CTA writes them to part [KS, B, n_rows] and the last CTA of the row
+// tile (tile_count) adds the KS of them. Dynamic shared memory: WK warps x MM_STAGES x 16 x
+// SROW (the stages), at least WK x 32 x B x 8 (the sums).
 template <int QT, int B>
 __global__ void __launch_bounds__(256) fx_mvs_kernel(const u8* __restrict__ w, const u8* xq, const float2* ds,
                                                      const u8* xq2, const float2* ds2, float* __restrict__ out,
+                                                     long long* __restrict__ part, int* __restrict__ tile_count,
                                                      int n_rows, int n_cols, long long row_bytes) {
     pdl_enter();
     typedef MmStage<QT> S;
     extern __shared__ __align__(16) u8 smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, WK = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, WK = blockDim.x >> 5, KS = gridDim.y;
     const int gid = lane >> 2, tig = lane & 3;
     long long acc[B];
 #pragma unroll
     for (int b = 0; b < B; b++) acc[b] = 0;
-    mm_staged_walk<QT, 2>(w, n_rows, row_bytes, blockIdx.x * 32, warp, WK, n_cols / 256,
+    mm_staged_walk<QT, 2>(w, n_rows, row_bytes, blockIdx.x * 32, blockIdx.y * WK + warp, KS * WK, n_cols / 256,
                           smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* const (&rows)[4]) {
         const u8* mine = tig == 0 ? rows[0] : tig == 1 ? rows[1] : tig == 2 ? rows[2] : rows[3];  // row gid + 8 tig
         float bv[B];
@@ -262,16 +265,34 @@ __global__ void __launch_bounds__(256) fx_mvs_kernel(const u8* __restrict__ w, c
     });
     __syncthreads();  // every warp is done with its stages: the sums reuse the memory
     long long* red = (long long*)smem;  // [WK][32 rows][B]
-    const int r_lane = gid + 8 * tig;
 #pragma unroll
-    for (int b = 0; b < B; b++) red[(warp * 32 + r_lane) * B + b] = acc[b];
+    for (int b = 0; b < B; b++) red[(warp * 32 + gid + 8 * tig) * B + b] = acc[b];
     __syncthreads();
     for (int e = threadIdx.x; e < 32 * B; e += blockDim.x) {
         const int r = e % 32, b = e / 32, row = blockIdx.x * 32 + r;
         long long s = 0;
         for (int k = 0; k < WK; k++) s += red[(k * 32 + r) * B + b];
-        if (row < n_rows) out[(long long)b * n_rows + row] = fx_value(s);
+        if (row < n_rows) {
+            if (KS == 1) out[(long long)b * n_rows + row] = fx_value(s);
+            else part[((long long)blockIdx.y * B + b) * n_rows + row] = s;
+        }
     }
+    if (KS == 1) return;
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < 32 * B; e += blockDim.x) {
+        const int r = e % 32, b = e / 32, row = blockIdx.x * 32 + r;
+        if (row >= n_rows) continue;
+        long long s = 0;
+        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + b) * n_rows + row);
+        out[(long long)b * n_rows + row] = fx_value(s);
+    }
+    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
 }
 
 // ================================================================ mmq with fixed-point sums

@@ -422,25 +422,43 @@ def fx_mvs_smem_bytes(q, warps: int, B: int) -> int:
     return max(tc.staged_smem_bytes(q, warps, 1), warps * 32 * B * 8)
 
 
+def fx_mvs_splits(n_rows: int, nb: int, warps: int) -> int:
+    """fx_mvs_kernel's KS for a matrix of n_rows rows and nb block columns at ``warps`` warps a
+    CTA: enough CTAs for two a streaming multiprocessor, each warp at least two block columns."""
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["multiProcessorCount"]
+    tiles = -(-n_rows // 32)
+    return max(1, min(-(-2 * sms // tiles), nb // (2 * warps)))
+
+
 def fx_matvec_staged(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,
-                     warps: int | None = None):
-    """fx_matvec's product and bits through fx_mvs_kernel: a CTA of ``warps`` warps (default:
-    one a block column, at most FX_MVS_MAX_WARPS) takes 32 weight rows, each warp stages its
-    block columns as mmq does and each lane computes one row's blocks, every lane of a warp on
-    the same columns of x. planes: the i16 matvec's planes of this x."""
+                     warps: int | None = None, splits: int | None = None):
+    """fx_matvec's product and bits through fx_mvs_kernel: a CTA of ``warps`` warps (default: one
+    a block column, at most FX_MVS_MAX_WARPS) takes 32 weight rows, ``splits`` CTAs (default
+    fx_mvs_splits) share their block columns; each warp stages its block columns as mmq does and
+    each lane computes one row's blocks, every lane of a warp on the same columns of x. planes:
+    the i16 matvec's planes of this x."""
     q = quant_type(w.qtype)
     _fx_check(q, w.n_cols, "fx_matvec_staged")
-    warps = warps or min(FX_MVS_MAX_WARPS, w.n_cols // 256)
+    nb = w.n_cols // 256
+    warps = warps or min(FX_MVS_MAX_WARPS, nb)
     if not 1 <= warps <= FX_MVS_MAX_WARPS:
         raise ValueError(f"fx_matvec_staged: {warps} warps a CTA, not 1-{FX_MVS_MAX_WARPS}")
+    ks = splits or fx_mvs_splits(w.n_rows, nb, warps)
     x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec_staged")
     B = x.shape[0]
+    tiles = -(-w.n_rows // 32)
     names = fx_mvs_names(int(q.qtype))
     with stream_ctx(stream):
         xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
-        _launch_staged(ctx, function(FIXED_POINT_SOURCE, names[B - 1], names), (-(-w.n_rows // 32),), warps,
+        if ks == 1:
+            part, counts = np.uint64(0), np.uint64(0)
+        else:
+            part = ctx.scratch("fx split-k partials", ks * B * w.n_rows * 8)
+            counts = ctx.scratch("split-k counters", tiles * 4, zero=True)
+        _launch_staged(ctx, function(FIXED_POINT_SOURCE, names[B - 1], names), (tiles, ks), warps,
                        fx_mvs_smem_bytes(q, warps, B),
-                       (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes)))
+                       (w.data, xq1, ds1, xq2, ds2, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
+                        np.int64(w.row_bytes)))
     return out
 
 

@@ -459,10 +459,11 @@ def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_co
             for i in (0, 56):
                 np.testing.assert_array_equal(cp.asnumpy(lab.fx_matvec(CTX, w, x[i:i + B], tpr=tpr)), alone[i:i + B],
                                               err_msg=f"fx_matvec {qt.name} [{n_rows}, {n_cols}] tpr={tpr} rows {i}+{B}")
-    for warps in (None, 1, 3, 8):  # the staged matvec: a lane a row, the warps over the block columns
+    for warps, splits in ((None, None), (1, 1), (3, 2), (8, 1), (2, 4)):  # the staged matvec: a lane a row
         for B in (1, 2, 8):
-            np.testing.assert_array_equal(cp.asnumpy(lab.fx_matvec_staged(CTX, w, x[:B], warps=warps)), alone[:B],
-                                          err_msg=f"fx_matvec_staged {qt.name} [{n_rows}, {n_cols}] warps={warps} B={B}")
+            np.testing.assert_array_equal(
+                cp.asnumpy(lab.fx_matvec_staged(CTX, w, x[:B], warps=warps, splits=splits)), alone[:B],
+                err_msg=f"fx_matvec_staged {qt.name} [{n_rows}, {n_cols}] warps={warps} splits={splits} B={B}")
     for B in (1, 2, 8, 9, 16, 33, 64):
         np.testing.assert_array_equal(cp.asnumpy(lab.fx_mmq(CTX, w, x[:B])), alone[:B],
                                       err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B}")
