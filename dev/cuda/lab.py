@@ -422,28 +422,31 @@ def fx_mvs_smem_bytes(q, warps: int, B: int) -> int:
     return max(tc.staged_smem_bytes(q, warps, 1), warps * 32 * B * 8)
 
 
-def fx_mvs_splits(n_rows: int, nb: int, warps: int) -> int:
-    """fx_mvs_kernel's KS for a matrix of n_rows rows and nb block columns at ``warps`` warps a
-    CTA: enough CTAs for two a streaming multiprocessor, each warp at least two block columns."""
+def fx_mvs_launch(n_rows: int, nb: int, warps: int | None = None) -> tuple[int, int]:
+    """fx_mvs_kernel's (warps a CTA, KS) for a matrix of n_rows rows and nb block columns: about
+    two CTAs a streaming multiprocessor (split-K where the row tiles are fewer), each warp at
+    least two block columns where there are enough, warps fewer before CTAs are (so a small
+    matrix is spread over the SMs rather than stacked on a few); ``warps`` given: only KS."""
     sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["multiProcessorCount"]
     tiles = -(-n_rows // 32)
-    return max(1, min(-(-2 * sms // tiles), nb // (2 * warps)))
+    ks_target = -(-2 * sms // tiles)
+    if warps is None:
+        warps = max(1, min(FX_MVS_MAX_WARPS, nb // (2 * ks_target)))
+    return warps, max(1, min(ks_target, nb // (2 * warps)))
 
 
 def fx_matvec_staged(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,
                      warps: int | None = None, splits: int | None = None):
-    """fx_matvec's product and bits through fx_mvs_kernel: a CTA of ``warps`` warps (default: one
-    a block column, at most FX_MVS_MAX_WARPS) takes 32 weight rows, ``splits`` CTAs (default
-    fx_mvs_splits) share their block columns; each warp stages its block columns as mmq does and
-    each lane computes one row's blocks, every lane of a warp on the same columns of x. planes:
-    the i16 matvec's planes of this x."""
+    """fx_matvec's product and bits through fx_mvs_kernel: a CTA of ``warps`` warps takes 32
+    weight rows, ``splits`` CTAs share their block columns (defaults: fx_mvs_launch); each warp
+    stages its block columns as mmq does and each lane computes one row's blocks, every lane of
+    a warp on the same columns of x. planes: the i16 matvec's planes of this x."""
     q = quant_type(w.qtype)
     _fx_check(q, w.n_cols, "fx_matvec_staged")
-    nb = w.n_cols // 256
-    warps = warps or min(FX_MVS_MAX_WARPS, nb)
-    if not 1 <= warps <= FX_MVS_MAX_WARPS:
+    if warps is not None and not 1 <= warps <= FX_MVS_MAX_WARPS:
         raise ValueError(f"fx_matvec_staged: {warps} warps a CTA, not 1-{FX_MVS_MAX_WARPS}")
-    ks = splits or fx_mvs_splits(w.n_rows, nb, warps)
+    warps, ks = fx_mvs_launch(w.n_rows, w.n_cols // 256, warps)
+    ks = splits or ks
     x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec_staged")
     B = x.shape[0]
     tiles = -(-w.n_rows // 32)
