@@ -231,6 +231,29 @@ __global__ void __launch_bounds__(256, FX_MV_MIN_BLOCKS)
     }
 }
 
+// With KS = gridDim.y > 1 CTAs a row tile: each CTA has written its 64-bit sums of rows row0 ..
+// row0 + R - 1 to part [KS, B, n_rows]; the last of the tile's CTAs to get here (tile_count)
+// adds the KS of them and writes out, and resets the counter for the next launch.
+__device__ __forceinline__ void fx_add_splits(const long long* __restrict__ part, int* __restrict__ tile_count,
+                                              float* __restrict__ out, int n_rows, int B, int row0, int R) {
+    const int KS = gridDim.y;
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < R * B; e += blockDim.x) {
+        const int r = e % R, n = e / R, row = row0 + r;
+        if (row >= n_rows) continue;
+        long long s = 0;
+        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
+        out[(long long)n * n_rows + row] = fx_value(s);
+    }
+    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+}
+
 // ================================================================ the matvec, staged: a lane a row
 // out[b, row] for B <= 8 rows of x (the i16 planes). A CTA takes 32 weight rows, its WK warps
 // and the grid's KS = gridDim.y splits the block columns kpart = blockIdx.y * WK + warp, + WK KS,
@@ -277,22 +300,7 @@ __global__ void __launch_bounds__(256) fx_mvs_kernel(const u8* __restrict__ w, c
             else part[((long long)blockIdx.y * B + b) * n_rows + row] = s;
         }
     }
-    if (KS == 1) return;
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int e = threadIdx.x; e < 32 * B; e += blockDim.x) {
-        const int r = e % 32, b = e / 32, row = blockIdx.x * 32 + r;
-        if (row >= n_rows) continue;
-        long long s = 0;
-        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + b) * n_rows + row);
-        out[(long long)b * n_rows + row] = fx_value(s);
-    }
-    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+    if (KS > 1) fx_add_splits(part, tile_count, out, n_rows, B, blockIdx.x * 32, 32);
 }
 
 // ================================================================ mmq with fixed-point sums
@@ -330,22 +338,7 @@ __device__ __forceinline__ void fx_epilogue(const long long (&acc)[MT][NT][4], l
             else part[((long long)blockIdx.y * B + n) * n_rows + row] = s;
         }
     }
-    if (KS == 1) return;
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        const int r = e % (R * WR), n = e / (R * WR), row = row0 + r;
-        if (row >= n_rows) continue;
-        long long s = 0;
-        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
-        out[(long long)n * n_rows + row] = fx_value(s);
-    }
-    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+    if (KS > 1) fx_add_splits(part, tile_count, out, n_rows, B, row0, R * WR);
 }
 
 // mmq_kernel (mmq.cu) with each block's value chained from 0 in f32 (bv), then added to 64-bit
