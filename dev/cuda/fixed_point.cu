@@ -9,8 +9,9 @@
 // value"); that value is converted to a 64-bit integer in units of 2^-32, and from there on the
 // sums are integer sums, exact in any order: lanes, warps, split-K partials, atomics. So the
 // matvec (1-8 rows) and mmq (1-64) give a row the same bits, and each keeps its own fast order:
-// a pass could take the matvec at 1-2 rows and mmq from 3, as the default does. What it costs is one f32 -> s64 conversion and one 64-bit add per block value
-// (a block is 8 sub-block steps of mmq's), and 64-bit accumulators.
+// a pass could take the matvec at 1-2 rows and mmq from 3, as the default does. What it costs
+// is one f32 -> s64 conversion and one 64-bit add per block value (a block is 8 sub-block steps
+// of mmq's), and 64-bit accumulators.
 //
 // Range and precision: a block value under 2^31 in magnitude (the conversion saturates past it),
 // a row's sum under 2^31; each block value is rounded to a multiple of 2^-32 (2.3e-10), so a row
@@ -20,7 +21,7 @@
 // x is quantized as for the i16 matvec and mmq (quant2_group's two int8 planes): the matvec reads
 // the i16 planes' layout, mmq its own (fx_quantize_mmq_kernel: one group sum for both, below),
 // so a sub-block's integer sums are the same integers (dp4a here, mma there) and its f32 steps
-// take the same operands. Launched by dev/cuda/lab.py (fx_matvec, fx_mmq); compiled by NVRTC at
+// take the same operands. Launched by dev/cuda/lab.py (fx_matvec, fx_matvec_staged, fx_mmq); compiled by NVRTC at
 // run time, headers inlined.
 //
 // fx_mmq_kernel, fx_epilogue and fx_quantize_mmq_kernel are copies of production's mmq_kernel,
@@ -74,7 +75,7 @@ __device__ __forceinline__ void fx_words(const u8* p, u32 (&o)[N]) {
 // (quantize_mmq_kernel), the i16 planes (d, d s) and (d2, d2 s2) (quant2_store), from which
 // that fmaf cannot be rebuilt. So the fixed-point sums define the group sum as the i16 planes'
 // d s + d2 s2, each product rounded, then their sum: fx_quantize_mmq_kernel writes it into mmq's
-// layout for fx_mmq_kernel, and fx_mv_kernel reads the i16 planes that production's fused
+// layout for fx_mmq_kernel, and the matvecs read the i16 planes that production's fused
 // producers (rmsnorm_q2, swiglu_q2, attn_combine) already write for the i16 matvec.
 __device__ __forceinline__ float fx_group_sum(float ds, float ds2) { return __fadd_rn(ds, ds2); }
 
@@ -342,7 +343,7 @@ __device__ __forceinline__ void fx_epilogue(const long long (&acc)[MT][NT][4], l
 }
 
 // mmq_kernel (mmq.cu) with each block's value chained from 0 in f32 (bv), then added to 64-bit
-// accumulators: the same block values as fx_mv_kernel, so the same row sums. Launched as
+// accumulators: the same block values as the matvecs' fx_block, so the same row sums. Launched as
 // mmq_kernel (mm_launch's grid and block); shared memory: the stages or fx_epilogue's warps x
 // 16 MT rows x 8 NT 64-bit sums, whichever is larger.
 template <int QT, int NT, int MT>
