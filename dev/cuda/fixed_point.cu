@@ -21,8 +21,8 @@
 // x is quantized as for the i16 matvec and mmq (quant2_group's two int8 planes): the matvec reads
 // the i16 planes' layout, mmq its own (fx_quantize_mmq_kernel: one group sum for both, below),
 // so a sub-block's integer sums are the same integers (dp4a here, mma there) and its f32 steps
-// take the same operands. Launched by dev/cuda/lab.py (fx_matvec, fx_matvec_staged, fx_mmq); compiled by NVRTC at
-// run time, headers inlined.
+// take the same operands. Launched by dev/cuda/lab.py (fx_matvec, fx_matvec_staged, fx_mmq);
+// compiled by NVRTC at run time, headers inlined.
 //
 // fx_mmq_kernel, fx_epilogue and fx_quantize_mmq_kernel are copies of production's mmq_kernel,
 // mm_epilogue and quantize_mmq_kernel with the accumulation (and the group sum) changed, so that
