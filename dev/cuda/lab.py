@@ -44,7 +44,7 @@ from ntx.daemons.compute.cuda import matvec as mv
 from ntx.daemons.compute.cuda import mm as tc
 from ntx.daemons.compute.cuda.memory import mm_cut, mmq_planes_bytes
 from ntx.daemons.compute.cuda.runtime import (DEFAULT_SMEM_LIMIT, KernelContext, check_f32, function, rows_and_out,
-                                              stream_ctx, tuning)
+                                              sm_count, stream_ctx, tuning)
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS, MV_ROWS_PER_CTA, MV_UNROLLS
 from ntx.shared.quant_types import quant_type
 
@@ -427,9 +427,8 @@ def fx_mvs_launch(n_rows: int, nb: int, warps: int | None = None) -> tuple[int, 
     two CTAs a streaming multiprocessor (split-K where the row tiles are fewer), each warp at
     least two block columns where there are enough, warps fewer before CTAs are (so a small
     matrix is spread over the SMs rather than stacked on a few); ``warps`` given: only KS."""
-    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())["multiProcessorCount"]
     tiles = -(-n_rows // 32)
-    ks_target = -(-2 * sms // tiles)
+    ks_target = -(-2 * sm_count() // tiles)
     if warps is None:
         warps = max(1, min(FX_MVS_MAX_WARPS, nb // (2 * ks_target)))
     return warps, max(1, min(ks_target, nb // (2 * warps)))
