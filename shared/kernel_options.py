@@ -43,6 +43,12 @@ class KernelOptions:
     # and +231% at 64 (8B, H100: matvec_rows is 6-10x mmq at 64 rows), so a batch-1 choice, not
     # the mode's one form (docs/PERFORMANCE.md, "The other way round"). Alone it is refused (parse).
     invariant_rows: bool = False
+    # with batch_invariant: the K-quants' sums as 64-bit fixed point (daemons/compute/cuda/
+    # fixed_point.py): each 256-column block's value in mmq's f32 steps, then integer sums, exact
+    # in any order, so the matvec at 1-2 rows and mmq past them give a row the same bits and
+    # each keeps its own speed; the other types as in the mode's form in use. Results within a
+    # block's rounding to 2^-32 of the f32 sums. Alone, or with invariant-rows, it is refused.
+    invariant_fixed: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "KernelOptions":
@@ -62,13 +68,17 @@ class KernelOptions:
                 raise ConfigError(f"--kernels: {key}={value} must be {key}=on or {key}=off")
             values[keys[key]] = value in _ON
         got = cls(**values)
-        if got.invariant_rows and not got.batch_invariant:
-            raise ConfigError("--kernels: invariant-rows=on is a form of the batch-invariant mode; "
-                              "add batch-invariant=on")
+        for name, on in (("invariant-rows", got.invariant_rows), ("invariant-fixed", got.invariant_fixed)):
+            if on and not got.batch_invariant:
+                raise ConfigError(f"--kernels: {name}=on is a form of the batch-invariant mode; "
+                                  "add batch-invariant=on")
+        if got.invariant_rows and got.invariant_fixed:
+            raise ConfigError("--kernels: invariant-rows=on and invariant-fixed=on are two forms of the "
+                              "batch-invariant mode; choose one")
         return got
 
     def describe(self) -> str:
-        """``"pdl=on,pdl-matmul=off"``: every switch, in the form ``parse`` reads (invariant-rows,
-        a form of the batch-invariant mode, only with the mode on)."""
-        shown = [f for f in fields(self) if f.name != "invariant_rows" or self.batch_invariant]
+        """``"pdl=on,pdl-matmul=off"``: every switch, in the form ``parse`` reads (invariant-rows
+        and invariant-fixed, forms of the batch-invariant mode, only with the mode on)."""
+        shown = [f for f in fields(self) if f.name not in ("invariant_rows", "invariant_fixed") or self.batch_invariant]
         return ",".join(f"{f.name.replace('_', '-')}={'on' if getattr(self, f.name) else 'off'}" for f in shown)

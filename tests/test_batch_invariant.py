@@ -33,6 +33,7 @@ from ntx.shared.quant_types import QUANT_TYPES
 
 INVARIANT = tuning.batch_invariant(tuning.H200)
 ROWS_FORM = tuning.batch_invariant(tuning.H200, rows=True)  # invariant-rows=on
+FIXED_FORM = tuning.batch_invariant(tuning.H200, fixed=True)  # invariant-fixed=on
 ROW_COUNTS = range(1, 513)  # every pass size up to the widest verified tree
 WANT_PATH = {"F32": "matvec", "BF16": "matvec", "F16": "mm", "Q4_0": "mm", "Q4_1": "mm", "Q5_0": "mm",
              "Q5_1": "mm", "Q8_0": "mm", "Q4_K": "mmq", "Q5_K": "mmq", "Q6_K": "mmq"}
@@ -150,6 +151,60 @@ def test_the_rows_forms_scratch_is_one_64_row_launchs_planes():
     for T in (64, 65, 200, 512):
         assert gemm_scratch_bytes(q4k, 14336, 4096, T, ROWS_FORM) == want
     assert gemm_scratch_bytes(q4k, 14336, 4096, 1, ROWS_FORM) == {"i16 planes": i16_planes_bytes(1, 4096)}
+
+
+# ------------------------------------------------------------------------------ the fixed form
+def test_the_fixed_form_parses_only_with_the_mode_and_alone():
+    fixed = KernelOptions.parse("batch-invariant=on,invariant-fixed=on")
+    assert fixed.batch_invariant and fixed.invariant_fixed and KernelOptions.parse(fixed.describe()) == fixed
+    assert "invariant-fixed=on" in fixed.describe() and "invariant-fixed" not in KernelOptions().describe()
+    assert backend_tuning(fixed) == FIXED_FORM and FIXED_FORM.invariant_fixed and not INVARIANT.invariant_fixed
+    assert "fixed" in FIXED_FORM.name and not FIXED_FORM.invariant_rows
+    with pytest.raises(ConfigError, match="add batch-invariant=on"):
+        KernelOptions.parse("invariant-fixed=on")
+    with pytest.raises(ConfigError, match="choose one"):
+        KernelOptions.parse("batch-invariant=on,invariant-rows=on,invariant-fixed=on")
+    with pytest.raises(ValueError, match="one form at a time"):
+        tuning.batch_invariant(tuning.H200, rows=True, fixed=True)
+
+
+@pytest.mark.parametrize("name", sorted(WANT_PATH))
+def test_the_fixed_form_takes_the_fixed_point_matvec_then_fixed_point_mmq(name):
+    """The fixed form: the K-quants take the fixed-point matvec up to the table's fx_matvec_rows
+    rows and fixed-point mmq past them (one set of bits: the boundary moves speed only), never
+    the f32-summing kernels; every other format as in the mode's default form."""
+    q = next(q for q in QUANT_TYPES.values() if q.name == name)
+    for n_cols in (256, 576, 1536, 4096, 14336):
+        if n_cols % q.kernel_col_multiple:
+            continue
+        got = {T: gemm_path(q, n_cols, T, FIXED_FORM) for T in ROW_COUNTS}
+        assert got == {T: invariant_path(q, n_cols, T, fixed_rows=FIXED_FORM.fx_matvec_rows) for T in ROW_COUNTS}
+        if q.mm_staged and n_cols % 256 == 0:
+            assert got == {T: "fxmv" if T <= FIXED_FORM.fx_matvec_rows else "fxmmq" for T in ROW_COUNTS}, (name, n_cols)
+        else:
+            assert got == {T: gemm_path(q, n_cols, T, INVARIANT) for T in ROW_COUNTS}, (name, n_cols)
+
+
+def test_the_fixed_forms_staged_matvec_fills_the_device_and_its_scratch_is_planned():
+    """fx_mvs_launch: about fx_target_ctas CTAs, split-K where a matrix has few 32-row tiles, each
+    warp two block columns or more where there are enough; the planner's scratch for each
+    product holds what its launch takes (64-bit split-K partials beside the planes)."""
+    t = FIXED_FORM
+    for n_rows, nb in ((4096, 16), (14336, 16), (1024, 16), (4096, 56), (128256, 16), (320, 4), (96, 1)):
+        warps, ks = t.fx_mvs_launch(n_rows, nb)
+        tiles = -(-n_rows // 32)
+        assert 1 <= warps <= tuning.FX_MVS_MAX_WARPS and 1 <= ks
+        assert warps * ks <= max(1, nb // 2) or (warps, ks) == (1, 1), (n_rows, nb, warps, ks)
+        assert tiles * ks < 2 * t.fx_target_ctas or ks == 1, (n_rows, nb)
+    assert t.fx_mvs_launch(4096, 16)[1] > 1 and t.fx_mvs_launch(128256, 16)[1] == 1
+    q4k = next(q for q in QUANT_TYPES.values() if q.name == "Q4_K")
+    _, ks = t.fx_mvs_launch(4096, 16)
+    assert gemm_scratch_bytes(q4k, 4096, 4096, 2, t) == {
+        "i16 planes": i16_planes_bytes(2, 4096), "fx split-k partials": ks * 2 * 4096 * 8, "split-k counters": 128 * 4}
+    wide = gemm_scratch_bytes(q4k, 14336, 4096, 64, t)
+    assert "mmq x planes" in wide and "i16 planes" not in wide
+    for T in (65, 512):
+        assert gemm_scratch_bytes(q4k, 14336, 4096, T, t) == wide
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def test_describe_round_trips(opts):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized, batch-invariant, invariant-rows)"),
+    ("dp4a=on", "unknown switch 'dp4a' (choose from pdl, pdl-matmul, cpu-quantized, batch-invariant, invariant-rows, invariant-fixed)"),
     ("pdl=maybe", "pdl=maybe must be pdl=on or pdl=off"),
     ("pdl", "pdl= must be pdl=on or pdl=off"),
 ])

@@ -35,7 +35,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import lab  # noqa: E402  (dev/cuda)
 from synth_gguf import make_blocks  # noqa: E402  (scripts/synth_gguf)
 
-from ntx.daemons.compute.cuda import gemm, matvec, runtime, tuning  # noqa: E402
+from ntx.daemons.compute.cuda import fixed_point, gemm, matvec, runtime, tuning  # noqa: E402
 from ntx.daemons.compute.cuda.memory import mm_cut  # noqa: E402
 from ntx.daemons.compute.cuda.mm import mmq_supported  # noqa: E402
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS  # noqa: E402
@@ -231,11 +231,11 @@ def main() -> None:
                     paths["mvq2_rows_nt1"] = lambda i: matvec.matvec_rows(CTX, ws[i % len(ws)], x, out=out, nt=1)
                     # the lab's K split of it over 8 warps a CTA (rows_split.cu): the same bits
                     paths["mvq2_rows_split"] = lambda i: lab.matvec_rows_split(CTX, ws[i % len(ws)], x, out=out)
-                if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:  # fixed-point sums (fixed_point.cu): one set of bits
+                if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:  # fixed-point sums (fixed_point.py): one set of bits
                     if T <= MAX_MATVEC_B:
-                        paths["fx_mv"] = lambda i: lab.fx_matvec(CTX, ws[i % len(ws)], x, out=out)
-                        paths["fx_mvs"] = lambda i: lab.fx_matvec_staged(CTX, ws[i % len(ws)], x, out=out)
-                    paths["fx_mmq"] = lambda i: lab.fx_mmq(CTX, ws[i % len(ws)], x, out=out)
+                        paths["fx_mv"] = lambda i: fixed_point.fx_matvec_direct(CTX, ws[i % len(ws)], x, out=out)
+                        paths["fx_mvs"] = lambda i: fixed_point.fx_matvec_staged(CTX, ws[i % len(ws)], x, out=out)
+                    paths["fx_mmq"] = lambda i: fixed_point.fx_mmq(CTX, ws[i % len(ws)], x, out=out)
                 if args.paths:
                     keep = set(args.paths.split(","))
                     paths = {k: v for k, v in paths.items() if k in keep}

@@ -5,8 +5,8 @@ lab.cu at every instantiation lab.py launches (the dp4a and i16s matvecs at ever
 and pieces-per-trip of the sweeps, the staged f16 matmul of the K-quants), and the production
 templates at the lab's arguments (the f32 matvec of every type and cut, the i16 matvec at every
 configuration, mm of the K-quants read directly, mmq with two tiles a warp), mmq_rows.cu,
-rows_split.cu and fixed_point.cu, each source as the runtime compiles it. Exit status 1 on any
-compile error.
+rows_split.cu and production's fixed_point.cu with its direct matvec at every lanes a row, each
+source as the runtime compiles it. Exit status 1 on any compile error.
 
     python dev/cuda/compile_lab.py [--arch compute_90] [--quick]   # --quick: 64 instantiations a source
     python dev/cuda/compile_lab.py --only fixed_point.cu --arch sm_90 --sass-info   # one source; registers, spills
@@ -26,7 +26,7 @@ from compile_check import compile_one  # noqa: E402
 
 from ntx.daemons.compute.cuda import instances, mm  # noqa: E402
 from ntx.daemons.compute.cuda.sources import kernel_source  # noqa: E402
-from ntx.daemons.compute.cuda.tuning import MV_ROWS_PER_CTA  # noqa: E402
+from ntx.daemons.compute.cuda.tuning import FX_LANES_PER_ROW, MV_ROWS_PER_CTA  # noqa: E402
 from ntx.shared.quant_types import QUANT_TYPES  # noqa: E402
 
 SWEEP = [(nr, u) for nr in MV_ROWS_PER_CTA for u in (1, 2)]  # (rows per CTA, pieces per trip) the sweeps take
@@ -51,10 +51,9 @@ def lab_names() -> dict[str, list[str]]:
             out["mm.cu"] += instances.mm_names(qt, "v2")
             out["mmq.cu"] += lab.mmq_names(qt, 2)
             out["mmq_rows.cu"] += [n for tile in lab.MMQ_ROWS_TILES for n in lab.mmq_rows_names(qt, tile)]
-        if mm.mmq_supported(q.qtype, 256):
-            out["fixed_point.cu"] += [n for tpr in lab.FX_LANES_PER_ROW for n in lab.fx_mv_names(qt, tpr)]
-            out["fixed_point.cu"] += list(lab.fx_mvs_names(qt)) + list(lab.fx_mmq_names(qt))
-    out["fixed_point.cu"] += ["fx_quantize_mmq_kernel"]
+        if mm.mmq_supported(q.qtype, 256):  # production's, the direct matvec at every lanes a row included
+            out["fixed_point.cu"] += [n for tpr in FX_LANES_PER_ROW for n in instances.fx_mv_names(qt, tpr)]
+            out["fixed_point.cu"] += list(instances.fx_mvs_names(qt)) + list(instances.fx_mmq_names(qt))
 
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
@@ -71,7 +70,7 @@ def main() -> int:
         if a.only and source != a.only:
             continue
         path = {"lab.cu": lab.LAB_SOURCE, "mmq_rows.cu": lab.MMQ_ROWS_SOURCE,
-                "rows_split.cu": lab.ROWS_SPLIT_SOURCE, "fixed_point.cu": lab.FIXED_POINT_SOURCE}.get(source, source)
+                "rows_split.cu": lab.ROWS_SPLIT_SOURCE}.get(source, source)
         names = names[::max(1, len(names) // 64)][:64] if a.quick else names
         ok &= compile_one(source, a.arch, a.sass_info, names=names, source=kernel_source(path))
     print("ALL OK" if ok else "ERRORS")

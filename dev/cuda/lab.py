@@ -22,13 +22,9 @@ runs.
                         over 8 warps a CTA in the order's 8-lane subtrees (rows_split.cu); the
                         same bits on an H100, 1.6-5.2x faster than matvec_rows at 1-8 rows but
                         still 2.4-8.8x mmq past 8 (docs/PERFORMANCE.md): not taken to production.
-  fx_matvec, fx_matvec_staged, fx_mmq
-                        the batch-invariant mode's third road (fixed_point.cu): each 256-column
-                        block's value in mmq's f32 steps, then summed as 64-bit fixed point, so
-                        the order of the sums cannot change a row's bits: the matvec (1-8 rows;
-                        a lane a block straight from global memory, or a lane a row from mmq's
-                        staged walk) and mmq (1-64 rows) give a row the same bits while each
-                        keeps its own order. Compiled here (NVRTC); not yet run on a GPU.
+
+The fixed-point products (the batch-invariant mode's fixed form) began here and are production's
+now: daemons/compute/cuda/fixed_point.py (both matvecs, direct and staged, and mmq).
 """
 
 from __future__ import annotations
@@ -42,17 +38,15 @@ from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import gemm, instances
 from ntx.daemons.compute.cuda import matvec as mv
 from ntx.daemons.compute.cuda import mm as tc
-from ntx.daemons.compute.cuda.memory import mm_cut, mmq_planes_bytes
+from ntx.daemons.compute.cuda.memory import mm_cut
 from ntx.daemons.compute.cuda.runtime import (DEFAULT_SMEM_LIMIT, KernelContext, check_f32, function, rows_and_out,
-                                              sm_count, stream_ctx, tuning)
+                                              stream_ctx, tuning)
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS, MV_ROWS_PER_CTA, MV_UNROLLS
 from ntx.shared.quant_types import quant_type
 
 LAB_SOURCE = Path(__file__).resolve().with_name("lab.cu")
 MMQ_ROWS_SOURCE = Path(__file__).resolve().with_name("mmq_rows.cu")
 ROWS_SPLIT_SOURCE = Path(__file__).resolve().with_name("rows_split.cu")
-FIXED_POINT_SOURCE = Path(__file__).resolve().with_name("fixed_point.cu")
-FX_LANES_PER_ROW = (8, 16, 32)  # fx_mv_kernel's TPR: lanes (blocks at once) a weight row
 ROWS_SPLIT_WARPS = 8  # rows_split.cu's ROWS_SPLIT_WARPS: the warps of a CTA
 ROWS_SPLIT_MAX_NW = 8  # rows_split.cu's ROWS_SPLIT_MAX_NW: the warps per CTA of the order it gives
 MMQ_ROWS_MAX_B = 2  # rows of x mmq_rows_kernel takes (its NB)
@@ -81,18 +75,6 @@ def mmq_names(qt: int, mt: int) -> tuple[str, ...]:
 
 def rows_split_names(qt: int) -> tuple[str, ...]:
     return (f"mvq2_rows_split_kernel<{int(qt)}>",)
-
-
-def fx_mv_names(qt: int, tpr: int) -> tuple[str, ...]:
-    return tuple(f"fx_mv_kernel<{int(qt)},{b},{tpr}>" for b in instances.MATVEC_ROWS)
-
-
-def fx_mvs_names(qt: int) -> tuple[str, ...]:
-    return tuple(f"fx_mvs_kernel<{int(qt)},{b}>" for b in instances.MATVEC_ROWS)
-
-
-def fx_mmq_names(qt: int) -> tuple[str, ...]:
-    return tuple(f"fx_mmq_kernel<{int(qt)},{nt},1>" for nt in instances.MM_TILES)
 
 
 def mmq_rows_names(qt: int, tile: int) -> tuple[str, ...]:
@@ -375,135 +357,4 @@ def matvec_rows_split(ctx: KernelContext, w: Weight, x, out=None, *, stream=None
                    (32 * ROWS_SPLIT_WARPS,),
                    (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
                     np.int32(B), np.int32(nw), np.int32(accumulate)))
-    return out
-
-
-# ------------------------------------------------------------------------------ fixed-point sums
-def fx_lanes_per_row(n_cols: int) -> int:
-    """fx_mv_kernel's lanes a weight row: the fewest of FX_LANES_PER_ROW that take all of a row's
-    256-column blocks at once (32 past 32 blocks: two or more blocks a lane)."""
-    nb = n_cols // 256
-    return next((t for t in FX_LANES_PER_ROW if nb <= t), FX_LANES_PER_ROW[-1])
-
-
-def _fx_check(q, n_cols: int, what: str) -> None:
-    if not tc.mmq_supported(q.qtype, n_cols):
-        raise ValueError(f"{what} takes the types mmq takes (Q4_K, Q5_K, Q6_K) at a multiple of 256 columns, "
-                         f"not {q.name} rows of {n_cols} columns")
-
-
-def fx_matvec(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None, tpr: int | None = None):
-    """out[b, r] = sum_c W[r, c] * x[b, c] for up to MAX_MATVEC_B rows of x through fx_mv_kernel
-    (fixed_point.cu): a lane a 256-column block, ``tpr`` lanes a weight row (default
-    fx_lanes_per_row), the blocks' values summed as 64-bit fixed point: each row's bits are
-    fx_mmq's for that row at any number of rows. planes: the i16 matvec's planes of this x
-    (matvec.i16_quantize, or what production's fused producers write)."""
-    q = quant_type(w.qtype)
-    _fx_check(q, w.n_cols, "fx_matvec")
-    tpr = tpr or fx_lanes_per_row(w.n_cols)
-    if tpr not in FX_LANES_PER_ROW:
-        raise ValueError(f"fx_matvec: {tpr} lanes a row, not one of {FX_LANES_PER_ROW}")
-    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec")
-    B = x.shape[0]
-    names = fx_mv_names(int(q.qtype), tpr)
-    with stream_ctx(stream):
-        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
-        ctx.launch(function(FIXED_POINT_SOURCE, names[B - 1], names), (-(-w.n_rows // (256 // tpr)),), (256,),
-                   (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes)))
-    return out
-
-
-FX_MVS_MAX_WARPS = 8  # fx_mvs_kernel's warps a CTA (block columns of 32 rows walked at once)
-
-
-def fx_mvs_smem_bytes(q, warps: int, B: int) -> int:
-    """fx_mvs_kernel's dynamic shared memory: each warp's stages of 32 rows (mmq's walk at MT = 2),
-    or the warps' 64-bit sums (warps x 32 rows x B x 8 bytes), whichever is larger."""
-    return max(tc.staged_smem_bytes(q, warps, 1), warps * 32 * B * 8)
-
-
-def fx_mvs_launch(n_rows: int, nb: int, warps: int | None = None) -> tuple[int, int]:
-    """fx_mvs_kernel's (warps a CTA, KS) for a matrix of n_rows rows and nb block columns: about
-    two CTAs a streaming multiprocessor (split-K where the row tiles are fewer), each warp at
-    least two block columns where there are enough, warps fewer before CTAs are (so a small
-    matrix is spread over the SMs rather than stacked on a few); ``warps`` given: only KS."""
-    tiles = -(-n_rows // 32)
-    ks_target = -(-2 * sm_count() // tiles)
-    if warps is None:
-        warps = max(1, min(FX_MVS_MAX_WARPS, nb // (2 * ks_target)))
-    return warps, max(1, min(ks_target, nb // (2 * warps)))
-
-
-def fx_matvec_staged(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,
-                     warps: int | None = None, splits: int | None = None):
-    """fx_matvec's product and bits through fx_mvs_kernel: a CTA of ``warps`` warps takes 32
-    weight rows, ``splits`` CTAs share their block columns (defaults: fx_mvs_launch); each warp
-    stages its block columns as mmq does and each lane computes one row's blocks, every lane of
-    a warp on the same columns of x. planes: the i16 matvec's planes of this x."""
-    q = quant_type(w.qtype)
-    _fx_check(q, w.n_cols, "fx_matvec_staged")
-    if warps is not None and not 1 <= warps <= FX_MVS_MAX_WARPS:
-        raise ValueError(f"fx_matvec_staged: {warps} warps a CTA, not 1-{FX_MVS_MAX_WARPS}")
-    warps, ks = fx_mvs_launch(w.n_rows, w.n_cols // 256, warps)
-    ks = splits or ks
-    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec_staged")
-    B = x.shape[0]
-    tiles = -(-w.n_rows // 32)
-    names = fx_mvs_names(int(q.qtype))
-    with stream_ctx(stream):
-        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
-        if ks == 1:
-            part, counts = np.uint64(0), np.uint64(0)
-        else:
-            part = ctx.scratch("fx split-k partials", ks * B * w.n_rows * 8)
-            counts = ctx.scratch("split-k counters", tiles * 4, zero=True)
-        _launch_staged(ctx, function(FIXED_POINT_SOURCE, names[B - 1], names), (tiles, ks), warps,
-                       fx_mvs_smem_bytes(q, warps, B),
-                       (w.data, xq1, ds1, xq2, ds2, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
-                        np.int64(w.row_bytes)))
-    return out
-
-
-def fx_quantize(ctx: KernelContext, x, *, stream=None):
-    """fx_mmq's activations for x [B, n_cols] (B <= MAX_MM_ROWS): mm.mmq_quantize's layout, its
-    group sums those of the i16 planes (fx_quantize_mmq_kernel), in the context's scratch."""
-    B, n_cols = x.shape
-    bp = 8 * -(-B // 8)
-    with stream_ctx(stream):
-        ws = ctx.scratch("fx mmq x planes", mmq_planes_bytes(B, n_cols))
-        xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
-        n4 = bp * n_cols // 4
-        ctx.launch(function(FIXED_POINT_SOURCE, "fx_quantize_mmq_kernel"), ((n4 + 255) // 256,), (256,),
-                   (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
-    return xq, xd
-
-
-def fx_mmq_smem_bytes(q, warps: int, nt: int) -> int:
-    """fx_mmq_kernel's dynamic shared memory: mmq's stages, or its epilogue's 64-bit sums (warps x
-    16 rows x 8 NT x 8 bytes), whichever is larger."""
-    return max(tc.staged_smem_bytes(q, warps, nt), warps * 16 * 8 * nt * 8)
-
-
-def fx_mmq(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, config=None, planes=None):
-    """mmq with fixed-point sums (fixed_point.cu fx_mmq_kernel) for up to MAX_MM_ROWS rows of x,
-    at the device's mmq launch or config (WR, WK, KS): each row's bits are fx_matvec's of that
-    row alone, whatever the split of K. planes: fx_quantize of this x."""
-    q = quant_type(w.qtype)
-    _fx_check(q, w.n_cols, "fx_mmq")
-    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MM_ROWS, "fx_mmq")
-    B = x.shape[0]
-    wr, wk, ks = config or tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
-    tiles, nt = -(-w.n_rows // (16 * wr)), -(-B // 8)
-    names = fx_mmq_names(int(q.qtype))
-    with stream_ctx(stream):
-        xq, xd = planes if planes is not None else fx_quantize(ctx, x)
-        if ks == 1:
-            part, counts = np.uint64(0), np.uint64(0)
-        else:
-            part = ctx.scratch("fx split-k partials", ks * B * w.n_rows * 8)
-            counts = ctx.scratch("split-k counters", tiles * 4, zero=True)
-        _launch_staged(ctx, function(FIXED_POINT_SOURCE, names[nt - 1], names), (tiles, ks), wr * wk,
-                       fx_mmq_smem_bytes(q, wr * wk, nt),
-                       (w.data, xq, xd, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
-                        np.int64(w.row_bytes), np.int32(B), np.int32(wr)))
     return out

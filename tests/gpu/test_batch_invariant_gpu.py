@@ -3,14 +3,17 @@ batch-invariant=on``: a row's results do not depend on how many rows share its p
 
   * kernels: every row of gemm (and gemm_group, gemm(accumulate)) of x[:T] is the bits of that
     row multiplied alone, T in 1..512 across every path boundary, for each kernel family (mmq:
-    Q4_K, Q6_K; mm: Q4_1, Q8_0, F16; the matvec: F32), and in the mode's rows form
-    (``invariant-rows=on``: the i16 matvec to 8 rows, then matvec_rows); attention likewise, and
+    Q4_K, Q6_K; mm: Q4_1, Q8_0, F16; the matvec: F32), in the mode's rows form
+    (``invariant-rows=on``: the i16 matvec to 8 rows, then matvec_rows) and its fixed form
+    (``invariant-fixed=on``: the K-quants' fixed-point matvec to 2 rows, then fixed-point mmq;
+    tests/gpu/test_fixed_point_gpu.py has its kernels alone); attention likewise, and
     a token tree's rows (the ordered tree kernel) the bits of a plain row over its path laid out
     in order;
   * the model: one sequence's logits, bit for bit, alone and in passes of 8, 64 and 512 rows
     with sequences that join and leave, its last steps verified as a tree (the scenario of
     tests/test_batch_invariant.py, where the cpu backend passes it), on a synthetic Q4_K_M
-    (mmq) and the real SmolLM2 (NTX_TEST_MODEL: mm), in both forms;
+    (mmq) and the real SmolLM2 (NTX_TEST_MODEL: mm), in every form (the fixed form's products
+    at 1-2 rows read the planes the fused norm, swiglu and attention combine write);
   * the engine: greedy tokens alone, batched with requests that join and leave mid-generation,
     and with ngram speculation verifying trees wider than a graph bucket, all the same.
 
@@ -52,8 +55,11 @@ from .test_kernels import W, kv_pages, random_parents, random_weights  # noqa: E
 ON = KernelOptions(batch_invariant=True)
 BI = runtime.standalone(ON)
 BI_ROWS = runtime.standalone(KernelOptions(batch_invariant=True, invariant_rows=True))
-# --kernels of each form of the mode
-FORMS = {"mmq-mm": "batch-invariant=on", "rows": "batch-invariant=on,invariant-rows=on"}
+BI_FIXED = runtime.standalone(KernelOptions(batch_invariant=True, invariant_fixed=True))
+# --kernels of each form of the mode, and the standalone context of each
+FORMS = {"mmq-mm": "batch-invariant=on", "rows": "batch-invariant=on,invariant-rows=on",
+         "fixed": "batch-invariant=on,invariant-fixed=on"}
+CONTEXTS = {"mmq-mm": BI, "rows": BI_ROWS, "fixed": BI_FIXED}
 ROWS = (1, 2, 3, 8, 9, 63, 64, 65, 512)  # across every boundary of the default's paths and chunks
 MAX_ROWS = max(ROWS)
 
@@ -62,7 +68,7 @@ MAX_ROWS = max(ROWS)
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q4_1, QT.Q8_0, QT.F16, QT.F32])
 def test_gemm_rows_are_the_bits_of_each_row_alone(qt, form):
-    ctx = BI_ROWS if form == "rows" else BI
+    ctx = CONTEXTS[form]
     rng = np.random.default_rng(int(qt))
     n_rows, n_cols = 320, 1024
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
@@ -72,7 +78,8 @@ def test_gemm_rows_are_the_bits_of_each_row_alone(qt, form):
     alone2 = np.stack([cp.asnumpy(G.gemm(ctx, w2, x[i:i + 1]))[0] for i in range(MAX_ROWS)])
     base = cp.asarray(rng.standard_normal((MAX_ROWS, n_rows)).astype(np.float32))
     for T in ROWS:
-        assert G.path(ctx, w, T) == invariant_path(quant_type(qt), n_cols, T, form == "rows"), (qt, T)
+        fixed_rows = ctx.tuning().fx_matvec_rows if form == "fixed" else 0
+        assert G.path(ctx, w, T) == invariant_path(quant_type(qt), n_cols, T, form == "rows", fixed_rows), (qt, T)
         np.testing.assert_array_equal(cp.asnumpy(G.gemm(ctx, w, x[:T])), alone[:T], err_msg=f"{qt.name} gemm T={T}")
         a, b = G.gemm_group(ctx, x[:T], [(w, None), (w2, None)])  # x quantized once for both
         np.testing.assert_array_equal(cp.asnumpy(a), alone[:T], err_msg=f"{qt.name} group T={T}")
@@ -190,6 +197,7 @@ def test_a_sequence_logits_do_not_depend_on_its_pass(which, form, q4km):
     model = engine.core.model
     assert model.backend.kernels.batch_invariant and model.backend.tuning.batch_invariant
     assert model.backend.tuning.invariant_rows == (form == "rows")
+    assert model.backend.tuning.invariant_fixed == (form == "fixed")
     tokens, alone = sequence_logits_alone(model)
     batched, sizes = sequence_logits_batched(model, tokens)
     assert sizes == PASS_ROWS

@@ -17,7 +17,7 @@ import numpy as np
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import gemm as gm
 from ntx.daemons.compute.cuda import instances
-from ntx.daemons.compute.cuda.matvec import i16_planes, matvec
+from ntx.daemons.compute.cuda.matvec import i16_planes
 from ntx.daemons.compute.cuda.memory import tree_mask_words
 from ntx.daemons.compute.cuda.kv_pages import KvPages
 from ntx.daemons.compute.cuda.runtime import KernelContext, check_f32, check_i32, function, out_array, stream_ctx, tuning
@@ -142,15 +142,15 @@ def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, ou
 
 
 def attention_gemm_fuses(ctx: KernelContext, T: int, w: Weight) -> bool:
-    """Whether ``attention_gemm`` of T rows by ``w`` is one fused operation (the product takes
-    the i16 matvec) rather than an attention and then a gemm."""
-    return w.n_cols % 32 == 0 and T <= MAX_MATVEC_B and gm.path(ctx, w, T) == "i16"
+    """Whether ``attention_gemm`` of T rows by ``w`` is one fused operation (the product reads the
+    i16 planes: the i16 or the fixed-point matvec) rather than an attention and then a gemm."""
+    return w.n_cols % 32 == 0 and T <= MAX_MATVEC_B and gm.takes_i16_planes(ctx, w, T)
 
 
 def attention_gemm(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, attn, w: Weight, out, *,
                    n_splits=None, workspace=None, tree_base=None, tree_mask=None, stream=None):
     """attn = attention(q, ...) [T, H, hd], then out = attn @ W.T [T, n_rows] (n_cols = H * hd):
-    where that product takes the i16 matvec, attention's combine kernel also writes attn's planes,
+    where that product reads the i16 planes, attention's combine kernel also writes attn's planes,
     one launch fewer than an attention and a quantization, with the same bits."""
     T, H, hd = q.shape
     if w.n_cols != H * hd:
@@ -164,4 +164,4 @@ def attention_gemm(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_len
         x = attn.reshape(T, w.n_cols)
         if not fused:
             return gm.gemm(ctx, w, x, out)
-        return matvec(ctx, w, x, out, planes=planes)
+        return gm.product_of_planes(ctx, w, x, out, planes)

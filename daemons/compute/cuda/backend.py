@@ -169,7 +169,8 @@ class CudaBackend(Backend):
         self.max_graph_rows = MAX_GRAPH_ROWS if use_graphs else 0  # passes up to this are bucketed and captured
         self.kernels = kernels if kernels is not None else KernelOptions()
         # the device's table, or its batch-invariant form (the ctx below launches from the same)
-        self.tuning = (runtime.invariant_tuning(runtime.tuning(), self.kernels.invariant_rows)
+        self.tuning = (runtime.invariant_tuning(runtime.tuning(), self.kernels.invariant_rows,
+                                                self.kernels.invariant_fixed)
                        if self.kernels.batch_invariant else runtime.tuning())
         with self.stream:
             self.arena = Arena(backend_layout(index, self.max_ctx, self.max_graph_rows, self.tuning))

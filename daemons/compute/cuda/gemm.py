@@ -22,7 +22,10 @@ matvec for the rest, in chunks of MAX_MM_ROWS (MAX_MATVEC_B) rows beyond those, 
 so that a row's products are the same bits whatever rows share its pass. In its rows form
 (``KernelOptions.invariant_rows``) the block-quantized types take the i16 matvec up to 8 rows
 and ``matvec.matvec_rows`` (the matvec's order on the tensor cores) past that, in launches of
-MAX_MM_ROWS rows.
+MAX_MM_ROWS rows. In its fixed form (``KernelOptions.invariant_fixed``) the K-quants' sums are
+64-bit fixed point, the same bits in any order (``fixed_point.py``): the fixed-point matvec
+("fxmv", on the i16 planes) up to the table's fx_matvec_rows rows, fixed-point mmq ("fxmmq")
+past them.
 
 The products of one x — a layer's q, k and v, its gate and up — go through ``gemm_group``,
 which quantizes x once for all the products that take the same quantized x, and runs the i16
@@ -37,6 +40,7 @@ import cupy as cp
 import numpy as np
 
 from ntx.daemons.compute.backend import Weight
+from ntx.daemons.compute.cuda import fixed_point as fp
 from ntx.daemons.compute.cuda import matvec as mv
 from ntx.daemons.compute.cuda import mm as tc
 from ntx.daemons.compute.cuda import norm_rope_kv as nrk
@@ -46,7 +50,12 @@ from ntx.daemons.compute.cuda.runtime import KernelContext, aligned_x, check_f32
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B, MAX_MM_ROWS
 from ntx.shared.quant_types import quant_type, row_nbytes
 
-__all__ = ["weight", "path", "gemm", "gemm_dequant", "gemm_group", "norm_gemm_group", "swiglu_gemm_add"]
+__all__ = ["weight", "path", "takes_i16_planes", "product_of_planes", "gemm", "gemm_dequant", "gemm_group",
+           "norm_gemm_group", "swiglu_gemm_add"]
+
+# the paths that read x as the i16 planes: what the fused producers (rmsnorm_q2, swiglu_q2, the
+# attention combine) write beside their output, one launch fewer than an op and a quantization
+I16_PLANE_PATHS = ("i16", "fxmv")
 
 
 def weight(raw, qtype, n_rows: int, n_cols: int) -> Weight:
@@ -78,6 +87,28 @@ def path(ctx: KernelContext, w: Weight, T: int) -> str:
     return p
 
 
+def takes_i16_planes(ctx: KernelContext, w: Weight, T: int) -> bool:
+    """Whether the product of T rows of x with ``w`` reads x as the i16 planes (I16_PLANE_PATHS),
+    so that the kernel making x can write them."""
+    return path(ctx, w, T) in I16_PLANE_PATHS
+
+
+def product_of_planes(ctx: KernelContext, w: Weight, x, out, planes, *, stream=None, accumulate: bool = False):
+    """out (+)= x @ W.T from x's i16 planes (made already) on the path of ``w`` at x's rows, one
+    of I16_PLANE_PATHS: the i16 matvec (accumulating in its epilogue) or the fixed-point matvec
+    (accumulating as ``gemm`` does off the i16 path: a scratch product and ``add``)."""
+    T = x.shape[0]
+    if path(ctx, w, T) == "i16":
+        return mv.matvec(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
+    if not accumulate:
+        return fp.fx_matvec(ctx, w, x, out, stream=stream, planes=planes)
+    check_f32("out", out, (T, w.n_rows))
+    with stream_ctx(stream):
+        tmp = ctx.scratch("gemm accumulate", T * w.n_rows * 4).view(cp.float32).reshape(T, w.n_rows)
+        fp.fx_matvec(ctx, w, x, tmp, planes=planes)
+        return nrk.add(ctx, out, tmp, out=out)
+
+
 def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate: bool = False):
     """out [T, n_rows] f32 = x [T, n_cols] f32 @ W.T (see the module doc). accumulate: out +=
     x @ W.T, the same f32 addition as a separate add: in the i16 matvec's epilogue, else through
@@ -99,8 +130,10 @@ def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate:
         return gemm_dequant(ctx, w, x, out, stream=stream)
     if p == "rows":
         return _rows(ctx, w, x, out, stream)
-    if p in ("mmq", "mm"):
-        product = tc.mmq if p == "mmq" else tc.mm
+    if p == "fxmv":
+        return fp.fx_matvec(ctx, w, x, out, stream=stream)
+    if p in ("mmq", "mm", "fxmmq"):
+        product = {"mmq": tc.mmq, "mm": tc.mm, "fxmmq": fp.fx_mmq}[p]
         if T <= MAX_MM_ROWS:
             return product(ctx, w, x, out, stream=stream)
         # the batch-invariant mode beyond one launch's rows: chunks, each row as in a narrower pass
@@ -182,7 +215,7 @@ def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) ->
     outs. i16_planes: x's i16 planes, made already (``norm_rope_kv.rmsnorm_i16``)."""
     x = aligned_x(x, parts[0][0].n_cols)
     T = x.shape[0]
-    if T > MAX_MM_ROWS and i16_planes is None and any(path(ctx, w, T) in ("mmq", "rows") for w, _ in parts):
+    if T > MAX_MM_ROWS and i16_planes is None and any(path(ctx, w, T) in ("mmq", "rows", "fxmmq") for w, _ in parts):
         # the batch-invariant mode beyond one launch's rows: the group chunk by chunk (the
         # planes are made for up to MAX_MM_ROWS rows)
         outs = [out_array(out, (T, w.n_rows), cp.float32) for w, out in parts]
@@ -199,6 +232,14 @@ def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) ->
             if "mmq" not in shared:
                 shared["mmq"] = tc.mmq_quantize(ctx, x, stream=stream)
             outs[i] = tc.mmq(ctx, w, x, out, stream=stream, planes=shared["mmq"])
+        elif p == "fxmmq":
+            if "fxmmq" not in shared:
+                shared["fxmmq"] = fp.fx_quantize(ctx, x, stream=stream)
+            outs[i] = fp.fx_mmq(ctx, w, x, out, stream=stream, planes=shared["fxmmq"])
+        elif p == "fxmv":
+            if "i16" not in shared:
+                shared["i16"] = mv.i16_quantize(ctx, x, stream=stream)
+            outs[i] = fp.fx_matvec(ctx, w, x, out, stream=stream, planes=shared["i16"])
         elif p == "i16":
             i16_by_type.setdefault(w.qtype, []).append(i)
         elif p == "rows":
@@ -224,9 +265,9 @@ def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) ->
 
 def _fusable(ctx: KernelContext, T: int, width: int, parts, arrays) -> bool:
     """Whether a producer of x [T, width] can write x's i16 planes for ``parts``: some product
-    takes the i16 matvec, the groups of 32 align, and every array is C-contiguous and 16-byte
-    aligned (float4 accesses)."""
-    if width % 32 or T > MAX_MATVEC_B or not any(path(ctx, w, T) == "i16" for w, _ in parts):
+    reads them (I16_PLANE_PATHS), the groups of 32 align, and every array is C-contiguous and
+    16-byte aligned (float4 accesses)."""
+    if width % 32 or T > MAX_MATVEC_B or not any(takes_i16_planes(ctx, w, T) for w, _ in parts):
         return False
     return all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays if a is not None)
 
@@ -246,13 +287,14 @@ def norm_gemm_group(ctx: KernelContext, x, w, eps: float, h, parts, *, residual=
 
 def swiglu_gemm_add(ctx: KernelContext, gate, up, act, w: Weight, out, *, stream=None):
     """act = silu(gate) * up [T, F], then out += act @ W.T (``gemm(accumulate=True)``): where that
-    takes the i16 matvec, the swiglu kernel also writes act's planes (swiglu_q2_kernel), one
-    launch fewer than a swiglu and a quantization, with the same bits."""
+    reads the i16 planes (the i16 or the fixed-point matvec), the swiglu kernel also writes
+    act's planes (swiglu_q2_kernel), one launch fewer than a swiglu and a quantization, with
+    the same bits."""
     check_f32("gate", gate)
     check_f32("up", up, gate.shape)
     act = out_array(act, gate.shape, cp.float32)
     T, F = gate.shape
-    fused = (F % 32 == 0 and T <= MAX_MATVEC_B and path(ctx, w, T) == "i16"
+    fused = (F % 32 == 0 and T <= MAX_MATVEC_B and takes_i16_planes(ctx, w, T)
              and all(a.data.ptr % 16 == 0 for a in (gate, up, act)))
     if not fused:
         nrk.swiglu(ctx, gate, up, out=act, stream=stream)
@@ -260,4 +302,4 @@ def swiglu_gemm_add(ctx: KernelContext, gate, up, act, w: Weight, out, *, stream
     check_f32("out", out, (T, w.n_rows))
     with stream_ctx(stream):
         planes = nrk.swiglu_i16(ctx, gate, up, act)
-        return mv.matvec(ctx, w, act, out, stream=stream, planes=planes, accumulate=True)
+        return product_of_planes(ctx, w, act, out, planes, stream=stream, accumulate=True)

@@ -13,7 +13,7 @@ from ntx.daemons.compute.cuda import tuning
 from ntx.shared.quant_types import QUANT_TYPES, QuantType
 
 __all__ = ["CUT_ID", "MATVEC_ROWS", "MM_TILES", "ATTENTION_SHAPES", "mv_names", "i16_names", "deq_names",
-           "mm_names", "mmq_names", "rows_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
+           "mm_names", "mmq_names", "rows_names", "fx_mv_names", "fx_mvs_names", "fx_mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
            "production"]
 
 CUT_ID = {"v1": 1, "v2": 2}  # template argument of each layout cut (quant_traits.cuh CUT_V1, CUT_V2)
@@ -52,6 +52,22 @@ def mmq_names(qt: int) -> tuple[str, ...]:
     return tuple(f"mmq_kernel<{int(qt)},{nt},1>" for nt in MM_TILES)
 
 
+def fx_mv_names(qt: int, tpr: int) -> tuple[str, ...]:
+    """The fixed-point matvec read directly (fixed_point.cu fx_mv_kernel) at every B, ``tpr``
+    lanes a weight row."""
+    return tuple(f"fx_mv_kernel<{int(qt)},{b},{tpr}>" for b in MATVEC_ROWS)
+
+
+def fx_mvs_names(qt: int) -> tuple[str, ...]:
+    """The fixed-point matvec staged as mmq stages (fx_mvs_kernel) at every B."""
+    return tuple(f"fx_mvs_kernel<{int(qt)},{b}>" for b in MATVEC_ROWS)
+
+
+def fx_mmq_names(qt: int) -> tuple[str, ...]:
+    """mmq with fixed-point sums (fx_mmq_kernel), one 16-row tile per warp."""
+    return tuple(f"fx_mmq_kernel<{int(qt)},{nt},1>" for nt in MM_TILES)
+
+
 def attn_names(g: int, hd: int) -> tuple[str, ...]:
     """attention's split kernels: plain, tree rows masked in place, tree rows in their paths'
     order (the batch-invariant mode)."""
@@ -82,7 +98,8 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
     """(source, instantiation names) of every module production compiles for matrices of type
     ``q`` on the device entries ``tables``: its matvec (f32 or i16) at each launch
     configuration (and the i16 one's matvec_rows), its dequantizer at its cut, its tensor-core
-    matmul (mmq for the K-quants, mm at each of the other types' cuts)."""
+    matmul (mmq for the K-quants, mm at each of the other types' cuts) and the K-quants'
+    fixed-point matvec and mmq on the tables of the batch-invariant mode's fixed form."""
     out = []
     qt = int(q.qtype)
     if matvec_kind(q) == "i16":
@@ -96,6 +113,18 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
         out.append(("dequant.cu", deq_names(qt, cut)))
     if q.mm_staged:
         out.append(("mmq.cu", mmq_names(qt)))
+        # the batch-invariant mode's fixed-point form (KernelOptions.invariant_fixed), on its tables
+        # only: its quantizer of x (extern "C"), its matvec (staged, or direct: lanes a row
+        # follow the row length) and mmq
+        fixed = [t for t in tables if t.invariant_fixed]
+        if fixed:
+            out.append(("fixed_point.cu", ()))
+        if any(t.fx_matvec_staged for t in fixed):
+            out.append(("fixed_point.cu", fx_mvs_names(qt)))
+        if any(not t.fx_matvec_staged for t in fixed):
+            out += [("fixed_point.cu", fx_mv_names(qt, tpr)) for tpr in tuning.FX_LANES_PER_ROW]
+        if fixed:
+            out.append(("fixed_point.cu", fx_mmq_names(qt)))
     else:
         out += [("mm.cu", mm_names(qt, cut)) for cut, _, _ in q.mm_cuts]
     return out
@@ -103,12 +132,15 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
 
 def production(tunings=None) -> dict[str, list[tuple[str, ...]]]:
     """Every module production compiles, as {source: [instantiation names of each module]}: each
-    supported type's (``type_modules``) for every device entry (``tunings``, default all), the
-    attention at ATTENTION_SHAPES, and the extern "C" kernels (an empty name list)."""
+    supported type's (``type_modules``) for every device entry (``tunings``, default all) and its
+    batch-invariant fixed form, the attention at ATTENTION_SHAPES, and the extern "C" kernels
+    (an empty name list)."""
     tables = list(tunings if tunings is not None else tuning.TUNINGS.values())
+    tables += [tuning.batch_invariant(t, fixed=True) for t in tables if not t.batch_invariant]
     out: dict[str, list[tuple[str, ...]]] = {name: [()] for name in extern_kernels()}
     out["dequant.cu"] = []
     out["matvec_rows.cu"] = []
+    out["fixed_point.cu"] = []
     for q in QUANT_TYPES.values():
         for source, names in type_modules(q, tables):
             out[source].append(names)

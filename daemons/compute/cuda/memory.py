@@ -31,7 +31,7 @@ from ntx.shared.quant_types import QuantType, quant_type
 
 __all__ = ["Region", "Layout", "ALIGN_BYTES", "KV_ELEMENT_BYTES", "ALLOCATOR_SLACK_BYTES", "ROW_FIELDS",
            "attention_splits", "attention_rows", "dequant_chunk_rows", "gemm_path", "invariant_path", "gemm_scratch_bytes", "pass_regions", "scratch_regions", "backend_layout", "eager_layout",
-           "i16_plane_bytes", "i16_planes_bytes", "mmq_planes_bytes", "mm_scratch_bytes", "mmq_scratch_bytes",
+           "i16_plane_bytes", "i16_planes_bytes", "mmq_planes_bytes", "mm_scratch_bytes", "mmq_scratch_bytes", "fx_scratch_bytes",
            "tree_mask_words", "matrix_shapes", "backend_tuning", "cuda_memory_costs", "BUCKET_PREFIX",
            "bucket_regions"]
 
@@ -158,7 +158,7 @@ def mm_cut(q: QuantType, n_cols: int) -> tuple[str, int] | None:
     return None
 
 
-def invariant_path(q: QuantType, n_cols: int, T: int, rows: bool = False) -> str:
+def invariant_path(q: QuantType, n_cols: int, T: int, rows: bool = False, fixed_rows: int = 0) -> str:
     """The batch-invariant mode's path for T rows of x against rows of n_cols of type q, where a
     row's bits do not depend on T. The form in use: one path at every T, "mmq" for the
     K-quants, "mm" for the other types mm decodes at this row length (Q4_0, Q4_1, Q5_0, Q5_1,
@@ -168,10 +168,16 @@ def invariant_path(q: QuantType, n_cols: int, T: int, rows: bool = False) -> str
     block-quantized types take the i16 matvec up to MAX_MATVEC_B rows ("i16", one warps-per-CTA
     per type at every B) and "rows" past that (``matvec.matvec_rows``: the matvec's f32 steps in
     its order), F16 and the float types as above. Never cuBLAS: its kernel and split of K change
-    with the shape, and it rounds x to f16. Why the forms: docs/ARCHITECTURE.md, "Batch-invariant mode"."""
+    with the shape, and it rounds x to f16. ``fixed_rows`` (``KernelOptions.invariant_fixed``:
+    the table's fx_matvec_rows, 0 off): the K-quants' sums in 64-bit fixed point, the same bits
+    in any order (fixed_point.py), "fxmv" (the fixed-point matvec) up to that many rows and
+    "fxmmq" (fixed-point mmq) past them; the other types as in the form in use. Why the forms:
+    docs/ARCHITECTURE.md, "Batch-invariant mode"."""
     if rows and q.dp4a:
         return "i16" if T <= tuning.MAX_MATVEC_B else "rows"
     if q.mm_staged and n_cols % 256 == 0:
+        if fixed_rows:
+            return "fxmv" if T <= min(fixed_rows, tuning.MAX_MATVEC_B) else "fxmmq"
         return "mmq"
     if mm_cut(q, n_cols) is not None:
         return "mm"
@@ -184,9 +190,10 @@ def gemm_path(q: QuantType, n_cols: int, T: int, t: tuning.KernelTuning) -> str:
     "mm" (the other types mm decodes, from mm_min_rows rows), "i16" (one i16 matvec launch, up
     to 8 rows of the block-quantized types), or "matvec" (the matvec in chunks of 8 rows). On a
     batch-invariant table (``tuning.batch_invariant``) ``invariant_path``: one path per format
-    (or, in its rows form, "i16" then "rows" for the block-quantized types)."""
+    (or, in its rows form, "i16" then "rows" for the block-quantized types; in its fixed form
+    "fxmv" then "fxmmq" for the K-quants)."""
     if t.batch_invariant:
-        return invariant_path(q, n_cols, T, t.invariant_rows)
+        return invariant_path(q, n_cols, T, t.invariant_rows, t.fx_matvec_rows if t.invariant_fixed else 0)
     if T > tuning.MAX_MM_ROWS:
         return "dequant"
     if q.mm_staged and n_cols % 256 == 0:  # the K-quants (mm.MMQ_TYPES)
@@ -213,11 +220,29 @@ def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning
         cut = mm_cut(q, n_cols)
         wr, wk, ks = t.mm_launch(T, n_rows, cut[1])
         return mm_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
+    if path == "fxmmq":  # fixed_point.fx_mmq: mmq's launch, 64-bit partials
+        wr, wk, ks = t.mmq_launch(T, n_rows, n_cols // 256 * 8)
+        return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // (16 * wr)), {"mmq x planes": mmq_planes_bytes(T, n_cols)})
+    if path == "fxmv":  # fixed_point.fx_matvec on the i16 planes (split-K staged, or direct)
+        planes = {"i16 planes": i16_planes_bytes(T, n_cols)}
+        if not t.fx_matvec_staged:
+            return planes
+        _, ks = t.fx_mvs_launch(n_rows, n_cols // 256)
+        return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // 32), planes)
     if path == "rows":  # the planes of one launch's rows (gemm runs it MAX_MM_ROWS rows at a time)
         return {"i16 planes": i16_planes_bytes(T, n_cols)}
     if path in ("i16", "matvec") and q.dp4a:
         return {"i16 planes": i16_planes_bytes(min(T, tuning.MAX_MATVEC_B), n_cols)}
     return {}
+
+
+def fx_scratch_bytes(n_rows: int, B: int, ks: int, tiles: int, planes: dict[str, int]) -> dict[str, int]:
+    """A fixed-point product's scratch (fixed_point.py): x's planes, and with split-K its 64-bit
+    partial sums [ks, B, n_rows] and the tile counters (mmq's and mm's: each launch resets its own)."""
+    out = dict(planes)
+    if ks > 1:
+        out.update({"fx split-k partials": ks * B * n_rows * 8, "split-k counters": tiles * 4})
+    return out
 
 
 def dequant_chunk_rows(n_rows: int, n_cols: int) -> int:
@@ -340,7 +365,7 @@ def backend_tuning(kernels: KernelOptions | None, t: tuning.KernelTuning = tunin
     form (``tuning.batch_invariant``) when the switch asks for it."""
     if kernels is None or not kernels.batch_invariant:
         return t
-    return tuning.batch_invariant(t, rows=kernels.invariant_rows)
+    return tuning.batch_invariant(t, rows=kernels.invariant_rows, fixed=kernels.invariant_fixed)
 
 
 def cuda_memory_costs(index: ModelIndex, *, max_seqs: int, max_ctx: int, max_pass_rows: int,

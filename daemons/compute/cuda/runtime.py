@@ -62,15 +62,16 @@ def tuning() -> tuning_tables.KernelTuning:
     return t
 
 
-_invariant_tunings: dict[tuple[str, bool], tuning_tables.KernelTuning] = {}
+_invariant_tunings: dict[tuple[str, bool, bool], tuning_tables.KernelTuning] = {}
 
 
-def invariant_tuning(t: tuning_tables.KernelTuning, rows: bool = False) -> tuning_tables.KernelTuning:
-    """``t``'s batch-invariant form (``tuning.batch_invariant``; ``rows``: its matvec_rows
-    form), made once per table and form."""
-    got = _invariant_tunings.get((t.name, rows))
+def invariant_tuning(t: tuning_tables.KernelTuning, rows: bool = False,
+                     fixed: bool = False) -> tuning_tables.KernelTuning:
+    """``t``'s batch-invariant form (``tuning.batch_invariant``; ``rows``: its matvec_rows form,
+    ``fixed``: its fixed-point form), made once per table and form."""
+    got = _invariant_tunings.get((t.name, rows, fixed))
     if got is None:
-        got = _invariant_tunings[(t.name, rows)] = tuning_tables.batch_invariant(t, rows)
+        got = _invariant_tunings[(t.name, rows, fixed)] = tuning_tables.batch_invariant(t, rows, fixed)
     return got
 
 
@@ -254,7 +255,8 @@ class KernelContext:
         """The launch table this context's kernels take: the device's (``tuning()``), or its
         batch-invariant form when the context's options ask for it."""
         t = tuning()
-        return invariant_tuning(t, self.launch.options.invariant_rows) if self.batch_invariant else t
+        o = self.launch.options
+        return invariant_tuning(t, o.invariant_rows, o.invariant_fixed) if self.batch_invariant else t
 
 
 def standalone(options: KernelOptions | None = None) -> KernelContext:

@@ -19,8 +19,8 @@ __all__ = ["CUDA_DIR", "SOURCES", "kernel_source"]
 
 CUDA_DIR = Path(__file__).resolve().parent
 # the kernel sources of the package, by family (each beside its launchers: matvec.cu / matvec.py ...)
-SOURCES = ("matvec.cu", "matvec_rows.cu", "mm.cu", "mmq.cu", "dequant.cu", "norm_rope_kv.cu", "attention.cu",
-           "selection.cu")
+SOURCES = ("matvec.cu", "matvec_rows.cu", "mm.cu", "mmq.cu", "fixed_point.cu", "dequant.cu", "norm_rope_kv.cu",
+           "attention.cu", "selection.cu")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 

@@ -23,7 +23,7 @@ from ntx.shared.quant_types import QUANT_TYPES
 
 __all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant", "MAX_MATVEC_B",
            "MV_ROWS_PER_CTA", "MV_MAX_WARPS", "MV_UNROLLS", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
-           "ATTN_SPLIT_STEP", "DEQUANT_W16_BYTES", "ROWS_TILES", "ROWS_MAX_WARPS"]
+           "ATTN_SPLIT_STEP", "DEQUANT_W16_BYTES", "ROWS_TILES", "ROWS_MAX_WARPS", "FX_LANES_PER_ROW", "FX_MVS_MAX_WARPS"]
 
 MAX_MATVEC_B = 8  # activation rows one matvec launch takes (the kernels' B template range)
 MAX_MM_ROWS = 64  # activation rows one tensor-core matmul launch takes (8 per tile, NT <= 8)
@@ -39,6 +39,8 @@ DEQUANT_W16_BYTES = 128 << 20
 ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its split kernel's warps per CTA
 ROWS_TILES = (1, 2)  # matvec_rows' tiles of 8 rows of x a warp (mvq2_rows_kernel's NT)
 ROWS_MAX_WARPS = 4  # matvec_rows' warps a CTA, over the rows of x (its __launch_bounds__(128))
+FX_LANES_PER_ROW = (8, 16, 32)  # fixed_point.cu fx_mv_kernel's TPR: lanes (blocks at once) a weight row
+FX_MVS_MAX_WARPS = 8  # fixed_point.cu fx_mvs_kernel's warps a CTA (its __launch_bounds__(256))
 
 # (rows per CTA, warps per CTA, pieces per lane per trip) of a matvec launch, each from these:
 # rows per CTA are a template argument (matvec.cuh matvec_rows NR: every CTA reads all of x once
@@ -89,6 +91,14 @@ class KernelTuning:
     # every B) then matvec_rows for the block-quantized types instead
     batch_invariant: bool = False
     invariant_rows: bool = False
+    # invariant_fixed (KernelOptions.invariant_fixed): the K-quants' sums as 64-bit fixed point
+    # (fixed_point.py), the fixed-point matvec up to fx_matvec_rows rows and fixed-point mmq from
+    # there (any boundary gives the same bits: it moves speed only); the matvec staged as mmq
+    # stages (fx_matvec_staged) or read directly, its staged launch aiming for fx_target_ctas CTAs
+    invariant_fixed: bool = False
+    fx_matvec_rows: int = 2
+    fx_matvec_staged: bool = True
+    fx_target_ctas: int = 264
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
         """The f32 matvec launch for qtype at batch size B."""
@@ -124,6 +134,18 @@ class KernelTuning:
             wk *= 2
         ks = max(1, min(-(-self.mmq_target_warps // (tiles * wk)), blocks // wk, 16))
         return 1, wk, ks
+
+    def fx_mvs_launch(self, n_rows: int, nb: int, warps: int | None = None) -> tuple[int, int]:
+        """(warps a CTA, KS) of the staged fixed-point matvec (fx_mvs_kernel) for n_rows rows of
+        nb 256-column blocks: about fx_target_ctas CTAs (split-K where the 32-row tiles are
+        fewer), each warp at least two block columns where there are enough, warps fewer before
+        CTAs are (a small matrix spread over the SMs rather than stacked on a few); ``warps``
+        given: only KS. Moves speed only: the sums are exact in any split."""
+        tiles = -(-n_rows // 32)
+        ks_target = -(-self.fx_target_ctas // tiles)
+        if warps is None:
+            warps = max(1, min(FX_MVS_MAX_WARPS, nb // (2 * ks_target)))
+        return warps, max(1, min(ks_target, nb // (2 * warps)))
 
     def attn_splits(self, T: int, n_kv: int, max_ctx: int) -> int:
         """Key splits of attention over T query rows: enough (row, kv-head, split) warps to fill
@@ -165,7 +187,7 @@ DEFAULT = H200  # the only device measured
 TUNINGS: dict[str, KernelTuning] = {"H200": H200}
 
 
-def batch_invariant(t: KernelTuning, rows: bool = False) -> KernelTuning:
+def batch_invariant(t: KernelTuning, rows: bool = False, fixed: bool = False) -> KernelTuning:
     """``t``'s batch-invariant form (``KernelOptions.batch_invariant``): a row's result does not
     depend on how many rows share its pass.
 
@@ -186,7 +208,13 @@ def batch_invariant(t: KernelTuning, rows: bool = False) -> KernelTuning:
     ``MAX_MATVEC_B`` one: the widest chunk a matvec takes); rows per CTA and pieces per trip stay
     as tuned, so every launch is one the default compiles. Past 8 rows they take ``matvec_rows``
     (matvec_rows.cu), which makes the matvec's f32 steps in its order at that same warps per CTA.
-    F16 keeps mm from one row."""
+    F16 keeps mm from one row.
+
+    ``fixed`` (``KernelOptions.invariant_fixed``): as the form in use, except the K-quants, whose
+    sums are 64-bit fixed point (fixed_point.py), exact in any order: they take the fixed-point
+    matvec up to fx_matvec_rows rows and fixed-point mmq from there, each in its own order."""
+    if rows and fixed:
+        raise ValueError("the batch-invariant mode has one form at a time: rows or fixed, not both")
     mv_one = t.mv_launch[MAX_MATVEC_B]
     i16_launch, i16_override = {B: t.i16_launch[MAX_MATVEC_B] for B in t.i16_launch}, {}
     if rows:
@@ -200,8 +228,9 @@ def batch_invariant(t: KernelTuning, rows: bool = False) -> KernelTuning:
                 nr, _, u = t.i16(qt, B)
                 if (nr, nw, u) != t.i16_launch[B]:
                     i16_override[(qt, B)] = (nr, nw, u)
-    return replace(t, name=f"{t.name} batch-invariant{' rows' if rows else ''}", batch_invariant=True,
-                   invariant_rows=rows, mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
+    form = " rows" if rows else " fixed" if fixed else ""
+    return replace(t, name=f"{t.name} batch-invariant{form}", batch_invariant=True, invariant_rows=rows,
+                   invariant_fixed=fixed, mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
                    i16_launch=i16_launch, i16_launch_override=i16_override, mm_min_rows=1, mmq_min_rows=1)
 
 

@@ -1,0 +1,172 @@
+"""The K-quants' products with order-free sums (fixed_point.cu): the batch-invariant mode's
+fixed-point form (``KernelOptions.invariant_fixed``).
+
+Why. A row's f32 sum follows the order its steps are added in, so the mode's other forms keep one
+kernel's order at every row count and pay where that kernel is slow: mmq at one row (+66%), the
+matvec past 8 (+231% at 64; docs/PERFORMANCE.md, "The batch-invariant mode: its cost"). Here
+every kernel computes the same f32 value for each 256-column block of a weight row and each row
+of x (mmq's per-sub-block steps chained from 0 over the block's 8 sub-blocks) and adds the
+values as 64-bit integers in units of 2^-32, exact in any order. So the matvec (up to
+``KernelTuning.fx_matvec_rows`` rows) and mmq (from there) give a row the same bits, each in its
+own fast order.
+
+  * ``fx_matvec``: up to 8 rows of x as the i16 planes (``matvec.i16_quantize``, or what the
+    fused producers write: rmsnorm_q2, swiglu_q2, the attention combine), through the staged
+    kernel (fx_mvs_kernel: a CTA takes 32 weight rows, mmq's staged walk brings their blocks in,
+    a lane computes one row's blocks; split-K over CTAs where the row tiles are few,
+    ``KernelTuning.fx_mvs_launch``) or the direct one (fx_mv_kernel: a lane a block, straight
+    from global memory), as the table's ``fx_matvec_staged`` says.
+  * ``fx_mmq``: up to MAX_MM_ROWS rows, mmq's launch with 64-bit sums, on x quantized by
+    ``fx_quantize`` (mmq's layout with the i16 planes' group sums: the min term's operand must be
+    the same in both kernels).
+
+Range: a block value must stay under 2^31 in magnitude (the conversion saturates past it; a
+block of 256 products of |x| < 2^10 and the K-quants' scales stays far below), and a block value
+that is NaN adds 0: the mode's results are within nb * 2^-33 of the f32 chain's sum of the same
+block values for a row of nb blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ntx.daemons.compute.backend import Weight
+from ntx.daemons.compute.cuda import instances
+from ntx.daemons.compute.cuda import matvec as mv
+from ntx.daemons.compute.cuda.memory import mmq_planes_bytes
+from ntx.daemons.compute.cuda.mm import mmq_supported, staged_smem_bytes
+from ntx.daemons.compute.cuda.runtime import DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx
+from ntx.daemons.compute.cuda.tuning import FX_LANES_PER_ROW, FX_MVS_MAX_WARPS, MAX_MATVEC_B, MAX_MM_ROWS
+from ntx.shared.quant_types import quant_type
+
+__all__ = ["SOURCE", "fx_lanes_per_row", "fx_mvs_smem_bytes", "fx_mmq_smem_bytes", "fx_matvec", "fx_matvec_direct",
+           "fx_matvec_staged", "fx_quantize", "fx_mmq"]
+
+SOURCE = "fixed_point.cu"
+
+
+def fx_mvs_smem_bytes(q, warps: int, B: int) -> int:
+    """fx_mvs_kernel's dynamic shared memory: each warp's stages of 32 rows (mmq's walk at MT = 2),
+    or the warps' 64-bit sums (warps x 32 rows x B x 8 bytes), whichever is larger."""
+    return max(staged_smem_bytes(q, warps, 1), warps * 32 * B * 8)
+
+
+def fx_mmq_smem_bytes(q, warps: int, nt: int) -> int:
+    """fx_mmq_kernel's dynamic shared memory: mmq's stages, or its epilogue's 64-bit sums (warps x
+    16 rows x 8 NT x 8 bytes), whichever is larger."""
+    return max(staged_smem_bytes(q, warps, nt), warps * 16 * 8 * nt * 8)
+
+
+def fx_lanes_per_row(n_cols: int) -> int:
+    """fx_mv_kernel's lanes a weight row: the fewest of FX_LANES_PER_ROW that take all of a row's
+    256-column blocks at once (32 past 32 blocks: two or more blocks a lane)."""
+    nb = n_cols // 256
+    return next((t for t in FX_LANES_PER_ROW if nb <= t), FX_LANES_PER_ROW[-1])
+
+
+def _check(w: Weight, what: str) -> None:
+    if not mmq_supported(w.qtype, w.n_cols):
+        raise ValueError(f"{what} takes the types mmq takes (Q4_K, Q5_K, Q6_K) at a multiple of 256 columns, "
+                         f"not {quant_type(w.qtype).name} rows of {w.n_cols} columns")
+
+
+def _launch_staged(ctx: KernelContext, kern, grid, warps: int, smem: int, args) -> None:
+    if smem > DEFAULT_SMEM_LIMIT and kern.max_dynamic_shared_size_bytes < smem:
+        kern.max_dynamic_shared_size_bytes = smem  # a per-function attribute, set once
+    ctx.launch(kern, grid, (32 * warps,), args, shared_mem=smem, matmul=True)
+
+
+def _split_k(ctx: KernelContext, ks: int, B: int, n_rows: int, tiles: int):
+    """(64-bit partial sums [ks, B, n_rows], tile counters) of a split-K launch; null pointers
+    without split-K. The counters are mmq's and mm's (each launch's last CTA resets its own)."""
+    if ks == 1:
+        return np.uint64(0), np.uint64(0)
+    return (ctx.scratch("fx split-k partials", ks * B * n_rows * 8),
+            ctx.scratch("split-k counters", tiles * 4, zero=True))
+
+
+def fx_matvec(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None):
+    """out[b, r] = sum_c W[r, c] * x[b, c] for up to MAX_MATVEC_B rows of x with fixed-point
+    sums: the device table's matvec (``fx_matvec_staged`` or ``fx_matvec_direct``). planes: the
+    i16 planes of this x (``matvec.i16_quantize``, or a fused producer's)."""
+    if ctx.tuning().fx_matvec_staged:
+        return fx_matvec_staged(ctx, w, x, out, stream=stream, planes=planes)
+    return fx_matvec_direct(ctx, w, x, out, stream=stream, planes=planes)
+
+
+def fx_matvec_direct(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,
+                     tpr: int | None = None):
+    """``fx_matvec`` through fx_mv_kernel: a lane a 256-column block, ``tpr`` lanes a weight row
+    (default fx_lanes_per_row), read straight from global memory."""
+    _check(w, "fx_matvec")
+    tpr = tpr or fx_lanes_per_row(w.n_cols)
+    if tpr not in FX_LANES_PER_ROW:
+        raise ValueError(f"fx_matvec: {tpr} lanes a row, not one of {FX_LANES_PER_ROW}")
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec")
+    B = x.shape[0]
+    names = instances.fx_mv_names(w.qtype, tpr)
+    with stream_ctx(stream):
+        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
+        ctx.launch(function(SOURCE, names[B - 1], names), (-(-w.n_rows // (256 // tpr)),), (256,),
+                   (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes)))
+    return out
+
+
+def fx_matvec_staged(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,
+                     warps: int | None = None, splits: int | None = None):
+    """``fx_matvec`` through fx_mvs_kernel: a CTA of ``warps`` warps takes 32 weight rows and
+    ``splits`` CTAs share their block columns (defaults: the table's ``fx_mvs_launch``); each
+    warp stages its block columns as mmq does and each lane computes one row's blocks, every
+    lane of a warp on the same columns of x."""
+    _check(w, "fx_matvec")
+    q = quant_type(w.qtype)
+    if warps is not None and not 1 <= warps <= FX_MVS_MAX_WARPS:
+        raise ValueError(f"fx_matvec: {warps} warps a CTA, not 1-{FX_MVS_MAX_WARPS}")
+    warps, ks = ctx.tuning().fx_mvs_launch(w.n_rows, w.n_cols // 256, warps)
+    ks = splits or ks
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec")
+    B = x.shape[0]
+    tiles = -(-w.n_rows // 32)
+    names = instances.fx_mvs_names(w.qtype)
+    with stream_ctx(stream):
+        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
+        part, counts = _split_k(ctx, ks, B, w.n_rows, tiles)
+        _launch_staged(ctx, function(SOURCE, names[B - 1], names), (tiles, ks), warps, fx_mvs_smem_bytes(q, warps, B),
+                       (w.data, xq1, ds1, xq2, ds2, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
+                        np.int64(w.row_bytes)))
+    return out
+
+
+def fx_quantize(ctx: KernelContext, x, *, stream=None):
+    """fx_mmq's activations for x [B, n_cols] (B <= MAX_MM_ROWS, 16-byte aligned):
+    ``mm.mmq_quantize``'s layout with the i16 planes' group sums (fx_quantize_mmq_kernel), in
+    the context's scratch; pass them as fx_mmq(..., planes=) to every matrix of this x."""
+    B, n_cols = x.shape
+    bp = 8 * -(-B // 8)
+    with stream_ctx(stream):
+        ws = ctx.scratch("mmq x planes", mmq_planes_bytes(B, n_cols))
+        xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
+        n4 = bp * n_cols // 4
+        ctx.launch(function(SOURCE, "fx_quantize_mmq_kernel"), ((n4 + 255) // 256,), (256,),
+                   (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
+    return xq, xd
+
+
+def fx_mmq(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, config=None, planes=None):
+    """mmq with fixed-point sums (fx_mmq_kernel) for up to MAX_MM_ROWS rows of x, at the device's
+    mmq launch or ``config`` (WR, WK, KS): each row's bits are fx_matvec's of that row alone,
+    whatever the split of K. planes: ``fx_quantize`` of this x."""
+    _check(w, "fx_mmq")
+    q = quant_type(w.qtype)
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MM_ROWS, "fx_mmq")
+    B = x.shape[0]
+    wr, wk, ks = config or ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+    tiles, nt = -(-w.n_rows // (16 * wr)), -(-B // 8)
+    names = instances.fx_mmq_names(w.qtype)
+    with stream_ctx(stream):
+        xq, xd = planes if planes is not None else fx_quantize(ctx, x)
+        part, counts = _split_k(ctx, ks, B, w.n_rows, tiles)
+        _launch_staged(ctx, function(SOURCE, names[nt - 1], names), (tiles, ks), wr * wk, fx_mmq_smem_bytes(q, wr * wk, nt),
+                       (w.data, xq, xd, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
+                        np.int64(w.row_bytes), np.int32(B), np.int32(wr)))
+    return out

@@ -1,0 +1,68 @@
+"""The fixed-point products (fixed_point.py, the batch-invariant mode's fixed form) on the GPU:
+one set of bits for a row from every kernel, launch and split, and results within the i16
+activations' rounding bound of the exact product. The mode's model and engine tests take this
+form too (test_batch_invariant_gpu.py, FORMS).
+
+Run: python -m pytest -q tests/gpu/test_fixed_point_gpu.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+from ntx.daemons.compute.cuda import fixed_point as FX  # noqa: E402
+from ntx.daemons.compute.cuda.tuning import FX_LANES_PER_ROW  # noqa: E402
+
+from .test_kernels import CTX, QT, W, check_i16, random_weights, reference_matrix, rng  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(203, 4096), (64, 14336), (1040, 512)])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_cols, rng):
+    """Each row of x gets one set of bits from the fixed-point matvec at 1-8 rows
+    (direct at every lanes-a-row, staged at several warps a CTA) and from the fixed-point mmq at
+    1-64 rows, at the device's launch and at split-K launches (the sums are integers: no order
+    can change them); and the results are
+    within the two-plane rounding bound of the exact product (check_i16: the same activations as
+    mmq), which catches a wrong word, scale or group (a block value read wrong is far outside it).
+    The K-quants at 4096 columns: 16 blocks a row; 14336: 56 (two a lane at 32 lanes); 512: 2."""
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    w = W(raw, qt, n_rows, n_cols)
+    x_host = rng.standard_normal((64, n_cols)).astype(np.float32)
+    x_host[:, ::97] *= 30.0
+    x = cp.asarray(x_host)
+    alone = np.stack([cp.asnumpy(FX.fx_matvec_direct(CTX, w, x[i:i + 1]))[0] for i in range(64)])  # [64, n_rows]
+    check_i16(alone, x_host, reference_matrix(qt, raw, n_rows, n_cols))
+    for tpr in FX_LANES_PER_ROW:
+        for B in (1, 3, 8):
+            for i in (0, 56):
+                np.testing.assert_array_equal(cp.asnumpy(FX.fx_matvec_direct(CTX, w, x[i:i + B], tpr=tpr)), alone[i:i + B],
+                                              err_msg=f"fx_matvec {qt.name} [{n_rows}, {n_cols}] tpr={tpr} rows {i}+{B}")
+    for warps, splits in ((None, None), (1, 1), (3, 2), (8, 1), (2, 4)):  # the staged matvec: a lane a row
+        for B in (1, 2, 8):
+            np.testing.assert_array_equal(
+                cp.asnumpy(FX.fx_matvec_staged(CTX, w, x[:B], warps=warps, splits=splits)), alone[:B],
+                err_msg=f"fx_matvec_staged {qt.name} [{n_rows}, {n_cols}] warps={warps} splits={splits} B={B}")
+    for B in (1, 2, 8, 9, 16, 33, 64):
+        np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B])), alone[:B],
+                                      err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B}")
+        for config in ((1, 8, 1), (2, 4, 2), (1, 2, 4)):
+            np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B], config=config)), alone[:B],
+                                          err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B} at {config}")
+
+
+def test_fixed_point_refuses_what_it_does_not_decode(rng):
+    """The fixed-point kernels take mmq's types at a multiple of 256 columns: anything else is a
+    one-line error naming what they take."""
+    w = W(random_weights(QT.Q8_0, 16, 256, rng), QT.Q8_0, 16, 256)
+    x = cp.asarray(rng.standard_normal((1, 256)).astype(np.float32))
+    for fn in (FX.fx_matvec, FX.fx_matvec_direct, FX.fx_matvec_staged, FX.fx_mmq):
+        with pytest.raises(ValueError, match="Q4_K, Q5_K, Q6_K"):
+            fn(CTX, w, x)
+    wk = W(random_weights(QT.Q4_K, 16, 512, rng), QT.Q4_K, 16, 512)
+    with pytest.raises(ValueError, match="lanes a row"):
+        FX.fx_matvec_direct(CTX, wk, cp.asarray(rng.standard_normal((1, 512)).astype(np.float32)), tpr=4)
