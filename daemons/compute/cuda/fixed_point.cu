@@ -1,4 +1,5 @@
-// fixed_point.cu: the batch-invariant mode's third road (lab): a row's sum that no order changes.
+// fixed_point.cu: the batch-invariant mode's fixed form (KernelOptions.invariant_fixed): a row's
+// sum that no order changes.
 //
 // Why. A row's bits depend on the order its f32 steps are added in, so the mode's two forms each
 // fix one kernel's order at every row count: mmq's (+66% at one row, where the i16 matvec is
@@ -16,18 +17,20 @@
 // Range and precision: a block value under 2^31 in magnitude (the conversion saturates past it),
 // a row's sum under 2^31; each block value is rounded to a multiple of 2^-32 (2.3e-10), so a row
 // of nb blocks is within nb * 2^-33 of the f32 chain's sum of the same block values. A NaN block
-// value converts to 0 (the mode would have to flag it: not done in the lab).
+// value converts to 0 and an infinite one saturates, where the f32 kernels carry them into the
+// logits: not flagged yet (a per-entry flag would cost registers mmq's form has none left of).
 //
 // x is quantized as for the i16 matvec and mmq (quant2_group's two int8 planes): the matvec reads
 // the i16 planes' layout, mmq its own (fx_quantize_mmq_kernel: one group sum for both, below),
 // so a sub-block's integer sums are the same integers (dp4a here, mma there) and its f32 steps
-// take the same operands. Launched by dev/cuda/lab.py (fx_matvec, fx_matvec_staged, fx_mmq);
-// compiled by NVRTC at run time, headers inlined.
+// take the same operands. Launched by fixed_point.py (fx_matvec_direct, fx_matvec_staged,
+// fx_mmq, fx_quantize); compiled by NVRTC at run time, headers inlined.
 //
-// fx_mmq_kernel, fx_epilogue and fx_quantize_mmq_kernel are copies of production's mmq_kernel,
-// mm_epilogue and quantize_mmq_kernel with the accumulation (and the group sum) changed, so that
-// production stays as measured while this is measured beside it; a production form would make
-// the accumulation a template policy of those, not a third copy.
+// fx_mmq_kernel, fx_epilogue and fx_quantize_mmq_kernel are copies of mmq_kernel, mm_epilogue
+// and quantize_mmq_kernel with the accumulation (and the group sum) changed, so that the default's
+// kernels stay exactly as measured until this form's speed is known; if it becomes the mode's
+// form, the accumulation should become a template policy of those kernels (a change whose PTX
+// for the default dev/ptx_compare.py can hold equal), not a second copy.
 
 #include "mmq.cu"
 

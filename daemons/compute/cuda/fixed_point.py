@@ -33,8 +33,7 @@ import numpy as np
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda import matvec as mv
-from ntx.daemons.compute.cuda.memory import mmq_planes_bytes
-from ntx.daemons.compute.cuda.mm import mmq_supported, staged_smem_bytes
+from ntx.daemons.compute.cuda.mm import mmq_quantize, mmq_supported, staged_smem_bytes
 from ntx.daemons.compute.cuda.runtime import DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx
 from ntx.daemons.compute.cuda.tuning import FX_LANES_PER_ROW, FX_MVS_MAX_WARPS, MAX_MATVEC_B, MAX_MM_ROWS
 from ntx.shared.quant_types import quant_type
@@ -141,15 +140,7 @@ def fx_quantize(ctx: KernelContext, x, *, stream=None):
     """fx_mmq's activations for x [B, n_cols] (B <= MAX_MM_ROWS, 16-byte aligned):
     ``mm.mmq_quantize``'s layout with the i16 planes' group sums (fx_quantize_mmq_kernel), in
     the context's scratch; pass them as fx_mmq(..., planes=) to every matrix of this x."""
-    B, n_cols = x.shape
-    bp = 8 * -(-B // 8)
-    with stream_ctx(stream):
-        ws = ctx.scratch("mmq x planes", mmq_planes_bytes(B, n_cols))
-        xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
-        n4 = bp * n_cols // 4
-        ctx.launch(function(SOURCE, "fx_quantize_mmq_kernel"), ((n4 + 255) // 256,), (256,),
-                   (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
-    return xq, xd
+    return mmq_quantize(ctx, x, stream=stream, kernel=(SOURCE, "fx_quantize_mmq_kernel"))
 
 
 def fx_mmq(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, config=None, planes=None):

@@ -137,17 +137,18 @@ def mm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None):
     return out
 
 
-def mmq_quantize(ctx: KernelContext, x, *, stream=None):
+def mmq_quantize(ctx: KernelContext, x, *, stream=None, kernel: tuple[str, str] = ("mmq.cu", "quantize_mmq_kernel")):
     """mmq's activations for x [B, n_cols] (B <= MAX_MM_ROWS, 16-byte aligned): (xq, xd) of
     quantize_mmq_kernel in the context's scratch; pass them as mmq(..., planes=) to every matrix
-    that multiplies this x."""
+    that multiplies this x. kernel: (source, name) of another quantizer of that layout
+    (fixed_point.fx_quantize's)."""
     B, n_cols = x.shape
     bp = 8 * -(-B // 8)
     with stream_ctx(stream):
         ws = ctx.scratch("mmq x planes", mmq_planes_bytes(B, n_cols))
         xq, xd = ws[:bp * n_cols * 2], ws[bp * n_cols * 2:]
         n4 = bp * n_cols // 4
-        ctx.launch(function("mmq.cu", "quantize_mmq_kernel"), ((n4 + 255) // 256,), (256,),
+        ctx.launch(function(*kernel), ((n4 + 255) // 256,), (256,),
                    (x, xq, xd, np.int32(n_cols), np.int32(B), np.int32(bp)))
     return xq, xd
 
