@@ -26,21 +26,15 @@
 // take the same operands. Launched by fixed_point.py (fx_matvec_direct, fx_matvec_staged,
 // fx_mmq, fx_quantize); compiled by NVRTC at run time, headers inlined.
 //
-// fx_mmq_kernel, fx_epilogue and fx_quantize_mmq_kernel are copies of mmq_kernel, mm_epilogue
-// and quantize_mmq_kernel with the accumulation (and the group sum) changed, so that the default's
-// kernels stay exactly as measured until this form's speed is known; if it becomes the mode's
-// form, the accumulation should become a template policy of those kernels (a change whose PTX
-// for the default dev/ptx_compare.py can hold equal), not a second copy.
+// fx_mmq_kernel is mmq.cu's mmq_body with FX (its accumulation a template argument: the
+// default's mmq_kernel PTX is unchanged by it, dev/ptx_compare.py), and the split-K partials are
+// tensor_core.cuh's mm_add_splits on integers; fx_quantize_mmq_kernel is quantize_mmq_kernel with
+// the i16 planes' group sum.
 
 #include "mmq.cu"
 
-#define FX_ONE 4294967296.f                 // 2^32: block values in units of 2^-32
-#define FX_INV 2.3283064365386963e-10f      // 2^-32
-
-// a block value as fixed point: exact integer additions from here on
-__device__ __forceinline__ long long fx_of(float v) { return __float2ll_rn(__fmul_rn(v, FX_ONE)); }
-// a row's fixed-point sum as f32 (one rounding, then an exact power-of-two scale)
-__device__ __forceinline__ float fx_value(long long a) { return __fmul_rn(__ll2float_rn(a), FX_INV); }
+// fx_of (a block value as 64-bit fixed point in units of 2^-32) and fx_value (a row's sum back
+// as f32) are tensor_core.cuh's: mmq's fixed form sums with them too.
 
 // The block value's steps, mmq_kernel's expressions with the products unfused so that no
 // compiler contraction can make two kernels differ. Q4_K/Q5_K, one sub-block: s, m its scale and
@@ -88,20 +82,7 @@ extern "C" __global__ void __launch_bounds__(256) fx_quantize_mmq_kernel(const f
                                                                          float2* __restrict__ xd, int n_cols, int B,
                                                                          int Bp) {
     pdl_enter();
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    const int cols4 = n_cols >> 2, n4 = Bp * cols4;
-    const int n = t / cols4, c4 = t % cols4;
-    const bool ok = t < n4, real = ok && n < B;
-    const float4 v = real ? __ldca((const float4*)x + (long long)n * cols4 + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    int q[4], r[4], s, s2;
-    float d, d2;
-    quant2_group(v, q, r, d, d2, s, s2);
-    if (!ok) return;
-    const int g = c4 >> 3, k = c4 & 7;
-    u32* e = xq + ((long long)g * Bp + n) * 16 + 4 * (k & 3) + (k >> 2);
-    e[0] = pack_bytes(q);
-    e[2] = pack_bytes(r);
-    if (k == 0) xd[(long long)g * Bp + n] = make_float2(d2, fx_group_sum(__fmul_rn(d, (float)s), __fmul_rn(d2, (float)s2)));
+    quantize_mmq<true>(x, xq, xd, n_cols, B, Bp);
 }
 
 // ================================================================ a block's values, one lane
@@ -235,29 +216,6 @@ __global__ void __launch_bounds__(256, FX_MV_MIN_BLOCKS)
     }
 }
 
-// With KS = gridDim.y > 1 CTAs a row tile: each CTA has written its 64-bit sums of rows row0 ..
-// row0 + R - 1 to part [KS, B, n_rows]; the last of the tile's CTAs to get here (tile_count)
-// adds the KS of them and writes out, and resets the counter for the next launch.
-__device__ __forceinline__ void fx_add_splits(const long long* __restrict__ part, int* __restrict__ tile_count,
-                                              float* __restrict__ out, int n_rows, int B, int row0, int R) {
-    const int KS = gridDim.y;
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int e = threadIdx.x; e < R * B; e += blockDim.x) {
-        const int r = e % R, n = e / R, row = row0 + r;
-        if (row >= n_rows) continue;
-        long long s = 0;
-        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
-        out[(long long)n * n_rows + row] = fx_value(s);
-    }
-    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
-}
-
 // ================================================================ the matvec, staged: a lane a row
 // out[b, row] for B <= 8 rows of x (the i16 planes). A CTA takes 32 weight rows, its WK warps
 // and the grid's KS = gridDim.y splits the block columns kpart = blockIdx.y * WK + warp, + WK KS,
@@ -304,51 +262,15 @@ __global__ void __launch_bounds__(256) fx_mvs_kernel(const u8* __restrict__ w, c
             else part[((long long)blockIdx.y * B + b) * n_rows + row] = s;
         }
     }
-    if (KS > 1) fx_add_splits(part, tile_count, out, n_rows, B, blockIdx.x * 32, 32);
+    if (KS > 1) mm_add_splits(part, tile_count, out, n_rows, B, blockIdx.x * 32, 32);
 }
 
 // ================================================================ mmq with fixed-point sums
-// mm_epilogue's walk with 64-bit sums: the CTA's WK warps through shared memory, the KS
-// partials through part [KS, B, n_rows] (the last CTA of a row tile adds them); any order gives
-// the same integers, the order is kept only to mirror mm_epilogue.
-template <int NT, int MT>
-__device__ __forceinline__ void fx_epilogue(const long long (&acc)[MT][NT][4], long long* red, float* __restrict__ out,
-                                            long long* __restrict__ part, int* __restrict__ tile_count, int n_rows,
-                                            int B, int WR) {
-    constexpr int R = 16 * MT;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int gid = lane >> 2, tig = lane & 3, WK = nw / WR;
-    long long* wred = red + warp * R * 8 * NT;  // [R][8 NT]
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const int ra = 16 * mt + gid;
-            wred[ra * 8 * NT + 8 * nt + 2 * tig] = acc[mt][nt][0];
-            wred[ra * 8 * NT + 8 * nt + 2 * tig + 1] = acc[mt][nt][1];
-            wred[(ra + 8) * 8 * NT + 8 * nt + 2 * tig] = acc[mt][nt][2];
-            wred[(ra + 8) * 8 * NT + 8 * nt + 2 * tig + 1] = acc[mt][nt][3];
-        }
-    __syncthreads();
-    const int KS = gridDim.y, n_entries = R * WR * B;
-    const int row0 = blockIdx.x * R * WR;
-    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        const int r = e % (R * WR), n = e / (R * WR);
-        long long s = 0;
-        for (int k = 0; k < WK; k++) s += red[((k * WR + r / R) * R + r % R) * 8 * NT + n];
-        const int row = row0 + r;
-        if (row < n_rows) {
-            if (KS == 1) out[(long long)n * n_rows + row] = fx_value(s);
-            else part[((long long)blockIdx.y * B + n) * n_rows + row] = s;
-        }
-    }
-    if (KS > 1) fx_add_splits(part, tile_count, out, n_rows, B, row0, R * WR);
-}
-
-// mmq_kernel (mmq.cu) with each block's value chained from 0 in f32 (bv), then added to 64-bit
-// accumulators: the same block values as the matvecs' fx_block, so the same row sums. Launched as
-// mmq_kernel (mm_launch's grid and block); shared memory: the stages or fx_epilogue's warps x
-// 16 MT rows x 8 NT 64-bit sums, whichever is larger.
+// mmq_kernel (mmq.cu) in its fixed form: each block's value chained from 0 in f32, then added to
+// 64-bit accumulators, and mm_epilogue on integers: the same block values as the matvecs'
+// fx_block, so the same row sums. Launched as mmq_kernel (mm_launch's grid and block);
+// shared memory: the stages or the epilogue's warps x 16 MT rows x 8 NT 64-bit sums, whichever
+// is larger.
 template <int QT, int NT, int MT>
 __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) fx_mmq_kernel(const u8* __restrict__ w, const uint4* xq,
                                                                      const float2* xd, float* __restrict__ out,
@@ -356,111 +278,5 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) fx_mmq_kernel(const u8* _
                                                                      int* __restrict__ tile_count, int n_rows,
                                                                      int n_cols, long long row_bytes, int B, int WR) {
     pdl_enter();
-    typedef MmStage<QT> S;
-    constexpr int Bp = 8 * NT;
-    extern __shared__ __align__(16) u8 smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
-    const int gid = lane >> 2, tig = lane & 3;
-    const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
-    const uint4* xql = xq + gid * 4 + tig;
-    const float4* xdl = (const float4*)xd + tig;
-    long long acc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0;
-    mm_staged_walk<QT, MT>(w, n_rows, row_bytes, blockIdx.x * 16 * MT * WR + 16 * MT * wr, kpart, nparts, n_cols / 256,
-                           smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* const (&rows)[2 * MT]) {
-        float bv[MT][NT][4];  // the block's values, chained from 0
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) bv[mt][nt][0] = bv[mt][nt][1] = bv[mt][nt][2] = bv[mt][nt][3] = 0.f;
-        if constexpr (QT == 12 || QT == 13) {
-            uint4 hd[2 * MT];
-#pragma unroll
-            for (int i = 0; i < 2 * MT; i++) hd[i] = *(const uint4*)rows[i];
-#pragma unroll MMQ_UNROLL
-            for (int c = 0; c < 4; c++) {
-                u32 lo[2 * MT][2], hi[2 * MT][2];
-                float sc[2 * MT][2], mn[2 * MT][2];
-#pragma unroll
-                for (int i = 0; i < 2 * MT; i++) {
-                    mmq_k45_chunk<QT>(rows[i], c, tig, lo[i], hi[i]);
-                    mmq_k45_scales(hd[i], c, sc[i], mn[i]);
-                }
-#pragma unroll
-                for (int sub = 0; sub < 2; sub++) {
-                    const long long g = (long long)blk * 8 + 2 * c + sub;
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        const uint4 xv = __ldca(xql + (g * Bp + 8 * nt) * 4);
-                        const float4 dd = __ldca(xdl + g * (Bp / 2) + 4 * nt);  // (d2, sum) of x rows 2tig, 2tig+1
-                        const float2 d0 = make_float2(dd.x, dd.y), d1 = make_float2(dd.z, dd.w);
-#pragma unroll
-                        for (int mt = 0; mt < MT; mt++) {
-                            const int ia = 2 * mt, ib = 2 * mt + 1;
-                            const u32(&qa)[2] = sub ? hi[ia] : lo[ia];
-                            const u32(&qb)[2] = sub ? hi[ib] : lo[ib];
-                            int c1[4], c2[4];
-                            mma_s8_k32(c1, qa[0], qb[0], qa[1], qb[1], xv.x, xv.y);
-                            mma_s8_k32(c2, qa[0], qb[0], qa[1], qb[1], xv.z, xv.w);
-                            float* v = bv[mt][nt];
-                            v[0] = fx_k45_step(v[0], sc[ia][sub], mn[ia][sub], d0, mmq_t(c1[0], c2[0]));
-                            v[1] = fx_k45_step(v[1], sc[ia][sub], mn[ia][sub], d1, mmq_t(c1[1], c2[1]));
-                            v[2] = fx_k45_step(v[2], sc[ib][sub], mn[ib][sub], d0, mmq_t(c1[2], c2[2]));
-                            v[3] = fx_k45_step(v[3], sc[ib][sub], mn[ib][sub], d1, mmq_t(c1[3], c2[3]));
-                        }
-                    }
-                }
-            }
-        } else {  // Q6_K
-            float dq[2 * MT];
-#pragma unroll
-            for (int i = 0; i < 2 * MT; i++) dq[i] = h2f((u32)*(const u16*)(rows[i] + 208));
-#pragma unroll MMQ_UNROLL
-            for (int gi = 0; gi < 8; gi++) {
-                const int h = gi >> 2, kind = gi & 3;
-                u32 a[2 * MT][2];
-                float s[2 * MT][2];
-#pragma unroll
-                for (int i = 0; i < 2 * MT; i++)
-#pragma unroll
-                    for (int half = 0; half < 2; half++) {
-                        a[i][half] = mmq_q6_word(rows[i], h, kind, half, tig);
-                        s[i][half] = dq[i] * (float)(signed char)rows[i][192 + 8 * h + 2 * kind + half];
-                    }
-                const long long g = (long long)blk * 8 + gi;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const uint4 xv = __ldca(xql + (g * Bp + 8 * nt) * 4);
-                    const float4 dd = __ldca(xdl + g * (Bp / 2) + 4 * nt);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        const int ia = 2 * mt, ib = 2 * mt + 1;
-                        int c10[4], c20[4], c11[4], c21[4];
-                        mma_s8_k16(c10, a[ia][0], a[ib][0], xv.x);
-                        mma_s8_k16(c20, a[ia][0], a[ib][0], xv.z);
-                        mma_s8_k16(c11, a[ia][1], a[ib][1], xv.y);
-                        mma_s8_k16(c21, a[ia][1], a[ib][1], xv.w);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const int i = e < 2 ? ia : ib;
-                            bv[mt][nt][e] = fx_q6_step(bv[mt][nt][e], s[i][0], s[i][1], (e & 1) ? dd.z : dd.x,
-                                                       mmq_t(c10[e], c20[e]), mmq_t(c11[e], c21[e]));
-                        }
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[mt][nt][e] += fx_of(bv[mt][nt][e]);
-    });
-    __syncthreads();
-    fx_epilogue<NT, MT>(acc, (long long*)smem, out, part, tile_count, n_rows, B, WR);
+    mmq_body<QT, NT, MT, true>(w, xq, xd, out, part, tile_count, n_rows, n_cols, row_bytes, B, WR);
 }

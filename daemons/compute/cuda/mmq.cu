@@ -50,11 +50,13 @@ __device__ __forceinline__ void mma_s8_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) 
 __device__ __forceinline__ float mmq_t(int c1, int c2) { return fmaf(254.f, mmq_f(c1), mmq_f(c2)); }
 
 // x [B, n_cols] f32 -> xq, xd above; one thread per float4 of the Bp padded rows (n4 = Bp * n_cols
-// / 4), 8 threads per group, the arithmetic of quantize_x2_kernel (quant2_group).
-extern "C" __global__ void __launch_bounds__(256) quantize_mmq_kernel(const float* x, u32* __restrict__ xq,
-                                                                      float2* __restrict__ xd, int n_cols, int B,
-                                                                      int Bp) {
-    pdl_enter();
+// / 4), 8 threads per group, the arithmetic of quantize_x2_kernel (quant2_group). FX (the
+// batch-invariant mode's fixed form, fixed_point.cu fx_quantize_mmq_kernel): the group sum as the
+// i16 planes carry it, d s + d2 s2 with each product rounded (fx_group_sum), so that mmq's min
+// term takes the fixed-point matvec's operand.
+template <bool FX>
+__device__ __forceinline__ void quantize_mmq(const float* x, u32* __restrict__ xq, float2* __restrict__ xd, int n_cols,
+                                             int B, int Bp) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     const int cols4 = n_cols >> 2, n4 = Bp * cols4;
     const int n = t / cols4, c4 = t % cols4;
@@ -68,7 +70,17 @@ extern "C" __global__ void __launch_bounds__(256) quantize_mmq_kernel(const floa
     u32* e = xq + ((long long)g * Bp + n) * 16 + 4 * (k & 3) + (k >> 2);  // entry (g, n, tig = k & 3)
     e[0] = pack_bytes(q);
     e[2] = pack_bytes(r);
-    if (k == 0) xd[(long long)g * Bp + n] = make_float2(d2, fmaf(d, (float)s, d2 * (float)s2));
+    if constexpr (FX) {
+        if (k == 0) xd[(long long)g * Bp + n] = make_float2(d2, __fadd_rn(__fmul_rn(d, (float)s), __fmul_rn(d2, (float)s2)));
+    } else {
+        if (k == 0) xd[(long long)g * Bp + n] = make_float2(d2, fmaf(d, (float)s, d2 * (float)s2));
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) quantize_mmq_kernel(const float* x, u32* __restrict__ xq,
+                                                                      float2* __restrict__ xd, int n_cols, int B,
+                                                                      int Bp) {
+    pdl_enter();
+    quantize_mmq<false>(x, xq, xd, n_cols, B, Bp);
 }
 
 // The A fragments of the K-quants, read from a staged block p for the lane's row.
@@ -112,18 +124,21 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 // One CTA: WR warps side by side over 16-row tiles, WK = warps / WR over the block columns;
 // gridDim.y = KS more splits of the block columns (mm_launch, as mm); mm_epilogue sums.
 // xq, xd: quantize_mmq_kernel of x with Bp = 8 NT; out: [B, n_rows] f32.
+//
+// FX (the batch-invariant mode's fixed form, fixed_point.cu fx_mmq_kernel): the same steps, but
+// each 256-column block's are chained from 0 (bv: "the block value", the one the fixed-point
+// matvec computes) and the block values added as 64-bit fixed point (fx_of), exact in any order;
+// part is then long long, and mm_epilogue sums integers. Without FX every step chains into acc.
 #ifndef MMQ_UNROLL
 #define MMQ_UNROLL 4  // chunks (Q4_K/Q5_K: all 4) or groups (Q6_K: 4 of 8) unrolled per trip
 #endif
 #ifndef MMQ_MIN_BLOCKS
 #define MMQ_MIN_BLOCKS 1  // __launch_bounds__ minimum CTAs of 256 threads per SM (2 caps registers at 128)
 #endif
-template <int QT, int NT, int MT>
-__global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __restrict__ w, const uint4* xq,
-                                                  const float2* xd, float* __restrict__ out,
-                                                  float* __restrict__ part, int* __restrict__ tile_count, int n_rows,
-                                                  int n_cols, long long row_bytes, int B, int WR) {
-    pdl_enter();
+template <int QT, int NT, int MT, bool FX, typename T>
+__device__ __forceinline__ void mmq_body(const u8* __restrict__ w, const uint4* xq, const float2* xd,
+                                         float* __restrict__ out, T* __restrict__ part, int* __restrict__ tile_count,
+                                         int n_rows, int n_cols, long long row_bytes, int B, int WR) {
     typedef MmStage<QT> S;
     constexpr int Bp = 8 * NT;
     extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 MT * 8 NT * 4)
@@ -133,13 +148,25 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
     const int nparts = gridDim.y * WK, kpart = blockIdx.y * WK + wk;
     const uint4* xql = xq + gid * 4 + tig;                     // + (g Bp + 8 nt) * 4: entry (g, 8 nt + gid, tig)
     const float4* xdl = (const float4*)xd + tig;                // + g Bp / 2 + 4 nt: (d2, sum) of rows 8 nt + 2 tig, + 1
-    float acc[MT][NT][4];  // [m-tile][n-tile][C entry]: each x fragment serves the warp's MT tiles of 16 rows
+    T acc[MT][NT][4];  // [m-tile][n-tile][C entry]: each x fragment serves the warp's MT tiles of 16 rows
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        for (int nt = 0; nt < NT; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0;
     mm_staged_walk<QT, MT>(w, n_rows, row_bytes, blockIdx.x * 16 * MT * WR + 16 * MT * wr, kpart, nparts, n_cols / 256,
                            smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* const (&rows)[2 * MT]) {
+        float bv[MT][NT][4];  // FX: the block's values, chained from 0 (unused without FX)
+        if constexpr (FX) {
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) bv[mt][nt][0] = bv[mt][nt][1] = bv[mt][nt][2] = bv[mt][nt][3] = 0.f;
+        }
+        // the f32 chain a step adds to: acc itself, or with FX the block value
+        auto chain = [&](int mt, int nt) -> float* {
+            if constexpr (FX) return bv[mt][nt];
+            else return acc[mt][nt];
+        };
         if constexpr (QT == 12 || QT == 13) {
             uint4 hd[2 * MT];  // headers of the lane's rows gid + 8 i
 #pragma unroll
@@ -168,7 +195,7 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
                             int c1[4], c2[4];
                             mma_s8_k32(c1, qa[0], qb[0], qa[1], qb[1], xv.x, xv.y);
                             mma_s8_k32(c2, qa[0], qb[0], qa[1], qb[1], xv.z, xv.w);
-                            float* ac = acc[mt][nt];
+                            float* ac = chain(mt, nt);
                             const float sa = sc[ia][sub], ma = mn[ia][sub], sb = sc[ib][sub], mb = mn[ib][sub];
                             ac[0] = fmaf(sa * dd.x, mmq_t(c1[0], c2[0]), fmaf(-ma, dd.y, ac[0]));
                             ac[1] = fmaf(sa * dd.z, mmq_t(c1[1], c2[1]), fmaf(-ma, dd.w, ac[1]));
@@ -211,13 +238,31 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
                         for (int e = 0; e < 4; e++) {
                             const int i = e < 2 ? ia : ib;  // C entries 0, 1: row gid; 2, 3: row gid + 8
                             const float u = fmaf(s[i][0], mmq_t(c10[e], c20[e]), s[i][1] * mmq_t(c11[e], c21[e]));
-                            acc[mt][nt][e] = fmaf((e & 1) ? dd.z : dd.x, u, acc[mt][nt][e]);
+                            float* ac = chain(mt, nt);
+                            ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);
                         }
                     }
                 }
             }
         }
+        if constexpr (FX) {
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[mt][nt][e] += fx_of(bv[mt][nt][e]);
+        }
     });
     __syncthreads();  // every warp is done with its stage: the reduction reuses the memory
-    mm_epilogue<NT, MT>(acc, (float*)smem, out, part, tile_count, n_rows, B, WR);
+    mm_epilogue<NT, MT, T>(acc, (T*)smem, out, part, tile_count, n_rows, B, WR);
+}
+
+template <int QT, int NT, int MT>
+__global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __restrict__ w, const uint4* xq,
+                                                  const float2* xd, float* __restrict__ out,
+                                                  float* __restrict__ part, int* __restrict__ tile_count, int n_rows,
+                                                  int n_cols, long long row_bytes, int B, int WR) {
+    pdl_enter();
+    mmq_body<QT, NT, MT, false>(w, xq, xd, out, part, tile_count, n_rows, n_cols, row_bytes, B, WR);
 }

@@ -25,19 +25,54 @@ __device__ __forceinline__ void mm_min_terms(float (&a)[4], const uint4& xv, flo
     a[3] = fmaf(-mb, e[3], a[3]);
 }
 
+// Accumulators of 64-bit fixed point (the batch-invariant mode's fixed form, fixed_point.cu): a
+// block's f32 value in units of 2^-32 as an integer, so that sums of them are exact in any
+// order, and a row's sum back as f32 (one rounding, then an exact power-of-two scale).
+#define FX_ONE 4294967296.f                 // 2^32
+#define FX_INV 2.3283064365386963e-10f      // 2^-32
+__device__ __forceinline__ long long fx_of(float v) { return __float2ll_rn(__fmul_rn(v, FX_ONE)); }
+__device__ __forceinline__ float fx_value(long long a) { return __fmul_rn(__ll2float_rn(a), FX_INV); }
+// a row's sum as the output's f32: an f32 accumulator as it is, a fixed-point one through fx_value
+__device__ __forceinline__ float mm_value(float s) { return s; }
+__device__ __forceinline__ float mm_value(long long s) { return fx_value(s); }
+
+// With KS = gridDim.y > 1 CTAs a row tile: each CTA has written its sums of rows row0 .. row0 +
+// R - 1 to part [KS, B, n_rows]; the last of the tile's CTAs to get here (tile_count) adds the KS
+// partials in order, writes out and resets the counter: the result does not depend on timing.
+template <typename T>
+__device__ __forceinline__ void mm_add_splits(const T* __restrict__ part, int* __restrict__ tile_count,
+                                              float* __restrict__ out, int n_rows, int B, int row0, int R) {
+    const int KS = gridDim.y;
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < R * B; e += blockDim.x) {
+        const int r = e % R, n = e / R, row = row0 + r;
+        if (row >= n_rows) continue;
+        T s = 0;
+        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
+        out[(long long)n * n_rows + row] = mm_value(s);
+    }
+    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+}
+
 // The end of both tensor-core kernels: each warp's accumulators (rows gid, gid + 8 of its 16-row
 // tile, x rows 8 nt + 2 tig, + 1) are summed over the CTA's WK warps in warp order through
 // red [8 warps][16 rows][8 NT x rows]; with KS = gridDim.y > 1 each CTA writes its sums to part
-// [KS, B, n_rows] and the last CTA of a row tile to finish (tile_count) adds the KS partials in
-// order and resets the counter: the result does not depend on timing.
-template <int NT, int MT = 1>
-__device__ __forceinline__ void mm_epilogue(const float (&acc)[MT][NT][4], float* red, float* __restrict__ out,
-                                            float* __restrict__ part, int* __restrict__ tile_count,
+// [KS, B, n_rows] and the last CTA of a row tile adds them (mm_add_splits). T: float, or long
+// long for fixed-point sums (mmq's fixed form; red and part of that type).
+template <int NT, int MT = 1, typename T = float>
+__device__ __forceinline__ void mm_epilogue(const T (&acc)[MT][NT][4], T* red, float* __restrict__ out,
+                                            T* __restrict__ part, int* __restrict__ tile_count,
                                             int n_rows, int B, int WR) {
     constexpr int R = 16 * MT;  // rows per warp: MT tiles of 16
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int gid = lane >> 2, tig = lane & 3, WK = nw / WR;
-    float* wred = red + warp * R * 8 * NT;  // [R][8 NT]
+    T* wred = red + warp * R * 8 * NT;  // [R][8 NT]
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -53,30 +88,16 @@ __device__ __forceinline__ void mm_epilogue(const float (&acc)[MT][NT][4], float
     const int row0 = blockIdx.x * R * WR;
     for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
         const int r = e % (R * WR), n = e / (R * WR);  // consecutive threads: consecutive rows
-        float s = 0.f;
+        T s = 0;
         for (int k = 0; k < WK; k++) s += red[((k * WR + r / R) * R + r % R) * 8 * NT + n];
         const int row = row0 + r;
         if (row < n_rows) {
-            if (KS == 1) out[(long long)n * n_rows + row] = s;
+            if (KS == 1) out[(long long)n * n_rows + row] = mm_value(s);
             else part[((long long)blockIdx.y * B + n) * n_rows + row] = s;
         }
     }
     if (KS == 1) return;
-    __shared__ int is_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + blockIdx.x, 1) == KS - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int e = threadIdx.x; e < n_entries; e += blockDim.x) {
-        const int r = e % (R * WR), n = e / (R * WR), row = row0 + r;
-        if (row >= n_rows) continue;
-        float s = 0.f;
-        for (int k = 0; k < KS; k++) s += __ldcg(part + ((long long)k * B + n) * n_rows + row);
-        out[(long long)n * n_rows + row] = s;
-    }
-    if (threadIdx.x == 0) tile_count[blockIdx.x] = 0;
+    mm_add_splits(part, tile_count, out, n_rows, B, row0, R * WR);
 }
 
 // mm_epilogue for kernels whose warps hold one 16-row tile
