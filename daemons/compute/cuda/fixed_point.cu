@@ -10,7 +10,7 @@
 // value"); that value is converted to a 64-bit integer in units of 2^-32, and from there on the
 // sums are integer sums, exact in any order: lanes, warps, split-K partials, atomics. So the
 // matvec (1-8 rows) and mmq (1-64) give a row the same bits, and each keeps its own fast order:
-// a pass could take the matvec at 1-2 rows and mmq from 3, as the default does. What it costs
+// the form takes the matvec at 1-2 rows and mmq from 3, as the default does. What it costs
 // is one f32 -> s64 conversion and one 64-bit add per block value (a block is 8 sub-block steps
 // of mmq's), and 64-bit accumulators.
 //
@@ -36,9 +36,10 @@
 // fx_of (a block value as 64-bit fixed point in units of 2^-32) and fx_value (a row's sum back
 // as f32) are tensor_core.cuh's: mmq's fixed form sums with them too.
 
-// The block value's steps, mmq_kernel's expressions with the products unfused so that no
-// compiler contraction can make two kernels differ. Q4_K/Q5_K, one sub-block: s, m its scale and
-// min, dd x's (d2, group sum), t = 254 c1 + c2 of the plane sums rounded once.
+// The block value's steps: mmq_body's expressions (a product there is an operand of an fmaf,
+// which no contraction merges; __fmul_rn says so here), so both kernels round alike.
+// Q4_K/Q5_K, one sub-block: s, m its scale and min, dd x's (d2, group sum), t = 254 c1 + c2 of
+// the plane sums rounded once.
 __device__ __forceinline__ float fx_k45_step(float bv, float s, float m, float2 dd, float t) {
     return fmaf(__fmul_rn(s, dd.x), t, fmaf(-m, dd.y, bv));
 }

@@ -119,11 +119,10 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
         fixed = [t for t in tables if t.invariant_fixed]
         if fixed:
             out.append(("fixed_point.cu", ()))
-        if any(t.fx_matvec_staged for t in fixed):
-            out.append(("fixed_point.cu", fx_mvs_names(qt)))
-        if any(not t.fx_matvec_staged for t in fixed):
-            out += [("fixed_point.cu", fx_mv_names(qt, tpr)) for tpr in tuning.FX_LANES_PER_ROW]
-        if fixed:
+            if any(t.fx_matvec_staged for t in fixed):
+                out.append(("fixed_point.cu", fx_mvs_names(qt)))
+            if not all(t.fx_matvec_staged for t in fixed):
+                out += [("fixed_point.cu", fx_mv_names(qt, tpr)) for tpr in tuning.FX_LANES_PER_ROW]
             out.append(("fixed_point.cu", fx_mmq_names(qt)))
     else:
         out += [("mm.cu", mm_names(qt, cut)) for cut, _, _ in q.mm_cuts]

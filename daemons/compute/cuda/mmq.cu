@@ -135,13 +135,17 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 #ifndef MMQ_MIN_BLOCKS
 #define MMQ_MIN_BLOCKS 1  // __launch_bounds__ minimum CTAs of 256 threads per SM (2 caps registers at 128)
 #endif
-template <int QT, int NT, int MT, bool FX, typename T>
+template <bool FX> struct MmqSum { typedef float T; };         // a row's sums: f32 chains
+template <> struct MmqSum<true> { typedef long long T; };      // FX: 64-bit fixed point
+template <int QT, int NT, int MT, bool FX>
 __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, const uint4* xq, const float2* xd,
-                                         float* __restrict__ out, T* __restrict__ part, int* __restrict__ tile_count,
-                                         int n_rows, int n_cols, long long row_bytes, int B, int WR) {
+                                         float* __restrict__ out, typename MmqSum<FX>::T* __restrict__ part,
+                                         int* __restrict__ tile_count, int n_rows, int n_cols, long long row_bytes,
+                                         int B, int WR) {
+    typedef typename MmqSum<FX>::T T;
     typedef MmStage<QT> S;
     constexpr int Bp = 8 * NT;
-    extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 MT * 8 NT * 4)
+    extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 MT * 8 NT * sizeof(T))
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
     const int gid = lane >> 2, tig = lane & 3;
