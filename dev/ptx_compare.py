@@ -146,10 +146,15 @@ def _kernel_ident(expr: str) -> str:
     return expr.split("<", 1)[0].strip()
 
 
+def defining_files(tree: Path, ident: str) -> list[Path]:
+    """The .cu files of the tree's cuda folder that define the __global__ ``ident``."""
+    pat = re.compile(rf"__global__[^;{{]*?\b{re.escape(ident)}\s*\(", re.S)
+    return [p for p in sorted((tree / CUDA_SUBDIR).glob("*.cu")) if pat.search(p.read_text())]
+
+
 def locate(tree: Path, ident: str) -> Path:
     """The .cu of the tree's cuda folder that defines the __global__ ``ident``."""
-    pat = re.compile(rf"__global__[^;{{]*?\b{re.escape(ident)}\s*\(", re.S)
-    found = [p for p in sorted((tree / CUDA_SUBDIR).glob("*.cu")) if pat.search(p.read_text())]
+    found = defining_files(tree, ident)
     if len(found) != 1:
         raise SystemExit(f"{tree}: kernel {ident} defined in {len(found)} files ({[p.name for p in found]})")
     return found[0]
@@ -186,6 +191,11 @@ def main() -> int:
         new_groups[new_tree / CUDA_SUBDIR / fname].append(expr)
     cached = json.loads(a.cache.read_text()) if a.cache and a.cache.exists() else {}
     base: dict[str, tuple[str, list[str]]] = {e: tuple(v) for e, v in cached.get("kernels", {}).items()}
+    # kernels the base tree does not define (added by the change): listed, not compared
+    added = [e for _, e in listed if e not in base and not defining_files(base_tree, _kernel_ident(e))]
+    if added:
+        print(f"{len(added)} kernels are new (the base defines none of {sorted({_kernel_ident(e) for e in added})})")
+        listed = [(f, e) for f, e in listed if e not in added]
     missing = [e for _, e in listed if e not in base]
     if missing:
         base_groups: dict[Path, list[str]] = defaultdict(list)

@@ -16,6 +16,7 @@ decode rows, a 511-row token tree).
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -185,6 +186,29 @@ def test_the_fixed_form_takes_the_fixed_point_matvec_then_fixed_point_mmq(name):
             assert got == {T: gemm_path(q, n_cols, T, INVARIANT) for T in ROW_COUNTS}, (name, n_cols)
 
 
+def test_the_fixed_forms_matvec_keeps_the_tuned_launches_and_compiles_them():
+    """The fixed form's matvec (fx_mvq_kernel, "pieces": the table's default) runs at the i16
+    matvec's tuned launch for each type and B, the B = 1 overrides included (its bits do not
+    depend on the launch), while the table's own i16 launches stay the mode's one per B; those
+    launches are what production compiles for the form's tables, and only for them."""
+    from ntx.daemons.compute.cuda import instances
+
+    assert FIXED_FORM.fx_matvec_kernel == "pieces"
+    assert tuning.FX_MATVEC_KERNELS[0] == "pieces"
+    for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        for B in range(1, tuning.MAX_MATVEC_B + 1):
+            assert FIXED_FORM.fx_mvq(qt, B) == tuning.H200.i16(qt, B), (qt, B)
+            assert FIXED_FORM.i16(qt, B) == INVARIANT.i16(qt, B)
+    assert FIXED_FORM.fx_mvq(QT.Q4_K, 1) != FIXED_FORM.i16(QT.Q4_K, 1)  # the B = 1 override kept
+    q4k = next(q for q in QUANT_TYPES.values() if q.name == "Q4_K")
+    names = {n for src, ns in instances.type_modules(q4k, [FIXED_FORM]) if src == "fixed_point.cu" for n in ns}
+    for B in range(1, tuning.MAX_MATVEC_B + 1):
+        nr, _, u = tuning.H200.i16(QT.Q4_K, B)
+        assert f"fx_mvq_kernel<{int(QT.Q4_K)},{B},{nr},{u}>" in names
+    assert not any(n.startswith(("fx_mvs_kernel", "fx_mv_kernel")) for n in names)
+    assert not any(src == "fixed_point.cu" for src, _ in instances.type_modules(q4k, [tuning.H200, INVARIANT]))
+
+
 def test_the_fixed_forms_staged_matvec_fills_the_device_and_its_scratch_is_planned():
     """fx_mvs_launch: about fx_target_ctas CTAs, split-K where a matrix has few 32-row tiles, each
     warp two block columns or more where there are enough; the planner's scratch for each
@@ -199,8 +223,12 @@ def test_the_fixed_forms_staged_matvec_fills_the_device_and_its_scratch_is_plann
     assert t.fx_mvs_launch(4096, 16)[1] > 1 and t.fx_mvs_launch(128256, 16)[1] == 1
     q4k = next(q for q in QUANT_TYPES.values() if q.name == "Q4_K")
     _, ks = t.fx_mvs_launch(4096, 16)
-    assert gemm_scratch_bytes(q4k, 4096, 4096, 2, t) == {
+    staged = replace(t, fx_matvec_kernel="staged")
+    assert gemm_scratch_bytes(q4k, 4096, 4096, 2, staged) == {
         "i16 planes": i16_planes_bytes(2, 4096), "fx split-k partials": ks * 2 * 4096 * 8, "split-k counters": 128 * 4}
+    for kind in ("pieces", "direct"):  # no split-K: the planes alone
+        assert gemm_scratch_bytes(q4k, 4096, 4096, 2, replace(t, fx_matvec_kernel=kind)) == {
+            "i16 planes": i16_planes_bytes(2, 4096)}
     wide = gemm_scratch_bytes(q4k, 14336, 4096, 64, t)
     assert "mmq x planes" in wide and "i16 planes" not in wide
     for T in (65, 512):

@@ -54,14 +54,14 @@ LAYER_COUNTS_8B = {(14336, 4096): 2, (4096, 4096): 2, (4096, 14336): 1, (1024, 4
 def fx_layer_summary(rows: list[dict], mmq_min_rows: int) -> list[dict]:
     """Per type and row count, an 8B layer's products (LAYER_COUNTS_8B, every matrix of that
     type) on the default's paths (the i16 matvec below mmq_min_rows rows, mmq from there) beside
-    the fixed-point sums' (below: per matrix the faster of fx_mv and fx_mvs; from there fx_mmq):
+    the fixed-point sums' (below: per matrix the fastest of fx_mvq, fx_mv and fx_mvs; from there fx_mmq):
     what the mode's third form would add to a pass's products, before anything else of the pass
     is counted."""
     out = []
     for (tname, T) in dict.fromkeys((r["type"], r["T"]) for r in rows):
         mine = {tuple(r["shape"]): r for r in rows if r["type"] == tname and r["T"] == T}
         small = T < mmq_min_rows
-        base, fx_keys = ("matvec_i16_ms", ("fx_mv_ms", "fx_mvs_ms")) if small else ("mmq_ms", ("fx_mmq_ms",))
+        base, fx_keys = ("matvec_i16_ms", ("fx_mvq_ms", "fx_mv_ms", "fx_mvs_ms")) if small else ("mmq_ms", ("fx_mmq_ms",))
         if set(mine) != set(LAYER_COUNTS_8B):
             continue
         fx_ms = {s: [r[k] for k in fx_keys if r.get(k) is not None] for s, r in mine.items()}
@@ -78,7 +78,9 @@ def fx_layer_summary(rows: list[dict], mmq_min_rows: int) -> list[dict]:
     return out
 # (rows per CTA, warps per CTA, pieces per trip) of the i16 matvec sweep
 MV_SWEEP = [(nr, nw, u) for nr in tuning.MV_ROWS_PER_CTA for nw in (2, 4, 8) for u in tuning.MV_UNROLLS]
-MV_VARIANTS = ("i16", "i16s", "v1", "v2", "dp4a")  # --mv-variants: the matvec variants --sweep-mv may time
+# --mv-variants: the matvec variants --sweep-mv may time (fx: production's fixed-point matvec,
+# fixed_point.fx_matvec_pieces, the K-quants only)
+MV_VARIANTS = ("i16", "i16s", "v1", "v2", "dp4a", "fx")
 
 
 def _time_ms(fn, stream) -> float | None:
@@ -130,6 +132,8 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
         raise SystemExit(f"--mv-variants: unknown {sorted(unknown)}; choose from {', '.join(MV_VARIANTS)}")
     bs = [b for b in (int(t) for t in args.ts.split(",")) if 1 <= b <= MAX_MATVEC_B] if args.ts_given else \
         list(range(1, MAX_MATVEC_B + 1))
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.mv_configs.replace("/", " ").split()] \
+        if args.mv_configs else MV_SWEEP
     rows = []
     for tname in args.types.split(","):
         qt = int(QT[tname])
@@ -146,9 +150,14 @@ def sweep_mv(args, stream, copy_gbps: float, rng) -> list[dict]:
                 for variant in variants:
                     if variant == "v2" and "v2" not in quant_type(qt).cuts:
                         continue
-                    for cfg in MV_SWEEP:
-                        ms = _time_ms(lambda i, c=cfg, v=variant: lab.matvec(CTX, ws[i % len(ws)], x, out=out,
-                                                                             variant=v, config=c), stream)
+                    if variant == "fx" and not mmq_supported(qt, n_cols):
+                        continue
+                    for cfg in configs:
+                        if variant == "fx":
+                            fn = lambda i, c=cfg: fixed_point.fx_matvec_pieces(CTX, ws[i % len(ws)], x, out=out, launch=c)
+                        else:
+                            fn = lambda i, c=cfg, v=variant: lab.matvec(CTX, ws[i % len(ws)], x, out=out, variant=v, config=c)
+                        ms = _time_ms(fn, stream)
                         cfgs["_".join(map(str, (variant, *cfg)))] = None if ms is None else {
                             "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)}
                 timed = {k: v for k, v in cfgs.items() if v is not None}
@@ -180,9 +189,11 @@ def main() -> None:
                     help="time the tensor-core matmuls (mm, mmq: those --paths keeps) at every (WR, WK, KS[, MT])")
     ap.add_argument("--paths", default=None,
                     help="comma-separated paths to time (matvec_f32, matvec_dp4a, matvec_i16, mm, mm_direct, mmq, mvq2_rows, "
-                         "mvq2_rows_nt1, mvq2_rows_split, fx_mv, fx_mvs, fx_mmq); default all")
+                         "mvq2_rows_nt1, mvq2_rows_split, fx_mvq, fx_mv, fx_mvs, fx_mmq); default all")
     ap.add_argument("--sweep-mv", action="store_true",
                     help="time only the matvec (--mv-variants) at every (rows per CTA, warps, pieces per trip), B <= 8")
+    ap.add_argument("--mv-configs", default=None,
+                    help="--sweep-mv's configurations, 'NR,NW,U/NR,NW,U/...' (default: every one of MV_SWEEP)")
     ap.add_argument("--mv-variants", default="i16,i16s",
                     help=f"--sweep-mv's variants, comma-separated from {','.join(MV_VARIANTS)} (v1, v2: f32 matvec cuts)")
     args = ap.parse_args()
@@ -233,6 +244,7 @@ def main() -> None:
                     paths["mvq2_rows_split"] = lambda i: lab.matvec_rows_split(CTX, ws[i % len(ws)], x, out=out)
                 if mmq_supported(qt, n_cols) and T <= MAX_MM_ROWS:  # fixed-point sums (fixed_point.py): one set of bits
                     if T <= MAX_MATVEC_B:
+                        paths["fx_mvq"] = lambda i: fixed_point.fx_matvec_pieces(CTX, ws[i % len(ws)], x, out=out)
                         paths["fx_mv"] = lambda i: fixed_point.fx_matvec_direct(CTX, ws[i % len(ws)], x, out=out)
                         paths["fx_mvs"] = lambda i: fixed_point.fx_matvec_staged(CTX, ws[i % len(ws)], x, out=out)
                     paths["fx_mmq"] = lambda i: fixed_point.fx_mmq(CTX, ws[i % len(ws)], x, out=out)

@@ -24,7 +24,8 @@ from .test_kernels import CTX, QT, W, check_i16, random_weights, reference_matri
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
 def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_cols, rng):
     """Each row of x gets one set of bits from the fixed-point matvec at 1-8 rows
-    (direct at every lanes-a-row, staged at several warps a CTA) and from the fixed-point mmq at
+    (in the i16 matvec's pieces at its launch for each B, direct at every lanes-a-row, staged at
+    several warps a CTA) and from the fixed-point mmq at
     1-64 rows, at the device's launch and at split-K launches (the sums are integers: no order
     can change them); and the results are
     within the two-plane rounding bound of the exact product (check_i16: the same activations as
@@ -42,6 +43,10 @@ def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_co
             for i in (0, 56):
                 np.testing.assert_array_equal(cp.asnumpy(FX.fx_matvec_direct(CTX, w, x[i:i + B], tpr=tpr)), alone[i:i + B],
                                               err_msg=f"fx_matvec {qt.name} [{n_rows}, {n_cols}] tpr={tpr} rows {i}+{B}")
+    for B in range(1, 9):  # the matvec in the i16 matvec's pieces, at its launch for each B
+        for i in (0, 56):
+            np.testing.assert_array_equal(cp.asnumpy(FX.fx_matvec_pieces(CTX, w, x[i:i + B])), alone[i:i + B],
+                                          err_msg=f"fx_matvec_pieces {qt.name} [{n_rows}, {n_cols}] rows {i}+{B}")
     for warps, splits in ((None, None), (1, 1), (3, 2), (8, 1), (2, 4)):  # the staged matvec: a lane a row
         for B in (1, 2, 8):
             np.testing.assert_array_equal(
@@ -60,7 +65,7 @@ def test_fixed_point_refuses_what_it_does_not_decode(rng):
     one-line error naming what they take."""
     w = W(random_weights(QT.Q8_0, 16, 256, rng), QT.Q8_0, 16, 256)
     x = cp.asarray(rng.standard_normal((1, 256)).astype(np.float32))
-    for fn in (FX.fx_matvec, FX.fx_matvec_direct, FX.fx_matvec_staged, FX.fx_mmq):
+    for fn in (FX.fx_matvec, FX.fx_matvec_pieces, FX.fx_matvec_direct, FX.fx_matvec_staged, FX.fx_mmq):
         with pytest.raises(ValueError, match="Q4_K, Q5_K, Q6_K"):
             fn(CTX, w, x)
     wk = W(random_weights(QT.Q4_K, 16, 512, rng), QT.Q4_K, 16, 512)

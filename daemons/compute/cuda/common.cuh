@@ -36,6 +36,24 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// the same butterfly on 64-bit integers (the fixed-point sums: exact, so any order gives one sum)
+__device__ __forceinline__ long long warp_sum(long long v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Accumulators of 64-bit fixed point (the batch-invariant mode's fixed form, fixed_point.cu): a
+// block's f32 value in units of 2^-32 as an integer, so that sums of them are exact in any
+// order, and a row's sum back as f32 (one rounding, then an exact power-of-two scale).
+#define FX_ONE 4294967296.f                 // 2^32
+#define FX_INV 2.3283064365386963e-10f      // 2^-32
+__device__ __forceinline__ long long fx_of(float v) { return __float2ll_rn(__fmul_rn(v, FX_ONE)); }
+__device__ __forceinline__ float fx_value(long long a) { return __fmul_rn(__ll2float_rn(a), FX_INV); }
+// a row's sum as the output's f32: an f32 accumulator as it is, a fixed-point one through fx_value
+__device__ __forceinline__ float mm_value(float s) { return s; }
+__device__ __forceinline__ float mm_value(long long s) { return fx_value(s); }
+
 // block-wide sum; every thread gets the result. blockDim.x multiple of 32, <= 1024.
 __device__ __forceinline__ float block_sum(float v, float* sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

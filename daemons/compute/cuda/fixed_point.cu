@@ -23,8 +23,12 @@
 // x is quantized as for the i16 matvec and mmq (quant2_group's two int8 planes): the matvec reads
 // the i16 planes' layout, mmq its own (fx_quantize_mmq_kernel: one group sum for both, below),
 // so a sub-block's integer sums are the same integers (dp4a here, mma there) and its f32 steps
-// take the same operands. Launched by fixed_point.py (fx_matvec_direct, fx_matvec_staged,
-// fx_mmq, fx_quantize); compiled by NVRTC at run time, headers inlined.
+// take the same operands. Three matvecs: fx_mvq_kernel (production's: the i16 matvec's launch
+// and pieces, 8 lanes a block, the block value chained across them by shuffles), fx_mvs_kernel
+// (staged as mmq stages, a lane a row) and fx_mv_kernel (direct, a lane a block), the last two
+// kept to measure against. Launched by fixed_point.py (fx_matvec_pieces, fx_matvec_group,
+// fx_matvec_staged, fx_matvec_direct, fx_mmq, fx_quantize); compiled by NVRTC at run time,
+// headers inlined.
 //
 // fx_mmq_kernel is mmq.cu's mmq_body with FX (its accumulation a template argument: the
 // default's mmq_kernel PTX is unchanged by it, dev/ptx_compare.py), and the split-K partials are
@@ -32,6 +36,7 @@
 // the i16 planes' group sum.
 
 #include "mmq.cu"
+#include "matvec.cuh"
 
 // fx_of (a block value as 64-bit fixed point in units of 2^-32) and fx_value (a row's sum back
 // as f32) are tensor_core.cuh's: mmq's fixed form sums with them too.
@@ -177,6 +182,152 @@ __device__ __forceinline__ void fx_block(const u8* bp, int blk, const u8* xq, co
             }
         }
     }
+}
+
+// ================================================================ the matvec, in the i16 matvec's pieces
+// fx_mvq_kernel: the i16 matvec (matvec.cu mvq2_kernel: matvec.cuh's matvec_rows, its launch
+// table, its pieces and loads) with fixed-point sums. A block's 8 pieces lie in 8 consecutive
+// lanes (piece j = lane % 8: matvec_rows strides by whole warps), each lane decoding its piece of
+// NR weight rows once for all B rows of x, as mvq2 does. What differs is the sum: a lane's
+// integer sums of a sub-block (254 c1 + c2 over its columns) are added across the lanes that
+// share the sub-block with integer shuffles (exact), and the block value is then chained in
+// fx_block's steps and order across the lanes that hold the sub-blocks, each lane taking its
+// steps on the value the previous lanes passed on (a scan of shuffles), so one lane ends with
+// fx_block's value and adds it as fixed point. The weights come in as mvq2 reads them: 16-byte
+// loads, a warp on 4 consecutive blocks of a row.
+template <int QT> struct MvFxP;
+// Q4_K / Q5_K: piece j holds 16 columns of sub-blocks 2c and 2c + 1 (c = j / 2, QDK45): lanes j
+// and j ^ 1 complete them; chunk c's lanes take steps 2c, 2c + 1 after chunk c - 1's.
+template <int QT> struct MvFxK45 : QDK45<QT> {
+    typedef QDK45<QT> T;
+    typedef long long Acc;
+    typedef typename MvDp4aP<QT, 2>::Act Act;
+    static __device__ __forceinline__ int dot4(const u32 (&q)[4], const uint4& x) {
+        return dp4(q[3], x.w, dp4(q[2], x.z, dp4(q[1], x.y, dp4(q[0], x.x, 0))));
+    }
+    template <int B, int NR>
+    static __device__ __forceinline__ void accumulate(const typename T::Raw (&raw)[NR], int blk, int j, const Act& act,
+                                                      int n_cols, long long (&acc)[NR][B]) {
+        const int base = threadIdx.x & 24;  // this block's first lane in the warp
+        const unsigned mask = 0xFFu << base;
+        typename T::Dec dec[NR];
+        float sc[NR][2], mn[NR][2];
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            T::decode(raw[r], j, dec[r]);  // its integer words; the scales are mmq's (fx_block's)
+            mmq_k45_scales(raw[r].h, j >> 1, sc[r], mn[r]);
+        }
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const long long xo = (long long)b * n_cols + (long long)blk * T::EPB;
+            const long long go = (long long)b * act.ngroups + (long long)blk * (T::EPB / 32);
+            typename T::XV x1, x2;
+            T::loadx(j, act.xq + xo, act.ds + go, x1);
+            T::loadx(j, act.xq2 + xo, act.ds2 + go, x2);
+            const float2 dd0 = make_float2(x2.g0.x, fx_group_sum(x1.g0.y, x2.g0.y));
+            const float2 dd1 = make_float2(x2.g1.x, fx_group_sum(x1.g1.y, x2.g1.y));
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                int t0 = 254 * dot4(dec[r].lo, x1.a) + dot4(dec[r].lo, x2.a);  // sub-block 2c, this lane's columns
+                int t1 = 254 * dot4(dec[r].hi, x1.b) + dot4(dec[r].hi, x2.b);  // 2c + 1
+                t0 += __shfl_xor_sync(mask, t0, 1);
+                t1 += __shfl_xor_sync(mask, t1, 1);
+                const float ft0 = __int2float_rn(t0), ft1 = __int2float_rn(t1);
+                float v = 0.f;  // the block value after the chunks before this round's
+#pragma unroll
+                for (int c = 0; c < 4; c++) {  // round c: chunk c's lanes take their two steps
+                    const float u = fx_k45_step(fx_k45_step(v, sc[r][0], mn[r][0], dd0, ft0), sc[r][1], mn[r][1], dd1, ft1);
+                    v = c < 3 ? __shfl_sync(mask, u, base + 2 * c) : u;
+                }
+                if (j == 6) acc[r][b] += fx_of(v);  // chunk 3's value: the block's
+            }
+        }
+    }
+};
+template <> struct MvFxP<12> : MvFxK45<12> {};
+template <> struct MvFxP<13> : MvFxK45<13> {};
+// Q6_K: piece j holds columns l0 .. l0 + 7 (l0 = 8 (j % 4)) of the 4 groups of half h = j / 4
+// (QDTraits<14>): a group's 16-column halves are lanes {0, 1} and {2, 3} of the half's four, so
+// two integer shuffles give every lane both; half 0's lanes take groups 0-3, half 1's 4-7.
+template <> struct MvFxP<14> : QDTraits<14> {
+    typedef QDTraits<14> T;
+    typedef long long Acc;
+    typedef MvDp4aP<14, 2>::Act Act;
+    template <int B, int NR>
+    static __device__ __forceinline__ void accumulate(const T::Raw (&raw)[NR], int blk, int j, const Act& act,
+                                                      int n_cols, long long (&acc)[NR][B]) {
+        const int base = threadIdx.x & 24;
+        const unsigned mask = 0xFFu << base;
+        const bool second = (j & 2) != 0;  // this lane's columns are the groups' second halves
+        T::Dec dec[NR];
+        float s0[NR][4], s1[NR][4];  // the groups' half scales, fx_block's products
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            T::decode(raw[r], j, dec[r]);
+            const float dq = h2f(raw[r].d);
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                s0[r][k] = dq * (float)(signed char)(raw[r].s[k >> 1] >> (16 * (k & 1)));
+                s1[r][k] = dq * (float)(signed char)(raw[r].s[k >> 1] >> (16 * (k & 1) + 8));
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const long long xo = (long long)b * n_cols + (long long)blk * T::EPB;
+            const long long go = (long long)b * act.ngroups + (long long)blk * (T::EPB / 32);
+            T::XV x1, x2;
+            T::loadx(j, act.xq + xo, act.ds + go, x1);
+            T::loadx(j, act.xq2 + xo, act.ds2 + go, x2);  // x2.g: the groups' d2
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                float ft0[4], ft1[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int t = 254 * dp4(dec[r].q[k][1], x1.x[k].y, dp4(dec[r].q[k][0], x1.x[k].x, 0))
+                            + dp4(dec[r].q[k][1], x2.x[k].y, dp4(dec[r].q[k][0], x2.x[k].x, 0));
+                    t += __shfl_xor_sync(mask, t, 1);               // this lane's half of group k
+                    const int o = __shfl_xor_sync(mask, t, 2);      // the other half
+                    ft0[k] = __int2float_rn(second ? o : t);
+                    ft1[k] = __int2float_rn(second ? t : o);
+                }
+                float v = 0.f;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {  // round h: half h's lanes take groups 4h .. 4h + 3
+#pragma unroll
+                    for (int k = 0; k < 4; k++) v = fx_q6_step(v, s0[r][k], s1[r][k], x2.g[k], ft0[k], ft1[k]);
+                    if (h == 0) v = __shfl_sync(mask, v, base);
+                }
+                if (j == 4) acc[r][b] += fx_of(v);
+            }
+        }
+    }
+};
+
+// out[b, row] for B <= 8 rows of x (the i16 planes), NR weight rows a CTA, U pieces a lane a
+// trip: mvq2_kernel's launch (tuning.i16) and order of loads, fixed-point sums. acc != 0: out
+// += the row's value (the residual add fused, as mvq2_kernel's: the same f32 addition).
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) fx_mvq_kernel(const u8* __restrict__ w, const u8* xq, const float2* ds,
+                                                     const u8* xq2, const float2* ds2, float* out, int n_rows,
+                                                     int n_cols, long long row_bytes, int acc) {
+    typedef MvFxP<QT> P;
+    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes,
+                             blockIdx.x * NR, acc != 0);
+}
+
+// fx_mvq_kernel over up to three matrices of one type that multiply the same x (a layer's q and
+// k, or gate and up), in one launch: mvq2g_kernel's split of the CTAs (matvec.cuh matvec_part).
+template <int QT, int B, int NR, int U>
+__global__ void __launch_bounds__(256) fx_mvqg_kernel(const u8* __restrict__ w0, const u8* __restrict__ w1,
+                                                      const u8* __restrict__ w2, float* out0, float* out1,
+                                                      float* out2, int rows0, int rows1, int rows2, int end0,
+                                                      int end1, long long rb0, long long rb1, long long rb2,
+                                                      const u8* xq, const float2* ds, const u8* xq2,
+                                                      const float2* ds2, int n_cols) {
+    typedef MvFxP<QT> P;
+    const MvPart m = matvec_part<NR>(w0, w1, w2, out0, out1, out2, rows0, rows1, rows2, end0, end1, rb0, rb1, rb2);
+    matvec_rows<P, B, NR, U>(m.w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, m.out, m.n_rows, n_cols, m.row_bytes,
+                             m.row0);
 }
 
 // ================================================================ the matvec, direct: a lane a block

@@ -11,11 +11,15 @@ values as 64-bit integers in units of 2^-32, exact in any order. So the matvec (
 own fast order.
 
   * ``fx_matvec``: up to 8 rows of x as the i16 planes (``matvec.i16_quantize``, or what the
-    fused producers write: rmsnorm_q2, swiglu_q2, the attention combine), through the staged
-    kernel (fx_mvs_kernel: a CTA takes 32 weight rows, mmq's staged walk brings their blocks in,
-    a lane computes one row's blocks; split-K over CTAs where the row tiles are few,
-    ``KernelTuning.fx_mvs_launch``) or the direct one (fx_mv_kernel: a lane a block, straight
-    from global memory), as the table's ``fx_matvec_staged`` says.
+    fused producers write: rmsnorm_q2, swiglu_q2, the attention combine), through the kernel
+    the table's ``fx_matvec_kernel`` names: "pieces" (fx_mvq_kernel, the default: the i16
+    matvec's launch, pieces and loads, 8 lanes a block whose integer sums meet by shuffles and
+    whose block value is chained across them; ``fx_matvec_group`` runs two or three matrices of
+    one type in one launch, and it adds into out as the i16 matvec does), "staged"
+    (fx_mvs_kernel: a CTA takes 32 weight rows, mmq's staged walk brings their blocks in, a lane
+    computes one row's blocks; split-K where the row tiles are few,
+    ``KernelTuning.fx_mvs_launch``) or "direct" (fx_mv_kernel: a lane a block, straight from
+    global memory). The last two are kept to measure against (dev/cuda/bench_gemm_paths.py).
   * ``fx_mmq``: up to MAX_MM_ROWS rows, mmq's launch with 64-bit sums, on x quantized by
     ``fx_quantize`` (mmq's layout with the i16 planes' group sums: the min term's operand must be
     the same in both kernels).
@@ -35,11 +39,12 @@ from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda import matvec as mv
 from ntx.daemons.compute.cuda.mm import mmq_quantize, mmq_supported, staged_smem_bytes
 from ntx.daemons.compute.cuda.runtime import DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx
-from ntx.daemons.compute.cuda.tuning import FX_LANES_PER_ROW, FX_MVS_MAX_WARPS, MAX_MATVEC_B, MAX_MM_ROWS
+from ntx.daemons.compute.cuda.tuning import (FX_LANES_PER_ROW, FX_MVS_MAX_WARPS, MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS,
+                                             MV_ROWS_PER_CTA, MV_UNROLLS)
 from ntx.shared.quant_types import quant_type
 
-__all__ = ["SOURCE", "fx_lanes_per_row", "fx_mvs_smem_bytes", "fx_mmq_smem_bytes", "fx_matvec", "fx_matvec_direct",
-           "fx_matvec_staged", "fx_quantize", "fx_mmq"]
+__all__ = ["SOURCE", "fx_lanes_per_row", "fx_mvs_smem_bytes", "fx_mmq_smem_bytes", "fx_matvec", "fx_matvec_pieces",
+           "fx_matvec_group", "fx_matvec_direct", "fx_matvec_staged", "fx_quantize", "fx_mmq"]
 
 SOURCE = "fixed_point.cu"
 
@@ -84,13 +89,59 @@ def _split_k(ctx: KernelContext, ks: int, B: int, n_rows: int, tiles: int):
             ctx.scratch("split-k counters", tiles * 4, zero=True))
 
 
-def fx_matvec(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None):
+def fx_matvec(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None, accumulate: bool = False):
     """out[b, r] = sum_c W[r, c] * x[b, c] for up to MAX_MATVEC_B rows of x with fixed-point
-    sums: the device table's matvec (``fx_matvec_staged`` or ``fx_matvec_direct``). planes: the
-    i16 planes of this x (``matvec.i16_quantize``, or a fused producer's)."""
-    if ctx.tuning().fx_matvec_staged:
+    sums: the device table's matvec (``fx_matvec_kernel``: ``fx_matvec_pieces``,
+    ``fx_matvec_staged`` or ``fx_matvec_direct``). planes: the i16 planes of this x
+    (``matvec.i16_quantize``, or a fused producer's). accumulate: out += the product (the
+    pieces kernel only: ``gemm`` adds the others' through a scratch product)."""
+    kind = ctx.tuning().fx_matvec_kernel
+    if kind == "pieces":
+        return fx_matvec_pieces(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
+    if accumulate:
+        raise ValueError(f"fx_matvec accumulates on its pieces kernel only, not {kind!r}; use gemm(accumulate=True)")
+    if kind == "staged":
         return fx_matvec_staged(ctx, w, x, out, stream=stream, planes=planes)
     return fx_matvec_direct(ctx, w, x, out, stream=stream, planes=planes)
+
+
+def fx_matvec_pieces(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,
+                     accumulate: bool = False, launch: tuple[int, int, int] | None = None):
+    """``fx_matvec`` through fx_mvq_kernel: the i16 matvec's launch (``KernelTuning.fx_mvq``: NR
+    rows a CTA, its warps, U pieces a lane) and its pieces, 8 lanes a block; the lanes of a
+    sub-block add their integer sums by shuffles and the block value is chained across them.
+    accumulate: out += the product, in the kernel's epilogue (the same f32 addition as ``add``).
+    launch: (NR, warps, U) instead of the table's (the bits are the same at every launch)."""
+    _check(w, "fx_matvec")
+    x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec")
+    B = x.shape[0]
+    nr, nw, u = launch or ctx.tuning().fx_mvq(w.qtype, B)
+    if nr not in MV_ROWS_PER_CTA or u not in MV_UNROLLS or not 1 <= nw <= MV_MAX_WARPS:
+        raise ValueError(f"fx_matvec: launch {(nr, nw, u)}, not rows a CTA in {MV_ROWS_PER_CTA}, 1-{MV_MAX_WARPS} "
+                         f"warps, pieces a trip in {MV_UNROLLS}")
+    names = instances.fx_mvq_names(w.qtype, nr, u)
+    with stream_ctx(stream):
+        xq1, ds1, xq2, ds2 = planes if planes is not None else mv.i16_quantize(ctx, x)
+        ctx.launch(function(SOURCE, names[B - 1], names), (-(-w.n_rows // nr),), (32 * nw,),
+                   (w.data, xq1, ds1, xq2, ds2, out, np.int32(w.n_rows), np.int32(w.n_cols), np.int64(w.row_bytes),
+                    np.int32(accumulate)))
+    return out
+
+
+def fx_matvec_group(ctx: KernelContext, x, parts, planes, stream=None) -> list:
+    """``fx_matvec_pieces`` of x with two or three matrices of one K-quant type (parts: (weight,
+    out) each) in one fx_mvqg_kernel launch (mvq2g_kernel's split of the CTAs), each matrix's
+    rows the bits ``fx_matvec`` gives them; planes: x's i16 planes. Returns the outs."""
+    for w, _ in parts:
+        _check(w, "fx_matvec_group")
+    qt = parts[0][0].qtype
+    if any(w.qtype != qt for w, _ in parts) or not 2 <= len(parts) <= 3:
+        raise ValueError("fx_matvec_group takes two or three matrices of one type")
+    B = x.shape[0]
+    nr, nw, u = ctx.tuning().fx_mvq(qt, B)
+    names = instances.fx_mvq_names(qt, nr, u)
+    return mv.launch_group(ctx, function(SOURCE, names[MAX_MATVEC_B + B - 1], names), (32 * nw,), nr, x, parts,
+                           planes, stream)
 
 
 def fx_matvec_direct(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,

@@ -96,12 +96,13 @@ def takes_i16_planes(ctx: KernelContext, w: Weight, T: int) -> bool:
 def product_of_planes(ctx: KernelContext, w: Weight, x, out, planes, *, stream=None, accumulate: bool = False):
     """out (+)= x @ W.T from x's i16 planes (made already) on the path of ``w`` at x's rows, one
     of I16_PLANE_PATHS: the i16 matvec (accumulating in its epilogue) or the fixed-point matvec
-    (accumulating as ``gemm`` does off the i16 path: a scratch product and ``add``)."""
+    (its pieces kernel likewise; the others as ``gemm`` does off the i16 path: a scratch product
+    and ``add``)."""
     T = x.shape[0]
     if path(ctx, w, T) == "i16":
         return mv.matvec(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
-    if not accumulate:
-        return fp.fx_matvec(ctx, w, x, out, stream=stream, planes=planes)
+    if not accumulate or ctx.tuning().fx_matvec_kernel == "pieces":
+        return fp.fx_matvec(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
     check_f32("out", out, (T, w.n_rows))
     with stream_ctx(stream):
         tmp = ctx.scratch("gemm accumulate", T * w.n_rows * 4).view(cp.float32).reshape(T, w.n_rows)
@@ -122,6 +123,8 @@ def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate:
             return mv.matvec(ctx, w, x, out, stream=stream, accumulate=True)
         if p == "rows":
             return _rows(ctx, w, x, out, stream, accumulate=True)
+        if p == "fxmv" and ctx.tuning().fx_matvec_kernel == "pieces":
+            return fp.fx_matvec(ctx, w, x, out, stream=stream, accumulate=True)
         with stream_ctx(stream):
             tmp = ctx.scratch("gemm accumulate", T * w.n_rows * 4).view(cp.float32).reshape(T, w.n_rows)
             gemm(ctx, w, x, tmp, stream=stream)
@@ -236,28 +239,29 @@ def gemm_group(ctx: KernelContext, x, parts, *, stream=None, i16_planes=None) ->
             if "fxmmq" not in shared:
                 shared["fxmmq"] = fp.fx_quantize(ctx, x, stream=stream)
             outs[i] = fp.fx_mmq(ctx, w, x, out, stream=stream, planes=shared["fxmmq"])
-        elif p == "fxmv":
+        elif p == "fxmv" and ctx.tuning().fx_matvec_kernel != "pieces":
             if "i16" not in shared:
                 shared["i16"] = mv.i16_quantize(ctx, x, stream=stream)
             outs[i] = fp.fx_matvec(ctx, w, x, out, stream=stream, planes=shared["i16"])
-        elif p == "i16":
-            i16_by_type.setdefault(w.qtype, []).append(i)
+        elif p in ("i16", "fxmv"):  # one launch per type: mvq2g_kernel, or fx_mvqg_kernel
+            i16_by_type.setdefault((p, w.qtype), []).append(i)
         elif p == "rows":
             if "i16" not in shared:
                 shared["i16"] = mv.i16_quantize(ctx, x, stream=stream)
             outs[i] = _rows(ctx, w, x, out, stream, planes=shared["i16"])
         else:
             outs[i] = gemm(ctx, w, x, out, stream=stream)
-    for members in i16_by_type.values():
+    for (p, _), members in i16_by_type.items():
         if "i16" not in shared:
             shared["i16"] = mv.i16_quantize(ctx, x, stream=stream)
+        one, group = (fp.fx_matvec, fp.fx_matvec_group) if p == "fxmv" else (mv.matvec, mv.matvec_i16_group)
         for c in range(0, len(members), 3):
             chunk = members[c:c + 3]
             if len(chunk) == 1:
                 w, out = parts[chunk[0]]
-                outs[chunk[0]] = mv.matvec(ctx, w, x, out, stream=stream, planes=shared["i16"])
+                outs[chunk[0]] = one(ctx, w, x, out, stream=stream, planes=shared["i16"])
             else:
-                got = mv.matvec_i16_group(ctx, x, [parts[i] for i in chunk], shared["i16"], stream)
+                got = group(ctx, x, [parts[i] for i in chunk], shared["i16"], stream)
                 for i, o in zip(chunk, got):
                     outs[i] = o
     return outs

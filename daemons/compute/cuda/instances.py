@@ -13,7 +13,7 @@ from ntx.daemons.compute.cuda import tuning
 from ntx.shared.quant_types import QUANT_TYPES, QuantType
 
 __all__ = ["CUT_ID", "MATVEC_ROWS", "MM_TILES", "ATTENTION_SHAPES", "mv_names", "i16_names", "deq_names",
-           "mm_names", "mmq_names", "rows_names", "fx_mv_names", "fx_mvs_names", "fx_mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
+           "mm_names", "mmq_names", "rows_names", "fx_mvq_names", "fx_mv_names", "fx_mvs_names", "fx_mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
            "production"]
 
 CUT_ID = {"v1": 1, "v2": 2}  # template argument of each layout cut (quant_traits.cuh CUT_V1, CUT_V2)
@@ -50,6 +50,13 @@ def mm_names(qt: int, cut: str) -> tuple[str, ...]:
 def mmq_names(qt: int) -> tuple[str, ...]:
     """The int8 tensor-core matmul, one 16-row tile per warp (its MT = 1)."""
     return tuple(f"mmq_kernel<{int(qt)},{nt},1>" for nt in MM_TILES)
+
+
+def fx_mvq_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
+    """The fixed-point matvec in the i16 matvec's pieces (fixed_point.cu fx_mvq_kernel) at every
+    B, at one of the i16 matvec's launches (NR rows a CTA, U pieces a lane a trip), then its
+    three-matrix form (fx_mvqg_kernel) likewise."""
+    return tuple(f"{k}<{int(qt)},{b},{nr},{u}>" for k in ("fx_mvq_kernel", "fx_mvqg_kernel") for b in MATVEC_ROWS)
 
 
 def fx_mv_names(qt: int, tpr: int) -> tuple[str, ...]:
@@ -114,14 +121,18 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
     if q.mm_staged:
         out.append(("mmq.cu", mmq_names(qt)))
         # the batch-invariant mode's fixed-point form (KernelOptions.invariant_fixed), on its tables
-        # only: its quantizer of x (extern "C"), its matvec (staged, or direct: lanes a row
-        # follow the row length) and mmq
+        # only: its quantizer of x (extern "C"), its matvec (in the i16 matvec's pieces at each
+        # of its launches, staged, or direct: lanes a row follow the row length) and mmq
         fixed = [t for t in tables if t.invariant_fixed]
         if fixed:
             out.append(("fixed_point.cu", ()))
-            if any(t.fx_matvec_staged for t in fixed):
+            kinds = {t.fx_matvec_kernel for t in fixed}
+            if "pieces" in kinds:
+                for nr, u in sorted({(nr, u) for t in fixed for B in MATVEC_ROWS for nr, _, u in [t.fx_mvq(q.qtype, B)]}):
+                    out.append(("fixed_point.cu", fx_mvq_names(qt, nr, u)))
+            if "staged" in kinds:
                 out.append(("fixed_point.cu", fx_mvs_names(qt)))
-            if not all(t.fx_matvec_staged for t in fixed):
+            if "direct" in kinds:
                 out += [("fixed_point.cu", fx_mv_names(qt, tpr)) for tpr in tuning.FX_LANES_PER_ROW]
             out.append(("fixed_point.cu", fx_mmq_names(qt)))
     else:

@@ -55,11 +55,7 @@ __global__ void __launch_bounds__(256) mvq2g_kernel(const u8* __restrict__ w0, c
                                                     const u8* xq, const float2* ds, const u8* xq2,
                                                     const float2* ds2, int n_cols) {
     typedef MvDp4aP<QT, 2> P;
-    const int b = blockIdx.x;
-    const u8* w = b < end0 ? w0 : b < end1 ? w1 : w2;
-    float* out = b < end0 ? out0 : b < end1 ? out1 : out2;
-    const int n_rows = b < end0 ? rows0 : b < end1 ? rows1 : rows2;
-    const long long rb = b < end0 ? rb0 : b < end1 ? rb1 : rb2;
-    const int row0 = (b < end0 ? b : b < end1 ? b - end0 : b - end1) * NR;
-    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, rb, row0);
+    const MvPart m = matvec_part<NR>(w0, w1, w2, out0, out1, out2, rows0, rows1, rows2, end0, end1, rb0, rb1, rb2);
+    matvec_rows<P, B, NR, U>(m.w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, m.out, m.n_rows, n_cols, m.row_bytes,
+                             m.row0);
 }

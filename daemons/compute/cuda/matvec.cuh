@@ -17,17 +17,23 @@
 // with all weight loads issued before the first use. Each lane's partial sums are reduced over
 // the warp (warp_sum), then over the CTA's warps in warp order, so a result does not depend on
 // timing, nor on NR (which lane takes which piece depends only on the warps and U).
+// The sums are f32, or the piece product's P::Acc where it names one (the batch-invariant mode's
+// fixed-point product, fixed_point.cu: 64-bit integers, written out through mm_value).
+template <class T> struct MvVoid { typedef void type; };
+template <class P, class = void> struct MvAcc { typedef float T; };
+template <class P> struct MvAcc<P, typename MvVoid<typename P::Acc>::type> { typedef typename P::Acc T; };
 template <class P, int B, int NR, int U>
 __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const typename P::Act& act,
                                             float* __restrict__ out, int n_rows, int n_cols,
                                             long long row_bytes, int row0, bool accumulate = false) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int npieces = (n_cols / P::EPB) * P::LPB;
-    float acc[NR][B];
+    typedef typename MvAcc<P>::T A;
+    A acc[NR][B];
 #pragma unroll
     for (int r = 0; r < NR; r++)
 #pragma unroll
-        for (int b = 0; b < B; b++) acc[r][b] = 0.f;
+        for (int b = 0; b < B; b++) acc[r][b] = 0;
     const u8* rp[NR];
 #pragma unroll
     for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
@@ -61,25 +67,46 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
         }
     }
     if (!waited) pdl_wait();  // a lane with no piece still writes out (through red)
-    __shared__ float red[8][NR * B];
+    __shared__ A red[8][NR * B];
 #pragma unroll
     for (int r = 0; r < NR; r++)
 #pragma unroll
         for (int b = 0; b < B; b++) {
-            const float v = warp_sum(acc[r][b]);
+            const A v = warp_sum(acc[r][b]);
             if (lane == 0) red[warp][r * B + b] = v;
         }
     __syncthreads();
     for (int o = threadIdx.x; o < NR * B; o += blockDim.x) {  // NR * B may exceed the CTA (8 x 8, 2 warps)
         const int r = o / B, b = o % B;
-        float s = 0.f;
+        A s = 0;
         for (int i = 0; i < nw; i++) s += red[i][o];
         const int row = row0 + r;
         if (row < n_rows) {
             float* o = out + (long long)b * n_rows + row;
-            *o = accumulate ? *o + s : s;
+            const float v = mm_value(s);
+            *o = accumulate ? *o + v : v;
         }
     }
+}
+
+// This CTA's matrix of up to three that multiply the same x in one launch (mvq2g_kernel,
+// fixed_point.cu's fx_mvqg_kernel): CTAs [0, end0) take matrix 0's row groups of NR rows,
+// [end0, end1) matrix 1's, the rest matrix 2's; the kernel then runs matvec_rows on it.
+struct MvPart {
+    const u8* w;
+    float* out;
+    int n_rows;
+    long long row_bytes;
+    int row0;
+};
+template <int NR>
+__device__ __forceinline__ MvPart matvec_part(const u8* w0, const u8* w1, const u8* w2, float* out0, float* out1,
+                                              float* out2, int rows0, int rows1, int rows2, int end0, int end1,
+                                              long long rb0, long long rb1, long long rb2) {
+    const int b = blockIdx.x;
+    return MvPart{b < end0 ? w0 : b < end1 ? w1 : w2, b < end0 ? out0 : b < end1 ? out1 : out2,
+                  b < end0 ? rows0 : b < end1 ? rows1 : rows2, b < end0 ? rb0 : b < end1 ? rb1 : rb2,
+                  (b < end0 ? b : b < end1 ? b - end0 : b - end1) * NR};
 }
 
 // f32 product: the piece's NG groups of 8 weights are dequantized in registers (once for all B

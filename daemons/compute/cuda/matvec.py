@@ -133,9 +133,14 @@ def matvec_i16_group(ctx: KernelContext, x, parts, planes, stream=None) -> list:
     """The i16 products of x with two or three matrices of one format's type (parts: (weight,
     out) each) in one mvq2g_kernel launch, each matrix's rows as ``matvec`` computes them (the
     same launch shape)."""
-    B = x.shape[0]
-    plan = matvec_plan(ctx, parts[0][0], B)
-    nr = plan.rows_per_cta
+    plan = matvec_plan(ctx, parts[0][0], x.shape[0])
+    return launch_group(ctx, plan.group_kern, plan.block, plan.rows_per_cta, x, parts, planes, stream)
+
+
+def launch_group(ctx: KernelContext, kern, block, nr: int, x, parts, planes, stream=None) -> list:
+    """One launch of a three-matrix i16-planes kernel (mvq2g_kernel, fixed_point.cu's
+    fx_mvqg_kernel: matvec.cuh matvec_part) over parts ((weight, out) each, two or three), NR
+    rows a CTA; returns the outs."""
     ws, outs, rows, rbs, ends = [], [], [], [], []
     for w, out in parts:
         _, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "matvec")
@@ -154,7 +159,7 @@ def matvec_i16_group(ctx: KernelContext, x, parts, planes, stream=None) -> list:
     args = (*ws, *outs, *(np.int32(r) for r in rows), np.int32(ends[0]), np.int32(ends[1]),
             *(np.int64(rb) for rb in rbs), xq1, ds1, xq2, ds2, np.int32(parts[0][0].n_cols))
     with stream_ctx(stream):
-        ctx.launch(plan.group_kern, (ends[2],), plan.block, args)
+        ctx.launch(kern, (ends[2],), block, args)
     return outs[:len(parts)]
 
 

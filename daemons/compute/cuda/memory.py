@@ -223,9 +223,9 @@ def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning
     if path == "fxmmq":  # fixed_point.fx_mmq: mmq's launch, 64-bit partials
         wr, wk, ks = t.mmq_launch(T, n_rows, n_cols // 256 * 8)
         return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // (16 * wr)), {"mmq x planes": mmq_planes_bytes(T, n_cols)})
-    if path == "fxmv":  # fixed_point.fx_matvec on the i16 planes (split-K staged, or direct)
+    if path == "fxmv":  # fixed_point.fx_matvec on the i16 planes (pieces, split-K staged, or direct)
         planes = {"i16 planes": i16_planes_bytes(T, n_cols)}
-        if not t.fx_matvec_staged:
+        if t.fx_matvec_kernel != "staged":
             return planes
         _, ks = t.fx_mvs_launch(n_rows, n_cols // 256)
         return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // 32), planes)

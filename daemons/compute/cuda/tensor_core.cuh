@@ -25,16 +25,8 @@ __device__ __forceinline__ void mm_min_terms(float (&a)[4], const uint4& xv, flo
     a[3] = fmaf(-mb, e[3], a[3]);
 }
 
-// Accumulators of 64-bit fixed point (the batch-invariant mode's fixed form, fixed_point.cu): a
-// block's f32 value in units of 2^-32 as an integer, so that sums of them are exact in any
-// order, and a row's sum back as f32 (one rounding, then an exact power-of-two scale).
-#define FX_ONE 4294967296.f                 // 2^32
-#define FX_INV 2.3283064365386963e-10f      // 2^-32
-__device__ __forceinline__ long long fx_of(float v) { return __float2ll_rn(__fmul_rn(v, FX_ONE)); }
-__device__ __forceinline__ float fx_value(long long a) { return __fmul_rn(__ll2float_rn(a), FX_INV); }
-// a row's sum as the output's f32: an f32 accumulator as it is, a fixed-point one through fx_value
-__device__ __forceinline__ float mm_value(float s) { return s; }
-__device__ __forceinline__ float mm_value(long long s) { return fx_value(s); }
+// The fixed-point accumulators (fx_of, fx_value, mm_value) are common.cuh's: the matvec's skeleton
+// (matvec.cuh) sums with them too.
 
 // With KS = gridDim.y > 1 CTAs a row tile: each CTA has written its sums of rows row0 .. row0 +
 // R - 1 to part [KS, B, n_rows]; the last of the tile's CTAs to get here (tile_count) adds the KS

@@ -40,6 +40,7 @@ ATTN_SPLIT_STEP = 4  # attention's key splits are a multiple of its split kernel
 ROWS_TILES = (1, 2)  # matvec_rows' tiles of 8 rows of x a warp (mvq2_rows_kernel's NT)
 ROWS_MAX_WARPS = 4  # matvec_rows' warps a CTA, over the rows of x (its __launch_bounds__(128))
 FX_LANES_PER_ROW = (8, 16, 32)  # fixed_point.cu fx_mv_kernel's TPR: lanes (blocks at once) a weight row
+FX_MATVEC_KERNELS = ("pieces", "staged", "direct")  # fixed_point.fx_matvec's kernels (KernelTuning.fx_matvec_kernel)
 FX_MVS_MAX_WARPS = 8  # fixed_point.cu fx_mvs_kernel's warps a CTA (its __launch_bounds__(256))
 
 # (rows per CTA, warps per CTA, pieces per lane per trip) of a matvec launch, each from these:
@@ -93,11 +94,14 @@ class KernelTuning:
     invariant_rows: bool = False
     # invariant_fixed (KernelOptions.invariant_fixed): the K-quants' sums as 64-bit fixed point
     # (fixed_point.py), the fixed-point matvec up to fx_matvec_rows rows and fixed-point mmq from
-    # there (any boundary gives the same bits: it moves speed only); the matvec staged as mmq
-    # stages (fx_matvec_staged) or read directly, its staged launch aiming for fx_target_ctas CTAs
+    # there (any boundary gives the same bits: it moves speed only); the matvec's kernel
+    # (fx_matvec_kernel, one of FX_MATVEC_KERNELS): "pieces", the i16 matvec's launch and pieces
+    # (fx_mvq_kernel), "staged" as mmq stages (its launch aiming for fx_target_ctas CTAs) or
+    # "direct", a lane a block
     invariant_fixed: bool = False
     fx_matvec_rows: int = 2
-    fx_matvec_staged: bool = True
+    fx_matvec_kernel: str = "pieces"
+    fx_mvq_launch: dict[tuple[QT, int], MatvecLaunch] = field(default_factory=dict)  # fx_mvq's, per (type, B)
     fx_target_ctas: int = 264
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
@@ -159,6 +163,11 @@ class KernelTuning:
         s = min(s, self.attn_max_splits, tiles)
         return max(ATTN_SPLIT_STEP, -(-s // ATTN_SPLIT_STEP) * ATTN_SPLIT_STEP)
 
+    def fx_mvq(self, qtype: QT, B: int) -> MatvecLaunch:
+        """The fixed-point matvec's launch (fixed_point.fx_matvec_pieces) for qtype at B rows:
+        the i16 matvec's tuned one (fx_mvq_launch, kept by batch_invariant), else this table's."""
+        return self.fx_mvq_launch.get((qtype, B)) or self.i16(qtype, B)
+
     def all_mv_launches(self) -> set[MatvecLaunch]:
         return set(self.mv_launch.values()) | set(self.mv_launch_override.values())
 
@@ -212,7 +221,9 @@ def batch_invariant(t: KernelTuning, rows: bool = False, fixed: bool = False) ->
 
     ``fixed`` (``KernelOptions.invariant_fixed``): as the form in use, except the K-quants, whose
     sums are 64-bit fixed point (fixed_point.py), exact in any order: they take the fixed-point
-    matvec up to fx_matvec_rows rows and fixed-point mmq from there, each in its own order."""
+    matvec up to fx_matvec_rows rows and fixed-point mmq from there, each in its own order; the
+    matvec (fx_mvq) at the i16 matvec's tuned launches, its B = 1 overrides too (any launch
+    gives the same bits), while the table's i16 launches stay the form's."""
     if rows and fixed:
         raise ValueError("the batch-invariant mode has one form at a time: rows or fixed, not both")
     mv_one = t.mv_launch[MAX_MATVEC_B]
@@ -228,10 +239,14 @@ def batch_invariant(t: KernelTuning, rows: bool = False, fixed: bool = False) ->
                 nr, _, u = t.i16(qt, B)
                 if (nr, nw, u) != t.i16_launch[B]:
                     i16_override[(qt, B)] = (nr, nw, u)
+    # the K-quants' fixed-point matvec keeps the i16 matvec's tuned launches: no launch changes its bits
+    fx_launch = {(QT(q.qtype), B): t.i16(QT(q.qtype), B) for q in QUANT_TYPES.values() if q.mm_staged
+                 for B in t.i16_launch} if fixed else {}
     form = " rows" if rows else " fixed" if fixed else ""
     return replace(t, name=f"{t.name} batch-invariant{form}", batch_invariant=True, invariant_rows=rows,
                    invariant_fixed=fixed, mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
-                   i16_launch=i16_launch, i16_launch_override=i16_override, mm_min_rows=1, mmq_min_rows=1)
+                   i16_launch=i16_launch, i16_launch_override=i16_override, fx_mvq_launch=fx_launch,
+                   mm_min_rows=1, mmq_min_rows=1)
 
 
 def for_device(device_name: str) -> KernelTuning:
