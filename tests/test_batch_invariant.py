@@ -187,23 +187,27 @@ def test_the_fixed_form_takes_the_fixed_point_matvec_then_fixed_point_mmq(name):
 
 
 def test_the_fixed_forms_matvec_keeps_the_tuned_launches_and_compiles_them():
-    """The fixed form's matvec (fx_mvq_kernel, "pieces": the table's default) runs at the i16
-    matvec's tuned launch for each type and B, the B = 1 overrides included (its bits do not
-    depend on the launch), while the table's own i16 launches stay the mode's one per B; those
-    launches are what production compiles for the form's tables, and only for them."""
+    """The fixed form's matvec (fx_mvq_kernel, "pieces": the table's default) runs at its own
+    launches (fx_mvq_launch) or the i16 matvec's tuned one for each type and B, the B = 1
+    overrides included (its bits do not depend on the launch), while the table's own i16
+    launches stay the mode's one per B; those launches are what production compiles for the
+    form's tables, and only for them."""
     from ntx.daemons.compute.cuda import instances
 
     assert FIXED_FORM.fx_matvec_kernel == "pieces"
     assert tuning.FX_MATVEC_KERNELS[0] == "pieces"
     for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
         for B in range(1, tuning.MAX_MATVEC_B + 1):
-            assert FIXED_FORM.fx_mvq(qt, B) == tuning.H200.i16(qt, B), (qt, B)
+            want = tuning.H200.fx_mvq_launch.get((qt, B)) or tuning.H200.i16(qt, B)
+            assert FIXED_FORM.fx_mvq(qt, B) == want, (qt, B)
             assert FIXED_FORM.i16(qt, B) == INVARIANT.i16(qt, B)
-    assert FIXED_FORM.fx_mvq(QT.Q4_K, 1) != FIXED_FORM.i16(QT.Q4_K, 1)  # the B = 1 override kept
+    assert FIXED_FORM.fx_mvq(QT.Q4_K, 8) == tuning.H200.i16(QT.Q4_K, 8)
+    assert FIXED_FORM.fx_mvq(QT.Q6_K, 1) != FIXED_FORM.i16(QT.Q6_K, 1)  # not the mode's one launch per B
+    assert INVARIANT.fx_mvq_launch == {}  # the other forms run no fixed-point matvec
     q4k = next(q for q in QUANT_TYPES.values() if q.name == "Q4_K")
     names = {n for src, ns in instances.type_modules(q4k, [FIXED_FORM]) if src == "fixed_point.cu" for n in ns}
     for B in range(1, tuning.MAX_MATVEC_B + 1):
-        nr, _, u = tuning.H200.i16(QT.Q4_K, B)
+        nr, _, u = FIXED_FORM.fx_mvq(QT.Q4_K, B)
         assert f"fx_mvq_kernel<{int(QT.Q4_K)},{B},{nr},{u}>" in names
     assert not any(n.startswith(("fx_mvs_kernel", "fx_mv_kernel")) for n in names)
     assert not any(src == "fixed_point.cu" for src, _ in instances.type_modules(q4k, [tuning.H200, INVARIANT]))

@@ -101,7 +101,9 @@ class KernelTuning:
     invariant_fixed: bool = False
     fx_matvec_rows: int = 2
     fx_matvec_kernel: str = "pieces"
-    fx_mvq_launch: dict[tuple[QT, int], MatvecLaunch] = field(default_factory=dict)  # fx_mvq's, per (type, B)
+    # fx_mvq_kernel's launch per (type, B) where it is not the i16 matvec's (its chained steps
+    # favour fewer warps a CTA); batch_invariant(fixed=True) fills in the rest from the i16 table
+    fx_mvq_launch: dict[tuple[QT, int], MatvecLaunch] = field(default_factory=dict)
     fx_target_ctas: int = 264
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
@@ -165,7 +167,7 @@ class KernelTuning:
 
     def fx_mvq(self, qtype: QT, B: int) -> MatvecLaunch:
         """The fixed-point matvec's launch (fixed_point.fx_matvec_pieces) for qtype at B rows:
-        the i16 matvec's tuned one (fx_mvq_launch, kept by batch_invariant), else this table's."""
+        fx_mvq_launch's, else the i16 matvec's on this table."""
         return self.fx_mvq_launch.get((qtype, B)) or self.i16(qtype, B)
 
     def all_mv_launches(self) -> set[MatvecLaunch]:
@@ -191,6 +193,11 @@ H200 = KernelTuning(
     attn_max_splits=64,
     rmsnorm_threads=((8192, 1024), (2048, 512), (0, 256)),
     deq_cut={QT.Q4_K: "v2", QT.Q5_K: "v2"},
+    # the sweep of fx_mvq's launches at 1-2 rows, an 8B layer's products weighted (H200,
+    # 2026-12-06; docs/PERFORMANCE.md, "A third road"): 4 rows, 2 warps, 1 piece a trip was the
+    # fastest or within 1% for Q4_K and Q6_K at both (8% and 7% under the i16 table's launches
+    # at one row, 22% at two); Q5_K, not swept, takes Q4_K's (the same pieces and steps)
+    fx_mvq_launch={(qt, B): (4, 2, 1) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)},
 )
 DEFAULT = H200  # the only device measured
 TUNINGS: dict[str, KernelTuning] = {"H200": H200}
@@ -222,8 +229,9 @@ def batch_invariant(t: KernelTuning, rows: bool = False, fixed: bool = False) ->
     ``fixed`` (``KernelOptions.invariant_fixed``): as the form in use, except the K-quants, whose
     sums are 64-bit fixed point (fixed_point.py), exact in any order: they take the fixed-point
     matvec up to fx_matvec_rows rows and fixed-point mmq from there, each in its own order; the
-    matvec (fx_mvq) at the i16 matvec's tuned launches, its B = 1 overrides too (any launch
-    gives the same bits), while the table's i16 launches stay the form's."""
+    matvec (fx_mvq) at its own launches (fx_mvq_launch) or the i16 matvec's tuned ones, B = 1
+    overrides too (any launch gives the same bits), while the table's i16 launches stay the
+    mode's."""
     if rows and fixed:
         raise ValueError("the batch-invariant mode has one form at a time: rows or fixed, not both")
     mv_one = t.mv_launch[MAX_MATVEC_B]
@@ -239,8 +247,9 @@ def batch_invariant(t: KernelTuning, rows: bool = False, fixed: bool = False) ->
                 nr, _, u = t.i16(qt, B)
                 if (nr, nw, u) != t.i16_launch[B]:
                     i16_override[(qt, B)] = (nr, nw, u)
-    # the K-quants' fixed-point matvec keeps the i16 matvec's tuned launches: no launch changes its bits
-    fx_launch = {(QT(q.qtype), B): t.i16(QT(q.qtype), B) for q in QUANT_TYPES.values() if q.mm_staged
+    # the K-quants' fixed-point matvec keeps its own launches and the i16 matvec's tuned ones
+    # (no launch changes its bits), not the mode's one per B
+    fx_launch = {(QT(q.qtype), B): t.fx_mvq(QT(q.qtype), B) for q in QUANT_TYPES.values() if q.mm_staged
                  for B in t.i16_launch} if fixed else {}
     form = " rows" if rows else " fixed" if fixed else ""
     return replace(t, name=f"{t.name} batch-invariant{form}", batch_invariant=True, invariant_rows=rows,
