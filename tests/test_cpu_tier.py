@@ -11,6 +11,7 @@ without the tier. (On the GPU: tests/gpu/test_cpu_tier_gpu.py.)
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -548,7 +549,11 @@ def test_pipeline_streams_the_cpu_tiers_layers_through_dma_in_wide_passes(smollm
             assert st["stages"]["compute"]["cpu_tier"]["bytes"] > 0
             assert st["stages"]["compute"]["cpu_tier"]["streamed_by_rows"]["4"] == share
             r = ntxctl("status", "--name", p.name)
-            assert r.returncode == 0 and f"passes stream {share} at up to 4 rows" in " ".join(r.stdout.split()), r.stdout
+            # the line lists every width recorded ("passes stream 0 at up to 2 rows, 3 at up to 4
+            # rows, ..."); which narrower passes ran (sequences ending apart) is timing's
+            line = " ".join(r.stdout.split())
+            assert r.returncode == 0 and re.search(rf"passes stream (\d+ at up to \d+ rows, )*{share} at up to 4 rows",
+                                                   line), r.stdout
         wide = st["stages"]["compute"]["cpu_tier"]["wide_passes"]
         assert wide > 0
         assert p.generate_greedy(PROMPTS[0], N_TOKENS)["tokens"] == reference[PROMPTS[0]]  # its decode: on the host
