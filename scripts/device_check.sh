@@ -13,7 +13,8 @@
 #   to bench_decode.py as they are (e.g. "--kernels batch-invariant=off batch-invariant=on").
 # --profile: each operation's share of one decode pass (B=1 and B=8, or PROFILE_BATCH) and one 512-token prefill
 #   pass of the synthetic 8B Q4_K_M (PROFILE_TYPE: another make_gguf type) (scripts/profile_pass.py)
-#   into $OUT/profile.{json,txt}.
+#   into $OUT/profile.{json,txt}; PROFILE_ARGS go to profile_pass.py as they are (a later --prompt
+#   wins; e.g. "--prompt 0 --kernels batch-invariant=on,invariant-fixed=on").
 # --stream-bench: write a 70B-shaped Q4_K_M and run `ntxctl bench` (scenarios a, b, c, check, d; spec on request).
 # STREAM_OUT (default $OUT), STREAM_TOKENS, STREAM_BATCH, STREAM_SCENARIOS steer --stream-bench.
 #   BENCH_ARGS (e.g. "--spec-verify-passes 1" for spec, "--skip-layers 40-59" for skip) goes to
@@ -224,7 +225,7 @@ fi
 if [ "$PROFILE" = 1 ]; then
   synth "llama3-8b-${PROFILE_TYPE:-Q4_K_M}" llama3-8b "${PROFILE_TYPE:-Q4_K_M}"
   python3 "$REPO/scripts/profile_pass.py" "$MODELS/llama3-8b-${PROFILE_TYPE:-Q4_K_M}.gguf" --batch ${PROFILE_BATCH:-1 8} --prompt 512 \
-    --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.txt"
+    ${PROFILE_ARGS:-} --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.txt"
 fi
 if [ "$STREAM" = 1 ]; then
   rm -f "$MODELS"/llama3-8b-{Q8_0,F16}.gguf  # the disk holds 64 GB: make room for the 42 GB 70B

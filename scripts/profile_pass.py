@@ -357,7 +357,7 @@ def profile_pass(model: LlamaModel, batch: StepBatch, picks: list[Pick], reps: i
     return prof
 
 
-def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: float, ctx: int,
+def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: float, ctx: int | None,
         kernels: KernelOptions | None = None) -> dict[str, Any]:
     """Load ``path`` fully resident on the cuda backend (``kernels``: its kernel switches) and
     profile a decode pass per batch size and one prefill pass of ``prompt_tokens`` (none when
@@ -368,6 +368,7 @@ def run(path: str, batches: list[int], prompt_tokens: int, reps: int, spin_ms: f
 
     index = open_model(path)
     hp = index.hparams
+    ctx = EngineOptions(ctx=ctx).for_model(hp.n_ctx_train).ctx  # None: the engine's default for this model
     max_ctx = min(max(ctx, prompt_tokens, DECODE_CACHED_TOKENS + 1), hp.n_ctx_train)
     if prompt_tokens > max_ctx or DECODE_CACHED_TOKENS + 1 > max_ctx:
         raise SystemExit(f"error: the model holds {hp.n_ctx_train} positions, the passes need "
@@ -430,7 +431,7 @@ def main() -> None:
     ap.add_argument("--spin-ms", type=float, default=200.0,
                     help="how long the GPU is held while Python queues a pass (default 200)")
     ap.add_argument("--ctx", type=int, default=EngineOptions().ctx,
-                    help=f"positions per sequence the KV cache holds, as the engine's --ctx (default {EngineOptions().ctx})")
+                    help="positions per sequence the KV cache holds, as the engine's --ctx (default: the engine's for the model)")
     ap.add_argument("--kernels", default="", help="the cuda backend's kernel switches, e.g. pdl=off (KernelOptions)")
     ap.add_argument("--out", default=None, help="write the profile as JSON here")
     args = ap.parse_args()
