@@ -14,6 +14,12 @@ compared with the device-to-device copy bandwidth measured in the same run (byte
 --kernels: the kernel switches (``--kernels`` of ntxctl start) of each run, every model timed
 under each in turn, in one process on one device; with more than one, each later setting's pass
 time is also given relative to the first's (e.g. the batch-invariant mode's cost).
+
+--fx-mvq-launch NR,WARPS,U: the batch-invariant mode's fixed-point matvec (fixed_point.py
+fx_matvec_pieces) takes this launch (rows a CTA, warps a CTA, pieces a lane a trip) for every
+K-quant at 1 and 2 rows, in place of the device table's fx_mvq_launch, for the whole run: what a
+launch gives a whole pass, beside what dev/cuda/bench_gemm_paths.py --sweep-mv times of the
+product alone (its bits are the same at every launch).
 """
 
 from __future__ import annotations
@@ -109,9 +115,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--kernels", nargs="+", default=[""],
                     help='kernel switches of each run, e.g. "" batch-invariant=on (default: the defaults)')
+    ap.add_argument("--fx-mvq-launch", default=None, metavar="NR,WARPS,U",
+                    help="the fixed-point matvec's launch at 1-2 rows for this run (default: the device table's)")
     args = ap.parse_args()
     for text in args.kernels:
         KernelOptions.parse(text)  # a bad switch stops here, before any model loads
+    if args.fx_mvq_launch:
+        try:
+            set_fx_mvq_launch(parse_launch(args.fx_mvq_launch))
+        except ValueError as e:
+            ap.error(f"--fx-mvq-launch {args.fx_mvq_launch}: {e}")
     props = cp.cuda.runtime.getDeviceProperties(0)
     copy_gbps = device_copy_gbps()
     report = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
@@ -132,6 +145,34 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def parse_launch(text: str) -> tuple[int, int, int]:
+    """"NR,WARPS,U" -> (NR, WARPS, U), each in the matvec's range (tuning.py)."""
+    from ntx.daemons.compute.cuda.tuning import MV_MAX_WARPS, MV_ROWS_PER_CTA, MV_UNROLLS
+
+    try:
+        nr, nw, u = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError("give three integers: rows a CTA, warps a CTA, pieces a trip (e.g. 4,2,1)") from None
+    if nr not in MV_ROWS_PER_CTA or u not in MV_UNROLLS or not 1 <= nw <= MV_MAX_WARPS:
+        raise ValueError(f"rows a CTA in {MV_ROWS_PER_CTA}, 1-{MV_MAX_WARPS} warps, pieces a trip in {MV_UNROLLS}")
+    return nr, nw, u
+
+
+def set_fx_mvq_launch(launch: tuple[int, int, int]) -> None:
+    """The device table with ``launch`` as the fixed-point matvec's for Q4_K, Q5_K and Q6_K at 1
+    and 2 rows (its fx_mvq_launch), for the backends this process makes from now on."""
+    from dataclasses import replace
+
+    from gguf import GGMLQuantizationType as QT
+
+    from ntx.daemons.compute.cuda import runtime
+
+    t = runtime.tuning()
+    keys = {(qt, B) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)}
+    name = f"{t.name} fx_mvq {','.join(map(str, launch))}"
+    runtime.set_tuning(replace(t, name=name, fx_mvq_launch={**t.fx_mvq_launch, **{k: launch for k in keys}}))
 
 
 def print_model(r: dict, copy_gbps: float) -> None:

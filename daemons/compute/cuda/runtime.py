@@ -62,6 +62,15 @@ def tuning() -> tuning_tables.KernelTuning:
     return t
 
 
+def set_tuning(t: tuning_tables.KernelTuning) -> None:
+    """Make ``t`` the current device's table for the rest of this process, for the backends made
+    after it: a benchmark timing a launch choice in whole passes (scripts/bench_decode.py
+    --fx-mvq-launch). ``t`` needs a name of its own: the batch-invariant forms are kept by name."""
+    if any(k[0] == t.name for k in _invariant_tunings) and t != _tunings.get(cp.cuda.runtime.getDevice()):
+        raise ValueError(f"a launch table named {t.name!r} is in use already: give the new one its own name")
+    _tunings[cp.cuda.runtime.getDevice()] = t
+
+
 _invariant_tunings: dict[tuple[str, bool, bool], tuning_tables.KernelTuning] = {}
 
 
