@@ -162,7 +162,8 @@ def parse_launch(text: str) -> tuple[int, int, int]:
 
 def set_fx_mvq_launch(launch: tuple[int, int, int]) -> None:
     """The device table with ``launch`` as the fixed-point matvec's for Q4_K, Q5_K and Q6_K at 1
-    and 2 rows (its fx_mvq_launch), for the backends this process makes from now on."""
+    and 2 rows, small matrices too (its fx_mvq_launch; no fx_mvq_small_launch), for the backends
+    this process makes from now on."""
     from dataclasses import replace
 
     from gguf import GGMLQuantizationType as QT
@@ -172,7 +173,8 @@ def set_fx_mvq_launch(launch: tuple[int, int, int]) -> None:
     t = runtime.tuning()
     keys = {(qt, B) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)}
     name = f"{t.name} fx_mvq {','.join(map(str, launch))}"
-    runtime.set_tuning(replace(t, name=name, fx_mvq_launch={**t.fx_mvq_launch, **{k: launch for k in keys}}))
+    runtime.set_tuning(replace(t, name=name, fx_mvq_launch={**t.fx_mvq_launch, **{k: launch for k in keys}},
+                               fx_mvq_small_launch={}))
 
 
 def print_model(r: dict, copy_gbps: float) -> None:

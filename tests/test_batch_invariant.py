@@ -213,6 +213,30 @@ def test_the_fixed_forms_matvec_keeps_the_tuned_launches_and_compiles_them():
     assert not any(src == "fixed_point.cu" for src, _ in instances.type_modules(q4k, [tuning.H200, INVARIANT]))
 
 
+def test_the_fixed_forms_matvec_takes_its_small_launch_for_a_small_matrix():
+    """A launch whose matrices have at most fx_mvq_small_rows rows together (a layer's k or v
+    alone) takes fx_mvq_small_launch (more warps for few rows), a larger one, or one whose size
+    is not given, fx_mvq_launch's; the small launches are compiled too, and the other forms have
+    none."""
+    from ntx.daemons.compute.cuda import instances
+
+    t = FIXED_FORM
+    assert t.fx_mvq_small_launch == tuning.H200.fx_mvq_small_launch and t.fx_mvq_small_launch
+    q4k = next(q for q in QUANT_TYPES.values() if q.name == "Q4_K")
+    names = {n for src, ns in instances.type_modules(q4k, [t]) if src == "fixed_point.cu" for n in ns}
+    for (qt, B), small in t.fx_mvq_small_launch.items():
+        assert small != t.fx_mvq(qt, B)
+        assert t.fx_mvq(qt, B, 1024) == t.fx_mvq(qt, B, t.fx_mvq_small_rows) == small, (qt, B)
+        assert t.fx_mvq(qt, B, t.fx_mvq_small_rows + 1) == t.fx_mvq(qt, B, 4096 + 1024) == t.fx_mvq(qt, B), (qt, B)
+        assert t.fx_mvq_launches(qt, B) == {small, t.fx_mvq(qt, B)}
+        if qt == QT.Q4_K:
+            assert f"fx_mvq_kernel<{int(qt)},{B},{small[0]},{small[2]}>" in names
+    for B in range(1, tuning.MAX_MATVEC_B + 1):  # no small launch: the one launch, whatever the size
+        if (QT.Q4_K, B) not in t.fx_mvq_small_launch:
+            assert t.fx_mvq(QT.Q4_K, B, 1024) == t.fx_mvq(QT.Q4_K, B)
+    assert INVARIANT.fx_mvq_small_launch == {}
+
+
 def test_the_fixed_forms_staged_matvec_fills_the_device_and_its_scratch_is_planned():
     """fx_mvs_launch: about fx_target_ctas CTAs, split-K where a matrix has few 32-row tiles, each
     warp two block columns or more where there are enough; the planner's scratch for each

@@ -115,7 +115,7 @@ def fx_matvec_pieces(ctx: KernelContext, w: Weight, x, out=None, *, stream=None,
     _check(w, "fx_matvec")
     x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MATVEC_B, "fx_matvec")
     B = x.shape[0]
-    nr, nw, u = launch or ctx.tuning().fx_mvq(w.qtype, B)
+    nr, nw, u = launch or ctx.tuning().fx_mvq(w.qtype, B, w.n_rows)
     if nr not in MV_ROWS_PER_CTA or u not in MV_UNROLLS or not 1 <= nw <= MV_MAX_WARPS:
         raise ValueError(f"fx_matvec: launch {(nr, nw, u)}, not rows a CTA in {MV_ROWS_PER_CTA}, 1-{MV_MAX_WARPS} "
                          f"warps, pieces a trip in {MV_UNROLLS}")
@@ -138,7 +138,7 @@ def fx_matvec_group(ctx: KernelContext, x, parts, planes, stream=None) -> list:
     if any(w.qtype != qt for w, _ in parts) or not 2 <= len(parts) <= 3:
         raise ValueError("fx_matvec_group takes two or three matrices of one type")
     B = x.shape[0]
-    nr, nw, u = ctx.tuning().fx_mvq(qt, B)
+    nr, nw, u = ctx.tuning().fx_mvq(qt, B, sum(w.n_rows for w, _ in parts))
     names = instances.fx_mvq_names(qt, nr, u)
     return mv.launch_group(ctx, function(SOURCE, names[MAX_MATVEC_B + B - 1], names), (32 * nw,), nr, x, parts,
                            planes, stream)

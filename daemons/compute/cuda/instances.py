@@ -128,7 +128,8 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
             out.append(("fixed_point.cu", ()))
             kinds = {t.fx_matvec_kernel for t in fixed}
             if "pieces" in kinds:
-                for nr, u in sorted({(nr, u) for t in fixed for B in MATVEC_ROWS for nr, _, u in [t.fx_mvq(q.qtype, B)]}):
+                for nr, u in sorted({(nr, u) for t in fixed for B in MATVEC_ROWS
+                                     for nr, _, u in t.fx_mvq_launches(q.qtype, B)}):
                     out.append(("fixed_point.cu", fx_mvq_names(qt, nr, u)))
             if "staged" in kinds:
                 out.append(("fixed_point.cu", fx_mvs_names(qt)))

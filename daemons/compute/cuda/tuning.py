@@ -104,6 +104,11 @@ class KernelTuning:
     # fx_mvq_kernel's launch per (type, B) where it is not the i16 matvec's (its chained steps
     # favour fewer warps a CTA); batch_invariant(fixed=True) fills in the rest from the i16 table
     fx_mvq_launch: dict[tuple[QT, int], MatvecLaunch] = field(default_factory=dict)
+    # and its launch for a small matrix (a launch's rows, all its matrices together, at most
+    # fx_mvq_small_rows: a layer's k or v alone), which the launch above would leave the GPU too
+    # few warps; absent: fx_mvq_launch's
+    fx_mvq_small_launch: dict[tuple[QT, int], MatvecLaunch] = field(default_factory=dict)
+    fx_mvq_small_rows: int = 2048
     fx_target_ctas: int = 264
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
@@ -165,10 +170,19 @@ class KernelTuning:
         s = min(s, self.attn_max_splits, tiles)
         return max(ATTN_SPLIT_STEP, -(-s // ATTN_SPLIT_STEP) * ATTN_SPLIT_STEP)
 
-    def fx_mvq(self, qtype: QT, B: int) -> MatvecLaunch:
-        """The fixed-point matvec's launch (fixed_point.fx_matvec_pieces) for qtype at B rows:
-        fx_mvq_launch's, else the i16 matvec's on this table."""
+    def fx_mvq(self, qtype: QT, B: int, n_rows: int | None = None) -> MatvecLaunch:
+        """The fixed-point matvec's launch (fixed_point.fx_matvec_pieces) for qtype at B rows of
+        x against n_rows weight rows (one launch's, its matrices together; None: a large
+        matrix): fx_mvq_small_launch's for at most fx_mvq_small_rows, else fx_mvq_launch's,
+        else the i16 matvec's on this table."""
+        if n_rows is not None and n_rows <= self.fx_mvq_small_rows and (qtype, B) in self.fx_mvq_small_launch:
+            return self.fx_mvq_small_launch[(qtype, B)]
         return self.fx_mvq_launch.get((qtype, B)) or self.i16(qtype, B)
+
+    def fx_mvq_launches(self, qtype: QT, B: int) -> set[MatvecLaunch]:
+        """Every launch fx_mvq may give qtype at B rows (what to compile)."""
+        return {self.fx_mvq(qtype, B)} | ({self.fx_mvq_small_launch[(qtype, B)]}
+                                          if (qtype, B) in self.fx_mvq_small_launch else set())
 
     def all_mv_launches(self) -> set[MatvecLaunch]:
         return set(self.mv_launch.values()) | set(self.mv_launch_override.values())
@@ -198,6 +212,10 @@ H200 = KernelTuning(
     # fastest or within 1% for Q4_K and Q6_K at both (8% and 7% under the i16 table's launches
     # at one row, 22% at two); Q5_K, not swept, takes Q4_K's (the same pieces and steps)
     fx_mvq_launch={(qt, B): (4, 2, 1) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)},
+    # ... except a matrix of at most 2048 rows (k or v, 1024 x 4096), which took 19-22% less time
+    # at 2 rows a CTA and 4 warps (1024 warps against 256) at 1 and 2 rows, Q4_K and Q6_K alike,
+    # as fast as the i16 matvec there (H100, 2026-12-06, the same sweep with --mv-variants fx)
+    fx_mvq_small_launch={(qt, B): (2, 4, 1) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)},
 )
 DEFAULT = H200  # the only device measured
 TUNINGS: dict[str, KernelTuning] = {"H200": H200}
@@ -251,10 +269,12 @@ def batch_invariant(t: KernelTuning, rows: bool = False, fixed: bool = False) ->
     # (no launch changes its bits), not the mode's one per B
     fx_launch = {(QT(q.qtype), B): t.fx_mvq(QT(q.qtype), B) for q in QUANT_TYPES.values() if q.mm_staged
                  for B in t.i16_launch} if fixed else {}
+    fx_small = dict(t.fx_mvq_small_launch) if fixed else {}
     form = " rows" if rows else " fixed" if fixed else ""
     return replace(t, name=f"{t.name} batch-invariant{form}", batch_invariant=True, invariant_rows=rows,
                    invariant_fixed=fixed, mv_launch={B: mv_one for B in t.mv_launch}, mv_launch_override={},
                    i16_launch=i16_launch, i16_launch_override=i16_override, fx_mvq_launch=fx_launch,
+                   fx_mvq_small_launch=fx_small,
                    mm_min_rows=1, mmq_min_rows=1)
 
 
