@@ -32,13 +32,16 @@ block values for a row of nb blocks.
 
 from __future__ import annotations
 
+import cupy as cp
 import numpy as np
 
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda import matvec as mv
+from ntx.daemons.compute.cuda import norm_rope_kv as nrk
 from ntx.daemons.compute.cuda.mm import mmq_quantize, mmq_supported, staged_smem_bytes
-from ntx.daemons.compute.cuda.runtime import DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx
+from ntx.daemons.compute.cuda.runtime import (DEFAULT_SMEM_LIMIT, KernelContext, check_f32, function, rows_and_out,
+                                              stream_ctx)
 from ntx.daemons.compute.cuda.tuning import (FX_LANES_PER_ROW, FX_MVS_MAX_WARPS, MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS,
                                              MV_ROWS_PER_CTA, MV_UNROLLS)
 from ntx.shared.quant_types import quant_type
@@ -93,16 +96,20 @@ def fx_matvec(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes
     """out[b, r] = sum_c W[r, c] * x[b, c] for up to MAX_MATVEC_B rows of x with fixed-point
     sums: the device table's matvec (``fx_matvec_kernel``: ``fx_matvec_pieces``,
     ``fx_matvec_staged`` or ``fx_matvec_direct``). planes: the i16 planes of this x
-    (``matvec.i16_quantize``, or a fused producer's). accumulate: out += the product (the
-    pieces kernel only: ``gemm`` adds the others' through a scratch product)."""
+    (``matvec.i16_quantize``, or a fused producer's). accumulate: out += the product, the same
+    f32 addition as ``add``: in the pieces kernel's epilogue, the others' through a scratch
+    product and ``add`` (as ``gemm`` adds off the matvecs)."""
     kind = ctx.tuning().fx_matvec_kernel
     if kind == "pieces":
         return fx_matvec_pieces(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
-    if accumulate:
-        raise ValueError(f"fx_matvec accumulates on its pieces kernel only, not {kind!r}; use gemm(accumulate=True)")
-    if kind == "staged":
-        return fx_matvec_staged(ctx, w, x, out, stream=stream, planes=planes)
-    return fx_matvec_direct(ctx, w, x, out, stream=stream, planes=planes)
+    product = fx_matvec_staged if kind == "staged" else fx_matvec_direct
+    if not accumulate:
+        return product(ctx, w, x, out, stream=stream, planes=planes)
+    check_f32("out", out, (x.shape[0], w.n_rows) if x.ndim == 2 else (w.n_rows,))
+    with stream_ctx(stream):
+        tmp = ctx.scratch("gemm accumulate", out.size * 4).view(cp.float32).reshape(out.shape)
+        product(ctx, w, x, tmp, planes=planes)
+        return nrk.add(ctx, out, tmp, out=out)
 
 
 def fx_matvec_pieces(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, planes=None,

@@ -95,19 +95,11 @@ def takes_i16_planes(ctx: KernelContext, w: Weight, T: int) -> bool:
 
 def product_of_planes(ctx: KernelContext, w: Weight, x, out, planes, *, stream=None, accumulate: bool = False):
     """out (+)= x @ W.T from x's i16 planes (made already) on the path of ``w`` at x's rows, one
-    of I16_PLANE_PATHS: the i16 matvec (accumulating in its epilogue) or the fixed-point matvec
-    (its pieces kernel likewise; the others as ``gemm`` does off the i16 path: a scratch product
-    and ``add``)."""
-    T = x.shape[0]
-    if path(ctx, w, T) == "i16":
+    of I16_PLANE_PATHS: the i16 matvec or the fixed-point matvec, each accumulating as its
+    ``accumulate`` does."""
+    if path(ctx, w, x.shape[0]) == "i16":
         return mv.matvec(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
-    if not accumulate or ctx.tuning().fx_matvec_kernel == "pieces":
-        return fp.fx_matvec(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
-    check_f32("out", out, (T, w.n_rows))
-    with stream_ctx(stream):
-        tmp = ctx.scratch("gemm accumulate", T * w.n_rows * 4).view(cp.float32).reshape(T, w.n_rows)
-        fp.fx_matvec(ctx, w, x, tmp, planes=planes)
-        return nrk.add(ctx, out, tmp, out=out)
+    return fp.fx_matvec(ctx, w, x, out, stream=stream, planes=planes, accumulate=accumulate)
 
 
 def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate: bool = False):
@@ -123,7 +115,7 @@ def gemm(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, accumulate:
             return mv.matvec(ctx, w, x, out, stream=stream, accumulate=True)
         if p == "rows":
             return _rows(ctx, w, x, out, stream, accumulate=True)
-        if p == "fxmv" and ctx.tuning().fx_matvec_kernel == "pieces":
+        if p == "fxmv":
             return fp.fx_matvec(ctx, w, x, out, stream=stream, accumulate=True)
         with stream_ctx(stream):
             tmp = ctx.scratch("gemm accumulate", T * w.n_rows * 4).view(cp.float32).reshape(T, w.n_rows)
