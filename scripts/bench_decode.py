@@ -20,6 +20,14 @@ fx_matvec_pieces) takes this launch (rows a CTA, warps a CTA, pieces a lane a tr
 K-quant at 1 and 2 rows, in place of the device table's fx_mvq_launch, for the whole run: what a
 launch gives a whole pass, beside what dev/cuda/bench_gemm_paths.py --sweep-mv times of the
 product alone (its bits are the same at every launch).
+
+--rounds R (with two or more --kernels): one engine per setting, all loaded at once, and the
+model passes of each batch size timed in R rounds that take every setting in turn (--tokens passes
+a setting a round, over the same positions each round), so the settings share the device's
+warm-up and drift. Each later setting's cost is the median over the rounds of its pass time
+against the first setting's in the same round, with the spread (lowest and highest round): a
+pass-cost difference of a few percent is inside the spread of runs timed one after the other.
+Engine steps are not timed in this mode.
 """
 
 from __future__ import annotations
@@ -90,6 +98,68 @@ def bench_model(path: str, tokens: int, batches: list[int], kernels: str = "") -
     return res
 
 
+class PassTimer:
+    """Times ``eng``'s model passes at batch B over the same positions each call: B sequences
+    prefilled once, then each ``time(n)`` decodes n tokens from the position after the warm-up."""
+
+    def __init__(self, eng, B: int, tokens: int) -> None:
+        self.m, self.B, self.tokens = eng.core.model, B, tokens
+        prompt = list(range(100, 108))
+        for s in range(B):
+            self.m.backend.alloc_sequence(2000 + s, tokens + 64)
+            self.m.forward(StepBatch([SeqChunk(2000 + s, 0, tuple(prompt))]))
+        self.start = len(prompt)
+        self.time(3)  # capture the graphs before any timing
+
+    def _chunks(self, pos: int) -> StepBatch:
+        return StepBatch([SeqChunk(2000 + s, pos, (5 + s,)) for s in range(self.B)])
+
+    def time(self, n: int) -> float:
+        """Seconds a pass, over n passes from the first decode position."""
+        self.m.backend.sync()
+        t = time.perf_counter()
+        for i in range(n):
+            self.m.forward(self._chunks(self.start + i))
+        self.m.backend.sync()
+        return (time.perf_counter() - t) / n
+
+    def close(self) -> None:
+        for s in range(self.B):
+            self.m.backend.free_sequence(2000 + s)
+
+
+def bench_rounds(path: str, tokens: int, batches: list[int], settings: list[str], rounds: int) -> list[dict]:
+    """Every setting's engine loaded at once; per batch size, ``rounds`` rounds of ``tokens``
+    passes a setting in turn. Returns one report per setting, each later one with its median
+    per-round cost against the first and that cost's lowest and highest round."""
+    engines = [build_local_engine(path, backend="cuda", options=EngineOptions(max_batch=max(batches), ctx=tokens + 64,
+                                                                              kernels=k)) for k in settings]
+    idx = engines[0].core.model.index
+    head = idx.globals.get("output", idx.globals["token_embd"])
+    bytes_per_pass = idx.layer_bytes_total + head.nbytes
+    reports = [{"model": os.path.basename(path), "type": idx.file_type, "layers": idx.hparams.n_layers,
+                "kernels": KernelOptions.parse(k).describe(), "weight_bytes_per_pass": bytes_per_pass,
+                "rounds": rounds, "batches": {}} for k in settings]
+    for B in batches:
+        timers = [PassTimer(e, B, tokens) for e in engines]
+        per_round = [[t.time(tokens) for t in timers] for _ in range(rounds)]  # [round][setting] s a pass
+        for t in timers:
+            t.close()
+        for i, r in enumerate(reports):
+            times = sorted(row[i] for row in per_round)
+            pass_s = times[len(times) // 2]
+            b = {"pass_ms": round(pass_s * 1e3, 3), "pass_ms_rounds": [round(row[i] * 1e3, 3) for row in per_round],
+                 "model_tokens_per_s": round(B / pass_s, 1), "model_weight_gbps": round(bytes_per_pass / pass_s / 1e9, 1)}
+            if i > 0:
+                costs = sorted(row[i] / row[0] - 1.0 for row in per_round)
+                b.update(pass_vs_first=round(costs[len(costs) // 2], 4), pass_vs_first_low=round(costs[0], 4),
+                         pass_vs_first_high=round(costs[-1], 4))
+            r["batches"][B] = b
+    del engines, timers
+    cp.get_default_memory_pool().free_all_blocks()
+    return reports
+
+
 def engine_tokens_per_s(eng, B: int, prompt: list[int], tokens: int, run_ahead: bool) -> float:
     """Tokens per second of ``eng`` decoding B greedy requests of ``tokens`` tokens together,
     from the first token on (the first step, the prefill, is not counted)."""
@@ -115,11 +185,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--kernels", nargs="+", default=[""],
                     help='kernel switches of each run, e.g. "" batch-invariant=on (default: the defaults)')
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with several --kernels: all loaded at once, passes timed in this many alternating rounds")
     ap.add_argument("--fx-mvq-launch", default=None, metavar="NR,WARPS,U",
                     help="the fixed-point matvec's launch at 1-2 rows for this run (default: the device table's)")
     args = ap.parse_args()
     for text in args.kernels:
         KernelOptions.parse(text)  # a bad switch stops here, before any model loads
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
     if args.fx_mvq_launch:
         try:
             set_fx_mvq_launch(parse_launch(args.fx_mvq_launch))
@@ -131,6 +205,12 @@ def main() -> None:
               "copy_gbps": round(copy_gbps, 1), "models": []}
     print(f"device {report['device']}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
     for path in args.models:
+        if args.rounds > 1 and len(args.kernels) > 1:
+            for r in bench_rounds(path, args.tokens, args.batch, args.kernels, args.rounds):
+                report["models"].append(r)
+                print(f"{r['model']}: kernels {r['kernels']}", flush=True)
+                print_rounds(r, copy_gbps)
+            continue
         first = None
         for kernels in args.kernels:
             r = bench_model(path, args.tokens, args.batch, kernels)
@@ -175,6 +255,16 @@ def set_fx_mvq_launch(launch: tuple[int, int, int]) -> None:
     name = f"{t.name} fx_mvq {','.join(map(str, launch))}"
     runtime.set_tuning(replace(t, name=name, fx_mvq_launch={**t.fx_mvq_launch, **{k: launch for k in keys}},
                                fx_mvq_small_launch={}))
+
+
+def print_rounds(r: dict, copy_gbps: float) -> None:
+    for B, b in r["batches"].items():
+        cost = (f"  pass {100 * b['pass_vs_first']:+.1f}% vs the first --kernels (median of {r['rounds']} rounds; "
+                f"{100 * b['pass_vs_first_low']:+.1f}% to {100 * b['pass_vs_first_high']:+.1f}%)"
+                if "pass_vs_first" in b else f"  (median of {r['rounds']} rounds)")
+        print(f"{r['model']:40s} {r['type']:7s} batch {B:2d}: pass {b['pass_ms']:7.3f} ms  "
+              f"model {b['model_tokens_per_s']:8.1f} tok/s  {b['model_weight_gbps']:7.1f} GB/s "
+              f"({100 * b['model_weight_gbps'] / copy_gbps:4.1f}% of copy){cost}", flush=True)
 
 
 def print_model(r: dict, copy_gbps: float) -> None:
