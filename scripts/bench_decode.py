@@ -194,6 +194,8 @@ def main() -> None:
         KernelOptions.parse(text)  # a bad switch stops here, before any model loads
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.rounds > 1 and len(args.kernels) < 2:
+        ap.error("--rounds alternates --kernels settings: give two or more (e.g. --kernels \"\" batch-invariant=on)")
     if args.fx_mvq_launch:
         try:
             set_fx_mvq_launch(parse_launch(args.fx_mvq_launch))
@@ -205,7 +207,7 @@ def main() -> None:
               "copy_gbps": round(copy_gbps, 1), "models": []}
     print(f"device {report['device']}: device-to-device copy {copy_gbps:.0f} GB/s (read + write)", flush=True)
     for path in args.models:
-        if args.rounds > 1 and len(args.kernels) > 1:
+        if args.rounds > 1:
             for r in bench_rounds(path, args.tokens, args.batch, args.kernels, args.rounds):
                 report["models"].append(r)
                 print(f"{r['model']}: kernels {r['kernels']}", flush=True)

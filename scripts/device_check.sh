@@ -10,7 +10,8 @@
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
 #   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it; DECODE_ARGS go
-#   to bench_decode.py as they are (e.g. "--kernels batch-invariant=off batch-invariant=on").
+#   to bench_decode.py as they are (e.g. "--kernels batch-invariant=off batch-invariant=on"; with
+#   "--rounds 6" in front, the settings alternate in one process: the way to time a cost of a few %).
 # --profile: each operation's share of one decode pass (B=1 and B=8, or PROFILE_BATCH) and one 512-token prefill
 #   pass of the synthetic 8B Q4_K_M (PROFILE_TYPE: another make_gguf type) (scripts/profile_pass.py)
 #   into $OUT/profile.{json,txt}; PROFILE_ARGS go to profile_pass.py as they are (a later --prompt
