@@ -103,7 +103,7 @@ class PassTimer:
     prefilled once, then each ``time(n)`` decodes n tokens from the position after the warm-up."""
 
     def __init__(self, eng, B: int, tokens: int) -> None:
-        self.m, self.B, self.tokens = eng.core.model, B, tokens
+        self.m, self.B = eng.core.model, B
         prompt = list(range(100, 108))
         for s in range(B):
             self.m.backend.alloc_sequence(2000 + s, tokens + 64)
