@@ -53,35 +53,14 @@ def bench_model(path: str, tokens: int, batches: list[int], kernels: str = "") -
     t0 = time.monotonic()
     eng = build_local_engine(path, backend="cuda", options=EngineOptions(max_batch=max(batches), ctx=tokens + 64,
                                                                          kernels=kernels))
-    load_s = time.monotonic() - t0
-    m = eng.core.model
-    idx = m.index
-    head = idx.globals.get("output", idx.globals["token_embd"])
-    bytes_per_pass = idx.layer_bytes_total + head.nbytes
-    res = {"model": os.path.basename(path), "type": idx.file_type, "layers": idx.hparams.n_layers,
-           "kernels": KernelOptions.parse(kernels).describe(),
-           "weight_bytes_per_pass": bytes_per_pass, "load_s": round(load_s, 2), "batches": {}}
+    res = {**report_head(path, eng, kernels), "load_s": round(time.monotonic() - t0, 2), "batches": {}}
+    bytes_per_pass = res["weight_bytes_per_pass"]
     prompt = list(range(100, 108))
     for B in batches:
         # model passes alone: B sequences decoding one token each, graph-captured after the first
-        for s in range(B):
-            m.backend.alloc_sequence(1000 + s, tokens + 64)
-            m.forward(StepBatch([SeqChunk(1000 + s, 0, tuple(prompt))]))
-        pos = len(prompt)
-        chunks = lambda p: StepBatch([SeqChunk(1000 + s, p, (5 + s,)) for s in range(B)])  # noqa: E731
-        for _ in range(3):
-            m.forward(chunks(pos))
-            pos += 1
-        m.backend.sync()
-        t = time.perf_counter()
-        n = tokens
-        for _ in range(n):
-            m.forward(chunks(pos))
-            pos += 1
-        m.backend.sync()
-        pass_s = (time.perf_counter() - t) / n
-        for s in range(B):
-            m.backend.free_sequence(1000 + s)
+        timer = PassTimer(eng, B, tokens)
+        pass_s = timer.time(tokens)
+        timer.close()
         # whole engine: B requests decoding together, passes queued one ahead of the host
         # (EngineCore.run_ahead, the default on the GPU) and, for comparison, one at a time
         engine_tps = {ahead: engine_tokens_per_s(eng, B, prompt, tokens, ahead) for ahead in (True, False)}
@@ -93,9 +72,19 @@ def bench_model(path: str, tokens: int, batches: list[int], kernels: str = "") -
             "engine_weight_gbps": round(bytes_per_pass * engine_tps[True] / B / 1e9, 1),
             "engine_serial_tokens_per_s": round(engine_tps[False], 1),
         }
-    del eng, m
+    del eng
     cp.get_default_memory_pool().free_all_blocks()
     return res
+
+
+def report_head(path: str, eng, kernels: str) -> dict:
+    """A model's report fields before any timing: its file, type, layers, kernel switches, and
+    the weight bytes a pass reads (every layer and the output head)."""
+    idx = eng.core.model.index
+    head = idx.globals.get("output", idx.globals["token_embd"])
+    return {"model": os.path.basename(path), "type": idx.file_type, "layers": idx.hparams.n_layers,
+            "kernels": KernelOptions.parse(kernels).describe(),
+            "weight_bytes_per_pass": idx.layer_bytes_total + head.nbytes}
 
 
 class PassTimer:
@@ -134,12 +123,8 @@ def bench_rounds(path: str, tokens: int, batches: list[int], settings: list[str]
     per-round cost against the first and that cost's lowest and highest round."""
     engines = [build_local_engine(path, backend="cuda", options=EngineOptions(max_batch=max(batches), ctx=tokens + 64,
                                                                               kernels=k)) for k in settings]
-    idx = engines[0].core.model.index
-    head = idx.globals.get("output", idx.globals["token_embd"])
-    bytes_per_pass = idx.layer_bytes_total + head.nbytes
-    reports = [{"model": os.path.basename(path), "type": idx.file_type, "layers": idx.hparams.n_layers,
-                "kernels": KernelOptions.parse(k).describe(), "weight_bytes_per_pass": bytes_per_pass,
-                "rounds": rounds, "batches": {}} for k in settings]
+    reports = [{**report_head(path, e, k), "rounds": rounds, "batches": {}} for e, k in zip(engines, settings)]
+    bytes_per_pass = reports[0]["weight_bytes_per_pass"]
     for B in batches:
         timers = [PassTimer(e, B, tokens) for e in engines]
         per_round = [[t.time(tokens) for t in timers] for _ in range(rounds)]  # [round][setting] s a pass
