@@ -303,6 +303,15 @@ template <> struct MvFxP<14> : QDTraits<14> {
     }
 };
 
+// Whether the fixed-point matvec peels its first trip (matvec.cuh matvec_rows' PEEL: every first
+// weight load before the programmatic-launch wait): at one row of x only. There, in the loop,
+// ptxas kept 1-2 of a lane's 8 first Q4_K loads before the wait, and peeled the kernels take no
+// more registers; the fixed form's pass at batch 1 went from +5.4% to +3.2% against the default
+// (H100, 10 rounds). At two rows peeled kernels take more registers (Q4_K 140 for 128, Q6_K 168
+// for 128: fewer warps an SM), and the pass at batch 2 went from -1.6% to +2.0% (Q4_K peeled) or
+// +5.8% (both). docs/PERFORMANCE.md, "The first trip's loads".
+__device__ constexpr bool fx_peel(int B) { return B == 1; }
+
 // out[b, row] for B <= 8 rows of x (the i16 planes), NR weight rows a CTA, U pieces a lane a
 // trip: mvq2_kernel's launch (tuning.i16) and order of loads, fixed-point sums. acc != 0: out
 // += the row's value (the residual add fused, as mvq2_kernel's: the same f32 addition).
@@ -311,8 +320,8 @@ __global__ void __launch_bounds__(256) fx_mvq_kernel(const u8* __restrict__ w, c
                                                      const u8* xq2, const float2* ds2, float* out, int n_rows,
                                                      int n_cols, long long row_bytes, int acc) {
     typedef MvFxP<QT> P;
-    matvec_rows<P, B, NR, U>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols, row_bytes,
-                             blockIdx.x * NR, acc != 0);
+    matvec_rows<P, B, NR, U, fx_peel(B)>(w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, out, n_rows, n_cols,
+                                         row_bytes, blockIdx.x * NR, acc != 0);
 }
 
 // fx_mvq_kernel over up to three matrices of one type that multiply the same x (a layer's q and
@@ -326,8 +335,8 @@ __global__ void __launch_bounds__(256) fx_mvqg_kernel(const u8* __restrict__ w0,
                                                       const float2* ds2, int n_cols) {
     typedef MvFxP<QT> P;
     const MvPart m = matvec_part<NR>(w0, w1, w2, out0, out1, out2, rows0, rows1, rows2, end0, end1, rb0, rb1, rb2);
-    matvec_rows<P, B, NR, U>(m.w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, m.out, m.n_rows, n_cols, m.row_bytes,
-                             m.row0);
+    matvec_rows<P, B, NR, U, fx_peel(B)>(m.w, typename P::Act{xq, ds, xq2, ds2, n_cols / 32}, m.out, m.n_rows,
+                                         n_cols, m.row_bytes, m.row0);
 }
 
 // ================================================================ the matvec, direct: a lane a block

@@ -19,10 +19,20 @@
 // timing, nor on NR (which lane takes which piece depends only on the warps and U).
 // The sums are f32, or the piece product's P::Acc where it names one (the batch-invariant mode's
 // fixed-point product, fixed_point.cu: 64-bit integers, written out through mm_value).
+// Programmatic launch (common.cuh): the first trip's weight loads are issued before the wait for
+// the activations, the weights being constant while the pass runs. In the loop, behind a
+// first-trip flag, ptxas keeps only some of them before the wait (1-8 of a lane's 8-16 at one
+// row: the SASS). PEEL takes the first trip out of the loop with an unconditional wait, and all
+// of them stay before it; the bits are the same (each lane's pieces and order). Only the
+// fixed-point matvec peels, at one row of x (fixed_point.cu fx_peel: the fixed form's pass at
+// batch 1 went from +5.4% to about +3% against the default, H100). Peeled, the i16 matvec took more
+// registers in places and the default's pass measured slower (+4.4% at batch 1 against the
+// unpeeled tree, another process of the same call), so it keeps the loop and its PTX
+// (docs/PERFORMANCE.md, "The first trip's loads").
 template <class T> struct MvVoid { typedef void type; };
 template <class P, class = void> struct MvAcc { typedef float T; };
 template <class P> struct MvAcc<P, typename MvVoid<typename P::Acc>::type> { typedef typename P::Acc T; };
-template <class P, int B, int NR, int U>
+template <class P, int B, int NR, int U, bool PEEL = false>
 __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const typename P::Act& act,
                                             float* __restrict__ out, int n_rows, int n_cols,
                                             long long row_bytes, int row0, bool accumulate = false) {
@@ -38,35 +48,63 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
 #pragma unroll
     for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
     const int stride = nw * 32;
-    // programmatic launch (common.cuh): the first trip's weight loads are issued before the wait
-    // for the activations, the weights being constant while the pass runs
-    pdl_trigger();
-    bool waited = false;
-    for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
-        typename P::Raw raw[U][NR];
+    if constexpr (PEEL) {
+        // the first trip peeled off the loop, its wait unconditional (see above)
+        auto trip = [&](int p0, bool first) {
+            typename P::Raw raw[U][NR];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int p = p0 + u * stride;
-            if (p < npieces) {
-                const int blk = p / P::LPB, j = p % P::LPB;
+            for (int u = 0; u < U; u++) {
+                const int p = p0 + u * stride;
+                if (p < npieces) {
+                    const int blk = p / P::LPB, j = p % P::LPB;
 #pragma unroll
-                for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
+                    for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
+                }
+            }
+            if (first) pdl_wait();  // a lane with no piece still waits: it writes out (through red)
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int p = p0 + u * stride;
+                if (p < npieces) {
+                    const int blk = p / P::LPB, j = p % P::LPB;
+                    P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
+                }
+            }
+        };
+        pdl_trigger();
+        trip(warp * 32 + lane, true);
+        for (int p0 = warp * 32 + lane + stride * U; p0 < npieces; p0 += stride * U) trip(p0, false);
+    } else {
+        // programmatic launch (common.cuh): the first trip's weight loads are issued before the wait
+        // for the activations, the weights being constant while the pass runs
+        pdl_trigger();
+        bool waited = false;
+        for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
+            typename P::Raw raw[U][NR];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int p = p0 + u * stride;
+                if (p < npieces) {
+                    const int blk = p / P::LPB, j = p % P::LPB;
+#pragma unroll
+                    for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
+                }
+            }
+            if (!waited) {
+                pdl_wait();
+                waited = true;
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int p = p0 + u * stride;
+                if (p < npieces) {
+                    const int blk = p / P::LPB, j = p % P::LPB;
+                    P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
+                }
             }
         }
-        if (!waited) {
-            pdl_wait();
-            waited = true;
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int p = p0 + u * stride;
-            if (p < npieces) {
-                const int blk = p / P::LPB, j = p % P::LPB;
-                P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
-            }
-        }
+        if (!waited) pdl_wait();  // a lane with no piece still writes out (through red)
     }
-    if (!waited) pdl_wait();  // a lane with no piece still writes out (through red)
     __shared__ A red[8][NR * B];
 #pragma unroll
     for (int r = 0; r < NR; r++)
