@@ -14,8 +14,11 @@ import pytest
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
+from dataclasses import replace  # noqa: E402
+
 from ntx.daemons.compute.cuda import fixed_point as FX  # noqa: E402
-from ntx.daemons.compute.cuda.tuning import FX_LANES_PER_ROW  # noqa: E402
+from ntx.daemons.compute.cuda import runtime  # noqa: E402
+from ntx.daemons.compute.cuda.tuning import FX_LANES_PER_ROW, FX_MATVEC_KERNELS  # noqa: E402
 
 from .test_kernels import CTX, QT, W, check_i16, random_weights, reference_matrix, rng  # noqa: E402,F401
 
@@ -58,6 +61,28 @@ def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_co
         for config in ((1, 8, 1), (2, 4, 2), (1, 2, 4)):
             np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B], config=config)), alone[:B],
                                           err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B} at {config}")
+
+
+@pytest.mark.parametrize("kind", FX_MATVEC_KERNELS)
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_fixed_point_accumulate_through_every_matvec(kind, qt, rng):
+    """fx_matvec(accumulate=True) adds the product to out with one f32 addition, whichever
+    kernel the device table names (fx_matvec_kernel): pieces in its epilogue (peeled at one row),
+    staged and direct through a scratch product and ``add``. So out is out + the product's bits,
+    as numpy's f32 addition gives them (no multiply there for a contraction to merge)."""
+    n_rows, n_cols = 203, 4096
+    w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
+    x = cp.asarray(rng.standard_normal((8, n_cols)).astype(np.float32))
+    start = rng.standard_normal((8, n_rows)).astype(np.float32)
+    table = replace(CTX.tuning(), fx_matvec_kernel=kind)
+    ctx = runtime.standalone()
+    ctx.tuning = lambda: table  # this context alone takes the kernel (the process's table unchanged)
+    for B in (1, 2, 3, 8):
+        product = cp.asnumpy(FX.fx_matvec_direct(CTX, w, x[:B]))
+        out = cp.asarray(start[:B])
+        FX.fx_matvec(ctx, w, x[:B], out, accumulate=True)
+        np.testing.assert_array_equal(cp.asnumpy(out), start[:B] + product,
+                                      err_msg=f"fx_matvec {kind} accumulate {qt.name} B={B}")
 
 
 def test_fixed_point_refuses_what_it_does_not_decode(rng):
