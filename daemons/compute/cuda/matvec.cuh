@@ -48,60 +48,55 @@ __device__ __forceinline__ void matvec_rows(const u8* __restrict__ w, const type
 #pragma unroll
     for (int r = 0; r < NR; r++) rp[r] = w + (long long)min(row0 + r, n_rows - 1) * row_bytes;
     const int stride = nw * 32;
-    if constexpr (PEEL) {
-        // the first trip peeled off the loop, its wait unconditional (see above)
-        auto trip = [&](int p0, bool first) {
-            typename P::Raw raw[U][NR];
+    typedef typename P::Raw Raw;
+    // a trip: U pieces a lane, stride apart, of each of the NR rows; every weight load is issued
+    // before the first product
+    auto load_trip = [&](int p0, Raw (&raw)[U][NR]) {
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int p = p0 + u * stride;
-                if (p < npieces) {
-                    const int blk = p / P::LPB, j = p % P::LPB;
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / P::LPB, j = p % P::LPB;
 #pragma unroll
-                    for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
-                }
+                for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
             }
-            if (first) pdl_wait();  // a lane with no piece still waits: it writes out (through red)
+        }
+    };
+    auto multiply_trip = [&](int p0, const Raw (&raw)[U][NR]) {
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int p = p0 + u * stride;
-                if (p < npieces) {
-                    const int blk = p / P::LPB, j = p % P::LPB;
-                    P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
-                }
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u * stride;
+            if (p < npieces) {
+                const int blk = p / P::LPB, j = p % P::LPB;
+                P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
             }
-        };
-        pdl_trigger();
-        trip(warp * 32 + lane, true);
-        for (int p0 = warp * 32 + lane + stride * U; p0 < npieces; p0 += stride * U) trip(p0, false);
+        }
+    };
+    // programmatic launch (common.cuh): the first trip's weight loads are issued before the wait
+    // for the activations, the weights being constant while the pass runs
+    pdl_trigger();
+    if constexpr (PEEL) {  // the first trip peeled off the loop, its wait unconditional (see above)
+        {
+            Raw raw[U][NR];
+            load_trip(warp * 32 + lane, raw);
+            pdl_wait();  // a lane with no piece still waits: it writes out (through red)
+            multiply_trip(warp * 32 + lane, raw);
+        }
+        for (int p0 = warp * 32 + lane + stride * U; p0 < npieces; p0 += stride * U) {
+            Raw raw[U][NR];
+            load_trip(p0, raw);
+            multiply_trip(p0, raw);
+        }
     } else {
-        // programmatic launch (common.cuh): the first trip's weight loads are issued before the wait
-        // for the activations, the weights being constant while the pass runs
-        pdl_trigger();
         bool waited = false;
         for (int p0 = warp * 32 + lane; p0 < npieces; p0 += stride * U) {
-            typename P::Raw raw[U][NR];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int p = p0 + u * stride;
-                if (p < npieces) {
-                    const int blk = p / P::LPB, j = p % P::LPB;
-#pragma unroll
-                    for (int r = 0; r < NR; r++) P::load(rp[r] + (long long)blk * P::BYTES, j, raw[u][r]);
-                }
-            }
+            Raw raw[U][NR];
+            load_trip(p0, raw);
             if (!waited) {
                 pdl_wait();
                 waited = true;
             }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int p = p0 + u * stride;
-                if (p < npieces) {
-                    const int blk = p / P::LPB, j = p % P::LPB;
-                    P::template accumulate<B, NR>(raw[u], blk, j, act, n_cols, acc);
-                }
-            }
+            multiply_trip(p0, raw);
         }
         if (!waited) pdl_wait();  // a lane with no piece still writes out (through red)
     }
