@@ -306,10 +306,11 @@ template <> struct MvFxP<14> : QDTraits<14> {
 // Whether the fixed-point matvec peels its first trip (matvec.cuh matvec_rows' PEEL: every first
 // weight load before the programmatic-launch wait): at one row of x only. There, in the loop,
 // ptxas kept 1-2 of a lane's 8 first Q4_K loads before the wait, and peeled the kernels take no
-// more registers; the fixed form's pass at batch 1 went from +5.4% to +3.2% against the default
-// (H100, 10 rounds). At two rows peeled kernels take more registers (Q4_K 140 for 128, Q6_K 168
-// for 128: fewer warps an SM), and the pass at batch 2 went from -1.6% to +2.0% (Q4_K peeled) or
-// +5.8% (both). docs/PERFORMANCE.md, "The first trip's loads".
+// more registers; the fixed form's pass at batch 1 went from +5.4% to about +3% against the
+// default (H100: +2.8% to +3.3% in four processes of 10 rounds). At two rows peeled kernels
+// take more registers (Q4_K 140 for 128, Q6_K 168 for 128: fewer warps an SM), and the pass at
+// batch 2 went from -1.6% to +2.0% (Q4_K peeled) or +5.8% (both). docs/PERFORMANCE.md, "The
+// first trip's loads".
 __device__ constexpr bool fx_peel(int B) { return B == 1; }
 
 // out[b, row] for B <= 8 rows of x (the i16 planes), NR weight rows a CTA, U pieces a lane a

@@ -25,9 +25,9 @@
 // row: the SASS). PEEL takes the first trip out of the loop with an unconditional wait, and all
 // of them stay before it; the bits are the same (each lane's pieces and order). Only the
 // fixed-point matvec peels, at one row of x (fixed_point.cu fx_peel: the fixed form's pass at
-// batch 1 went from +5.4% to about +3% against the default, H100). Peeled, the i16 matvec took more
-// registers in places and the default's pass measured slower (+4.4% at batch 1 against the
-// unpeeled tree, another process of the same call), so it keeps the loop and its PTX
+// batch 1 went from +5.4% to about +3% against the default, H100). Peeled, the i16 matvec took
+// more registers in places and the default's pass measured slower (+4.4% at batch 1 against
+// the unpeeled tree, another process of the same call), so it keeps the loop and its PTX
 // (docs/PERFORMANCE.md, "The first trip's loads").
 template <class T> struct MvVoid { typedef void type; };
 template <class P, class = void> struct MvAcc { typedef float T; };
