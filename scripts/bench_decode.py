@@ -244,25 +244,27 @@ def set_fx_mvq_launch(launch: tuple[int, int, int]) -> None:
                                fx_mvq_small_launch={}))
 
 
+def pass_line(r: dict, B, b: dict, copy_gbps: float) -> str:
+    """The start of a batch size's printed line: model passes alone, beside the device's copy."""
+    return (f"{r['model']:40s} {r['type']:7s} batch {B:2d}: pass {b['pass_ms']:7.3f} ms  "
+            f"model {b['model_tokens_per_s']:8.1f} tok/s  {b['model_weight_gbps']:7.1f} GB/s "
+            f"({100 * b['model_weight_gbps'] / copy_gbps:4.1f}% of copy)")
+
+
 def print_rounds(r: dict, copy_gbps: float) -> None:
     for B, b in r["batches"].items():
         cost = (f"  pass {100 * b['pass_vs_first']:+.1f}% vs the first --kernels (median of {r['rounds']} rounds; "
                 f"{100 * b['pass_vs_first_low']:+.1f}% to {100 * b['pass_vs_first_high']:+.1f}%)"
                 if "pass_vs_first" in b else f"  (median of {r['rounds']} rounds)")
-        print(f"{r['model']:40s} {r['type']:7s} batch {B:2d}: pass {b['pass_ms']:7.3f} ms  "
-              f"model {b['model_tokens_per_s']:8.1f} tok/s  {b['model_weight_gbps']:7.1f} GB/s "
-              f"({100 * b['model_weight_gbps'] / copy_gbps:4.1f}% of copy){cost}", flush=True)
+        print(pass_line(r, B, b, copy_gbps) + cost, flush=True)
 
 
 def print_model(r: dict, copy_gbps: float) -> None:
     for B, b in r["batches"].items():
         cost = f"  pass {100 * b['pass_vs_first']:+.1f}% vs the first --kernels" if "pass_vs_first" in b else ""
-        print(f"{r['model']:40s} {r['type']:7s} batch {B:2d}: pass {b['pass_ms']:7.3f} ms  "
-              f"model {b['model_tokens_per_s']:8.1f} tok/s  {b['model_weight_gbps']:7.1f} GB/s "
-              f"({100 * b['model_weight_gbps'] / copy_gbps:4.1f}% of copy)  "
-              f"engine {b['engine_tokens_per_s']:8.1f} tok/s ({100 * b['engine_weight_gbps'] / copy_gbps:4.1f}%; "
-              f"{b['engine_serial_tokens_per_s']:.1f} one pass at a time){cost}",
-              flush=True)
+        print(pass_line(r, B, b, copy_gbps)
+              + f"  engine {b['engine_tokens_per_s']:8.1f} tok/s ({100 * b['engine_weight_gbps'] / copy_gbps:4.1f}%; "
+              f"{b['engine_serial_tokens_per_s']:.1f} one pass at a time){cost}", flush=True)
 
 
 if __name__ == "__main__":
