@@ -96,3 +96,27 @@ def test_fixed_point_refuses_what_it_does_not_decode(rng):
     wk = W(random_weights(QT.Q4_K, 16, 512, rng), QT.Q4_K, 16, 512)
     with pytest.raises(ValueError, match="lanes a row"):
         FX.fx_matvec_direct(CTX, wk, cp.asarray(rng.standard_normal((1, 512)).astype(np.float32)), tpr=4)
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_fixed_point_huge_block_values_alike_in_every_kernel(qt, rng):
+    """Block values at and past the fixed point's range (a block value of 2^31 or more saturates
+    the conversion, and the row's integer sum may then wrap: fixed_point.cu's range note), and a
+    NaN activation, still give a row one set of bits from every kernel and row count: mmq with
+    its sums in registers (Q4_K; Q6_K up to 5 tiles of x) or in shared memory (Q6_K past 5
+    tiles, mmq.cu mmq_fx_shared_sums) and the matvecs, whatever the integers hold."""
+    n_rows, n_cols = 96, 4096
+    w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
+    x_host = rng.standard_normal((64, n_cols)).astype(np.float32)
+    x_host[1:40:3, :256] *= 3e7     # the first block's values near and past 2^31
+    x_host[9, 300] = np.nan         # a NaN in row 9's second block
+    x = cp.asarray(x_host)
+    alone = np.stack([cp.asnumpy(FX.fx_matvec_direct(CTX, w, x[i:i + 1]))[0] for i in range(64)])
+    for B in (1, 2, 3, 8):
+        np.testing.assert_array_equal(cp.asnumpy(FX.fx_matvec_pieces(CTX, w, x[:B])), alone[:B],
+                                      err_msg=f"fx_matvec_pieces {qt.name} B={B}")
+    for B in (1, 9, 33, 40, 48, 64):
+        np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B])), alone[:B], err_msg=f"fx_mmq {qt.name} B={B}")
+        np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B], config=(1, 2, 4))), alone[:B],
+                                      err_msg=f"fx_mmq {qt.name} B={B} split")
+    assert np.abs(alone[1:40:3]).max() > 2.0 ** 30  # the test reached the range's edge

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import cupy as cp
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
@@ -46,7 +47,7 @@ from ntx.daemons.compute.cuda.tuning import (FX_LANES_PER_ROW, FX_MVS_MAX_WARPS,
                                              MV_ROWS_PER_CTA, MV_UNROLLS)
 from ntx.shared.quant_types import quant_type
 
-__all__ = ["SOURCE", "fx_lanes_per_row", "fx_mvs_smem_bytes", "fx_mmq_smem_bytes", "fx_matvec", "fx_matvec_pieces",
+__all__ = ["SOURCE", "fx_lanes_per_row", "fx_mvs_smem_bytes", "fx_mmq_shared_sums", "fx_mmq_smem_bytes", "fx_matvec", "fx_matvec_pieces",
            "fx_matvec_group", "fx_matvec_direct", "fx_matvec_staged", "fx_quantize", "fx_mmq"]
 
 SOURCE = "fixed_point.cu"
@@ -58,10 +59,19 @@ def fx_mvs_smem_bytes(q, warps: int, B: int) -> int:
     return max(staged_smem_bytes(q, warps, 1), warps * 32 * B * 8)
 
 
+def fx_mmq_shared_sums(qtype, nt: int) -> bool:
+    """Whether fx_mmq_kernel at NT tiles of 8 x rows keeps its 64-bit sums in shared memory while
+    it walks the blocks (mmq.cu mmq_fx_shared_sums, which this mirrors: Q6_K past 5 tiles, where
+    in registers they left ptxas none to load x ahead with; docs/PERFORMANCE.md)."""
+    return int(qtype) == int(QT.Q6_K) and nt > 5
+
+
 def fx_mmq_smem_bytes(q, warps: int, nt: int) -> int:
     """fx_mmq_kernel's dynamic shared memory: mmq's stages, or its epilogue's 64-bit sums (warps x
-    16 rows x 8 NT x 8 bytes), whichever is larger."""
-    return max(staged_smem_bytes(q, warps, nt), warps * 16 * 8 * nt * 8)
+    16 rows x 8 NT x 8 bytes), whichever is larger; then, where the kernel keeps its sums in
+    shared memory (``fx_mmq_shared_sums``), each thread's 4 NT of them."""
+    base = max(staged_smem_bytes(q, warps, nt), warps * 16 * 8 * nt * 8)
+    return base + (32 * warps * 4 * nt * 8 if fx_mmq_shared_sums(q.qtype, nt) else 0)
 
 
 def fx_lanes_per_row(n_cols: int) -> int:

@@ -129,6 +129,13 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 // each 256-column block's are chained from 0 (bv: "the block value", the one the fixed-point
 // matvec computes) and the block values added as 64-bit fixed point (fx_of), exact in any order;
 // part is then long long, and mm_epilogue sums integers. Without FX every step chains into acc.
+// Where mmq_fx_shared_sums says so, FX's sums wait in shared memory while the blocks go by, not
+// in registers: Q6_K's 64-bit sums at 6-8 tiles of x take 48-64 registers of mmq's 255, and
+// ptxas, short of them, stopped loading x ahead of the mmas (H100, 64 rows: 58% of fx_mmq's
+// stall samples were long-scoreboard waits, mostly at the mmas, against 18% for mmq); in shared
+// memory its time at 64 rows went from 1.32-2.06x mmq's to 1.21-1.23x. Q4_K and Q5_K, and Q6_K
+// up to 4 tiles, measured faster with the sums in registers; at 5 tiles the two were mixed, and
+// the registers won on the shapes that weigh most there (docs/PERFORMANCE.md).
 #ifndef MMQ_UNROLL
 #define MMQ_UNROLL 4  // chunks (Q4_K/Q5_K: all 4) or groups (Q6_K: 4 of 8) unrolled per trip
 #endif
@@ -136,6 +143,10 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 #define MMQ_MIN_BLOCKS 1  // __launch_bounds__ minimum CTAs of 256 threads per SM (2 caps registers at 128)
 #endif
 template <bool FX> struct MmqSum { typedef float T; };         // a row's sums: f32 chains
+// whether fx_mmq_kernel<QT, NT, MT> keeps its 64-bit sums in shared memory (above); mirrored by
+// fixed_point.py fx_mmq_shared_sums, which sizes the memory. (No check of the size in the kernel:
+// one at its start, a branch of thread 0, moved ptxas's allocation enough to cost 20% at 64 rows.)
+__host__ __device__ constexpr bool mmq_fx_shared_sums(int QT, int NT) { return QT == 14 && NT > 5; }
 template <> struct MmqSum<true> { typedef long long T; };      // FX: 64-bit fixed point
 template <int QT, int NT, int MT, bool FX>
 __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, const uint4* xq, const float2* xd,
@@ -146,6 +157,7 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, const uint4* 
     typedef MmStage<QT> S;
     constexpr int Bp = 8 * NT;
     extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 MT * 8 NT * sizeof(T))
+                                                // FX's shared sums then: each thread's MT * NT * 4 (fixed_point.py fx_mmq_smem_bytes)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
     const int gid = lane >> 2, tig = lane & 3;
@@ -157,6 +169,16 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, const uint4* 
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0;
+    // FX's shared sums: a thread's sum i (MT * NT * 4 of them) at sums[i * blockDim.x], past the
+    // stages and the epilogue's area; read into acc after the walk, for mm_epilogue
+    constexpr bool SHARED_SUMS = FX && mmq_fx_shared_sums(QT, NT);
+    T* sums = nullptr;
+    if constexpr (SHARED_SUMS) {
+        const int off = max(nw * MM_STAGES * 16 * S::SROW, nw * 16 * MT * 8 * NT * (int)sizeof(T));
+        sums = (T*)(smem + off) + threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < MT * NT * 4; i++) sums[i * blockDim.x] = 0;
+    }
     mm_staged_walk<QT, MT>(w, n_rows, row_bytes, blockIdx.x * 16 * MT * WR + 16 * MT * wr, kpart, nparts, n_cols / 256,
                            smem + warp * MM_STAGES * 16 * S::SROW, [&](int blk, const u8* const (&rows)[2 * MT]) {
         float bv[MT][NT][4];  // FX: the block's values, chained from 0 (unused without FX)
@@ -255,9 +277,20 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, const uint4* 
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[mt][nt][e] += fx_of(bv[mt][nt][e]);
+                    for (int e = 0; e < 4; e++) {
+                        if constexpr (SHARED_SUMS) sums[((mt * NT + nt) * 4 + e) * blockDim.x] += fx_of(bv[mt][nt][e]);
+                        else acc[mt][nt][e] += fx_of(bv[mt][nt][e]);
+                    }
         }
     });
+    if constexpr (SHARED_SUMS) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mt][nt][e] = sums[((mt * NT + nt) * 4 + e) * blockDim.x];
+    }
     __syncthreads();  // every warp is done with its stage: the reduction reuses the memory
     mm_epilogue<NT, MT, T>(acc, (T*)smem, out, part, tile_count, n_rows, B, WR);
 }

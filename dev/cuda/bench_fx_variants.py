@@ -1,0 +1,131 @@
+"""Variants of fixed-point mmq (fixed_point.cu fx_mmq_kernel) against production's fx_mmq and
+mmq_kernel: each variant is a folder holding its own fixed_point.cu (and mmq.cu or other headers,
+found there before daemons/compute/cuda), compiled and launched exactly as ``fixed_point.fx_mmq``
+launches production's. Checks first that every variant gives production's bits (the fixed form's
+promise), then times all of them in interleaved rounds as CUDA graphs of 20 calls cycling over
+copies of the matrix (L2-cold; bench_gemm_paths' timer): the median of --rounds.
+
+    python3 dev/cuda/bench_fx_variants.py NAME=DIR [NAME=DIR ...] [--ts 8,32,64] [--types Q4_K,Q6_K]
+        [--shapes 8b] [--rounds 3] [--out fx_variants.json]
+
+Another revision's kernel as a variant: ``mkdir -p /tmp/r && git archive REV daemons/compute/cuda |
+tar x -C /tmp/r``, then ``old=/tmp/r/daemons/compute/cuda`` (its bits must be production's too:
+a variant that changes the fixed form's values is reported DIFFERENT, and only timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "scripts")]
+from bench_gemm_paths import SHAPES, _time_ms, _weight_copies  # noqa: E402
+
+from ntx.daemons.compute.cuda import fixed_point as fx  # noqa: E402
+from ntx.daemons.compute.cuda import instances, runtime  # noqa: E402
+from ntx.daemons.compute.cuda import mm as tc  # noqa: E402
+from ntx.shared.quant_types import quant_type  # noqa: E402
+
+CTX = runtime.standalone()
+
+
+def variant_fx_mmq(source: Path, w, x, out, planes) -> None:
+    """fixed_point.fx_mmq's launch with the kernel compiled from ``source``; a variant that keeps
+    more in shared memory names its bytes a thread per tile of 8 x rows in a file
+    ``smem_bytes_per_thread_tile`` beside it (added past production's)."""
+    q = quant_type(w.qtype)
+    B = x.shape[0]
+    wr, wk, ks = CTX.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+    tiles, nt = -(-w.n_rows // (16 * wr)), -(-B // 8)
+    name = instances.fx_mmq_names(w.qtype)[nt - 1]
+    xq, xd = planes
+    part, counts = fx._split_k(CTX, ks, B, w.n_rows, tiles)
+    fx._launch_staged(CTX, runtime.function(source, name, (name,)), (tiles, ks), wr * wk,
+                      fx.fx_mmq_smem_bytes(q, wr * wk, nt) + 32 * wr * wk * nt * _extra_smem(source),
+                      (w.data, xq, xd, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
+                       np.int64(w.row_bytes), np.int32(B), np.int32(wr)))
+
+
+def _extra_smem(source: Path) -> int:
+    f = source.parent / "smem_bytes_per_thread_tile"
+    return int(f.read_text()) if f.is_file() else 0
+
+
+def main() -> None:
+    from gguf import GGMLQuantizationType as QT
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+", help="NAME=DIR: a folder with the variant's fixed_point.cu")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--ts", default="8,32,64", help="rows of x")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    variants = {}
+    for v in args.variants:
+        name, _, d = v.partition("=")
+        src = Path(d).resolve() / "fixed_point.cu"
+        if not src.is_file():
+            raise SystemExit(f"{v}: no fixed_point.cu in {d}")
+        variants[name] = src
+    rng = np.random.default_rng(0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    rows, mismatches = [], 0
+    for tname in args.types.split(","):
+        qt = int(QT[tname])
+        for n_rows, n_cols in SHAPES[args.shapes]:
+            ws, nbytes = _weight_copies(qt, n_rows, n_cols, rng)
+            for T in (int(t) for t in args.ts.split(",")):
+                x = cp.asarray(rng.standard_normal((T, n_cols), dtype=np.float32))
+                outs = [cp.empty((T, n_rows), dtype=cp.float32) for _ in ws]
+                mplanes = tc.mmq_quantize(CTX, x)
+                mplanes = (mplanes[0].copy(), mplanes[1].copy())
+                fplanes = fx.fx_quantize(CTX, x)
+                fplanes = (fplanes[0].copy(), fplanes[1].copy())
+                want = fx.fx_mmq(CTX, ws[0], x, planes=fplanes).copy()
+                paths = {"mmq": lambda i: tc.mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)], planes=mplanes),
+                         "fx_mmq": lambda i: fx.fx_mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)], planes=fplanes)}
+                row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes, "bits": {}}
+                for name, src in variants.items():
+                    got = cp.empty_like(want)
+                    try:
+                        variant_fx_mmq(src, ws[0], x, got, fplanes)
+                        cp.cuda.Device().synchronize()
+                    except Exception as e:  # noqa: BLE001 (a variant that fails is reported)
+                        print(f"  {name}: failed: {type(e).__name__}: {e}", flush=True)
+                        row["bits"][name] = "failed"
+                        continue
+                    same = bool(cp.array_equal(got.view(cp.uint32), want.view(cp.uint32)))
+                    row["bits"][name] = "same" if same else "DIFFERENT"
+                    mismatches += not same
+                    paths[name] = (lambda s: lambda i: variant_fx_mmq(s, ws[i % len(ws)], x, outs[i % len(ws)], fplanes))(src)
+                times: dict[str, list[float]] = {k: [] for k in paths}
+                for _ in range(args.rounds):
+                    for k, fn in paths.items():
+                        ms = _time_ms(fn, stream)
+                        if ms is not None:
+                            times[k].append(ms)
+                for k, ts in times.items():
+                    row[f"{k}_ms"] = round(statistics.median(ts), 4) if ts else None
+                base = row["mmq_ms"]
+                line = f"{tname} {n_rows}x{n_cols} T={T:2d}: mmq {base:.4f}"
+                for k in paths:
+                    if k != "mmq" and row.get(f"{k}_ms") is not None:
+                        line += f"  {k} {row[f'{k}_ms']:.4f} ({row[f'{k}_ms'] / base:.2f}x)"
+                print(line + ("" if all(b == "same" for b in row["bits"].values()) else f"  bits {row['bits']}"),
+                      flush=True)
+                rows.append(row)
+    print(f"bits: {'every variant gives fx_mmq bits' if not mismatches else f'{mismatches} MISMATCHES'}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "rounds": args.rounds}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
