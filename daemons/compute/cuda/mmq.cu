@@ -133,7 +133,8 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 // in registers: Q6_K's 64-bit sums at 6-8 tiles of x take 48-64 registers of mmq's 255, and
 // ptxas, short of them, stopped loading x ahead of the mmas (H100, 64 rows: 58% of fx_mmq's
 // stall samples were long-scoreboard waits, mostly at the mmas, against 18% for mmq); in shared
-// memory its time at 64 rows went from 1.32-2.06x mmq's to 1.21-1.23x. Q4_K and Q5_K, and Q6_K
+// memory its time at 64 rows went from 1.32-2.06x mmq's to 1.21-1.23x (a first form with other
+// units; this one's exact binary is still to be timed: docs/PERFORMANCE.md). Q4_K and Q5_K, and Q6_K
 // up to 4 tiles, measured faster with the sums in registers; at 5 tiles the two were mixed, and
 // the registers won on the shapes that weigh most there (docs/PERFORMANCE.md).
 #ifndef MMQ_UNROLL
