@@ -105,7 +105,8 @@ def main() -> None:
                     same = bool(cp.array_equal(got.view(cp.uint32), want.view(cp.uint32)))
                     row["bits"][name] = "same" if same else "DIFFERENT"
                     mismatches += not same
-                    paths[name] = (lambda s: lambda i: variant_fx_mmq(s, ws[i % len(ws)], x, outs[i % len(ws)], fplanes))(src)
+                    paths[name] = (lambda s: lambda i: variant_fx_mmq(s, ws[i % len(ws)], x, outs[i % len(ws)],
+                                                                     fplanes))(src)
                 times: dict[str, list[float]] = {k: [] for k in paths}
                 for _ in range(args.rounds):
                     for k, fn in paths.items():

@@ -116,7 +116,8 @@ def test_fixed_point_huge_block_values_alike_in_every_kernel(qt, rng):
         np.testing.assert_array_equal(cp.asnumpy(FX.fx_matvec_pieces(CTX, w, x[:B])), alone[:B],
                                       err_msg=f"fx_matvec_pieces {qt.name} B={B}")
     for B in (1, 9, 33, 40, 48, 64):
-        np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B])), alone[:B], err_msg=f"fx_mmq {qt.name} B={B}")
+        np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B])), alone[:B],
+                                      err_msg=f"fx_mmq {qt.name} B={B}")
         np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(CTX, w, x[:B], config=(1, 2, 4))), alone[:B],
                                       err_msg=f"fx_mmq {qt.name} B={B} split")
     assert np.abs(alone[1:40:3]).max() > 2.0 ** 30  # the test reached the range's edge

@@ -47,8 +47,8 @@ from ntx.daemons.compute.cuda.tuning import (FX_LANES_PER_ROW, FX_MVS_MAX_WARPS,
                                              MV_ROWS_PER_CTA, MV_UNROLLS)
 from ntx.shared.quant_types import quant_type
 
-__all__ = ["SOURCE", "fx_lanes_per_row", "fx_mvs_smem_bytes", "fx_mmq_shared_sums", "fx_mmq_smem_bytes", "fx_matvec", "fx_matvec_pieces",
-           "fx_matvec_group", "fx_matvec_direct", "fx_matvec_staged", "fx_quantize", "fx_mmq"]
+__all__ = ["SOURCE", "fx_lanes_per_row", "fx_mvs_smem_bytes", "fx_mmq_shared_sums", "fx_mmq_smem_bytes", "fx_matvec",
+           "fx_matvec_pieces", "fx_matvec_group", "fx_matvec_direct", "fx_matvec_staged", "fx_quantize", "fx_mmq"]
 
 SOURCE = "fixed_point.cu"
 

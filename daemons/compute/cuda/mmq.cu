@@ -134,9 +134,9 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 // ptxas, short of them, stopped loading x ahead of the mmas (H100, 64 rows: 58% of fx_mmq's
 // stall samples were long-scoreboard waits, mostly at the mmas, against 18% for mmq); in shared
 // memory its time at 64 rows went from 1.32-2.06x mmq's to 1.21-1.23x (a first form with other
-// units; this one's exact binary is still to be timed: docs/PERFORMANCE.md). Q4_K and Q5_K, and Q6_K
-// up to 4 tiles, measured faster with the sums in registers; at 5 tiles the two were mixed, and
-// the registers won on the shapes that weigh most there (docs/PERFORMANCE.md).
+// units; this one's exact binary is still to be timed). Q4_K and Q5_K, and Q6_K up to 4 tiles,
+// measured faster with the sums in registers; at 5 tiles the two were mixed, and the registers
+// won on the shapes that weigh most there (docs/PERFORMANCE.md, "Where the stalls are").
 #ifndef MMQ_UNROLL
 #define MMQ_UNROLL 4  // chunks (Q4_K/Q5_K: all 4) or groups (Q6_K: 4 of 8) unrolled per trip
 #endif
@@ -158,7 +158,7 @@ __device__ __forceinline__ void mmq_body(const u8* __restrict__ w, const uint4* 
     typedef MmStage<QT> S;
     constexpr int Bp = 8 * NT;
     extern __shared__ __align__(16) u8 smem[];  // max(warps * MM_STAGES * 16 * SROW, mm_epilogue's warps * 16 MT * 8 NT * sizeof(T))
-                                                // FX's shared sums then: each thread's MT * NT * 4 (fixed_point.py fx_mmq_smem_bytes)
+                                                // then FX's shared sums (fixed_point.py fx_mmq_smem_bytes)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int WK = nw / WR, wr = warp % WR, wk = warp / WR;
     const int gid = lane >> 2, tig = lane & 3;
