@@ -32,6 +32,9 @@
 #   passed to it) into $OUT/gemm_paths.{json,log}.
 # --lab-tests: the kernel lab's tests (pytest dev/cuda; the positional pytest args go to them too,
 #   e.g. -k mvq2_rows) into $OUT/lab-tests.log.
+# --fx-variants: fixed-point mmq beside variants of it (dev/cuda/bench_fx_variants.py: each variant a folder
+#   of sources, its bits checked first; with BASELINE, that tree's daemons/compute/cuda as "base"; FX_VARIANTS,
+#   more NAME=DIR, and FX_VARIANTS_ARGS, e.g. "--types Q6_K --ts 40,48,64", go to it) into $OUT/fx_variants.{json,log}.
 # --mmq-rows: mmq at one and two rows (mmq_rows_kernel) against mmq_kernel and the i16 matvec, its
 #   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
 # --draft-acceptance: drafting without a model on the real SmolLM2 on the GPU (scripts/draft_acceptance.py
@@ -68,6 +71,7 @@ export PYTHONUNBUFFERED=1
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
 QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; MMQ_ROWS=0
+FX_VARIANTS_RUN=0
 CPU_COMPARE=0; DRAFT_ACC=0; CLUSTER=0; LAB_TESTS=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
@@ -83,6 +87,7 @@ for a in "$@"; do
     --first-requests) FIRST=1 ;;
     --gemm-paths) GEMM=1 ;;
     --mmq-rows) MMQ_ROWS=1 ;;
+    --fx-variants) FX_VARIANTS_RUN=1 ;;
     --lab-tests) LAB_TESTS=1 ;;
     --cpu-compare) CPU_COMPARE=1 ;;
     --draft-acceptance) DRAFT_ACC=1 ;;
@@ -192,6 +197,17 @@ fi
 if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm,mmq") go to it as they are
   read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"
   python3 "$REPO/dev/cuda/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
+fi
+if [ "$FX_VARIANTS_RUN" = 1 ]; then
+  read -r -a FXV_NAMES <<< "${FX_VARIANTS:-}"
+  [ -n "${BASELINE:-}" ] && FXV_NAMES+=("base=$(cd "$REPO" && cd "$BASELINE" && pwd)/daemons/compute/cuda")
+  read -r -a FXV_ARGV <<< "${FX_VARIANTS_ARGS:-}"
+  if [ "${#FXV_NAMES[@]}" = 0 ]; then
+    echo "--fx-variants: no variant (set BASELINE to another tree, or FX_VARIANTS to NAME=DIR ...)" | tee "$OUT/fx_variants.log"
+  else
+    python3 "$REPO/dev/cuda/bench_fx_variants.py" "${FXV_NAMES[@]}" ${FXV_ARGV[@]+"${FXV_ARGV[@]}"} \
+      --out "$OUT/fx_variants.json" 2>&1 | tee "$OUT/fx_variants.log"
+  fi
 fi
 if [ "$MMQ_ROWS" = 1 ]; then
   read -r -a MMQ_ROWS_ARGV <<< "${MMQ_ROWS_ARGS:-}"
