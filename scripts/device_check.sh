@@ -199,7 +199,11 @@ if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm
   python3 "$REPO/dev/cuda/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
 fi
 if [ "$FX_VARIANTS_RUN" = 1 ]; then
-  read -r -a FXV_NAMES <<< "${FX_VARIANTS:-}"
+  FXV_NAMES=()
+  for nv in ${FX_VARIANTS:-}; do  # NAME=DIR, DIR relative to the repo root or absolute
+    d=$(cd "$REPO" && cd "${nv#*=}" && pwd) || { echo "--fx-variants: no folder ${nv#*=}" | tee "$OUT/fx_variants.log"; exit 2; }
+    FXV_NAMES+=("${nv%%=*}=$d")
+  done
   [ -n "${BASELINE:-}" ] && FXV_NAMES+=("base=$(cd "$REPO" && cd "$BASELINE" && pwd)/daemons/compute/cuda")
   read -r -a FXV_ARGV <<< "${FX_VARIANTS_ARGS:-}"
   if [ "${#FXV_NAMES[@]}" = 0 ]; then

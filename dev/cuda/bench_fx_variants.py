@@ -38,7 +38,8 @@ CTX = runtime.standalone()
 def variant_fx_mmq(source: Path, w, x, out, planes) -> None:
     """fixed_point.fx_mmq's launch with the kernel compiled from ``source``; a variant that keeps
     more in shared memory names its bytes a thread per tile of 8 x rows in a file
-    ``smem_bytes_per_thread_tile`` beside it (added past production's)."""
+    ``smem_bytes_per_thread_tile`` beside it (added past production's): one number for every
+    type, or ``TYPE:BYTES`` entries (e.g. ``Q4_K:32 Q5_K:32``; a type not named adds none)."""
     q = quant_type(w.qtype)
     B = x.shape[0]
     wr, wk, ks = CTX.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
@@ -47,14 +48,19 @@ def variant_fx_mmq(source: Path, w, x, out, planes) -> None:
     xq, xd = planes
     part, counts = fx._split_k(CTX, ks, B, w.n_rows, tiles)
     fx._launch_staged(CTX, runtime.function(source, name, (name,)), (tiles, ks), wr * wk,
-                      fx.fx_mmq_smem_bytes(q, wr * wk, nt) + 32 * wr * wk * nt * _extra_smem(source),
+                      fx.fx_mmq_smem_bytes(q, wr * wk, nt) + 32 * wr * wk * nt * _extra_smem(source, q.name),
                       (w.data, xq, xd, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
                        np.int64(w.row_bytes), np.int32(B), np.int32(wr)))
 
 
-def _extra_smem(source: Path) -> int:
+def _extra_smem(source: Path, type_name: str) -> int:
     f = source.parent / "smem_bytes_per_thread_tile"
-    return int(f.read_text()) if f.is_file() else 0
+    if not f.is_file():
+        return 0
+    entries = f.read_text().split()
+    if len(entries) == 1 and ":" not in entries[0]:
+        return int(entries[0])
+    return dict((k, int(v)) for k, v in (e.split(":") for e in entries)).get(type_name, 0)
 
 
 def main() -> None:
