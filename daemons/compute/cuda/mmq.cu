@@ -133,8 +133,8 @@ __device__ __forceinline__ u32 mmq_q6_word(const u8* p, int h, int kind, int hal
 // in registers: Q6_K's 64-bit sums at 6-8 tiles of x take 48-64 registers of mmq's 255, and
 // ptxas, short of them, stopped loading x ahead of the mmas (H100, 64 rows: 58% of fx_mmq's
 // stall samples were long-scoreboard waits, mostly at the mmas, against 18% for mmq); in shared
-// memory its time at 64 rows went from 1.32-2.06x mmq's to 1.21-1.23x (a first form with other
-// units; this one's exact binary is still to be timed). Q4_K and Q5_K, and Q6_K up to 4 tiles,
+// memory its time at 64 rows went from 1.23-2.07x mmq's to 1.19-1.22x, and the 8B Q4_K_M pass's
+// cost at 64 rows from +31.8% to +19.3% (H100, 2026-12-06). Q4_K and Q5_K, and Q6_K up to 4 tiles,
 // measured faster with the sums in registers; at 5 tiles the two were mixed, and the registers
 // won on the shapes that weigh most there (docs/PERFORMANCE.md, "Where the stalls are").
 #ifndef MMQ_UNROLL
