@@ -77,6 +77,31 @@ except ImportError:  # pragma: no cover - numba is a base dependency; the numpy 
     numba = None
 
 
+def _pin_vector_width() -> None:
+    """Compile every kernel for LLVM's ``prefer-256-bit``, whatever the host prefers, before the
+    first one is compiled. Why: the norm's and attention's float sums are fast-math (cpu_ops), so
+    LLVM vectorizes them at the width the target prefers: 256-bit on its Intel targets, AVX-512
+    or not, 512-bit on AMD Zen 4. Through the int8 rounding after the norm, that last bit made
+    the greedy text differ between such hosts; their prompt log-probabilities were as far apart
+    (mean 0.040) as either is from the float32 reference (dev/cpu/vector_width.py). Pinned, the
+    Intel targets, Haswell's and Zen 4's compile the same bits. The 512-bit VNNI products name
+    their instruction, so Zen 4 keeps them; the fixed-order sums measured 0.6x as fast on long
+    prompts, so the width is pinned, not the order. ``NUMBA_CPU_FEATURES`` naming
+    ``prefer-256-bit`` (``-prefer-256-bit``: the host's own choice) is left as given."""
+    if numba is None:
+        return
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        import llvmlite.binding as llvm
+
+        features = llvm.get_host_cpu_features().flatten()
+    if "prefer-256-bit" not in features:
+        numba.config.CPU_FEATURES = ",".join(f for f in (features, "+prefer-256-bit") if f)
+
+
+_pin_vector_width()
+
+
 TIER_SPARE_CORES = 2  # cores the cpu tier leaves to compute's thread and the dma daemon (set_threads)
 C4_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
 C8_TYPES = (QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0)

@@ -12,7 +12,10 @@ float reduction (and attention's) is fast-math (``cpu_ops``: ``reassoc``), so LL
 at the width the target prefers: 256-bit vectors on LLVM's Intel targets, AVX-512 or not
 (``prefer-256-bit``) and on AVX2 CPUs, 512-bit ones on AMD Zen 4. The int8 rounding of the
 activations that follows turns a difference in the last bit into a different rounding, layer
-after layer, until the two are as far apart as either is from the float32 reference.
+after layer, until the two are as far apart as either is from the float32 reference. So
+``cpu_kernels._pin_vector_width`` compiles every kernel with ``prefer-256-bit``: a named target
+(``znver4``) now gives the host's bits, and ``NAME,-prefer-256-bit`` (features given, so the pin
+leaves them) still shows the unpinned ones.
 
     python dev/cpu/vector_width.py --targets host host,-prefer-256-bit --json F   # about 2 min on the VM
 """
