@@ -39,7 +39,8 @@
 #   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
 # --draft-acceptance: drafting without a model on the real SmolLM2 on the GPU (scripts/draft_acceptance.py
 #   --backend cuda: the nine texts, the auto shapes and the fixed chain; DRAFT_DRAFTERS replaces the
-#   drafter list, DRAFT_TOKENS the budget (8; lookahead: 32 or 64)) into
+#   drafter list, DRAFT_TOKENS the budget (8; lookahead: 32 or 63: 64 drafted tokens make 65-row verify passes,
+#   past which the default kernels round otherwise and greedy identity may break) into
 #   $OUT/draft-acceptance-smollm2-cuda.{json,log}; needs SmolLM2 joined (both .models parts).
 # --cluster-bench: 2 CPU replicas of SmolLM2 under Ray Serve against one (scripts/bench_cluster.py,
 #   CLUSTER_ARGS replace its load options; NTX_CPU_THREADS per instance, default 4) into
