@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 from ntx.daemons.compute.cuda import sources, tuning
 from ntx.shared.quant_types import QUANT_TYPES
@@ -71,6 +73,62 @@ def test_mmq_launch_fills_the_device_within_the_row(B, n_rows, n_cols):
     tiles = -(-n_rows // 16)
     if tiles * 8 * 16 >= t.mmq_target_warps and blocks >= 16:
         assert tiles * wk * ks >= t.mmq_target_warps // 2
+
+
+SHAPES_8B_70B = [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096), (128256, 4096),
+                 (28672, 8192), (8192, 8192), (8192, 28672), (1024, 8192)]
+
+
+@pytest.mark.parametrize("n_rows,n_cols", SHAPES_8B_70B)
+def test_mmqx_takes_the_matrices_of_many_rows_one_launch_at_every_row_count(n_rows, n_cols):
+    """mmqx (x staged once per CTA) takes Q4_K/Q5_K matrices of at least mmqx_min_ctas CTAs of
+    128 rows (the 8B's gate/up of 14336 rows, the 70B's of 28672) without split-K, the same
+    launch at every row count (so the mode's mmq/mm form keeps one order a row); never Q6_K nor
+    a smaller matrix outside the fixed form; and its stages fit an SM's shared memory."""
+    from ntx.daemons.compute.cuda.mm import mmqx_smem_bytes
+    from ntx.shared.quant_types import quant_type
+
+    for table in (tuning.H200, tuning.batch_invariant(tuning.H200)):
+        for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+            launches = {table.mmqx_launch(qt, B, n_rows, n_cols // 256) for B in range(1, 65)}
+            big = -(-n_rows // (16 * tuning.MMQX_WARPS)) >= table.mmqx_min_ctas
+            if qt != QT.Q6_K and big:
+                assert launches == {(tuning.MMQX_WARPS, tuning.MMQX_STAGES, 1)}, (table.name, qt, n_rows)
+            else:
+                assert launches == {None}, (table.name, qt, n_rows)
+    assert tuning.H200.mmqx_launch(QT.Q4_K, 64, 14336, 16) is not None  # the 8B's gate and up
+    assert replace(tuning.H200, mmqx_min_ctas=0).mmqx_launch(QT.Q4_K, 64, 14336, 16) is None
+    for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        for nt in range(1, 9):
+            for sum_bytes in (4, 8):
+                assert mmqx_smem_bytes(quant_type(qt), nt, tuning.MMQX_WARPS, tuning.MMQX_STAGES, sum_bytes) <= 227 << 10
+
+
+@pytest.mark.parametrize("n_rows,n_cols", SHAPES_8B_70B)
+def test_mmqx_in_the_fixed_form(n_rows, n_cols):
+    """The fixed form (sums exact in any order: any launch keeps a row's bits) also takes mmqx
+    for Q6_K's matrices of many rows past 8 rows, and for Q4_K/Q5_K rows of 32 blocks or more
+    past 32 rows with K split so that the CTAs come to about mmqx_min_ctas; its scratch holds
+    the split's 64-bit partials."""
+    from ntx.daemons.compute.cuda.memory import gemm_scratch_bytes
+    from ntx.shared.quant_types import quant_type
+
+    fixed = tuning.batch_invariant(tuning.H200, fixed=True)
+    ctas, nb = -(-n_rows // (16 * tuning.MMQX_WARPS)), n_cols // 256
+    for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        for B in range(1, 65):
+            got = fixed.mmqx_launch(qt, B, n_rows, nb)
+            if ctas >= fixed.mmqx_min_ctas:
+                want = (tuning.MMQX_WARPS, tuning.MMQX_STAGES, 1) if qt != QT.Q6_K or B > 8 else None
+            elif qt != QT.Q6_K and B > 32 and nb >= 32:
+                want = (tuning.MMQX_WARPS, tuning.MMQX_STAGES, min(nb // 8, -(-fixed.mmqx_min_ctas // ctas)))
+            else:
+                want = None
+            assert got == want, (qt, B, n_rows, n_cols)
+            if got is not None and got[2] > 1 and B >= 3:
+                scratch = gemm_scratch_bytes(quant_type(qt), n_rows, n_cols, B, fixed)
+                assert scratch["fx split-k partials"] == got[2] * B * n_rows * 8
+                assert scratch["split-k counters"] == ctas * 4
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0", "F16"])

@@ -63,6 +63,30 @@ def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_co
                                           err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B} at {config}")
 
 
+@pytest.mark.parametrize("n_rows,n_cols", [(203, 4096), (300, 8192)])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_fixed_point_mmqx_gives_fx_mmq_bits(qt, n_rows, n_cols, rng):
+    """fx_mmqx_kernel (x staged once per CTA; tuning.mmqx_launch) gives every row
+    fx_mmq_kernel's bits: the same block values, integer sums. Taken by every matrix here
+    (mmqx_min_ctas 1: Q4_K/Q5_K at every row count, Q6_K past 8), then by the long-rows rule
+    alone (mmqx_min_ctas out of reach: Q4_K/Q5_K of 32 blocks a row past 32 rows, split K)."""
+    x = cp.asarray(rng.standard_normal((64, n_cols)).astype(np.float32))
+    w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
+    for min_ctas in (1, 1 << 20):
+        table = replace(runtime.invariant_tuning(CTX.tuning(), False, True), mmqx_min_ctas=min_ctas)
+        ctx = runtime.standalone()
+        ctx.tuning = lambda: table
+        taken = 0
+        for B in (1, 3, 8, 9, 16, 33, 40, 64):
+            staged = table.mmqx_launch(qt, B, n_rows, n_cols // 256)
+            taken += staged is not None
+            want = cp.asnumpy(FX.fx_mmq(CTX, w, x[:B], config=(1, 2, 1)))
+            np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(ctx, w, x[:B])), want,
+                                          err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B} at {staged}")
+        long_rows = n_cols // 256 >= 32 and qt != QT.Q6_K
+        assert taken == (8 if min_ctas == 1 and qt != QT.Q6_K else 5 if min_ctas == 1 else 3 if long_rows else 0)
+
+
 @pytest.mark.parametrize("kind", FX_MATVEC_KERNELS)
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
 def test_fixed_point_accumulate_through_every_matvec(kind, qt, rng):

@@ -351,6 +351,44 @@ def test_mmq(qt, B, big, rng):
     assert np.abs(cp.asnumpy(out) - i16).max() <= 4e-6 * np.abs(i16).max()
 
 
+def _table_ctx(**changes):
+    """A context whose launch table is the device's with ``changes`` (this context alone)."""
+    from dataclasses import replace
+
+    table = replace(CTX.tuning(), **changes)
+    ctx = runtime.standalone()
+    ctx.tuning = lambda: table
+    return ctx
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(300, 4096), (1037, 512)])
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K], ids=lambda q: q.name)
+def test_mmqx_x_staged_once_per_cta(qt, n_rows, n_cols, rng):
+    """mmqx_kernel (x staged once per CTA; tuning.mmqx_launch), taken here by every matrix
+    (mmqx_min_ctas 1): within the two-plane rounding bound of the exact product and within f32
+    rounding of mmq_kernel at every tile count; and a row's bits are the same alone and among 2
+    to 64 rows (its order depends on the matrix's shape only: the batch-invariant mode's mmq/mm
+    form relies on it). 1037 rows: a CTA's last warps past the matrix's end."""
+    ctx = _table_ctx(mmqx_min_ctas=1)
+    assert ctx.tuning().mmqx_launch(qt, 5, n_rows, n_cols // 256) is not None
+    raw = random_weights(qt, n_rows, n_cols, rng)
+    w = W(raw, qt, n_rows, n_cols)
+    ref_w = reference_matrix(qt, raw, n_rows, n_cols)
+    x = rng.standard_normal((64, n_cols)).astype(np.float32)
+    x[:, ::97] *= 30.0
+    xd = cp.asarray(x)
+    plain = _table_ctx(mmqx_min_ctas=0)
+    alone = np.stack([cp.asnumpy(MM.mmq(ctx, w, xd[i:i + 1]))[0] for i in range(64)])
+    for B in (1, 2, 8, 9, 17, 33, 64):
+        out = nan_f32((B, n_rows))
+        assert MM.mmq(ctx, w, xd[:B], out=out) is out
+        got = cp.asnumpy(out)
+        np.testing.assert_array_equal(got, alone[:B], err_msg=f"mmqx {qt.name} B={B}: a row differs from itself alone")
+        check_i16(out, x[:B], ref_w)
+        want = cp.asnumpy(MM.mmq(plain, w, xd[:B]))
+        assert np.abs(got - want).max() <= 4e-6 * np.abs(want).max(), B
+
+
 def test_mmq_unsupported_and_gemm_routing(rng):
     """mmq names what it does not decode; gemm takes it for the K-quants from mmq_min_rows rows
     on (the i16 matvec below), matching the i16 matvec row by row."""

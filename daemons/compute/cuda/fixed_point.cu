@@ -442,3 +442,16 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) fx_mmq_kernel(const u8* _
     pdl_enter();
     mmq_body<QT, NT, MT, true>(w, xq, xd, out, part, tile_count, n_rows, n_cols, row_bytes, B, WR);
 }
+
+// mmqx_kernel (mmq.cu) with fixed-point sums: fx_mmq_kernel's block values, so its bits, with x
+// staged once per CTA; launched as fx_mmq_kernel (fixed_point.py fx_mmq, where tuning.py
+// mmqx_launch says), its split-K partials 64-bit.
+template <int QT, int NT, int WR, int NS>
+__global__ void __launch_bounds__(32 * WR, 1) fx_mmqx_kernel(const u8* __restrict__ w, const uint4* xq,
+                                                            const float2* xd, float* __restrict__ out,
+                                                            long long* __restrict__ part, int* __restrict__ tile_count,
+                                                            int n_rows, int n_cols, long long row_bytes, int B,
+                                                            int /* WR: the template's */) {
+    pdl_enter();
+    mmqx_body<QT, NT, WR, NS, true>(w, xq, xd, out, part, tile_count, n_rows, n_cols, row_bytes, B);
+}

@@ -40,7 +40,7 @@ from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda import matvec as mv
 from ntx.daemons.compute.cuda import norm_rope_kv as nrk
-from ntx.daemons.compute.cuda.mm import mmq_quantize, mmq_supported, staged_smem_bytes
+from ntx.daemons.compute.cuda.mm import mmq_quantize, mmq_supported, mmqx_smem_bytes, staged_smem_bytes
 from ntx.daemons.compute.cuda.runtime import (DEFAULT_SMEM_LIMIT, KernelContext, check_f32, function, rows_and_out,
                                               stream_ctx)
 from ntx.daemons.compute.cuda.tuning import (FX_LANES_PER_ROW, FX_MVS_MAX_WARPS, MAX_MATVEC_B, MAX_MM_ROWS, MV_MAX_WARPS,
@@ -212,20 +212,27 @@ def fx_quantize(ctx: KernelContext, x, *, stream=None):
 
 
 def fx_mmq(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, config=None, planes=None):
-    """mmq with fixed-point sums (fx_mmq_kernel) for up to MAX_MM_ROWS rows of x, at the device's
-    mmq launch or ``config`` (WR, WK, KS): each row's bits are fx_matvec's of that row alone,
-    whatever the split of K. planes: ``fx_quantize`` of this x."""
+    """mmq with fixed-point sums for up to MAX_MM_ROWS rows of x: fx_mmqx_kernel where the
+    device's table says (``KernelTuning.mmqx_launch``), else fx_mmq_kernel at the device's mmq
+    launch or ``config`` (WR, WK, KS). Each row's bits are fx_matvec's of that row alone,
+    whatever the kernel and the split of K. planes: ``fx_quantize`` of this x."""
     _check(w, "fx_mmq")
     q = quant_type(w.qtype)
     x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MM_ROWS, "fx_mmq")
     B = x.shape[0]
-    wr, wk, ks = config or ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
-    tiles, nt = -(-w.n_rows // (16 * wr)), -(-B // 8)
-    names = instances.fx_mmq_names(w.qtype)
+    nt = -(-B // 8)
+    staged_x = None if config else ctx.tuning().mmqx_launch(w.qtype, B, w.n_rows, w.n_cols // 256)
+    if staged_x is not None:  # fx_mmqx_kernel: x staged once per CTA (the same block values)
+        wr, ns, ks = staged_x
+        wk, names, smem = 1, instances.fx_mmqx_names(w.qtype), mmqx_smem_bytes(q, nt, wr, ns, 8)
+    else:
+        wr, wk, ks = config or ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+        names, smem = instances.fx_mmq_names(w.qtype), fx_mmq_smem_bytes(q, wr * wk, nt)
+    tiles = -(-w.n_rows // (16 * wr))
     with stream_ctx(stream):
         xq, xd = planes if planes is not None else fx_quantize(ctx, x)
         part, counts = _split_k(ctx, ks, B, w.n_rows, tiles)
-        _launch_staged(ctx, function(SOURCE, names[nt - 1], names), (tiles, ks), wr * wk, fx_mmq_smem_bytes(q, wr * wk, nt),
+        _launch_staged(ctx, function(SOURCE, names[nt - 1], names), (tiles, ks), wr * wk, smem,
                        (w.data, xq, xd, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
                         np.int64(w.row_bytes), np.int32(B), np.int32(wr)))
     return out

@@ -13,7 +13,7 @@ from ntx.daemons.compute.cuda import tuning
 from ntx.shared.quant_types import QUANT_TYPES, QuantType
 
 __all__ = ["CUT_ID", "MATVEC_ROWS", "MM_TILES", "ATTENTION_SHAPES", "mv_names", "i16_names", "deq_names",
-           "mm_names", "mmq_names", "rows_names", "fx_mvq_names", "fx_mv_names", "fx_mvs_names", "fx_mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
+           "mm_names", "mmq_names", "mmqx_names", "fx_mmqx_names", "rows_names", "fx_mvq_names", "fx_mv_names", "fx_mvs_names", "fx_mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
            "production"]
 
 CUT_ID = {"v1": 1, "v2": 2}  # template argument of each layout cut (quant_traits.cuh CUT_V1, CUT_V2)
@@ -50,6 +50,16 @@ def mm_names(qt: int, cut: str) -> tuple[str, ...]:
 def mmq_names(qt: int) -> tuple[str, ...]:
     """The int8 tensor-core matmul, one 16-row tile per warp (its MT = 1)."""
     return tuple(f"mmq_kernel<{int(qt)},{nt},1>" for nt in MM_TILES)
+
+
+def mmqx_names(qt: int) -> tuple[str, ...]:
+    """mmq with x staged once per CTA (mmqx_kernel) at tuning.py's launch, every NT."""
+    return tuple(f"mmqx_kernel<{int(qt)},{nt},{tuning.MMQX_WARPS},{tuning.MMQX_STAGES}>" for nt in MM_TILES)
+
+
+def fx_mmqx_names(qt: int) -> tuple[str, ...]:
+    """mmqx with fixed-point sums (fixed_point.cu fx_mmqx_kernel), every NT."""
+    return tuple(f"fx_mmqx_kernel<{int(qt)},{nt},{tuning.MMQX_WARPS},{tuning.MMQX_STAGES}>" for nt in MM_TILES)
 
 
 def fx_mvq_names(qt: int, nr: int, u: int) -> tuple[str, ...]:
@@ -120,6 +130,8 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
         out.append(("dequant.cu", deq_names(qt, cut)))
     if q.mm_staged:
         out.append(("mmq.cu", mmq_names(qt)))
+        if q.name in ("Q4_K", "Q5_K") and any(t.mmqx_min_ctas for t in tables):  # tuning.mmqx_launch
+            out.append(("mmq.cu", mmqx_names(qt)))
         # the batch-invariant mode's fixed-point form (KernelOptions.invariant_fixed), on its tables
         # only: its quantizer of x (extern "C"), its matvec (in the i16 matvec's pieces at each
         # of its launches, staged, or direct: lanes a row follow the row length) and mmq
@@ -136,6 +148,8 @@ def type_modules(q: QuantType, tables) -> list[tuple[str, tuple[str, ...]]]:
             if "direct" in kinds:
                 out += [("fixed_point.cu", fx_mv_names(qt, tpr)) for tpr in tuning.FX_LANES_PER_ROW]
             out.append(("fixed_point.cu", fx_mmq_names(qt)))
+            if any(t.mmqx_min_ctas for t in fixed):
+                out.append(("fixed_point.cu", fx_mmqx_names(qt)))
     else:
         out += [("mm.cu", mm_names(qt, cut)) for cut, _, _ in q.mm_cuts]
     return out

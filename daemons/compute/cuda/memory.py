@@ -213,16 +213,16 @@ def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning
     path = gemm_path(q, n_cols, T, t)
     if t.batch_invariant:
         T = min(T, tuning.MAX_MM_ROWS)
-    if path == "mmq":
-        wr, wk, ks = t.mmq_launch(T, n_rows, n_cols // 256 * 8)
-        return mmq_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
+    if path in ("mmq", "fxmmq"):  # mm.mmq / fixed_point.fx_mmq: mmqx's launch where it runs, else mmq's
+        staged_x = t.mmqx_launch(q.qtype, T, n_rows, n_cols // 256)
+        wr, _, ks = staged_x if staged_x is not None else t.mmq_launch(T, n_rows, n_cols // 256 * 8)
+        if path == "mmq":
+            return mmq_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
+        return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // (16 * wr)), {"mmq x planes": mmq_planes_bytes(T, n_cols)})
     if path == "mm":
         cut = mm_cut(q, n_cols)
         wr, wk, ks = t.mm_launch(T, n_rows, cut[1])
         return mm_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
-    if path == "fxmmq":  # fixed_point.fx_mmq: mmq's launch, 64-bit partials
-        wr, wk, ks = t.mmq_launch(T, n_rows, n_cols // 256 * 8)
-        return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // (16 * wr)), {"mmq x planes": mmq_planes_bytes(T, n_cols)})
     if path == "fxmv":  # fixed_point.fx_matvec on the i16 planes (pieces, split-K staged, or direct)
         planes = {"i16 planes": i16_planes_bytes(T, n_cols)}
         if t.fx_matvec_kernel != "staged":

@@ -33,7 +33,7 @@ from ntx.daemons.compute.cuda.tuning import MAX_MM_ROWS
 from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type
 
 __all__ = ["MAX_MM_ROWS", "MMQ_TYPES", "MM_STAGES", "MmPlan", "mm_plan", "mm", "mm_supported", "mmq", "mmq_supported",
-           "mmq_quantize", "staged_smem_bytes"]
+           "mmq_quantize", "mmqx_smem_bytes", "staged_smem_bytes"]
 
 # the types the int8 tensor-core matmul (mmq_kernel) decodes: the K-quants, staged through
 # shared memory (QuantType.mm_staged)
@@ -51,6 +51,16 @@ def mm_supported(qtype, n_cols: int) -> bool:
 def mmq_supported(qtype, n_cols: int) -> bool:
     """Whether the int8 tensor-core matmul (``mmq``) decodes this type at this row length."""
     return quant_type(qtype).qtype in MMQ_TYPES and n_cols % 256 == 0
+
+
+def mmqx_smem_bytes(q: QuantType, nt: int, wr: int, ns: int, sum_bytes: int = 4) -> int:
+    """mmqx_kernel's dynamic shared memory (mmq.cu MmqxStage): NS stages of the weights' 16 WR
+    rows and x's block for 8 NT rows (its planes and (d2, sum) per group), or the epilogue's
+    reduction (WR warps x 16 rows x 8 NT sums of ``sum_bytes``: 8 for fixed point)."""
+    mis = 0 if q.block_bytes % 4 == 0 else 2
+    srow = -(-(-(-(q.block_bytes + mis) // 4) * 4) // 16) * 16
+    bp = 8 * nt
+    return max(ns * (16 * wr * srow + 8 * bp * 64 + 8 * bp * 8), wr * 16 * 8 * nt * sum_bytes)
 
 
 def staged_smem_bytes(q: QuantType, warps: int, nt: int, mt: int = 1) -> int:
@@ -87,10 +97,18 @@ def mm_plan(ctx: KernelContext, w: Weight, B: int) -> MmPlan:
             if not mmq_supported(qt, w.n_cols):
                 raise ValueError(f"the int8 tensor-core matmul does not decode {q.name} rows of {w.n_cols} columns; "
                                  "use gemm")
-            wr, wk, ks = ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+            staged_x = ctx.tuning().mmqx_launch(q.qtype, B, w.n_rows, w.n_cols // 256)
+            if staged_x is not None:  # mmqx_kernel: x staged once per CTA of WR warps
+                wr, ns, ks = staged_x
+                wk = 1
+                smem = mmqx_smem_bytes(q, nt, wr, ns)
+                names = instances.mmqx_names(qt)
+                kern = function("mmq.cu", names[nt - 1], names)
+            else:
+                wr, wk, ks = ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+                smem = staged_smem_bytes(q, wr * wk, nt)
+                kern = function("mmq.cu", f"mmq_kernel<{qt},{nt},1>", instances.mmq_names(qt))
             tiles = -(-w.n_rows // (16 * wr))
-            smem = staged_smem_bytes(q, wr * wk, nt)
-            kern = function("mmq.cu", f"mmq_kernel<{qt},{nt},1>", instances.mmq_names(qt))
             if smem > DEFAULT_SMEM_LIMIT and kern.max_dynamic_shared_size_bytes < smem:
                 kern.max_dynamic_shared_size_bytes = smem  # a per-function attribute, set once
             scratch = mmq_scratch_bytes(w.n_rows, w.n_cols, B, ks, tiles)

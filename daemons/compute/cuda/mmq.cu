@@ -304,3 +304,213 @@ __global__ void __launch_bounds__(256, MMQ_MIN_BLOCKS) mmq_kernel(const u8* __re
     pdl_enter();
     mmq_body<QT, NT, MT, false>(w, xq, xd, out, part, tile_count, n_rows, n_cols, row_bytes, B, WR);
 }
+
+// ================================================================ mmqx: x staged once per CTA
+// mmqx_kernel: mmq for matrices of many rows, x staged in shared memory once per CTA for the
+// warps that share a block column.
+//
+// Why. mmq_kernel gives each 16-row weight tile its own CTA of WK warps, each warp on its own
+// block columns, and every warp reads x's fragments from L1/L2: at 64 rows of x that is 36 KB of
+// x per 256-column block against 2.3 KB of weights, and the kernel waits on those loads (long
+// scoreboard: 24% of mmq's stall samples at 64 rows, 35% of the fixed form's, whose 64-bit sums
+// leave ptxas no registers to load x ahead; docs/PERFORMANCE.md, "Where the stalls are"). Here a
+// CTA of WR warps takes WR tiles side by side (16 WR rows) and walks one block-column sequence
+// (blockIdx.y, + KS ...): each column's weights for the 16 WR rows and x's 8 groups for all 8 NT
+// rows come in together by 16-byte cp.async (4-byte for Q6_K's 2-byte-aligned blocks) into one
+// of NS stages, one __syncthreads a column, and the warps read x's fragments from shared memory:
+// x crosses L2 -> SM once per CTA instead of once per warp. It pays where the matrix gives about
+// an SM's worth of CTAs of 128 rows without split-K (the 8B's gate and up: 0.77-0.92x mmq at 8-64
+// rows on an H100), and loses where it must split K to fill the GPU (4096-row matrices: 1.2-2x):
+// tuning.py mmqx_launch says where it runs (docs/PERFORMANCE.md, "x staged once per CTA").
+//
+// The steps of a block are mmq_body's, the same expressions in the same order (kept apart from
+// mmq_body's: sharing one function moved ptxas's allocation of mmq_kernel, dev/ptx_compare.py),
+// so with FX (fixed_point.cu fx_mmqx_kernel) a block's value is fx_mmq_kernel's and a row's
+// fixed-point sum has its bits exactly; without FX each warp chains its rows over its CTA's
+// columns in order, as mmq_kernel does at WK = 1, whatever NT: the row's order depends on the
+// matrix's shape (the launch) only.
+//
+// Stage layout (one of NS): the weights [16 WR rows][SROW], then x's block: xq's 8 groups
+// [8][Bp][4] uint4 (quantize_mmq_kernel's layout, contiguous per block), then xd's [8][Bp] float2.
+
+template <int QT, int NT, int WR>
+struct MmqxStage {
+    typedef MmStage<QT> S;
+    static constexpr int Bp = 8 * NT;
+    static constexpr int W_BYTES = 16 * WR * S::SROW;
+    static constexpr int XQ_BYTES = 8 * Bp * 64;
+    static constexpr int XD_BYTES = 8 * Bp * 8;
+    static constexpr int BYTES = W_BYTES + XQ_BYTES + XD_BYTES;
+};
+
+// out [B, n_rows] (or, with KS = gridDim.y > 1, part [KS, B, n_rows] and the last CTA's sum):
+// grid (ceil(n_rows / 16 WR), KS), block 32 WR, dynamic shared memory
+// max(NS * MmqxStage::BYTES, WR * 16 * 8 NT * sizeof(sum)).
+template <int QT, int NT, int WR, int NS, bool FX>
+__device__ __forceinline__ void mmqx_body(const u8* __restrict__ w, const uint4* xq, const float2* xd,
+                                          float* __restrict__ out, typename MmqSum<FX>::T* __restrict__ part,
+                                          int* __restrict__ tile_count, int n_rows, int n_cols, long long row_bytes,
+                                          int B) {
+    typedef typename MmqSum<FX>::T T;
+    typedef QTraits<QT, CUT_V2> QTr;
+    typedef MmStage<QT> S;
+    typedef MmqxStage<QT, NT, WR> X;
+    constexpr int Bp = X::Bp, R = 16 * WR, NTH = 32 * WR;
+    static_assert(NS >= 2, "two stages at least");
+    extern __shared__ __align__(16) u8 smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int KS = gridDim.y, kpart = blockIdx.y, nb = n_cols / 256;
+    const int row0 = blockIdx.x * R;
+    auto row_ptr = [&](int r) { return w + (long long)min(row0 + r, n_rows - 1) * row_bytes; };
+
+    auto issue = [&](int blk, int slot) {
+        if (blk < nb) {
+            u8* st = smem + slot * X::BYTES;
+            if constexpr (QTr::BYTES % 16 == 0) {  // Q4_K, Q5_K: 16-byte-aligned blocks, SROW = BYTES
+                constexpr int CH = QTr::BYTES / 16;
+                for (int i = tid; i < R * CH; i += NTH) {
+                    const int r = i / CH, k = i % CH;
+                    cp_async16(st + r * S::SROW + 16 * k, row_ptr(r) + (long long)blk * QTr::BYTES + 16 * k);
+                }
+            } else {  // Q6_K: 4-byte copies from the word below the block's start (MmStage)
+                for (int i = tid; i < R * S::NWORDS; i += NTH) {
+                    const int r = i / S::NWORDS, k = i % S::NWORDS;
+                    const unsigned long long g = (unsigned long long)(row_ptr(r) + (long long)blk * QTr::BYTES);
+                    cp_async4(st + r * S::SROW + 4 * k, (const u32*)(g & ~3ull) + k);
+                }
+            }
+            const uint4* xs = xq + (long long)blk * 8 * Bp * 4;  // the block's 8 groups, contiguous
+            u8* xqd = st + X::W_BYTES;
+#pragma unroll 4
+            for (int i = tid; i < 8 * Bp * 4; i += NTH) cp_async16(xqd + 16 * i, xs + i);
+            const uint4* ds = (const uint4*)(xd + (long long)blk * 8 * Bp);
+            u8* xdd = xqd + X::XQ_BYTES;
+            for (int i = tid; i < 8 * Bp / 2; i += NTH) cp_async16(xdd + 16 * i, ds + i);
+        }
+        cp_async_commit();  // a group per column, empty past the end
+    };
+
+    T acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) issue(kpart + s * KS, s);
+    int slot = 0;
+    for (int blk = kpart; blk < nb; blk += KS) {
+        cp_async_wait<NS - 2>();  // this column's group (the oldest but NS - 2) has landed, this thread's part
+        __syncthreads();          // every thread's part; and every warp is past the previous column
+        issue(blk + (NS - 1) * KS, slot == 0 ? NS - 1 : slot - 1);
+        const u8* st = smem + slot * X::BYTES;
+        const uint4* xsl = (const uint4*)(st + X::W_BYTES) + gid * 4 + tig;            // + (gl Bp + 8 nt) * 4
+        const float4* xdl = (const float4*)(st + X::W_BYTES + X::XQ_BYTES) + tig;       // + gl Bp / 2 + 4 nt
+        const u8* rows[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = 16 * warp + gid + 8 * i;
+            const int mis = QTr::BYTES % 4 == 0 ? 0
+                            : (int)((unsigned long long)(row_ptr(r) + (long long)blk * QTr::BYTES) & 3ull);
+            rows[i] = st + r * S::SROW + mis;
+        }
+        float bv[NT][4];
+        if constexpr (FX) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) bv[nt][0] = bv[nt][1] = bv[nt][2] = bv[nt][3] = 0.f;
+        }
+        auto chain = [&](int nt) -> float* {
+            if constexpr (FX) return bv[nt];
+            else return acc[nt];
+        };
+        if constexpr (QT == 12 || QT == 13) {
+            uint4 hd[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) hd[i] = *(const uint4*)rows[i];
+#pragma unroll MMQ_UNROLL
+            for (int c = 0; c < 4; c++) {
+                u32 lo[2][2], hi[2][2];
+                float sc[2][2], mn[2][2];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    mmq_k45_chunk<QT>(rows[i], c, tig, lo[i], hi[i]);
+                    mmq_k45_scales(hd[i], c, sc[i], mn[i]);
+                }
+#pragma unroll
+                for (int sub = 0; sub < 2; sub++) {
+                    const int gl = 2 * c + sub;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 xv = xsl[(gl * Bp + 8 * nt) * 4];
+                        const float4 dd = xdl[gl * (Bp / 2) + 4 * nt];
+                        const u32(&qa)[2] = sub ? hi[0] : lo[0];
+                        const u32(&qb)[2] = sub ? hi[1] : lo[1];
+                        int c1[4], c2[4];
+                        mma_s8_k32(c1, qa[0], qb[0], qa[1], qb[1], xv.x, xv.y);
+                        mma_s8_k32(c2, qa[0], qb[0], qa[1], qb[1], xv.z, xv.w);
+                        float* ac = chain(nt);
+                        const float sa = sc[0][sub], ma = mn[0][sub], sb = sc[1][sub], mb = mn[1][sub];
+                        ac[0] = fmaf(sa * dd.x, mmq_t(c1[0], c2[0]), fmaf(-ma, dd.y, ac[0]));
+                        ac[1] = fmaf(sa * dd.z, mmq_t(c1[1], c2[1]), fmaf(-ma, dd.w, ac[1]));
+                        ac[2] = fmaf(sb * dd.x, mmq_t(c1[2], c2[2]), fmaf(-mb, dd.y, ac[2]));
+                        ac[3] = fmaf(sb * dd.z, mmq_t(c1[3], c2[3]), fmaf(-mb, dd.w, ac[3]));
+                    }
+                }
+            }
+        } else {  // Q6_K, as mmq_body
+            float dq[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) dq[i] = h2f((u32)*(const u16*)(rows[i] + 208));
+#pragma unroll MMQ_UNROLL
+            for (int gi = 0; gi < 8; gi++) {
+                const int h = gi >> 2, kind = gi & 3;
+                u32 a[2][2];
+                float s[2][2];
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+#pragma unroll
+                    for (int half = 0; half < 2; half++) {
+                        a[i][half] = mmq_q6_word(rows[i], h, kind, half, tig);
+                        s[i][half] = dq[i] * (float)(signed char)rows[i][192 + 8 * h + 2 * kind + half];
+                    }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const uint4 xv = xsl[(gi * Bp + 8 * nt) * 4];
+                    const float4 dd = xdl[gi * (Bp / 2) + 4 * nt];
+                    int c10[4], c20[4], c11[4], c21[4];
+                    mma_s8_k16(c10, a[0][0], a[1][0], xv.x);
+                    mma_s8_k16(c20, a[0][0], a[1][0], xv.z);
+                    mma_s8_k16(c11, a[0][1], a[1][1], xv.y);
+                    mma_s8_k16(c21, a[0][1], a[1][1], xv.w);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int i = e < 2 ? 0 : 1;
+                        const float u = fmaf(s[i][0], mmq_t(c10[e], c20[e]), s[i][1] * mmq_t(c11[e], c21[e]));
+                        float* ac = chain(nt);
+                        ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);
+                    }
+                }
+            }
+        }
+        if constexpr (FX) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[nt][e] += fx_of(bv[nt][e]);
+        }
+        slot = slot == NS - 1 ? 0 : slot + 1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages: the epilogue reuses the memory
+    mm_epilogue<NT, 1, T>(reinterpret_cast<const T(&)[1][NT][4]>(acc), (T*)smem, out, part, tile_count, n_rows, B,
+                          WR);
+}
+
+// mmqx_body as a kernel, its arguments mmq_kernel's (mm.py launches both alike)
+template <int QT, int NT, int WR, int NS>
+__global__ void __launch_bounds__(32 * WR, 1) mmqx_kernel(const u8* __restrict__ w, const uint4* xq, const float2* xd,
+                                                         float* __restrict__ out, float* __restrict__ part,
+                                                         int* __restrict__ tile_count, int n_rows, int n_cols,
+                                                         long long row_bytes, int B, int /* WR: the template's */) {
+    pdl_enter();
+    mmqx_body<QT, NT, WR, NS, false>(w, xq, xd, out, part, tile_count, n_rows, n_cols, row_bytes, B);
+}

@@ -42,6 +42,12 @@ ROWS_MAX_WARPS = 4  # matvec_rows' warps a CTA, over the rows of x (its __launch
 FX_LANES_PER_ROW = (8, 16, 32)  # fixed_point.cu fx_mv_kernel's TPR: lanes (blocks at once) a weight row
 FX_MATVEC_KERNELS = ("pieces", "staged", "direct")  # fixed_point.fx_matvec's kernels (KernelTuning.fx_matvec_kernel)
 FX_MVS_MAX_WARPS = 8  # fixed_point.cu fx_mvs_kernel's warps a CTA (its __launch_bounds__(256))
+# mmqx_kernel's launch (mmq.cu: x staged once per CTA): warps a CTA side by side (16 rows each) and
+# stages (block columns in flight: 3 of 55-65 KB at 64 rows of x, one CTA an SM); the fastest
+# of 2-8 warps and 2-3 stages on the 8B's gate/up shape at 8-64 rows (H100, 2026-12-06,
+# dev/cuda/bench_mmqx.py; docs/PERFORMANCE.md, "x staged once per CTA")
+MMQX_WARPS = 8
+MMQX_STAGES = 3
 
 # (rows per CTA, warps per CTA, pieces per lane per trip) of a matvec launch, each from these:
 # rows per CTA are a template argument (matvec.cuh matvec_rows NR: every CTA reads all of x once
@@ -110,6 +116,11 @@ class KernelTuning:
     fx_mvq_small_launch: dict[tuple[QT, int], MatvecLaunch] = field(default_factory=dict)
     fx_mvq_small_rows: int = 2048
     fx_target_ctas: int = 264
+    # mmqx_kernel (mmq.cu: x staged once per CTA of MMQX_WARPS warps) instead of mmq_kernel where a
+    # Q4_K/Q5_K matrix gives at least mmqx_min_ctas CTAs of 16 MMQX_WARPS rows without splitting
+    # K (about the device's SMs: fewer, and the split it then needs costs more than x's loads;
+    # ``mmqx_launch``); 0: never
+    mmqx_min_ctas: int = 0
 
     def mv(self, qtype: QT, B: int) -> MatvecLaunch:
         """The f32 matvec launch for qtype at batch size B."""
@@ -145,6 +156,27 @@ class KernelTuning:
             wk *= 2
         ks = max(1, min(-(-self.mmq_target_warps // (tiles * wk)), blocks // wk, 16))
         return 1, wk, ks
+
+    def mmqx_launch(self, qtype: QT, B: int, n_rows: int, nb: int) -> tuple[int, int, int] | None:
+        """(WR, NS, KS) of mmqx_kernel for a K-quant matrix of n_rows rows of nb 256-column blocks
+        at B rows of x, or None where mmq_kernel does better (dev/cuda/bench_mmqx.py, H100):
+
+          * Q4_K and Q5_K where the matrix gives mmqx_min_ctas CTAs without split-K, at every B
+            (0.77-0.92x mmq at 8-64 rows on the 8B's 14336 x 4096): B does not enter, so a row's
+            order stays one at every row count (the batch-invariant mode's mmq/mm form);
+          * the fixed form only (its sums are exact in any order, so any launch keeps a row's
+            bits): Q6_K there from 9 rows (fx_mmq's 64-bit sums: 0.86x fx_mmq at 64 rows, 0.96x
+            at 16), and Q4_K/Q5_K of fewer rows but long ones (32 blocks or more: the 8B's down)
+            past 32 rows, split so that the CTAs fill the SMs (0.73x fx_mmq at 64 rows)."""
+        if not self.mmqx_min_ctas:
+            return None
+        ctas = -(-n_rows // (16 * MMQX_WARPS))
+        k45 = qtype in (QT.Q4_K, QT.Q5_K)
+        if ctas >= self.mmqx_min_ctas and (k45 or (self.invariant_fixed and B > 8)):
+            return MMQX_WARPS, MMQX_STAGES, 1
+        if self.invariant_fixed and k45 and B > 32 and nb >= 32:
+            return MMQX_WARPS, MMQX_STAGES, max(1, min(nb // 8, -(-self.mmqx_min_ctas // ctas)))
+        return None
 
     def fx_mvs_launch(self, n_rows: int, nb: int, warps: int | None = None) -> tuple[int, int]:
         """(warps a CTA, KS) of the staged fixed-point matvec (fx_mvs_kernel) for n_rows rows of
@@ -216,6 +248,9 @@ H200 = KernelTuning(
     # at 2 rows a CTA and 4 warps (1024 warps against 256) at 1 and 2 rows, Q4_K and Q6_K alike,
     # as fast as the i16 matvec there (H100, 2026-12-06, the same sweep with --mv-variants fx)
     fx_mvq_small_launch={(qt, B): (2, 4, 1) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)},
+    # 104 CTAs of 128 rows (13,312 rows and more: the 8B's gate and up, the head; the 70B's gate
+    # and up), about the 132 SMs of an H100 or H200 less a wave's tail (H100, 2026-12-06)
+    mmqx_min_ctas=104,
 )
 DEFAULT = H200  # the only device measured
 TUNINGS: dict[str, KernelTuning] = {"H200": H200}
