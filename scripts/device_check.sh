@@ -37,6 +37,11 @@
 #   more NAME=DIR, and FX_VARIANTS_ARGS, e.g. "--types Q6_K --ts 40,48,64", go to it) into $OUT/fx_variants.{json,log}.
 # --mmq-rows: mmq at one and two rows (mmq_rows_kernel) against mmq_kernel and the i16 matvec, its
 #   bits checked first (dev/cuda/bench_mmq_rows.py, MMQ_ROWS_ARGS passed to it) into $OUT/mmq_rows.{json,log}.
+# --mmqx: mmq with x staged in shared memory once per CTA (dev/cuda/bench_mmqx.py: the fixed form's bits
+#   checked against fixed-point mmq, the default's against mmq, then every launch timed beside both; MMQX_ARGS,
+#   e.g. "--types Q4_K --ts 64 --configs 4x2,8x3", go to it) into $OUT/mmqx.{json,log}.
+# --no-precompile: skip the parallel precompile of every production kernel (~35 s cold), for calls that
+#   run only lab benches.
 # --draft-acceptance: drafting without a model on the real SmolLM2 on the GPU (scripts/draft_acceptance.py
 #   --backend cuda: the nine texts, the auto shapes and the fixed chain; DRAFT_DRAFTERS replaces the
 #   drafter list, DRAFT_TOKENS the budget (8; lookahead: 32 or 63: 64 drafted tokens make 65-row verify passes,
@@ -72,7 +77,7 @@ export PYTHONUNBUFFERED=1
 # (one tarball: a call brings back at most 8 files)
 trap 'L=$(mktemp -d); for f in /tmp/ntx-*/logs/*/*; do [ -f "$f" ] && tail -c 20000 "$f" > "$L/$(basename "$(dirname "$f")")-$(basename "$f")"; done 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$L" . 2>/dev/null; true' EXIT
 QUICK=""; BENCH=1; TESTS=1; SANITIZE=0; DECODE=0; PROFILE=0; STREAM=0; STATUS_DEMO=0; ONLY_COPY=0; FIRST=0; GEMM=0; MMQ_ROWS=0
-FX_VARIANTS_RUN=0
+FX_VARIANTS_RUN=0; MMQX=0; PRECOMPILE=1
 CPU_COMPARE=0; DRAFT_ACC=0; CLUSTER=0; LAB_TESTS=0; PYTEST_ARGS=()
 for a in "$@"; do
   case "$a" in
@@ -89,6 +94,8 @@ for a in "$@"; do
     --gemm-paths) GEMM=1 ;;
     --mmq-rows) MMQ_ROWS=1 ;;
     --fx-variants) FX_VARIANTS_RUN=1 ;;
+    --mmqx) MMQX=1 ;;
+    --no-precompile) PRECOMPILE=0 ;;
     --lab-tests) LAB_TESTS=1 ;;
     --cpu-compare) CPU_COMPARE=1 ;;
     --draft-acceptance) DRAFT_ACC=1 ;;
@@ -159,7 +166,7 @@ if [ "$CPU_COMPARE" = 1 ]; then
 fi
 
 t0=$(date +%s)
-python3 "$REPO/scripts/bench_kernels.py" --precompile --jobs "$(nproc)" 2>&1 | tee "$OUT/precompile.log"
+[ "$PRECOMPILE" = 1 ] && python3 "$REPO/scripts/bench_kernels.py" --precompile --jobs "$(nproc)" 2>&1 | tee "$OUT/precompile.log"
 # pytest puts the repo root (parent of the tests package) first on sys.path, where ntx/ lacks the
 # mapped subpackages: import ntx from the farm before pytest starts.
 PYTEST=(python3 -c "import sys, ntx.daemons.compute.cuda.runtime, pytest; sys.exit(pytest.main(sys.argv[1:]))")
@@ -198,6 +205,10 @@ fi
 if [ "$GEMM" = 1 ]; then  # GEMM_ARGS (e.g. "--types Q4_K --ts 1,8,32 --paths mm,mmq") go to it as they are
   read -r -a GEMM_ARGV <<< "${GEMM_ARGS:-}"
   python3 "$REPO/dev/cuda/bench_gemm_paths.py" ${GEMM_ARGV[@]+"${GEMM_ARGV[@]}"} --out "$OUT/gemm_paths.json" 2>&1 | tee "$OUT/gemm_paths.log"
+fi
+if [ "$MMQX" = 1 ]; then
+  read -r -a MMQX_ARGV <<< "${MMQX_ARGS:-}"
+  python3 "$REPO/dev/cuda/bench_mmqx.py" ${MMQX_ARGV[@]+"${MMQX_ARGV[@]}"} --out "$OUT/mmqx.json" 2>&1 | tee "$OUT/mmqx.log"
 fi
 if [ "$FX_VARIANTS_RUN" = 1 ]; then
   FXV_NAMES=()
