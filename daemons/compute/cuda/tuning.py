@@ -248,8 +248,9 @@ H200 = KernelTuning(
     # at 2 rows a CTA and 4 warps (1024 warps against 256) at 1 and 2 rows, Q4_K and Q6_K alike,
     # as fast as the i16 matvec there (H100, 2026-12-06, the same sweep with --mv-variants fx)
     fx_mvq_small_launch={(qt, B): (2, 4, 1) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)},
-    # 104 CTAs of 128 rows (13,312 rows and more: the 8B's gate and up, the head; the 70B's gate
-    # and up), about the 132 SMs of an H100 or H200 less a wave's tail (H100, 2026-12-06)
+    # 104 CTAs of 128 rows (13,312 rows and more: the 8B's and the 70B's gate and up; in the fixed
+    # form also the head, Q6_K in a Q4_K_M), about the 132 SMs of an H100 or H200 less a wave's
+    # tail (H100, 2026-12-06)
     mmqx_min_ctas=104,
 )
 DEFAULT = H200  # the only device measured
