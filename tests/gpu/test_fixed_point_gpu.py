@@ -69,10 +69,11 @@ def test_fixed_point_mmqx_gives_fx_mmq_bits(qt, n_rows, n_cols, rng):
     """fx_mmqx_kernel (x staged once per CTA; tuning.mmqx_launch) gives every row
     fx_mmq_kernel's bits: the same block values, integer sums. Taken by every matrix here
     (mmqx_min_ctas 1: Q4_K/Q5_K at every row count, Q6_K past 8), then by the long-rows rule
-    alone (mmqx_min_ctas out of reach: Q4_K/Q5_K of 32 blocks a row past 32 rows, split K)."""
+    alone (mmqx_min_ctas 12 for 3 CTAs: Q4_K/Q5_K of 32 blocks a row past 32 rows, K split in
+    four)."""
     x = cp.asarray(rng.standard_normal((64, n_cols)).astype(np.float32))
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
-    for min_ctas in (1, 1 << 20):
+    for min_ctas in (1, 12):
         table = replace(runtime.invariant_tuning(CTX.tuning(), False, True), mmqx_min_ctas=min_ctas)
         ctx = runtime.standalone()
         ctx.tuning = lambda: table

@@ -162,20 +162,27 @@ class KernelTuning:
         at B rows of x, or None where mmq_kernel does better (dev/cuda/bench_mmqx.py, H100):
 
           * Q4_K and Q5_K where the matrix gives mmqx_min_ctas CTAs without split-K, at every B
-            (0.77-0.92x mmq at 8-64 rows on the 8B's 14336 x 4096): B does not enter, so a row's
-            order stays one at every row count (the batch-invariant mode's mmq/mm form);
+            (0.77-0.92x mmq at 8-64 rows on the 8B's 14336 x 4096, 0.66-0.74x on the 70B's
+            28672 x 8192), or with K split in two and 32 block columns a CTA or more (the 70B's
+            down, 8192 x 28672: 0.81-0.87x): B does not enter, so a row's order stays one at
+            every row count (the batch-invariant mode's mmq/mm form);
           * the fixed form only (its sums are exact in any order, so any launch keeps a row's
-            bits): Q6_K there from 9 rows (fx_mmq's 64-bit sums: 0.86x fx_mmq at 64 rows, 0.96x
-            at 16), and Q4_K/Q5_K of fewer rows but long ones (32 blocks or more: the 8B's down)
-            past 32 rows, split so that the CTAs fill the SMs (0.73x fx_mmq at 64 rows)."""
+            bits): Q6_K of mmqx_min_ctas CTAs from 9 rows (fx_mmq's 64-bit sums: 0.86x fx_mmq at
+            64 rows, 0.96x at 16), and Q4_K/Q5_K rows of 32 blocks or more past 32 rows, K split
+            so that the CTAs come to mmqx_min_ctas with 8 block columns a CTA or more (the 8B's
+            down 0.73x fx_mmq at 64 rows, the 70B's q and o 0.70x; the 70B's k and v, 8 CTAs
+            that would need 13 splits, stay with fx_mmq)."""
         if not self.mmqx_min_ctas:
             return None
         ctas = -(-n_rows // (16 * MMQX_WARPS))
         k45 = qtype in (QT.Q4_K, QT.Q5_K)
         if ctas >= self.mmqx_min_ctas and (k45 or (self.invariant_fixed and B > 8)):
             return MMQX_WARPS, MMQX_STAGES, 1
-        if self.invariant_fixed and k45 and B > 32 and nb >= 32:
-            return MMQX_WARPS, MMQX_STAGES, max(1, min(nb // 8, -(-self.mmqx_min_ctas // ctas)))
+        ks = -(-self.mmqx_min_ctas // ctas)  # the split that brings the CTAs to mmqx_min_ctas
+        if k45 and ks == 2 and nb >= 64:
+            return MMQX_WARPS, MMQX_STAGES, 2
+        if self.invariant_fixed and k45 and B > 32 and nb >= 32 and nb // ks >= 8:
+            return MMQX_WARPS, MMQX_STAGES, ks
         return None
 
     def fx_mvs_launch(self, n_rows: int, nb: int, warps: int | None = None) -> tuple[int, int]:
