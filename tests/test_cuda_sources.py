@@ -86,7 +86,7 @@ def test_mmqx_takes_the_matrices_of_many_rows_one_launch_at_every_row_count(n_ro
     half as many with 64 blocks a row or more split in two (the 70B's down), the same launch at
     every row count (so the mode's mmq/mm form keeps one order a row); never Q6_K nor another
     matrix outside the fixed form; and its stages fit an SM's shared memory."""
-    from ntx.daemons.compute.cuda.mm import mmqx_smem_bytes
+    from ntx.daemons.compute.cuda.memory import mmqx_smem_bytes
     from ntx.shared.quant_types import quant_type
 
     for table in (tuning.H200, tuning.batch_invariant(tuning.H200)):

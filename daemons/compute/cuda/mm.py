@@ -27,7 +27,8 @@ import numpy as np
 
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
-from ntx.daemons.compute.cuda.memory import mm_cut, mm_scratch_bytes, mmq_planes_bytes, mmq_scratch_bytes
+from ntx.daemons.compute.cuda.memory import (mm_cut, mm_scratch_bytes, mmq_planes_bytes, mmq_scratch_bytes,
+                                             mmqx_smem_bytes)
 from ntx.daemons.compute.cuda.runtime import DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx
 from ntx.daemons.compute.cuda.tuning import MAX_MM_ROWS
 from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type
@@ -51,16 +52,6 @@ def mm_supported(qtype, n_cols: int) -> bool:
 def mmq_supported(qtype, n_cols: int) -> bool:
     """Whether the int8 tensor-core matmul (``mmq``) decodes this type at this row length."""
     return quant_type(qtype).qtype in MMQ_TYPES and n_cols % 256 == 0
-
-
-def mmqx_smem_bytes(q: QuantType, nt: int, wr: int, ns: int, sum_bytes: int = 4) -> int:
-    """mmqx_kernel's dynamic shared memory (mmq.cu MmqxStage): NS stages of the weights' 16 WR
-    rows and x's block for 8 NT rows (its planes and (d2, sum) per group), or the epilogue's
-    reduction (WR warps x 16 rows x 8 NT sums of ``sum_bytes``: 8 for fixed point)."""
-    mis = 0 if q.block_bytes % 4 == 0 else 2
-    srow = -(-(-(-(q.block_bytes + mis) // 4) * 4) // 16) * 16
-    bp = 8 * nt
-    return max(ns * (16 * wr * srow + 8 * bp * 64 + 8 * bp * 8), wr * 16 * 8 * nt * sum_bytes)
 
 
 def staged_smem_bytes(q: QuantType, warps: int, nt: int, mt: int = 1) -> int:
