@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import cupy as cp
 import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "scripts")]
-from bench_gemm_paths import SHAPES, _time_ms, _weight_copies  # noqa: E402
+from bench_gemm_paths import SHAPES, _weight_copies, interleaved_medians  # noqa: E402
 
 from ntx.daemons.compute.cuda import fixed_point as fx  # noqa: E402
 from ntx.daemons.compute.cuda import instances, runtime  # noqa: E402
@@ -113,14 +112,8 @@ def main() -> None:
                     mismatches += not same
                     paths[name] = (lambda s: lambda i: variant_fx_mmq(s, ws[i % len(ws)], x, outs[i % len(ws)],
                                                                      fplanes))(src)
-                times: dict[str, list[float]] = {k: [] for k in paths}
-                for _ in range(args.rounds):
-                    for k, fn in paths.items():
-                        ms = _time_ms(fn, stream)
-                        if ms is not None:
-                            times[k].append(ms)
-                for k, ts in times.items():
-                    row[f"{k}_ms"] = round(statistics.median(ts), 4) if ts else None
+                for k, ms in interleaved_medians(paths, args.rounds, stream).items():
+                    row[f"{k}_ms"] = ms
                 base = row["mmq_ms"]
                 line = f"{tname} {n_rows}x{n_cols} T={T:2d}: mmq {base:.4f}"
                 for k in paths:

@@ -108,6 +108,21 @@ def _time_ms(fn, stream) -> float | None:
         return None
 
 
+def interleaved_medians(paths: dict, rounds: int, stream) -> dict[str, float | None]:
+    """Each path's median ``_time_ms`` over ``rounds`` rounds that time every path in turn (so
+    a drift of the clocks or of the host spreads over all of them), rounded to 0.1 us; None for
+    a path that failed every time."""
+    import statistics
+
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(rounds):
+        for k, fn in paths.items():
+            ms = _time_ms(fn, stream)
+            if ms is not None:
+                times[k].append(ms)
+    return {k: round(statistics.median(tl), 4) if tl else None for k, tl in times.items()}
+
+
 def _weight_copies(qt: int, n_rows: int, n_cols: int, rng) -> tuple[list, int]:
     """Up to 8 device copies of a random [n_rows, n_cols] matrix of qt (Weights), enough to
     cycle through >= 256 MB (L2-cold), and its bytes."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parents[1] / "scripts")]
-from bench_gemm_paths import SHAPES, _time_ms, _weight_copies  # noqa: E402
+from bench_gemm_paths import SHAPES, _weight_copies, interleaved_medians  # noqa: E402
 
 from ntx.daemons.compute.cuda import fixed_point as fx  # noqa: E402
 from ntx.daemons.compute.cuda import instances, runtime  # noqa: E402
@@ -55,17 +54,21 @@ def all_names(types: list[int], nts: list[int], configs: list[tuple[int, int]], 
     return tuple(kernel_name(qt, nt, wr, ns, fx_form) for qt in types for nt in nts for wr, ns in configs)
 
 
+def split_k_scratch(ks: int, B: int, n_rows: int, tiles: int):
+    """(partials [ks, B, n_rows] of 8 bytes, enough for either form; tile counters), or null
+    pointers without split-K."""
+    if ks == 1:
+        return np.uint64(0), np.uint64(0)
+    return CTX.scratch("bench partials", ks * B * n_rows * 8), CTX.scratch("bench counters", tiles * 4, zero=True)
+
+
 def mmq_kernel(w, planes, out, B: int) -> None:
     """mmq_kernel at the device's mmq launch (what mm.mmq ran before mmqx)."""
     q = quant_type(w.qtype)
     wr, wk, ks = CTX.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
     nt, tiles = -(-B // 8), -(-w.n_rows // (16 * wr))
     names = instances.mmq_names(int(w.qtype))
-    if ks > 1:
-        part = CTX.scratch("mmq partials", ks * B * w.n_rows * 4)
-        counts = CTX.scratch("mmqx counters", tiles * 4, zero=True)
-    else:
-        part, counts = np.uint64(0), np.uint64(0)
+    part, counts = split_k_scratch(ks, B, w.n_rows, tiles)
     xq, xd = planes
     fx._launch_staged(CTX, runtime.function("mmq.cu", names[nt - 1], names), (tiles, ks), wr * wk,
                       tc.staged_smem_bytes(q, wr * wk, nt),
@@ -82,11 +85,7 @@ def launch(names, w, planes, out, B: int, wr: int, ns: int, ks: int, fx_form: bo
     if smem > runtime.DEFAULT_SMEM_LIMIT - 1024 and kern.max_dynamic_shared_size_bytes < smem:
         kern.max_dynamic_shared_size_bytes = smem  # (the kernel's static 4 bytes count too)
     tiles = -(-w.n_rows // (16 * wr))
-    if ks > 1:
-        part = CTX.scratch("mmqx partials", ks * B * w.n_rows * 8)
-        counts = CTX.scratch("mmqx counters", tiles * 4, zero=True)
-    else:
-        part, counts = np.uint64(0), np.uint64(0)
+    part, counts = split_k_scratch(ks, B, w.n_rows, tiles)
     xq, xd = planes
     fx._launch_staged(CTX, kern, (tiles, ks), wr, smem,
                       (w.data, xq, xd, out, part, counts, np.int32(w.n_rows), np.int32(w.n_cols),
@@ -169,14 +168,8 @@ def main() -> None:
                             paths[key] = (lambda a: lambda i: launch(names, ws[i % len(ws)], a[0],
                                                                      outs[i % len(ws)], T, *a[1:]))(
                                 (pl, wr, ns, ks, fx_form))
-                times: dict[str, list[float]] = {k: [] for k in paths}
-                for _ in range(args.rounds):
-                    for k, fn in paths.items():
-                        ms = _time_ms(fn, stream)
-                        if ms is not None:
-                            times[k].append(ms)
-                for k, tl in times.items():
-                    row[f"{k}_ms"] = round(statistics.median(tl), 4) if tl else None
+                for k, ms in interleaved_medians(paths, args.rounds, stream).items():
+                    row[f"{k}_ms"] = ms
                 base = row["mmq_ms"]
                 best = {}
                 for form in ("mmqx", "fx"):
