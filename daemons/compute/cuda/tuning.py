@@ -163,9 +163,10 @@ class KernelTuning:
 
           * Q4_K and Q5_K where the matrix gives mmqx_min_ctas CTAs without split-K, at every B
             (0.77-0.92x mmq at 8-64 rows on the 8B's 14336 x 4096, 0.66-0.74x on the 70B's
-            28672 x 8192), or with K split in two and 32 block columns a CTA or more (the 70B's
-            down, 8192 x 28672: 0.81-0.87x): B does not enter, so a row's order stays one at
-            every row count (the batch-invariant mode's mmq/mm form);
+            28672 x 8192): B does not enter, so a row's order stays one at every row count (the
+            batch-invariant mode's mmq/mm form). (The 70B's down, 8192 x 28672, ran at 0.81-0.87x
+            with K split in two in dev/cuda/bench_mmqx.py; not taken until mm_plan's split of it
+            has run on a GPU: docs/PERFORMANCE.md, "x staged once per CTA".)
           * the fixed form only (its sums are exact in any order, so any launch keeps a row's
             bits): Q6_K of mmqx_min_ctas CTAs from 9 rows (fx_mmq's 64-bit sums: 0.86x fx_mmq at
             64 rows, 0.96x at 16), and Q4_K/Q5_K rows of 32 blocks or more past 32 rows, K split
@@ -179,8 +180,6 @@ class KernelTuning:
         if ctas >= self.mmqx_min_ctas and (k45 or (self.invariant_fixed and B > 8)):
             return MMQX_WARPS, MMQX_STAGES, 1
         ks = -(-self.mmqx_min_ctas // ctas)  # the split that brings the CTAs to mmqx_min_ctas
-        if k45 and ks == 2 and nb >= 64:
-            return MMQX_WARPS, MMQX_STAGES, 2
         if self.invariant_fixed and k45 and B > 32 and nb >= 32 and nb // ks >= 8:
             return MMQX_WARPS, MMQX_STAGES, ks
         return None
