@@ -130,14 +130,19 @@ def mmq_planes_bytes(B: int, n_cols: int) -> int:
     return bp * n_cols * 2 + bp * (n_cols // 32) * 8
 
 
+def stage_row_bytes(q: QuantType) -> int:
+    """Shared memory a staged block takes (quant_traits.cuh MmStage::SROW): the block plus its
+    misalignment (Q6_K's 2-byte-aligned blocks), in words, rounded up to 16 bytes."""
+    mis = 0 if q.block_bytes % 4 == 0 else 2
+    return -(-(-(-(q.block_bytes + mis) // 4) * 4) // 16) * 16
+
+
 def mmqx_smem_bytes(q: QuantType, nt: int, wr: int, ns: int, sum_bytes: int = 4) -> int:
     """mmqx_kernel's dynamic shared memory (mmq.cu MmqxStage): NS stages of the weights' 16 WR
     rows and x's block for 8 NT rows (its planes and (d2, sum) per group), or the epilogue's
     reduction (WR warps x 16 rows x 8 NT sums of ``sum_bytes``: 8 for fixed point)."""
-    mis = 0 if q.block_bytes % 4 == 0 else 2
-    srow = -(-(-(-(q.block_bytes + mis) // 4) * 4) // 16) * 16
     bp = 8 * nt
-    return max(ns * (16 * wr * srow + 8 * bp * 64 + 8 * bp * 8), wr * 16 * 8 * nt * sum_bytes)
+    return max(ns * (16 * wr * stage_row_bytes(q) + 8 * bp * 64 + 8 * bp * 8), wr * 16 * 8 * nt * sum_bytes)
 
 
 def mm_scratch_bytes(n_rows: int, n_cols: int, B: int, ks: int, tiles: int) -> dict[str, int]:

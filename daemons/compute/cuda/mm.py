@@ -28,7 +28,7 @@ import numpy as np
 from ntx.daemons.compute.backend import Weight
 from ntx.daemons.compute.cuda import instances
 from ntx.daemons.compute.cuda.memory import (mm_cut, mm_scratch_bytes, mmq_planes_bytes, mmq_scratch_bytes,
-                                             mmqx_smem_bytes)
+                                             mmqx_smem_bytes, stage_row_bytes)
 from ntx.daemons.compute.cuda.runtime import DEFAULT_SMEM_LIMIT, KernelContext, function, rows_and_out, stream_ctx
 from ntx.daemons.compute.cuda.tuning import MAX_MM_ROWS
 from ntx.shared.quant_types import QUANT_TYPES, QuantType, quant_type
@@ -58,9 +58,7 @@ def staged_smem_bytes(q: QuantType, warps: int, nt: int, mt: int = 1) -> int:
     """Dynamic shared memory of the staged kernels: each warp's MM_STAGES / MT stages of 16 MT
     rows (quant_traits.cuh MmStage: a block plus its misalignment, in words, rounded up to 16
     bytes), or the epilogue's reduction (warps x 16 MT rows x 8 NT floats), whichever is larger."""
-    mis = 0 if q.block_bytes % 4 == 0 else 2
-    srow = -(-(-(-(q.block_bytes + mis) // 4) * 4) // 16) * 16
-    return max(warps * MM_STAGES * 16 * srow, warps * 16 * mt * 8 * nt * 4)
+    return max(warps * MM_STAGES * 16 * stage_row_bytes(q), warps * 16 * mt * 8 * nt * 4)
 
 
 @dataclass(frozen=True)
