@@ -82,9 +82,10 @@ SHAPES_8B_70B = [(14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096), (1282
 @pytest.mark.parametrize("n_rows,n_cols", SHAPES_8B_70B)
 def test_mmqx_takes_the_matrices_of_many_rows_one_launch_at_every_row_count(n_rows, n_cols):
     """mmqx (x staged once per CTA) takes Q4_K/Q5_K matrices of at least mmqx_min_ctas CTAs of
-    128 rows (the 8B's gate/up of 14336 rows, the 70B's of 28672) without split-K, the same
-    launch at every row count (so the mode's mmq/mm form keeps one order a row); never Q6_K nor
-    another matrix outside the fixed form; and its stages fit an SM's shared memory."""
+    128 rows (the 8B's gate/up of 14336 rows, the 70B's of 28672) without split-K, and those
+    that K split in two brings there with 32 block columns a CTA or more (the 70B's down), the
+    same launch at every row count (so the mode's mmq/mm form keeps one order a row); never Q6_K
+    nor another matrix outside the fixed form; and its stages fit an SM's shared memory."""
     from ntx.daemons.compute.cuda.memory import mmqx_smem_bytes
     from ntx.shared.quant_types import quant_type
 
@@ -94,11 +95,15 @@ def test_mmqx_takes_the_matrices_of_many_rows_one_launch_at_every_row_count(n_ro
             ctas = -(-n_rows // (16 * tuning.MMQX_WARPS))
             if qt != QT.Q6_K and ctas >= table.mmqx_min_ctas:
                 assert launches == {(tuning.MMQX_WARPS, tuning.MMQX_STAGES, 1)}, (table.name, qt, n_rows)
+            elif qt != QT.Q6_K and 2 * ctas >= table.mmqx_min_ctas and n_cols // 256 >= 64:
+                assert launches == {(tuning.MMQX_WARPS, tuning.MMQX_STAGES, 2)}, (table.name, qt, n_rows)
             else:
                 assert launches == {None}, (table.name, qt, n_rows)
     assert tuning.H200.mmqx_launch(QT.Q4_K, 64, 14336, 16) is not None  # the 8B's gate and up
     assert replace(tuning.H200, mmqx_min_ctas=0).mmqx_launch(QT.Q4_K, 64, 14336, 16) is None
-    assert tuning.H200.mmqx_launch(QT.Q4_K, 64, 8192, 112) is None  # the 70B's down: mmq outside the fixed form
+    assert tuning.H200.mmqx_launch(QT.Q4_K, 1, 8192, 112)[2] == 2  # the 70B's down: K in two
+    assert tuning.H200.mmqx_launch(QT.Q4_K, 64, 4096, 56) is None  # the 8B's down: mmq outside the fixed form
+    assert tuning.H200.mmqx_launch(QT.Q4_K, 64, 8192, 32) is None  # the 70B's q and o: mmq outside the fixed form
     assert tuning.batch_invariant(tuning.H200, fixed=True).mmqx_launch(QT.Q4_K, 64, 1024, 32) is None  # 70B k, v
     for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
         for nt in range(1, 9):
@@ -124,6 +129,8 @@ def test_mmqx_in_the_fixed_form(n_rows, n_cols):
             ks = -(-fixed.mmqx_min_ctas // ctas)
             if ctas >= fixed.mmqx_min_ctas:
                 want = (tuning.MMQX_WARPS, tuning.MMQX_STAGES, 1) if qt != QT.Q6_K or B > 8 else None
+            elif qt != QT.Q6_K and ks == 2 and nb >= 64:  # both forms' rule: at every B
+                want = (tuning.MMQX_WARPS, tuning.MMQX_STAGES, 2)
             elif qt != QT.Q6_K and B > 32 and nb >= 32 and nb // ks >= 8:
                 want = (tuning.MMQX_WARPS, tuning.MMQX_STAGES, ks)
             else:

@@ -63,17 +63,19 @@ def test_fixed_point_rows_are_alike_in_every_kernel_at_any_rows(qt, n_rows, n_co
                                           err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B} at {config}")
 
 
-@pytest.mark.parametrize("n_rows,n_cols", [(203, 4096), (300, 8192)])
+@pytest.mark.parametrize("n_rows,n_cols", [(203, 4096), (300, 8192), (300, 16384)])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
 def test_fixed_point_mmqx_gives_fx_mmq_bits(qt, n_rows, n_cols, rng):
     """fx_mmqx_kernel (x staged once per CTA; tuning.mmqx_launch) gives every row
     fx_mmq_kernel's bits: the same block values, integer sums. Taken by every matrix here
-    (mmqx_min_ctas 1: Q4_K/Q5_K at every row count, Q6_K past 8), then by the long-rows rule
-    alone (mmqx_min_ctas 12 for 3 CTAs: Q4_K/Q5_K of 32 blocks a row past 32 rows, K split in
-    four)."""
+    (mmqx_min_ctas 1: Q4_K/Q5_K at every row count, Q6_K past 8); by the split in two of rows of
+    64 blocks or more at every row count (mmqx_min_ctas 5 for 3 CTAs: the 70B's down's rule),
+    else the long-rows rule; then by the long-rows rule alone (mmqx_min_ctas 12 for 3 CTAs:
+    Q4_K/Q5_K of 32 blocks a row past 32 rows, K split in four)."""
     x = cp.asarray(rng.standard_normal((64, n_cols)).astype(np.float32))
     w = W(random_weights(qt, n_rows, n_cols, rng), qt, n_rows, n_cols)
-    for min_ctas in (1, 12):
+    nb, k45 = n_cols // 256, qt != QT.Q6_K
+    for min_ctas in (1, 5, 12):
         table = replace(runtime.invariant_tuning(CTX.tuning(), False, True), mmqx_min_ctas=min_ctas)
         ctx = runtime.standalone()
         ctx.tuning = lambda: table
@@ -84,8 +86,15 @@ def test_fixed_point_mmqx_gives_fx_mmq_bits(qt, n_rows, n_cols, rng):
             want = cp.asnumpy(FX.fx_mmq(CTX, w, x[:B], config=(1, 2, 1)))
             np.testing.assert_array_equal(cp.asnumpy(FX.fx_mmq(ctx, w, x[:B])), want,
                                           err_msg=f"fx_mmq {qt.name} [{n_rows}, {n_cols}] B={B} at {staged}")
-        long_rows = n_cols // 256 >= 32 and qt != QT.Q6_K
-        assert taken == (8 if min_ctas == 1 and qt != QT.Q6_K else 5 if min_ctas == 1 else 3 if long_rows else 0)
+        ctas = -(-n_rows // 128)
+        ks = -(-min_ctas // ctas)
+        if min_ctas == 1:
+            want_taken = 8 if k45 else 5
+        elif k45 and ks == 2 and nb >= 64:
+            want_taken = 8
+        else:
+            want_taken = 3 if k45 and nb >= 32 and nb // ks >= 8 else 0
+        assert taken == want_taken, (min_ctas, n_rows, n_cols)
 
 
 @pytest.mark.parametrize("kind", FX_MATVEC_KERNELS)

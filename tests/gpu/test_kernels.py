@@ -361,16 +361,18 @@ def _table_ctx(**changes):
     return ctx
 
 
-@pytest.mark.parametrize("n_rows,n_cols", [(300, 4096), (1037, 512)])
+@pytest.mark.parametrize("n_rows,n_cols,min_ctas,ks", [(300, 4096, 1, 1), (1037, 512, 1, 1), (300, 16384, 5, 2)])
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K], ids=lambda q: q.name)
-def test_mmqx_x_staged_once_per_cta(qt, n_rows, n_cols, rng):
+def test_mmqx_x_staged_once_per_cta(qt, n_rows, n_cols, min_ctas, ks, rng):
     """mmqx_kernel (x staged once per CTA; tuning.mmqx_launch), taken here by every matrix
-    (mmqx_min_ctas 1): within the two-plane rounding bound of the exact product and within f32
-    rounding of mmq_kernel at every tile count; and a row's bits are the same alone and among 2
-    to 64 rows (its order depends on the matrix's shape only: the batch-invariant mode's mmq/mm
-    form relies on it). 1037 rows: a CTA's last warps past the matrix's end."""
-    ctx = _table_ctx(mmqx_min_ctas=1)
-    assert ctx.tuning().mmqx_launch(qt, 5, n_rows, n_cols // 256) is not None
+    (mmqx_min_ctas 1), and with K split in two where its CTAs are half of mmqx_min_ctas (the
+    70B's down's rule, here 3 CTAs of 64 block columns against 5): within the two-plane rounding
+    bound of the exact product and within f32 rounding of mmq_kernel at every tile count; and a
+    row's bits are the same alone and among 2 to 64 rows (its order depends on the matrix's
+    shape only: the batch-invariant mode's mmq/mm form relies on it). 1037 rows: a CTA's last
+    warps past the matrix's end."""
+    ctx = _table_ctx(mmqx_min_ctas=min_ctas)
+    assert {ctx.tuning().mmqx_launch(qt, B, n_rows, n_cols // 256)[2] for B in range(1, 65)} == {ks}
     raw = random_weights(qt, n_rows, n_cols, rng)
     w = W(raw, qt, n_rows, n_cols)
     ref_w = reference_matrix(qt, raw, n_rows, n_cols)

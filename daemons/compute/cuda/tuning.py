@@ -163,10 +163,12 @@ class KernelTuning:
 
           * Q4_K and Q5_K where the matrix gives mmqx_min_ctas CTAs without split-K, at every B
             (0.77-0.92x mmq at 8-64 rows on the 8B's 14336 x 4096, 0.66-0.74x on the 70B's
-            28672 x 8192): B does not enter, so a row's order stays one at every row count (the
-            batch-invariant mode's mmq/mm form). (The 70B's down, 8192 x 28672, ran at 0.81-0.87x
-            with K split in two in dev/cuda/bench_mmqx.py; not taken until mm_plan's split of it
-            has run on a GPU: docs/PERFORMANCE.md, "x staged once per CTA".)
+            28672 x 8192), and where K split in two gives them with 32 block columns a CTA or
+            more (the 70B's down, 8192 x 28672: 0.81-0.90x mmq at 8-64 rows, Q5_K 0.75-0.88x):
+            B does not enter, so a row's order stays one at every row count (the batch-invariant
+            mode's mmq/mm form; the split's partials are added in split order). Splits of more
+            than two, or of fewer columns a CTA, lost to mmq outside the fixed form (the 8B's
+            down at 16-32 rows, the 70B's q and o at 64).
           * the fixed form only (its sums are exact in any order, so any launch keeps a row's
             bits): Q6_K of mmqx_min_ctas CTAs from 9 rows (fx_mmq's 64-bit sums: 0.86x fx_mmq at
             64 rows, 0.96x at 16), and Q4_K/Q5_K rows of 32 blocks or more past 32 rows, K split
@@ -180,6 +182,8 @@ class KernelTuning:
         if ctas >= self.mmqx_min_ctas and (k45 or (self.invariant_fixed and B > 8)):
             return MMQX_WARPS, MMQX_STAGES, 1
         ks = -(-self.mmqx_min_ctas // ctas)  # the split that brings the CTAs to mmqx_min_ctas
+        if k45 and ks == 2 and nb >= 64:
+            return MMQX_WARPS, MMQX_STAGES, 2
         if self.invariant_fixed and k45 and B > 32 and nb >= 32 and nb // ks >= 8:
             return MMQX_WARPS, MMQX_STAGES, ks
         return None
@@ -254,7 +258,7 @@ H200 = KernelTuning(
     # at 2 rows a CTA and 4 warps (1024 warps against 256) at 1 and 2 rows, Q4_K and Q6_K alike,
     # as fast as the i16 matvec there (H100, 2026-12-06, the same sweep with --mv-variants fx)
     fx_mvq_small_launch={(qt, B): (2, 4, 1) for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K) for B in (1, 2)},
-    # 104 CTAs of 128 rows (13,312 rows and more: the 8B's and the 70B's gate and up; in the fixed
+    # 104 CTAs of 128 rows (13,185 rows and more: the 8B's and the 70B's gate and up; in the fixed
     # form also the head, Q6_K in a Q4_K_M), about the 132 SMs of an H100 or H200 less a wave's
     # tail (H100, 2026-12-06)
     mmqx_min_ctas=104,
