@@ -85,6 +85,15 @@ def test_attention_splits_do_not_depend_on_the_rows(n_kv, max_ctx):
     one_row = attention_splits(1, n_kv, max_ctx)
     assert {attention_splits(T, n_kv, max_ctx, INVARIANT) for T in ROW_COUNTS} == {one_row}
     assert one_row % tuning.ATTN_SPLIT_STEP == 0 and one_row <= tuning.H200.attn_max_splits
+    # the mode's launch walks those splits over the warps the default launches for T rows
+    # (attention.cu attn_walk): a multiple of the CTA's warps, never more than the splits
+    for T in ROW_COUNTS:
+        grid = INVARIANT.attn_grid_splits(T, n_kv, max_ctx)
+        assert grid == tuning.H200.attn_splits(T, n_kv, max_ctx) and grid % tuning.ATTN_SPLIT_STEP == 0
+        assert grid <= one_row
+    from ntx.daemons.compute.cuda.instances import attn_walk_names, production
+
+    assert attn_walk_names(4, 128) in production()["attention.cu"]
 
 
 def test_gemm_scratch_beyond_one_launch_is_one_launchs():

@@ -102,25 +102,27 @@ __device__ __forceinline__ int attn_ordered_position(int key, int base, const u3
     return -1;
 }
 
-// TREE: 0 plain rows, 1 tree rows masked in place, 2 ordered tree rows (see above)
+// TREE: 0 plain rows, 1 tree rows masked in place, 2 ordered tree rows (see above). Split s of
+// S (the split kernels: s = blockIdx.x * warps_per_cta + warp, S = gridDim.x * warps_per_cta;
+// the walking kernels below: every split of the warp's walk). Returns false for a split that
+// owns no tile (nor does any later one: attn_used_splits).
 template <int G, int HD, int TREE>
-__device__ __forceinline__ void attn_split_body(const float* q, const unsigned long long* kchunks,
+__device__ __forceinline__ bool attn_split_body(const float* q, const unsigned long long* kchunks,
                                                 const unsigned long long* vchunks, const int* page_table,
                                                 const int* slots, const int* kv_lens, float* __restrict__ part_ml,
                                                 float* __restrict__ part_acc, int n_slots, int n_kv, int max_pages,
                                                 int cp, int layer, float scale, float* qs_all, const int* tree_base,
-                                                const u32* tree_mask, int mask_words) {
+                                                const u32* tree_mask, int mask_words, const int S, const int s) {
     constexpr int EPL = HD / 32;  // head-dim elements per lane in the V phase
     constexpr int KC = HD / 8 <= 16 ? HD / 8 : HD / 16;  // uint4 of a key in flight at once (1 or 2 rounds)
     typedef AttnV<EPL> V;
     constexpr int VG = V::VW * 32 <= 64 ? 32 : 16;  // keys whose V rows are loaded at once (<= 64 words)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpc = blockDim.x >> 5;
-    const int S = gridDim.x * wpc, s = blockIdx.x * wpc + warp;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = blockIdx.y, t = blockIdx.z;
     const int H = n_kv * G;
     int slot;
     const int L = attn_row_len(slots, kv_lens, t, n_slots, max_pages * KV_PAGE, &slot);
-    if (s >= attn_used_splits(L, S)) return;  // no tile: attn_combine does not read this split
+    if (s >= attn_used_splits(L, S)) return false;  // no tile: attn_combine does not read this split
     float* qs = qs_all + warp * G * HD;
     for (int i = lane; i < G * HD; i += 32) qs[i] = q[((long long)t * H + g * G) * HD + i] * scale;
     __syncwarp();
@@ -266,6 +268,7 @@ __device__ __forceinline__ void attn_split_body(const float* q, const unsigned l
 #pragma unroll
         for (int e = 0; e < EPL; e++) part_acc[o * HD + lane * EPL + e] = acc[h][e];
     }
+    return true;
 }
 
 template <int G, int HD>
@@ -278,7 +281,8 @@ __global__ void __launch_bounds__(128) attn_split_kernel(const float* q, const u
     pdl_enter();
     extern __shared__ float qs_all[];
     attn_split_body<G, HD, 0>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
-                                  max_pages, cp, layer, scale, qs_all, nullptr, nullptr, 0);
+                                  max_pages, cp, layer, scale, qs_all, nullptr, nullptr, 0,
+                                  gridDim.x * (blockDim.x >> 5), blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
 }
 
 template <int G, int HD>
@@ -293,7 +297,8 @@ __global__ void __launch_bounds__(128) attn_tree_split_kernel(const float* q, co
     pdl_enter();
     extern __shared__ float qs_all[];
     attn_split_body<G, HD, 1>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
-                              max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words);
+                              max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words,
+                              gridDim.x * (blockDim.x >> 5), blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
 }
 
 // the batch-invariant mode's tree rows (ORDERED TREE above): kv_lens logical, the same arguments
@@ -306,7 +311,57 @@ __global__ void __launch_bounds__(128) attn_ordered_tree_split_kernel(
     pdl_enter();
     extern __shared__ float qs_all[];
     attn_split_body<G, HD, 2>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
-                              max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words);
+                              max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words,
+                              gridDim.x * (blockDim.x >> 5), blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+}
+
+// The batch-invariant mode's launches (attention.py): the one-row split count S at every T (a
+// row's keys merge in an order fixed by S), but over a grid of the CTAs the default launches for
+// T rows (gridDim.x * warps_per_cta <= S), each warp walking splits s, s + gridDim.x *
+// warps_per_cta, ... below S. Every split is computed as the split kernels compute it, into its
+// own slot, so a row gets their bits; what changes is that a wide pass no longer launches S / 4
+// CTAs a (row, kv head), all but the few of a short row returning at once (at 64 rows of the
+// 8B, 16 CTAs where the default launches 1). TREE 0 (plain rows) or 2 (ordered tree rows).
+template <int G, int HD, int TREE>
+__device__ __forceinline__ void attn_walk(const float* q, const unsigned long long* kchunks,
+                                          const unsigned long long* vchunks, const int* page_table, const int* slots,
+                                          const int* kv_lens, float* __restrict__ part_ml, float* __restrict__ part_acc,
+                                          int n_slots, int n_kv, int max_pages, int cp, int layer, float scale,
+                                          float* qs_all, const int* tree_base, const u32* tree_mask, int mask_words,
+                                          int S) {
+    const int wpc = blockDim.x >> 5, stride = gridDim.x * wpc;
+    for (int s = blockIdx.x * wpc + (threadIdx.x >> 5); s < S; s += stride) {
+        __syncwarp();  // the warp's lanes are done with the last split's q in shared memory
+        if (!attn_split_body<G, HD, TREE>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc,
+                                          n_slots, n_kv, max_pages, cp, layer, scale, qs_all, tree_base, tree_mask,
+                                          mask_words, S, s))
+            break;
+    }
+}
+
+template <int G, int HD>
+__global__ void __launch_bounds__(128) attn_walk_split_kernel(const float* q, const unsigned long long* kchunks,
+                                                              const unsigned long long* vchunks,
+                                                              const int* page_table, const int* slots,
+                                                              const int* kv_lens, float* __restrict__ part_ml,
+                                                              float* __restrict__ part_acc, int n_slots, int n_kv,
+                                                              int max_pages, int cp, int layer, float scale, int S) {
+    pdl_enter();
+    extern __shared__ float qs_all[];
+    attn_walk<G, HD, 0>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
+                        max_pages, cp, layer, scale, qs_all, nullptr, nullptr, 0, S);
+}
+
+template <int G, int HD>
+__global__ void __launch_bounds__(128) attn_walk_ordered_tree_split_kernel(
+    const float* q, const unsigned long long* kchunks, const unsigned long long* vchunks, const int* page_table,
+    const int* slots, const int* kv_lens, float* __restrict__ part_ml, float* __restrict__ part_acc, int n_slots,
+    int n_kv, int max_pages, int cp, int layer, float scale, const int* tree_base, const u32* tree_mask,
+    int mask_words, int S) {
+    pdl_enter();
+    extern __shared__ float qs_all[];
+    attn_walk<G, HD, 2>(q, kchunks, vchunks, page_table, slots, kv_lens, part_ml, part_acc, n_slots, n_kv,
+                        max_pages, cp, layer, scale, qs_all, tree_base, tree_mask, mask_words, S);
 }
 
 // out[t, h, :] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the row's used splits

@@ -129,11 +129,16 @@ def attention(ctx: KernelContext, q, kv: KvPages, layer: int, slots, kv_lens, ou
     if tree:
         args += (tree_base, tree_mask, np.int32(tree_mask.shape[1]))
     names = instances.attn_names(G, hd)
+    # tree rows: masked in place, or in the batch-invariant mode in their paths' order (kv_lens logical)
+    kind = (2 if ctx.batch_invariant else 1) if tree else 0
+    kern, grid_splits = function("attention.cu", names[kind], names), S
+    if ctx.batch_invariant:  # the one-row splits, walked by the warps the default launches for T rows
+        grid_splits = min(S, ctx.tuning().attn_grid_splits(T, n_kv, max_ctx))
+        if grid_splits < S:
+            walk = instances.attn_walk_names(G, hd)
+            kern, args = function("attention.cu", walk[kind // 2], walk), args + (np.int32(S),)
     with stream_ctx(stream):
-        # tree rows: masked in place, or in the batch-invariant mode in their paths' order (kv_lens logical)
-        kind = (2 if ctx.batch_invariant else 1) if tree else 0
-        ctx.launch(function("attention.cu", names[kind], names), (S // _ATTN_WARPS, n_kv, T),
-                   (32 * _ATTN_WARPS,), args, shared_mem=smem)
+        ctx.launch(kern, (grid_splits // _ATTN_WARPS, n_kv, T), (32 * _ATTN_WARPS,), args, shared_mem=smem)
         # the combine reads only the splits the row's length uses (kv_lens, slots as above)
         ctx.launch(function("attention.cu", "attn_combine_kernel"), (H, T), (min(hd, 256),), (
             part_ml, part_acc, out, np.int32(H), np.int32(S), np.int32(hd), slots, kv_lens, np.int32(n_slots),

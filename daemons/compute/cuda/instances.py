@@ -13,7 +13,7 @@ from ntx.daemons.compute.cuda import tuning
 from ntx.shared.quant_types import QUANT_TYPES, QuantType
 
 __all__ = ["CUT_ID", "MATVEC_ROWS", "MM_TILES", "ATTENTION_SHAPES", "mv_names", "i16_names", "deq_names",
-           "mm_names", "mmq_names", "mmqx_names", "fx_mmqx_names", "rows_names", "fx_mvq_names", "fx_mv_names", "fx_mvs_names", "fx_mmq_names", "attn_names", "extern_kernels", "matvec_kind", "type_modules",
+           "mm_names", "mmq_names", "mmqx_names", "fx_mmqx_names", "rows_names", "fx_mvq_names", "fx_mv_names", "fx_mvs_names", "fx_mmq_names", "attn_names", "attn_walk_names", "extern_kernels", "matvec_kind", "type_modules",
            "production"]
 
 CUT_ID = {"v1": 1, "v2": 2}  # template argument of each layout cut (quant_traits.cuh CUT_V1, CUT_V2)
@@ -90,6 +90,12 @@ def attn_names(g: int, hd: int) -> tuple[str, ...]:
     order (the batch-invariant mode)."""
     return (f"attn_split_kernel<{g},{hd}>", f"attn_tree_split_kernel<{g},{hd}>",
             f"attn_ordered_tree_split_kernel<{g},{hd}>")
+
+
+def attn_walk_names(g: int, hd: int) -> tuple[str, ...]:
+    """The batch-invariant mode's walking split kernels (plain rows, tree rows in their paths'
+    order): a module of their own, compiled only where the mode runs."""
+    return f"attn_walk_split_kernel<{g},{hd}>", f"attn_walk_ordered_tree_split_kernel<{g},{hd}>"
 
 
 def extern_kernels() -> dict[str, tuple[str, ...]]:
@@ -170,4 +176,5 @@ def production(tunings=None) -> dict[str, list[tuple[str, ...]]]:
         for source, names in type_modules(q, tables):
             out[source].append(names)
     out["attention.cu"] += [attn_names(g, hd) for g, hd in ATTENTION_SHAPES]
+    out["attention.cu"] += [attn_walk_names(g, hd) for g, hd in ATTENTION_SHAPES]
     return out

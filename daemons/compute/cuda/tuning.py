@@ -207,6 +207,11 @@ class KernelTuning:
         splits of one row whatever T is (a row's keys are merged in an order fixed by S)."""
         if self.batch_invariant:
             T = 1
+        return self.attn_grid_splits(T, n_kv, max_ctx)
+
+    def attn_grid_splits(self, T: int, n_kv: int, max_ctx: int) -> int:
+        """attn_splits outside the batch-invariant mode: the mode's launches walk its one-row
+        splits over a grid of this many warps a (row, kv head) (attention.cu attn_walk)."""
         tiles = -(-max_ctx // 32)
         s = -(-self.attn_target_warps // max(1, T * n_kv))
         s = min(s, self.attn_max_splits, tiles)
