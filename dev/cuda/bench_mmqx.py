@@ -12,8 +12,13 @@ Then times every path as CUDA graphs of 20 calls over L2-cold copies of the matr
 (bench_gemm_paths' timer), interleaved, the median of --rounds; per (type, shape, rows) the best
 launch of each form, against mmq.
 
+--fx-mmq-configs WRxWKxKS,...: also fx_mmq_kernel itself at those launches ("fxmmq_1x4x2"), its
+bits checked against its own at mmq's launch (the fixed form may take any launch: its sums are
+exact), for the matrices mmqx does not serve (4096 and 1024 rows of the 8B at 64 rows).
+--configs "" skips mmqx.
+
     python3 dev/cuda/bench_mmqx.py [--types Q4_K,Q6_K] [--ts 16,32,64] [--configs 4x2,4x3,8x2,8x3]
-        [--rounds 2] [--out mmqx.json]
+        [--fx-mmq-configs 1x2x1,1x4x2] [--rounds 2] [--out mmqx.json]
 """
 
 from __future__ import annotations
@@ -101,12 +106,14 @@ def main() -> None:
     ap.add_argument("--ts", default="16,32,64", help="rows of x")
     ap.add_argument("--configs", default="4x2,4x3,8x2,8x3", help="WRxNS launches")
     ap.add_argument("--ks", default="1,2,4,8", help="split-K counts tried (each CTA keeps >= 2 block columns)")
+    ap.add_argument("--fx-mmq-configs", default="", help="WRxWKxKS launches of fx_mmq_kernel also timed")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     types = [int(QT[t]) for t in args.types.split(",")]
     ts = [int(t) for t in args.ts.split(",")]
-    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
+    fx_configs = [tuple(int(v) for v in c.split("x")) for c in args.fx_mmq_configs.split(",") if c]
     nts = sorted({-(-t // 8) for t in ts})
     names = (all_names(types, nts, configs, False), all_names(types, nts, configs, True))
     print(f"compiling {len(names[0]) + len(names[1])} instantiations ...", flush=True)
@@ -140,6 +147,23 @@ def main() -> None:
                               else "DIFFERENT"}
                 mismatches += row_checks["fx_prod"] != "same"
                 row = {"type": q.name, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes, "checks": row_checks}
+                for cfg in fx_configs:
+                    wr, wk, ks = cfg
+                    if nb // (wk * ks) < 1:  # a warp without a block column
+                        continue
+                    key = "fxmmq_{}x{}x{}".format(*cfg)
+                    try:
+                        got = fx.fx_mmq(CTX, ws[0], x, planes=fplanes, config=cfg).copy()
+                        cp.cuda.Device().synchronize()
+                    except Exception as e:  # noqa: BLE001 (a launch that fails is reported)
+                        print(f"  {key}: failed: {type(e).__name__}: {e}", flush=True)
+                        row["checks"][key] = "failed"
+                        continue
+                    same = bool(cp.array_equal(got.view(cp.uint32), want_fx.view(cp.uint32)))
+                    row["checks"][key] = "same" if same else "DIFFERENT"
+                    mismatches += not same
+                    paths[key] = (lambda c: lambda i: fx.fx_mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)],
+                                                                planes=fplanes, config=c))(cfg)
                 for wr, ns in configs:
                     for fx_form in (False, True):
                         if smem_bytes(q, nt, wr, ns, fx_form) > SMEM_MAX:
@@ -172,7 +196,7 @@ def main() -> None:
                     row[f"{k}_ms"] = ms
                 base = row["mmq_ms"]
                 best = {}
-                for form in ("mmqx", "fx"):
+                for form in ("mmqx", "fx", "fxmmq"):
                     cand = [(row[f"{k}_ms"], k) for k in paths if k.startswith(form + "_") and row.get(f"{k}_ms")]
                     if cand:
                         best[form] = min(cand)
