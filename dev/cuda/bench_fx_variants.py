@@ -24,7 +24,7 @@ import cupy as cp
 import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "scripts")]
-from bench_gemm_paths import SHAPES, _weight_copies, interleaved_medians  # noqa: E402
+from bench_gemm_paths import SHAPES, _weight_copies, bit_check, interleaved_medians  # noqa: E402
 
 from ntx.daemons.compute.cuda import fixed_point as fx  # noqa: E402
 from ntx.daemons.compute.cuda import instances, runtime  # noqa: E402
@@ -100,16 +100,11 @@ def main() -> None:
                 row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes, "bits": {}}
                 for name, src in variants.items():
                     got = cp.empty_like(want)
-                    try:
-                        variant_fx_mmq(src, ws[0], x, got, fplanes)
-                        cp.cuda.Device().synchronize()
-                    except Exception as e:  # noqa: BLE001 (a variant that fails is reported)
-                        print(f"  {name}: failed: {type(e).__name__}: {e}", flush=True)
-                        row["bits"][name] = "failed"
+                    verdict = row["bits"][name] = bit_check(
+                        name, lambda: variant_fx_mmq(src, ws[0], x, got, fplanes) or got, want)
+                    if verdict == "failed":
                         continue
-                    same = bool(cp.array_equal(got.view(cp.uint32), want.view(cp.uint32)))
-                    row["bits"][name] = "same" if same else "DIFFERENT"
-                    mismatches += not same
+                    mismatches += verdict != "same"
                     paths[name] = (lambda s: lambda i: variant_fx_mmq(s, ws[i % len(ws)], x, outs[i % len(ws)],
                                                                      fplanes))(src)
                 for k, ms in interleaved_medians(paths, args.rounds, stream).items():

@@ -108,6 +108,19 @@ def _time_ms(fn, stream) -> float | None:
         return None
 
 
+def bit_check(name: str, run, want) -> str:
+    """"same" where ``run()`` (one eager launch, returning its output) gives ``want``'s bits,
+    "DIFFERENT" where not, "failed" (reported) where it raises: a variant's check before it is
+    timed (bench_fx_variants.py, bench_mmqx.py)."""
+    try:
+        got = run()
+        cp.cuda.Device().synchronize()
+    except Exception as e:  # noqa: BLE001 (a variant that fails is reported, not fatal)
+        print(f"  {name}: failed: {type(e).__name__}: {e}", flush=True)
+        return "failed"
+    return "same" if bool(cp.array_equal(got.view(cp.uint32), want.view(cp.uint32))) else "DIFFERENT"
+
+
 def interleaved_medians(paths: dict, rounds: int, stream) -> dict[str, float | None]:
     """Each path's median ``_time_ms`` over ``rounds`` rounds that time every path in turn (so
     a drift of the clocks or of the host spreads over all of them), rounded to 0.1 us; None for

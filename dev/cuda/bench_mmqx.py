@@ -33,7 +33,7 @@ import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parents[1] / "scripts")]
-from bench_gemm_paths import SHAPES, _weight_copies, interleaved_medians  # noqa: E402
+from bench_gemm_paths import SHAPES, _weight_copies, bit_check, interleaved_medians  # noqa: E402
 
 from ntx.daemons.compute.cuda import fixed_point as fx  # noqa: E402
 from ntx.daemons.compute.cuda import instances, runtime  # noqa: E402
@@ -152,16 +152,11 @@ def main() -> None:
                     if nb // (wk * ks) < 1:  # a warp without a block column
                         continue
                     key = "fxmmq_{}x{}x{}".format(*cfg)
-                    try:
-                        got = fx.fx_mmq(CTX, ws[0], x, planes=fplanes, config=cfg).copy()
-                        cp.cuda.Device().synchronize()
-                    except Exception as e:  # noqa: BLE001 (a launch that fails is reported)
-                        print(f"  {key}: failed: {type(e).__name__}: {e}", flush=True)
-                        row["checks"][key] = "failed"
+                    verdict = row["checks"][key] = bit_check(
+                        key, lambda: fx.fx_mmq(CTX, ws[0], x, planes=fplanes, config=cfg).copy(), want_fx)
+                    if verdict == "failed":
                         continue
-                    same = bool(cp.array_equal(got.view(cp.uint32), want_fx.view(cp.uint32)))
-                    row["checks"][key] = "same" if same else "DIFFERENT"
-                    mismatches += not same
+                    mismatches += verdict != "same"
                     paths[key] = (lambda c: lambda i: fx.fx_mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)],
                                                                 planes=fplanes, config=c))(cfg)
                 for wr, ns in configs:
