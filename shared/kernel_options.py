@@ -33,8 +33,9 @@ class KernelOptions:
     # cuda backend: every kernel that reduces over the hidden size or the context keeps one
     # reduction order per row whatever the pass's row count (tuning.batch_invariant), so a
     # row's logits do not depend on the rows beside it (docs/ARCHITECTURE.md, "Batch-invariant
-    # mode"). Off: it costs +66% a pass at batch 1 (8B, H100; docs/PERFORMANCE.md, "The
-    # batch-invariant mode: its cost"). The cpu backend is batch-invariant
+    # mode"). Off: this form costs +56% a pass at batch 1 (8B, H100; invariant_fixed below about
+    # 3% at 1-8 rows and 9-10% at 64; docs/PERFORMANCE.md, "The batch-invariant mode: its
+    # cost"). The cpu backend is batch-invariant
     # either way (cpu_kernels.py): there it changes nothing.
     batch_invariant: bool = False
     # with batch_invariant: the block-quantized types take the i16 matvec at 1-8 rows and
@@ -48,6 +49,7 @@ class KernelOptions:
     # in any order, so the matvec at 1-2 rows and mmq past them give a row the same bits and
     # each keeps its own speed; the other types as in the mode's form in use. Results within a
     # block's rounding to 2^-32 of the f32 sums. Alone, or with invariant-rows, it is refused.
+    # The mode's cheapest form: about +3% a pass at 1-8 rows, +9-10% at 64 (8B Q4_K_M, H100).
     invariant_fixed: bool = False
 
     @classmethod
