@@ -142,6 +142,35 @@ def test_mmqx_in_the_fixed_form(n_rows, n_cols):
                 assert scratch["split-k counters"] == ctas * 4
 
 
+@pytest.mark.parametrize("n_rows,n_cols", SHAPES_8B_70B)
+def test_mmq_choice_is_mmqx_where_it_runs_else_mmq(n_rows, n_cols):
+    """KernelTuning.mmq_choice, the one choice mm_plan, fx_mmq and gemm_scratch_bytes share:
+    mmqx's (WR, NS, KS) with one warp over the columns where mmqx_launch gives a launch, else
+    mmq_launch's (WR, WK, KS) with no stages; and the scratch gemm sizes is that launch's split."""
+    from ntx.daemons.compute.cuda.memory import gemm_scratch_bytes
+    from ntx.shared.quant_types import quant_type
+
+    nb = n_cols // 256
+    for table in (tuning.H200, tuning.batch_invariant(tuning.H200), tuning.batch_invariant(tuning.H200, fixed=True)):
+        for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+            for B in (3, 8, 9, 33, 64):
+                c = table.mmq_choice(qt, B, n_rows, nb)
+                staged = table.mmqx_launch(qt, B, n_rows, nb)
+                if staged is not None:
+                    assert c == tuning.MmqChoice(True, staged[0], 1, staged[1], staged[2])
+                else:
+                    wr, wk, ks = table.mmq_launch(B, n_rows, nb * 8)
+                    assert c == tuning.MmqChoice(False, wr, wk, 0, ks)
+                scratch = gemm_scratch_bytes(quant_type(qt), n_rows, n_cols, B, table)
+                partials = "fx split-k partials" if table.invariant_fixed and B > table.fx_matvec_rows else "split-k partials"
+                tiles = -(-n_rows // (16 * c.wr))
+                if c.ks > 1:
+                    assert scratch[partials] == c.ks * B * n_rows * (8 if "fx" in partials else 4)
+                    assert scratch["split-k counters"] == tiles * 4
+                else:
+                    assert partials not in scratch
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0", "F16"])
 def test_scratch_is_counted_for_the_planner(tmp_path, qtype):
     """The layout's scratch covers what every product of up to 64 rows of x asks for, at every

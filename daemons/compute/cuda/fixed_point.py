@@ -213,7 +213,7 @@ def fx_quantize(ctx: KernelContext, x, *, stream=None):
 
 def fx_mmq(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, config=None, planes=None):
     """mmq with fixed-point sums for up to MAX_MM_ROWS rows of x: fx_mmqx_kernel where the
-    device's table says (``KernelTuning.mmqx_launch``), else fx_mmq_kernel at the device's mmq
+    device's table says (``KernelTuning.mmq_choice``), else fx_mmq_kernel at the device's mmq
     launch or ``config`` (WR, WK, KS). Each row's bits are fx_matvec's of that row alone,
     whatever the kernel and the split of K. planes: ``fx_quantize`` of this x."""
     _check(w, "fx_mmq")
@@ -221,12 +221,13 @@ def fx_mmq(ctx: KernelContext, w: Weight, x, out=None, *, stream=None, config=No
     x, out = rows_and_out(x, out, w.n_rows, w.n_cols, MAX_MM_ROWS, "fx_mmq")
     B = x.shape[0]
     nt = -(-B // 8)
-    staged_x = None if config else ctx.tuning().mmqx_launch(w.qtype, B, w.n_rows, w.n_cols // 256)
-    if staged_x is not None:  # fx_mmqx_kernel: x staged once per CTA (the same block values)
-        wr, ns, ks = staged_x
-        wk, names, smem = 1, instances.fx_mmqx_names(w.qtype), mmqx_smem_bytes(q, nt, wr, ns, 8)
+    if config:
+        staged_x, (wr, wk, ks), ns = False, config, 0
     else:
-        wr, wk, ks = config or ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
+        staged_x, wr, wk, ns, ks = ctx.tuning().mmq_choice(w.qtype, B, w.n_rows, w.n_cols // 256)
+    if staged_x:  # fx_mmqx_kernel: x staged once per CTA (the same block values)
+        names, smem = instances.fx_mmqx_names(w.qtype), mmqx_smem_bytes(q, nt, wr, ns, 8)
+    else:
         names, smem = instances.fx_mmq_names(w.qtype), fx_mmq_smem_bytes(q, wr * wk, nt)
     tiles = -(-w.n_rows // (16 * wr))
     with stream_ctx(stream):

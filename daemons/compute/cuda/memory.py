@@ -229,8 +229,7 @@ def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning
     if t.batch_invariant:
         T = min(T, tuning.MAX_MM_ROWS)
     if path in ("mmq", "fxmmq"):  # mm.mmq / fixed_point.fx_mmq: mmqx's launch where it runs, else mmq's
-        staged_x = t.mmqx_launch(q.qtype, T, n_rows, n_cols // 256)
-        wr, _, ks = staged_x if staged_x is not None else t.mmq_launch(T, n_rows, n_cols // 256 * 8)
+        _, wr, _, _, ks = t.mmq_choice(q.qtype, T, n_rows, n_cols // 256)
         if path == "mmq":
             return mmq_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
         return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // (16 * wr)), {"mmq x planes": mmq_planes_bytes(T, n_cols)})

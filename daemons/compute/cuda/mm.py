@@ -86,15 +86,12 @@ def mm_plan(ctx: KernelContext, w: Weight, B: int) -> MmPlan:
             if not mmq_supported(qt, w.n_cols):
                 raise ValueError(f"the int8 tensor-core matmul does not decode {q.name} rows of {w.n_cols} columns; "
                                  "use gemm")
-            staged_x = ctx.tuning().mmqx_launch(q.qtype, B, w.n_rows, w.n_cols // 256)
-            if staged_x is not None:  # mmqx_kernel: x staged once per CTA of WR warps
-                wr, ns, ks = staged_x
-                wk = 1
+            staged_x, wr, wk, ns, ks = ctx.tuning().mmq_choice(q.qtype, B, w.n_rows, w.n_cols // 256)
+            if staged_x:  # mmqx_kernel: x staged once per CTA of WR warps
                 smem = mmqx_smem_bytes(q, nt, wr, ns)
                 names = instances.mmqx_names(qt)
                 kern = function("mmq.cu", names[nt - 1], names)
             else:
-                wr, wk, ks = ctx.tuning().mmq_launch(B, w.n_rows, w.n_cols // 256 * 8)
                 smem = staged_smem_bytes(q, wr * wk, nt)
                 kern = function("mmq.cu", f"mmq_kernel<{qt},{nt},1>", instances.mmq_names(qt))
             tiles = -(-w.n_rows // (16 * wr))

@@ -16,12 +16,13 @@ cupy (the planner, scripts/compile_check.py and instances.py read it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from gguf import GGMLQuantizationType as QT
 
 from ntx.shared.quant_types import QUANT_TYPES
 
-__all__ = ["MatvecLaunch", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant", "MAX_MATVEC_B",
+__all__ = ["MatvecLaunch", "MmqChoice", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant", "MAX_MATVEC_B",
            "MV_ROWS_PER_CTA", "MV_MAX_WARPS", "MV_UNROLLS", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
            "ATTN_SPLIT_STEP", "DEQUANT_W16_BYTES", "ROWS_TILES", "ROWS_MAX_WARPS", "FX_LANES_PER_ROW", "FX_MVS_MAX_WARPS"]
 
@@ -58,6 +59,20 @@ MV_ROWS_PER_CTA = (1, 2, 4, 8)
 MV_MAX_WARPS = 8
 MV_UNROLLS = (1, 2, 4)
 MatvecLaunch = tuple[int, int, int]
+
+
+class MmqChoice(NamedTuple):
+    """The int8 tensor-core matmul's kernel and launch for one matrix at B rows of x
+    (``KernelTuning.mmq_choice``): mmqx_kernel (``staged_x``: x staged once per CTA of WR warps,
+    NS stages, WK 1) or mmq_kernel (WR, WK warps a CTA, NS 0); KS CTAs over the block columns.
+    One choice for mm.mm_plan, fixed_point.fx_mmq and memory.gemm_scratch_bytes, so the scratch
+    sized is the scratch the launch takes."""
+
+    staged_x: bool
+    wr: int
+    wk: int
+    ns: int
+    ks: int
 
 
 @dataclass(frozen=True)
@@ -187,6 +202,16 @@ class KernelTuning:
         if self.invariant_fixed and k45 and B > 32 and nb >= 32 and nb // ks >= 8:
             return MMQX_WARPS, MMQX_STAGES, ks
         return None
+
+    def mmq_choice(self, qtype: QT, B: int, n_rows: int, nb: int) -> MmqChoice:
+        """mmqx_kernel's launch where ``mmqx_launch`` gives one, else mmq_kernel's
+        (``mmq_launch``), for a K-quant matrix of n_rows rows of nb 256-column blocks at B rows."""
+        staged_x = self.mmqx_launch(qtype, B, n_rows, nb)
+        if staged_x is not None:
+            wr, ns, ks = staged_x
+            return MmqChoice(True, wr, 1, ns, ks)
+        wr, wk, ks = self.mmq_launch(B, n_rows, nb * 8)
+        return MmqChoice(False, wr, wk, 0, ks)
 
     def fx_mvs_launch(self, n_rows: int, nb: int, warps: int | None = None) -> tuple[int, int]:
         """(warps a CTA, KS) of the staged fixed-point matvec (fx_mvs_kernel) for n_rows rows of
