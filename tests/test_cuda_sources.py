@@ -162,7 +162,8 @@ def test_mmq_choice_is_mmqx_where_it_runs_else_mmq(n_rows, n_cols):
                     wr, wk, ks = table.mmq_launch(B, n_rows, nb * 8)
                     assert c == tuning.MmqChoice(False, wr, wk, 0, ks)
                 scratch = gemm_scratch_bytes(quant_type(qt), n_rows, n_cols, B, table)
-                partials = "fx split-k partials" if table.invariant_fixed and B > table.fx_matvec_rows else "split-k partials"
+                fx_form = table.invariant_fixed and B > table.fx_matvec_rows
+                partials = "fx split-k partials" if fx_form else "split-k partials"
                 tiles = -(-n_rows // (16 * c.wr))
                 if c.ks > 1:
                     assert scratch[partials] == c.ks * B * n_rows * (8 if "fx" in partials else 4)

@@ -22,7 +22,8 @@ from gguf import GGMLQuantizationType as QT
 
 from ntx.shared.quant_types import QUANT_TYPES
 
-__all__ = ["MatvecLaunch", "MmqChoice", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant", "MAX_MATVEC_B",
+__all__ = ["MatvecLaunch", "MmqChoice", "KernelTuning", "H200", "DEFAULT", "TUNINGS", "for_device", "batch_invariant",
+           "MAX_MATVEC_B",
            "MV_ROWS_PER_CTA", "MV_MAX_WARPS", "MV_UNROLLS", "MAX_MM_ROWS", "MM_UNROLL", "MAX_GRAPH_ROWS",
            "ATTN_SPLIT_STEP", "DEQUANT_W16_BYTES", "ROWS_TILES", "ROWS_MAX_WARPS", "FX_LANES_PER_ROW", "FX_MVS_MAX_WARPS"]
 
