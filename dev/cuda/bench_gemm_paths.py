@@ -108,15 +108,24 @@ def _time_ms(fn, stream) -> float | None:
         return None
 
 
-def bit_check(name: str, run, want) -> str:
-    """"same" where ``run()`` (one eager launch, returning its output) gives ``want``'s bits,
-    "DIFFERENT" where not, "failed" (reported) where it raises: a variant's check before it is
-    timed (bench_fx_variants.py, bench_mmqx.py)."""
+def try_run(name: str, run):
+    """``run()``'s output (one eager launch, synchronized), or None where it raises (reported,
+    not fatal): a variant's first run before it is checked and timed."""
     try:
         got = run()
         cp.cuda.Device().synchronize()
+        return got
     except Exception as e:  # noqa: BLE001 (a variant that fails is reported, not fatal)
         print(f"  {name}: failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+def bit_check(name: str, run, want) -> str:
+    """"same" where ``run()`` (one eager launch, returning its output) gives ``want``'s bits,
+    "DIFFERENT" where not, "failed" where it raises (``try_run``): a variant's check before it
+    is timed (bench_fx_variants.py, bench_mmqx.py)."""
+    got = try_run(name, run)
+    if got is None:
         return "failed"
     return "same" if bool(cp.array_equal(got.view(cp.uint32), want.view(cp.uint32))) else "DIFFERENT"
 

@@ -33,7 +33,7 @@ import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parents[1] / "scripts")]
-from bench_gemm_paths import SHAPES, _weight_copies, bit_check, interleaved_medians  # noqa: E402
+from bench_gemm_paths import SHAPES, _weight_copies, bit_check, interleaved_medians, try_run  # noqa: E402
 
 from ntx.daemons.compute.cuda import fixed_point as fx  # noqa: E402
 from ntx.daemons.compute.cuda import instances, runtime  # noqa: E402
@@ -142,9 +142,8 @@ def main() -> None:
                          "prod": lambda i: tc.mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)], planes=mplanes)}
                 paths["fx_prod"] = lambda i: fx.fx_mmq(FX_CTX, ws[i % len(ws)], x, out=outs[i % len(ws)],
                                                        planes=fplanes)
-                got = fx.fx_mmq(FX_CTX, ws[0], x, planes=fplanes).copy()
-                row_checks = {"fx_prod": "same" if bool(cp.array_equal(got.view(cp.uint32), want_fx.view(cp.uint32)))
-                              else "DIFFERENT"}
+                row_checks = {"fx_prod": bit_check(
+                    "fx_prod", lambda: fx.fx_mmq(FX_CTX, ws[0], x, planes=fplanes).copy(), want_fx)}
                 mismatches += row_checks["fx_prod"] != "same"
                 row = {"type": q.name, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes, "checks": row_checks}
                 for cfg in fx_configs:
@@ -169,17 +168,15 @@ def main() -> None:
                             key = f"{'fx' if fx_form else 'mmqx'}_{wr}x{ns}_ks{ks}"
                             got = cp.full_like(want, cp.nan)
                             pl = fplanes if fx_form else mplanes
-                            try:
-                                launch(names, ws[0], pl, got, T, wr, ns, ks, fx_form)
-                                cp.cuda.Device().synchronize()
-                            except Exception as e:  # noqa: BLE001 (a launch that fails is reported)
-                                print(f"  {key}: failed: {type(e).__name__}: {e}", flush=True)
+                            run = lambda: launch(names, ws[0], pl, got, T, wr, ns, ks, fx_form) or got  # noqa: E731
+                            if fx_form:
+                                verdict = row["checks"][key] = bit_check(key, run, want_fx)
+                                if verdict == "failed":
+                                    continue
+                                mismatches += verdict != "same"
+                            elif try_run(key, run) is None:
                                 row["checks"][key] = "failed"
                                 continue
-                            if fx_form:
-                                same = bool(cp.array_equal(got.view(cp.uint32), want_fx.view(cp.uint32)))
-                                row["checks"][key] = "same" if same else "DIFFERENT"
-                                mismatches += not same
                             else:
                                 rel = float(cp.abs(got - want).max()) / max(scale, 1e-30)
                                 row["checks"][key] = f"{rel:.2e}"

@@ -229,10 +229,11 @@ def gemm_scratch_bytes(q: QuantType, n_rows: int, n_cols: int, T: int, t: tuning
     if t.batch_invariant:
         T = min(T, tuning.MAX_MM_ROWS)
     if path in ("mmq", "fxmmq"):  # mm.mmq / fixed_point.fx_mmq: mmqx's launch where it runs, else mmq's
-        _, wr, _, _, ks = t.mmq_choice(q.qtype, T, n_rows, n_cols // 256)
+        c = t.mmq_choice(q.qtype, T, n_rows, n_cols // 256)
+        tiles = -(-n_rows // (16 * c.wr))
         if path == "mmq":
-            return mmq_scratch_bytes(n_rows, n_cols, T, ks, -(-n_rows // (16 * wr)))
-        return fx_scratch_bytes(n_rows, T, ks, -(-n_rows // (16 * wr)), {"mmq x planes": mmq_planes_bytes(T, n_cols)})
+            return mmq_scratch_bytes(n_rows, n_cols, T, c.ks, tiles)
+        return fx_scratch_bytes(n_rows, T, c.ks, tiles, {"mmq x planes": mmq_planes_bytes(T, n_cols)})
     if path == "mm":
         cut = mm_cut(q, n_cols)
         wr, wk, ks = t.mm_launch(T, n_rows, cut[1])
