@@ -195,3 +195,22 @@ def test_scratch_is_counted_for_the_planner(tmp_path, qtype):
                 assert regions[purpose] >= nbytes, (qt, n_rows, n_cols, T, purpose)
     assert regions["gemm accumulate"] == 64 * index.hparams.n_embd * 4
     assert mmq_planes_bytes(3, 4096) == 8 * 4096 * 2 + 8 * 4096 // 32 * 8  # padded to 8 rows
+
+
+def test_the_grid_forms_stand_ins_are_production_with_int32_sums(tmp_path):
+    """dev/cuda/fx_grid.py writes its variants by editing production's text; each edit must still
+    find what it replaces (it stops otherwise), and the variant's headers must be the ones the
+    runtime inlines (sources.kernel_source looks beside the including file first)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fx_grid", sources.CUDA_DIR.parents[2] / "dev" / "cuda" / "fx_grid.py")
+    fx_grid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fx_grid)
+    for shared in (False, True):
+        d = fx_grid.write_variant(tmp_path / str(shared), shared_every_type=shared)
+        src = sources.kernel_source(d / "fixed_point.cu")
+        assert src.count("float mm_value(int s)") == 1  # the variant's common.cuh, reached through its tensor_core.cuh
+        assert src.count("fxg_of(bv") == 3 and "fx_of(bv" not in (d / "mmq.cu").read_text()
+        assert "struct MmqSum<true> { typedef int T; }" in src and "long long* __restrict__ part" not in src
+        assert ("{ return NT > 5; }" in src) == shared
+        assert (d / "smem_bytes_per_thread_tile").is_file() == shared

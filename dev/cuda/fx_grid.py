@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Write timing stand-ins of a cheaper fixed form of mmq ("the grid form") as variant folders
+for bench_fx_variants.py, from production's sources as they are.
+
+Why. The fixed form pays at 64 rows for what each block value becomes: a 64-bit integer
+(`fx_of`: an FMUL, an F2I.S64 at a fraction of the FFMA rate, a 64-bit add) held in two
+registers per output entry, on a kernel that is bound by its scalar steps and short of registers
+(docs/PERFORMANCE.md, "Where it stands now"). In the grid form the block value is rounded to a
+grid of 1 by one FADD of 1.5 * 2^23 (exact for |v| < 2^22), whose bits, less the constant's, are
+the integer; it is added as an int32 (one IADD3 with the offset), one register per entry. Sums
+of integers stay exact in any order, as the 64-bit ones do. The grid form needs what these
+stand-ins leave out: the operands scaled so that the grid is fine enough and the sums stay in
+range (a per-row power of two from the weight row's and x row's norms: |v| <= |w_b| |x_b|
+blocks-wise, Cauchy-Schwarz), and the scale undone in the epilogue. Powers of two are exact, so
+the kernel's steps are the same instructions; the stand-ins time that loop, and their values are
+not the fixed form's (bench_fx_variants reports them DIFFERENT and times them).
+
+    python3 dev/cuda/fx_grid.py DIR        # writes DIR/grid_int and DIR/grid_int_smem
+    FX_VARIANTS="grid_int=DIR/grid_int grid_int_smem=DIR/grid_int_smem" \\
+        FX_VARIANTS_ARGS="--types Q4_K,Q6_K --ts 8,32,64" bash scripts/device_check.sh --no-tests --fx-variants
+
+grid_int keeps production's choice of where the sums wait (registers; shared memory for Q6_K
+past 5 tiles); grid_int_smem keeps them in shared memory past 5 tiles for every type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "daemons" / "compute" / "cuda"
+
+# (file, production's text, the stand-in's); each must match production exactly, or the stand-in
+# would silently time something else
+_SUM_TYPE = ("mmq.cu", "template <> struct MmqSum<true> { typedef long long T; };      // FX: 64-bit fixed point",
+             "// the grid form: the block value rounded to the grid by the FADD, its bits less the constant's\n"
+             "__device__ __forceinline__ int fxg_of(float v) { return __float_as_int(__fadd_rn(v, 12582912.f)) - 0x4B400000; }\n"
+             "template <> struct MmqSum<true> { typedef int T; };  // the grid form: int32 sums")
+_MM_VALUE = ("common.cuh", "__device__ __forceinline__ float mm_value(long long s) { return fx_value(s); }",
+             "__device__ __forceinline__ float mm_value(long long s) { return fx_value(s); }\n"
+             "__device__ __forceinline__ float mm_value(int s) { return __int2float_rn(s); }  // unscaled: timing only")
+_PART = ("fixed_point.cu", "long long* __restrict__ part", "int* __restrict__ part")
+_SHARED_EVERY_TYPE = ("mmq.cu", "{ return QT == 14 && NT > 5; }", "{ return NT > 5; }")
+# fx_mmq_kernel and fx_mmqx_kernel add their block values in three places
+_BLOCK_ADDS = 3
+
+
+def write_variant(dest: Path, shared_every_type: bool) -> Path:
+    """One variant folder: production's fixed_point.cu, mmq.cu and headers (every header, so that
+    each include finds this folder's copy first: sources.kernel_source looks beside the including
+    file), edited. Returns the folder."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in [*CUDA_DIR.glob("*.cuh"), CUDA_DIR / "mmq.cu", CUDA_DIR / "fixed_point.cu"]:
+        shutil.copy(f, dest / f.name)
+    edits = [_SUM_TYPE, _MM_VALUE, _PART] + ([_SHARED_EVERY_TYPE] if shared_every_type else [])
+    for fname, old, new in edits:
+        text = (dest / fname).read_text()
+        if old not in text:
+            raise SystemExit(f"fx_grid: {fname} no longer has {old!r}; update dev/cuda/fx_grid.py")
+        (dest / fname).write_text(text.replace(old, new))
+    mmq = (dest / "mmq.cu").read_text()
+    if mmq.count("fx_of(bv") != _BLOCK_ADDS:
+        raise SystemExit(f"fx_grid: mmq.cu adds block values in {mmq.count('fx_of(bv')} places, not "
+                         f"{_BLOCK_ADDS}; update dev/cuda/fx_grid.py")
+    (dest / "mmq.cu").write_text(mmq.replace("fx_of(bv", "fxg_of(bv"))
+    if shared_every_type:
+        # production sizes shared sums for Q6_K only (fixed_point.fx_mmq_smem_bytes): Q4_K and
+        # Q5_K's 4 int32 entries a thread per 8-row tile of x come on top (bench_fx_variants)
+        (dest / "smem_bytes_per_thread_tile").write_text("Q4_K:16 Q5_K:16\n")
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", type=Path, help="where the variant folders go")
+    a = ap.parse_args(argv)
+    for name, shared in (("grid_int", False), ("grid_int_smem", True)):
+        print(write_variant(a.dir / name, shared))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""How exact the grid form of the fixed form (dev/cuda/fx_grid.py) would be, on a real model's
+activations: numpy, no GPU.
+
+The grid form rounds each 256-column block value v of a row's product (a K-quant block; here 192
+where the rows have no 256, as SmolLM2's 576 columns) to a multiple of a unit
+u = 2^(e_w + e_x) and sums the multiples as int32, exact in any order. For the FADD that rounds
+it (1.5 * 2^23 added) |v| / u must stay under 2^22, and for the int32 sum the row's total under
+2^31. With e_w = ceil(log2(max over the weight row's blocks of |w_b|)) and e_x =
+ceil(log2(max over the x row's blocks of |x_b|)) - 21, Cauchy-Schwarz (|v_b| <= |w_b| |x_b|)
+keeps |v| / u <= 2^21 and the total under n_blocks * 2^21. Both exponents depend on one row
+alone, so a row's result does not depend on the rows beside it, which is the mode's promise.
+
+This runs a prompt through the cpu backend's float32 reference path (the model's own weights
+dequantized), records every matrix product's x and W, and reports per kind of matrix how far the
+grid form's result is from the exact (float64) product, against how far the float32 product the
+default computes is, and how far the product of x as the GPU quantizes it (15-bit, every form's
+error) is: the median and 99th percentile of |error| / rms(row's outputs).
+
+    python3 dev/cuda/grid_precision.py [MODEL.gguf] [--text scripts/draft_tasks/summarise.txt] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+_ROOT = Path(__file__).resolve().parents[2]
+BLOCKS = (256, 192, 128, 64, 32)  # columns a block value covers: a K-quant's 256 where K allows
+MAGIC_BITS = 21  # |v| / u <= 2^21: the FADD's 2^22, with a factor of two for the steps' own rounding
+
+
+def block_of(K: int) -> int:
+    """The block the grid form would take for rows of K columns (SmolLM2's 576 has no 256)."""
+    return next(b for b in BLOCKS if K % b == 0)
+
+
+def block_norms(a: np.ndarray) -> np.ndarray:
+    """[R, K] -> [R, K / block]: each row's blocks' Euclidean norms (float64)."""
+    R, K = a.shape
+    b = block_of(K)
+    return np.sqrt((a.astype(np.float64).reshape(R, K // b, b) ** 2).sum(-1))
+
+
+def i16_activations(x: np.ndarray) -> np.ndarray:
+    """x as the GPU's products see it (common.cuh quant2_group, in float64: groups of 32, an
+    int8 plane at d = max|x| / 127 and one of the rest at d / 254): the error every form shares."""
+    T, K = x.shape
+    g = x.astype(np.float64).reshape(T, K // 32, 32)
+    d = np.abs(g).max(-1, keepdims=True) / 127
+    safe = np.where(d > 0, d, 1)
+    q = np.rint(g / safe)
+    r = np.clip(np.rint((g - d * q) / (safe / 254)), -127, 127)
+    return (d * q + d / 254 * r).reshape(T, K)
+
+
+def grid_product(w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(grid form, float64 exact, float32 sequential-by-block) of x @ w.T. w: [N, K], x: [T, K]."""
+    N, K = w.shape
+    blk = block_of(K)
+    nb = K // blk
+    wb = w.astype(np.float64).reshape(N, nb, blk)
+    xb = x.astype(np.float64).reshape(x.shape[0], nb, blk)
+    v = np.einsum("nbk,tbk->tnb", wb, xb)  # [T, N, nb]: the block values (exact here)
+    e_w = np.ceil(np.log2(np.maximum(block_norms(w).max(1), 1e-30)))  # [N]
+    e_x = np.ceil(np.log2(np.maximum(block_norms(x).max(1), 1e-30))) - MAGIC_BITS  # [T]
+    u = np.exp2(e_x[:, None] + e_w[None, :])  # [T, N]
+    q = np.rint(v / u[:, :, None])
+    assert np.abs(q).max() < 2 ** 22, "the bound failed"  # Cauchy-Schwarz says it cannot
+    grid = q.sum(-1) * u
+    exact = v.sum(-1)
+    f32 = np.zeros(exact.shape, np.float32)
+    for b in range(nb):  # the default's f32 chain, block by block (its own steps are finer still)
+        f32 += v[:, :, b].astype(np.float32)
+    return grid, exact, f32.astype(np.float64)
+
+
+def record_products(model_path: str, text: str, n_tokens: int) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """{matrix kind: [(W, x)]} of one prefill of ``text``'s first ``n_tokens`` tokens on the cpu
+    backend's float32 path."""
+    from ntx.ctl.tokenizer import Tokenizer
+    from ntx.daemons.compute.backend import make_backend
+    from ntx.daemons.compute.batch import SeqChunk, StepBatch
+    from ntx.daemons.compute.model import LlamaModel
+    from ntx.shared.gguf_index import open_model
+    from ntx.shared.kernel_options import KernelOptions
+
+    index = open_model(model_path)
+    tokens = Tokenizer.from_metadata(index.metadata).encode(text)[:n_tokens]
+    backend = make_backend("cpu", index, max_seqs=1, max_ctx=len(tokens) + 1,
+                           kernels=KernelOptions(cpu_quantized=False))
+    model = LlamaModel(index, backend)
+    recorded: dict[str, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+    inner = backend.matmul
+
+    def matmul(w, x, out):
+        recorded[f"{w.n_rows}x{w.n_cols}"].append((w.data, np.array(x, np.float32)))
+        return inner(w, x, out)
+
+    backend.matmul = matmul
+    backend.alloc_sequence(0, len(tokens) + 1)
+    model.forward(StepBatch([SeqChunk(0, 0, tuple(tokens))]))
+    return recorded
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default=None, help="a GGUF (default: the default model)")
+    ap.add_argument("--text", default=str(_ROOT / "scripts" / "draft_tasks" / "summarise.txt"))
+    ap.add_argument("--tokens", type=int, default=128)
+    a = ap.parse_args()
+    if a.model is None:
+        from ntx.ctl import models
+        a.model = str(models.ensure_default_model())
+    recorded = record_products(a.model, Path(a.text).read_text(), a.tokens)
+    print(f"{a.model}: {a.tokens} tokens; |error| / rms(row's outputs), median and 99th percentile")
+    print(f"{'matrix (N x K)':18} {'block':>5} {'products':>8} {'grid p50':>10} {'grid p99':>10} {'f32 p50':>10} {'f32 p99':>10} {'i16 x p50':>10} {'i16 x p99':>10}")
+    for kind, pairs in sorted(recorded.items()):
+        g_err, f_err, x_err = [], [], []
+        for w, x in pairs:
+            grid, exact, f32 = grid_product(w, x)
+            rms = np.sqrt((exact ** 2).mean(1, keepdims=True)) + 1e-30
+            g_err.append((np.abs(grid - exact) / rms).ravel())
+            f_err.append((np.abs(f32 - exact) / rms).ravel())
+            x_err.append((np.abs(i16_activations(x) @ w.astype(np.float64).T - exact) / rms).ravel())
+        g, f, xe = np.concatenate(g_err), np.concatenate(f_err), np.concatenate(x_err)
+        print(f"{kind:18} {block_of(pairs[0][0].shape[1]):5d} {len(pairs):8d} {np.median(g):10.2e} {np.quantile(g, 0.99):10.2e} "
+              f"{np.median(f):10.2e} {np.quantile(f, 0.99):10.2e} {np.median(xe):10.2e} {np.quantile(xe, 0.99):10.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
