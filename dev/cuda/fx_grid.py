@@ -30,6 +30,8 @@ import shutil
 import sys
 from pathlib import Path
 
+# sources.CUDA_DIR, found from here: this runs on a fresh device machine before
+# scripts/device_check.sh makes `ntx` importable, so it needs nothing but the standard library
 CUDA_DIR = Path(__file__).resolve().parents[2] / "daemons" / "compute" / "cuda"
 
 # (file, production's text, the stand-in's); each must match production exactly, or the stand-in

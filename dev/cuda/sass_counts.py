@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,35 +30,40 @@ from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_ROOT / "scripts"))
-from pdl_check import compile_sm90  # noqa: E402
+from pdl_check import _FUNCTION, _INSN, compile_sm90  # noqa: E402  (its compile, and its reading of nvdisasm's text)
 
 from ntx.daemons.compute.cuda.sources import CUDA_DIR  # noqa: E402
 
 OPCODES = ("IMMA", "HMMA", "FFMA", "FADD", "FMUL", "IMAD", "IADD3", "F2I", "I2F", "MOV", "SHF", "LOP3", "PRMT",
            "LDG", "LDS", "STS", "LDL", "STL")
-_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def opcode_counts(sass: str) -> collections.Counter:
-    """Opcode (without modifiers) -> instructions, of nvdisasm's text of one kernel."""
-    return collections.Counter(m.group(1) for m in map(_INSTR.search, sass.splitlines()) if m)
-
-
-def kernel_sass(lib: ctypes.CDLL, nvdisasm: str, source: Path, name: str) -> str:
-    """nvdisasm's text of ``name``'s function alone, compiled from ``source``."""
+def opcode_counts(lib: ctypes.CDLL, nvdisasm: str, source: Path, name: str) -> collections.Counter:
+    """Opcode (without modifiers) -> instructions of ``name``'s function alone, compiled from
+    ``source`` (the cubin holds the source's extern "C" kernels too)."""
     binary, _ = compile_sm90(lib, str(source), [name])
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(binary)
         f.flush()
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    # one section per function, its header the function's symbol: a template's mangled name
-    # (_Z, the name's length, the name, I and the arguments), an extern "C" kernel's own
+    # a template's symbol is its mangled name (_Z, the name's length, the name, I, the arguments),
+    # an extern "C" kernel's its own
     base = name.split("<")[0]
-    key = f"_Z{len(base)}{base}I" if "<" in name else base + " "
-    sections = [s for s in sass.split("//--------------------- .text.")[1:] if (s.split(" ", 1)[0] + " ").startswith(key)]
-    if len(sections) != 1:
-        raise SystemExit(f"{source}: {len(sections)} functions named like {base} in the cubin")
-    return sections[0]
+    mine = (lambda sym: sym.startswith(f"_Z{len(base)}{base}I")) if "<" in name else (lambda sym: sym == base)
+    functions: dict[str, collections.Counter] = {}
+    counts = None
+    for line in sass.splitlines():
+        m = _FUNCTION.search(line)
+        if m:
+            sym = m.group(1) or m.group(2)
+            counts = functions.setdefault(sym, collections.Counter()) if mine(sym) else None
+            continue
+        ins = _INSN.search(line)
+        if counts is not None and ins:
+            counts[ins.group(2).split(".")[0]] += 1
+    if len(functions) != 1:
+        raise SystemExit(f"{source}: {len(functions)} functions named like {base} in the cubin")
+    return next(iter(functions.values()))
 
 
 def main() -> int:
@@ -82,9 +86,9 @@ def main() -> int:
         name, _, ref = spec.partition("@")
         counts = {}
         if ref:
-            counts[ref.split("<")[0]] = opcode_counts(kernel_sass(lib, a.nvdisasm, CUDA_DIR / a.source, ref))
+            counts[ref.split("<")[0]] = opcode_counts(lib, a.nvdisasm, CUDA_DIR / a.source, ref)
         for label, src in columns:
-            counts[label] = opcode_counts(kernel_sass(lib, a.nvdisasm, src, name))
+            counts[label] = opcode_counts(lib, a.nvdisasm, src, name)
         width = max(12, *(len(k) + 2 for k in counts))
         print(f"== {name}")
         print("opcode".ljust(8) + "".join(k.rjust(width) for k in counts))
