@@ -18,6 +18,7 @@ default computes is, and how far the product of x as the GPU quantizes it (15-bi
 error) is: the median and 99th percentile of |error| / rms(row's outputs).
 
     python3 dev/cuda/grid_precision.py [MODEL.gguf] [--text scripts/draft_tasks/summarise.txt] [--tokens 128]
+        [--header-bound] [--x-group-bound]
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def header_block_bounds(w: np.ndarray) -> np.ndarray:
     return np.sqrt((32 * sub ** 2).sum(-1))
 
 
-def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False,
+                 x_group_bound: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(grid form, float64 exact, float32 sequential-by-block) of x @ w.T. w: [N, K], x: [T, K];
-    ``header_bound``: the weight rows' exponents from header_block_bounds, not the exact norms."""
+    ``header_bound``: the weight rows' exponents from header_block_bounds, not the exact norms;
+    ``x_group_bound``: the x rows' likewise from their 32-column groups' largest |x| (what the
+    quantized x's group scales give, d = max|x| / 127: no pass over x's values for it)."""
     N, K = w.shape
     blk = block_of(K)
     nb = K // blk
@@ -78,7 +82,8 @@ def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False) -> tu
     xb = x.astype(np.float64).reshape(x.shape[0], nb, blk)
     v = np.einsum("nbk,tbk->tnb", wb, xb)  # [T, N, nb]: the block values (exact here)
     e_w = np.ceil(np.log2(np.maximum((header_block_bounds(w) if header_bound else block_norms(w)).max(1), 1e-30)))  # [N]
-    e_x = np.ceil(np.log2(np.maximum(block_norms(x).max(1), 1e-30))) - MAGIC_BITS  # [T]
+    e_x = np.ceil(np.log2(np.maximum((header_block_bounds(x) if x_group_bound else block_norms(x)).max(1),
+                                     1e-30))) - MAGIC_BITS  # [T]
     u = np.exp2(e_x[:, None] + e_w[None, :])  # [T, N]
     q = np.rint(v / u[:, :, None])
     assert np.abs(q).max() < 2 ** 22, "the bound failed"  # Cauchy-Schwarz says it cannot
@@ -125,18 +130,21 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--header-bound", action="store_true",
                     help="the weight rows' exponents from the sub-blocks' extremes (what a header gives)")
+    ap.add_argument("--x-group-bound", action="store_true",
+                    help="the x rows' exponents from their 32-column groups' extremes (what x's group scales give)")
     a = ap.parse_args()
     if a.model is None:
         from ntx.ctl import models
         a.model = str(models.ensure_default_model())
     recorded = record_products(a.model, Path(a.text).read_text(), a.tokens)
     print(f"{a.model}: {a.tokens} tokens; weight exponents from {'the sub-blocks extremes' if a.header_bound else 'exact block norms'}; "
+          f"x exponents from {'the groups extremes' if a.x_group_bound else 'exact block norms'}; "
           "|error| / rms(row's outputs), median and 99th percentile")
     print(f"{'matrix (N x K)':18} {'block':>5} {'products':>8} {'grid p50':>10} {'grid p99':>10} {'f32 p50':>10} {'f32 p99':>10} {'i16 x p50':>10} {'i16 x p99':>10}")
     for kind, pairs in sorted(recorded.items()):
         g_err, f_err, x_err = [], [], []
         for w, x in pairs:
-            grid, exact, f32 = grid_product(w, x, a.header_bound)
+            grid, exact, f32 = grid_product(w, x, a.header_bound, a.x_group_bound)
             rms = np.sqrt((exact ** 2).mean(1, keepdims=True)) + 1e-30
             g_err.append((np.abs(grid - exact) / rms).ravel())
             f_err.append((np.abs(f32 - exact) / rms).ravel())
