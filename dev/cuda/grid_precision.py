@@ -18,7 +18,7 @@ default computes is, and how far the product of x as the GPU quantizes it (15-bi
 error) is: the median and 99th percentile of |error| / rms(row's outputs).
 
     python3 dev/cuda/grid_precision.py [MODEL.gguf] [--text scripts/draft_tasks/summarise.txt] [--tokens 128]
-        [--header-bound] [--x-group-bound]
+        [--header-bound] [--x-group-bound] [--step 32 [--chain]]
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def block_of(K: int) -> int:
     return next(b for b in BLOCKS if K % b == 0)
 
 
-def block_norms(a: np.ndarray) -> np.ndarray:
-    """[R, K] -> [R, K / block]: each row's blocks' Euclidean norms (float64)."""
+def block_norms(a: np.ndarray, b: int = 0) -> np.ndarray:
+    """[R, K] -> [R, K / b]: each row's b-column blocks' Euclidean norms (float64; b = 0: the block)."""
     R, K = a.shape
-    b = block_of(K)
+    b = b or block_of(K)
     return np.sqrt((a.astype(np.float64).reshape(R, K // b, b) ** 2).sum(-1))
 
 
@@ -59,34 +59,46 @@ def i16_activations(x: np.ndarray) -> np.ndarray:
     return (d * q + d / 254 * r).reshape(T, K)
 
 
-def header_block_bounds(w: np.ndarray) -> np.ndarray:
-    """[N, K] -> [N, K / block]: a bound on each block's norm from its 32-column sub-blocks'
-    largest |w| alone, as a K-quant block's header gives one (scale and min of each sub-block:
-    |w| <= max(d sc 15 - dmin m, dmin m)); no kernel has to read the block's quants for it."""
+def header_block_bounds(w: np.ndarray, b: int = 0) -> np.ndarray:
+    """[N, K] -> [N, K / b]: a bound on each b-column block's norm (b = 0: the block) from its
+    32-column sub-blocks' largest |w| alone (16 where b is 16), as a K-quant block's header gives
+    one (scale and min of each sub-block: |w| <= max(d sc 15 - dmin m, dmin m)); no kernel has to
+    read the block's quants for it."""
     N, K = w.shape
-    b = block_of(K)
-    sub = np.abs(w.astype(np.float64)).reshape(N, K // b, b // 32, 32).max(-1)
-    return np.sqrt((32 * sub ** 2).sum(-1))
+    b = b or block_of(K)
+    g = min(32, b)
+    sub = np.abs(w.astype(np.float64)).reshape(N, K // b, b // g, g).max(-1)
+    return np.sqrt((g * sub ** 2).sum(-1))
 
 
 def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False,
-                 x_group_bound: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 x_group_bound: bool = False, step: int = 0,
+                 chain: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(grid form, float64 exact, float32 sequential-by-block) of x @ w.T. w: [N, K], x: [T, K];
     ``header_bound``: the weight rows' exponents from header_block_bounds, not the exact norms;
     ``x_group_bound``: the x rows' likewise from their 32-column groups' largest |x| (what the
-    quantized x's group scales give, d = max|x| / 127: no pass over x's values for it)."""
+    quantized x's group scales give, d = max|x| / 127: no pass over x's values for it);
+    ``step``: round each ``step``-column piece's value (a sub-block's step of the chain) to the
+    grid instead of each block's, with the exponents from the pieces' norms: one integer sum an
+    entry and no block value to chain (0: the block);
+    ``chain``: with ``step``, the exponents from the blocks' norms, not the pieces': what a block
+    value chained from 1.5 * 2^23 units gives, each step's FFMA rounding to the grid (the partial
+    sums of a block stay under its bound), one IADD3 a block and no FADD."""
     N, K = w.shape
-    blk = block_of(K)
+    blk = step or block_of(K)
     nb = K // blk
+    ebk = block_of(K) if chain else blk  # the columns the exponents' norms are taken over
     wb = w.astype(np.float64).reshape(N, nb, blk)
     xb = x.astype(np.float64).reshape(x.shape[0], nb, blk)
     v = np.einsum("nbk,tbk->tnb", wb, xb)  # [T, N, nb]: the block values (exact here)
-    e_w = np.ceil(np.log2(np.maximum((header_block_bounds(w) if header_bound else block_norms(w)).max(1), 1e-30)))  # [N]
-    e_x = np.ceil(np.log2(np.maximum((header_block_bounds(x) if x_group_bound else block_norms(x)).max(1),
+    e_w = np.ceil(np.log2(np.maximum((header_block_bounds(w, ebk) if header_bound else block_norms(w, ebk)).max(1),
+                                     1e-30)))  # [N]
+    e_x = np.ceil(np.log2(np.maximum((header_block_bounds(x, ebk) if x_group_bound else block_norms(x, ebk)).max(1),
                                      1e-30))) - MAGIC_BITS  # [T]
     u = np.exp2(e_x[:, None] + e_w[None, :])  # [T, N]
     q = np.rint(v / u[:, :, None])
     assert np.abs(q).max() < 2 ** 22, "the bound failed"  # Cauchy-Schwarz says it cannot
+    assert np.abs(q.sum(-1)).max() < 2 ** 31, "a row's sum left int32"
     grid = q.sum(-1) * u
     exact = v.sum(-1)
     f32 = np.zeros(exact.shape, np.float32)
@@ -130,6 +142,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--header-bound", action="store_true",
                     help="the weight rows' exponents from the sub-blocks' extremes (what a header gives)")
+    ap.add_argument("--step", type=int, default=0,
+                    help="round each STEP-column piece's value (32: a K-quant's sub-block) instead of each block's")
+    ap.add_argument("--chain", action="store_true",
+                    help="with --step: the exponents from the blocks' norms (a block value chained from the FADD's constant)")
     ap.add_argument("--x-group-bound", action="store_true",
                     help="the x rows' exponents from their 32-column groups' extremes (what x's group scales give)")
     a = ap.parse_args()
@@ -139,18 +155,19 @@ def main() -> int:
     recorded = record_products(a.model, Path(a.text).read_text(), a.tokens)
     print(f"{a.model}: {a.tokens} tokens; weight exponents from {'the sub-blocks extremes' if a.header_bound else 'exact block norms'}; "
           f"x exponents from {'the groups extremes' if a.x_group_bound else 'exact block norms'}; "
+          f"values rounded a {a.step or 'block'}-column piece{' (exponents a block: the chain)' if a.chain else ''}; "
           "|error| / rms(row's outputs), median and 99th percentile")
     print(f"{'matrix (N x K)':18} {'block':>5} {'products':>8} {'grid p50':>10} {'grid p99':>10} {'f32 p50':>10} {'f32 p99':>10} {'i16 x p50':>10} {'i16 x p99':>10}")
     for kind, pairs in sorted(recorded.items()):
         g_err, f_err, x_err = [], [], []
         for w, x in pairs:
-            grid, exact, f32 = grid_product(w, x, a.header_bound, a.x_group_bound)
+            grid, exact, f32 = grid_product(w, x, a.header_bound, a.x_group_bound, a.step, a.chain)
             rms = np.sqrt((exact ** 2).mean(1, keepdims=True)) + 1e-30
             g_err.append((np.abs(grid - exact) / rms).ravel())
             f_err.append((np.abs(f32 - exact) / rms).ravel())
             x_err.append((np.abs(i16_activations(x) @ w.astype(np.float64).T - exact) / rms).ravel())
         g, f, xe = np.concatenate(g_err), np.concatenate(f_err), np.concatenate(x_err)
-        print(f"{kind:18} {block_of(pairs[0][0].shape[1]):5d} {len(pairs):8d} {np.median(g):10.2e} {np.quantile(g, 0.99):10.2e} "
+        print(f"{kind:18} {a.step or block_of(pairs[0][0].shape[1]):5d} {len(pairs):8d} {np.median(g):10.2e} {np.quantile(g, 0.99):10.2e} "
               f"{np.median(f):10.2e} {np.quantile(f, 0.99):10.2e} {np.median(xe):10.2e} {np.quantile(xe, 0.99):10.2e}")
     return 0
 
