@@ -3,7 +3,10 @@ mmq_kernel: each variant is a folder holding its own fixed_point.cu (and mmq.cu 
 found there before daemons/compute/cuda), compiled and launched exactly as ``fixed_point.fx_mmq``
 launches production's. Checks first that every variant gives production's bits (the fixed form's
 promise), then times all of them in interleaved rounds as CUDA graphs of 20 calls cycling over
-copies of the matrix (L2-cold; bench_gemm_paths' timer): the median of --rounds.
+copies of the matrix (L2-cold; bench_gemm_paths' timer): the median of --rounds. Where the
+device's table sends the matrix to mmqx (``mmq_choice``: "mmqx" in the line, "production_kernel"
+in the JSON), "mmq" and "fx_mmq" are mmqx_kernel and fx_mmqx_kernel, and "fx_mmq_kernel" is
+production's fx_mmq_kernel at the variants' launch: the one to weigh a variant against there.
 
     python3 dev/cuda/bench_fx_variants.py NAME=DIR [NAME=DIR ...] [--ts 8,32,64] [--types Q4_K,Q6_K]
         [--shapes 8b] [--rounds 3] [--out fx_variants.json]
@@ -98,6 +101,13 @@ def main() -> None:
                 paths = {"mmq": lambda i: tc.mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)], planes=mplanes),
                          "fx_mmq": lambda i: fx.fx_mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)], planes=fplanes)}
                 row = {"type": tname, "shape": [n_rows, n_cols], "T": T, "weight_bytes": nbytes, "bits": {}}
+                if CTX.tuning().mmq_choice(qt, T, n_rows, n_cols // 256).staged_x:
+                    # production takes mmqx_kernel / fx_mmqx_kernel here, the variants fx_mmq_kernel:
+                    # production's fx_mmq_kernel at the variants' launch too, the like-for-like figure
+                    row["production_kernel"] = "mmqx"
+                    launch = CTX.tuning().mmq_launch(T, n_rows, n_cols // 256 * 8)
+                    paths["fx_mmq_kernel"] = lambda i: fx.fx_mmq(CTX, ws[i % len(ws)], x, out=outs[i % len(ws)],
+                                                                 planes=fplanes, config=launch)
                 for name, src in variants.items():
                     got = cp.empty_like(want)
                     verdict = row["bits"][name] = bit_check(
@@ -110,7 +120,7 @@ def main() -> None:
                 for k, ms in interleaved_medians(paths, args.rounds, stream).items():
                     row[f"{k}_ms"] = ms
                 base = row["mmq_ms"]
-                line = f"{tname} {n_rows}x{n_cols} T={T:2d}: mmq {base:.4f}"
+                line = f"{tname} {n_rows}x{n_cols} T={T:2d}: mmq{'x' if row.get('production_kernel') else ''} {base:.4f}"
                 for k in paths:
                     if k != "mmq" and row.get(f"{k}_ms") is not None:
                         line += f"  {k} {row[f'{k}_ms']:.4f} ({row[f'{k}_ms'] / base:.2f}x)"
