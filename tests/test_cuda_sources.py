@@ -206,14 +206,15 @@ def test_the_grid_forms_stand_ins_are_production_with_int32_sums(tmp_path):
     spec = importlib.util.spec_from_file_location("fx_grid", sources.CUDA_DIR.parents[2] / "dev" / "cuda" / "fx_grid.py")
     fx_grid = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fx_grid)
-    for shared, chain in ((False, False), (True, False), (False, True)):
+    for shared, chain in ((False, False), (True, False), (None, False), (False, True)):
         d = fx_grid.write_variant(tmp_path / f"{shared}-{chain}", shared_every_type=shared, chain=chain)
         src = sources.kernel_source(d / "fixed_point.cu")
         assert src.count("float mm_value(int s)") == 1  # the variant's common.cuh, reached through its tensor_core.cuh
         assert src.count("fxg_of(bv") == 3 and "fx_of(bv" not in (d / "mmq.cu").read_text()
         assert "struct MmqSum<true> { typedef int T; }" in src and "long long* __restrict__ part" not in src
-        assert ("{ return NT > 5; }" in src) == shared
-        assert (d / "smem_bytes_per_thread_tile").is_file() == shared
+        assert ("{ return NT > 5; }" in src) == (shared is True)
+        assert ("mmq_fx_shared_sums(int QT, int NT) { return false; }" in src) == (shared is None)
+        assert (d / "smem_bytes_per_thread_tile").is_file() == (shared is True)
         # the chained grid: both kernels' block values start at the FADD's constant, and no FADD is left at the end
         assert src.count("[nt][3] = 12582912.f;") == (2 if chain else 0)
         assert ("__fadd_rn(v, 12582912.f)" in src) == (not chain)

@@ -15,12 +15,13 @@ blocks-wise, Cauchy-Schwarz), and the scale undone in the epilogue. Powers of tw
 the kernel's steps are the same instructions; the stand-ins time that loop, and their values are
 not the fixed form's (bench_fx_variants reports them DIFFERENT and times them).
 
-    python3 dev/cuda/fx_grid.py DIR        # writes DIR/grid_int, DIR/grid_int_smem and DIR/grid_chain
+    python3 dev/cuda/fx_grid.py DIR        # writes DIR/grid_int, DIR/grid_int_smem, DIR/grid_int_regs, DIR/grid_chain
     FX_VARIANTS="grid_int=DIR/grid_int grid_int_smem=DIR/grid_int_smem grid_chain=DIR/grid_chain" \\
         FX_VARIANTS_ARGS="--types Q4_K,Q6_K --ts 8,32,64" bash scripts/device_check.sh --no-tests --fx-variants
 
 grid_int keeps production's choice of where the sums wait (registers; shared memory for Q6_K
-past 5 tiles); grid_int_smem keeps them in shared memory past 5 tiles for every type. grid_chain
+past 5 tiles); grid_int_smem keeps them in shared memory past 5 tiles for every type;
+grid_int_regs in registers for every type (Q6_K's int32 sums fit there). grid_chain
 is grid_int with each block value chained from the FADD's constant instead of from 0: every
 step's FFMA then rounds to the grid (exact while the block's partial sums stay under its bound,
 which Cauchy-Schwarz gives too), and the block's end takes the bits with no FADD. It rounds each
@@ -51,6 +52,7 @@ _MM_VALUE = ("common.cuh", "__device__ __forceinline__ float mm_value(long long 
              "__device__ __forceinline__ float mm_value(int s) { return __int2float_rn(s); }  // unscaled: timing only")
 _PART = ("fixed_point.cu", "long long* __restrict__ part", "int* __restrict__ part")
 _SHARED_EVERY_TYPE = ("mmq.cu", "{ return QT == 14 && NT > 5; }", "{ return NT > 5; }")
+_SHARED_NONE = ("mmq.cu", "{ return QT == 14 && NT > 5; }", "{ return false; }")
 # fx_mmq_kernel and fx_mmqx_kernel add their block values in three places
 _BLOCK_ADDS = 3
 # the chained grid: the block value starts at the FADD's constant, so that every step's FFMA
@@ -61,15 +63,17 @@ _CHAIN_START = ("mmq.cu", "[nt][3] = 0.f;", "[nt][3] = 12582912.f;")
 _BLOCK_STARTS = 2  # where fx_mmq_kernel and fx_mmqx_kernel set their block values to 0
 
 
-def write_variant(dest: Path, shared_every_type: bool, chain: bool = False) -> Path:
+def write_variant(dest: Path, shared_every_type: bool | None, chain: bool = False) -> Path:
     """One variant folder: production's fixed_point.cu, mmq.cu and headers (every header, so that
     each include finds this folder's copy first: sources.kernel_source looks beside the including
-    file), edited. ``chain``: the block values chained from the FADD's constant (the chained grid:
-    no FADD a block; each step rounds). Returns the folder."""
+    file), edited. ``shared_every_type``: True, the sums in shared memory past 5 tiles for every
+    type; False, production's choice (Q6_K's only); None, in registers for every type.
+    ``chain``: the block values chained from the FADD's constant (the chained grid: no FADD a
+    block; each step rounds). Returns the folder."""
     dest.mkdir(parents=True, exist_ok=True)
     for f in [*CUDA_DIR.glob("*.cuh"), CUDA_DIR / "mmq.cu", CUDA_DIR / "fixed_point.cu"]:
         shutil.copy(f, dest / f.name)
-    edits = [_SUM_TYPE, _MM_VALUE, _PART] + ([_SHARED_EVERY_TYPE] if shared_every_type else [])
+    edits = [_SUM_TYPE, _MM_VALUE, _PART] + {True: [_SHARED_EVERY_TYPE], False: [], None: [_SHARED_NONE]}[shared_every_type]
     if chain:
         mmq = (dest / "mmq.cu").read_text()
         if mmq.count(_CHAIN_START[1]) != _BLOCK_STARTS:
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", type=Path, help="where the variant folders go")
     a = ap.parse_args(argv)
-    for name, shared, chain in (("grid_int", False, False), ("grid_int_smem", True, False), ("grid_chain", False, True)):
+    for name, shared, chain in (("grid_int", False, False), ("grid_int_smem", True, False), ("grid_int_regs", None, False),
+                                ("grid_chain", False, True)):
         print(write_variant(a.dir / name, shared, chain))
     return 0
 
