@@ -74,7 +74,8 @@ def header_block_bounds(w: np.ndarray, b: int = 0) -> np.ndarray:
 def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False,
                  x_group_bound: bool = False, step: int = 0,
                  chain: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(grid form, float64 exact, float32 sequential-by-block) of x @ w.T. w: [N, K], x: [T, K];
+    """(grid form, float64 exact, float32 sequential-by-block, by piece with ``step``) of x @ w.T.
+    w: [N, K], x: [T, K];
     ``header_bound``: the weight rows' exponents from header_block_bounds, not the exact norms;
     ``x_group_bound``: the x rows' likewise from their 32-column groups' largest |x| (what the
     quantized x's group scales give, d = max|x| / 127: no pass over x's values for it);
@@ -149,6 +150,8 @@ def main() -> int:
     ap.add_argument("--x-group-bound", action="store_true",
                     help="the x rows' exponents from their 32-column groups' extremes (what x's group scales give)")
     a = ap.parse_args()
+    if a.chain and not a.step:
+        ap.error("--chain rounds each step: give --step (32: a K-quant's sub-block)")
     if a.model is None:
         from ntx.ctl import models
         a.model = str(models.ensure_default_model())
