@@ -206,8 +206,9 @@ def test_the_grid_forms_stand_ins_are_production_with_int32_sums(tmp_path):
     spec = importlib.util.spec_from_file_location("fx_grid", sources.CUDA_DIR.parents[2] / "dev" / "cuda" / "fx_grid.py")
     fx_grid = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fx_grid)
-    for shared, chain in ((False, False), (True, False), (None, False), (False, True)):
-        d = fx_grid.write_variant(tmp_path / f"{shared}-{chain}", shared_every_type=shared, chain=chain)
+    for shared, chain, step in ((False, False, False), (True, False, False), (None, False, False), (False, True, False),
+                                (None, False, True)):
+        d = fx_grid.write_variant(tmp_path / f"{shared}-{chain}-{step}", shared_every_type=shared, chain=chain, step=step)
         src = sources.kernel_source(d / "fixed_point.cu")
         assert src.count("float mm_value(int s)") == 1  # the variant's common.cuh, reached through its tensor_core.cuh
         assert src.count("fxg_of(bv") == 3 and "fx_of(bv" not in (d / "mmq.cu").read_text()
@@ -218,3 +219,6 @@ def test_the_grid_forms_stand_ins_are_production_with_int32_sums(tmp_path):
         # the chained grid: both kernels' block values start at the FADD's constant, and no FADD is left at the end
         assert src.count("[nt][3] = 12582912.f;") == (2 if chain else 0)
         assert ("__fadd_rn(v, 12582912.f)" in src) == (not chain)
+        # the step grid: both kernels' chains go to the sums, every step (8 of Q4_K/Q5_K's, 2 of Q6_K's) rounded into them
+        assert src.count("steps into the sums") == (2 if step else 0)
+        assert src.count("if constexpr (FX) ac[") == (10 if step else 0) and src.count("float* ac = chain(") == (0 if step else 4)

@@ -15,7 +15,7 @@ blocks-wise, Cauchy-Schwarz), and the scale undone in the epilogue. Powers of tw
 the kernel's steps are the same instructions; the stand-ins time that loop, and their values are
 not the fixed form's (bench_fx_variants reports them DIFFERENT and times them).
 
-    python3 dev/cuda/fx_grid.py DIR        # writes DIR/grid_int, DIR/grid_int_smem, DIR/grid_int_regs, DIR/grid_chain
+    python3 dev/cuda/fx_grid.py DIR        # writes DIR/grid_int, _smem, _regs, DIR/grid_chain, DIR/grid_step
     FX_VARIANTS="grid_int=DIR/grid_int grid_int_smem=DIR/grid_int_smem grid_int_regs=DIR/grid_int_regs grid_chain=DIR/grid_chain" \\
         FX_VARIANTS_ARGS="--types Q4_K,Q6_K --ts 8,32,64" bash scripts/device_check.sh --no-tests --fx-variants
 
@@ -27,12 +27,16 @@ step's FFMA then rounds to the grid (exact while the block's partial sums stay u
 which Cauchy-Schwarz gives too), and the block's end takes the bits with no FADD. It rounds each
 step, not each block: on SmolLM2's activations 2.4-2.8x the block-rounded grid's error, and
 with header bounds as much as the 15-bit activations' own (dev/cuda/grid_precision.py --step 32
---chain). On the H100 it timed within 1% of grid_int (docs/PERFORMANCE.md).
+--chain). On the H100 it timed within 1% of grid_int (docs/PERFORMANCE.md). grid_step keeps
+no block value at all: each step is rounded and added to the int32 sums as it comes (with
+exponents from the steps' norms, as precise as the block-rounded grid: grid_precision.py --step
+32), one register an entry as in mmq, for more instructions an entry; its sums in registers.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -61,15 +65,49 @@ _CHAIN_OF = (_SUM_TYPE[2], "__device__ __forceinline__ int fxg_of(float v) { ret
              "__device__ __forceinline__ int fxg_of(float v) { return __float_as_int(v) - 0x4B400000; }  // chained from 1.5 * 2^23")
 _CHAIN_START = ("mmq.cu", "[nt][3] = 0.f;", "[nt][3] = 12582912.f;")
 _BLOCK_STARTS = 2  # where fx_mmq_kernel and fx_mmqx_kernel set their block values to 0
+# the step grid: no block value; each step (a 32-column sub-block's, Q6_K's group of two) is
+# rounded by the FADD and added to the int32 sums at once: one register an entry, as mmq's f32
+# sum, for a FADD and an IADD3 an entry and step (the block values stay 0 and fold away)
+_STEP_CHAINS = (("        auto chain = [&](int mt, int nt) -> float* {\n            if constexpr (FX) return bv[mt][nt];\n"
+                 "            else return acc[mt][nt];\n        };",
+                 "        auto chain = [&](int mt, int nt) -> T* { return acc[mt][nt]; };  // grid_step: steps into the sums"),
+                ("        auto chain = [&](int nt) -> float* {\n            if constexpr (FX) return bv[nt];\n"
+                 "            else return acc[nt];\n        };",
+                 "        auto chain = [&](int nt) -> T* { return acc[nt]; };  // grid_step: steps into the sums"))
+_STEP_AC = ("float* ac = chain(", "T* ac = chain(", 4)  # (production's, the step grid's, how many)
+_STEP_K45 = (re.compile(r"ac\[(\d)\] = fmaf\((s[ab] \* dd\.[xz]), (mmq_t\(c1\[\d\], c2\[\d\]\)), "
+                        r"fmaf\((-m[ab]), (dd\.[yw]), ac\[\1\]\)\);"),
+             r"if constexpr (FX) ac[\1] += fxg_of(fmaf(\2, \3, \4 * \5)); "
+             r"else ac[\1] = fmaf(\2, \3, fmaf(\4, \5, ac[\1]));", 8)
+_STEP_Q6K = ("ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);",
+             "if constexpr (FX) ac[e] += fxg_of(((e & 1) ? dd.z : dd.x) * u); "
+             "else ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);", 2)
 
 
-def write_variant(dest: Path, shared_every_type: bool | None, chain: bool = False) -> Path:
+def _step_grid(mmq: str) -> str:
+    """mmq.cu's text with the step grid's edits (above); stops where production's text moved."""
+    for old, new in _STEP_CHAINS:
+        if old not in mmq:
+            raise SystemExit(f"fx_grid: mmq.cu no longer has {old!r}; update dev/cuda/fx_grid.py")
+        mmq = mmq.replace(old, new)
+    for old, new, n in (_STEP_AC, _STEP_Q6K):
+        if mmq.count(old) != n:
+            raise SystemExit(f"fx_grid: mmq.cu has {old!r} {mmq.count(old)} times, not {n}; update dev/cuda/fx_grid.py")
+        mmq = mmq.replace(old, new)
+    mmq, n = _STEP_K45[0].subn(_STEP_K45[1], mmq)
+    if n != _STEP_K45[2]:
+        raise SystemExit(f"fx_grid: mmq.cu has {n} Q4_K/Q5_K steps, not {_STEP_K45[2]}; update dev/cuda/fx_grid.py")
+    return mmq
+
+
+def write_variant(dest: Path, shared_every_type: bool | None, chain: bool = False, step: bool = False) -> Path:
     """One variant folder: production's fixed_point.cu, mmq.cu and headers (every header, so that
     each include finds this folder's copy first: sources.kernel_source looks beside the including
     file), edited. ``shared_every_type``: True, the sums in shared memory past 5 tiles for every
     type; False, production's choice (Q6_K's only); None, in registers for every type.
     ``chain``: the block values chained from the FADD's constant (the chained grid: no FADD a
-    block; each step rounds). Returns the folder."""
+    block; each step rounds). ``step``: each step rounded and added to the sums, no block value
+    (the step grid; with ``shared_every_type`` None). Returns the folder."""
     dest.mkdir(parents=True, exist_ok=True)
     for f in [*CUDA_DIR.glob("*.cuh"), CUDA_DIR / "mmq.cu", CUDA_DIR / "fixed_point.cu"]:
         shutil.copy(f, dest / f.name)
@@ -90,7 +128,8 @@ def write_variant(dest: Path, shared_every_type: bool | None, chain: bool = Fals
     if mmq.count("fx_of(bv") != _BLOCK_ADDS:
         raise SystemExit(f"fx_grid: mmq.cu adds block values in {mmq.count('fx_of(bv')} places, not "
                          f"{_BLOCK_ADDS}; update dev/cuda/fx_grid.py")
-    (dest / "mmq.cu").write_text(mmq.replace("fx_of(bv", "fxg_of(bv"))
+    mmq = mmq.replace("fx_of(bv", "fxg_of(bv")
+    (dest / "mmq.cu").write_text(_step_grid(mmq) if step else mmq)
     if shared_every_type:
         # production sizes shared sums for Q6_K only (fixed_point.fx_mmq_smem_bytes): Q4_K and
         # Q5_K's 4 int32 entries a thread per 8-row tile of x come on top (bench_fx_variants)
@@ -102,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", type=Path, help="where the variant folders go")
     a = ap.parse_args(argv)
-    for name, shared, chain in (("grid_int", False, False), ("grid_int_smem", True, False), ("grid_int_regs", None, False),
-                                ("grid_chain", False, True)):
-        print(write_variant(a.dir / name, shared, chain))
+    for name, shared, chain, step in (("grid_int", False, False, False), ("grid_int_smem", True, False, False),
+                                      ("grid_int_regs", None, False, False), ("grid_chain", False, True, False),
+                                      ("grid_step", None, False, True)):
+        print(write_variant(a.dir / name, shared, chain, step))
     return 0
 
 
