@@ -45,55 +45,59 @@ from pathlib import Path
 # scripts/device_check.sh makes `ntx` importable, so it needs nothing but the standard library
 CUDA_DIR = Path(__file__).resolve().parents[2] / "daemons" / "compute" / "cuda"
 
+# the grid form's conversion: the block value rounded to the grid by the FADD of 1.5 * 2^23, its
+# bits less the constant's; chained (grid_chain), the block value already holds the constant
+_FXG_OF = {False: "__device__ __forceinline__ int fxg_of(float v) { return __float_as_int(__fadd_rn(v, 12582912.f)) - 0x4B400000; }",
+           True: "__device__ __forceinline__ int fxg_of(float v) { return __float_as_int(v) - 0x4B400000; }  // chained from 1.5 * 2^23"}
 # (file, production's text, the stand-in's); each must match production exactly, or the stand-in
 # would silently time something else
 _SUM_TYPE = ("mmq.cu", "template <> struct MmqSum<true> { typedef long long T; };      // FX: 64-bit fixed point",
-             "// the grid form: the block value rounded to the grid by the FADD, its bits less the constant's\n"
-             "__device__ __forceinline__ int fxg_of(float v) { return __float_as_int(__fadd_rn(v, 12582912.f)) - 0x4B400000; }\n"
+             "// the grid form: the block value rounded to the grid, its bits less the constant's\n{fxg_of}\n"
              "template <> struct MmqSum<true> { typedef int T; };  // the grid form: int32 sums")
 _MM_VALUE = ("common.cuh", "__device__ __forceinline__ float mm_value(long long s) { return fx_value(s); }",
              "__device__ __forceinline__ float mm_value(long long s) { return fx_value(s); }\n"
              "__device__ __forceinline__ float mm_value(int s) { return __int2float_rn(s); }  // unscaled: timing only")
 _PART = ("fixed_point.cu", "long long* __restrict__ part", "int* __restrict__ part")
-_SHARED_EVERY_TYPE = ("mmq.cu", "{ return QT == 14 && NT > 5; }", "{ return NT > 5; }")
-_SHARED_NONE = ("mmq.cu", "{ return QT == 14 && NT > 5; }", "{ return false; }")
+_SHARED = {True: ("mmq.cu", "{ return QT == 14 && NT > 5; }", "{ return NT > 5; }"),  # every type past 5 tiles
+           None: ("mmq.cu", "{ return QT == 14 && NT > 5; }", "{ return false; }")}  # none: all in registers
+# (production's text, the stand-in's, how many times production has it) in mmq.cu:
 # fx_mmq_kernel and fx_mmqx_kernel add their block values in three places
-_BLOCK_ADDS = 3
+_BLOCK_ADDS = ("fx_of(bv", "fxg_of(bv", 3)
 # the chained grid: the block value starts at the FADD's constant, so that every step's FFMA
 # rounds it to the grid itself, and only the bits are left to take at the block's end
-_CHAIN_OF = (_SUM_TYPE[2], "__device__ __forceinline__ int fxg_of(float v) { return __float_as_int(__fadd_rn(v, 12582912.f)) - 0x4B400000; }",
-             "__device__ __forceinline__ int fxg_of(float v) { return __float_as_int(v) - 0x4B400000; }  // chained from 1.5 * 2^23")
-_CHAIN_START = ("mmq.cu", "[nt][3] = 0.f;", "[nt][3] = 12582912.f;")
-_BLOCK_STARTS = 2  # where fx_mmq_kernel and fx_mmqx_kernel set their block values to 0
+_CHAIN_START = ("[nt][3] = 0.f;", "[nt][3] = 12582912.f;", 2)
 # the step grid: no block value; each step (a 32-column sub-block's, Q6_K's group of two) is
 # rounded by the FADD and added to the int32 sums at once: one register an entry, as mmq's f32
 # sum, for a FADD and an IADD3 an entry and step (the block values stay 0 and fold away)
 _STEP_CHAINS = (("        auto chain = [&](int mt, int nt) -> float* {\n            if constexpr (FX) return bv[mt][nt];\n"
                  "            else return acc[mt][nt];\n        };",
-                 "        auto chain = [&](int mt, int nt) -> T* { return acc[mt][nt]; };  // grid_step: steps into the sums"),
+                 "        auto chain = [&](int mt, int nt) -> T* { return acc[mt][nt]; };  // grid_step: steps into the sums", 1),
                 ("        auto chain = [&](int nt) -> float* {\n            if constexpr (FX) return bv[nt];\n"
                  "            else return acc[nt];\n        };",
-                 "        auto chain = [&](int nt) -> T* { return acc[nt]; };  // grid_step: steps into the sums"))
-_STEP_AC = ("float* ac = chain(", "T* ac = chain(", 4)  # (production's, the step grid's, how many)
+                 "        auto chain = [&](int nt) -> T* { return acc[nt]; };  // grid_step: steps into the sums", 1),
+                ("float* ac = chain(", "T* ac = chain(", 4),
+                ("ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);",
+                 "if constexpr (FX) ac[e] += fxg_of(((e & 1) ? dd.z : dd.x) * u); "
+                 "else ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);", 2))
 _STEP_K45 = (re.compile(r"ac\[(\d)\] = fmaf\((s[ab] \* dd\.[xz]), (mmq_t\(c1\[\d\], c2\[\d\]\)), "
                         r"fmaf\((-m[ab]), (dd\.[yw]), ac\[\1\]\)\);"),
              r"if constexpr (FX) ac[\1] += fxg_of(fmaf(\2, \3, \4 * \5)); "
              r"else ac[\1] = fmaf(\2, \3, fmaf(\4, \5, ac[\1]));", 8)
-_STEP_Q6K = ("ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);",
-             "if constexpr (FX) ac[e] += fxg_of(((e & 1) ? dd.z : dd.x) * u); "
-             "else ac[e] = fmaf((e & 1) ? dd.z : dd.x, u, ac[e]);", 2)
+
+
+def _edit(fname: str, text: str, old: str, new: str, count: int | None = None) -> str:
+    """text with old replaced by new, where production has old (``count`` times, if given); stops
+    otherwise, naming what moved."""
+    n = text.count(old)
+    if n == 0 or (count is not None and n != count):
+        raise SystemExit(f"fx_grid: {fname} has {old!r} {n} times, not {count or 'any'}; update dev/cuda/fx_grid.py")
+    return text.replace(old, new)
 
 
 def _step_grid(mmq: str) -> str:
     """mmq.cu's text with the step grid's edits (above); stops where production's text moved."""
-    for old, new in _STEP_CHAINS:
-        if old not in mmq:
-            raise SystemExit(f"fx_grid: mmq.cu no longer has {old!r}; update dev/cuda/fx_grid.py")
-        mmq = mmq.replace(old, new)
-    for old, new, n in (_STEP_AC, _STEP_Q6K):
-        if mmq.count(old) != n:
-            raise SystemExit(f"fx_grid: mmq.cu has {old!r} {mmq.count(old)} times, not {n}; update dev/cuda/fx_grid.py")
-        mmq = mmq.replace(old, new)
+    for old, new, n in _STEP_CHAINS:
+        mmq = _edit("mmq.cu", mmq, old, new, n)
     mmq, n = _STEP_K45[0].subn(_STEP_K45[1], mmq)
     if n != _STEP_K45[2]:
         raise SystemExit(f"fx_grid: mmq.cu has {n} Q4_K/Q5_K steps, not {_STEP_K45[2]}; update dev/cuda/fx_grid.py")
@@ -111,24 +115,12 @@ def write_variant(dest: Path, shared_every_type: bool | None, chain: bool = Fals
     dest.mkdir(parents=True, exist_ok=True)
     for f in [*CUDA_DIR.glob("*.cuh"), CUDA_DIR / "mmq.cu", CUDA_DIR / "fixed_point.cu"]:
         shutil.copy(f, dest / f.name)
-    edits = [_SUM_TYPE, _MM_VALUE, _PART] + {True: [_SHARED_EVERY_TYPE], False: [], None: [_SHARED_NONE]}[shared_every_type]
+    sum_type = (_SUM_TYPE[0], _SUM_TYPE[1], _SUM_TYPE[2].replace("{fxg_of}", _FXG_OF[chain]))
+    for fname, old, new in [sum_type, _MM_VALUE, _PART] + ([_SHARED[shared_every_type]] if shared_every_type is not False else []):
+        (dest / fname).write_text(_edit(fname, (dest / fname).read_text(), old, new))
+    mmq = _edit("mmq.cu", (dest / "mmq.cu").read_text(), *_BLOCK_ADDS)
     if chain:
-        mmq = (dest / "mmq.cu").read_text()
-        if mmq.count(_CHAIN_START[1]) != _BLOCK_STARTS:
-            raise SystemExit(f"fx_grid: mmq.cu starts block values in {mmq.count(_CHAIN_START[1])} places, not "
-                             f"{_BLOCK_STARTS}; update dev/cuda/fx_grid.py")
-        (dest / "mmq.cu").write_text(mmq.replace(_CHAIN_START[1], _CHAIN_START[2]))
-        edits[0] = (_SUM_TYPE[0], _SUM_TYPE[1], _SUM_TYPE[2].replace(_CHAIN_OF[1], _CHAIN_OF[2]))
-    for fname, old, new in edits:
-        text = (dest / fname).read_text()
-        if old not in text:
-            raise SystemExit(f"fx_grid: {fname} no longer has {old!r}; update dev/cuda/fx_grid.py")
-        (dest / fname).write_text(text.replace(old, new))
-    mmq = (dest / "mmq.cu").read_text()
-    if mmq.count("fx_of(bv") != _BLOCK_ADDS:
-        raise SystemExit(f"fx_grid: mmq.cu adds block values in {mmq.count('fx_of(bv')} places, not "
-                         f"{_BLOCK_ADDS}; update dev/cuda/fx_grid.py")
-    mmq = mmq.replace("fx_of(bv", "fxg_of(bv")
+        mmq = _edit("mmq.cu", mmq, *_CHAIN_START)
     (dest / "mmq.cu").write_text(_step_grid(mmq) if step else mmq)
     if shared_every_type:
         # production sizes shared sums for Q6_K only (fixed_point.fx_mmq_smem_bytes): Q4_K and
