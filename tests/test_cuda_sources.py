@@ -222,3 +222,12 @@ def test_the_grid_forms_stand_ins_are_production_with_int32_sums(tmp_path):
         # the step grid: both kernels' chains go to the sums, every step (8 of Q4_K/Q5_K's, 2 of Q6_K's) rounded into them
         assert src.count("steps into the sums") == (2 if step else 0)
         assert src.count("if constexpr (FX) ac[") == (10 if step else 0) and src.count("float* ac = chain(") == (0 if step else 4)
+    # the scaled grid: the conversion is one FFMA with the x row's factor and the weight row's constant,
+    # in all three places; the tables' stand-ins are made only in the fixed form's kernels (if constexpr (FX))
+    for lazy in (False, True):
+        d = fx_grid.write_variant(tmp_path / f"scaled-{lazy}", shared_every_type=False, scaled=True, lazy=lazy)
+        src = sources.kernel_source(d / "fixed_point.cu")
+        assert "fmaf(v, sx, cw)" in src and "__fadd_rn(v, 12582912.f)" not in src
+        assert src.count("fxg_of(bv") == 3 and src.count("fxg_sxs[8 * nt + 2 * tig + (e & 1)]") == 3
+        assert src.count("__shared__ float fxg_sx_table") == 2
+        assert src.count("fxg_first") == (4 if lazy else 0) and (src.count("__syncthreads();\n    }\n    mm_staged_walk") == (0 if lazy else 1))

@@ -15,7 +15,8 @@ blocks-wise, Cauchy-Schwarz), and the scale undone in the epilogue. Powers of tw
 the kernel's steps are the same instructions; the stand-ins time that loop, and their values are
 not the fixed form's (bench_fx_variants reports them DIFFERENT and times them).
 
-    python3 dev/cuda/fx_grid.py DIR        # writes DIR/grid_int, _smem, _regs, DIR/grid_chain, DIR/grid_step
+    python3 dev/cuda/fx_grid.py DIR        # writes DIR/grid_int, _smem, _regs, DIR/grid_chain, DIR/grid_step,
+                                           # DIR/grid_scaled, DIR/grid_scaled_lazy
     FX_VARIANTS="grid_int=DIR/grid_int grid_int_smem=DIR/grid_int_smem grid_int_regs=DIR/grid_int_regs grid_chain=DIR/grid_chain" \\
         FX_VARIANTS_ARGS="--types Q4_K,Q6_K --ts 8,32,64" bash scripts/device_check.sh --no-tests --fx-variants
 
@@ -31,6 +32,10 @@ with header bounds as much as the 15-bit activations' own (dev/cuda/grid_precisi
 no block value at all: each step is rounded and added to the int32 sums as it comes (with
 exponents from the steps' norms, as precise as the block-rounded grid: grid_precision.py --step
 32), one register an entry as in mmq, for more instructions an entry; its sums in registers.
+grid_scaled is grid_int with the conversion a real grid form would make: one FFMA of the block
+value with the x row's 2^-e_x (shared memory) and the weight row's constant (registers), their
+tables stood in for by bytes of x and W, loaded before the walk; grid_scaled_lazy loads them as
+the first block begins instead (24th session, H100: slower, docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -85,6 +90,98 @@ _STEP_K45 = (re.compile(r"ac\[(\d)\] = fmaf\((s[ab] \* dd\.[xz]), (mmq_t\(c1\[\d
              r"else ac[\1] = fmaf(\2, \3, fmaf(\4, \5, ac[\1]));", 8)
 
 
+# the scaled grid (grid_scaled): the block grid with the real conversion's operands. The block
+# value stays as every kernel computes it now; one FFMA rounds it: fl(v * 2^-e_x + 1.5 * 2^(e_w + 2))
+# has ulp 2^(e_w - 21), so its bits less the constant's are v / 2^(e_w + e_x - 21) rounded once
+# (the product is exact inside the FFMA). 2^-e_x is the x row's (an entry's column: from shared
+# memory, 8 NT of them a CTA), the constant the weight row's (an entry's row: in registers, 2 MT
+# a thread, loaded once). The stand-in takes both from bytes that stand for the real tables (a
+# byte of each weight row; the exponent bits of each x row's first group factor), so it times
+# the loads, the registers and the FFMA, not the values. Left out: the epilogue's scale (one FMUL
+# an output) and e_x's computation in fx_quantize.
+_FXG_SCALED = ("__device__ __forceinline__ int fxg_of(float v, float sx, float cw) "
+               "{ return __float_as_int(fmaf(v, sx, cw)) - __float_as_int(cw); }\n"
+               "// stand-ins for the tables: a weight row's constant 1.5 * 2^(e_w + 2), an x row's 2^-e_x\n"
+               "__device__ __forceinline__ float fxg_cw(const u8* w, int row, int n_rows, long long row_bytes) "
+               "{ return __int_as_float(((130 + (w[(long long)min(row, n_rows - 1) * row_bytes] & 7)) << 23) | 0x400000); }\n"
+               "__device__ __forceinline__ float fxg_sx(const float2* xd, int col) "
+               "{ return __int_as_float((120 + (__float_as_int(xd[col].x) & 7)) << 23); }")
+_SCALED_EDITS = (
+    # mmq_body: the tables' stand-ins loaded before the walk
+    ("mmq.cu", "    mm_staged_walk<QT, MT>(w, n_rows, row_bytes, blockIdx.x * 16 * MT * WR + 16 * MT * wr, kpart, nparts, n_cols / 256,",
+     "    float* fxg_sxs = nullptr;  // grid_scaled: the x rows' 2^-e_x (shared memory, FX's kernels only)\n"
+     "    float fxg_cws[MT][2];      // grid_scaled: the thread's weight rows' constants\n"
+     "    if constexpr (FX) {\n"
+     "        __shared__ float fxg_sx_table[8 * NT];\n"
+     "        fxg_sxs = fxg_sx_table;\n"
+     "        for (int i = threadIdx.x; i < 8 * NT; i += blockDim.x) fxg_sxs[i] = fxg_sx(xd, i);\n"
+     "#pragma unroll\n"
+     "        for (int mt = 0; mt < MT; mt++)\n"
+     "#pragma unroll\n"
+     "            for (int i = 0; i < 2; i++)\n"
+     "                fxg_cws[mt][i] = fxg_cw(w, blockIdx.x * 16 * MT * WR + 16 * MT * wr + 16 * mt + gid + 8 * i, n_rows, row_bytes);\n"
+     "        __syncthreads();\n"
+     "    }\n"
+     "    mm_staged_walk<QT, MT>(w, n_rows, row_bytes, blockIdx.x * 16 * MT * WR + 16 * MT * wr, kpart, nparts, n_cols / 256,", 1),
+    ("mmq.cu", "+= fxg_of(bv[mt][nt][e]);", "+= fxg_of(bv[mt][nt][e], fxg_sxs[8 * nt + 2 * tig + (e & 1)], fxg_cws[mt][e >> 1]);", 2),
+    # mmqx_body: likewise before the first stages are issued
+    ("mmq.cu", "    for (int s = 0; s < NS - 1; s++) issue(kpart + s * KS, s);",
+     "    for (int s = 0; s < NS - 1; s++) issue(kpart + s * KS, s);\n"
+     "    float* fxg_sxs = nullptr;  // grid_scaled: the x rows' 2^-e_x (the walk's first __syncthreads orders it)\n"
+     "    float fxg_cws[2];          // grid_scaled: the thread's weight rows' constants\n"
+     "    if constexpr (FX) {\n"
+     "        __shared__ float fxg_sx_table[8 * NT];\n"
+     "        fxg_sxs = fxg_sx_table;\n"
+     "        for (int i = tid; i < 8 * NT; i += NTH) fxg_sxs[i] = fxg_sx(xd, i);\n"
+     "        fxg_cws[0] = fxg_cw(w, row0 + 16 * warp + gid, n_rows, row_bytes);\n"
+     "        fxg_cws[1] = fxg_cw(w, row0 + 16 * warp + gid + 8, n_rows, row_bytes);\n"
+     "    }", 1),
+    ("mmq.cu", "acc[nt][e] += fxg_of(bv[nt][e]);", "acc[nt][e] += fxg_of(bv[nt][e], fxg_sxs[8 * nt + 2 * tig + (e & 1)], fxg_cws[e >> 1]);", 1))
+
+
+# grid_scaled_lazy: grid_scaled with mmq_body's tables loaded without holding the walk back (in
+# grid_scaled a CTA-wide fill and __syncthreads come before the first stages are issued: +2.7
+# points on the 8-row pass): each warp keeps its own copy of the x rows' factors, its lanes load
+# them and the row constants into registers as its first block begins (the stages already in
+# flight) and store the factors at that block's end, where the conversion first needs them.
+_LAZY_MMQ = ("mmq.cu", _SCALED_EDITS[0][1],
+             "    float* fxg_sxs = nullptr;  // grid_scaled_lazy: this warp's copy of the x rows' 2^-e_x\n"
+             "    float fxg_cws[MT][2];      // the thread's weight rows' constants\n"
+             "    float fxg_pre[(8 * NT + 31) / 32];  // this lane's share of the factors, loaded at the first block\n"
+             "    bool fxg_first = true;\n"
+             "    if constexpr (FX) {\n"
+             "        __shared__ float fxg_sx_table[8 * 8 * NT];  // 8 warps at most\n"
+             "        fxg_sxs = fxg_sx_table + warp * 8 * NT;\n"
+             "    }\n"
+             "    mm_staged_walk<QT, MT>(w, n_rows, row_bytes, blockIdx.x * 16 * MT * WR + 16 * MT * wr, kpart, nparts, n_cols / 256,", 1)
+_LAZY_LOAD = ("mmq.cu", "        float bv[MT][NT][4];  // FX: the block's values, chained from 0 (unused without FX)\n",
+              "        float bv[MT][NT][4];  // FX: the block's values, chained from 0 (unused without FX)\n"
+              "        if constexpr (FX) {\n"
+              "            if (fxg_first) {\n"
+              "#pragma unroll\n"
+              "                for (int k = 0; k < (8 * NT + 31) / 32; k++) fxg_pre[k] = lane + 32 * k < 8 * NT ? fxg_sx(xd, lane + 32 * k) : 0.f;\n"
+              "#pragma unroll\n"
+              "                for (int mt = 0; mt < MT; mt++)\n"
+              "#pragma unroll\n"
+              "                    for (int i = 0; i < 2; i++)\n"
+              "                        fxg_cws[mt][i] = fxg_cw(w, blockIdx.x * 16 * MT * WR + 16 * MT * wr + 16 * mt + gid + 8 * i, n_rows, row_bytes);\n"
+              "            }\n"
+              "        }\n", 1)
+_LAZY_STORE = ("mmq.cu", "        if constexpr (FX) {\n#pragma unroll\n            for (int mt = 0; mt < MT; mt++)\n"
+               "#pragma unroll\n                for (int nt = 0; nt < NT; nt++)\n#pragma unroll\n"
+               "                    for (int e = 0; e < 4; e++) {\n",
+               "        if constexpr (FX) {\n"
+               "            if (fxg_first) {\n"
+               "#pragma unroll\n"
+               "                for (int k = 0; k < (8 * NT + 31) / 32; k++) if (lane + 32 * k < 8 * NT) fxg_sxs[lane + 32 * k] = fxg_pre[k];\n"
+               "                __syncwarp();\n"
+               "                fxg_first = false;\n"
+               "            }\n"
+               "#pragma unroll\n            for (int mt = 0; mt < MT; mt++)\n"
+               "#pragma unroll\n                for (int nt = 0; nt < NT; nt++)\n#pragma unroll\n"
+               "                    for (int e = 0; e < 4; e++) {\n", 1)
+
+
 def _edit(fname: str, text: str, old: str, new: str, count: int | None = None) -> str:
     """text with old replaced by new, where production has old (``count`` times, if given); stops
     otherwise, naming what moved."""
@@ -104,23 +201,32 @@ def _step_grid(mmq: str) -> str:
     return mmq
 
 
-def write_variant(dest: Path, shared_every_type: bool | None, chain: bool = False, step: bool = False) -> Path:
+def write_variant(dest: Path, shared_every_type: bool | None, chain: bool = False, step: bool = False,
+                  scaled: bool = False, lazy: bool = False) -> Path:
     """One variant folder: production's fixed_point.cu, mmq.cu and headers (every header, so that
     each include finds this folder's copy first: sources.kernel_source looks beside the including
     file), edited. ``shared_every_type``: True, the sums in shared memory past 5 tiles for every
     type; False, production's choice (Q6_K's only); None, in registers for every type.
     ``chain``: the block values chained from the FADD's constant (the chained grid: no FADD a
     block; each step rounds). ``step``: each step rounded and added to the sums, no block value
-    (the step grid; with ``shared_every_type`` None). Returns the folder."""
+    (the step grid; with ``shared_every_type`` None). ``scaled``: the block grid's conversion
+    with the real operands (_FXG_SCALED); ``lazy``: with ``scaled``, mmq_body's tables loaded as
+    grid_scaled_lazy loads them. Returns the folder."""
     dest.mkdir(parents=True, exist_ok=True)
     for f in [*CUDA_DIR.glob("*.cuh"), CUDA_DIR / "mmq.cu", CUDA_DIR / "fixed_point.cu"]:
         shutil.copy(f, dest / f.name)
-    sum_type = (_SUM_TYPE[0], _SUM_TYPE[1], _SUM_TYPE[2].replace("{fxg_of}", _FXG_OF[chain]))
+    sum_type = (_SUM_TYPE[0], _SUM_TYPE[1], _SUM_TYPE[2].replace("{fxg_of}", _FXG_SCALED if scaled else _FXG_OF[chain]))
     for fname, old, new in [sum_type, _MM_VALUE, _PART] + ([_SHARED[shared_every_type]] if shared_every_type is not False else []):
         (dest / fname).write_text(_edit(fname, (dest / fname).read_text(), old, new))
     mmq = _edit("mmq.cu", (dest / "mmq.cu").read_text(), *_BLOCK_ADDS)
     if chain:
         mmq = _edit("mmq.cu", mmq, *_CHAIN_START)
+    if scaled:
+        for fname, old, new, n in (_LAZY_MMQ, *_SCALED_EDITS[1:]) if lazy else _SCALED_EDITS:
+            mmq = _edit(fname, mmq, old, new, n)
+        if lazy:
+            for fname, old, new, n in (_LAZY_LOAD, _LAZY_STORE):
+                mmq = _edit(fname, mmq, old, new, n)
     (dest / "mmq.cu").write_text(_step_grid(mmq) if step else mmq)
     if shared_every_type:
         # production sizes shared sums for Q6_K only (fixed_point.fx_mmq_smem_bytes): Q4_K and
@@ -137,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                                       ("grid_int_regs", None, False, False), ("grid_chain", False, True, False),
                                       ("grid_step", None, False, True)):
         print(write_variant(a.dir / name, shared, chain, step))
+    print(write_variant(a.dir / "grid_scaled", False, scaled=True))
+    print(write_variant(a.dir / "grid_scaled_lazy", False, scaled=True, lazy=True))
     return 0
 
 

@@ -71,9 +71,32 @@ def header_block_bounds(w: np.ndarray, b: int = 0) -> np.ndarray:
     return np.sqrt((g * sub ** 2).sum(-1))
 
 
+def plane_block_bounds(x: np.ndarray) -> np.ndarray:
+    """[T, K] -> [T, K / b]: each block's norm as the quantized x's first plane gives it, in
+    float32 and in one fixed order, so that any kernel holding the planes gets the same bits:
+    n_g = fl(fl(d_g d_g) S_g) for each 32-column group (d_g its scale, S_g the sum of its int8
+    q squared: an integer, exact in any order), then the block's groups added as a fixed tree
+    (pairs, then pairs of pairs: what xor-shuffles across the group's lanes give), then sqrt.
+    |x_g| <= |d_g q_g| + d_g sqrt(32) / 2 and |d_g q_g| >= 127 d_g where d_g > 0, so the bound
+    is under the exact norm by at most 2.3%: the grid's factor of two covers it."""
+    T, K = x.shape
+    b = block_of(K)
+    g = x.astype(np.float32).reshape(T, K // 32, 32)
+    d = (np.abs(g).max(-1) / np.float32(127)).astype(np.float32)  # [T, K / 32]: quant2_group's d
+    amax = np.abs(g).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint(g * inv[..., None])  # quant2_group's q = rint(x * 127 / max|x|)
+    S = (q.astype(np.int64) ** 2).sum(-1).astype(np.float32)  # [T, K / 32], exact integers (< 2^19)
+    n = ((d * d).astype(np.float32) * S).astype(np.float32).reshape(T, K // b, b // 32)
+    while n.shape[-1] > 1:  # the fixed tree: (n0 + n1) + (n2 + n3), ... in float32 (an odd last one waits)
+        m = n.shape[-1] // 2 * 2
+        n = np.concatenate([(n[..., 0:m:2] + n[..., 1:m:2]).astype(np.float32), n[..., m:]], -1)
+    return np.sqrt(n[..., 0].astype(np.float64))
+
+
 def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False,
                  x_group_bound: bool = False, step: int = 0,
-                 chain: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 chain: bool = False, x_plane_bound: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(grid form, float64 exact, float32 sequential-by-block, by piece with ``step``) of x @ w.T.
     w: [N, K], x: [T, K];
     ``header_bound``: the weight rows' exponents from header_block_bounds, not the exact norms;
@@ -84,7 +107,10 @@ def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False,
     entry and no block value to chain (0: the block);
     ``chain``: with ``step``, the exponents from the blocks' norms, not the pieces': what a block
     value chained from 1.5 * 2^23 units gives, each step's FFMA rounding to the grid (the partial
-    sums of a block stay under its bound), one IADD3 a block and no FADD."""
+    sums of a block stay under its bound), one IADD3 a block and no FADD;
+    ``x_plane_bound``: the x rows' exponents from plane_block_bounds (the blocks' norms as the
+    quantized first plane gives them, in one fixed order: what a consumer of the planes can
+    compute itself, so that no producer of x has to)."""
     N, K = w.shape
     blk = step or block_of(K)
     nb = K // blk
@@ -94,8 +120,9 @@ def grid_product(w: np.ndarray, x: np.ndarray, header_bound: bool = False,
     v = np.einsum("nbk,tbk->tnb", wb, xb)  # [T, N, nb]: the block values (exact here)
     e_w = np.ceil(np.log2(np.maximum((header_block_bounds(w, ebk) if header_bound else block_norms(w, ebk)).max(1),
                                      1e-30)))  # [N]
-    e_x = np.ceil(np.log2(np.maximum((header_block_bounds(x, ebk) if x_group_bound else block_norms(x, ebk)).max(1),
-                                     1e-30))) - MAGIC_BITS  # [T]
+    x_bounds = (plane_block_bounds(x) if x_plane_bound else header_block_bounds(x, ebk) if x_group_bound
+                else block_norms(x, ebk))
+    e_x = np.ceil(np.log2(np.maximum(x_bounds.max(1), 1e-30))) - MAGIC_BITS  # [T]
     u = np.exp2(e_x[:, None] + e_w[None, :])  # [T, N]
     q = np.rint(v / u[:, :, None])
     assert np.abs(q).max() < 2 ** 22, "the bound failed"  # Cauchy-Schwarz says it cannot
@@ -149,7 +176,11 @@ def main() -> int:
                     help="with --step: the exponents from the blocks' norms (a block value chained from the FADD's constant)")
     ap.add_argument("--x-group-bound", action="store_true",
                     help="the x rows' exponents from their 32-column groups' extremes (what x's group scales give)")
+    ap.add_argument("--x-plane-bound", action="store_true",
+                    help="the x rows' exponents from the quantized first plane's block norms, in one fixed order")
     a = ap.parse_args()
+    if a.x_plane_bound and (a.step or a.x_group_bound):
+        ap.error("--x-plane-bound takes the blocks' norms: not with --step or --x-group-bound")
     if a.chain and not a.step:
         ap.error("--chain rounds each step: give --step (32: a K-quant's sub-block)")
     if a.model is None:
@@ -157,14 +188,14 @@ def main() -> int:
         a.model = str(models.ensure_default_model())
     recorded = record_products(a.model, Path(a.text).read_text(), a.tokens)
     print(f"{a.model}: {a.tokens} tokens; weight exponents from {'the sub-blocks extremes' if a.header_bound else 'exact block norms'}; "
-          f"x exponents from {'the groups extremes' if a.x_group_bound else 'exact block norms'}; "
+          f"x exponents from {'the first plane' if a.x_plane_bound else 'the groups extremes' if a.x_group_bound else 'exact block norms'}; "
           f"values rounded a {a.step or 'block'}-column piece{' (exponents a block: the chain)' if a.chain else ''}; "
           "|error| / rms(row's outputs), median and 99th percentile")
     print(f"{'matrix (N x K)':18} {'block':>5} {'products':>8} {'grid p50':>10} {'grid p99':>10} {'f32 p50':>10} {'f32 p99':>10} {'i16 x p50':>10} {'i16 x p99':>10}")
     for kind, pairs in sorted(recorded.items()):
         g_err, f_err, x_err = [], [], []
         for w, x in pairs:
-            grid, exact, f32 = grid_product(w, x, a.header_bound, a.x_group_bound, a.step, a.chain)
+            grid, exact, f32 = grid_product(w, x, a.header_bound, a.x_group_bound, a.step, a.chain, a.x_plane_bound)
             rms = np.sqrt((exact ** 2).mean(1, keepdims=True)) + 1e-30
             g_err.append((np.abs(grid - exact) / rms).ravel())
             f_err.append((np.abs(f32 - exact) / rms).ravel())
