@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""How exact the grid form of the fixed form (dev/cuda/fx_grid.py) would be, on a real model's
-activations: numpy, no GPU.
+"""How exact the grid form of the fixed form (dev/cuda/fx_grid.py's stand-ins; built in
+dev/cuda/grid_form.patch) would be, on a real model's activations: numpy, no GPU.
 
 The grid form rounds each 256-column block value v of a row's product (a K-quant block; here 192
 where the rows have no 256, as SmolLM2's 576 columns) to a multiple of a unit
