@@ -112,12 +112,35 @@ class Client:
     def send(self, msg: dict[str, Any]) -> None:
         self.send_raw(m.pack(msg))
 
-    def send_raw(self, frame: bytes) -> None:
-        """Send a frame as is (``send`` and the tests of the server's handling of bad input)."""
-        self.sock.send(frame)
+    def send_raw(self, frame: bytes, timeout_s: float | None = None) -> None:
+        """Send a frame as is (``send`` and the tests of the server's handling of bad input).
+
+        Never a blocking send: a connection whose handshake the server refused (a CURVE key it
+        does not know, or no key where it requires one) is dropped by libzmq together with its
+        queue, and a DEALER with no queue left blocks ``send`` forever. So the frame waits for
+        room while the monitor is read: a refusal raises ``auth_refused`` at once, and no room
+        within ``timeout_s`` (default ``event_timeout_s``) raises ``timeout``."""
+        timeout_s = self.event_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.send(frame, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                pass
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLOUT)
+            poller.register(self._lost, zmq.POLLIN)
+            left_s = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0, int(left_s * 1000)))) if left_s > 0 else {}
+            if self._lost in ready:
+                self._connection_events()
+            if not ready and time.monotonic() >= deadline:
+                raise ClientError("timeout", f"could not send to {self.address} within {timeout_s:.0f} s: "
+                                             "no connection took the request")
         self._frames_sent += 1
 
-    def _send_request(self, msg: dict[str, Any]) -> None:
+    def _send_request(self, msg: dict[str, Any], timeout_s: float | None = None) -> None:
         """Send a generate or status map, remembering its frame's number until its last reply;
         one over the frame bound is refused here (the server could only refuse it too, and
         libzmq drops the connection of a frame over 16 MiB)."""
@@ -125,7 +148,7 @@ class Client:
         if len(frame) > m.MAX_FRAME_BYTES:
             raise ClientError("bad_frame", f"request of {len(frame)} bytes is larger than the frame limit of "
                                            f"{m.MAX_FRAME_BYTES} bytes (docs/PROTOCOL.md, Limits)")
-        self.send_raw(frame)
+        self.send_raw(frame, timeout_s)
         if isinstance(msg.get("id"), str):
             self._frame_rids[self._frames_sent] = msg["id"]
             self._rid_frames[msg["id"]] = self._frames_sent
@@ -238,7 +261,7 @@ class Client:
 
     def status(self, timeout_s: float = 5.0) -> dict:
         rid = f"{self._prefix}status-{next(self._ids)}"
-        self._send_request({"op": "status", "id": rid})
+        self._send_request({"op": "status", "id": rid}, timeout_s)
         return self.next_event(rid, timeout_s)["status"]
 
 
