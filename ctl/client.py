@@ -122,22 +122,21 @@ class Client:
         within ``timeout_s`` (default ``event_timeout_s``) raises ``timeout``."""
         timeout_s = self.event_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLOUT)
+        poller.register(self._lost, zmq.POLLIN)
         while True:
             try:
                 self.sock.send(frame, zmq.NOBLOCK)
                 break
             except zmq.Again:
                 pass
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLOUT)
-            poller.register(self._lost, zmq.POLLIN)
             left_s = deadline - time.monotonic()
-            ready = dict(poller.poll(max(0, int(left_s * 1000)))) if left_s > 0 else {}
-            if self._lost in ready:
-                self._connection_events()
-            if not ready and time.monotonic() >= deadline:
+            if left_s <= 0:
                 raise ClientError("timeout", f"could not send to {self.address} within {timeout_s:.0f} s: "
                                              "no connection took the request")
+            if self._lost in dict(poller.poll(int(left_s * 1000) + 1)):
+                self._connection_events()  # raises auth_refused for a refused handshake
         self._frames_sent += 1
 
     def _send_request(self, msg: dict[str, Any], timeout_s: float | None = None) -> None:
