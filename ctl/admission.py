@@ -76,6 +76,11 @@ class Admission:
     pending_bytes: int = 0
     at_compute: set[str] = field(default_factory=set)  # sent to compute, its last output not yet seen
     cancel_sent: set[str] = field(default_factory=set)
+    # counts admissions and endings: the status map (ctl/status_map.py) is reused for a moment
+    # only while this stays the same, so a status asked right after a request is admitted or
+    # ended counts it (a map reused across an admission once said 0 in flight to a client that
+    # was reading the request's first token; CI failed)
+    changes: int = 0
     _ids: Iterator[int] = field(default_factory=itertools.count)
 
     # -- from clients -----------------------------------------------------------------------
@@ -94,6 +99,7 @@ class Admission:
             self.front.send(conn, m.ErrorReply(msg["id"], e.code, str(e)))
             return
         self.inflight[rid] = Flight(conn, msg["id"], out)
+        self.changes += 1
         self.by_client[key] = rid
         conn.rids.add(rid)
         self.pending[rid] = (engine_req, n_bytes)
@@ -172,6 +178,7 @@ class Admission:
     def end_request(self, rid: str, error: tuple[str, str] | None = None) -> None:
         """Forget a request (its reply, if any, is sent first); an error ends it for its client."""
         flight = self.inflight.pop(rid)
+        self.changes += 1
         self.by_client.pop((flight.conn.serial, flight.client_id), None)
         flight.conn.rids.discard(rid)
         if rid in self.pending:

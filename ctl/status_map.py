@@ -28,7 +28,9 @@ OPERATOR_STATUS_FIELDS = ("model", "listen", "supervisor_pid", "reason", "log_di
 # counts them all), so that a map stays small while a thousand wait in the queue.
 LISTED_REQUESTS = 64
 # A status map is built again at most this often: a flood of status requests costs a copy each,
-# not a build (about 0.3 ms) each. Daemons report every 0.5 s, so it is no staler than they are.
+# not a build (about 0.3 ms) each. Daemons report every 0.5 s, so it is no staler than they are;
+# what the supervisor holds itself (the state, the requests in flight) is never stale: a change
+# of either builds a new map (``InstanceStatus.build``).
 STATUS_REUSE_S = 0.1
 
 
@@ -43,15 +45,15 @@ class InstanceStatus:
     admission: Admission
     gateway: GatewayProcess
     started_s: float = field(default_factory=time.monotonic)
-    # operator -> (when, the state and generation then, the map)
-    built: dict[bool, tuple[float, tuple[str, int], dict[str, Any]]] = field(default_factory=dict)
+    # operator -> (when, the state, generation and admission changes then, the map)
+    built: dict[bool, tuple[float, tuple[str, int, int], dict[str, Any]]] = field(default_factory=dict)
 
     def build(self, operator: bool = True) -> dict[str, Any]:
         """The status map; without ``operator``, less what only operators see (paths, pids).
-        The map built less than ``STATUS_REUSE_S`` ago is reused while the state and generation
-        are the same (callers must not change it)."""
+        The map built less than ``STATUS_REUSE_S`` ago is reused while the state, the generation
+        and the requests in flight are the same (callers must not change it)."""
         now = time.monotonic()
-        life = (self.gens.state, self.gens.gen)
+        life = (self.gens.state, self.gens.gen, self.admission.changes)
         when_s, was, st = self.built.get(operator, (float("-inf"), life, {}))
         if now - when_s < STATUS_REUSE_S and was == life:
             return st

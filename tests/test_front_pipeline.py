@@ -204,6 +204,23 @@ def test_a_burst_is_served_or_refused_never_lost(pipe):
     assert st["restarts"] == 0
 
 
+def test_a_status_right_after_a_request_is_admitted_or_ended_counts_it(pipe):
+    """The status map is reused for 0.1 s (a flood of status requests costs a copy each, not a
+    build). It was reused across an admission too: a status asked within 0.1 s of the last one
+    said 0 in flight while the request was streaming its first token (CI failed in the gateway's
+    hang-up test). Now an admission or an ending builds a new map. Each status here comes
+    within a few ms of the one before, well inside the 0.1 s."""
+    pipe.wait_status(lambda s: s["requests"]["in_flight"] == 0, "nothing in flight before the test")
+    with pipe.client() as c:
+        for _ in range(3):
+            assert c.status()["requests"]["in_flight"] == 0
+            rid = c.submit("Once upon a time", raw=True, max_tokens=400)
+            assert c.status()["requests"]["in_flight"] == 1  # the submit went first on this connection
+            c.cancel(rid)
+            assert list(c.events(rid))[-1]["type"] == "done"
+            assert c.status()["requests"]["in_flight"] == 0
+
+
 def test_unread_status_requests_hold_the_supervisor_to_a_bound(pipe):
     """100k status requests whose replies are never read: before, the supervisor grew by 270
     MiB, built 100k status maps at 100% CPU for 30 s and kept the memory. Now a status request
