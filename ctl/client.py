@@ -122,15 +122,17 @@ class Client:
         within ``timeout_s`` (default ``event_timeout_s``) raises ``timeout``."""
         timeout_s = self.event_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLOUT)
-        poller.register(self._lost, zmq.POLLIN)
+        poller = None  # made only when the socket has no room: the usual send takes it at once
         while True:
             try:
                 self.sock.send(frame, zmq.NOBLOCK)
                 break
             except zmq.Again:
                 pass
+            if poller is None:
+                poller = zmq.Poller()
+                poller.register(self.sock, zmq.POLLOUT)
+                poller.register(self._lost, zmq.POLLIN)
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise ClientError("timeout", f"could not send to {self.address} within {timeout_s:.0f} s: "
