@@ -9,7 +9,8 @@
 # --sanitize: first run the attention/KV/graph/rope/i16s tests under compute-sanitizer memcheck.
 # --decode-bench: write synthetic Llama-3-8B-shaped models (Q4_K_M, Q8_0, F16) under ~/models and
 #   time fully resident decode (scripts/bench_decode.py), SmolLM2 too when it is there.
-#   DECODE_TYPES (default "Q4_K_M Q8_0 F16") and DECODE_BATCH (default "1 8") steer it; DECODE_ARGS go
+#   DECODE_TYPES (default "Q4_K_M Q8_0 F16"; "" for none) and DECODE_BATCH (default "1 8") steer it;
+#   DECODE_QWEN2=1 adds Qwen2.5-1.5B's shape as Qwen2 and as a Llama (what its biases and pairs cost); DECODE_ARGS go
 #   to bench_decode.py as they are (e.g. "--kernels batch-invariant=off batch-invariant=on"; with
 #   "--rounds 6" in front, the settings alternate in one process: the way to time a cost of a few %).
 # --profile: each operation's share of one decode pass (B=1 and B=8, or PROFILE_BATCH) and one 512-token prefill
@@ -252,7 +253,12 @@ stream_bench() {  # stream_bench OUTDIR [more bench args]
 }
 if [ "$DECODE" = 1 ]; then
   DECODE_MODELS=()
-  for t in ${DECODE_TYPES:-Q4_K_M Q8_0 F16}; do synth "llama3-8b-$t" llama3-8b "$t"; DECODE_MODELS+=("$MODELS/llama3-8b-$t.gguf"); done
+  for t in ${DECODE_TYPES-Q4_K_M Q8_0 F16}; do synth "llama3-8b-$t" llama3-8b "$t"; DECODE_MODELS+=("$MODELS/llama3-8b-$t.gguf"); done
+  if [ "${DECODE_QWEN2:-0}" = 1 ]; then  # Qwen2.5-1.5B's shape, and the same shape as a Llama: what Qwen2's biases and pairs cost
+    synth qwen2.5-1.5b-Q4_K_M qwen2.5-1.5b Q4_K_M
+    synth qwen2.5-1.5b-as-llama-Q4_K_M qwen2.5-1.5b Q4_K_M --arch llama
+    DECODE_MODELS+=("$MODELS/qwen2.5-1.5b-Q4_K_M.gguf" "$MODELS/qwen2.5-1.5b-as-llama-Q4_K_M.gguf")
+  fi
   decode_bench "$REPO" "$OUT/"
 fi
 if [ "$PROFILE" = 1 ]; then

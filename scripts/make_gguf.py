@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-type", choices=sg.MATRIX_TYPES)
     p.add_argument("--token-embd-type", choices=sg.MATRIX_TYPES)
     p.add_argument("--order", choices=sg.ORDERS, help="tensor order (default: convert)")
+    p.add_argument("--arch", choices=sg.ARCHS, help="general.architecture (default: llama; qwen2 adds q, k, v "
+                                                   "biases and rotates each head's halves)")
     p.add_argument("--alignment", type=int)
     p.add_argument("--name")
     p.add_argument("--tokenizer-from", metavar="GGUF",
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     fields = ("type", "n_layers", "d_model", "d_ff", "n_heads", "n_kv_heads", "head_dim",
               "vocab_size", "rope_base", "rms_eps", "context_length", "tied_embeddings",
-              "rope_freqs", "output_type", "token_embd_type", "order", "alignment", "name",
+              "rope_freqs", "output_type", "token_embd_type", "order", "alignment", "name", "arch",
               "tokenizer_from", "seed")
     try:
         cfg = sg.preset_config(a.preset, **{f: getattr(a, f) for f in fields})

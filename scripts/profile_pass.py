@@ -231,6 +231,9 @@ class ProfiledBackend:
         return self._timed(label + " with its swiglu + add", nbytes, self.inner.swiglu_matmul_add, gate, up, act,
                            w, out, tmp)
 
+    def qkv_bias_pairs(self, q, k, v, biases, ws) -> None:  # a Qwen2 layer's
+        self._timed("qkv bias+pairs", 0, self.inner.qkv_bias_pairs, q, k, v, biases, ws)
+
     def rope_kv_write(self, layer_idx, q, k, v, ws) -> None:
         self._timed("rope+kv_write", 0, self.inner.rope_kv_write, layer_idx, q, k, v, ws)
 

@@ -57,7 +57,13 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2")
+#: Architectures whose q, k and v products carry a bias each (``blk.N.attn_{q,k,v}.bias``).
+QKV_BIAS_ARCHS = frozenset({"qwen2"})
+#: Architectures whose RoPE rotates the two halves of a head against each other (llama.cpp's NEOX
+#: mode) where Llama's rotates adjacent pairs (NORMAL): llama.cpp's converter permutes a Llama's
+#: q and k rows for NORMAL and leaves these as the checkpoint has them.
+ROPE_NEOX_ARCHS = frozenset({"qwen2"})
 
 # What a header may claim. Every tensor must lie inside its file, but a sparse file can be of
 # any size, and some values size allocations that no tensor backs (the context, the rope tables,
@@ -90,12 +96,14 @@ _COPY_CHUNK_BYTES = 16 << 20
 # matched with fullmatch: a name with a trailing newline is not another spelling of a plain one
 _SPLIT_RE = re.compile(r"(?P<stem>.*)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf")
 _LAYER_RE = re.compile(r"blk\.([0-9]+)\.(.+)\.weight")
+_LAYER_BIAS_RE = re.compile(r"blk\.([0-9]+)\.(attn_q|attn_k|attn_v)\.bias")  # kept as "attn_q.bias", ...
 
 LAYER_TENSORS = (
     "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
     "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
 )
 GLOBAL_TENSORS = ("token_embd", "output_norm", "output", "rope_freqs")  # any other is not used
+QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # a layer's tensors where the arch has them
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,8 @@ class HParams:
     n_ctx_train: int
     n_vocab: int
     tied_embeddings: bool
+    qkv_bias: bool = False  # q, k, v each add a bias after their product (Qwen2)
+    rope_neox: bool = False  # RoPE rotates (x[i], x[i + rope_dim/2]), not (x[2i], x[2i+1]) (Qwen2)
 
     @property
     def q_dim(self) -> int:
@@ -733,11 +743,14 @@ def _hparams(path: str, md: dict[str, Any], globals_: dict[str, TensorInfo], n_l
         n_ctx_train=count("context_length", 1, MAX_CONTEXT, 4096),
         n_vocab=n_vocab,
         tied_embeddings="output" not in globals_,
+        qkv_bias=arch in QKV_BIAS_ARCHS,
+        rope_neox=arch in ROPE_NEOX_ARCHS,
     )
 
 
 def _expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     d, f = hp.n_embd, hp.n_ff
+    biases = dict(zip(QKV_BIASES, ((hp.q_dim,), (hp.kv_dim,), (hp.kv_dim,)))) if hp.qkv_bias else {}
     return {
         "attn_norm": (d,),
         "attn_q": (hp.q_dim, d),
@@ -748,7 +761,7 @@ def _expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
         "ffn_gate": (f, d),
         "ffn_up": (f, d),
         "ffn_down": (d, f),
-    }
+    } | biases
 
 
 def _layer_spans(tensors: dict[str, TensorInfo]) -> tuple[Span, ...]:
@@ -816,6 +829,8 @@ def open_model(path: str | os.PathLike) -> ModelIndex:
         m = _LAYER_RE.fullmatch(name)
         if m:
             layer_tensors.setdefault(_layer_number(t.path, name, m[1]), {})[m[2]] = t
+        elif arch in QKV_BIAS_ARCHS and (m := _LAYER_BIAS_RE.fullmatch(name)):
+            layer_tensors.setdefault(_layer_number(t.path, name, m[1]), {})[f"{m[2]}.bias"] = t
         elif name.endswith(".weight") and name[: -len(".weight")] in GLOBAL_TENSORS:
             globals_[name[: -len(".weight")]] = t
     for g in ("token_embd", "output_norm"):
@@ -845,7 +860,8 @@ def open_model(path: str | os.PathLike) -> ModelIndex:
         tensors = layer_tensors.get(i, {})
         for short, want in expected.items():
             if short not in tensors:
-                raise ModelError(paths[0], f"missing tensor blk.{i}.{short}.weight")
+                full = short if short.endswith(".bias") else f"{short}.weight"
+                raise ModelError(paths[0], f"missing tensor blk.{i}.{full}")
             check_shape(tensors[short], want)
         layers.append(LayerInfo(i, dict(tensors), _layer_spans(tensors)))
 

@@ -112,14 +112,16 @@ class ReferenceWeights:
         self.reader = gguf_reader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         r = self.reader
-        self.n_layers = int(reader_meta(r, "llama.block_count"))
-        self.n_embd = int(reader_meta(r, "llama.embedding_length"))
-        self.n_head = int(reader_meta(r, "llama.attention.head_count"))
-        self.n_head_kv = int(reader_meta(r, "llama.attention.head_count_kv", self.n_head))
-        self.head_dim = int(reader_meta(r, "llama.attention.key_length", self.n_embd // self.n_head))
-        self.rope_dim = int(reader_meta(r, "llama.rope.dimension_count", self.head_dim))
-        self.rope_base = float(reader_meta(r, "llama.rope.freq_base", 10000.0))
-        self.eps = float(reader_meta(r, "llama.attention.layer_norm_rms_epsilon", 1e-5))
+        a = self.arch = str(reader_meta(r, "general.architecture"))
+        self.n_layers = int(reader_meta(r, f"{a}.block_count"))
+        self.n_embd = int(reader_meta(r, f"{a}.embedding_length"))
+        self.n_head = int(reader_meta(r, f"{a}.attention.head_count"))
+        self.n_head_kv = int(reader_meta(r, f"{a}.attention.head_count_kv", self.n_head))
+        self.head_dim = int(reader_meta(r, f"{a}.attention.key_length", self.n_embd // self.n_head))
+        self.rope_dim = int(reader_meta(r, f"{a}.rope.dimension_count", self.head_dim))
+        self.rope_base = float(reader_meta(r, f"{a}.rope.freq_base", 10000.0))
+        self.eps = float(reader_meta(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-5))
+        self.neox = a == "qwen2"  # llama.cpp's NEOX RoPE: a head's halves rotated against each other
 
     def __call__(self, name: str) -> np.ndarray:
         t = self.tensors[name]
@@ -152,6 +154,19 @@ def _rope64(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     return out
 
 
+def _rope64_neox(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """llama.cpp's "NEOX" RoPE (Qwen2): (x[i] + j x[i + n/2]) * exp(j pos inv_freq[i]) for the
+    first n = 2*len(inv_freq) dims."""
+    # x: [T, H, hd]
+    half = inv_freq.shape[0]
+    z = x[..., 0:half] + 1j * x[..., half:2 * half]  # [T, H, n/2]
+    z = z * np.exp(1j * np.outer(pos, inv_freq))[:, None, :]
+    out = x.copy()
+    out[..., 0:half] = z.real
+    out[..., half:2 * half] = z.imag
+    return out
+
+
 def reference_logits(w: ReferenceWeights, tokens: list[int],
                      rope_factors: bool | None = None, hidden: list | None = None,
                      skip: tuple[int, ...] = ()) -> np.ndarray:
@@ -177,9 +192,12 @@ def reference_logits(w: ReferenceWeights, tokens: list[int],
             hidden.append(x)
         p = f"blk.{i}."
         h = _rms_norm64(x, w(p + "attn_norm.weight"), w.eps)
-        q = _rope64((h @ w(p + "attn_q.weight").T).reshape(T, H, hd), pos, inv_freq)
-        k = _rope64((h @ w(p + "attn_k.weight").T).reshape(T, Hkv, hd), pos, inv_freq)
-        v = (h @ w(p + "attn_v.weight").T).reshape(T, Hkv, hd)
+        q, k, v = (h @ w(p + f"attn_{n}.weight").T + (w(p + f"attn_{n}.bias") if w.has(p + f"attn_{n}.bias") else 0)
+                   for n in "qkv")  # Qwen2 adds a bias to each
+        rope = _rope64_neox if w.neox else _rope64
+        q = rope(q.reshape(T, H, hd), pos, inv_freq)
+        k = rope(k.reshape(T, Hkv, hd), pos, inv_freq)
+        v = v.reshape(T, Hkv, hd)
         heads = []
         for head in range(H):
             g = head // (H // Hkv)  # the KV head this query head shares (GQA)

@@ -44,8 +44,8 @@ tiny_config, write_header_only_gguf, write_tiny = sm.tiny_config, sm.write_heade
 def all_tensors(idx: ModelIndex) -> dict:
     out = {f"{name}.weight": t for name, t in idx.globals.items()}
     for layer in idx.layers:
-        for short, t in layer.tensors.items():
-            out[f"blk.{layer.index}.{short}.weight"] = t
+        for short, t in layer.tensors.items():  # "attn_q.weight" is kept as "attn_q", a bias as "attn_q.bias"
+            out[f"blk.{layer.index}.{short}" + ("" if short.endswith(".bias") else ".weight")] = t
     return out
 
 
@@ -76,7 +76,8 @@ def check_spans_and_slots(idx: ModelIndex, alignment: int = 32) -> None:
     for layer in idx.layers:
         ts = list(layer.tensors.values())
         assert sorted(layer.tensors) == sorted(
-            ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"])
+            ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+            + (["attn_q.bias", "attn_k.bias", "attn_v.bias"] if idx.hparams.qkv_bias else []))
         assert sorted(s.path for s in layer.spans) == sorted({t.path for t in ts})  # one span per file
         for s in layer.spans:
             mine = [t for t in ts if t.path == s.path]
@@ -222,6 +223,23 @@ def test_synthetic_orders_agree_with_gguf_py(tmp_path, order):
     check_spans_and_slots(idx)
 
 
+@pytest.mark.parametrize("order", ["convert", "hf"])
+def test_qwen2_layers_hold_their_biases(tmp_path, order):
+    """A Qwen2 file: each layer's q, k, v biases are among its tensors (in its image, so they
+    stream with it), the hyper-parameters say what the block does differently, and a Llama has
+    neither."""
+    idx = open_model(write_tiny(tmp_path, "q.gguf", n_layers=3, arch="qwen2", order=order))
+    hp = idx.hparams
+    assert hp.qkv_bias and hp.rope_neox
+    for layer in idx.layers:
+        assert {n: t.shape for n, t in layer.tensors.items() if n.endswith(".bias")} == {
+            "attn_q.bias": (hp.q_dim,), "attn_k.bias": (hp.kv_dim,), "attn_v.bias": (hp.kv_dim,)}
+    check_against_gguf_py(idx)
+    check_spans_and_slots(idx)
+    llama = open_model(write_tiny(tmp_path, "l.gguf", n_layers=3)).hparams
+    assert not llama.qkv_bias and not llama.rope_neox
+
+
 def test_read_header_agrees_with_gguf_py(tmp_path):
     """The raw header (what the synthetic writer and split read through) matches gguf-py's
     parse, with a non-default alignment; each pair's raw bytes decode to the same pair."""
@@ -360,7 +378,11 @@ BAD_INPUTS = {
     "version1": (_broken("version1"), ["unsupported GGUF version 1"]),
     "truncated": (_broken("truncate"), ["truncated file", "output.weight"]),
     "truncated_header": (lambda d: _truncate_to(_broken(None)(d), 200), ["truncated file"]),
-    "arch_mamba": (_broken("bad_arch"), ["unsupported architecture", "'mamba'"]),
+    "arch_mamba": (_broken("bad_arch"), ["unsupported architecture", "'mamba'", "supported: llama, qwen2"]),
+    "qwen2_missing_bias": (_broken(sg.Breakage(drop_tensor="blk.1.attn_k.bias"), arch="qwen2"),
+                           ["missing tensor", "blk.1.attn_k.bias"]),
+    "qwen2_bias_wrong_shape": (_broken(sg.Breakage(wrong_shape="blk.0.attn_q.bias"), arch="qwen2"),
+                               ["blk.0.attn_q.bias", "has shape [128]", "expected [256]"]),
     "q2_k": (_broken("q2_k"), ["unsupported quant type", "Q2_K", "blk.0.attn_q.weight"]),
     "iq2_xxs": (_broken("iq2_xxs"), ["unsupported quant type", "IQ2_XXS", "blk.0.ffn_gate.weight"]),
     "missing_tensor": (_broken("drop_tensor"), ["missing tensor", "blk.0.attn_q.weight"]),

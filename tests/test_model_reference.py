@@ -200,6 +200,9 @@ SYNTH_CASES = {t: dict(type=t) for t in (*sg.MATRIX_TYPES, "Q4_K_M")} | {
     "rope_base_500k": dict(rope_base=500000.0, rope_freqs=True, type="F16"),
     # RoPE on the first 32 of 64 dims (rope.dimension_count patched after writing)
     "rope_dim_32": dict(type="Q8_0", rope_dim=32),
+    # Qwen2: q, k, v biases and RoPE on each head's halves (NEOX), on all dims and on the first 32
+    "qwen2": dict(arch="qwen2", type="Q4_K_M"),
+    "qwen2_rope_dim_32": dict(arch="qwen2", type="Q8_0", rope_dim=32),
 }
 
 
@@ -214,7 +217,7 @@ def test_synthetic_matches_float64_reference(synth_dir, case):
     rope_dim = kw.pop("rope_dim", None)
     path = write_tiny(synth_dir, f"{case}.gguf", **kw)
     if rope_dim is not None:
-        patch_u32_kv(path, "llama.rope.dimension_count", rope_dim)
+        patch_u32_kv(path, f"{kw.get('arch', 'llama')}.rope.dimension_count", rope_dim)
     idx = open_model(path)
     if rope_dim is not None:
         assert (idx.hparams.rope_dim, idx.hparams.head_dim) == (rope_dim, 64)
@@ -240,6 +243,18 @@ def test_synthetic_matches_float64_reference(synth_dir, case):
         # the comparison is sensitive to the Llama 3.1 factors: ignoring them is far outside
         without = rel_err(reference_logits(w, SYNTH_PROMPT, rope_factors=False), ref)
         assert without > 50 * SYNTH_TOL, without
+    if kw.get("arch") == "qwen2":
+        # ... and to Qwen2's two differences: Llama's RoPE pairs, or no biases, are far outside
+        assert hp.qkv_bias and hp.rope_neox and "attn_k.bias" in idx.layers[1].tensors
+        w.neox = False
+        assert rel_err(reference_logits(w, SYNTH_PROMPT), ref) > 50 * SYNTH_TOL
+        w.neox, w.has = True, lambda name: not name.endswith(".bias") and name in w.tensors
+        assert rel_err(reference_logits(w, SYNTH_PROMPT), ref) > 50 * SYNTH_TOL
+        del w.has
+        # the biases are in the layer's image: a streamed layer brings them as a resident one has them
+        streamed = LlamaModel(idx, make_backend("cpu", idx, kernels=REFERENCE_KERNELS), resident_layers=[0],
+                              stream=FileLayerStream(idx, [1]))
+        assert np.array_equal(prefill_logits(streamed, SYNTH_PROMPT), got)
     if rope_dim is not None:
         # ... and to how many dims RoPE turns: rotating all of them is far outside
         w.rope_dim = w.head_dim

@@ -158,6 +158,17 @@ def rope_divisors(hp: HParams, rope_freqs: np.ndarray | None) -> np.ndarray | No
     return d
 
 
+def rope_pair_source(head_dim: int, rope_dim: int) -> np.ndarray:
+    """[head_dim] int64: the dim of a NEOX-rotated head (halves paired) that each dim of the
+    adjacent-pair order takes: 2i <- i, 2i+1 <- i + rope_dim/2, the dims past rope_dim kept
+    (``Backend.qkv_bias_pairs``)."""
+    half = rope_dim // 2
+    src = np.arange(head_dim, dtype=np.int64)
+    src[0:rope_dim:2] = np.arange(half)
+    src[1:rope_dim:2] = np.arange(half) + half
+    return src
+
+
 class Workspace:
     """The buffers of one pass (backend arrays), named for what they hold, and its token rows.
 
@@ -470,6 +481,20 @@ class Backend(ABC):
         quantize the attention output for the product in the attention's own kernel."""
         self.attention(layer_idx, q, ws, out=attn)
         return self.matmul(w, attn, out=out)
+
+    @abstractmethod
+    def qkv_bias_pairs(self, q: Any, k: Any, v: Any, biases: tuple[Any, Any, Any], ws: Workspace) -> None:
+        """In place, for a Qwen2 model: q [T, H*hd], k, v [T, Hkv*hd] += their biases ([H*hd],
+        [Hkv*hd]; None: none), then, where ``hp.rope_neox``, each q and k head's first rope_dim
+        dims reordered so that dim i and dim i + rope_dim/2 become the adjacent pair (2i, 2i+1).
+
+        Why reorder instead of a second RoPE: the rotation of the halves is the rotation of
+        adjacent pairs in that order, and q and k reordered alike give the same scores (a
+        dot product does not care about the order of its terms), so every rope, attention and
+        cache kernel serves both layouts unchanged; the cache holds the reordered keys. llama.cpp's
+        converter does the same reordering once on a Llama's weight rows; a Qwen2 GGUF keeps
+        the checkpoint's order, and ntx reorders the products' outputs instead (a streamed
+        layer's bytes go to the device as the file has them)."""
 
     @abstractmethod
     def rope(self, q: Any, k: Any, ws: Workspace) -> None:

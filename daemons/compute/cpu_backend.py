@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ntx.daemons.compute import cpu_kernels, cpu_ops
-from ntx.daemons.compute.backend import Backend, Weight, Workspace
+from ntx.daemons.compute.backend import Backend, Weight, Workspace, rope_pair_source
 from ntx.shared.kv_sizing import PAGE_TOKENS, KvSizing
 from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.quants import dequantize
@@ -352,6 +352,17 @@ class CpuBackend(Backend):
             cpu_ops.kv_store(self.kv_keys, self.kv_values, layer_idx, self.row_page_ids[self.seq_row[chunk.seq_id]],
                              self.kv_sizing.chunk_pages, chunk.start_pos, k[rows], v[rows], hp.n_head_kv,
                              hp.head_dim)
+
+    def qkv_bias_pairs(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, biases, ws: Workspace) -> None:
+        hp = self.hp
+        for x, b in zip((q, k, v), biases):
+            if b is not None:
+                np.add(x, b, out=x)  # x: [T, width] += b: [width]
+        if hp.rope_neox:
+            src = rope_pair_source(hp.head_dim, hp.rope_dim)
+            for x, heads in ((q, hp.n_head), (k, hp.n_head_kv)):
+                x3 = x.reshape(ws.T, heads, hp.head_dim)
+                x3[...] = x3[:, :, src]
 
     def rope(self, q: np.ndarray, k: np.ndarray, ws: Workspace) -> None:
         hp, T = self.hp, ws.T

@@ -22,7 +22,7 @@ from ntx.daemons.compute.batch import StepBatch
 from ntx.daemons.compute.host_tier import HostTier
 from ntx.daemons.compute.quants import dequantize
 from ntx.shared.errors import NtxError
-from ntx.shared.gguf_index import ModelIndex
+from ntx.shared.gguf_index import QKV_BIASES, ModelIndex
 from ntx.shared.kernel_options import KernelOptions
 from ntx.shared.layer_bytes import read_layer, read_layer_into, read_tensor
 from ntx.shared.plan import GPU, STREAMED, TIER, HostRates, PassRoads
@@ -33,9 +33,14 @@ def llama_block(ops: Backend, layer_idx: int, w: dict[str, Any], ws: Workspace) 
 
         x = x + W_o · attention(rope(W_q · norm(x)), cache ∪ rope(W_k · norm(x)), W_v · norm(x))
         x = x + W_down · (silu(W_gate · norm(x)) * W_up · norm(x))
+
+    A Qwen2 block is the same with a bias added to each of the three first products, and RoPE
+    rotating each head's halves against each other (``Backend.qkv_bias_pairs``).
     """
     # h = norm(x) [T, D]; q = h W_q^T [T, H*hd], k, v [T, Hkv*hd]
     ops.norm_matmuls(ws.x, w["attn_norm"], ws.h, ((w["attn_q"], ws.q), (w["attn_k"], ws.k), (w["attn_v"], ws.v)))
+    if ops.hp.qkv_bias or ops.hp.rope_neox:  # Qwen2: q, k, v += biases; q, k in the pair order rope rotates
+        ops.qkv_bias_pairs(ws.q, ws.k, ws.v, tuple(w.get(n) for n in QKV_BIASES), ws)
     ops.rope_kv_write(layer_idx, ws.q, ws.k, ws.v, ws)  # q, k rotated; k, v into the cache
     # attn = attention(q) [T, H*hd]; o = attn W_o^T [T, D]
     ops.attention_matmul(layer_idx, ws.q, ws, ws.attn, w["attn_output"], out=ws.o)

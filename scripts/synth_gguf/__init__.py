@@ -22,7 +22,7 @@ One module per seam:
 """
 
 from .blocks import llama31_rope_factors, make_blocks
-from .config import (ALL_TYPES, BREAKAGES, MATRIX_TYPES, MIXES, ORDERS, PRESETS, Breakage,
+from .config import (ALL_TYPES, ARCHS, BREAKAGES, MATRIX_TYPES, MIXES, ORDERS, PRESETS, Breakage,
                      SynthConfig, preset_config)
 from .gguf_file import encode_kv, split_gguf
 from .model import WriteStats, write_llama_gguf
@@ -30,7 +30,7 @@ from .plan import TensorSpec, choose_type, tensor_plan, tensor_types, use_more_b
 from .vocab import minimal_tokenizer_kvs, tokenizer_kvs_from
 
 __all__ = [
-    "ALL_TYPES", "BREAKAGES", "Breakage", "MATRIX_TYPES", "MIXES", "ORDERS", "PRESETS",
+    "ALL_TYPES", "ARCHS", "BREAKAGES", "Breakage", "MATRIX_TYPES", "MIXES", "ORDERS", "PRESETS",
     "SynthConfig", "TensorSpec", "WriteStats", "choose_type", "encode_kv", "llama31_rope_factors",
     "make_blocks", "minimal_tokenizer_kvs", "preset_config", "split_gguf", "tensor_plan",
     "tensor_types", "tokenizer_kvs_from", "use_more_bits", "write_llama_gguf",

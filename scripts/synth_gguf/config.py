@@ -18,6 +18,8 @@ MIXES: dict[str, str] = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 ALL_TYPES: tuple[str, ...] = MATRIX_TYPES + tuple(MIXES)
 #: Tensor orders in the file (see ``plan``).
 ORDERS = ("convert", "hf", "quantize")
+#: Architectures written (general.architecture, the metadata keys' prefix).
+ARCHS = ("llama", "qwen2")
 
 
 @dataclass
@@ -48,6 +50,7 @@ class SynthConfig:
     tokenizer_from: str | os.PathLike | None = None
     order: str = "convert"               # one of ORDERS (see plan)
     alignment: int = DEFAULT_ALIGNMENT
+    arch: str = "llama"                  # one of ARCHS: "qwen2" adds q, k, v biases and NEOX RoPE
 
     @property
     def hd(self) -> int:
@@ -72,6 +75,8 @@ class SynthConfig:
             v = getattr(self, f)
             if v is not None and v not in MATRIX_TYPES:
                 bad(f"{f} {v!r} is not one of {', '.join(MATRIX_TYPES)}")
+        if self.arch not in ARCHS:
+            bad(f"arch {self.arch!r} is not one of {', '.join(ARCHS)}")
         if self.order not in ORDERS:
             bad(f"order {self.order!r} is not one of {', '.join(ORDERS)}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1) or self.alignment % 8:
@@ -89,6 +94,10 @@ PRESETS: dict[str, dict] = {
     "llama3-1b": dict(n_layers=16, d_model=2048, d_ff=8192, n_heads=32, n_kv_heads=8,
                       vocab_size=128256, rope_base=500000.0, context_length=8192,
                       tied_embeddings=True),
+    # Qwen2.5-Coder-1.5B's shape (the real one: docs/QUALITY.md, "Qwen2"): q, k, v biases, halves rotated
+    "qwen2.5-1.5b": dict(n_layers=28, d_model=1536, d_ff=8960, n_heads=12, n_kv_heads=2,
+                         vocab_size=151936, rope_base=1000000.0, context_length=32768,
+                         tied_embeddings=False, arch="qwen2", rms_eps=1e-6),
     "llama3-8b": dict(n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8,
                       vocab_size=128256, rope_base=500000.0, context_length=8192,
                       tied_embeddings=False),

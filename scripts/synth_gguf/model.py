@@ -45,12 +45,14 @@ _FILE_TYPE = {
 
 
 def _small_tensor(spec: TensorSpec, cfg: SynthConfig) -> bytes:
-    """Data of a 1-D F32 tensor (norm weights or rope_freqs)."""
+    """Data of a 1-D F32 tensor (norm weights, rope_freqs or a Qwen2 bias)."""
     if spec.name == "rope_freqs.weight":
         return llama31_rope_factors(cfg.hd, cfg.rope_base).astype("<f4").tobytes()
     h = hashlib.blake2b(f"{cfg.seed}/{spec.name}".encode(), digest_size=8).digest()
     rng = np.random.default_rng(int.from_bytes(h, "little"))
     n = math.prod(spec.shape)
+    if spec.name.endswith(".bias"):  # Qwen2's q, k, v biases: centred, about as large as the products
+        return (0.5 * rng.standard_normal(n)).astype("<f4").tobytes()
     if spec.qtype == QT.F32:
         return (1.0 + 0.05 * rng.standard_normal(n)).astype("<f4").tobytes()
     return make_blocks(spec.qtype, spec.nbytes // GGML_QUANT_SIZES[QT(spec.qtype)][1],
@@ -92,7 +94,7 @@ def _metadata_kvs(cfg: SynthConfig, br: Breakage, tok_kvs: list[bytes]) -> list[
     """The model's metadata pairs (less the key a breakage drops), tokenizer pairs last."""
     c = cfg
     kvs: list[tuple[str, VT, object]] = [
-        ("general.architecture", VT.STRING, br.arch if br.arch is not None else "llama"),
+        ("general.architecture", VT.STRING, br.arch if br.arch is not None else c.arch),
         ("general.type", VT.STRING, "model"),
         ("general.name", VT.STRING, c.name),
         ("general.description", VT.STRING,
@@ -102,21 +104,22 @@ def _metadata_kvs(cfg: SynthConfig, br: Breakage, tok_kvs: list[bytes]) -> list[
     ]
     if c.alignment != DEFAULT_ALIGNMENT:
         kvs.append(("general.alignment", VT.UINT32, c.alignment))
+    a = c.arch  # the keys' prefix
     kvs += [
-        ("llama.block_count", VT.UINT32, c.n_layers),
-        ("llama.context_length", VT.UINT32, c.context_length),
-        ("llama.embedding_length", VT.UINT32, c.d_model),
-        ("llama.feed_forward_length", VT.UINT32, c.d_ff),
-        ("llama.attention.head_count", VT.UINT32, c.n_heads),
-        ("llama.attention.head_count_kv", VT.UINT32, c.n_kv_heads),
-        ("llama.rope.freq_base", VT.FLOAT32, float(c.rope_base)),
-        ("llama.attention.layer_norm_rms_epsilon", VT.FLOAT32, float(c.rms_eps)),
-        ("llama.vocab_size", VT.UINT32, c.vocab_size),
-        ("llama.rope.dimension_count", VT.UINT32, c.hd),
+        (a + ".block_count", VT.UINT32, c.n_layers),
+        (a + ".context_length", VT.UINT32, c.context_length),
+        (a + ".embedding_length", VT.UINT32, c.d_model),
+        (a + ".feed_forward_length", VT.UINT32, c.d_ff),
+        (a + ".attention.head_count", VT.UINT32, c.n_heads),
+        (a + ".attention.head_count_kv", VT.UINT32, c.n_kv_heads),
+        (a + ".rope.freq_base", VT.FLOAT32, float(c.rope_base)),
+        (a + ".attention.layer_norm_rms_epsilon", VT.FLOAT32, float(c.rms_eps)),
+        (a + ".vocab_size", VT.UINT32, c.vocab_size),
+        (a + ".rope.dimension_count", VT.UINT32, c.hd),
     ]
     if c.head_dim is not None:
-        kvs += [("llama.attention.key_length", VT.UINT32, c.hd),
-                ("llama.attention.value_length", VT.UINT32, c.hd)]
+        kvs += [(a + ".attention.key_length", VT.UINT32, c.hd),
+                (a + ".attention.value_length", VT.UINT32, c.hd)]
     out = [encode_kv(k, t, v) for k, t, v in kvs if k != br.drop_key]
     out += [raw for raw in tok_kvs if raw_key(raw) != br.drop_key]
     return out

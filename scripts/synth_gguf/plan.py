@@ -138,6 +138,8 @@ def _shapes(cfg: SynthConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.n_layers):
         for k in LAYER_TENSORS:
             out[f"blk.{i}.{k}.weight"] = layer[k]
+        if cfg.arch == "qwen2":  # llama.cpp's converter writes each bias after its weight's layer
+            out |= {f"blk.{i}.attn_q.bias": (q,), f"blk.{i}.attn_k.bias": (kv,), f"blk.{i}.attn_v.bias": (kv,)}
     out["output_norm.weight"] = (d,)
     if not cfg.tied_embeddings:
         out["output.weight"] = (d, v)
@@ -157,8 +159,8 @@ def _ordered_names(cfg: SynthConfig, names: Iterable[str]) -> list[str]:
     # model.norm), layers in string order; output (lm_head) last, as single-file exports put it.
     present = set(names)
     head = [n for n in ("rope_freqs.weight", "token_embd.weight") if n in present]
-    body = [f"blk.{i}.{k}.weight" for i in sorted(range(cfg.n_layers), key=str)
-            for k in _HF_LAYER_ORDER]
+    body = [f"blk.{i}.{k}.{kind}" for i in sorted(range(cfg.n_layers), key=str)
+            for k in _HF_LAYER_ORDER for kind in ("bias", "weight")]
     tail = [n for n in ("output_norm.weight", "output.weight") if n in present]
     return head + [n for n in body if n in present] + tail
 

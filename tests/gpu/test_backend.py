@@ -116,6 +116,34 @@ def test_synthetic_rope_freqs_untied_greedy(synth_dir):
     assert _greedy(model, "cuda", [5, 6, 7], 24) == _greedy(model, "cpu", [5, 6, 7], 24)
 
 
+@pytest.mark.parametrize("qtype,kw", [("Q4_K_M", {}), ("Q8_0", {"head_dim": 128, "tied_embeddings": True})])
+def test_qwen2_logits_greedy_and_verify_rows_match_cpu(synth_dir, qtype, kw):
+    """A Qwen2-shaped model (q, k, v biases; each head's halves rotated): logits of a prefill and
+    of decode steps as the cpu reference's, the same greedy tokens, and the rows of a verify pass
+    (a chain of drafted tokens in one chunk) as plain decode's, over the reordered keys in the cache."""
+    model = _synth(synth_dir, qtype, arch="qwen2", **kw)
+    (cpu_pre, cpu_dec), (gpu_pre, gpu_dec) = _logits_both(model, list(range(3, 15)), 4)
+    assert _rel(gpu_pre, cpu_pre) < 2e-2
+    assert _rel(gpu_dec, cpu_dec) < 2e-2
+    assert _greedy(model, "cuda", [5, 6, 7], 24) == _greedy(model, "cpu", [5, 6, 7], 24)
+    eng = build_local_engine(model, backend="cuda", options=EngineOptions(max_batch=4, ctx=256))
+    m = eng.core.model
+    m.backend.alloc_sequence(1, 256)
+    prompt = [9, 10, 11, 12, 13]
+    plain = [m.forward(StepBatch([SeqChunk(1, 0, tuple(prompt), all_logits=True)]))[-1]]
+    chain = [21, 22, 23]
+    for i, t in enumerate(chain):
+        plain.append(m.forward(StepBatch([SeqChunk(1, len(prompt) + i, (t,))]))[0])
+    m.backend.free_sequence(1)
+    m.backend.alloc_sequence(2, 256)
+    m.forward(StepBatch([SeqChunk(2, 0, tuple(prompt[:-1]))]))
+    # the last prompt token and the chain as one chunk of all-logits rows
+    tree = m.forward(StepBatch([SeqChunk(2, len(prompt) - 1, (prompt[-1], *chain), all_logits=True)]))
+    m.backend.free_sequence(2)
+    assert _rel(tree, np.stack(plain)) < 2e-2
+    assert [int(r.argmax()) for r in tree] == [int(r.argmax()) for r in plain]
+
+
 def test_batched_decode_equals_alone_and_graphs_replay():
     """Two sequences decoding in one pass (graph-captured) equal each run alone, step after step."""
     model = _smollm2()

@@ -555,6 +555,48 @@ def test_rope_qk_one_launch(with_ff, rng):
                                   / (1.0 if ff is None else ff[:3].astype(np.float64)))
 
 
+def neox_rope_ref(x, pos, rope_dim, base):
+    """NEOX RoPE (Qwen2): dims i and i + rope_dim/2 rotated as a pair."""
+    x = x.astype(np.float64).copy()
+    half = rope_dim // 2
+    theta = pos.astype(np.float64)[:, None] * (base ** (-2.0 * np.arange(half) / rope_dim))[None, :]
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    x0, x1 = x[..., :half].copy(), x[..., half:rope_dim].copy()
+    x[..., :half] = x0 * c - x1 * s
+    x[..., half:rope_dim] = x0 * s + x1 * c
+    return x
+
+
+@pytest.mark.parametrize("hd,rope_dim,biases", [(128, 128, True), (128, 64, True), (64, 64, False), (128, 0, True)])
+def test_qkv_bias_pairs_makes_neox_rope_the_normal_rotation(hd, rope_dim, biases, rng):
+    """Qwen2's layer: biases added, then each head's halves reordered into adjacent pairs, so that
+    the NORMAL rotation that follows is NEOX's in that order, and q . k is unchanged by it."""
+    T, Hq, Hk, base = 7, 12, 2, 1000000.0
+    q = rng.standard_normal((T, Hq, hd)).astype(np.float32)
+    k = rng.standard_normal((T, Hk, hd)).astype(np.float32)
+    v = rng.standard_normal((T, Hk, hd)).astype(np.float32)
+    bq, bk, bv = (rng.standard_normal(n * hd).astype(np.float32) if biases else None for n in (Hq, Hk, Hk))
+    qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    dev = [None if b is None else cp.asarray(b) for b in (bq, bk, bv)]
+    N.qkv_bias_pairs(CTX, qd, kd, vd, *dev, rope_dim=rope_dim)
+    qb, kb, vb = (x + (0 if b is None else b.reshape(x.shape[1:])) for x, b in ((q, bq), (k, bk), (v, bv)))
+    np.testing.assert_array_equal(cp.asnumpy(vd), vb)  # v: its bias alone, never reordered
+    if rope_dim == 0:
+        np.testing.assert_array_equal(cp.asnumpy(qd), qb)
+        np.testing.assert_array_equal(cp.asnumpy(kd), kb)
+        return
+    src = np.arange(hd)
+    src[0:rope_dim:2], src[1:rope_dim:2] = np.arange(rope_dim // 2), np.arange(rope_dim // 2) + rope_dim // 2
+    np.testing.assert_array_equal(cp.asnumpy(qd), qb[..., src])
+    np.testing.assert_array_equal(cp.asnumpy(kd), kb[..., src])
+    pos = rng.integers(0, 32768, size=T).astype(np.int32)
+    N.rope_qk_inplace(CTX, qd, kd, cp.asarray(pos), rope_dim, base)
+    assert relerr(qd, neox_rope_ref(qb, pos, rope_dim, base)[..., src]) < 1e-5
+    scores = np.einsum("thd,sgd->tshg", cp.asnumpy(qd).astype(np.float64), cp.asnumpy(kd).astype(np.float64))
+    want = np.einsum("thd,sgd->tshg", neox_rope_ref(qb, pos, rope_dim, base), neox_rope_ref(kb, pos, rope_dim, base))
+    assert relerr(scores, want) < 1e-5
+
+
 def test_rope_table_made_before_capture(rng):
     """The frequency table is made on a call's first eager run: capturing a call whose table
     does not exist yet is an error that says so, not an allocation inside the graph."""

@@ -435,6 +435,12 @@ class CudaBackend(Backend):
     def swiglu_matmul_add(self, gate, up, act, w: Weight, out, tmp):
         return gemm.swiglu_gemm_add(self.ctx, gate, up, act, w, out)
 
+    def qkv_bias_pairs(self, q, k, v, biases, ws: _Work) -> None:
+        hp, T = self.hp, ws.T
+        nrk.qkv_bias_pairs(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim),
+                           v.reshape(T, hp.n_head_kv, hp.head_dim), *biases,
+                           rope_dim=hp.rope_dim if hp.rope_neox else 0)
+
     def rope(self, q, k, ws: _Work) -> None:
         hp, T = self.hp, ws.T
         nrk.rope_qk_inplace(self.ctx, q.reshape(T, hp.n_head, hp.head_dim), k.reshape(T, hp.n_head_kv, hp.head_dim),

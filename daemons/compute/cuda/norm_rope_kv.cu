@@ -143,6 +143,45 @@ extern "C" __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(float* __
     }
 }
 
+// ------------------------------------------------------------------------------- qwen2's q, k, v
+// q: [T, Hq, hd], k, v: [T, Hk, hd] f32 in place: each += its bias ([Hq * hd], [Hk * hd]; null:
+// none), then, with rope_dim > 0, each q and k head's first rope_dim dims reordered so that dims
+// i and i + rope_dim/2 (the pair NEOX RoPE rotates) become the adjacent pair (2i, 2i+1) that
+// rope_kernel rotates (norm_rope_kv.qkv_bias_pairs says why). grid (T, Hq + 2 * Hk): one CTA a
+// head of a row, all its loads before any store; dynamic shared memory hd * 4 bytes.
+#define QKV_THREADS 128
+extern "C" __global__ void __launch_bounds__(QKV_THREADS) qkv_bias_pairs_kernel(
+    float* __restrict__ q, float* __restrict__ k, float* __restrict__ v, const float* __restrict__ bq,
+    const float* __restrict__ bk, const float* __restrict__ bv, int Hq, int Hk, int hd, int rope_dim) {
+    pdl_enter();
+    extern __shared__ float head[];  // the head's values, bias added
+    const int t = blockIdx.x, h = blockIdx.y;
+    float* row;
+    const float* b;
+    bool reorder = rope_dim > 0;
+    if (h < Hq) {
+        row = q + ((long long)t * Hq + h) * hd;
+        b = bq != nullptr ? bq + (long long)h * hd : nullptr;
+    } else if (h < Hq + Hk) {
+        row = k + ((long long)t * Hk + (h - Hq)) * hd;
+        b = bk != nullptr ? bk + (long long)(h - Hq) * hd : nullptr;
+    } else {
+        row = v + ((long long)t * Hk + (h - Hq - Hk)) * hd;
+        b = bv != nullptr ? bv + (long long)(h - Hq - Hk) * hd : nullptr;
+        reorder = false;
+    }
+    if (!reorder) {
+        if (b != nullptr)
+            for (int e = threadIdx.x; e < hd; e += blockDim.x) row[e] += b[e];
+        return;
+    }
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) head[e] = row[e] + (b != nullptr ? b[e] : 0.0f);
+    __syncthreads();
+    const int half = rope_dim / 2;
+    for (int e = threadIdx.x; e < hd; e += blockDim.x)
+        row[e] = head[e < rope_dim ? (e & 1 ? half + (e >> 1) : e >> 1) : e];
+}
+
 // ------------------------------------------------------------------------------- rope + kv append
 // A decoder layer's rope and kv_append in one launch: q rotated in place as rope_kernel does;
 // k rotated in place too and, with v beside it, stored (f16) at position cache_positions[t] of

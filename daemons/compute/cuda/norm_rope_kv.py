@@ -28,7 +28,7 @@ from ntx.daemons.compute.cuda.runtime import (KernelContext, check_f32, check_i3
 from ntx.daemons.compute.cuda.tuning import MAX_MATVEC_B
 
 __all__ = ["rmsnorm", "rmsnorm_i16", "add", "swiglu", "swiglu_i16", "rope_inv_freq", "rope_qk_inplace", "rope_inplace",
-           "kv_append", "rope_kv_append", "kv_move"]
+           "kv_append", "rope_kv_append", "kv_move", "qkv_bias_pairs"]
 
 _SOURCE = "norm_rope_kv.cu"
 
@@ -240,6 +240,38 @@ def kv_append(ctx: KernelContext, k, v, kv: KvPages, layer: int, slots, position
         ctx.launch(_kernel("kv_append_kernel"), (min((total + 255) // 256, 1 << 16),), (256,), (
             k, v, kv.k_chunks, kv.v_chunks, kv.page_table, slots, positions, np.int32(T), np.int32(kv.n_kv),
             np.int32(kv.hd), np.int32(kv.max_pages), np.int32(kv.n_rows), np.int32(kv.chunk_pages), np.int32(layer)))
+
+
+_QKV_THREADS = 128
+
+
+def qkv_bias_pairs(ctx: KernelContext, q, k, v, bq=None, bk=None, bv=None, rope_dim: int = 0, *, stream=None):
+    """A Qwen2 layer's products made ready for rope and the cache, in place, in one launch:
+    q, k, v += bq, bk, bv (each None: no bias), then with ``rope_dim`` > 0 each q and k head's
+    first rope_dim dims reordered so that dims i and i + rope_dim/2 become the adjacent pair
+    (2i, 2i+1): NEOX RoPE (each head's halves rotated against each other) is then the NORMAL
+    rotation ``rope_kernel`` and ``rope_kv_kernel`` do, and q and k reordered alike give the
+    same attention scores (``Backend.qkv_bias_pairs``). q: f32 [T, Hq, hd]; k, v: f32 [T, Hk, hd];
+    bq: f32 [Hq * hd]; bk, bv: f32 [Hk * hd]; all on the device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_f32(name, x)
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be [T, heads, hd], got {x.shape}")
+    T, Hq, hd = q.shape
+    if k.shape != v.shape or k.shape[0] != T or k.shape[2] != hd:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must share T and hd (k and v one shape)")
+    Hk = k.shape[1]
+    for name, b, n in (("bq", bq, Hq * hd), ("bk", bk, Hk * hd), ("bv", bv, Hk * hd)):
+        if b is not None:
+            check_f32(name, b, (n,))
+    if not (rope_dim == 0 or (rope_dim % 2 == 0 and 0 < rope_dim <= hd)):
+        raise ValueError(f"rope_dim {rope_dim} must be 0 or even and in (0, {hd}]")
+    if T == 0 or (rope_dim == 0 and bq is None and bk is None and bv is None):
+        return
+    with stream_ctx(stream):
+        ctx.launch(_kernel("qkv_bias_pairs_kernel"), (T, Hq + 2 * Hk), (_QKV_THREADS,), (
+            q, k, v, ptr_or_null(bq), ptr_or_null(bk), ptr_or_null(bv), np.int32(Hq), np.int32(Hk), np.int32(hd),
+            np.int32(rope_dim)), shared_mem=hd * 4)
 
 
 def rope_kv_append(ctx: KernelContext, q, k, v, kv: KvPages, layer: int, positions, slots, cache_positions,
