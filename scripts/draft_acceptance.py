@@ -89,6 +89,7 @@ def run_task(engine, prompt: list[int], n: int, prompt_logprobs: int = 0) -> dic
     decode_passes = passes - math.ceil(len(prompt) / engine.core.prefill_chunk_tokens)
     tokens = done["tokens"]
     return {"tokens": tokens, "speculation": done.get("speculation"), "seconds": round(time.monotonic() - t0, 2),
+            "finish_reason": done["finish_reason"],
             "prompt_logprobs": done.get("prompt_logprobs"),
             "decode_passes": decode_passes,
             "tokens_per_decode_pass": round((len(tokens) - 1) / decode_passes, 3) if decode_passes > 0 else None}
@@ -114,14 +115,18 @@ class PassTrace:
 
         drafter.propose = propose
 
-    def trace(self, full: list[int]) -> list[list[int]]:
-        """The passes recorded since the last call, against ``full`` (prompt and greedy tokens)."""
+    def trace(self, full: list[int], end_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+        """The passes recorded since the last call, against ``full`` (prompt and greedy tokens).
+        ``end_ids``: the request ended on one of these tokens, which its tokens do not list; a
+        drafted one right after the last token was accepted too (the engine counts it)."""
         out = []
         for pos, paths, nodes in self.calls:
             best = 0
             for path in paths:
                 accepted = 0
                 while accepted < len(path) and pos + accepted < len(full) and path[accepted] == full[pos + accepted]:
+                    accepted += 1
+                if accepted < len(path) and pos + accepted == len(full) and path[accepted] in end_ids:
                     accepted += 1
                 best = max(best, accepted)
             out.append([nodes, best])
@@ -188,7 +193,8 @@ def main() -> int:
             weak_passes = eng.core.spec.weak_passes - weak_before[0]
             weak_accepted = eng.core.spec.weak_accepted - weak_before[1]
             if tracer is not None:
-                passes = tracer.trace(list(p) + list(got["tokens"]))
+                ended = eng.tokenizer.stop_ids if got["finish_reason"] == "stop" else frozenset()
+                passes = tracer.trace(list(p) + list(got["tokens"]), ended)
                 if sum(acc for _, acc in passes) != sp.get("accepted", 0):
                     raise SystemExit(f"--trace-out: {name}'s trace accepts {sum(acc for _, acc in passes)} tokens, "
                                      f"the engine counted {sp.get('accepted', 0)}")

@@ -188,6 +188,14 @@ def test_the_acceptance_script_has_nine_texts_of_three_kinds_and_pools_them():
     tracer = script.PassTrace(d)
     d.propose([req([1, 2, 7, 1, 2, 3, 1, 2], depth=2, width=2)])  # (1, 2) -> 7 1 | 3 1: 4 nodes
     assert tracer.trace([1, 2, 7, 1, 2, 3, 1, 2, 3, 1]) == [[4, 2]]
+    # a request that ended on an end-of-generation token (not among its tokens): a drafted one
+    # right after its last token was accepted too, as the engine counts it
+    d = LookupDrafter("ngram")
+    tracer = script.PassTrace(d)
+    d.propose([req([1, 2, 0, 5, 1, 2], depth=3)])  # (1, 2) -> 0 5 1: the text ends 0, then token 5 ends it
+    assert tracer.trace([1, 2, 0, 5, 1, 2, 0], frozenset({5})) == [[3, 2]]
+    d.propose([req([1, 2, 0, 5, 1, 2], depth=3)])
+    assert tracer.trace([1, 2, 0, 5, 1, 2, 0]) == [[3, 1]]  # not ended on 5: only the 0
 
 
 def test_a_bad_draft_name_is_one_clear_line():
