@@ -352,3 +352,25 @@ def test_backend_cuda_without_gpu_names_the_fix(smollm2_path, run_dir):
     # without cupy the line names the install; with cupy but no usable driver, the driver
     assert "pip install 'ntransformer[cuda12]'" in r.stderr or "driver" in r.stderr
     assert instance.leftovers("nogpu") == []
+
+
+def test_a_qwen2_model_streams_through_the_daemons_as_it_runs_in_process(run_dir, tmp_path):
+    """A Qwen2-shaped model (q, k, v biases in every layer's image; halves rotated) through the
+    reader and dma daemons, one layer resident and three from storage: the greedy tokens of an
+    in-process run with every layer resident."""
+    from .synth_models import write_tiny
+
+    model = str(write_tiny(tmp_path, "qwen2.gguf", n_layers=4, arch="qwen2", type="Q4_K_M", seed=5))
+    engine = build_local_engine(model)
+    text = "The history of the transistor begins"
+    engine.submit(EngineRequest(id="q", prompt_tokens=engine.prompt_tokens(prompt=text, raw=True),
+                                params=SamplingParams(temperature=0.0, max_tokens=8)))
+    want = None
+    while engine.has_work:
+        for ev in engine.step():
+            if ev["type"] == "done":
+                want = ev["tokens"]
+    with running_pipeline(model, run_dir, "--gpu-layers", "1", "--ram-budget", "0", name="qwen2") as p:
+        tiers = p.status()["plan"]["tiers"]
+        assert sorted(tiers) == ["storage"] * 3 + ["vram"], tiers
+        assert p.generate_greedy(text, 8)["tokens"] == want
