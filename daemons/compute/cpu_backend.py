@@ -132,6 +132,8 @@ class CpuBackend(Backend):
         else:
             kv_of.attach_kv_mirror(self)
         self.inv_freq: np.ndarray | None = None
+        # where each dim of a q, k head comes from when RoPE's halves are made pairs (qkv_bias_pairs)
+        self.pair_source = rope_pair_source(self.hp.head_dim, self.hp.rope_dim)
         self.tok_embd: np.ndarray | None = None
         self.out_norm: np.ndarray | None = None
         self.out_head: np.ndarray | None = None
@@ -359,10 +361,9 @@ class CpuBackend(Backend):
             if b is not None:
                 np.add(x, b, out=x)  # x: [T, width] += b: [width]
         if hp.rope_neox:
-            src = rope_pair_source(hp.head_dim, hp.rope_dim)
             for x, heads in ((q, hp.n_head), (k, hp.n_head_kv)):
                 x3 = x.reshape(ws.T, heads, hp.head_dim)
-                x3[...] = x3[:, :, src]
+                x3[...] = x3[:, :, self.pair_source]
 
     def rope(self, q: np.ndarray, k: np.ndarray, ws: Workspace) -> None:
         hp, T = self.hp, ws.T

