@@ -357,6 +357,25 @@ def test_speculation_moves_the_cpu_tiers_keys_too(smollm2_path, reference):
     assert eng.core.spec.accepted > 0  # drafts were accepted: K/V moved
 
 
+def test_a_qwen2_models_tier_layers_keep_their_biases_and_pairs(tmp_path):
+    """A Qwen2-shaped model (q, k, v biases in each layer's image; halves rotated) with resident,
+    cpu-tier and streamed layers: the tier's layers, read from the file's bytes into the host's
+    own backend, add their biases and reorder their heads as a resident layer does, in passes on
+    the host's cores and in wide ones (``host_wide_rows`` 2: the prompt's) alike."""
+    from .synth_models import write_tiny
+
+    model = str(write_tiny(tmp_path, "qwen2.gguf", n_layers=6, arch="qwen2", type="Q4_K_M", seed=7))
+    prompts = ["The history of the transistor begins", "def fibonacci(n):"]
+    want = _greedy_all(build_local_engine(model, options=EngineOptions(max_batch=4, ctx=128)), prompts, 10)
+    eng = build_local_engine(model, options=EngineOptions(max_batch=4, ctx=128), resident_layers=[0, 5],
+                             host_layers=[1, 3], host_wide_rows=2)
+    kinds = {kind for _, _, kind in eng.core.model.runs}
+    assert kinds == {"resident", "host", "streamed"}
+    assert _greedy_all(eng, prompts, 10) == want
+    tier = eng.core.model.host
+    assert tier.runs > 0 and tier.wide_passes > 0  # both paths ran the tier's layers
+
+
 @pytest.mark.parametrize("streams", [True, False], ids=["through-the-stream", "staged"])
 def test_wide_passes_run_the_tier_on_the_backend_and_keep_both_caches(smollm2_path, reference, streams):
     """Passes wider than ``wide_rows`` (here 2: prompts and the 3-sequence decode) run the tier's
