@@ -123,6 +123,7 @@ def test_models_and_health(served, oai):
     ("/v1/chat/completions", {"messages": HI, "top_p": 7}, 400, None),  # the pipeline's own check
     ("/v1/completions", {"prompt": {"x": 1}}, 400, "prompt"),
     ("/v1/completions", {"prompt": FRANCE, "logprobs": 99}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "speculative": "yes"}, 400, "speculative"),
 ])
 def test_bad_requests_answer_in_openai_error_schema(served, path, body, status, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -190,6 +191,44 @@ def test_speculation_metrics_come_from_the_pipelines_status():
             "ntx_speculation_trees_cut")}
     assert got == {"ntx_speculation_drafted_tokens": [40.0], "ntx_speculation_accepted_tokens": [10.0],
                    "ntx_speculation_acceptance_rate": [0.25], "ntx_speculation_trees_cut": [3.0]}
+
+
+QUOTE = [{"role": "user", "content": "Repeat this sentence exactly, word for word: The old lighthouse keeper "
+                                    "climbed the one hundred and twelve stairs every evening to light the lamp."}]
+
+
+def test_speculative_per_request_and_what_it_gave(smollm2_path, tmp_path):
+    """With a drafter (``--draft ngram``), a request's ``speculative`` reaches the pipeline as
+    on the wire: false gives the same text without a verify pass, and a drafted request's
+    response (the last chunk when streamed) carries ``ntx.speculation``, the ``done`` reply's
+    counts; anything but a boolean is a 400 naming the field. 20 of the 30 layers stream, so a
+    verify pass costs about a plain one's time and the prompt lookup drafts the quote."""
+    http = f"127.0.0.1:{free_port()}"
+    with running_pipeline(str(smollm2_path), tmp_path, "--gpu-layers", "10", "--draft", "ngram", "--draft-tokens",
+                          "8", "--ctx", "512", "--http", http, name="gwspec"):
+        oai = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(**kw):
+            r = oai.chat.completions.create(model="any", messages=QUOTE, temperature=0, max_tokens=40, **kw)
+            return r.choices[0].message.content, (r.model_extra or {})["ntx"]
+
+        plain_text, plain = ask(extra_body={"speculative": False})
+        text, spec = ask()
+        assert text == plain_text and "lighthouse keeper climbed" in text
+        assert "speculation" not in plain
+        counts = spec["speculation"]
+        assert counts["verify_passes"] >= 1 and 0 < counts["accepted"] <= counts["drafted"], counts
+        assert counts["accepted_per_pass"] == round(counts["accepted"] / counts["verify_passes"], 3)
+        text, spec = ask(extra_body={"speculative": True})
+        assert text == plain_text and spec["speculation"]["verify_passes"] >= 1
+
+        chunks = list(oai.chat.completions.create(model="any", messages=QUOTE, temperature=0, max_tokens=40,
+                                                  stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == plain_text
+        assert chunks[-1].model_extra["ntx"]["speculation"]["verify_passes"] >= 1
+
+        r = httpx.post(f"http://{http}/v1/chat/completions", json={"messages": QUOTE, "speculative": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
 
 
 def _gateway_in_flight(served) -> int:

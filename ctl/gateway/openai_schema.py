@@ -138,6 +138,12 @@ def _common(body: dict, wire: dict, top_logprobs: int | None) -> Parsed:
     if not isinstance(opts.get("include_usage", False), bool):
         raise ApiError(400, "stream_options.include_usage must be true or false", param="stream_options.include_usage")
     wire.update(_sampling(body))
+    speculative = body.get("speculative")  # ntx's own field, as on the wire (docs/PROTOCOL.md)
+    if speculative is not None:
+        if not isinstance(speculative, bool):
+            raise ApiError(400, "speculative must be true or false (false: no drafts for this request, one token "
+                                "a pass)", param="speculative")
+        wire["speculative"] = speculative
     wire["stream"] = True  # the gateway reads tokens as they come either way (time to first token)
     if top_logprobs is not None:
         wire["logprobs"] = max(1, top_logprobs)  # k >= 1 carries the chosen token's own logprob
@@ -242,8 +248,11 @@ class LogprobsBuilder:
 
 def ntx_extra(done: dict) -> dict:
     """What ntx adds to a response (clients ignore unknown keys): its own finish reason and
-    timings, and in a cluster the replica that answered."""
+    timings, what speculation got out of this request's passes when it drafted, and in a cluster
+    the replica that answered."""
     extra = {"finish_reason": done.get("finish_reason"), "timings": done.get("timings", {})}
+    if "speculation" in done:
+        extra["speculation"] = done["speculation"]
     if "replica" in done:
         extra["replica"] = done["replica"]
     return {"ntx": extra}
