@@ -39,8 +39,8 @@ def llama_bin_dir() -> pathlib.Path:
     return pathlib.Path(out.stdout.strip())
 
 
-def shared_prefix(a: str, b: str) -> int:
-    """How many leading characters a and b share."""
+def shared_prefix(a, b) -> int:
+    """How many leading items (characters, token ids) a and b share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -74,8 +74,7 @@ def main() -> int:
         out = run_task(eng, prompt, a.tokens)["tokens"]
         ours = tok.decode(out, skip_special=True)  # llama-simple stops before printing its end token
         theirs_tokens = tok.encode(text + theirs, add_bos=False)[len(prompt):]
-        agree = next((i for i, (x, y) in enumerate(zip(out, theirs_tokens)) if x != y),
-                     min(len(out), len(theirs_tokens)))
+        agree = shared_prefix(out, theirs_tokens)
         row = {"text": name, "kind": kind, "prompt_tokens": len(prompt), "greedy_tokens": len(out),
                "tokens_agree": agree, "chars_agree": shared_prefix(ours, theirs), "equal": ours == theirs,
                "llama_s": round(llama_s, 1)}
